@@ -1,0 +1,3 @@
+from strata_mgpu.cli import main
+
+main()

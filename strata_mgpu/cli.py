@@ -1,0 +1,130 @@
+"""The `strata` command line: parse, build config, call. No logic of its own."""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+
+import click
+from rich.console import Console
+from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
+from rich.table import Table
+
+from strata_mgpu.model.gguf_reader import GGUFError, GGUFFile
+from strata_mgpu.quant.formats import parse_type
+
+out = Console()
+err = Console(stderr=True)
+
+
+def fail(message: str) -> None:
+    """One line on stderr, exit status 1: the way every user-facing error ends."""
+    raise click.ClickException(message.replace("\n", " "))
+
+
+def _type_option(value: str | None):
+    if value is None:
+        return None
+    try:
+        return parse_type(value)
+    except ValueError as e:
+        raise click.BadParameter(str(e)) from None
+
+
+def _size(value: str | None) -> int:
+    """'500M', '2G', '123' -> bytes."""
+    if not value:
+        return 0
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMG]?)B?\s*", value, re.IGNORECASE)
+    if not m:
+        raise click.BadParameter(f"{value!r} is not a size like 500M or 2G")
+    return int(float(m[1]) * {"": 1, "K": 1e3, "M": 1e6, "G": 1e9}[m[2].upper()])
+
+
+def _gb(n: float) -> str:
+    return f"{n / 1e9:,.2f} GB" if n >= 1e8 else f"{n / 1e6:,.2f} MB"
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="strata-mgpu")
+def main() -> None:
+    """strata-mgpu: serve Mixture-of-Experts GGUF models with experts streamed from host RAM."""
+
+
+@main.command("gen-model")
+@click.argument("out_path", metavar="OUT.gguf", type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--preset", type=click.Choice(["tiny", "small", "30b-a3b"]), default="tiny", show_default=True)
+@click.option("--expert-type", default="Q4_K", show_default=True, help="type of the experts' gate and up")
+@click.option("--down-type", default=None, help="type of the experts' down (default: Q6_K for Q4_K/Q5_K)")
+@click.option("--dense-type", default="Q8_0", show_default=True, help="type of attention, embedding, head")
+@click.option("--seed", default=0, show_default=True, type=int)
+@click.option("--split-max-size", default=None, help="split into shards of at most this size (e.g. 2G)")
+def gen_model(out_path: Path, preset: str, expert_type: str, down_type: str | None, dense_type: str, seed: int,
+              split_max_size: str | None) -> None:
+    """Write a synthetic qwen3moe GGUF with real quantized blocks."""
+    from strata_mgpu.model.synthetic import DEFAULT_DOWN, PRESETS, plan_tensors, write_model
+
+    e_type, d_type, dn_type = _type_option(expert_type), _type_option(dense_type), _type_option(down_type)
+    spec = PRESETS[preset].spec(preset)
+    down = dn_type or DEFAULT_DOWN.get(e_type, e_type)
+    try:
+        total = sum(p.nbytes for p in plan_tensors(spec, e_type, down, d_type))
+    except ValueError as e:
+        fail(str(e))
+    with Progress(TextColumn("[bold]writing[/] {task.description}"), BarColumn(), DownloadColumn(),
+                  TransferSpeedColumn(), TimeRemainingColumn(), console=err, transient=True) as bar:
+        task = bar.add_task(out_path.name, total=total)
+        write_model(out_path, preset, expert_type=e_type, down_type=down, dense_type=d_type, seed=seed,
+                    split_max_bytes=_size(split_max_size),
+                    on_tensor=lambda _name, nbytes: bar.advance(task, nbytes))
+    err.print(f"wrote {out_path} ({preset}, experts {e_type.name}/{down.name}, dense {d_type.name}, "
+              f"{_gb(total)} of tensors, seed {seed})")
+
+
+@main.command()
+@click.argument("model", type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--link-gbps", default=25.0, show_default=True, type=click.FloatRange(min=0.001),
+              help="host-to-device link speed (GB/s) for the expert-pass time")
+def info(model: Path, link_gbps: float) -> None:
+    """Shapes, parameters, bytes by type and expert traffic of a GGUF model."""
+    from strata_mgpu.model.info import model_info
+
+    try:
+        with GGUFFile(model) as f:
+            mi = model_info(f)
+    except GGUFError as e:
+        fail(str(e))
+    s = mi.spec
+    t = Table(title=f"{model.name}", show_header=False, box=None)
+    rows = [
+        ("architecture", s.arch + (f" ({s.name})" if s.name else "")),
+        ("file", f"{_gb(mi.file_bytes)} in {mi.n_shards} file(s)"),
+        ("layers", str(s.n_layers)),
+        ("hidden", str(s.hidden)),
+        ("heads / KV heads / head dim", f"{s.n_heads} / {s.n_kv_heads} / {s.head_dim}"),
+        ("experts / used / expert FFN", f"{s.n_experts} / {s.n_experts_used} / {s.expert_ffn}"),
+        ("vocab", f"{s.vocab_size:,}"),
+        ("context", f"{s.context_length:,}"),
+        ("RoPE base / RMS eps", f"{s.rope_base:g} / {s.rms_eps:g}"),
+        ("output head", "tied to the embedding" if s.tied_output else "own tensor"),
+        ("parameters", f"{mi.n_params:,} ({s.n_active_params:,} active per token)"),
+        ("expert bytes per layer", _gb(mi.expert_bytes_per_layer[0]) if len(set(mi.expert_bytes_per_layer)) == 1
+         else f"{_gb(min(mi.expert_bytes_per_layer))} .. {_gb(max(mi.expert_bytes_per_layer))}"),
+        ("expert bytes in all", f"{_gb(mi.expert_bytes)} ({100 * mi.expert_bytes / mi.tensor_bytes:.1f}% of tensors)"),
+        (f"one expert pass at {link_gbps:g} GB/s", f"{mi.expert_pass_seconds(link_gbps) * 1e3:,.1f} ms"),
+    ]
+    for k, v in rows:
+        t.add_row(f"[bold]{k}[/]", v)
+    out.print(t)
+    bt = Table(title="bytes by tensor type")
+    bt.add_column("type")
+    bt.add_column("parameters", justify="right")
+    bt.add_column("bytes", justify="right")
+    for name, nbytes in sorted(mi.bytes_by_type.items(), key=lambda kv: -kv[1]):
+        bt.add_row(name, f"{mi.params_by_type[name]:,}", _gb(nbytes))
+    out.print(bt)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

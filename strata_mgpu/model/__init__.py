@@ -1,0 +1,1 @@
+"""Model core: GGUF reading, model spec, tokenizer, synthetic writer, reference forward."""

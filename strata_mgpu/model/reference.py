@@ -1,0 +1,149 @@
+"""The plain torch forward of a Qwen3-MoE decoder: the oracle every fast path is checked against.
+
+Shape legend: T = token rows in the batch, D = hidden, H = query heads, Hkv = KV heads,
+Dh = head dim, E = experts, A = experts used per token, F = expert width, V = vocab, S = keys.
+
+One batch packs several sequences along T (`Segment`s): a prefill is one segment of many rows,
+a decode step is one row for each running sequence. Everything but attention runs on all rows
+at once; attention runs per segment against that sequence's KV cache.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from strata_mgpu.model.spec import ModelSpec
+from strata_mgpu.model.weights import LayerWeights, ModelWeights
+from strata_mgpu.runtime.kv_cache import KVCache
+
+
+@dataclass
+class Segment:
+    """Rows [start, end) of the batch belong to the sequence whose cache is `kv`."""
+
+    start: int
+    end: int
+    kv: KVCache
+
+    @property
+    def n(self) -> int:
+        return self.end - self.start
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    x32 = x.float()
+    return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * weight
+
+
+def rope_cos_sin(positions: torch.Tensor, head_dim: int, base: float, dtype: torch.dtype
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """NEOX-style rotary tables: [T, Dh] each (the half-frequencies repeated)."""
+    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim))
+    freqs = positions.float()[:, None] * inv_freq[None, :]  # [T, Dh/2]
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, heads, Dh]: rotate the two halves of each head (NEOX / HF rotate_half)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos[:, None, :] + rotated * sin[:, None, :]
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """q [T, H, Dh] are the last T positions of k, v [S, Hkv, Dh]; returns [T, H, Dh]."""
+    t, s = q.shape[0], k.shape[0]
+    qh, kh, vh = q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None]
+    if t == s:
+        out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, enable_gqa=True)
+    else:  # query i sits at key position s - t + i and sees keys 0..s-t+i
+        mask = torch.ones(t, s, dtype=torch.bool, device=q.device).tril(diagonal=s - t)
+        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, enable_gqa=True)
+    return out[0].transpose(0, 1)
+
+
+def route(h: torch.Tensor, router: torch.Tensor, n_used: int, renormalize: bool
+          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Router softmax -> top-k -> renormalize. h [T, D] -> (weights [T, A] fp32, experts [T, A])."""
+    probs = torch.softmax((h @ router.T).float(), dim=-1)  # [T, E]
+    weights, experts = torch.topk(probs, n_used, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(-1, keepdim=True)
+    return weights, experts
+
+
+def moe_reference(h: torch.Tensor, w: LayerWeights, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+    """SiLU-gated experts, one expert at a time. h [T, D] -> [T, D]."""
+    out = torch.zeros_like(h)
+    for e in torch.unique(experts).tolist():
+        rows, slot = torch.where(experts == e)  # token rows routed to e, and which of their A picks it is
+        x = h[rows]  # [n, D]
+        y = (F.silu(x @ w.gate[e].T) * (x @ w.up[e].T)) @ w.down[e].T  # [n, D]
+        out.index_add_(0, rows, y * weights[rows, slot, None].to(h.dtype))
+    return out
+
+
+class ReferenceModel:
+    """fp32 (or any dtype) Qwen3-MoE forward over dense, dequantized weights."""
+
+    def __init__(self, spec: ModelSpec, weights: ModelWeights):
+        self.spec = spec
+        self.w = weights
+
+    @property
+    def device(self) -> torch.device:
+        return self.w.embed.device
+
+    def new_cache(self, max_length: int, capacity: int = 256) -> KVCache:
+        s = self.spec
+        return KVCache(s.n_layers, s.n_kv_heads, s.head_dim, capacity=capacity, max_length=max_length,
+                       device=self.device, dtype=self.w.embed.dtype)
+
+    def forward(self, tokens: torch.Tensor, segments: Sequence[Segment]) -> torch.Tensor:
+        """tokens [T] (sequences packed as `segments`) -> final hidden states [T, D].
+
+        Each segment's rows continue its sequence at `kv.length`; caches advance afterwards.
+        """
+        s = self.spec
+        for seg in segments:
+            seg.kv.reserve(seg.n)
+        positions = torch.cat([torch.arange(seg.kv.length, seg.kv.length + seg.n, device=tokens.device)
+                               for seg in segments])  # [T]
+        cos, sin = rope_cos_sin(positions, s.head_dim, s.rope_base, self.w.embed.dtype)
+        x = self.w.embed[tokens]  # [T, D]
+        for i, layer in enumerate(self.w.layers):
+            x = x + self._attention(i, layer, rms_norm(x, layer.attn_norm, s.rms_eps), cos, sin, segments)
+            h = rms_norm(x, layer.ffn_norm, s.rms_eps)
+            weights, experts = route(h, layer.router, s.n_experts_used, s.norm_topk_prob)
+            x = x + moe_reference(h, layer, weights, experts)
+        for seg in segments:
+            seg.kv.advance(seg.n)
+        return x
+
+    def _attention(self, i: int, w: LayerWeights, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                   segments: Sequence[Segment]) -> torch.Tensor:
+        s = self.spec
+        t = h.shape[0]
+        q = rms_norm((h @ w.wq.T).view(t, s.n_heads, s.head_dim), w.q_norm, s.rms_eps)  # [T, H, Dh]
+        k = rms_norm((h @ w.wk.T).view(t, s.n_kv_heads, s.head_dim), w.k_norm, s.rms_eps)  # [T, Hkv, Dh]
+        v = (h @ w.wv.T).view(t, s.n_kv_heads, s.head_dim)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        out = torch.empty_like(q)
+        for seg in segments:
+            rows = slice(seg.start, seg.end)
+            k_all, v_all = seg.kv.write(i, k[rows], v[rows])  # [S, Hkv, Dh]
+            out[rows] = causal_attention(q[rows], k_all, v_all)
+        return out.reshape(t, s.q_dim) @ w.wo.T
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[N, D] final hidden rows -> [N, V] logits (final norm, then the head)."""
+        return rms_norm(hidden, self.w.out_norm, self.spec.rms_eps) @ self.w.output.T
+
+    def prefill(self, tokens: torch.Tensor, kv: KVCache) -> torch.Tensor:
+        """All-position logits [T, V] of one sequence's new tokens."""
+        return self.logits(self.forward(tokens, [Segment(0, tokens.shape[0], kv)]))

@@ -1,0 +1,224 @@
+"""Synthetic qwen3moe GGUF writer: real, valid quantized blocks of any supported type.
+
+Weights are random but well-formed: float tensors are Gaussian; quantized tensors are random
+bytes (any bit pattern is a valid quant) whose fp16 scale words are then set so the dequantized
+weights have the wanted spread and zero mean. Dequantization is linear in those scale words, so
+a one-off calibration per format on a few blocks (through `gguf.quants`) tells which values to
+write. Everything derives from `--seed` and the tensor's name: same seed, same file.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+
+import numpy as np
+from gguf import GGUFWriter
+from gguf import quants as gguf_quants
+from gguf.constants import TENSOR_NAMES, GGMLQuantizationType, LlamaFileType
+
+from strata_mgpu.model.spec import EXPERT_TENSORS, ModelSpec, T
+from strata_mgpu.model.vocab import CHAT_TEMPLATE, build_vocab
+from strata_mgpu.quant.formats import BlockFormat, block_format
+
+Q = GGMLQuantizationType
+
+
+@dataclass(frozen=True)
+class Preset:
+    n_layers: int
+    hidden: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    n_experts: int
+    n_experts_used: int
+    expert_ffn: int
+    vocab_size: int
+    context_length: int
+    rope_base: float = 1_000_000.0
+    rms_eps: float = 1e-6
+    tied_output: bool = False
+
+    def spec(self, name: str) -> ModelSpec:
+        return ModelSpec(arch="qwen3moe", name=name, n_layers=self.n_layers, hidden=self.hidden,
+                         n_heads=self.n_heads, n_kv_heads=self.n_kv_heads, head_dim=self.head_dim,
+                         n_experts=self.n_experts, n_experts_used=self.n_experts_used, expert_ffn=self.expert_ffn,
+                         vocab_size=self.vocab_size, context_length=self.context_length,
+                         rope_base=self.rope_base, rms_eps=self.rms_eps, tied_output=self.tied_output)
+
+
+# K-quants need rows (hidden, expert_ffn) in whole 256-weight blocks, hence the widths.
+PRESETS: dict[str, Preset] = {
+    "tiny": Preset(n_layers=4, hidden=256, n_heads=4, n_kv_heads=2, head_dim=64, n_experts=8, n_experts_used=2,
+                   expert_ffn=256, vocab_size=2048, context_length=4096),
+    "small": Preset(n_layers=8, hidden=512, n_heads=8, n_kv_heads=4, head_dim=64, n_experts=32, n_experts_used=4,
+                    expert_ffn=512, vocab_size=8192, context_length=8192),
+    # Qwen3-30B-A3B's shapes.
+    "30b-a3b": Preset(n_layers=48, hidden=2048, n_heads=32, n_kv_heads=4, head_dim=128, n_experts=128,
+                      n_experts_used=8, expert_ffn=768, vocab_size=151936, context_length=40960),
+}
+
+# gate/up type -> the down type Q4_K_M-style files pair with it.
+DEFAULT_DOWN = {Q.Q4_K: Q.Q6_K, Q.Q5_K: Q.Q6_K, Q.Q4_0: Q.Q8_0}
+
+
+@dataclass(frozen=True)
+class TensorPlan:
+    name: str
+    shape: tuple[int, ...]  # torch order
+    ggml_type: GGMLQuantizationType
+    std: float  # spread of the weights
+    mean: float = 0.0  # norm weights sit around 1
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape[:-1]) * block_format(self.ggml_type).row_bytes(self.shape[-1])
+
+
+def plan_tensors(spec: ModelSpec, expert_type: Q, down_type: Q, dense_type: Q) -> list[TensorPlan]:
+    """Every tensor of the model with its type and spread, in file order."""
+    shapes = spec.expected_tensors()
+    plans = []
+    expert_kinds = {TENSOR_NAMES[k].split(".")[-1] for k in EXPERT_TENSORS}
+    for name, shape in shapes.items():
+        kind = name.split(".")[-2]  # 'blk.3.attn_q.weight' -> 'attn_q'
+        std = 1.0 / math.sqrt(shape[-1])  # unit-variance outputs for unit-variance inputs
+        if len(shape) == 1:  # RMSNorm weights
+            plans.append(TensorPlan(name, shape, Q.F32, std=0.05, mean=1.0))
+        elif kind == TENSOR_NAMES[T.FFN_GATE_INP].split(".")[-1]:  # router: F32, as llama.cpp keeps it
+            plans.append(TensorPlan(name, shape, Q.F32, std=std))
+        elif kind == TENSOR_NAMES[T.TOKEN_EMBD]:
+            plans.append(TensorPlan(name, shape, dense_type, std=1.0))
+        elif kind == TENSOR_NAMES[T.FFN_DOWN_EXP].split(".")[-1]:
+            plans.append(TensorPlan(name, shape, down_type, std=std))
+        elif kind in expert_kinds:
+            plans.append(TensorPlan(name, shape, expert_type, std=std))
+        else:
+            plans.append(TensorPlan(name, shape, dense_type, std=std))
+    for p in plans:
+        fmt = block_format(p.ggml_type)
+        if p.shape[-1] % fmt.block_size:
+            raise ValueError(f"{p.name}: rows of {p.shape[-1]} do not fit {fmt.name} blocks of {fmt.block_size}")
+    return plans
+
+
+@cache
+def _calibration(ggml_type: Q) -> tuple[float, float]:
+    """(ratio, unit_std) for a quantized format: with its scale words set to (c, ratio*c, ...)
+    the dequantized weights of random blocks have mean ~0 and std c*unit_std."""
+    fmt = block_format(ggml_type)
+    rng = np.random.default_rng(1234)
+    blocks = rng.integers(0, 256, size=(4096, fmt.type_size), dtype=np.uint8)
+
+    def dequant_with(values: tuple[float, ...]) -> np.ndarray:
+        b = blocks.copy()
+        _set_scales(fmt, b, [np.full(len(b), v) for v in values])
+        return gguf_quants.dequantize(b.reshape(1, -1), ggml_type).astype(np.float64)
+
+    if fmt.e8m0_fields:
+        return 0.0, float(dequant_with((1.0,)).std())
+    if len(fmt.scale_fields) == 1:
+        return 0.0, float(dequant_with((1.0,)).std())
+    mean_d = dequant_with((1.0, 0.0)).mean()
+    mean_m = dequant_with((0.0, 1.0)).mean()
+    ratio = -mean_d / mean_m
+    return float(ratio), float(dequant_with((1.0, ratio)).std())
+
+
+def _set_scales(fmt: BlockFormat, blocks: np.ndarray, values: list[np.ndarray]) -> None:
+    """Write per-block scale values into `blocks` [N, type_size] in place."""
+    for at, v in zip(fmt.scale_fields, values, strict=False):
+        blocks[:, at:at + 2] = v.astype(np.float16).view(np.uint8).reshape(-1, 2)
+    for at in fmt.e8m0_fields:  # 2^(e-127): round the wanted scale to a power of two
+        e = np.clip(np.round(np.log2(np.maximum(values[0], 1e-30))) + 127, 1, 254)
+        blocks[:, at] = e.astype(np.uint8)
+
+
+def make_tensor(plan: TensorPlan, seed: int) -> np.ndarray:
+    """The bytes of one tensor, [..., row_bytes] uint8 (float types as their own dtype)."""
+    rng = np.random.default_rng([seed, zlib.crc32(plan.name.encode())])
+    t = plan.ggml_type
+    if t in (Q.F32, Q.F16, Q.BF16):
+        w = rng.standard_normal(plan.shape, dtype=np.float32) * np.float32(plan.std) + np.float32(plan.mean)
+        if t == Q.F32:
+            return w
+        if t == Q.F16:
+            return w.astype(np.float16)
+        bits = w.view(np.uint32)
+        return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16).view(np.uint8).reshape(
+            *plan.shape[:-1], plan.shape[-1] * 2)  # round to nearest even bf16
+    fmt = block_format(t)
+    n_blocks = math.prod(plan.shape) // fmt.block_size
+    blocks = rng.integers(0, 256, size=(n_blocks, fmt.type_size), dtype=np.uint8)
+    ratio, unit = _calibration(t)
+    c = plan.std / unit * rng.uniform(0.5, 1.5, size=n_blocks)  # per-block scale jitter
+    _set_scales(fmt, blocks, [c, ratio * c])
+    return blocks.reshape(*plan.shape[:-1], fmt.row_bytes(plan.shape[-1]))
+
+
+def write_model(path: str | Path, preset_name: str, *, expert_type: Q = Q.Q4_K, down_type: Q | None = None,
+                dense_type: Q = Q.Q8_0, seed: int = 0, split_max_bytes: int = 0,
+                on_tensor: Callable[[str, int], None] | None = None) -> ModelSpec:
+    """Write a synthetic qwen3moe GGUF; `on_tensor(name, nbytes)` is called after each tensor."""
+    preset = PRESETS[preset_name]
+    down_type = down_type or DEFAULT_DOWN.get(expert_type, expert_type)
+    spec = preset.spec(f"strata-synthetic-{preset_name}")
+    plans = plan_tensors(spec, expert_type, down_type, dense_type)
+    vocab = build_vocab(spec.vocab_size)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+
+    w = GGUFWriter(path, spec.arch, split_max_size=split_max_bytes)
+    w.add_name(spec.name)
+    w.add_block_count(spec.n_layers)
+    w.add_context_length(spec.context_length)
+    w.add_embedding_length(spec.hidden)
+    w.add_feed_forward_length(spec.expert_ffn * spec.n_experts_used)
+    w.add_head_count(spec.n_heads)
+    w.add_head_count_kv(spec.n_kv_heads)
+    w.add_key_length(spec.head_dim)
+    w.add_value_length(spec.head_dim)
+    w.add_rope_freq_base(spec.rope_base)
+    w.add_layer_norm_rms_eps(spec.rms_eps)
+    w.add_expert_count(spec.n_experts)
+    w.add_expert_used_count(spec.n_experts_used)
+    w.add_expert_feed_forward_length(spec.expert_ffn)
+    w.add_file_type(LlamaFileType.MOSTLY_Q4_K_M if expert_type == Q.Q4_K else LlamaFileType.GUESSED)
+    w.add_quantization_version(2)
+    w.add_string("strata.synthetic.seed", str(seed))
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("qwen2")
+    w.add_token_list(vocab.tokens)
+    w.add_token_types(vocab.types)
+    w.add_token_merges(vocab.merges)
+    w.add_eos_token_id(vocab.id_of("<|im_end|>"))
+    w.add_pad_token_id(vocab.id_of("<|endoftext|>"))
+    w.add_bos_token_id(vocab.id_of("<|endoftext|>"))
+    w.add_add_bos_token(False)
+    w.add_chat_template(CHAT_TEMPLATE)
+
+    for p in plans:
+        fmt = block_format(p.ggml_type)
+        if fmt.is_float and p.ggml_type != Q.BF16:
+            dtype = np.float32 if p.ggml_type == Q.F32 else np.float16
+            w.add_tensor_info(p.name, p.shape, np.dtype(dtype), p.nbytes)
+        else:
+            byte_shape = (*p.shape[:-1], fmt.row_bytes(p.shape[-1]))
+            w.add_tensor_info(p.name, byte_shape, np.dtype(np.uint8), p.nbytes, raw_dtype=p.ggml_type)
+    try:
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_ti_data_to_file()
+        for p in plans:
+            data = make_tensor(p, seed)
+            w.write_tensor_data(data)
+            if on_tensor:
+                on_tensor(p.name, p.nbytes)
+    finally:
+        w.close()
+    return spec

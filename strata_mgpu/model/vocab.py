@@ -1,0 +1,104 @@
+"""A byte-level BPE vocabulary for synthetic models, laid out like Qwen's.
+
+Ids 0.. are normal byte-level tokens: the 256 byte characters, then merges learned by
+`tokenizers`' BPE trainer from a short built-in English/code text, then (for vocabularies larger
+than that text supports) further merges that extend existing tokens by one printable character,
+in a fixed order. The special tokens follow, as in Qwen3. Every merge joins two existing tokens,
+so the vocabulary is a valid BPE and ASCII text round-trips.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from importlib import resources
+
+from gguf.constants import TokenType
+from tokenizers import Regex, Tokenizer, models, pre_tokenizers, trainers
+
+from strata_mgpu.model.tokenizer import BYTE_TO_UNICODE, QWEN2_SPLIT
+
+# (text, type) in Qwen3's order.
+SPECIAL_TOKENS: tuple[tuple[str, TokenType], ...] = (
+    ("<|endoftext|>", TokenType.CONTROL),
+    ("<|im_start|>", TokenType.CONTROL),
+    ("<|im_end|>", TokenType.CONTROL),
+    ("<|fim_prefix|>", TokenType.CONTROL),
+    ("<|fim_middle|>", TokenType.CONTROL),
+    ("<|fim_suffix|>", TokenType.CONTROL),
+    ("<|fim_pad|>", TokenType.CONTROL),
+    ("<tool_call>", TokenType.USER_DEFINED),
+    ("</tool_call>", TokenType.USER_DEFINED),
+    ("<think>", TokenType.USER_DEFINED),
+    ("</think>", TokenType.USER_DEFINED),
+)
+
+# A Qwen3-style ChatML template with the `enable_thinking` switch.
+CHAT_TEMPLATE = """\
+{%- for message in messages %}
+{%- if message['content'] is string %}{% set content = message['content'] %}
+{%- else %}{% set content = message['content'] | map(attribute='text') | join('') %}{% endif %}
+{{- '<|im_start|>' + message['role'] + '\\n' + content + '<|im_end|>\\n' }}
+{%- endfor %}
+{%- if add_generation_prompt %}
+{{- '<|im_start|>assistant\\n' }}
+{%- if enable_thinking is defined and enable_thinking is false %}
+{{- '<think>\\n\\n</think>\\n\\n' }}
+{%- endif %}
+{%- endif %}
+"""
+
+
+@dataclass(frozen=True)
+class Vocab:
+    tokens: list[str]
+    types: list[int]
+    merges: list[str]  # "left right", in rank order
+
+    def id_of(self, token: str) -> int:
+        return self.tokens.index(token)
+
+
+def _corpus() -> str:
+    return resources.files("strata_mgpu").joinpath("data/corpus.txt").read_text(encoding="utf-8")
+
+
+def _trained(n_normal: int) -> tuple[list[str], list[str]]:
+    """Train on the built-in text; returns (tokens in id order, merges), at most n_normal tokens."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(QWEN2_SPLIT), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False),
+    ])
+    alphabet = [BYTE_TO_UNICODE[b] for b in range(256)]
+    trainer = trainers.BpeTrainer(vocab_size=n_normal, min_frequency=2, show_progress=False,
+                                  initial_alphabet=alphabet, special_tokens=[])
+    tok.train_from_iterator(_corpus().splitlines(keepends=True), trainer=trainer)
+    model = json.loads(tok.to_str())["model"]
+    by_id = sorted(model["vocab"].items(), key=lambda kv: kv[1])
+    merges = [m if isinstance(m, str) else " ".join(m) for m in model["merges"]]
+    return [t for t, _ in by_id], merges
+
+
+def build_vocab(vocab_size: int) -> Vocab:
+    n_normal = vocab_size - len(SPECIAL_TOKENS)
+    if n_normal < 256:
+        raise ValueError(f"vocab size {vocab_size} is too small: needs 256 byte tokens "
+                         f"+ {len(SPECIAL_TOKENS)} specials")
+    tokens, merges = _trained(n_normal)
+    known = set(tokens)
+    # Extend existing tokens by one printable ASCII character (space shown as 'Ġ'), in id order.
+    extenders = [BYTE_TO_UNICODE[b] for b in range(32, 127)]
+    base = 256
+    while len(tokens) < n_normal:
+        stem = tokens[base]
+        for c in extenders:
+            if len(tokens) >= n_normal:
+                break
+            if stem + c not in known:
+                known.add(stem + c)
+                tokens.append(stem + c)
+                merges.append(f"{stem} {c}")
+        base += 1
+    types = [TokenType.NORMAL] * len(tokens) + [t for _, t in SPECIAL_TOKENS]
+    return Vocab(tokens=tokens + [t for t, _ in SPECIAL_TOKENS], types=[int(t) for t in types], merges=merges)

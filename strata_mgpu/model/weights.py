@@ -1,0 +1,61 @@
+"""Dense float weights of a model (or a layer range of it), dequantized from GGUF."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from strata_mgpu.model.gguf_reader import GGUFFile
+from strata_mgpu.model.spec import ModelSpec, T, tname
+from strata_mgpu.quant.dequant import dequantize
+
+
+@dataclass
+class LayerWeights:
+    """One decoder layer. Shapes: D hidden, E experts, F expert width, Hkv*Dh = KV width."""
+
+    attn_norm: torch.Tensor  # [D]
+    wq: torch.Tensor  # [H*Dh, D]
+    wk: torch.Tensor  # [Hkv*Dh, D]
+    wv: torch.Tensor  # [Hkv*Dh, D]
+    wo: torch.Tensor  # [D, H*Dh]
+    q_norm: torch.Tensor  # [Dh]
+    k_norm: torch.Tensor  # [Dh]
+    ffn_norm: torch.Tensor  # [D]
+    router: torch.Tensor  # [E, D]
+    gate: torch.Tensor  # [E, F, D]
+    up: torch.Tensor  # [E, F, D]
+    down: torch.Tensor  # [E, D, F]
+
+
+@dataclass
+class ModelWeights:
+    embed: torch.Tensor  # [V, D]
+    layers: list[LayerWeights]
+    out_norm: torch.Tensor  # [D]
+    output: torch.Tensor  # [V, D]; the embedding itself when tied
+
+
+def load_weights(f: GGUFFile, spec: ModelSpec, *, dtype: torch.dtype = torch.float32,
+                 device: torch.device | str = "cpu", on_layer: Callable[[int], None] | None = None) -> ModelWeights:
+    """Dequantize every tensor to `dtype` on `device`; `on_layer(i)` reports progress."""
+
+    def get(kind: T, layer: int | None = None) -> torch.Tensor:
+        name = tname(kind, layer)
+        info = f.tensor(name)
+        return dequantize(f.tensor_data(name), info.ggml_type, info.shape).to(device=device, dtype=dtype)
+
+    layers = []
+    for i in range(spec.n_layers):
+        layers.append(LayerWeights(
+            attn_norm=get(T.ATTN_NORM, i), wq=get(T.ATTN_Q, i), wk=get(T.ATTN_K, i), wv=get(T.ATTN_V, i),
+            wo=get(T.ATTN_OUT, i), q_norm=get(T.ATTN_Q_NORM, i), k_norm=get(T.ATTN_K_NORM, i),
+            ffn_norm=get(T.FFN_NORM, i), router=get(T.FFN_GATE_INP, i), gate=get(T.FFN_GATE_EXP, i),
+            up=get(T.FFN_UP_EXP, i), down=get(T.FFN_DOWN_EXP, i)))
+        if on_layer:
+            on_layer(i)
+    embed = get(T.TOKEN_EMBD)
+    output = embed if spec.tied_output else get(T.OUTPUT)
+    return ModelWeights(embed=embed, layers=layers, out_norm=get(T.OUTPUT_NORM), output=output)

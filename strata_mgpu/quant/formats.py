@@ -1,0 +1,100 @@
+"""Block formats strata can read: sizes from `gguf.constants`, scale-field layout for the writer.
+
+A block holds `block_size` weights in `type_size` bytes. `scale_fields` lists the byte offsets of
+each block's fp16 scale words (d, dmin, ...): dequantized values are linear in them, which is how
+the synthetic writer sets the weights' magnitude on otherwise random, always valid, blocks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+
+Q = GGMLQuantizationType
+
+
+@dataclass(frozen=True)
+class BlockFormat:
+    ggml_type: GGMLQuantizationType
+    scale_fields: tuple[int, ...]  # byte offsets of fp16 scales inside a block (empty: float types)
+    e8m0_fields: tuple[int, ...] = ()  # byte offsets of power-of-two exponent scales (MXFP4)
+
+    @property
+    def name(self) -> str:
+        return self.ggml_type.name
+
+    @property
+    def block_size(self) -> int:
+        return GGML_QUANT_SIZES[self.ggml_type][0]
+
+    @property
+    def type_size(self) -> int:
+        return GGML_QUANT_SIZES[self.ggml_type][1]
+
+    @property
+    def is_float(self) -> bool:
+        return self.ggml_type in (Q.F32, Q.F16, Q.BF16)
+
+    def row_bytes(self, n: int) -> int:
+        assert n % self.block_size == 0, f"{self.name}: row of {n} is not whole blocks of {self.block_size}"
+        return n // self.block_size * self.type_size
+
+    @property
+    def bits_per_weight(self) -> float:
+        return 8 * self.type_size / self.block_size
+
+
+# Layouts (bytes inside one block), after ggml-common.h:
+#   Q4_0   [d:f16][qs:16]                        32 weights, 4-bit, offset 8
+#   Q4_1   [d:f16][m:f16][qs:16]
+#   Q5_0   [d:f16][qh:4][qs:16]
+#   Q5_1   [d:f16][m:f16][qh:4][qs:16]
+#   Q8_0   [d:f16][qs:int8 x32]
+#   Q2_K   [scales:16][qs:64][d:f16][dmin:f16]      256 weights in 16 sub-blocks
+#   Q3_K   [hmask:32][qs:64][scales:12][d:f16]
+#   Q4_K   [d:f16][dmin:f16][scales:12][qs:128]     8 sub-blocks of 32, 6-bit scales and mins
+#   Q5_K   [d:f16][dmin:f16][scales:12][qh:32][qs:128]
+#   Q6_K   [ql:128][qh:64][scales:int8 x16][d:f16]
+#   IQ4_NL [d:f16][qs:16]                        non-linear 4-bit codebook
+#   IQ4_XS [d:f16][scales_h:u16][scales_l:4][qs:128]
+#   MXFP4  [e:e8m0][qs:16]                       FP4 (E2M1) values times 2^(e-127)
+_FORMATS = [
+    BlockFormat(Q.F32, ()),
+    BlockFormat(Q.F16, ()),
+    BlockFormat(Q.BF16, ()),
+    BlockFormat(Q.Q4_0, (0,)),
+    BlockFormat(Q.Q4_1, (0, 2)),
+    BlockFormat(Q.Q5_0, (0,)),
+    BlockFormat(Q.Q5_1, (0, 2)),
+    BlockFormat(Q.Q8_0, (0,)),
+    BlockFormat(Q.Q2_K, (80, 82)),
+    BlockFormat(Q.Q3_K, (108,)),
+    BlockFormat(Q.Q4_K, (0, 2)),
+    BlockFormat(Q.Q5_K, (0, 2)),
+    BlockFormat(Q.Q6_K, (208,)),
+    BlockFormat(Q.IQ4_NL, (0,)),
+    BlockFormat(Q.IQ4_XS, (0,)),
+    BlockFormat(Q.MXFP4, (), e8m0_fields=(0,)),
+]
+_BY_TYPE = {f.ggml_type: f for f in _FORMATS}
+SUPPORTED_TYPES: tuple[GGMLQuantizationType, ...] = tuple(_BY_TYPE)
+
+
+def block_format(ggml_type: GGMLQuantizationType) -> BlockFormat:
+    try:
+        return _BY_TYPE[ggml_type]
+    except KeyError:
+        raise ValueError(f"tensor type {GGMLQuantizationType(ggml_type).name} is not supported "
+                         f"(supported: {', '.join(t.name for t in SUPPORTED_TYPES)})") from None
+
+
+def parse_type(name: str) -> GGMLQuantizationType:
+    """'q4_k' -> Q4_K; a clear error for unknown or unsupported names."""
+    try:
+        t = GGMLQuantizationType[name.upper()]
+    except KeyError:
+        raise ValueError(f"unknown tensor type {name!r} (supported: "
+                         f"{', '.join(t.name for t in SUPPORTED_TYPES)})") from None
+    block_format(t)
+    return t

@@ -1,0 +1,1 @@
+"""Runtime: KV cache, model runners, sampling and the engine that drives them."""

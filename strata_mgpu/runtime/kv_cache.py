@@ -1,0 +1,54 @@
+"""Per-sequence KV cache: keys and values of every layer, grown by doubling."""
+
+from __future__ import annotations
+
+import torch
+
+
+class KVCache:
+    """Keys and values of one sequence for `n_layers` layers.
+
+    Layout per layer: [capacity, Hkv, Dh]. `length` counts the positions written by completed
+    forwards; a forward writes rows [length, length + T) in every layer, then calls `advance(T)`.
+    """
+
+    def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, *, capacity: int = 256,
+                 max_length: int, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32):
+        assert capacity > 0 and max_length > 0
+        self.max_length = max_length
+        self.length = 0
+        cap = min(capacity, max_length)
+        self.k = torch.empty(n_layers, cap, n_kv_heads, head_dim, device=device, dtype=dtype)
+        self.v = torch.empty_like(self.k)
+
+    @property
+    def capacity(self) -> int:
+        return self.k.shape[1]
+
+    @property
+    def nbytes(self) -> int:
+        return self.k.numel() * self.k.element_size() * 2
+
+    def reserve(self, new_tokens: int) -> None:
+        need = self.length + new_tokens
+        if need > self.max_length:
+            raise ValueError(f"sequence of {need} tokens exceeds the context of {self.max_length}")
+        if need <= self.capacity:
+            return
+        cap = min(self.max_length, max(need, 2 * self.capacity))
+        k = torch.empty(self.k.shape[0], cap, *self.k.shape[2:], device=self.k.device, dtype=self.k.dtype)
+        v = torch.empty_like(k)
+        k[:, :self.length] = self.k[:, :self.length]
+        v[:, :self.length] = self.v[:, :self.length]
+        self.k, self.v = k, v
+
+    def write(self, layer: int, k_new: torch.Tensor, v_new: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store [T, Hkv, Dh] keys/values after the cached ones; return all of them [length+T, Hkv, Dh]."""
+        end = self.length + k_new.shape[0]
+        assert end <= self.capacity, "reserve() before writing"
+        self.k[layer, self.length:end] = k_new
+        self.v[layer, self.length:end] = v_new
+        return self.k[layer, :end], self.v[layer, :end]
+
+    def advance(self, n: int) -> None:
+        self.length += n

@@ -1,0 +1,27 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from strata_mgpu.model.synthetic import write_model
+
+
+def pytest_collection_modifyitems(config, items):
+    """GPU tests skip cleanly where torch sees no CUDA device."""
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def tiny_gguf(tmp_path_factory) -> Path:
+    """The tiny preset: Q4_K gate/up, Q6_K down, Q8_0 dense weights."""
+    path = tmp_path_factory.mktemp("models") / "tiny.gguf"
+    write_model(path, "tiny", seed=7)
+    return path

@@ -1,0 +1,42 @@
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from click.testing import CliRunner
+
+from strata_mgpu.cli import main
+
+
+def test_gen_model_and_info(tmp_path):
+    out = tmp_path / "m.gguf"
+    r = CliRunner().invoke(main, ["gen-model", str(out), "--preset", "tiny", "--expert-type", "Q5_K", "--seed", "4"])
+    assert r.exit_code == 0, r.output
+    assert out.exists()
+    r = CliRunner().invoke(main, ["info", str(out), "--link-gbps", "50"])
+    assert r.exit_code == 0, r.output
+    for needle in ("qwen3moe", "experts / used / expert FFN", "8 / 2 / 256", "Q5_K", "Q6_K",
+                   "one expert pass at 50 GB/s", "expert bytes in all"):
+        assert needle in r.output, needle
+
+
+def test_gen_model_split(tmp_path):
+    out = tmp_path / "m.gguf"
+    r = CliRunner().invoke(main, ["gen-model", str(out), "--split-max-size", "2M"])
+    assert r.exit_code == 0, r.output
+    shards = sorted(tmp_path.glob("m-*-of-*.gguf"))
+    assert len(shards) > 1
+    r = CliRunner().invoke(main, ["info", str(shards[0])])
+    assert r.exit_code == 0 and f"in {len(shards)} file(s)" in r.output
+
+
+def test_bad_arguments_are_one_line_errors(tmp_path):
+    r = CliRunner().invoke(main, ["gen-model", str(tmp_path / "x.gguf"), "--expert-type", "Q9"])
+    assert r.exit_code == 2 and "unknown tensor type 'Q9'" in r.output
+    r = CliRunner().invoke(main, ["info", str(tmp_path / "missing.gguf")])
+    assert r.exit_code == 1 and "cannot open" in r.output
+
+
+def test_python_dash_m_entry_point():
+    r = subprocess.run([sys.executable, "-m", "strata_mgpu", "--help"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "gen-model" in r.stdout
