@@ -126,5 +126,35 @@ def info(model: Path, link_gbps: float) -> None:
     out.print(bt)
 
 
+@main.command()
+@click.argument("model", required=False, type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--port", default=8080, show_default=True, type=click.IntRange(0, 65535))
+@click.option("--ctx-size", default=None, type=click.IntRange(min=1),
+              help="tokens per sequence (default: the model's context length)")
+@click.option("--chunk-size", default=8192, show_default=True, type=click.IntRange(min=1),
+              help="prompt tokens per prefill step")
+@click.option("--max-running", default=16, show_default=True, type=click.IntRange(min=1),
+              help="sequences decoded together")
+@click.option("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
+@click.option("--alias", default=None, help="model name clients use (default: the file name)")
+def serve(model: Path | None, host: str, port: int, ctx_size: int | None, chunk_size: int, max_running: int,
+          api_key: str | None, alias: str | None) -> None:
+    """OpenAI-compatible server. With no MODEL, serves a small built-in demo model."""
+    from strata_mgpu.config import EngineConfig, ServerConfig
+    from strata_mgpu.env import EnvError
+    from strata_mgpu.server import launch
+
+    try:
+        if model is None:
+            model = launch.demo_model_path()
+            alias = alias or launch.DEMO_NAME
+        config = ServerConfig(model_path=model, host=host, port=port, api_key=api_key, alias=alias,
+                              engine=EngineConfig(ctx_size=ctx_size, chunk_size=chunk_size, max_running=max_running))
+        launch.serve(config)
+    except (GGUFError, EnvError) as e:
+        fail(str(e))
+
+
 if __name__ == "__main__":
     sys.exit(main())

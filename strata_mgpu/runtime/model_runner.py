@@ -1,0 +1,62 @@
+"""What the engine needs of a model, and the CPU implementation over the reference forward.
+
+The engine sees only `ModelRunner`: sequences with their own state, a prefill call per chunk and
+one batched decode call per step. The GPU stages implement the same protocol.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Protocol
+
+import torch
+
+from strata_mgpu.model.gguf_reader import GGUFFile
+from strata_mgpu.model.reference import ReferenceModel, Segment
+from strata_mgpu.model.spec import ModelSpec
+from strata_mgpu.model.weights import load_weights
+from strata_mgpu.runtime.kv_cache import KVCache
+
+
+class ModelRunner(Protocol):
+    spec: ModelSpec
+
+    def new_sequence(self, max_length: int) -> KVCache:
+        """State of one sequence (its KV cache), able to hold max_length tokens."""
+        ...
+
+    def prefill(self, kv: KVCache, tokens: torch.Tensor) -> torch.Tensor:
+        """Append tokens [T] to the sequence; logits [V] of the last one."""
+        ...
+
+    def decode(self, kvs: Sequence[KVCache], tokens: torch.Tensor) -> torch.Tensor:
+        """One new token per sequence, tokens [B]; logits [B, V]."""
+        ...
+
+
+class ReferenceRunner:
+    """ModelRunner over the plain torch forward (fp32), on the CPU or any torch device."""
+
+    def __init__(self, model: ReferenceModel):
+        self.model = model
+        self.spec = model.spec
+
+    def new_sequence(self, max_length: int) -> KVCache:
+        return self.model.new_cache(max_length=max_length)
+
+    @torch.inference_mode()
+    def prefill(self, kv: KVCache, tokens: torch.Tensor) -> torch.Tensor:
+        hidden = self.model.forward(tokens.to(self.model.device), [Segment(0, tokens.shape[0], kv)])
+        return self.model.logits(hidden[-1:])[0]
+
+    @torch.inference_mode()
+    def decode(self, kvs: Sequence[KVCache], tokens: torch.Tensor) -> torch.Tensor:
+        segments = [Segment(i, i + 1, kv) for i, kv in enumerate(kvs)]
+        return self.model.logits(self.model.forward(tokens.to(self.model.device), segments))
+
+
+def load_reference_runner(f: GGUFFile, spec: ModelSpec, on_progress: Callable[[int, int], None] | None = None
+                          ) -> ReferenceRunner:
+    """Dequantize a validated GGUF's weights to fp32; `on_progress(done, total)` counts layers."""
+    weights = load_weights(f, spec, on_layer=(lambda i: on_progress(i + 1, spec.n_layers)) if on_progress else None)
+    return ReferenceRunner(ReferenceModel(spec, weights))

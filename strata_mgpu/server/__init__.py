@@ -1,0 +1,1 @@
+"""OpenAI-compatible HTTP API over the engine. No engine logic lives here."""

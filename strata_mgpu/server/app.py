@@ -1,0 +1,93 @@
+"""The FastAPI application: routes, API key, health while loading, metrics."""
+
+from __future__ import annotations
+
+import hmac
+import time
+from dataclasses import dataclass, field
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from strata_mgpu.runtime.engine import Engine
+from strata_mgpu.server.completions import CHAT, TEXT, chat_prompt, complete, text_prompt
+from strata_mgpu.server.errors import APIError, install_error_handlers
+from strata_mgpu.server.schemas import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+
+
+@dataclass
+class ServerState:
+    """What the routes share. `engine` is None until the model has loaded."""
+
+    model_name: str
+    api_key: str | None = None
+    engine: Engine | None = None
+    load_error: str | None = None
+    created: int = field(default_factory=lambda: int(time.time()))
+
+
+def create_app(state: ServerState) -> FastAPI:
+    app = FastAPI(title="strata-mgpu", version="0.1.0")
+    install_error_handlers(app)
+
+    def authorized(request: Request) -> None:
+        if state.api_key is None:
+            return
+        header = request.headers.get("authorization", "")
+        scheme, _, token = header.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip(), state.api_key):
+            raise APIError(401, "invalid or missing API key (Authorization: Bearer ...)", code="invalid_api_key")
+
+    def engine() -> Engine:
+        if state.engine is None:
+            raise APIError(503, state.load_error or "the model is loading", code="model_loading")
+        return state.engine
+
+    def check_model(name: str | None) -> None:
+        if name is not None and name != state.model_name:
+            raise APIError(404, f"model {name!r} does not exist; this server serves {state.model_name!r}",
+                           param="model", code="model_not_found")
+
+    auth = [Depends(authorized)]
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        if state.engine is None:
+            status = {"status": "error", "error": state.load_error} if state.load_error else {"status": "loading"}
+            return JSONResponse(status, status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/v1/models", dependencies=auth)
+    async def models() -> dict:
+        return {"object": "list", "data": [{"id": state.model_name, "object": "model", "created": state.created,
+                                            "owned_by": "strata-mgpu"}]}
+
+    @app.post("/v1/chat/completions", dependencies=auth)
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        check_model(body.model)
+        eng = engine()
+        return await complete(request, eng, state.model_name, body, chat_prompt(eng, body), CHAT)
+
+    @app.post("/v1/completions", dependencies=auth)
+    async def completions(body: CompletionRequest, request: Request):
+        check_model(body.model)
+        eng = engine()
+        return await complete(request, eng, state.model_name, body, text_prompt(eng, body), TEXT)
+
+    @app.post("/tokenize", dependencies=auth)
+    async def tokenize(body: TokenizeRequest) -> dict:
+        return {"tokens": engine().tokenizer.encode(body.content, add_special=body.add_special)}
+
+    @app.post("/detokenize", dependencies=auth)
+    async def detokenize(body: DetokenizeRequest) -> dict:
+        tok = engine().tokenizer
+        if any(not 0 <= t < tok.vocab_size for t in body.tokens):
+            raise APIError(400, f"token ids must be in 0..{tok.vocab_size - 1}", param="tokens")
+        return {"content": tok.decode(body.tokens)}
+
+    @app.get("/metrics", dependencies=auth)
+    async def metrics() -> Response:
+        eng = engine()
+        return Response(eng.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    return app

@@ -1,0 +1,58 @@
+"""Errors in OpenAI's shape: {"error": {"message", "type", "param", "code"}}."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+          405: "invalid_request_error", 413: "invalid_request_error", 500: "server_error", 503: "unavailable_error"}
+
+
+class APIError(Exception):
+    """Raised by handlers; becomes an OpenAI-shaped error response."""
+
+    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
+                 **extra: Any):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.extra = status, message, param, code, extra
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.status, self.message, param=self.param, code=self.code, **self.extra)
+
+
+def error_body(status: int, message: str, *, param: str | None = None, code: str | None = None,
+               **extra: Any) -> dict[str, Any]:
+    return {"error": {"message": message, "type": _TYPES.get(status, "invalid_request_error"), "param": param,
+                      "code": code if code is not None else status, **extra}}
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    errs = exc.errors()
+    if not errs:
+        return "invalid request", None
+    first = errs[0]
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    if first.get("type") == "json_invalid":
+        return f"invalid JSON: {first.get('msg', '')}", None
+    where = ".".join(loc)
+    return (f"{where}: {first.get('msg', 'invalid')}" if where else first.get("msg", "invalid request")), where or None
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+        message, param = _validation_message(exc)
+        return JSONResponse(error_body(400, message, param=param), status_code=400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return JSONResponse(error_body(exc.status_code, str(exc.detail)), status_code=exc.status_code)

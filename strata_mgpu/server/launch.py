@@ -1,0 +1,72 @@
+"""`strata serve`: check the model, start the HTTP server at once, load the weights behind it."""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from pathlib import Path
+
+import uvicorn
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from strata_mgpu import env
+from strata_mgpu.config import ServerConfig
+from strata_mgpu.model.gguf_reader import GGUFFile
+from strata_mgpu.model.spec import ModelSpec, spec_from_gguf
+from strata_mgpu.model.tokenizer import Tokenizer, tokenizer_from_gguf
+from strata_mgpu.runtime.engine import Engine
+from strata_mgpu.runtime.model_runner import load_reference_runner
+from strata_mgpu.server.app import ServerState, create_app
+
+log = logging.getLogger("strata.server")
+DEMO_PRESET, DEMO_SEED, DEMO_NAME = "tiny", 0, "strata-demo"
+
+
+def demo_model_path() -> Path:
+    """The built-in demo model, written into the cache directory the first time it is needed."""
+    from strata_mgpu.model.synthetic import write_model
+
+    path = env.cache_dir() / f"{DEMO_NAME}-{DEMO_PRESET}-seed{DEMO_SEED}.gguf"
+    if not path.exists():
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        log.info("writing the demo model to %s", path)
+        write_model(tmp, DEMO_PRESET, seed=DEMO_SEED)
+        tmp.replace(path)  # atomic: a crash never leaves a half-written demo model behind
+    return path
+
+
+def open_model(path: Path) -> tuple[GGUFFile, ModelSpec, Tokenizer]:
+    """Parse and validate the file and its tokenizer (fast; raises GGUFError on a bad file)."""
+    f = GGUFFile(path)
+    return f, spec_from_gguf(f), tokenizer_from_gguf(f)
+
+
+def _load(state: ServerState, config: ServerConfig, f: GGUFFile, spec: ModelSpec, tokenizer: Tokenizer) -> None:
+    console = Console(stderr=True)
+    try:
+        with Progress(TextColumn("[bold]loading[/] {task.description}"), BarColumn(), MofNCompleteColumn(),
+                      TextColumn("layers"), TimeElapsedColumn(), console=console) as bar:
+            task = bar.add_task(config.model_path.name, total=spec.n_layers)
+            runner = load_reference_runner(f, spec, on_progress=lambda done, _total: bar.update(task, completed=done))
+        engine = Engine(runner, tokenizer, config.engine)
+        engine.start()
+        state.engine = engine
+        log.info("model %s ready: %d layers, %d experts (%d used), context %d, chunk %d", state.model_name,
+                 spec.n_layers, spec.n_experts, spec.n_experts_used, engine.n_ctx, config.engine.chunk_size)
+    except Exception as e:  # shown by /health and the log; the server keeps answering 503
+        state.load_error = f"loading failed: {type(e).__name__}: {e}"
+        log.exception("loading %s failed", config.model_path)
+
+
+def serve(config: ServerConfig) -> None:
+    logging.basicConfig(level=env.log_level(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    f, spec, tokenizer = open_model(config.model_path)
+    state = ServerState(model_name=config.model_name, api_key=config.api_key)
+    app = create_app(state)
+    threading.Thread(target=_load, args=(state, config, f, spec, tokenizer), name="strata-load", daemon=True).start()
+    log.info("serving %s as %r on http://%s:%d", config.model_path, config.model_name, config.host, config.port)
+    uvicorn.run(app, host=config.host, port=config.port, log_level=env.log_level().lower(), access_log=False)
+    if state.engine is not None:
+        state.engine.shutdown()

@@ -1,0 +1,166 @@
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from strata_mgpu.config import EngineConfig
+from strata_mgpu.model.gguf_reader import GGUFFile
+from strata_mgpu.model.spec import spec_from_gguf
+from strata_mgpu.model.tokenizer import tokenizer_from_gguf
+from strata_mgpu.runtime.engine import ContextOverflow, Engine, RequestOutput
+from strata_mgpu.runtime.model_runner import load_reference_runner
+from strata_mgpu.runtime.sampler import Sampler, SamplingParams, StopMatcher
+
+
+@pytest.fixture(scope="module")
+def loaded(tiny_gguf):
+    f = GGUFFile(tiny_gguf)
+    spec = spec_from_gguf(f)
+    return load_reference_runner(f, spec), tokenizer_from_gguf(f)
+
+
+def run_all(engine: Engine, requests: list[tuple[list[int], SamplingParams]]) -> list[list[RequestOutput]]:
+    """Submit all, step the engine by hand until every request has finished."""
+    outs: list[list[RequestOutput]] = [[] for _ in requests]
+    for i, (prompt, params) in enumerate(requests):
+        engine.submit(prompt, params, outs[i].append)
+    for _ in range(10_000):
+        if all(o and o[-1].finished for o in outs):
+            return outs
+        engine.step()
+    raise AssertionError("engine did not finish")
+
+
+def greedy_chain(runner, prompt: list[int], n: int) -> list[int]:
+    model = runner.model
+    kv = model.new_cache(4096)
+    logits = model.prefill(torch.tensor(prompt), kv)[-1]
+    chain = []
+    for _ in range(n):
+        chain.append(int(logits.argmax()))
+        logits = model.prefill(torch.tensor(chain[-1:]), kv)[-1]
+    return chain
+
+
+def test_greedy_tokens_equal_reference_argmax_chain(loaded):
+    runner, tok = loaded
+    prompts = [tok.encode("The sea is wide, the sea is deep."), tok.encode("def f(x):\n    return x"),
+               tok.encode("Hello")]
+    engine = Engine(runner, tok, EngineConfig(chunk_size=5, max_running=2))  # chunks, and a queue
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    outs = run_all(engine, [(p, params) for p in prompts])
+    for prompt, out in zip(prompts, outs, strict=True):
+        got = [t for o in out for t in o.token_ids]
+        assert got == greedy_chain(runner, prompt, 12)
+        assert out[-1].finish_reason == "length" and out[-1].n_generated == 12
+        assert "".join(o.text for o in out) == tok.decode(got)
+        t = out[-1].timings
+        assert t.prompt_n == len(prompt) and t.predicted_n == 12 and t.prompt_ms > 0
+
+
+def test_abort_frees_the_kv_cache_at_once(loaded):
+    runner, tok = loaded
+    engine = Engine(runner, tok, EngineConfig())
+    outs: list[RequestOutput] = []
+    rid = engine.submit(tok.encode("a long story"), SamplingParams(max_tokens=1000, ignore_eos=True), outs.append)
+    for _ in range(3):
+        engine.step()
+    assert engine.n_running == 1 and engine.kv_bytes > 0
+    engine.abort(rid)
+    engine.step()
+    assert engine.n_running == 0 and engine.kv_bytes == 0
+    assert not any(o.finished for o in outs)  # an aborted request is not answered any more
+
+
+def test_context_overflow_and_bad_prompts(loaded):
+    runner, tok = loaded
+    engine = Engine(runner, tok, EngineConfig(ctx_size=64))
+    with pytest.raises(ContextOverflow) as e:
+        engine.submit([1] * 60, SamplingParams(max_tokens=5), lambda o: None)
+    assert e.value.n_ctx == 64 and e.value.n_prompt_tokens == 60
+    with pytest.raises(ValueError, match="empty"):
+        engine.submit([], SamplingParams(max_tokens=5), lambda o: None)
+    with pytest.raises(ValueError, match="token ids"):
+        engine.submit([10**6], SamplingParams(max_tokens=5), lambda o: None)
+
+
+def test_eos_and_stop_string_end_generation(loaded):
+    runner, tok = loaded
+    prompt = tok.encode("Hello there")
+    chain = greedy_chain(runner, prompt, 8)
+    text = tok.decode(chain)
+    stop = text[3:6]  # lands inside the generated text, likely across tokens
+    engine = Engine(runner, tok, EngineConfig())
+    (out,) = run_all(engine, [(prompt, SamplingParams(max_tokens=8, temperature=0, stop=(stop,)))])
+    assert out[-1].finish_reason == "stop"
+    assert "".join(o.text for o in out) == text[:text.index(stop)]
+
+
+def test_seed_gives_same_samples(loaded):
+    runner, tok = loaded
+    engine = Engine(runner, tok, EngineConfig())
+    p = SamplingParams(max_tokens=10, temperature=1.0, top_p=0.9, seed=1234, ignore_eos=True)
+    prompt = tok.encode("Tell me a story")
+    a, b = run_all(engine, [(prompt, p), (prompt, p)])
+    c, = run_all(engine, [(prompt, SamplingParams(**{**p.__dict__, "seed": 99}))])
+    ids = [[t for o in out for t in o.token_ids] for out in (a, b, c)]
+    assert ids[0] == ids[1] != ids[2]
+
+
+def test_background_thread(loaded):
+    runner, tok = loaded
+    engine = Engine(runner, tok, EngineConfig())
+    engine.start()
+    done = threading.Event()
+    outs: list[RequestOutput] = []
+
+    def on(o: RequestOutput) -> None:
+        outs.append(o)
+        if o.finished:
+            done.set()
+
+    engine.submit(tok.encode("Hi"), SamplingParams(max_tokens=5, temperature=0, ignore_eos=True), on)
+    assert done.wait(30)
+    engine.shutdown()
+    assert outs[-1].n_generated == 5
+
+
+# -- sampler -------------------------------------------------------------------------------------
+
+def test_sampler_rules():
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(500, generator=g)
+    top = int(logits.argmax())
+    assert Sampler(SamplingParams(max_tokens=1, temperature=0)).sample(logits) == top
+    assert Sampler(SamplingParams(max_tokens=1, top_k=1)).sample(logits) == top
+    assert Sampler(SamplingParams(max_tokens=1, top_p=1e-6)).sample(logits) == top
+    assert Sampler(SamplingParams(max_tokens=1, min_p=1.0)).sample(logits) == top
+    draws = {Sampler(SamplingParams(max_tokens=1, top_k=3, seed=s)).sample(logits) for s in range(60)}
+    assert draws == set(torch.topk(logits, 3).indices.tolist())
+    s = Sampler(SamplingParams(max_tokens=5, temperature=0, presence_penalty=2.0, frequency_penalty=2.0))
+    picks = [s.sample(logits) for _ in range(3)]
+    assert len(set(picks)) == 3  # penalties push the greedy pick off repeated tokens
+    with pytest.raises(ValueError):
+        SamplingParams(max_tokens=1, top_p=0)
+
+
+@pytest.mark.parametrize("pieces, stops, emitted, stopped", [
+    (["Hel", "lo wor", "ld"], ("lo w",), "Hel", True),
+    (["ab", "c", "d"], ("cd",), "ab", True),
+    (["ab", "c", "x"], ("cd",), "abcx", False),
+    (["x<", "|e", "nd|>tail"], ("<|end|>",), "x", True),
+    (["no stops here"], (), "no stops here", False),
+])
+def test_stop_matcher_across_pieces(pieces, stops, emitted, stopped):
+    m = StopMatcher(stops)
+    out, hit = "", False
+    for p in pieces:
+        text, hit = m.feed(p)
+        out += text
+        if hit:
+            break
+    if not hit:
+        out += m.flush()
+    assert (out, hit) == (emitted, stopped)
