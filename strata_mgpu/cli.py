@@ -126,6 +126,96 @@ def info(model: Path, link_gbps: float) -> None:
     out.print(bt)
 
 
+def _int_list(value: str) -> list[int]:
+    try:
+        items = [int(x) for x in value.split(",") if x.strip()]
+    except ValueError:
+        raise click.BadParameter(f"{value!r} is not a comma-separated list of integers") from None
+    if not items or any(x < 1 for x in items):
+        raise click.BadParameter(f"{value!r}: give positive integers")
+    return items
+
+
+device_option = click.option("--device", default="auto", show_default=True,
+                             help="cpu, cuda, cuda:N; auto: cuda:0 when CUDA is there, else cpu")
+max_vram_option = click.option("--max-vram", type=click.FloatRange(min=0.5), default=None,
+                               help="GiB of VRAM the stage may use (so a big card can stand in for a small one)")
+dtype_option = click.option("--dtype", type=click.Choice(["bf16", "fp32"]), default="bf16", show_default=True,
+                            help="compute dtype on the GPU (fp32: slower, for checks)")
+
+
+def _stage_options(device: str, max_vram: float | None, dtype: str, chunk_size: int = 8192):
+    import torch
+
+    from strata_mgpu.runtime.device import parse_device
+    from strata_mgpu.runtime.stage import StageOptions
+
+    dev = torch.device("cuda", 0) if device == "auto" and torch.cuda.is_available() else \
+        torch.device("cpu") if device == "auto" else parse_device(device)
+    return StageOptions(device=dev, max_vram_gib=max_vram, chunk_size=chunk_size,
+                        dtype=torch.float32 if dtype == "fp32" else None)
+
+
+@main.command()
+@click.argument("model", type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--prompt-tokens", default="1024,2048,4096,8192", show_default=True, help="one-chunk prompt lengths")
+@click.option("--decode-tokens", default=64, show_default=True, type=click.IntRange(min=0))
+@click.option("--runs", default=3, show_default=True, type=click.IntRange(min=1), help="median of this many")
+@device_option
+@max_vram_option
+@dtype_option
+@click.option("--json", "json_out", type=click.Path(dir_okay=False, path_type=Path), default=None)
+def bench(model: Path, prompt_tokens: str, decode_tokens: int, runs: int, device: str, max_vram: float | None,
+          dtype: str, json_out: Path | None) -> None:
+    """Prefill tok/s against the PCIe link bound, and decode tok/s."""
+    from strata_mgpu.runtime.device import DeviceError
+    from strata_mgpu.tools.bench import run_bench, write_json
+
+    lengths = _int_list(prompt_tokens)
+    try:
+        opts = _stage_options(device, max_vram, dtype, chunk_size=max(lengths))
+        stage = _build_stage(model, opts)
+        result = run_bench(stage, model.name, lengths, decode_tokens, runs, max_vram, on_step=err.print)
+    except (GGUFError, DeviceError) as e:
+        fail(str(e))
+    t = Table(title=f"{model.name} on {result.device} ({result.kernels}), experts {_gb(result.expert_bytes)}, "
+                    f"pinned H2D {result.link_gb_per_s:.1f} GB/s" if result.link_gb_per_s else
+                    f"{model.name} on {result.device} ({result.kernels})")
+    for col in ("prompt tokens", "prefill tok/s", "seconds", "expert GB/s", "link bound s", "ratio to bound"):
+        t.add_column(col, justify="right")
+    for r in result.prefill:
+        t.add_row(f"{r.tokens:,}", f"{r.tok_per_s:,.0f}", f"{r.seconds:.3f}", f"{r.expert_gb_per_s:.1f}",
+                  f"{r.bound_s:.3f}" if r.bound_s else "n/a", f"{r.ratio_to_bound:.2f}" if r.ratio_to_bound else "n/a")
+    out.print(t)
+    if result.decode_tok_per_s is not None:
+        out.print(f"decode: {result.decode_tok_per_s:.1f} tok/s ({decode_tokens} tokens, batch 1)")
+    if result.peak_vram_gb is not None:
+        out.print(f"peak VRAM reserved: {result.peak_vram_gb:.2f} GB"
+                  + (f" (budget {max_vram:g} GiB = {max_vram * 2**30 / 1e9:.2f} GB)" if max_vram else ""))
+    if json_out:
+        write_json(result, json_out)
+
+
+def _build_stage(model: Path, opts):
+    from rich.progress import MofNCompleteColumn
+
+    from strata_mgpu.model.spec import spec_from_gguf
+    from strata_mgpu.runtime.stage import Stage
+
+    f = GGUFFile(model)
+    spec = spec_from_gguf(f)
+    with Progress(TextColumn("[bold]loading[/] {task.description}"), BarColumn(), MofNCompleteColumn(),
+                  TimeRemainingColumn(), console=err, transient=True) as bar:
+        tasks: dict[str, int] = {}
+
+        def on_progress(what: str, done: int, total: int) -> None:
+            if what not in tasks:
+                tasks[what] = bar.add_task(what, total=total)
+            bar.update(tasks[what], completed=done)
+
+        return Stage(f, spec, opts, on_progress=on_progress)
+
+
 @main.command()
 @click.argument("model", required=False, type=click.Path(dir_okay=False, path_type=Path))
 @click.option("--host", default="127.0.0.1", show_default=True)
@@ -138,11 +228,15 @@ def info(model: Path, link_gbps: float) -> None:
               help="sequences decoded together")
 @click.option("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
 @click.option("--alias", default=None, help="model name clients use (default: the file name)")
+@device_option
+@max_vram_option
+@dtype_option
 def serve(model: Path | None, host: str, port: int, ctx_size: int | None, chunk_size: int, max_running: int,
-          api_key: str | None, alias: str | None) -> None:
+          api_key: str | None, alias: str | None, device: str, max_vram: float | None, dtype: str) -> None:
     """OpenAI-compatible server. With no MODEL, serves a small built-in demo model."""
     from strata_mgpu.config import EngineConfig, ServerConfig
     from strata_mgpu.env import EnvError
+    from strata_mgpu.runtime.device import DeviceError
     from strata_mgpu.server import launch
 
     try:
@@ -150,9 +244,10 @@ def serve(model: Path | None, host: str, port: int, ctx_size: int | None, chunk_
             model = launch.demo_model_path()
             alias = alias or launch.DEMO_NAME
         config = ServerConfig(model_path=model, host=host, port=port, api_key=api_key, alias=alias,
-                              engine=EngineConfig(ctx_size=ctx_size, chunk_size=chunk_size, max_running=max_running))
+                              engine=EngineConfig(ctx_size=ctx_size, chunk_size=chunk_size, max_running=max_running),
+                              stage=_stage_options(device, max_vram, dtype, chunk_size))
         launch.serve(config)
-    except (GGUFError, EnvError) as e:
+    except (GGUFError, EnvError, DeviceError) as e:
         fail(str(e))
 
 

@@ -3,8 +3,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from strata_mgpu.runtime.stage import StageOptions
 
 
 @dataclass(frozen=True)
@@ -32,7 +36,8 @@ class ServerConfig:
     port: int = 8080
     api_key: str | None = None
     alias: str | None = None  # the model name clients use; default: the file's stem
-    engine: EngineConfig = EngineConfig()
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    stage: StageOptions | None = None  # None or a CPU device: the fp32 reference forward on the CPU
 
     @property
     def model_name(self) -> str:

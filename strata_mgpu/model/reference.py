@@ -1,4 +1,5 @@
-"""The plain torch forward of a Qwen3-MoE decoder: the oracle every fast path is checked against.
+"""The Qwen3-MoE decoder forward, written once; with `DenseExperts` it is the plain torch oracle
+every fast path is checked against.
 
 Shape legend: T = token rows in the batch, D = hidden, H = query heads, Hkv = KV heads,
 Dh = head dim, E = experts, A = experts used per token, F = expert width, V = vocab, S = keys.
@@ -6,12 +7,17 @@ Dh = head dim, E = experts, A = experts used per token, F = expert width, V = vo
 One batch packs several sequences along T (`Segment`s): a prefill is one segment of many rows,
 a decode step is one row for each running sequence. Everything but attention runs on all rows
 at once; attention runs per segment against that sequence's KV cache.
+
+What differs between devices is the routed experts: `Decoder` takes an `ExpertBackend`.
+`DenseExperts` computes them from dequantized tensors (the reference); the GPU stage streams
+them from pinned host memory (`runtime.streamed_experts`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -70,7 +76,7 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch
 def route(h: torch.Tensor, router: torch.Tensor, n_used: int, renormalize: bool
           ) -> tuple[torch.Tensor, torch.Tensor]:
     """Router softmax -> top-k -> renormalize. h [T, D] -> (weights [T, A] fp32, experts [T, A])."""
-    probs = torch.softmax((h @ router.T).float(), dim=-1)  # [T, E]
+    probs = torch.softmax(h.float() @ router.float().T, dim=-1)  # [T, E], fp32 whatever h's dtype
     weights, experts = torch.topk(probs, n_used, dim=-1)
     if renormalize:
         weights = weights / weights.sum(-1, keepdim=True)
@@ -88,12 +94,38 @@ def moe_reference(h: torch.Tensor, w: LayerWeights, weights: torch.Tensor, exper
     return out
 
 
-class ReferenceModel:
-    """fp32 (or any dtype) Qwen3-MoE forward over dense, dequantized weights."""
+class ExpertBackend(Protocol):
+    """Computes a layer's routed experts for the rows routed to them."""
 
-    def __init__(self, spec: ModelSpec, weights: ModelWeights):
+    def begin(self, n_rows: int) -> None:
+        """A forward over n_rows token rows starts (a streaming backend starts its uploads)."""
+        ...
+
+    def forward(self, layer: int, h: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        """h [T, D], router weights [T, A] fp32, expert ids [T, A] -> weighted expert outputs [T, D]."""
+        ...
+
+
+class DenseExperts:
+    """Experts from dequantized tensors in memory, one expert at a time: the oracle."""
+
+    def __init__(self, layers: Sequence[LayerWeights]):
+        self.layers = layers
+
+    def begin(self, n_rows: int) -> None:
+        pass
+
+    def forward(self, layer: int, h: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        return moe_reference(h, self.layers[layer], weights, experts)
+
+
+class Decoder:
+    """The decoder forward over dense weights (any dtype, any device) and an expert backend."""
+
+    def __init__(self, spec: ModelSpec, weights: ModelWeights, experts: ExpertBackend):
         self.spec = spec
         self.w = weights
+        self.experts = experts
 
     @property
     def device(self) -> torch.device:
@@ -116,11 +148,12 @@ class ReferenceModel:
                                for seg in segments])  # [T]
         cos, sin = rope_cos_sin(positions, s.head_dim, s.rope_base, self.w.embed.dtype)
         x = self.w.embed[tokens]  # [T, D]
+        self.experts.begin(tokens.shape[0])
         for i, layer in enumerate(self.w.layers):
             x = x + self._attention(i, layer, rms_norm(x, layer.attn_norm, s.rms_eps), cos, sin, segments)
             h = rms_norm(x, layer.ffn_norm, s.rms_eps)
             weights, experts = route(h, layer.router, s.n_experts_used, s.norm_topk_prob)
-            x = x + moe_reference(h, layer, weights, experts)
+            x = x + self.experts.forward(i, h, weights, experts)
         for seg in segments:
             seg.kv.advance(seg.n)
         return x
@@ -147,3 +180,10 @@ class ReferenceModel:
     def prefill(self, tokens: torch.Tensor, kv: KVCache) -> torch.Tensor:
         """All-position logits [T, V] of one sequence's new tokens."""
         return self.logits(self.forward(tokens, [Segment(0, tokens.shape[0], kv)]))
+
+
+class ReferenceModel(Decoder):
+    """The oracle: dense dequantized weights (fp32 by default), experts one at a time."""
+
+    def __init__(self, spec: ModelSpec, weights: ModelWeights):
+        super().__init__(spec, weights, DenseExperts(weights.layers))

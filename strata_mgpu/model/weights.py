@@ -24,10 +24,10 @@ class LayerWeights:
     q_norm: torch.Tensor  # [Dh]
     k_norm: torch.Tensor  # [Dh]
     ffn_norm: torch.Tensor  # [D]
-    router: torch.Tensor  # [E, D]
-    gate: torch.Tensor  # [E, F, D]
-    up: torch.Tensor  # [E, F, D]
-    down: torch.Tensor  # [E, D, F]
+    router: torch.Tensor  # [E, D], fp32
+    gate: torch.Tensor | None = None  # [E, F, D]; None where the experts are streamed
+    up: torch.Tensor | None = None  # [E, F, D]
+    down: torch.Tensor | None = None  # [E, D, F]
 
 
 @dataclass
@@ -39,21 +39,25 @@ class ModelWeights:
 
 
 def load_weights(f: GGUFFile, spec: ModelSpec, *, dtype: torch.dtype = torch.float32,
-                 device: torch.device | str = "cpu", on_layer: Callable[[int], None] | None = None) -> ModelWeights:
-    """Dequantize every tensor to `dtype` on `device`; `on_layer(i)` reports progress."""
+                 device: torch.device | str = "cpu", with_experts: bool = True,
+                 on_layer: Callable[[int], None] | None = None) -> ModelWeights:
+    """Dequantize every tensor to `dtype` on `device` (the router stays fp32); without experts
+    when they are streamed. `on_layer(i)` reports progress."""
 
-    def get(kind: T, layer: int | None = None) -> torch.Tensor:
+    def get(kind: T, layer: int | None = None, as_dtype: torch.dtype = dtype) -> torch.Tensor:
         name = tname(kind, layer)
         info = f.tensor(name)
-        return dequantize(f.tensor_data(name), info.ggml_type, info.shape).to(device=device, dtype=dtype)
+        return dequantize(f.tensor_data(name), info.ggml_type, info.shape, device).to(as_dtype)
 
     layers = []
     for i in range(spec.n_layers):
-        layers.append(LayerWeights(
+        lw = LayerWeights(
             attn_norm=get(T.ATTN_NORM, i), wq=get(T.ATTN_Q, i), wk=get(T.ATTN_K, i), wv=get(T.ATTN_V, i),
             wo=get(T.ATTN_OUT, i), q_norm=get(T.ATTN_Q_NORM, i), k_norm=get(T.ATTN_K_NORM, i),
-            ffn_norm=get(T.FFN_NORM, i), router=get(T.FFN_GATE_INP, i), gate=get(T.FFN_GATE_EXP, i),
-            up=get(T.FFN_UP_EXP, i), down=get(T.FFN_DOWN_EXP, i)))
+            ffn_norm=get(T.FFN_NORM, i), router=get(T.FFN_GATE_INP, i, torch.float32))
+        if with_experts:
+            lw.gate, lw.up, lw.down = get(T.FFN_GATE_EXP, i), get(T.FFN_UP_EXP, i), get(T.FFN_DOWN_EXP, i)
+        layers.append(lw)
         if on_layer:
             on_layer(i)
     embed = get(T.TOKEN_EMBD)

@@ -122,13 +122,15 @@ def has_torch_kernel(ggml_type: GGMLQuantizationType) -> bool:
     return ggml_type in _TORCH_KERNELS or ggml_type in (Q.F32, Q.F16, Q.BF16)
 
 
-def dequantize(raw: np.ndarray, ggml_type: GGMLQuantizationType, shape: tuple[int, ...]) -> torch.Tensor:
-    """Host bytes of a tensor ([..., row_bytes] uint8) -> float32 CPU tensor of `shape`."""
+def dequantize(raw: np.ndarray, ggml_type: GGMLQuantizationType, shape: tuple[int, ...],
+               device: torch.device | str = "cpu") -> torch.Tensor:
+    """Host bytes of a tensor ([..., row_bytes] uint8) -> float32 tensor of `shape` on `device`
+    (the torch formats are dequantized there; the others on the host, then moved)."""
     fmt = block_format(ggml_type)
     row_len = shape[-1]
     flat = np.array(raw, dtype=np.uint8).reshape(-1, fmt.row_bytes(row_len))  # owned copy: memmaps are read-only
     if has_torch_kernel(ggml_type):
-        out = dequantize_rows(torch.from_numpy(flat), ggml_type, row_len)
+        out = dequantize_rows(torch.from_numpy(flat).to(device), ggml_type, row_len)
     else:
         out = torch.from_numpy(np.ascontiguousarray(gguf_quants.dequantize(flat, ggml_type), dtype=np.float32))
-    return out.reshape(shape)
+    return out.to(device).reshape(shape)

@@ -12,7 +12,7 @@ from typing import Protocol
 import torch
 
 from strata_mgpu.model.gguf_reader import GGUFFile
-from strata_mgpu.model.reference import ReferenceModel, Segment
+from strata_mgpu.model.reference import Decoder, ReferenceModel, Segment
 from strata_mgpu.model.spec import ModelSpec
 from strata_mgpu.model.weights import load_weights
 from strata_mgpu.runtime.kv_cache import KVCache
@@ -34,10 +34,10 @@ class ModelRunner(Protocol):
         ...
 
 
-class ReferenceRunner:
-    """ModelRunner over the plain torch forward (fp32), on the CPU or any torch device."""
+class DecoderRunner:
+    """ModelRunner over a `Decoder`: the fp32 reference on the CPU, or a device stage."""
 
-    def __init__(self, model: ReferenceModel):
+    def __init__(self, model: Decoder):
         self.model = model
         self.spec = model.spec
 
@@ -56,7 +56,7 @@ class ReferenceRunner:
 
 
 def load_reference_runner(f: GGUFFile, spec: ModelSpec, on_progress: Callable[[int, int], None] | None = None
-                          ) -> ReferenceRunner:
+                          ) -> DecoderRunner:
     """Dequantize a validated GGUF's weights to fp32; `on_progress(done, total)` counts layers."""
     weights = load_weights(f, spec, on_layer=(lambda i: on_progress(i + 1, spec.n_layers)) if on_progress else None)
-    return ReferenceRunner(ReferenceModel(spec, weights))
+    return DecoderRunner(ReferenceModel(spec, weights))

@@ -18,6 +18,7 @@ from strata_mgpu.model.spec import ModelSpec, spec_from_gguf
 from strata_mgpu.model.tokenizer import Tokenizer, tokenizer_from_gguf
 from strata_mgpu.runtime.engine import Engine
 from strata_mgpu.runtime.model_runner import load_reference_runner
+from strata_mgpu.runtime.stage import Stage
 from strata_mgpu.server.app import ServerState, create_app
 
 log = logging.getLogger("strata.server")
@@ -47,9 +48,19 @@ def _load(state: ServerState, config: ServerConfig, f: GGUFFile, spec: ModelSpec
     console = Console(stderr=True)
     try:
         with Progress(TextColumn("[bold]loading[/] {task.description}"), BarColumn(), MofNCompleteColumn(),
-                      TextColumn("layers"), TimeElapsedColumn(), console=console) as bar:
-            task = bar.add_task(config.model_path.name, total=spec.n_layers)
-            runner = load_reference_runner(f, spec, on_progress=lambda done, _total: bar.update(task, completed=done))
+                      TimeElapsedColumn(), console=console) as bar:
+            tasks: dict[str, int] = {}
+
+            def on_progress(what: str, done: int, total: int) -> None:
+                if what not in tasks:
+                    tasks[what] = bar.add_task(what, total=total)
+                bar.update(tasks[what], completed=done)
+
+            opts = config.stage
+            if opts is None or opts.device.type == "cpu":
+                runner = load_reference_runner(f, spec, on_progress=lambda d, t: on_progress("layers", d, t))
+            else:
+                runner = Stage(f, spec, opts, on_progress=on_progress)
         engine = Engine(runner, tokenizer, config.engine)
         engine.start()
         state.engine = engine

@@ -1,0 +1,60 @@
+"""Loader for our CUDA kernels: `cuda_src/*.cu` compiled by NVRTC through CuPy, once per
+(file, template instantiation, device), and launched on torch's current stream.
+
+CuPy is imported only here and only when a CUDA stage is built; everything else runs without it.
+"""
+
+from __future__ import annotations
+
+from functools import cache
+from pathlib import Path
+
+import torch
+
+CUDA_SRC = Path(__file__).resolve().parents[1] / "cuda_src"
+
+
+class KernelUnavailable(RuntimeError):
+    """CuPy or the kernel source is missing: the stage falls back to the torch twins."""
+
+
+def cuda_source(name: str) -> str:
+    path = CUDA_SRC / name
+    if not path.exists():
+        raise KernelUnavailable(f"kernel source {path} is missing")
+    return path.read_text()
+
+
+@cache
+def _module(file: str, name_expressions: tuple[str, ...], device_index: int):
+    try:
+        import cupy
+    except ImportError as e:  # pragma: no cover - exercised on machines without CuPy
+        raise KernelUnavailable("CuPy is not installed (pip install 'strata-mgpu[cuda]')") from e
+    with cupy.cuda.Device(device_index):
+        mod = cupy.RawModule(code=cuda_source(file), options=("-std=c++17",), name_expressions=name_expressions)
+        mod.compile()
+    return mod
+
+
+def kernel(file: str, expression: str, all_expressions: tuple[str, ...], device: torch.device):
+    """The compiled kernel `expression` (e.g. 'dequant_bf16<12>') from `file` for `device`."""
+    mod = _module(file, all_expressions, device.index or 0)
+    return mod.get_function(expression)
+
+
+def launch(fn, grid: int, block: int, args: tuple, device: torch.device) -> None:
+    """Launch on torch's current stream of `device` (so stream order and events are torch's)."""
+    import cupy
+
+    stream = torch.cuda.current_stream(device)
+    with cupy.cuda.Device(device.index or 0), cupy.cuda.ExternalStream(stream.cuda_stream, device.index or 0):
+        fn((grid,), (block,), args)
+
+
+def cupy_available() -> bool:
+    try:
+        import cupy  # noqa: F401
+    except ImportError:
+        return False
+    return True

@@ -1,0 +1,66 @@
+"""The device expert ring: a few slots, each able to hold one layer's experts.
+
+Uploads run on the upload stream, ahead of compute. Contract: a slot is overwritten only after
+the event of its last reader has completed (`release` records it on the reader's stream, the next
+upload into the slot waits for it); a reader waits on the slot's ready event (`acquire`). Nothing
+here synchronizes the host.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from strata_mgpu.runtime.device import DeviceContext
+
+
+@dataclass
+class Slot:
+    index: int
+    buffer: torch.Tensor  # uint8 [slot_bytes] on the device
+    ready: torch.cuda.Event | None  # recorded on the upload stream after the copy
+    free: torch.cuda.Event | None  # recorded on the reader's stream after its last read
+    layer: int | None = None
+
+    def acquire(self, device: torch.device) -> torch.Tensor:
+        """Make the current stream wait for the slot's upload; returns its buffer."""
+        if self.ready is not None:
+            torch.cuda.current_stream(device).wait_event(self.ready)
+        return self.buffer
+
+    def release(self, device: torch.device) -> None:
+        """The current stream has issued its last read of the slot."""
+        if self.free is not None:
+            self.free.record(torch.cuda.current_stream(device))
+
+
+class ExpertRing:
+    def __init__(self, ctx: DeviceContext, slot_bytes: int, n_slots: int = 2):
+        assert n_slots >= 1 and slot_bytes > 0
+        self.ctx = ctx
+        self.slots = [Slot(i, torch.empty(slot_bytes, dtype=torch.uint8, device=ctx.device), ctx.event(), ctx.event())
+                      for i in range(n_slots)]
+        self._next = 0
+        self.uploaded_bytes = 0
+
+    @property
+    def nbytes(self) -> int:
+        return sum(s.buffer.numel() for s in self.slots)
+
+    def upload(self, layer: int, src: torch.Tensor) -> Slot:
+        """Queue `src` (pinned host bytes of one layer) into the next slot; returns it at once."""
+        slot = self.slots[self._next]
+        self._next = (self._next + 1) % len(self.slots)
+        n = src.numel()
+        assert n <= slot.buffer.numel(), f"layer {layer}: {n} bytes exceed the slot's {slot.buffer.numel()}"
+        if self.ctx.upload is None:
+            slot.buffer[:n].copy_(src)
+        else:
+            with torch.cuda.stream(self.ctx.upload):
+                self.ctx.upload.wait_event(slot.free)  # its last reader is done with the old layer
+                slot.buffer[:n].copy_(src, non_blocking=True)
+                slot.ready.record(self.ctx.upload)
+        slot.layer = layer
+        self.uploaded_bytes += n
+        return slot

@@ -1,0 +1,131 @@
+"""The host expert arena: every layer's routed experts in one pinned host buffer.
+
+Layout: layer after layer; inside a layer, expert after expert; inside an expert its raw GGUF
+blocks as [gate | up | down]. So one layer's experts are one contiguous upload, one expert is one
+contiguous slice, and a run of experts is one slice too. Resident memory is the expert bytes
+exactly (one allocation, pinned in place with cudaHostRegister: torch's pinned allocator would
+round 18.8 GB up to the next power of two).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from gguf.constants import GGMLQuantizationType
+
+from strata_mgpu.model.gguf_reader import GGUFFile
+from strata_mgpu.model.spec import ModelSpec, T, tname
+from strata_mgpu.quant.formats import block_format
+
+CUDA_HOST_REGISTER_PORTABLE = 1
+CUDA_HOST_REGISTER_MAPPED = 2
+
+
+class PinError(RuntimeError):
+    """The arena could not be pinned."""
+
+
+@dataclass(frozen=True)
+class ExpertLayout:
+    """Where one layer's expert matrices sit inside an expert's bytes."""
+
+    gate_type: GGMLQuantizationType  # gate and up share it
+    down_type: GGMLQuantizationType
+    gate_bytes: int  # one expert's gate (= its up)
+    down_bytes: int
+    gate_weights: int  # F * D
+    down_weights: int  # D * F
+
+    @property
+    def expert_bytes(self) -> int:
+        return 2 * self.gate_bytes + self.down_bytes
+
+    @property
+    def down_offset(self) -> int:
+        return 2 * self.gate_bytes
+
+
+def layer_layout(f: GGUFFile, spec: ModelSpec, layer: int) -> ExpertLayout:
+    gate, up, down = (f.tensor(tname(k, layer)) for k in (T.FFN_GATE_EXP, T.FFN_UP_EXP, T.FFN_DOWN_EXP))
+    if gate.ggml_type != up.ggml_type:
+        raise ValueError(f"layer {layer}: gate is {gate.ggml_type.name} but up is {up.ggml_type.name}; "
+                         f"streamed experts need them alike")
+    for t in (gate, down):
+        block_format(t.ggml_type)
+    return ExpertLayout(gate_type=gate.ggml_type, down_type=down.ggml_type,
+                        gate_bytes=gate.nbytes // spec.n_experts, down_bytes=down.nbytes // spec.n_experts,
+                        gate_weights=spec.expert_ffn * spec.hidden, down_weights=spec.hidden * spec.expert_ffn)
+
+
+class HostExpertArena:
+    """Experts of `layers` in host memory, pinned when `pin` (needs CUDA)."""
+
+    def __init__(self, f: GGUFFile, spec: ModelSpec, layers: range, *, pin: bool,
+                 on_layer: Callable[[int], None] | None = None):
+        self.spec = spec
+        self.layers = layers
+        self.layouts = {i: layer_layout(f, spec, i) for i in layers}
+        self.offsets: dict[int, int] = {}
+        total = 0
+        for i in layers:
+            self.offsets[i] = total
+            total += spec.n_experts * self.layouts[i].expert_bytes
+        self.nbytes = total
+        self._host = np.empty(total, dtype=np.uint8)  # anonymous memory: resident as it is filled
+        for i in layers:
+            self._fill(f, i)
+            if on_layer:
+                on_layer(i)
+        self.buffer = torch.from_numpy(self._host)
+        self.pinned = False
+        if pin:
+            self._pin()
+
+    def _fill(self, f: GGUFFile, layer: int) -> None:
+        lay, E = self.layouts[layer], self.spec.n_experts
+        dst = self._host[self.offsets[layer]:self.offsets[layer] + E * lay.expert_bytes].reshape(E, lay.expert_bytes)
+        for kind, start, size in ((T.FFN_GATE_EXP, 0, lay.gate_bytes), (T.FFN_UP_EXP, lay.gate_bytes, lay.gate_bytes),
+                                  (T.FFN_DOWN_EXP, lay.down_offset, lay.down_bytes)):
+            dst[:, start:start + size] = f.tensor_data(tname(kind, layer)).reshape(E, size)
+
+    def _pin(self) -> None:
+        if not torch.cuda.is_available():
+            raise PinError("pinning the expert arena needs CUDA")
+        ptr, size = self._host.ctypes.data, self._host.nbytes
+        err = torch.cuda.cudart().cudaHostRegister(ptr, size, CUDA_HOST_REGISTER_PORTABLE | CUDA_HOST_REGISTER_MAPPED)
+        if int(err) != 0:
+            raise PinError(f"cudaHostRegister of {size / 1e9:.2f} GB failed (error {int(err)}): raise the "
+                           f"locked-memory limit (ulimit -l) or free host RAM")
+        self.pinned = True
+
+    def layer(self, layer: int) -> torch.Tensor:
+        """uint8 [E * expert_bytes]: the whole layer, one contiguous upload."""
+        start = self.offsets[layer]
+        return self.buffer[start:start + self.spec.n_experts * self.layouts[layer].expert_bytes]
+
+    def expert(self, layer: int, e: int) -> torch.Tensor:
+        """uint8 [expert_bytes]: one expert's gate, up and down."""
+        size = self.layouts[layer].expert_bytes
+        start = self.offsets[layer] + e * size
+        return self.buffer[start:start + size]
+
+    @property
+    def max_layer_bytes(self) -> int:
+        return max(self.spec.n_experts * lay.expert_bytes for lay in self.layouts.values())
+
+    @property
+    def max_expert_bytes(self) -> int:
+        return max(lay.expert_bytes for lay in self.layouts.values())
+
+    def close(self) -> None:
+        if self.pinned:
+            torch.cuda.cudart().cudaHostUnregister(self._host.ctypes.data)
+            self.pinned = False
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):  # at interpreter shutdown there may be nothing to unregister with
+            self.close()

@@ -1,0 +1,119 @@
+"""Ops of the streamed-expert path, each with a plain torch twin and a CUDA version.
+
+`TorchKernels` is the twin (any device, the CPU included); `CudaKernels` overrides what it
+speeds up: dequantization by `cuda_src/dequant.cu`, the grouped expert GEMMs by
+`torch._grouped_mm`. `select_kernels` picks once, when a stage is built.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from gguf.constants import GGMLQuantizationType
+
+from strata_mgpu.quant.dequant import dequantize_rows
+from strata_mgpu.quant.formats import block_format
+from strata_mgpu.runtime import cuda_kernels
+
+log = logging.getLogger("strata.kernels")
+Q = GGMLQuantizationType
+DEQUANT_FILE = "dequant.cu"
+CUDA_DEQUANT_TYPES = (Q.F32, Q.F16, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K)
+_DEQUANT_EXPRS = tuple(f"dequant_bf16<{int(t)}>" for t in CUDA_DEQUANT_TYPES)
+
+
+class TorchKernels:
+    """Plain torch: the oracle for the CUDA versions, and the path where those are missing."""
+
+    name = "torch"
+
+    def dequant(self, src: torch.Tensor, ggml_type: GGMLQuantizationType, groups: int, weights_per_group: int,
+                group_stride: int, out: torch.Tensor) -> None:
+        """`groups` runs of blocks, `group_stride` bytes apart from src[0] -> out [groups * weights_per_group]."""
+        fmt = block_format(ggml_type)
+        run_bytes = weights_per_group // fmt.block_size * fmt.type_size
+        runs = torch.as_strided(src, (groups, run_bytes), (group_stride, 1))
+        blocks = runs.reshape(-1, fmt.type_size)  # one block per row
+        values = dequantize_rows(blocks.contiguous(), ggml_type, fmt.block_size)
+        out.copy_(values.reshape(-1))
+
+    def grouped_mlp(self, x: torch.Tensor, offs: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor
+                    ) -> torch.Tensor:
+        """SiLU-gated MLP per group: x [M, D] sorted by group, offs [G] cumulative row ends,
+        w_gate_up [G, 2F, D], w_down [G, D, F] -> [M, D]."""
+        out = torch.empty_like(x)
+        ends = offs.tolist()
+        f = w_down.shape[-1]
+        start = 0
+        for g, end in enumerate(ends):
+            if end > start:
+                gu = x[start:end] @ w_gate_up[g].T  # [n, 2F]
+                out[start:end] = (F.silu(gu[:, :f]) * gu[:, f:]) @ w_down[g].T
+            start = end
+        return out
+
+
+class CudaKernels(TorchKernels):
+    """CUDA dequantization (NVRTC via CuPy) and torch._grouped_mm where the GPU has it."""
+
+    name = "cuda"
+
+    def __init__(self, device: torch.device, use_grouped_mm: bool):
+        self.device = device
+        self.use_grouped_mm = use_grouped_mm
+        for expr in _DEQUANT_EXPRS:  # compile now, not in the middle of the first prompt
+            cuda_kernels.kernel(DEQUANT_FILE, expr, _DEQUANT_EXPRS, device)
+
+    def dequant(self, src: torch.Tensor, ggml_type: GGMLQuantizationType, groups: int, weights_per_group: int,
+                group_stride: int, out: torch.Tensor) -> None:
+        if ggml_type == Q.BF16 or ggml_type not in CUDA_DEQUANT_TYPES or out.dtype != torch.bfloat16:
+            return super().dequant(src, ggml_type, groups, weights_per_group, group_stride, out)
+        assert src.is_cuda and out.is_contiguous() and out.numel() == groups * weights_per_group
+        assert weights_per_group % 32 == 0
+        fn = cuda_kernels.kernel(DEQUANT_FILE, f"dequant_bf16<{int(ggml_type)}>", _DEQUANT_EXPRS, self.device)
+        n_sub = groups * weights_per_group // 32
+        block = 256
+        grid = min((n_sub + block - 1) // block, 65535 * 8)
+        cuda_kernels.launch(fn, grid, block, (src.data_ptr(), out.data_ptr(), np.int64(n_sub),
+                                              np.int64(weights_per_group // 32), np.int64(group_stride)), self.device)
+
+    def grouped_mlp(self, x: torch.Tensor, offs: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor
+                    ) -> torch.Tensor:
+        if not self.use_grouped_mm or x.dtype != torch.bfloat16:
+            return super().grouped_mlp(x, offs, w_gate_up, w_down)
+        f = w_down.shape[-1]
+        gu = torch._grouped_mm(x, w_gate_up.transpose(1, 2), offs=offs)  # [M, 2F]
+        act = F.silu(gu[:, :f]) * gu[:, f:]  # [M, F]
+        return torch._grouped_mm(act, w_down.transpose(1, 2), offs=offs)  # [M, D]
+
+
+def _grouped_mm_works(device: torch.device) -> bool:
+    if not hasattr(torch, "_grouped_mm"):
+        return False
+    try:
+        x = torch.randn(24, 64, device=device, dtype=torch.bfloat16)
+        w = torch.randn(3, 32, 64, device=device, dtype=torch.bfloat16)
+        offs = torch.tensor([8, 8, 24], device=device, dtype=torch.int32)
+        got = torch._grouped_mm(x, w.transpose(1, 2), offs=offs)
+        ref = torch.cat([x[:8] @ w[0].T, x[8:24] @ w[2].T])
+        return bool(torch.allclose(got.float(), ref.float(), rtol=2e-2, atol=2e-2))
+    except (RuntimeError, NotImplementedError) as e:
+        log.info("torch._grouped_mm unavailable on %s: %s", device, e)
+        return False
+
+
+def select_kernels(device: torch.device, *, prefer_cuda: bool = True) -> TorchKernels:
+    """The kernel set for a stage on `device`, chosen once."""
+    if device.type != "cuda" or not prefer_cuda:
+        return TorchKernels()
+    try:
+        kernels = CudaKernels(device, use_grouped_mm=_grouped_mm_works(device))
+    except cuda_kernels.KernelUnavailable as e:
+        log.warning("CUDA kernels unavailable (%s): using the torch twins", e)
+        return TorchKernels()
+    log.info("kernels on %s: CUDA dequant, grouped GEMM %s", device,
+             "torch._grouped_mm" if kernels.use_grouped_mm else "per-expert loop")
+    return kernels

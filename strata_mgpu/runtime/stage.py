@@ -1,0 +1,113 @@
+"""A Stage: one device, a layer range, dense weights resident, routed experts streamed.
+
+Owns its device context, the dense weights of its layers (bf16 in VRAM), the host expert arena
+of its layers (pinned), its expert ring and expert cache, and the decoder forward over them.
+Today one stage holds every layer; `--layer-split` will make several.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from strata_mgpu.model.gguf_reader import GGUFFile
+from strata_mgpu.model.reference import Decoder
+from strata_mgpu.model.spec import ModelSpec
+from strata_mgpu.model.weights import load_weights
+from strata_mgpu.runtime.device import DeviceContext, DeviceError
+from strata_mgpu.runtime.expert_cache import ExpertCache
+from strata_mgpu.runtime.expert_ring import ExpertRing
+from strata_mgpu.runtime.host_arena import HostExpertArena
+from strata_mgpu.runtime.kernels import select_kernels
+from strata_mgpu.runtime.model_runner import DecoderRunner
+from strata_mgpu.runtime.streamed_experts import StreamedExperts
+
+log = logging.getLogger("strata.stage")
+GiB = 2**30
+
+
+@dataclass(frozen=True)
+class StageOptions:
+    device: torch.device
+    max_vram_gib: float | None = None
+    ring_slots: int = 2
+    chunk_size: int = 8192  # the largest prefill chunk, for the activation reserve
+    kv_reserve_tokens: int = 8192  # KV cache room kept out of the expert cache
+    expert_cache: bool = True
+    prefer_cuda_kernels: bool = True
+    dtype: torch.dtype | None = None  # compute dtype; None: bf16 on CUDA, fp32 on the CPU
+
+
+def activation_bytes(spec: ModelSpec, tokens: int, elem: int = 2) -> int:
+    """Rough peak of one layer's temporaries at `tokens` rows (routed rows dominate)."""
+    m = tokens * spec.n_experts_used
+    routed = m * (spec.hidden * 3 + spec.expert_ffn * 3) * elem  # sorted x, gate-up, act, y (twice)
+    dense = tokens * (spec.hidden * 6 + spec.q_dim * 3 + spec.kv_dim * 4) * elem + tokens * spec.n_experts * 8
+    return routed + dense
+
+
+def kv_bytes(spec: ModelSpec, n_layers: int, tokens: int, elem: int = 2) -> int:
+    return 2 * n_layers * tokens * spec.kv_dim * elem
+
+
+@dataclass
+class StageReport:
+    dense_bytes: int
+    arena_bytes: int
+    ring_bytes: int
+    workspace_bytes: int
+    cache_slots: int
+    kernels: str
+
+
+class Stage(DecoderRunner):
+    """A `ModelRunner` over one device and a layer range (all layers, for now)."""
+
+    def __init__(self, f: GGUFFile, spec: ModelSpec, opts: StageOptions,
+                 on_progress: Callable[[str, int, int], None] | None = None):
+        layers = range(spec.n_layers)
+        self.ctx = DeviceContext(opts.device, int(opts.max_vram_gib * GiB) if opts.max_vram_gib else None)
+        dtype = opts.dtype or (torch.bfloat16 if self.ctx.is_cuda else torch.float32)
+
+        def progress(what: str, total: int) -> Callable[[int], None]:
+            return (lambda i: on_progress(what, i + 1, total)) if on_progress else (lambda i: None)
+
+        dense = load_weights(f, spec, dtype=dtype, device=self.ctx.device, with_experts=False,
+                             on_layer=progress("dense weights", spec.n_layers))
+        dense_bytes = sum(t.numel() * t.element_size() for lw in dense.layers for t in vars(lw).values()
+                          if isinstance(t, torch.Tensor))
+        dense_bytes += sum(t.numel() * t.element_size() for t in {id(x): x for x in
+                                                                 (dense.embed, dense.output, dense.out_norm)}.values())
+        self.arena = HostExpertArena(f, spec, layers, pin=self.ctx.is_cuda, on_layer=progress("experts", len(layers)))
+        kernels = select_kernels(self.ctx.device, prefer_cuda=opts.prefer_cuda_kernels)
+        ring = ExpertRing(self.ctx, self.arena.max_layer_bytes, opts.ring_slots)
+        experts = StreamedExperts(self.ctx, spec, self.arena, kernels, ring, None, layers, dtype=dtype)
+        cache = self._expert_cache(spec, opts, experts.workspace_bytes)
+        experts.cache = cache
+        super().__init__(Decoder(spec, dense, experts))
+        self.report = StageReport(dense_bytes=dense_bytes, arena_bytes=self.arena.nbytes, ring_bytes=ring.nbytes,
+                                  workspace_bytes=experts.workspace_bytes, cache_slots=cache.n_slots if cache else 0,
+                                  kernels=kernels.name + ("+grouped_mm" if getattr(kernels, "use_grouped_mm", False)
+                                                          else ""))
+        log.info("stage on %s: dense %.2f GB, experts %.2f GB pinned, ring %d x %.1f MB, workspace %.2f GB, "
+                 "expert cache %d slots, kernels %s", self.ctx.device, dense_bytes / 1e9, self.arena.nbytes / 1e9,
+                 opts.ring_slots, self.arena.max_layer_bytes / 1e6, experts.workspace_bytes / 1e9,
+                 self.report.cache_slots, self.report.kernels)
+
+    def _expert_cache(self, spec: ModelSpec, opts: StageOptions, workspace: int) -> ExpertCache | None:
+        if not opts.expert_cache:
+            return None
+        reserve = activation_bytes(spec, opts.chunk_size) + kv_bytes(spec, spec.n_layers, opts.kv_reserve_tokens)
+        room = self.ctx.vram_free_in_budget() - reserve
+        slot = self.arena.max_expert_bytes
+        n = min(spec.n_layers * spec.n_experts, room // slot) if self.ctx.is_cuda else spec.n_experts
+        if n < spec.n_experts_used * 2:
+            if self.ctx.max_vram_bytes is not None and self.ctx.is_cuda:
+                raise DeviceError(f"--max-vram {opts.max_vram_gib:g} GiB leaves no room for the expert cache after "
+                                  f"dense weights, ring, workspace ({workspace / 1e9:.2f} GB) and the "
+                                  f"{reserve / 1e9:.2f} GB activation/KV reserve")
+            return None
+        return ExpertCache(self.ctx, slot, int(n))

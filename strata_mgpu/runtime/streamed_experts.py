@@ -1,0 +1,118 @@
+"""Routed experts streamed from the pinned host arena: the `ExpertBackend` of a device stage.
+
+Shape legend: T = token rows, D = hidden, E = experts, A = experts per token, M = T * A routed
+rows, F = expert width, G = experts present in this call.
+
+Two ways to bring a layer's experts in, picked per forward by how many rows it has:
+- stream: the whole layer goes up through the ring, one layer ahead of compute (prefill);
+- cache: only the experts the rows picked, one by one through the expert cache (decode).
+Either way the experts' bytes are dequantized to bf16 on the device and computed as one grouped
+GEMM pair over the rows sorted by expert.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from strata_mgpu.model.spec import ModelSpec
+from strata_mgpu.runtime.device import DeviceContext
+from strata_mgpu.runtime.expert_cache import ExpertCache
+from strata_mgpu.runtime.expert_ring import ExpertRing, Slot
+from strata_mgpu.runtime.host_arena import ExpertLayout, HostExpertArena
+from strata_mgpu.runtime.kernels import TorchKernels
+
+
+def group_rows(experts: torch.Tensor, n_groups: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """experts [T, A] group ids -> (order [M]: routed rows sorted by group, offs [G] int32 row ends).
+    Stable, and no host synchronization."""
+    flat = experts.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.zeros(n_groups, dtype=torch.int64, device=flat.device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))
+    return order, counts.cumsum(0).to(torch.int32)
+
+
+def combine(y_sorted: torch.Tensor, order: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """Sorted expert outputs [M, D] back to rows and weighted: [T, D]. A batched [1, A] x [A, D]
+    product per row (fp32 accumulation, no atomics), so the result is repeatable."""
+    t, a = weights.shape
+    y = torch.empty_like(y_sorted)
+    y[order] = y_sorted
+    return torch.bmm(weights.to(y.dtype).unsqueeze(1), y.view(t, a, -1)).squeeze(1)  # [T, 1, A] @ [T, A, D]
+
+
+class StreamedExperts:
+    def __init__(self, ctx: DeviceContext, spec: ModelSpec, arena: HostExpertArena, kernels: TorchKernels,
+                 ring: ExpertRing, cache: ExpertCache | None, layers: range, dtype: torch.dtype = torch.bfloat16):
+        self.ctx, self.spec, self.arena, self.kernels, self.ring, self.cache = ctx, spec, arena, kernels, ring, cache
+        self.layers = layers  # global layer ids, in order; forward() gets the index into them
+        E, F, D = spec.n_experts, spec.expert_ffn, spec.hidden
+        # one layer's experts as bf16: the GEMMs' operands (E x 2F x D and E x D x F)
+        self.w_gate_up = torch.empty(E, 2 * F, D, dtype=dtype, device=ctx.device)
+        self.w_down = torch.empty(E, D, F, dtype=dtype, device=ctx.device)
+        self._slots: dict[int, Slot] = {}
+        self.streaming = False
+
+    @property
+    def workspace_bytes(self) -> int:
+        return (self.w_gate_up.numel() + self.w_down.numel()) * self.w_gate_up.element_size()
+
+    def should_stream(self, n_rows: int) -> bool:
+        """Whole layers when the rows will touch most experts anyway, or could pick more experts
+        than the cache holds (or there is no cache)."""
+        picks = n_rows * self.spec.n_experts_used
+        return self.cache is None or picks >= self.spec.n_experts or picks > self.cache.n_slots
+
+    def begin(self, n_rows: int) -> None:
+        self.streaming = self.should_stream(n_rows)
+        self._slots.clear()
+        if self.streaming:
+            for i in range(min(len(self.ring.slots), len(self.layers))):
+                self._upload(i)
+
+    def _upload(self, i: int) -> None:
+        layer = self.layers[i]
+        self._slots[i] = self.ring.upload(layer, self.arena.layer(layer))
+
+    def forward(self, i: int, h: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        layer = self.layers[i]
+        lay = self.arena.layouts[layer]
+        if self.streaming:
+            slot = self._slots.pop(i)
+            src = slot.acquire(self.ctx.device)
+            self._dequant(src, lay, self.spec.n_experts, lay.expert_bytes, 0)
+            slot.release(self.ctx.device)  # dequant was the slot's only reader: the next upload may start
+            if i + len(self.ring.slots) < len(self.layers):
+                self._upload(i + len(self.ring.slots))
+            order, offs = group_rows(experts, self.spec.n_experts)
+            y = self.kernels.grouped_mlp(h[order // experts.shape[1]], offs, self.w_gate_up, self.w_down)
+            return combine(y, order, weights)
+        return self._forward_cached(layer, lay, h, weights, experts)
+
+    def _forward_cached(self, layer: int, lay: ExpertLayout, h: torch.Tensor, weights: torch.Tensor,
+                        experts: torch.Tensor) -> torch.Tensor:
+        assert self.cache is not None
+        present = torch.unique(experts)  # [G], sorted
+        ids = present.tolist()  # one host sync per layer: which experts to fetch
+        slots = []
+        in_use: set[int] = set()
+        for e in ids:
+            slot = self.cache.get(layer, e, self.arena.expert(layer, e), in_use)
+            in_use.add(slot.index)
+            slots.append(slot)
+        for g, slot in enumerate(slots):  # dequantize expert g into position g of the workspace
+            self._dequant(slot.acquire(self.ctx.device), lay, 1, lay.expert_bytes, g)
+            slot.release(self.ctx.device)
+        local = torch.searchsorted(present, experts)  # expert id -> position g
+        order, offs = group_rows(local, len(ids))
+        y = self.kernels.grouped_mlp(h[order // experts.shape[1]], offs, self.w_gate_up[:len(ids)],
+                                     self.w_down[:len(ids)])
+        return combine(y, order, weights)
+
+    def _dequant(self, src: torch.Tensor, lay: ExpertLayout, n: int, stride: int, at: int) -> None:
+        """n experts' bytes (stride apart from src[0]) -> workspace positions at .. at+n-1."""
+        gu = self.w_gate_up[at:at + n].view(-1)
+        dn = self.w_down[at:at + n].view(-1)
+        # gate and up are adjacent in an expert: one run of 2 * F * D weights per expert
+        self.kernels.dequant(src, lay.gate_type, n, 2 * lay.gate_weights, stride, gu)
+        self.kernels.dequant(src[lay.down_offset:], lay.down_type, n, lay.down_weights, stride, dn)

@@ -1,0 +1,1 @@
+"""Benchmark and sweep tools: importable modules the CLI calls."""

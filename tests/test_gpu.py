@@ -1,0 +1,135 @@
+"""GPU checks (marker `gpu`; skipped without CUDA): CUDA kernels against their torch twins, the
+stage against the reference forward, the VRAM budget, and greedy decode GPU vs CPU."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from strata_mgpu.model.gguf_reader import GGUFFile
+from strata_mgpu.model.spec import spec_from_gguf
+from strata_mgpu.model.synthetic import TensorPlan, make_tensor, write_model
+from strata_mgpu.quant import block_format
+from strata_mgpu.runtime.kernels import CUDA_DEQUANT_TYPES, TorchKernels, select_kernels
+from strata_mgpu.runtime.model_runner import load_reference_runner
+from strata_mgpu.runtime.stage import Stage, StageOptions
+
+pytestmark = pytest.mark.gpu
+CUDA = torch.device("cuda", 0)
+BF16_TOL = 2e-2  # max|diff| / max|ref| for bf16 compute against the fp32 reference
+
+
+def rel_err(a: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((a.float() - ref.float()).abs().max() / ref.float().abs().max())
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    k = select_kernels(CUDA)
+    assert k.name == "cuda", "CuPy is needed for the GPU tests"
+    return k
+
+
+@pytest.mark.parametrize("ggml_type", CUDA_DEQUANT_TYPES, ids=lambda t: t.name)
+def test_cuda_dequant_equals_torch_twin(kernels, ggml_type):
+    fmt = block_format(ggml_type)
+    seed = int(np.random.SeedSequence().entropy % 2**32)
+    groups, per_group, pad = 5, 256 * 12, fmt.type_size * 3  # runs with gaps between them
+    run_bytes = per_group // fmt.block_size * fmt.type_size
+    plan = TensorPlan(f"probe{seed}", (groups * per_group,), ggml_type, std=0.05)
+    raw = np.ascontiguousarray(make_tensor(plan, seed)).view(np.uint8).reshape(groups, run_bytes)
+    strided = np.zeros((groups, run_bytes + pad), dtype=np.uint8)
+    strided[:, :run_bytes] = raw
+    src = torch.from_numpy(strided.reshape(-1)).to(CUDA)
+    got = torch.full((groups * per_group,), float("nan"), dtype=torch.bfloat16, device=CUDA)  # poisoned
+    want = torch.empty_like(got)
+    kernels.dequant(src, ggml_type, groups, per_group, run_bytes + pad, got)
+    TorchKernels().dequant(src, ggml_type, groups, per_group, run_bytes + pad, want)
+    torch.cuda.synchronize()
+    assert torch.equal(got, want), f"seed {seed}: {ggml_type.name} differs"
+
+
+@pytest.mark.parametrize("rows", [1, 37, 1024])
+def test_grouped_mlp_equals_torch_twin(kernels, rows):
+    E, D, F = 16, 256, 128
+    g = torch.Generator(device=CUDA).manual_seed(rows)
+    x = torch.randn(rows, D, device=CUDA, dtype=torch.bfloat16, generator=g)
+    w_gu = torch.randn(E, 2 * F, D, device=CUDA, dtype=torch.bfloat16, generator=g) / 16
+    w_d = torch.randn(E, D, F, device=CUDA, dtype=torch.bfloat16, generator=g) / 16
+    counts = torch.bincount(torch.randint(0, E, (rows,), device=CUDA, generator=g), minlength=E)
+    offs = counts.cumsum(0).to(torch.int32)
+    got = kernels.grouped_mlp(x, offs, w_gu, w_d)
+    want = TorchKernels().grouped_mlp(x.float(), offs, w_gu.float(), w_d.float())
+    assert rel_err(got, want) <= BF16_TOL
+
+
+@pytest.fixture(scope="module", params=["tiny", "small"])
+def model(request, tmp_path_factory):
+    path = tmp_path_factory.mktemp("gpu") / f"{request.param}.gguf"
+    write_model(path, request.param, seed=3)
+    f = GGUFFile(path)
+    return f, spec_from_gguf(f)
+
+
+def test_stage_bf16_matches_reference(model):
+    f, spec = model
+    ref = load_reference_runner(f, spec)
+    stage = Stage(f, spec, StageOptions(device=CUDA, max_vram_gib=8))
+    prompt = torch.randint(0, spec.vocab_size, (256,))
+    kv_r, kv_s = ref.new_sequence(300), stage.new_sequence(300)
+    a = ref.model.logits(ref.model.forward(prompt, [_seg(kv_r, 256)]))
+    b = stage.model.logits(stage.model.forward(prompt.to(CUDA), [_seg(kv_s, 256)]))
+    assert rel_err(b.cpu(), a) <= BF16_TOL
+    for _ in range(4):  # decode through the expert cache
+        token = torch.tensor([int(a[-1].argmax())])
+        a, b = ref.decode([kv_r], token), stage.decode([kv_s], token)
+        assert rel_err(b.cpu(), a) <= BF16_TOL
+
+
+def test_stage_fp32_agrees_on_top1_everywhere(model):
+    f, spec = model
+    ref = load_reference_runner(f, spec)
+    stage = Stage(f, spec, StageOptions(device=CUDA, dtype=torch.float32))
+    prompt = torch.randint(0, spec.vocab_size, (256,))
+    a = ref.model.logits(ref.model.forward(prompt, [_seg(ref.new_sequence(300), 256)]))
+    b = stage.model.logits(stage.model.forward(prompt.to(CUDA), [_seg(stage.new_sequence(300), 256)])).cpu()
+    assert rel_err(b, a) <= 1e-3  # tf32-free fp32: summation order only
+    assert torch.equal(a.argmax(-1), b.argmax(-1))
+
+
+def test_max_vram_is_never_exceeded(model):
+    f, spec = model
+    budget = 1.0
+    stage = Stage(f, spec, StageOptions(device=CUDA, max_vram_gib=budget, chunk_size=1024, kv_reserve_tokens=2048))
+    torch.cuda.reset_peak_memory_stats(CUDA)
+    kv = stage.new_sequence(1100)
+    stage.prefill(kv, torch.randint(0, spec.vocab_size, (1024,)))
+    for _ in range(8):
+        stage.decode([kv], torch.tensor([1]))
+    torch.cuda.synchronize()
+    assert torch.cuda.max_memory_reserved(CUDA) <= budget * 2**30
+
+
+def test_greedy_decode_gpu_equals_cpu(tiny_gguf):
+    from strata_mgpu.config import EngineConfig
+    from strata_mgpu.model.tokenizer import tokenizer_from_gguf
+    from strata_mgpu.runtime.engine import Engine
+    from strata_mgpu.runtime.sampler import SamplingParams
+    from tests.test_engine import run_all
+
+    f = GGUFFile(tiny_gguf)
+    spec, tok = spec_from_gguf(f), tokenizer_from_gguf(f)
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    prompt = tok.encode(tok.apply_chat_template([{"role": "user", "content": "Tell me about the sea."}]))
+    outs = []
+    for runner in (load_reference_runner(f, spec), Stage(f, spec, StageOptions(device=CUDA, dtype=torch.float32))):
+        (out,) = run_all(Engine(runner, tok, EngineConfig()), [(prompt, params)])
+        outs.append([t for o in out for t in o.token_ids])
+    assert outs[0] == outs[1]
+
+
+def _seg(kv, n):
+    from strata_mgpu.model.reference import Segment
+
+    return Segment(0, n, kv)

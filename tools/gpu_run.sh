@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# One full run on the lent GPU machine: install the carried wheels, run the GPU tests, write the
+# 30b-a3b synthetic model, and benchmark it. Output under $OUT (gpu_tests.log, bench.log, bench.json).
+# Usage (from the repo root, with .whl carried): bash tools/gpu_run.sh [bench args...]
+set -euo pipefail
+export PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/strata-out}
+mkdir -p "$OUT"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+export PYTHONPATH=$PWD:/tmp/site
+nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
+python3 -c "import torch, cupy; print('torch', torch.__version__, 'cupy', cupy.__version__)" | tee -a "$OUT/gpu.txt"
+if [ "${SKIP_TESTS:-0}" != 1 ]; then
+  python3 -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" || true
+fi
+MODEL=/tmp/q30b.gguf
+[ -f $MODEL ] || (time python3 -m strata_mgpu gen-model $MODEL --preset 30b-a3b --seed 0) 2>&1 | tail -3
+python3 -m strata_mgpu info $MODEL --link-gbps 54.6 | tee "$OUT/info.txt"
+(time python3 -m strata_mgpu bench $MODEL --max-vram 16 --json "$OUT/bench.json" "$@") 2>&1 | tee "$OUT/bench.log"
