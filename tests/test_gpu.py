@@ -48,6 +48,10 @@ def test_cuda_dequant_equals_torch_twin(kernels, ggml_type):
     TorchKernels().dequant(src, ggml_type, groups, per_group, run_bytes + pad, want)
     torch.cuda.synchronize()
     assert torch.equal(got, want), f"seed {seed}: {ggml_type.name} differs"
+    index = torch.tensor([3, 0, 3, 1], device=CUDA)  # gathered runs, as decode reads cache slots
+    got = torch.full((4 * per_group,), float("nan"), dtype=torch.bfloat16, device=CUDA)
+    kernels.dequant(src, ggml_type, 4, per_group, run_bytes + pad, got, index)
+    assert torch.equal(got.view(4, -1), want.view(groups, -1)[index]), f"seed {seed}: gathered {ggml_type.name}"
 
 
 @pytest.mark.parametrize("rows", [1, 37, 1024])
@@ -72,7 +76,18 @@ def model(request, tmp_path_factory):
     return f, spec_from_gguf(f)
 
 
+def row_errors(a: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+    """max|diff| / max|ref| of each row (position)."""
+    a, ref = a.float().cpu(), ref.float()
+    return (a - ref).abs().amax(-1) / ref.abs().amax(-1)
+
+
 def test_stage_bf16_matches_reference(model):
+    """bf16 compute against the fp32 reference. Top-k routing is discontinuous: where two experts'
+    router scores lie within bf16 rounding of each other, bf16 picks the other expert and that
+    position's logits move by O(1) (seen: 0.31 on one of 256 rows). So the bound is on the rows:
+    >= 95% of positions within 2e-2, the median within 5e-3; fp32 compute (next test) must agree
+    everywhere."""
     f, spec = model
     ref = load_reference_runner(f, spec)
     stage = Stage(f, spec, StageOptions(device=CUDA, max_vram_gib=8))
@@ -80,11 +95,15 @@ def test_stage_bf16_matches_reference(model):
     kv_r, kv_s = ref.new_sequence(300), stage.new_sequence(300)
     a = ref.model.logits(ref.model.forward(prompt, [_seg(kv_r, 256)]))
     b = stage.model.logits(stage.model.forward(prompt.to(CUDA), [_seg(kv_s, 256)]))
-    assert rel_err(b.cpu(), a) <= BF16_TOL
-    for _ in range(4):  # decode through the expert cache
+    errs = [row_errors(b, a)]
+    for _ in range(8):  # decode through the expert cache
         token = torch.tensor([int(a[-1].argmax())])
         a, b = ref.decode([kv_r], token), stage.decode([kv_s], token)
-        assert rel_err(b.cpu(), a) <= BF16_TOL
+        errs.append(row_errors(b, a))
+    errs = torch.cat(errs)
+    print(f"bf16 row errors: median {errs.median():.2e}, 95th pct {errs.quantile(0.95):.2e}, max {errs.max():.2e}")
+    assert (errs <= BF16_TOL).float().mean() >= 0.95
+    assert errs.median() <= 5e-3
 
 
 def test_stage_fp32_agrees_on_top1_everywhere(model):

@@ -43,12 +43,18 @@ def kernel(file: str, expression: str, all_expressions: tuple[str, ...], device:
     return mod.get_function(expression)
 
 
-def launch(fn, grid: int, block: int, args: tuple, device: torch.device) -> None:
-    """Launch on torch's current stream of `device` (so stream order and events are torch's)."""
+@cache
+def _cupy_stream(stream_ptr: int, device_index: int):
     import cupy
 
-    stream = torch.cuda.current_stream(device)
-    with cupy.cuda.Device(device.index or 0), cupy.cuda.ExternalStream(stream.cuda_stream, device.index or 0):
+    return cupy.cuda.Device(device_index), cupy.cuda.ExternalStream(stream_ptr, device_index)
+
+
+def launch(fn, grid: int, block: int, args: tuple, device: torch.device) -> None:
+    """Launch on torch's current stream of `device` (so stream order and events are torch's).
+    CuPy's wrappers of that stream are made once, not per launch (decode launches many)."""
+    dev, stream = _cupy_stream(torch.cuda.current_stream(device).cuda_stream, device.index or 0)
+    with dev, stream:
         fn((grid,), (block,), args)
 
 

@@ -31,11 +31,15 @@ class TorchKernels:
     name = "torch"
 
     def dequant(self, src: torch.Tensor, ggml_type: GGMLQuantizationType, groups: int, weights_per_group: int,
-                group_stride: int, out: torch.Tensor) -> None:
-        """`groups` runs of blocks, `group_stride` bytes apart from src[0] -> out [groups * weights_per_group]."""
+                group_stride: int, out: torch.Tensor, group_index: torch.Tensor | None = None) -> None:
+        """`groups` runs of blocks, `group_stride` bytes apart from src[0] -> out [groups * weights_per_group].
+        With group_index [groups] (int64), run g starts at src[group_index[g] * group_stride]."""
         fmt = block_format(ggml_type)
         run_bytes = weights_per_group // fmt.block_size * fmt.type_size
-        runs = torch.as_strided(src, (groups, run_bytes), (group_stride, 1))
+        if group_index is None:
+            runs = torch.as_strided(src, (groups, run_bytes), (group_stride, 1))
+        else:
+            runs = torch.stack([src[g * group_stride:g * group_stride + run_bytes] for g in group_index.tolist()])
         blocks = runs.reshape(-1, fmt.type_size)  # one block per row
         values = dequantize_rows(blocks.contiguous(), ggml_type, fmt.block_size)
         out.copy_(values.reshape(-1))
@@ -68,17 +72,21 @@ class CudaKernels(TorchKernels):
             cuda_kernels.kernel(DEQUANT_FILE, expr, _DEQUANT_EXPRS, device)
 
     def dequant(self, src: torch.Tensor, ggml_type: GGMLQuantizationType, groups: int, weights_per_group: int,
-                group_stride: int, out: torch.Tensor) -> None:
+                group_stride: int, out: torch.Tensor, group_index: torch.Tensor | None = None) -> None:
         if ggml_type == Q.BF16 or ggml_type not in CUDA_DEQUANT_TYPES or out.dtype != torch.bfloat16:
-            return super().dequant(src, ggml_type, groups, weights_per_group, group_stride, out)
+            return super().dequant(src, ggml_type, groups, weights_per_group, group_stride, out, group_index)
+        assert group_index is None or (group_index.dtype == torch.int64 and group_index.is_cuda
+                                       and group_index.numel() == groups)
         assert src.is_cuda and out.is_contiguous() and out.numel() == groups * weights_per_group
         assert weights_per_group % 32 == 0
         fn = cuda_kernels.kernel(DEQUANT_FILE, f"dequant_bf16<{int(ggml_type)}>", _DEQUANT_EXPRS, self.device)
         n_sub = groups * weights_per_group // 32
         block = 256
         grid = min((n_sub + block - 1) // block, 65535 * 8)
+        index_ptr = group_index.data_ptr() if group_index is not None else 0
         cuda_kernels.launch(fn, grid, block, (src.data_ptr(), out.data_ptr(), np.int64(n_sub),
-                                              np.int64(weights_per_group // 32), np.int64(group_stride)), self.device)
+                                              np.int64(weights_per_group // 32), np.int64(group_stride),
+                                              np.uint64(index_ptr)), self.device)
 
     def grouped_mlp(self, x: torch.Tensor, offs: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor
                     ) -> torch.Tensor:

@@ -100,8 +100,12 @@ class StreamedExperts:
             slot = self.cache.get(layer, e, self.arena.expert(layer, e), in_use)
             in_use.add(slot.index)
             slots.append(slot)
-        for g, slot in enumerate(slots):  # dequantize expert g into position g of the workspace
-            self._dequant(slot.acquire(self.ctx.device), lay, 1, lay.expert_bytes, g)
+        for slot in slots:
+            slot.acquire(self.ctx.device)  # wait for its upload, if it was a miss
+        # one launch per matrix kind gathers all G experts from their cache slots
+        index = torch.tensor([s.index for s in slots], dtype=torch.int64).to(self.ctx.device, non_blocking=True)
+        self._dequant(self.cache.buffer.view(-1), lay, len(slots), self.cache.buffer.shape[1], 0, index)
+        for slot in slots:
             slot.release(self.ctx.device)
         local = torch.searchsorted(present, experts)  # expert id -> position g
         order, offs = group_rows(local, len(ids))
@@ -109,10 +113,12 @@ class StreamedExperts:
                                      self.w_down[:len(ids)])
         return combine(y, order, weights)
 
-    def _dequant(self, src: torch.Tensor, lay: ExpertLayout, n: int, stride: int, at: int) -> None:
-        """n experts' bytes (stride apart from src[0]) -> workspace positions at .. at+n-1."""
+    def _dequant(self, src: torch.Tensor, lay: ExpertLayout, n: int, stride: int, at: int,
+                 index: torch.Tensor | None = None) -> None:
+        """n experts' bytes (stride apart from src[0], or at index[g] * stride) -> workspace
+        positions at .. at+n-1."""
         gu = self.w_gate_up[at:at + n].view(-1)
         dn = self.w_down[at:at + n].view(-1)
         # gate and up are adjacent in an expert: one run of 2 * F * D weights per expert
-        self.kernels.dequant(src, lay.gate_type, n, 2 * lay.gate_weights, stride, gu)
-        self.kernels.dequant(src[lay.down_offset:], lay.down_type, n, lay.down_weights, stride, dn)
+        self.kernels.dequant(src, lay.gate_type, n, 2 * lay.gate_weights, stride, gu, index)
+        self.kernels.dequant(src[lay.down_offset:], lay.down_type, n, lay.down_weights, stride, dn, index)
