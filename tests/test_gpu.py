@@ -148,6 +148,22 @@ def test_greedy_decode_gpu_equals_cpu(tiny_gguf):
     assert outs[0] == outs[1]
 
 
+def test_greedy_through_the_server_gpu_equals_cpu(tiny_gguf, tmp_path):
+    import httpx
+
+    from tests.server_proc import running_server
+
+    body = {"messages": [{"role": "user", "content": "Tell me about the sea."}], "max_tokens": 24,
+            "temperature": 0, "ignore_eos": True}
+    texts = []
+    for device, dtype in (("cpu", "bf16"), ("cuda:0", "fp32")):
+        with running_server([str(tiny_gguf), "--device", device, "--dtype", dtype], tmp_path / f"{device}.log") as base:
+            r = httpx.post(base + "/v1/chat/completions", json=body, timeout=120)
+            assert r.status_code == 200, r.text
+            texts.append(r.json()["choices"][0]["message"]["content"])
+    assert texts[0] == texts[1] and texts[0]
+
+
 def _seg(kv, n):
     from strata_mgpu.model.reference import Segment
 

@@ -3,11 +3,7 @@
 from __future__ import annotations
 
 import json
-import os
 import re
-import socket
-import subprocess
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -15,40 +11,19 @@ import httpx
 import openai
 import pytest
 
+from tests.server_proc import running_server
+
 API_KEY = "test-key"
 MODEL = "tiny-test"
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server(tiny_gguf, tmp_path_factory):
-    port = free_port()
     log = tmp_path_factory.mktemp("server") / "server.log"
-    cmd = [sys.executable, "-m", "strata_mgpu", "serve", str(tiny_gguf), "--port", str(port), "--api-key", API_KEY,
-           "--alias", MODEL, "--ctx-size", "512", "--chunk-size", "16"]
-    with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "NO_COLOR": "1"})
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, log.read_text()
-            try:
-                if httpx.get(base + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "server did not become healthy: " + log.read_text()
-            time.sleep(0.2)
+    args = [str(tiny_gguf), "--api-key", API_KEY, "--alias", MODEL, "--ctx-size", "512", "--chunk-size", "16",
+            "--device", "cpu"]
+    with running_server(args, log) as base:
         yield base, log
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
 
 
 @pytest.fixture()

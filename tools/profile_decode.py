@@ -1,0 +1,44 @@
+"""Profile a few decode steps of a model on the GPU: where does a token's time go?
+
+    python3 tools/profile_decode.py MODEL.gguf [--max-vram 16] [--steps 8] > profile.txt
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from strata_mgpu.model.gguf_reader import GGUFFile
+from strata_mgpu.model.spec import spec_from_gguf
+from strata_mgpu.runtime.stage import Stage, StageOptions
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("model")
+    ap.add_argument("--max-vram", type=float, default=16)
+    ap.add_argument("--steps", type=int, default=8)
+    args = ap.parse_args()
+    f = GGUFFile(args.model)
+    spec = spec_from_gguf(f)
+    stage = Stage(f, spec, StageOptions(device=torch.device("cuda", 0), max_vram_gib=args.max_vram, chunk_size=1024))
+    kv = stage.new_sequence(200)
+    token = torch.tensor([int(stage.prefill(kv, torch.arange(64)).argmax())])
+    for _ in range(4):
+        token = torch.tensor([int(stage.decode([kv], token)[0].argmax())])
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(args.steps):
+            token = torch.tensor([int(stage.decode([kv], token)[0].argmax())])
+    dt = (time.perf_counter() - t0) / args.steps
+    print(f"{1e3 * dt:.1f} ms per token under the profiler ({1 / dt:.1f} tok/s)")
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
+    print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=15))
+
+
+if __name__ == "__main__":
+    main()
