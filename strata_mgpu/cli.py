@@ -188,8 +188,8 @@ def bench(model: Path, prompt_tokens: str, decode_tokens: int, runs: int, device
                   f"{r.bound_s:.3f}" if r.bound_s else "n/a", f"{r.ratio_to_bound:.2f}" if r.ratio_to_bound else "n/a")
     out.print(t)
     if result.decode_tok_per_s is not None:
-        hit = (f", expert cache hit rate {100 * result.decode_cache_hit_rate:.0f}%"
-               if result.decode_cache_hit_rate is not None else "")
+        hit = (f", {100 * result.decode_resident_share:.0f}% of each layer's experts resident in VRAM"
+               if result.decode_resident_share is not None else "")
         out.print(f"decode: {result.decode_tok_per_s:.1f} tok/s ({decode_tokens} tokens, batch 1{hit})")
     if result.peak_vram_gb is not None:
         out.print(f"peak VRAM reserved: {result.peak_vram_gb:.2f} GB"

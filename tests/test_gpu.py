@@ -48,10 +48,27 @@ def test_cuda_dequant_equals_torch_twin(kernels, ggml_type):
     TorchKernels().dequant(src, ggml_type, groups, per_group, run_bytes + pad, want)
     torch.cuda.synchronize()
     assert torch.equal(got, want), f"seed {seed}: {ggml_type.name} differs"
-    index = torch.tensor([3, 0, 3, 1], device=CUDA)  # gathered runs, as decode reads cache slots
-    got = torch.full((4 * per_group,), float("nan"), dtype=torch.bfloat16, device=CUDA)
-    kernels.dequant(src, ggml_type, 4, per_group, run_bytes + pad, got, index)
-    assert torch.equal(got.view(4, -1), want.view(groups, -1)[index]), f"seed {seed}: gathered {ggml_type.name}"
+
+
+def test_gather_from_vram_and_mapped_host_equals_twin(kernels, tiny_gguf):
+    """Decode's gather: experts read from cache slots and from the pinned arena in one launch."""
+    assert kernels.host_pointers, "this GPU cannot read registered host memory at its host address"
+    f = GGUFFile(tiny_gguf)
+    spec = spec_from_gguf(f)
+    stage = Stage(f, spec, StageOptions(device=CUDA, max_vram_gib=8))
+    cache = stage.model.experts.cache
+    cache_small = type(cache)(stage.ctx, stage.arena, range(spec.n_layers), n_slots=3 * spec.n_layers)
+    lay = stage.arena.layouts[2]
+    picks = torch.tensor([0, 7, 2, 5, 5, 1], device=CUDA)  # resident and not, one twice
+    m, F, D = picks.numel(), spec.expert_ffn, spec.hidden
+    outs = []
+    for k in (kernels, TorchKernels()):
+        gu = torch.full((m, 2 * F, D), float("nan"), dtype=torch.bfloat16, device=CUDA)
+        dn = torch.full((m, D, F), float("nan"), dtype=torch.bfloat16, device=CUDA)
+        k.gather_experts(cache_small, 2, picks, lay, gu, dn)
+        outs.append((gu, dn))
+    torch.cuda.synchronize()
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
 
 
 @pytest.mark.parametrize("rows", [1, 37, 1024])
@@ -76,34 +93,40 @@ def model(request, tmp_path_factory):
     return f, spec_from_gguf(f)
 
 
-def row_errors(a: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
-    """max|diff| / max|ref| of each row (position)."""
-    a, ref = a.float().cpu(), ref.float()
-    return (a - ref).abs().amax(-1) / ref.abs().amax(-1)
-
-
-def test_stage_bf16_matches_reference(model):
-    """bf16 compute against the fp32 reference. Top-k routing is discontinuous: where two experts'
-    router scores lie within bf16 rounding of each other, bf16 picks the other expert and that
-    position's logits move by O(1) (seen: 0.31 on one of 256 rows). So the bound is on the rows:
-    >= 95% of positions within 2e-2, the median within 5e-3; fp32 compute (next test) must agree
-    everywhere."""
+def test_stage_bf16_matches_reference_on_shared_routing(model):
+    """bf16 compute against the fp32 reference, with the reference made to pick the experts the
+    bf16 stage picked. Top-k routing is discontinuous: where two router scores lie within bf16
+    rounding, bf16 takes the other expert, that row moves by O(1), and attention carries it on to
+    later rows (seen on the small preset: median row error 7e-2 with free routing, on the CPU's
+    bf16 twins as much as on the GPU). Sharing the routing leaves only bf16 arithmetic to bound;
+    fp32 compute with free routing (next test) must agree everywhere."""
     f, spec = model
     ref = load_reference_runner(f, spec)
     stage = Stage(f, spec, StageOptions(device=CUDA, max_vram_gib=8))
+    picked: dict[int, torch.Tensor] = {}
+    stage_route = stage.model.route
+
+    def recording(i, h, router):
+        weights, experts = stage_route(i, h, router)
+        picked[i] = experts.cpu()
+        return weights, experts
+
+    def forced(i, h, router):
+        probs = torch.softmax(h.float() @ router.float().T, dim=-1)
+        weights = probs.gather(1, picked[i])
+        return weights / weights.sum(-1, keepdim=True), picked[i]
+
+    stage.model.route, ref.model.route = recording, forced
     prompt = torch.randint(0, spec.vocab_size, (256,))
     kv_r, kv_s = ref.new_sequence(300), stage.new_sequence(300)
-    a = ref.model.logits(ref.model.forward(prompt, [_seg(kv_r, 256)]))
     b = stage.model.logits(stage.model.forward(prompt.to(CUDA), [_seg(kv_s, 256)]))
-    errs = [row_errors(b, a)]
-    for _ in range(8):  # decode through the expert cache
+    a = ref.model.logits(ref.model.forward(prompt, [_seg(kv_r, 256)]))
+    assert rel_err(b.cpu(), a) <= BF16_TOL
+    for _ in range(4):  # decode: experts gathered from VRAM slots and the mapped arena
         token = torch.tensor([int(a[-1].argmax())])
-        a, b = ref.decode([kv_r], token), stage.decode([kv_s], token)
-        errs.append(row_errors(b, a))
-    errs = torch.cat(errs)
-    print(f"bf16 row errors: median {errs.median():.2e}, 95th pct {errs.quantile(0.95):.2e}, max {errs.max():.2e}")
-    assert (errs <= BF16_TOL).float().mean() >= 0.95
-    assert errs.median() <= 5e-3
+        b = stage.decode([kv_s], token)
+        a = ref.decode([kv_r], token)
+        assert rel_err(b.cpu(), a) <= BF16_TOL
 
 
 def test_stage_fp32_agrees_on_top1_everywhere(model):

@@ -13,6 +13,8 @@ python3 -c "import torch, cupy; print('torch', torch.__version__, 'cupy', cupy._
 if [ "${SKIP_TESTS:-0}" != 1 ]; then
   python3 -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" || true
 fi
+python3 -m strata_mgpu gen-model /tmp/small.gguf --preset small --seed 3
+python3 tools/diag_bf16.py /tmp/small.gguf 2>&1 | tee "$OUT/diag_bf16.txt" || true
 MODEL=/tmp/q30b.gguf
 [ -f $MODEL ] || (time python3 -m strata_mgpu gen-model $MODEL --preset 30b-a3b --seed 0) 2>&1 | tail -3
 python3 -m strata_mgpu info $MODEL --link-gbps 54.6 | tee "$OUT/info.txt"

@@ -3,9 +3,10 @@
 // Template argument: the ggml type id (Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14, F16 = 1, F32 = 0).
 // The source is `groups` runs of whole blocks (one expert's matrix each), `group_stride` bytes
 // apart; dst is the runs' values back to back. Contiguous data: one group, stride 0.
-// n_sub = 32-weight sub-blocks in all; sub_per_group = sub-blocks of one run. With group_index
-// (device int64, one entry per output run), run g is read from src + group_index[g] * group_stride:
-// how decode gathers the experts it needs from scattered cache slots in one launch.
+// n_sub = 32-weight sub-blocks in all; sub_per_group = sub-blocks of one run. With group_ptr
+// (device uint64, one address per output run), run g is read from group_ptr[g] + ptr_offset
+// instead: decode gathers the experts a token picked, each from a VRAM cache slot or straight
+// from the pinned host arena through its device mapping, in one launch and with no host sync.
 // Arithmetic is written with __fmul_rn/__fsub_rn so it rounds exactly like the torch twin
 // (strata_mgpu/quant/dequant.py): fp32 products in the same order, no fused multiply-add, then
 // round-to-nearest-even to bf16.
@@ -122,30 +123,31 @@ template <> __device__ __forceinline__ void sub_block<14>(const u8* b, int j, fl
 template <int TYPE>
 __global__ void dequant_bf16(const u8* __restrict__ src, __nv_bfloat16* __restrict__ dst, long long n_sub,
                              long long sub_per_group, long long group_stride,
-                             const long long* __restrict__ group_index) {
+                             const unsigned long long* __restrict__ group_ptr, long long ptr_offset) {
     const int per_block = Fmt<TYPE>::QK / 32;
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n_sub;
          i += (long long)gridDim.x * blockDim.x) {
         const long long run = i / sub_per_group, in_group = i % sub_per_group;
-        const long long group = group_index ? group_index[run] : run;
+        const u8* base = group_ptr ? reinterpret_cast<const u8*>(group_ptr[run] + ptr_offset)
+                                   : src + run * group_stride;
         const long long blk = in_group / per_block;
         const int j = (int)(in_group % per_block);
         float v[32];
-        sub_block<TYPE>(src + group * group_stride + blk * Fmt<TYPE>::BYTES, j, v);
+        sub_block<TYPE>(base + blk * Fmt<TYPE>::BYTES, j, v);
         store32(dst + i * 32, v);
     }
 }
 
 // Explicit instantiations: what nvcc's compile check builds and NVRTC's name expressions find.
 template __global__ void dequant_bf16<0>(const u8*, __nv_bfloat16*, long long, long long, long long,
-                                             const long long*);
+                                             const unsigned long long*, long long);
 template __global__ void dequant_bf16<1>(const u8*, __nv_bfloat16*, long long, long long, long long,
-                                             const long long*);
+                                             const unsigned long long*, long long);
 template __global__ void dequant_bf16<8>(const u8*, __nv_bfloat16*, long long, long long, long long,
-                                             const long long*);
+                                             const unsigned long long*, long long);
 template __global__ void dequant_bf16<12>(const u8*, __nv_bfloat16*, long long, long long, long long,
-                                             const long long*);
+                                             const unsigned long long*, long long);
 template __global__ void dequant_bf16<13>(const u8*, __nv_bfloat16*, long long, long long, long long,
-                                             const long long*);
+                                             const unsigned long long*, long long);
 template __global__ void dequant_bf16<14>(const u8*, __nv_bfloat16*, long long, long long, long long,
-                                             const long long*);
+                                             const unsigned long long*, long long);

@@ -41,8 +41,8 @@ class Segment:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    x32 = x.float()
-    return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * weight
+    """Normalized in fp32, cast back, then scaled (as transformers does)."""
+    return F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype) * weight
 
 
 def rope_cos_sin(positions: torch.Tensor, head_dim: int, base: float, dtype: torch.dtype
@@ -67,6 +67,8 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch
     qh, kh, vh = q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None]
     if t == s:
         out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, enable_gqa=True)
+    elif t == 1:  # one new token sees every key: no mask (a mask would send SDPA to a slower kernel)
+        out = F.scaled_dot_product_attention(qh, kh, vh, enable_gqa=True)
     else:  # query i sits at key position s - t + i and sees keys 0..s-t+i
         mask = torch.ones(t, s, dtype=torch.bool, device=q.device).tril(diagonal=s - t)
         out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, enable_gqa=True)
@@ -152,11 +154,15 @@ class Decoder:
         for i, layer in enumerate(self.w.layers):
             x = x + self._attention(i, layer, rms_norm(x, layer.attn_norm, s.rms_eps), cos, sin, segments)
             h = rms_norm(x, layer.ffn_norm, s.rms_eps)
-            weights, experts = route(h, layer.router, s.n_experts_used, s.norm_topk_prob)
+            weights, experts = self.route(i, h, layer.router)
             x = x + self.experts.forward(i, h, weights, experts)
         for seg in segments:
             seg.kv.advance(seg.n)
         return x
+
+    def route(self, i: int, h: torch.Tensor, router: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer i's routing: (weights [T, A] fp32, experts [T, A])."""
+        return route(h, router, self.spec.n_experts_used, self.spec.norm_topk_prob)
 
     def _attention(self, i: int, w: LayerWeights, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                    segments: Sequence[Segment]) -> torch.Tensor:

@@ -17,12 +17,15 @@ from gguf.constants import GGMLQuantizationType
 from strata_mgpu.quant.dequant import dequantize_rows
 from strata_mgpu.quant.formats import block_format
 from strata_mgpu.runtime import cuda_kernels
+from strata_mgpu.runtime.expert_cache import ExpertCache
+from strata_mgpu.runtime.host_arena import ExpertLayout
 
 log = logging.getLogger("strata.kernels")
 Q = GGMLQuantizationType
 DEQUANT_FILE = "dequant.cu"
 CUDA_DEQUANT_TYPES = (Q.F32, Q.F16, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K)
 _DEQUANT_EXPRS = tuple(f"dequant_bf16<{int(t)}>" for t in CUDA_DEQUANT_TYPES)
+CUDA_ATTR_HOST_POINTER_FOR_REGISTERED_MEM = 91  # cudaDevAttrCanUseHostPointerForRegisteredMem
 
 
 class TorchKernels:
@@ -31,18 +34,23 @@ class TorchKernels:
     name = "torch"
 
     def dequant(self, src: torch.Tensor, ggml_type: GGMLQuantizationType, groups: int, weights_per_group: int,
-                group_stride: int, out: torch.Tensor, group_index: torch.Tensor | None = None) -> None:
-        """`groups` runs of blocks, `group_stride` bytes apart from src[0] -> out [groups * weights_per_group].
-        With group_index [groups] (int64), run g starts at src[group_index[g] * group_stride]."""
+                group_stride: int, out: torch.Tensor) -> None:
+        """`groups` runs of blocks, `group_stride` bytes apart from src[0] -> out [groups * weights_per_group]."""
         fmt = block_format(ggml_type)
         run_bytes = weights_per_group // fmt.block_size * fmt.type_size
-        if group_index is None:
-            runs = torch.as_strided(src, (groups, run_bytes), (group_stride, 1))
-        else:
-            runs = torch.stack([src[g * group_stride:g * group_stride + run_bytes] for g in group_index.tolist()])
+        runs = torch.as_strided(src, (groups, run_bytes), (group_stride, 1))
         blocks = runs.reshape(-1, fmt.type_size)  # one block per row
         values = dequantize_rows(blocks.contiguous(), ggml_type, fmt.block_size)
         out.copy_(values.reshape(-1))
+
+    def gather_experts(self, cache: ExpertCache, i: int, picks: torch.Tensor, lay: ExpertLayout,
+                       w_gate_up: torch.Tensor, w_down: torch.Tensor) -> None:
+        """Dequantize experts `picks` [M] of local layer i, wherever they live, into w_gate_up [M, 2F, D]
+        and w_down [M, D, F]. The twin reads each expert's bytes through the cache's `source`."""
+        for g, e in enumerate(picks.tolist()):
+            src = cache.source(i, e)
+            self.dequant(src, lay.gate_type, 1, 2 * lay.gate_weights, 0, w_gate_up[g].view(-1))
+            self.dequant(src[lay.down_offset:], lay.down_type, 1, lay.down_weights, 0, w_down[g].view(-1))
 
     def grouped_mlp(self, x: torch.Tensor, offs: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor
                     ) -> torch.Tensor:
@@ -68,25 +76,49 @@ class CudaKernels(TorchKernels):
     def __init__(self, device: torch.device, use_grouped_mm: bool):
         self.device = device
         self.use_grouped_mm = use_grouped_mm
+        import cupy
+
+        # Can kernels read registered host memory at its host address (UVA)? Decode relies on it.
+        self.host_pointers = cupy.cuda.runtime.deviceGetAttribute(
+            CUDA_ATTR_HOST_POINTER_FOR_REGISTERED_MEM, device.index or 0) == 1
         for expr in _DEQUANT_EXPRS:  # compile now, not in the middle of the first prompt
             cuda_kernels.kernel(DEQUANT_FILE, expr, _DEQUANT_EXPRS, device)
 
     def dequant(self, src: torch.Tensor, ggml_type: GGMLQuantizationType, groups: int, weights_per_group: int,
-                group_stride: int, out: torch.Tensor, group_index: torch.Tensor | None = None) -> None:
-        if ggml_type == Q.BF16 or ggml_type not in CUDA_DEQUANT_TYPES or out.dtype != torch.bfloat16:
-            return super().dequant(src, ggml_type, groups, weights_per_group, group_stride, out, group_index)
-        assert group_index is None or (group_index.dtype == torch.int64 and group_index.is_cuda
-                                       and group_index.numel() == groups)
-        assert src.is_cuda and out.is_contiguous() and out.numel() == groups * weights_per_group
+                group_stride: int, out: torch.Tensor) -> None:
+        if not self._has_kernel(ggml_type, out):
+            return super().dequant(src, ggml_type, groups, weights_per_group, group_stride, out)
+        assert src.is_cuda
+        self._launch_dequant(ggml_type, src.data_ptr(), None, 0, groups, weights_per_group, group_stride, out)
+
+    def gather_experts(self, cache: ExpertCache, i: int, picks: torch.Tensor, lay: ExpertLayout,
+                       w_gate_up: torch.Tensor, w_down: torch.Tensor) -> None:
+        if not (self.host_pointers and self._has_kernel(lay.gate_type, w_gate_up)
+                and self._has_kernel(lay.down_type, w_down)):
+            return super().gather_experts(cache, i, picks, lay, w_gate_up, w_down)
+        addresses = cache.addresses(i, picks)  # [M] on the device: no host sync
+        m = picks.numel()
+        self._launch_dequant(lay.gate_type, 0, addresses, 0, m, 2 * lay.gate_weights, 0, w_gate_up[:m].view(-1))
+        self._launch_dequant(lay.down_type, 0, addresses, lay.down_offset, m, lay.down_weights, 0, w_down[:m].view(-1))
+
+    @staticmethod
+    def _has_kernel(ggml_type: GGMLQuantizationType, out: torch.Tensor) -> bool:
+        return ggml_type != Q.BF16 and ggml_type in CUDA_DEQUANT_TYPES and out.dtype == torch.bfloat16
+
+    def _launch_dequant(self, ggml_type: GGMLQuantizationType, src_ptr: int, addresses: torch.Tensor | None,
+                        ptr_offset: int, groups: int, weights_per_group: int, group_stride: int,
+                        out: torch.Tensor) -> None:
+        assert out.is_cuda and out.is_contiguous() and out.numel() == groups * weights_per_group
         assert weights_per_group % 32 == 0
+        assert addresses is None or (addresses.dtype == torch.int64 and addresses.numel() == groups)
         fn = cuda_kernels.kernel(DEQUANT_FILE, f"dequant_bf16<{int(ggml_type)}>", _DEQUANT_EXPRS, self.device)
         n_sub = groups * weights_per_group // 32
         block = 256
         grid = min((n_sub + block - 1) // block, 65535 * 8)
-        index_ptr = group_index.data_ptr() if group_index is not None else 0
-        cuda_kernels.launch(fn, grid, block, (src.data_ptr(), out.data_ptr(), np.int64(n_sub),
+        table = addresses.data_ptr() if addresses is not None else 0
+        cuda_kernels.launch(fn, grid, block, (np.uint64(src_ptr), out.data_ptr(), np.int64(n_sub),
                                               np.int64(weights_per_group // 32), np.int64(group_stride),
-                                              np.uint64(index_ptr)), self.device)
+                                              np.uint64(table), np.int64(ptr_offset)), self.device)
 
     def grouped_mlp(self, x: torch.Tensor, offs: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor
                     ) -> torch.Tensor:

@@ -17,7 +17,7 @@ from strata_mgpu.model.gguf_reader import GGUFFile
 from strata_mgpu.model.reference import Decoder
 from strata_mgpu.model.spec import ModelSpec
 from strata_mgpu.model.weights import load_weights
-from strata_mgpu.runtime.device import DeviceContext, DeviceError
+from strata_mgpu.runtime.device import DeviceContext
 from strata_mgpu.runtime.expert_cache import ExpertCache
 from strata_mgpu.runtime.expert_ring import ExpertRing
 from strata_mgpu.runtime.host_arena import HostExpertArena
@@ -85,7 +85,7 @@ class Stage(DecoderRunner):
         kernels = select_kernels(self.ctx.device, prefer_cuda=opts.prefer_cuda_kernels)
         ring = ExpertRing(self.ctx, self.arena.max_layer_bytes, opts.ring_slots)
         experts = StreamedExperts(self.ctx, spec, self.arena, kernels, ring, None, layers, dtype=dtype)
-        cache = self._expert_cache(spec, opts, experts.workspace_bytes)
+        cache = self._expert_cache(spec, opts, layers)
         experts.cache = cache
         super().__init__(Decoder(spec, dense, experts))
         self.report = StageReport(dense_bytes=dense_bytes, arena_bytes=self.arena.nbytes, ring_bytes=ring.nbytes,
@@ -97,17 +97,14 @@ class Stage(DecoderRunner):
                  opts.ring_slots, self.arena.max_layer_bytes / 1e6, experts.workspace_bytes / 1e9,
                  self.report.cache_slots, self.report.kernels)
 
-    def _expert_cache(self, spec: ModelSpec, opts: StageOptions, workspace: int) -> ExpertCache | None:
+    def _expert_cache(self, spec: ModelSpec, opts: StageOptions, layers: range) -> ExpertCache | None:
+        """Decode's resident experts: as many as the budget's spare room holds after the
+        activation and KV reserve (on the CPU: a share, so both read paths stay exercised)."""
         if not opts.expert_cache:
             return None
-        reserve = activation_bytes(spec, opts.chunk_size) + kv_bytes(spec, spec.n_layers, opts.kv_reserve_tokens)
-        room = self.ctx.vram_free_in_budget() - reserve
-        slot = self.arena.max_expert_bytes
-        n = min(spec.n_layers * spec.n_experts, room // slot) if self.ctx.is_cuda else spec.n_experts
-        if n < spec.n_experts_used * 2:
-            if self.ctx.max_vram_bytes is not None and self.ctx.is_cuda:
-                raise DeviceError(f"--max-vram {opts.max_vram_gib:g} GiB leaves no room for the expert cache after "
-                                  f"dense weights, ring, workspace ({workspace / 1e9:.2f} GB) and the "
-                                  f"{reserve / 1e9:.2f} GB activation/KV reserve")
-            return None
-        return ExpertCache(self.ctx, slot, int(n))
+        if self.ctx.is_cuda:
+            reserve = activation_bytes(spec, opts.chunk_size) + kv_bytes(spec, len(layers), opts.kv_reserve_tokens)
+            n = max(0, self.ctx.vram_free_in_budget() - reserve) // self.arena.max_expert_bytes
+        else:
+            n = len(layers) * spec.n_experts // 4
+        return ExpertCache(self.ctx, self.arena, layers, int(min(n, len(layers) * spec.n_experts)))

@@ -58,10 +58,8 @@ class StreamedExperts:
         return (self.w_gate_up.numel() + self.w_down.numel()) * self.w_gate_up.element_size()
 
     def should_stream(self, n_rows: int) -> bool:
-        """Whole layers when the rows will touch most experts anyway, or could pick more experts
-        than the cache holds (or there is no cache)."""
-        picks = n_rows * self.spec.n_experts_used
-        return self.cache is None or picks >= self.spec.n_experts or picks > self.cache.n_slots
+        """Whole layers when the rows will touch most experts anyway (or there is no cache)."""
+        return self.cache is None or n_rows * self.spec.n_experts_used >= self.spec.n_experts
 
     def begin(self, n_rows: int) -> None:
         self.streaming = self.should_stream(n_rows)
@@ -80,45 +78,32 @@ class StreamedExperts:
         if self.streaming:
             slot = self._slots.pop(i)
             src = slot.acquire(self.ctx.device)
-            self._dequant(src, lay, self.spec.n_experts, lay.expert_bytes, 0)
+            self._dequant(src, lay, self.spec.n_experts, lay.expert_bytes)
             slot.release(self.ctx.device)  # dequant was the slot's only reader: the next upload may start
             if i + len(self.ring.slots) < len(self.layers):
                 self._upload(i + len(self.ring.slots))
             order, offs = group_rows(experts, self.spec.n_experts)
             y = self.kernels.grouped_mlp(h[order // experts.shape[1]], offs, self.w_gate_up, self.w_down)
             return combine(y, order, weights)
-        return self._forward_cached(layer, lay, h, weights, experts)
+        return self._forward_cached(i, lay, h, weights, experts)
 
-    def _forward_cached(self, layer: int, lay: ExpertLayout, h: torch.Tensor, weights: torch.Tensor,
+    def _forward_cached(self, i: int, lay: ExpertLayout, h: torch.Tensor, weights: torch.Tensor,
                         experts: torch.Tensor) -> torch.Tensor:
+        """Each routed row's expert, gathered from VRAM or the mapped arena: M = T * A groups of
+        one row each (M < E here), no host sync on the device path."""
         assert self.cache is not None
-        present = torch.unique(experts)  # [G], sorted
-        ids = present.tolist()  # one host sync per layer: which experts to fetch
-        slots = []
-        in_use: set[int] = set()
-        for e in ids:
-            slot = self.cache.get(layer, e, self.arena.expert(layer, e), in_use)
-            in_use.add(slot.index)
-            slots.append(slot)
-        for slot in slots:
-            slot.acquire(self.ctx.device)  # wait for its upload, if it was a miss
-        # one launch per matrix kind gathers all G experts from their cache slots
-        index = torch.tensor([s.index for s in slots], dtype=torch.int64).to(self.ctx.device, non_blocking=True)
-        self._dequant(self.cache.buffer.view(-1), lay, len(slots), self.cache.buffer.shape[1], 0, index)
-        for slot in slots:
-            slot.release(self.ctx.device)
-        local = torch.searchsorted(present, experts)  # expert id -> position g
-        order, offs = group_rows(local, len(ids))
-        y = self.kernels.grouped_mlp(h[order // experts.shape[1]], offs, self.w_gate_up[:len(ids)],
-                                     self.w_down[:len(ids)])
+        order = torch.argsort(experts.reshape(-1), stable=True)  # [M]
+        picks = experts.reshape(-1)[order]
+        m = picks.numel()
+        self.kernels.gather_experts(self.cache, i, picks, lay, self.w_gate_up, self.w_down)
+        offs = torch.arange(1, m + 1, dtype=torch.int32, device=h.device)
+        y = self.kernels.grouped_mlp(h[order // experts.shape[1]], offs, self.w_gate_up[:m], self.w_down[:m])
         return combine(y, order, weights)
 
-    def _dequant(self, src: torch.Tensor, lay: ExpertLayout, n: int, stride: int, at: int,
-                 index: torch.Tensor | None = None) -> None:
-        """n experts' bytes (stride apart from src[0], or at index[g] * stride) -> workspace
-        positions at .. at+n-1."""
-        gu = self.w_gate_up[at:at + n].view(-1)
-        dn = self.w_down[at:at + n].view(-1)
+    def _dequant(self, src: torch.Tensor, lay: ExpertLayout, n: int, stride: int) -> None:
+        """n experts' bytes, stride apart from src[0] -> the workspace."""
         # gate and up are adjacent in an expert: one run of 2 * F * D weights per expert
-        self.kernels.dequant(src, lay.gate_type, n, 2 * lay.gate_weights, stride, gu, index)
-        self.kernels.dequant(src[lay.down_offset:], lay.down_type, n, lay.down_weights, stride, dn, index)
+        self.kernels.dequant(src, lay.gate_type, n, 2 * lay.gate_weights, stride, self.w_gate_up.view(-1)[
+            :n * 2 * lay.gate_weights])
+        self.kernels.dequant(src[lay.down_offset:], lay.down_type, n, lay.down_weights, stride,
+                             self.w_down.view(-1)[:n * lay.down_weights])

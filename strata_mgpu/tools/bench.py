@@ -40,7 +40,7 @@ class BenchResult:
     prefill: list[PrefillResult]
     decode_tokens: int
     decode_tok_per_s: float | None
-    decode_cache_hit_rate: float | None  # expert cache hits / lookups during the timed decode
+    decode_resident_share: float | None  # share of each layer's experts resident in VRAM for decode
     peak_vram_gb: float | None
     max_vram_gib: float | None
     kernels: str
@@ -86,26 +86,20 @@ def time_prefill(stage: Stage, tokens: int, runs: int, seed: int = 0) -> list[fl
     return out
 
 
-def time_decode(stage: Stage, n: int, prompt_tokens: int = 64) -> tuple[float, float | None]:
-    """(decode tok/s at batch 1, expert cache hit rate over the timed steps)."""
+def time_decode(stage: Stage, n: int, prompt_tokens: int = 64) -> float:
+    """Decode tok/s at batch 1, greedy, one token at a time."""
     kv = stage.new_sequence(prompt_tokens + n + 3)  # + the two warm-up steps
     logits = stage.prefill(kv, torch.arange(prompt_tokens) % stage.spec.vocab_size)
     token = torch.tensor([int(logits.argmax())])
     for _ in range(2):  # warm the expert cache and the kernels
         logits = stage.decode([kv], token)
         token = torch.tensor([int(logits[0].argmax())])
-    cache = stage.model.experts.cache
-    hits0, misses0 = (cache.hits, cache.misses) if cache else (0, 0)
     _sync(stage.ctx.device)
     t0 = time.perf_counter()
     for _ in range(n):
         logits = stage.decode([kv], token)
         token = torch.tensor([int(logits[0].argmax())])  # the host needs each token: a sync per step
-    rate = n / (time.perf_counter() - t0)
-    if not cache:
-        return rate, None
-    hits, misses = cache.hits - hits0, cache.misses - misses0
-    return rate, hits / max(hits + misses, 1)
+    return n / (time.perf_counter() - t0)
 
 
 def run_bench(stage: Stage, model_name: str, prompt_tokens: list[int], decode_tokens: int, runs: int,
@@ -124,11 +118,12 @@ def run_bench(stage: Stage, model_name: str, prompt_tokens: list[int], decode_to
         results.append(PrefillResult(tokens=n, seconds=med, tok_per_s=n / med, expert_gb_per_s=expert_bytes / med / 1e9,
                                      bound_s=bound, ratio_to_bound=bound / med if bound else None, runs=times))
         on_step(f"prefill {n}: {n / med:,.0f} tok/s")
-    dec, hit_rate = time_decode(stage, decode_tokens) if decode_tokens else (None, None)
+    dec = time_decode(stage, decode_tokens) if decode_tokens else None
+    cache = stage.model.experts.cache
     peak = torch.cuda.max_memory_reserved(stage.ctx.device) / 1e9 if stage.ctx.is_cuda else None
     return BenchResult(device=str(stage.ctx.device), model=model_name, expert_bytes=expert_bytes, link_gb_per_s=bw,
                        prefill=results, decode_tokens=decode_tokens, decode_tok_per_s=dec,
-                       decode_cache_hit_rate=hit_rate, peak_vram_gb=peak,
+                       decode_resident_share=cache.hit_rate_uniform if cache else None, peak_vram_gb=peak,
                        max_vram_gib=max_vram_gib, kernels=stage.report.kernels)
 
 
