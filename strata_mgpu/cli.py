@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import sys
 from pathlib import Path
@@ -164,16 +165,19 @@ def _stage_options(device: str, max_vram: float | None, dtype: str, chunk_size: 
 @device_option
 @max_vram_option
 @dtype_option
+@click.option("--cuda-graphs/--no-cuda-graphs", default=True, show_default=True,
+              help="replay batch-1 decode steps as CUDA graphs")
 @click.option("--json", "json_out", type=click.Path(dir_okay=False, path_type=Path), default=None)
 def bench(model: Path, prompt_tokens: str, decode_tokens: int, runs: int, device: str, max_vram: float | None,
-          dtype: str, json_out: Path | None) -> None:
+          dtype: str, cuda_graphs: bool, json_out: Path | None) -> None:
     """Prefill tok/s against the PCIe link bound, and decode tok/s."""
     from strata_mgpu.runtime.device import DeviceError
     from strata_mgpu.tools.bench import run_bench, write_json
 
     lengths = _int_list(prompt_tokens)
     try:
-        opts = _stage_options(device, max_vram, dtype, chunk_size=max(lengths))
+        opts = dataclasses.replace(_stage_options(device, max_vram, dtype, chunk_size=max(lengths)),
+                                   cuda_graphs=cuda_graphs)
         stage = _build_stage(model, opts)
         result = run_bench(stage, model.name, lengths, decode_tokens, runs, max_vram, on_step=err.print)
     except (GGUFError, DeviceError) as e:

@@ -153,6 +153,26 @@ def test_max_vram_is_never_exceeded(model):
     assert torch.cuda.max_memory_reserved(CUDA) <= budget * 2**30
 
 
+def test_graph_decode_equals_eager(tiny_gguf):
+    f = GGUFFile(tiny_gguf)
+    spec = spec_from_gguf(f)
+    stage = Stage(f, spec, StageOptions(device=CUDA, max_vram_gib=8))
+    assert stage._graphs_ok
+    prompt = torch.randint(0, spec.vocab_size, (40,))
+    kv_g, kv_e = stage.new_sequence(300), stage.new_sequence(300)
+    a = stage.prefill(kv_g, prompt)
+    stage.prefill(kv_e, prompt)
+    keys = set()
+    for _ in range(6):
+        token = torch.tensor([int(a.argmax())])
+        a = stage.decode([kv_g], token)[0]  # graph replay
+        b = super(Stage, stage).decode([kv_e], token)[0]  # eager
+        keys.add(stage._graph.key)
+        assert rel_err(a.cpu(), b.cpu()) <= 1e-2
+        assert int(a.argmax()) == int(b.argmax())
+    assert len(keys) == 1 and kv_g.length == kv_e.length == 46
+
+
 def test_greedy_decode_gpu_equals_cpu(tiny_gguf):
     from strata_mgpu.config import EngineConfig
     from strata_mgpu.model.tokenizer import tokenizer_from_gguf

@@ -21,6 +21,7 @@ from typing import Protocol
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from strata_mgpu.model.spec import ModelSpec
 from strata_mgpu.model.weights import LayerWeights, ModelWeights
@@ -61,8 +62,19 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos[:, None, :] + rotated * sin[:, None, :]
 
 
+# cuDNN's attention builds a graph per new shape: about 1 ms of CPU per call in decode, where the
+# key count grows every step (seen on the H200 with torch 2.11). Flash, memory-efficient or math
+# kernels serve every shape here.
+SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """q [T, H, Dh] are the last T positions of k, v [S, Hkv, Dh]; returns [T, H, Dh]."""
+    with sdpa_kernel(SDPA_BACKENDS):
+        return _sdpa(q, k, v)
+
+
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     t, s = q.shape[0], k.shape[0]
     qh, kh, vh = q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None]
     if t == s:
@@ -72,6 +84,14 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch
     else:  # query i sits at key position s - t + i and sees keys 0..s-t+i
         mask = torch.ones(t, s, dtype=torch.bool, device=q.device).tril(diagonal=s - t)
         out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, enable_gqa=True)
+    return out[0].transpose(0, 1)
+
+
+def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+    """q [T, H, Dh] against all of k, v [S, Hkv, Dh] where visible [S] (bool) allows; -> [T, H, Dh]."""
+    qh, kh, vh = q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None]
+    with sdpa_kernel(SDPA_BACKENDS):
+        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=visible[None, :], enable_gqa=True)
     return out[0].transpose(0, 1)
 
 
@@ -152,32 +172,58 @@ class Decoder:
         x = self.w.embed[tokens]  # [T, D]
         self.experts.begin(tokens.shape[0])
         for i, layer in enumerate(self.w.layers):
-            x = x + self._attention(i, layer, rms_norm(x, layer.attn_norm, s.rms_eps), cos, sin, segments)
-            h = rms_norm(x, layer.ffn_norm, s.rms_eps)
-            weights, experts = self.route(i, h, layer.router)
-            x = x + self.experts.forward(i, h, weights, experts)
+            q, k, v = self._qkv(layer, rms_norm(x, layer.attn_norm, s.rms_eps), cos, sin)
+            out = torch.empty_like(q)
+            for seg in segments:
+                rows = slice(seg.start, seg.end)
+                k_all, v_all = seg.kv.write(i, k[rows], v[rows])  # [S, Hkv, Dh]
+                out[rows] = causal_attention(q[rows], k_all, v_all)
+            x = x + out.reshape(-1, s.q_dim) @ layer.wo.T
+            x = x + self._moe(i, layer, x)
         for seg in segments:
             seg.kv.advance(seg.n)
+        return x
+
+    def forward_static(self, token: torch.Tensor, position: torch.Tensor, kv: KVCache) -> torch.Tensor:
+        """One token [1] of one sequence at a device-held position [1] -> hidden [1, D].
+
+        Attention runs over the cache's whole capacity under a mask, and the new key and value
+        are written at `position` on the device: every shape and address is fixed, so the step
+        can be captured once as a CUDA graph and replayed. The caller advances `kv` afterwards.
+        """
+        s = self.spec
+        cos, sin = rope_cos_sin(position, s.head_dim, s.rope_base, self.w.embed.dtype)
+        visible = torch.arange(kv.capacity, device=position.device) <= position  # [S]: keys 0..position
+        x = self.w.embed[token]  # [1, D]
+        self.experts.begin(1)
+        for i, layer in enumerate(self.w.layers):
+            q, k, v = self._qkv(layer, rms_norm(x, layer.attn_norm, s.rms_eps), cos, sin)
+            kv.k[i].index_copy_(0, position, k)
+            kv.v[i].index_copy_(0, position, v)
+            out = masked_attention(q, kv.k[i], kv.v[i], visible)
+            x = x + out.reshape(1, s.q_dim) @ layer.wo.T
+            x = x + self._moe(i, layer, x)
         return x
 
     def route(self, i: int, h: torch.Tensor, router: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer i's routing: (weights [T, A] fp32, experts [T, A])."""
         return route(h, router, self.spec.n_experts_used, self.spec.norm_topk_prob)
 
-    def _attention(self, i: int, w: LayerWeights, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                   segments: Sequence[Segment]) -> torch.Tensor:
+    def _qkv(self, w: LayerWeights, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Normed input h [T, D] -> q [T, H, Dh], k and v [T, Hkv, Dh], q/k normed and rotated."""
         s = self.spec
         t = h.shape[0]
-        q = rms_norm((h @ w.wq.T).view(t, s.n_heads, s.head_dim), w.q_norm, s.rms_eps)  # [T, H, Dh]
-        k = rms_norm((h @ w.wk.T).view(t, s.n_kv_heads, s.head_dim), w.k_norm, s.rms_eps)  # [T, Hkv, Dh]
+        q = rms_norm((h @ w.wq.T).view(t, s.n_heads, s.head_dim), w.q_norm, s.rms_eps)
+        k = rms_norm((h @ w.wk.T).view(t, s.n_kv_heads, s.head_dim), w.k_norm, s.rms_eps)
         v = (h @ w.wv.T).view(t, s.n_kv_heads, s.head_dim)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = torch.empty_like(q)
-        for seg in segments:
-            rows = slice(seg.start, seg.end)
-            k_all, v_all = seg.kv.write(i, k[rows], v[rows])  # [S, Hkv, Dh]
-            out[rows] = causal_attention(q[rows], k_all, v_all)
-        return out.reshape(t, s.q_dim) @ w.wo.T
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+    def _moe(self, i: int, w: LayerWeights, x: torch.Tensor) -> torch.Tensor:
+        """The routed-expert block of layer i on the residual x [T, D]."""
+        h = rms_norm(x, w.ffn_norm, self.spec.rms_eps)
+        weights, experts = self.route(i, h, w.router)
+        return self.experts.forward(i, h, weights, experts)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, D] final hidden rows -> [N, V] logits (final norm, then the head)."""

@@ -17,11 +17,12 @@ from strata_mgpu.model.gguf_reader import GGUFFile
 from strata_mgpu.model.reference import Decoder
 from strata_mgpu.model.spec import ModelSpec
 from strata_mgpu.model.weights import load_weights
+from strata_mgpu.runtime.decode_graph import DecodeGraph, graph_key
 from strata_mgpu.runtime.device import DeviceContext
 from strata_mgpu.runtime.expert_cache import ExpertCache
 from strata_mgpu.runtime.expert_ring import ExpertRing
 from strata_mgpu.runtime.host_arena import HostExpertArena
-from strata_mgpu.runtime.kernels import select_kernels
+from strata_mgpu.runtime.kernels import CudaKernels, select_kernels
 from strata_mgpu.runtime.model_runner import DecoderRunner
 from strata_mgpu.runtime.streamed_experts import StreamedExperts
 
@@ -39,6 +40,7 @@ class StageOptions:
     expert_cache: bool = True
     prefer_cuda_kernels: bool = True
     dtype: torch.dtype | None = None  # compute dtype; None: bf16 on CUDA, fp32 on the CPU
+    cuda_graphs: bool = True  # replay batch-1 decode steps as a captured graph where the path allows
 
 
 def activation_bytes(spec: ModelSpec, tokens: int, elem: int = 2) -> int:
@@ -88,6 +90,9 @@ class Stage(DecoderRunner):
         cache = self._expert_cache(spec, opts, layers)
         experts.cache = cache
         super().__init__(Decoder(spec, dense, experts))
+        self._graphs_ok = (opts.cuda_graphs and cache is not None and isinstance(kernels, CudaKernels)
+                           and kernels.use_grouped_mm and kernels.host_pointers and dtype == torch.bfloat16)
+        self._graph: DecodeGraph | None = None
         self.report = StageReport(dense_bytes=dense_bytes, arena_bytes=self.arena.nbytes, ring_bytes=ring.nbytes,
                                   workspace_bytes=experts.workspace_bytes, cache_slots=cache.n_slots if cache else 0,
                                   kernels=kernels.name + ("+grouped_mm" if getattr(kernels, "use_grouped_mm", False)
@@ -96,6 +101,18 @@ class Stage(DecoderRunner):
                  "expert cache %d slots, kernels %s", self.ctx.device, dense_bytes / 1e9, self.arena.nbytes / 1e9,
                  opts.ring_slots, self.arena.max_layer_bytes / 1e6, experts.workspace_bytes / 1e9,
                  self.report.cache_slots, self.report.kernels)
+
+    @torch.inference_mode()
+    def decode(self, kvs, tokens: torch.Tensor) -> torch.Tensor:
+        """Batch 1 on the capturable path: a CUDA graph replay per token; otherwise eager."""
+        if not self._graphs_ok or len(kvs) != 1:
+            return super().decode(kvs, tokens)
+        kv = kvs[0]
+        kv.reserve(1)
+        if self._graph is None or self._graph.key != graph_key(kv):
+            self._graph = None  # release the old capture's memory before making a new one
+            self._graph = DecodeGraph(self.model, kv, tokens)
+        return self._graph.step(kv, tokens)
 
     def _expert_cache(self, spec: ModelSpec, opts: StageOptions, layers: range) -> ExpertCache | None:
         """Decode's resident experts: as many as the budget's spare room holds after the
