@@ -13,14 +13,16 @@ python3 -c "import torch, cupy; print('torch', torch.__version__, 'cupy', cupy._
 if [ "${SKIP_TESTS:-0}" != 1 ]; then
   python3 -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" || true
 fi
-python3 -m strata_mgpu gen-model /tmp/small.gguf --preset small --seed 3
-python3 tools/diag_bf16.py /tmp/small.gguf 2>&1 | tee "$OUT/diag_bf16.txt" || true
+if [ "${DIAG:-1}" = 1 ]; then
+  python3 -m strata_mgpu gen-model /tmp/small.gguf --preset small --seed 3
+  python3 tools/diag_bf16.py /tmp/small.gguf 2>&1 | tee "$OUT/diag_bf16.txt" || true
+fi
 MODEL=/tmp/q30b.gguf
 [ -f $MODEL ] || (time python3 -m strata_mgpu gen-model $MODEL --preset 30b-a3b --seed 0) 2>&1 | tail -3
 python3 -m strata_mgpu info $MODEL --link-gbps 54.6 | tee "$OUT/info.txt"
 (time python3 -m strata_mgpu bench $MODEL --max-vram 16 --json "$OUT/bench.json" "$@") 2>&1 | tee "$OUT/bench.log"
 python3 -m strata_mgpu bench $MODEL --max-vram 16 --prompt-tokens 1024 --runs 1 --decode-tokens 32 \
-  --no-cuda-graphs 2>&1 | tail -2 | tee "$OUT/bench_eager_decode.log"
+  --no-cuda-graphs 2>&1 | tail -4 | tee "$OUT/bench_eager_decode.log"
 if [ "${PROFILE:-1}" = 1 ]; then
   python3 tools/profile_decode.py $MODEL > "$OUT/profile_decode.txt" 2>&1 || true
   head -1 "$OUT/profile_decode.txt"

@@ -10,6 +10,8 @@ class KVCache:
 
     Layout per layer: [capacity, Hkv, Dh]. `length` counts the positions written by completed
     forwards; a forward writes rows [length, length + T) in every layer, then calls `advance(T)`.
+    Unwritten rows are zeros, never garbage: the static decode step attends over the whole
+    capacity under a mask, and a masked NaN would still poison the softmax and P @ V.
     """
 
     def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, *, capacity: int = 256,
@@ -18,8 +20,8 @@ class KVCache:
         self.max_length = max_length
         self.length = 0
         cap = min(capacity, max_length)
-        self.k = torch.empty(n_layers, cap, n_kv_heads, head_dim, device=device, dtype=dtype)
-        self.v = torch.empty_like(self.k)
+        self.k = torch.zeros(n_layers, cap, n_kv_heads, head_dim, device=device, dtype=dtype)
+        self.v = torch.zeros_like(self.k)
 
     @property
     def capacity(self) -> int:
@@ -36,8 +38,8 @@ class KVCache:
         if need <= self.capacity:
             return
         cap = min(self.max_length, max(need, 2 * self.capacity))
-        k = torch.empty(self.k.shape[0], cap, *self.k.shape[2:], device=self.k.device, dtype=self.k.dtype)
-        v = torch.empty_like(k)
+        k = torch.zeros(self.k.shape[0], cap, *self.k.shape[2:], device=self.k.device, dtype=self.k.dtype)
+        v = torch.zeros_like(k)
         k[:, :self.length] = self.k[:, :self.length]
         v[:, :self.length] = self.v[:, :self.length]
         self.k, self.v = k, v
