@@ -168,7 +168,7 @@ def test_graph_decode_equals_eager(tiny_gguf):
         a = stage.decode([kv_g], token)[0]  # graph replay
         b = super(Stage, stage).decode([kv_e], token)[0]  # eager
         keys.add(stage._graph.key)
-        assert rel_err(a.cpu(), b.cpu()) <= 1e-2
+        assert rel_err(a.cpu(), b.cpu()) <= BF16_TOL  # bf16 both; masked vs unmasked attention kernels
         assert int(a.argmax()) == int(b.argmax())
     assert len(keys) == 1 and kv_g.length == kv_e.length == 46
 
