@@ -223,6 +223,37 @@ def _build_stage(model: Path, opts):
 
 
 @main.command()
+def topo() -> None:
+    """Peer-to-peer matrix of the GPUs (nvidia-smi topo -p2p r, checked with CUDA)."""
+    from strata_mgpu import topo as t
+
+    raw = t.nvidia_smi_p2p()
+    peers = t.cuda_peer_access()
+    if raw is None:
+        out.print("nvidia-smi not found or failed: no NVIDIA GPU to inspect"
+                  + ("" if peers is None else f" (CUDA sees {len({i for i, _ in peers}) or 1} device(s))"))
+        return
+    try:
+        m = t.parse_p2p(raw)
+    except t.TopoParseError as e:
+        fail(f"could not read nvidia-smi's P2P matrix: {e}")
+    table = Table(title="P2P read capability (nvidia-smi topo -p2p r)")
+    table.add_column("")
+    for g in m.gpus:
+        table.add_column(g, justify="center")
+    for i, g in enumerate(m.gpus):
+        table.add_row(g, *[m.status[i, j] for j in range(len(m.gpus))])
+    out.print(table)
+    if len(m.gpus) == 1:
+        out.print("one GPU: nothing to hand over between cards")
+    for i, j, code in m.pairs():
+        cuda = "" if peers is None or (i, j) not in peers else \
+            f"; CUDA peer access {'yes' if peers[i, j] else 'no'}" + \
+            (" (disagrees with nvidia-smi)" if peers[i, j] != (code == "OK") else "")
+        out.print(f"{m.gpus[i]} -> {m.gpus[j]}: {code} ({t.LEGEND[code]}){cuda}: {t.runtime_plan(code)}")
+
+
+@main.command()
 @click.argument("model", required=False, type=click.Path(dir_okay=False, path_type=Path))
 @click.option("--host", default="127.0.0.1", show_default=True)
 @click.option("--port", default=8080, show_default=True, type=click.IntRange(0, 65535))
