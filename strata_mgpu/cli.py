@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import re
 import sys
 from pathlib import Path
@@ -137,24 +136,33 @@ def _int_list(value: str) -> list[int]:
     return items
 
 
-device_option = click.option("--device", default="auto", show_default=True,
-                             help="cpu, cuda, cuda:N; auto: cuda:0 when CUDA is there, else cpu")
-max_vram_option = click.option("--max-vram", type=click.FloatRange(min=0.5), default=None,
-                               help="GiB of VRAM the stage may use (so a big card can stand in for a small one)")
+devices_option = click.option("--devices", default="auto", show_default=True,
+                              help="one device per stage: cpu, cuda:N or N, comma-separated (0,1; 0,0; cpu,cpu); "
+                                   "auto: cuda:0 when CUDA is there, else cpu")
+layer_split_option = click.option("--layer-split", default="auto", show_default=True,
+                                  help="auto (by VRAM budget) or K1[,K2..]: the first layer of each later stage")
+max_vram_option = click.option("--max-vram", default=None,
+                               help="GiB of VRAM each stage may use: one value, or one per device (16,12)")
 dtype_option = click.option("--dtype", type=click.Choice(["bf16", "fp32"]), default="bf16", show_default=True,
                             help="compute dtype on the GPU (fp32: slower, for checks)")
 
 
-def _stage_options(device: str, max_vram: float | None, dtype: str, chunk_size: int = 8192):
-    import torch
+def _placement(devices: str, layer_split: str, max_vram: str | None, dtype: str, cuda_graphs: bool = True):
+    from strata_mgpu.config import Placement
 
-    from strata_mgpu.runtime.device import parse_device
-    from strata_mgpu.runtime.stage import StageOptions
-
-    dev = torch.device("cuda", 0) if device == "auto" and torch.cuda.is_available() else \
-        torch.device("cpu") if device == "auto" else parse_device(device)
-    return StageOptions(device=dev, max_vram_gib=max_vram, chunk_size=chunk_size,
-                        dtype=torch.float32 if dtype == "fp32" else None)
+    budgets: tuple[float | None, ...] = (None,)
+    if max_vram:
+        try:
+            budgets = tuple(float(x) for x in max_vram.split(","))
+        except ValueError:
+            raise click.BadParameter(f"--max-vram {max_vram!r}: GiB, one value or one per device") from None
+        if any(b < 0.5 for b in budgets):
+            raise click.BadParameter(f"--max-vram {max_vram!r}: at least 0.5 GiB a stage")
+    try:
+        return Placement(devices=tuple(d.strip() for d in devices.split(",")), layer_split=layer_split,
+                         max_vram_gib=budgets, dtype=dtype, cuda_graphs=cuda_graphs)
+    except ValueError as e:
+        raise click.BadParameter(str(e)) from None
 
 
 @main.command()
@@ -162,25 +170,28 @@ def _stage_options(device: str, max_vram: float | None, dtype: str, chunk_size: 
 @click.option("--prompt-tokens", default="1024,2048,4096,8192", show_default=True, help="one-chunk prompt lengths")
 @click.option("--decode-tokens", default=64, show_default=True, type=click.IntRange(min=0))
 @click.option("--runs", default=3, show_default=True, type=click.IntRange(min=1), help="median of this many")
-@device_option
+@devices_option
+@layer_split_option
 @max_vram_option
 @dtype_option
+@click.option("--chunk-size", default=8192, show_default=True, type=click.IntRange(min=1),
+              help="longer prompts run in chunks of this many tokens (pipelined across stages)")
 @click.option("--cuda-graphs/--no-cuda-graphs", default=True, show_default=True,
               help="replay batch-1 decode steps as CUDA graphs")
 @click.option("--json", "json_out", type=click.Path(dir_okay=False, path_type=Path), default=None)
-def bench(model: Path, prompt_tokens: str, decode_tokens: int, runs: int, device: str, max_vram: float | None,
-          dtype: str, cuda_graphs: bool, json_out: Path | None) -> None:
+def bench(model: Path, prompt_tokens: str, decode_tokens: int, runs: int, devices: str, layer_split: str,
+          max_vram: str | None, dtype: str, chunk_size: int, cuda_graphs: bool, json_out: Path | None) -> None:
     """Prefill tok/s against the PCIe link bound, and decode tok/s."""
     from strata_mgpu.runtime.device import DeviceError
+    from strata_mgpu.runtime.split import SplitError
     from strata_mgpu.tools.bench import run_bench, write_json
 
     lengths = _int_list(prompt_tokens)
+    placement = _placement(devices, layer_split, max_vram, dtype, cuda_graphs)
     try:
-        opts = dataclasses.replace(_stage_options(device, max_vram, dtype, chunk_size=max(lengths)),
-                                   cuda_graphs=cuda_graphs)
-        stage = _build_stage(model, opts)
-        result = run_bench(stage, model.name, lengths, decode_tokens, runs, max_vram, on_step=err.print)
-    except (GGUFError, DeviceError) as e:
+        runner = _build(model, placement, chunk_size)
+        result = run_bench(runner, model.name, lengths, decode_tokens, runs, chunk_size, on_step=err.print)
+    except (GGUFError, DeviceError, SplitError) as e:
         fail(str(e))
     t = Table(title=f"{model.name} on {result.device} ({result.kernels}), experts {_gb(result.expert_bytes)}, "
                     f"pinned H2D {result.link_gb_per_s:.1f} GB/s" if result.link_gb_per_s else
@@ -195,18 +206,24 @@ def bench(model: Path, prompt_tokens: str, decode_tokens: int, runs: int, device
         hit = (f", {100 * result.decode_resident_share:.0f}% of each layer's experts resident in VRAM"
                if result.decode_resident_share is not None else "")
         out.print(f"decode: {result.decode_tok_per_s:.1f} tok/s ({decode_tokens} tokens, batch 1{hit})")
+    for st in result.stages:
+        out.print(f"stage {st.index}: layers {st.layers} on {st.device}, experts {_gb(st.expert_bytes)}"
+                  + (f", busy {st.busy_s:.3f} s of the longest prompt" if st.busy_s is not None else ""))
+    if result.overlap_s is not None:
+        out.print(f"stages busy at the same time: {result.overlap_s:.3f} s of {result.pipeline_s:.3f} s "
+                  f"({result.pipeline_tokens:,} tokens in chunks of {chunk_size:,})")
     if result.peak_vram_gb is not None:
         out.print(f"peak VRAM reserved: {result.peak_vram_gb:.2f} GB"
-                  + (f" (budget {max_vram:g} GiB = {max_vram * 2**30 / 1e9:.2f} GB)" if max_vram else ""))
+                  + (f" (budget {max_vram} GiB a stage)" if max_vram else ""))
     if json_out:
         write_json(result, json_out)
 
 
-def _build_stage(model: Path, opts):
+def _build(model: Path, placement, chunk_size: int):
     from rich.progress import MofNCompleteColumn
 
     from strata_mgpu.model.spec import spec_from_gguf
-    from strata_mgpu.runtime.stage import Stage
+    from strata_mgpu.runtime.build import build_runner
 
     f = GGUFFile(model)
     spec = spec_from_gguf(f)
@@ -219,7 +236,7 @@ def _build_stage(model: Path, opts):
                 tasks[what] = bar.add_task(what, total=total)
             bar.update(tasks[what], completed=done)
 
-        return Stage(f, spec, opts, on_progress=on_progress)
+        return build_runner(f, spec, placement, chunk_size, on_progress=on_progress)
 
 
 @main.command()
@@ -265,15 +282,18 @@ def topo() -> None:
               help="sequences decoded together")
 @click.option("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
 @click.option("--alias", default=None, help="model name clients use (default: the file name)")
-@device_option
+@devices_option
+@layer_split_option
 @max_vram_option
 @dtype_option
 def serve(model: Path | None, host: str, port: int, ctx_size: int | None, chunk_size: int, max_running: int,
-          api_key: str | None, alias: str | None, device: str, max_vram: float | None, dtype: str) -> None:
+          api_key: str | None, alias: str | None, devices: str, layer_split: str, max_vram: str | None,
+          dtype: str) -> None:
     """OpenAI-compatible server. With no MODEL, serves a small built-in demo model."""
     from strata_mgpu.config import EngineConfig, ServerConfig
     from strata_mgpu.env import EnvError
     from strata_mgpu.runtime.device import DeviceError
+    from strata_mgpu.runtime.split import SplitError
     from strata_mgpu.server import launch
 
     try:
@@ -282,9 +302,9 @@ def serve(model: Path | None, host: str, port: int, ctx_size: int | None, chunk_
             alias = alias or launch.DEMO_NAME
         config = ServerConfig(model_path=model, host=host, port=port, api_key=api_key, alias=alias,
                               engine=EngineConfig(ctx_size=ctx_size, chunk_size=chunk_size, max_running=max_running),
-                              stage=_stage_options(device, max_vram, dtype, chunk_size))
+                              placement=_placement(devices, layer_split, max_vram, dtype))
         launch.serve(config)
-    except (GGUFError, EnvError, DeviceError) as e:
+    except (GGUFError, EnvError, DeviceError, SplitError) as e:
         fail(str(e))
 
 

@@ -5,10 +5,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from strata_mgpu.runtime.stage import StageOptions
 
 
 @dataclass(frozen=True)
@@ -30,6 +26,28 @@ class EngineConfig:
 
 
 @dataclass(frozen=True)
+class Placement:
+    """Where the model runs: devices (one stage each), how layers split, VRAM budgets."""
+
+    devices: tuple[str, ...] = ("auto",)  # 'auto', 'cpu', 'cuda:N' or 'N', one per stage
+    layer_split: str = "auto"  # 'auto' or K1[,K2..]: the first layer of each later stage
+    max_vram_gib: tuple[float | None, ...] = (None,)  # one for all stages, or one per stage
+    dtype: str = "bf16"  # compute dtype on the GPU: bf16 or fp32
+    cuda_graphs: bool = True
+
+    def __post_init__(self) -> None:
+        if not self.devices:
+            raise ValueError("no devices given")
+        if len(self.max_vram_gib) not in (1, len(self.devices)):
+            raise ValueError(f"--max-vram gives {len(self.max_vram_gib)} values for {len(self.devices)} devices")
+        if self.dtype not in ("bf16", "fp32"):
+            raise ValueError(f"dtype {self.dtype!r}: bf16 or fp32")
+
+    def budget(self, stage: int) -> float | None:
+        return self.max_vram_gib[0] if len(self.max_vram_gib) == 1 else self.max_vram_gib[stage]
+
+
+@dataclass(frozen=True)
 class ServerConfig:
     model_path: Path
     host: str = "127.0.0.1"
@@ -37,7 +55,7 @@ class ServerConfig:
     api_key: str | None = None
     alias: str | None = None  # the model name clients use; default: the file's stem
     engine: EngineConfig = field(default_factory=EngineConfig)
-    stage: StageOptions | None = None  # None or a CPU device: the fp32 reference forward on the CPU
+    placement: Placement = field(default_factory=Placement)
 
     @property
     def model_name(self) -> str:

@@ -21,7 +21,7 @@ MODEL = "tiny-test"
 def server(tiny_gguf, tmp_path_factory):
     log = tmp_path_factory.mktemp("server") / "server.log"
     args = [str(tiny_gguf), "--api-key", API_KEY, "--alias", MODEL, "--ctx-size", "512", "--chunk-size", "16",
-            "--device", "cpu"]
+            "--devices", "cpu"]
     with running_server(args, log) as base:
         yield base, log
 

@@ -151,26 +151,33 @@ class Decoder:
 
     @property
     def device(self) -> torch.device:
-        return self.w.embed.device
+        return self.w.device
 
     def new_cache(self, max_length: int, capacity: int = 256) -> KVCache:
         s = self.spec
-        return KVCache(s.n_layers, s.n_kv_heads, s.head_dim, capacity=capacity, max_length=max_length,
-                       device=self.device, dtype=self.w.embed.dtype)
+        return KVCache(len(self.w.layers), s.n_kv_heads, s.head_dim, capacity=capacity, max_length=max_length,
+                       device=self.device, dtype=self.w.dtype)
 
     def forward(self, tokens: torch.Tensor, segments: Sequence[Segment]) -> torch.Tensor:
-        """tokens [T] (sequences packed as `segments`) -> final hidden states [T, D].
+        """tokens [T] (sequences packed as `segments`) -> final hidden states [T, D]."""
+        return self.run(self.embed(tokens), segments)
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        assert self.w.embed is not None, "only the first stage embeds"
+        return self.w.embed[tokens]  # [T, D]
+
+    def run(self, x: torch.Tensor, segments: Sequence[Segment]) -> torch.Tensor:
+        """This decoder's layers over hidden rows x [T, D] -> [T, D].
 
         Each segment's rows continue its sequence at `kv.length`; caches advance afterwards.
         """
         s = self.spec
         for seg in segments:
             seg.kv.reserve(seg.n)
-        positions = torch.cat([torch.arange(seg.kv.length, seg.kv.length + seg.n, device=tokens.device)
+        positions = torch.cat([torch.arange(seg.kv.length, seg.kv.length + seg.n, device=x.device)
                                for seg in segments])  # [T]
-        cos, sin = rope_cos_sin(positions, s.head_dim, s.rope_base, self.w.embed.dtype)
-        x = self.w.embed[tokens]  # [T, D]
-        self.experts.begin(tokens.shape[0])
+        cos, sin = rope_cos_sin(positions, s.head_dim, s.rope_base, self.w.dtype)
+        self.experts.begin(x.shape[0])
         for i, layer in enumerate(self.w.layers):
             q, k, v = self._qkv(layer, rms_norm(x, layer.attn_norm, s.rms_eps), cos, sin)
             out = torch.empty_like(q)
@@ -192,9 +199,9 @@ class Decoder:
         can be captured once as a CUDA graph and replayed. The caller advances `kv` afterwards.
         """
         s = self.spec
-        cos, sin = rope_cos_sin(position, s.head_dim, s.rope_base, self.w.embed.dtype)
+        cos, sin = rope_cos_sin(position, s.head_dim, s.rope_base, self.w.dtype)
         visible = torch.arange(kv.capacity, device=position.device) <= position  # [S]: keys 0..position
-        x = self.w.embed[token]  # [1, D]
+        x = self.embed(token)  # [1, D]
         self.experts.begin(1)
         for i, layer in enumerate(self.w.layers):
             q, k, v = self._qkv(layer, rms_norm(x, layer.attn_norm, s.rms_eps), cos, sin)
@@ -227,6 +234,7 @@ class Decoder:
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, D] final hidden rows -> [N, V] logits (final norm, then the head)."""
+        assert self.w.output is not None and self.w.out_norm is not None, "only the last stage has the head"
         return rms_norm(hidden, self.w.out_norm, self.spec.rms_eps) @ self.w.output.T
 
     def prefill(self, tokens: torch.Tensor, kv: KVCache) -> torch.Tensor:

@@ -32,34 +32,48 @@ class LayerWeights:
 
 @dataclass
 class ModelWeights:
-    embed: torch.Tensor  # [V, D]
+    """The dense weights of a layer range; the embedding where it is the first stage, the final
+    norm and head where it is the last (None elsewhere)."""
+
+    embed: torch.Tensor | None  # [V, D]
     layers: list[LayerWeights]
-    out_norm: torch.Tensor  # [D]
-    output: torch.Tensor  # [V, D]; the embedding itself when tied
+    out_norm: torch.Tensor | None  # [D]
+    output: torch.Tensor | None  # [V, D]; the embedding itself when tied
+
+    @property
+    def device(self) -> torch.device:
+        return self.layers[0].wq.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.layers[0].wq.dtype
 
 
 def load_weights(f: GGUFFile, spec: ModelSpec, *, dtype: torch.dtype = torch.float32,
-                 device: torch.device | str = "cpu", with_experts: bool = True,
+                 device: torch.device | str = "cpu", with_experts: bool = True, layers: range | None = None,
+                 embed: bool = True, head: bool = True,
                  on_layer: Callable[[int], None] | None = None) -> ModelWeights:
-    """Dequantize every tensor to `dtype` on `device` (the router stays fp32); without experts
-    when they are streamed. `on_layer(i)` reports progress."""
+    """Dequantize the tensors of `layers` (default: all) to `dtype` on `device` (the router stays
+    fp32); without experts when they are streamed; the embedding and the head only if asked.
+    `on_layer(i)` reports progress."""
 
     def get(kind: T, layer: int | None = None, as_dtype: torch.dtype = dtype) -> torch.Tensor:
         name = tname(kind, layer)
         info = f.tensor(name)
         return dequantize(f.tensor_data(name), info.ggml_type, info.shape, device).to(as_dtype)
 
-    layers = []
-    for i in range(spec.n_layers):
+    out_layers = []
+    for i in layers if layers is not None else range(spec.n_layers):
         lw = LayerWeights(
             attn_norm=get(T.ATTN_NORM, i), wq=get(T.ATTN_Q, i), wk=get(T.ATTN_K, i), wv=get(T.ATTN_V, i),
             wo=get(T.ATTN_OUT, i), q_norm=get(T.ATTN_Q_NORM, i), k_norm=get(T.ATTN_K_NORM, i),
             ffn_norm=get(T.FFN_NORM, i), router=get(T.FFN_GATE_INP, i, torch.float32))
         if with_experts:
             lw.gate, lw.up, lw.down = get(T.FFN_GATE_EXP, i), get(T.FFN_UP_EXP, i), get(T.FFN_DOWN_EXP, i)
-        layers.append(lw)
+        out_layers.append(lw)
         if on_layer:
             on_layer(i)
-    embed = get(T.TOKEN_EMBD)
-    output = embed if spec.tied_output else get(T.OUTPUT)
-    return ModelWeights(embed=embed, layers=layers, out_norm=get(T.OUTPUT_NORM), output=output)
+    embedding = get(T.TOKEN_EMBD) if embed or (head and spec.tied_output) else None
+    output = (embedding if spec.tied_output else get(T.OUTPUT)) if head else None
+    return ModelWeights(embed=embedding if embed else None, layers=out_layers,
+                        out_norm=get(T.OUTPUT_NORM) if head else None, output=output)

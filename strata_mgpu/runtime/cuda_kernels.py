@@ -32,7 +32,8 @@ def _module(file: str, name_expressions: tuple[str, ...], device_index: int):
     except ImportError as e:  # pragma: no cover - exercised on machines without CuPy
         raise KernelUnavailable("CuPy is not installed (pip install 'strata-mgpu[cuda]')") from e
     with cupy.cuda.Device(device_index):
-        mod = cupy.RawModule(code=cuda_source(file), options=("-std=c++17",), name_expressions=name_expressions)
+        mod = cupy.RawModule(code=cuda_source(file), options=("-std=c++17",),
+                              name_expressions=name_expressions or None)
         mod.compile()
     return mod
 

@@ -1,21 +1,31 @@
-"""One compute device: its torch device, the compute and upload streams, and its VRAM budget.
+"""One stage's compute device: its torch device, its own compute and upload streams, and its
+VRAM budget.
 
 On the CPU the streams are None and every "asynchronous" step runs in order; the same stage code
-runs on both.
+runs on both. Two stages on one card get two contexts, with streams of their own, so their work
+can overlap there as it would on two cards.
 """
 
 from __future__ import annotations
 
+import contextlib
+import weakref
+from collections import defaultdict
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
+
+# The live contexts on each device: the caching allocator's cap is per process and device, so
+# stages sharing a card share its cap, the sum of their budgets (none if one has no budget).
+_LIVE: dict[torch.device, weakref.WeakSet[DeviceContext]] = defaultdict(weakref.WeakSet)
 
 
 class DeviceError(RuntimeError):
     """The requested device cannot be used (no CUDA, bad index, budget too small)."""
 
 
-@dataclass
+@dataclass(eq=False)  # identity, so live contexts can sit in a WeakSet
 class DeviceContext:
     device: torch.device
     max_vram_bytes: int | None = None  # None: no cap beyond the card
@@ -30,22 +40,38 @@ class DeviceContext:
                 raise DeviceError(f"{self.device} does not exist ({torch.cuda.device_count()} CUDA device(s))")
             if self.device.index is None:
                 self.device = torch.device("cuda", 0)
-            self.compute = torch.cuda.current_stream(self.device)
+            self.compute = torch.cuda.Stream(self.device)
             self.upload = torch.cuda.Stream(self.device)
             total = torch.cuda.get_device_properties(self.device).total_memory
-            if self.max_vram_bytes is not None and self.max_vram_bytes > total:
-                raise DeviceError(f"--max-vram {self.max_vram_bytes / 2**30:.1f} GiB exceeds {self.device}'s "
+            _LIVE[self.device].add(self)
+            budgets = [c.max_vram_bytes for c in _LIVE[self.device]]
+            cap = None if None in budgets else sum(b for b in budgets if b is not None)
+            if cap is not None and cap > total:
+                raise DeviceError(f"--max-vram {cap / 2**30:.1f} GiB on {self.device} exceeds its "
                                   f"{total / 2**30:.1f} GiB")
             # The caching allocator refuses to grow past this fraction: the budget is enforced, not
-            # hoped for. It is per process and device, so a stage without a budget lifts it again.
+            # hoped for. A stage without a budget lifts the cap for its device.
             torch.cuda.empty_cache()
-            torch.cuda.set_per_process_memory_fraction((self.max_vram_bytes or total) / total, self.device)
+            torch.cuda.set_per_process_memory_fraction((cap or total) / total, self.device)
         elif self.device.type != "cpu":
             raise DeviceError(f"device {self.device} is not supported (cpu or cuda:N)")
 
     @property
     def is_cuda(self) -> bool:
         return self.device.type == "cuda"
+
+    @contextlib.contextmanager
+    def on_compute(self) -> Iterator[None]:
+        """Run the enclosed work on this stage's compute stream, ordered after what the caller's
+        stream has queued and before what it queues next (GPU-side waits, no host sync)."""
+        if self.compute is None:
+            yield
+            return
+        caller = torch.cuda.current_stream(self.device)
+        self.compute.wait_stream(caller)
+        with torch.cuda.stream(self.compute):
+            yield
+        caller.wait_stream(self.compute)
 
     def event(self) -> torch.cuda.Event | None:
         return torch.cuda.Event() if self.is_cuda else None

@@ -3,13 +3,11 @@
 Layout: layer after layer; inside a layer, expert after expert; inside an expert its raw GGUF
 blocks as [gate | up | down]. So one layer's experts are one contiguous upload, one expert is one
 contiguous slice, and a run of experts is one slice too. Resident memory is the expert bytes
-exactly (one allocation, pinned in place with cudaHostRegister: torch's pinned allocator would
-round 18.8 GB up to the next power of two).
+exactly (one allocation, pinned in place: `runtime.pinned`).
 """
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -20,13 +18,7 @@ from gguf.constants import GGMLQuantizationType
 from strata_mgpu.model.gguf_reader import GGUFFile
 from strata_mgpu.model.spec import ModelSpec, T, tname
 from strata_mgpu.quant.formats import block_format
-
-CUDA_HOST_REGISTER_PORTABLE = 1
-CUDA_HOST_REGISTER_MAPPED = 2
-
-
-class PinError(RuntimeError):
-    """The arena could not be pinned."""
+from strata_mgpu.runtime.pinned import pin_in_place
 
 
 @dataclass(frozen=True)
@@ -80,10 +72,10 @@ class HostExpertArena:
             self._fill(f, i)
             if on_layer:
                 on_layer(i)
-        self.buffer = torch.from_numpy(self._host)
-        self.pinned = False
         if pin:
-            self._pin()
+            pin_in_place(self._host)
+        self.pinned = pin
+        self.buffer = torch.from_numpy(self._host)
 
     def _fill(self, f: GGUFFile, layer: int) -> None:
         lay, E = self.layouts[layer], self.spec.n_experts
@@ -91,16 +83,6 @@ class HostExpertArena:
         for kind, start, size in ((T.FFN_GATE_EXP, 0, lay.gate_bytes), (T.FFN_UP_EXP, lay.gate_bytes, lay.gate_bytes),
                                   (T.FFN_DOWN_EXP, lay.down_offset, lay.down_bytes)):
             dst[:, start:start + size] = f.tensor_data(tname(kind, layer)).reshape(E, size)
-
-    def _pin(self) -> None:
-        if not torch.cuda.is_available():
-            raise PinError("pinning the expert arena needs CUDA")
-        ptr, size = self._host.ctypes.data, self._host.nbytes
-        err = torch.cuda.cudart().cudaHostRegister(ptr, size, CUDA_HOST_REGISTER_PORTABLE | CUDA_HOST_REGISTER_MAPPED)
-        if int(err) != 0:
-            raise PinError(f"cudaHostRegister of {size / 1e9:.2f} GB failed (error {int(err)}): raise the "
-                           f"locked-memory limit (ulimit -l) or free host RAM")
-        self.pinned = True
 
     def layer(self, layer: int) -> torch.Tensor:
         """uint8 [E * expert_bytes]: the whole layer, one contiguous upload."""
@@ -120,12 +102,3 @@ class HostExpertArena:
     @property
     def max_expert_bytes(self) -> int:
         return max(lay.expert_bytes for lay in self.layouts.values())
-
-    def close(self) -> None:
-        if self.pinned:
-            torch.cuda.cudart().cudaHostUnregister(self._host.ctypes.data)
-            self.pinned = False
-
-    def __del__(self) -> None:
-        with contextlib.suppress(Exception):  # at interpreter shutdown there may be nothing to unregister with
-            self.close()

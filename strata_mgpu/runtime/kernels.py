@@ -23,6 +23,7 @@ from strata_mgpu.runtime.host_arena import ExpertLayout
 log = logging.getLogger("strata.kernels")
 Q = GGMLQuantizationType
 DEQUANT_FILE = "dequant.cu"
+COPY_FILE = "copy_f32_wide.cu"
 CUDA_DEQUANT_TYPES = (Q.F32, Q.F16, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K)
 _DEQUANT_EXPRS = tuple(f"dequant_bf16<{int(t)}>" for t in CUDA_DEQUANT_TYPES)
 CUDA_ATTR_HOST_POINTER_FOR_REGISTERED_MEM = 91  # cudaDevAttrCanUseHostPointerForRegisteredMem
@@ -32,6 +33,11 @@ class TorchKernels:
     """Plain torch: the oracle for the CUDA versions, and the path where those are missing."""
 
     name = "torch"
+
+    def copy_wide(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """Copy src's bytes into dst (same byte count; either side may be mapped host memory)."""
+        assert dst.numel() * dst.element_size() == src.numel() * src.element_size()
+        dst.view(torch.uint8).view(-1).copy_(src.contiguous().view(torch.uint8).view(-1), non_blocking=True)
 
     def dequant(self, src: torch.Tensor, ggml_type: GGMLQuantizationType, groups: int, weights_per_group: int,
                 group_stride: int, out: torch.Tensor) -> None:
@@ -83,6 +89,7 @@ class CudaKernels(TorchKernels):
             CUDA_ATTR_HOST_POINTER_FOR_REGISTERED_MEM, device.index or 0) == 1
         for expr in _DEQUANT_EXPRS:  # compile now, not in the middle of the first prompt
             cuda_kernels.kernel(DEQUANT_FILE, expr, _DEQUANT_EXPRS, device)
+        cuda_kernels.kernel(COPY_FILE, "copy_f32_wide", (), device)
 
     def dequant(self, src: torch.Tensor, ggml_type: GGMLQuantizationType, groups: int, weights_per_group: int,
                 group_stride: int, out: torch.Tensor) -> None:
@@ -100,6 +107,18 @@ class CudaKernels(TorchKernels):
         m = picks.numel()
         self._launch_dequant(lay.gate_type, 0, addresses, 0, m, 2 * lay.gate_weights, 0, w_gate_up[:m].view(-1))
         self._launch_dequant(lay.down_type, 0, addresses, lay.down_offset, m, lay.down_weights, 0, w_down[:m].view(-1))
+
+    def copy_wide(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """`copy_f32_wide`: 16-byte loads and stores by a kernel, so a hand-over through mapped
+        host memory never waits behind the copy engines' expert uploads."""
+        nbytes = src.numel() * src.element_size()
+        assert dst.numel() * dst.element_size() == nbytes and src.is_contiguous() and dst.is_contiguous()
+        if not self.host_pointers or nbytes % 16 or src.data_ptr() % 16 or dst.data_ptr() % 16:
+            return super().copy_wide(dst, src)
+        fn = cuda_kernels.kernel(COPY_FILE, "copy_f32_wide", (), self.device)
+        n4 = nbytes // 16
+        cuda_kernels.launch(fn, min((n4 + 255) // 256, 4096), 256,
+                            (np.uint64(src.data_ptr()), np.uint64(dst.data_ptr()), np.int64(n4)), self.device)
 
     @staticmethod
     def _has_kernel(ggml_type: GGMLQuantizationType, out: torch.Tensor) -> bool:

@@ -1,8 +1,10 @@
 """A Stage: one device, a layer range, dense weights resident, routed experts streamed.
 
-Owns its device context, the dense weights of its layers (bf16 in VRAM), the host expert arena
-of its layers (pinned), its expert ring and expert cache, and the decoder forward over them.
-Today one stage holds every layer; `--layer-split` will make several.
+Owns its device context (and compute stream), the dense weights of its layers (bf16 in VRAM;
+the embedding on the first stage, the head on the last), the host expert arena of its layers
+(pinned), its expert ring and expert cache, its KV caches, and the decoder forward over them.
+One stage holding every layer is a `ModelRunner` itself; `--layer-split` chains several
+(`runtime.split`).
 """
 
 from __future__ import annotations
@@ -66,32 +68,40 @@ class StageReport:
 
 
 class Stage(DecoderRunner):
-    """A `ModelRunner` over one device and a layer range (all layers, for now)."""
+    """One device and a layer range; a `ModelRunner` when the range is the whole model."""
 
-    def __init__(self, f: GGUFFile, spec: ModelSpec, opts: StageOptions,
+    def __init__(self, f: GGUFFile, spec: ModelSpec, opts: StageOptions, layers: range | None = None,
                  on_progress: Callable[[str, int, int], None] | None = None):
-        layers = range(spec.n_layers)
+        layers = layers if layers is not None else range(spec.n_layers)
+        assert 0 <= layers.start < layers.stop <= spec.n_layers and layers.step == 1
+        self.layers = layers
+        self.is_first, self.is_last = layers.start == 0, layers.stop == spec.n_layers
         self.ctx = DeviceContext(opts.device, int(opts.max_vram_gib * GiB) if opts.max_vram_gib else None)
         dtype = opts.dtype or (torch.bfloat16 if self.ctx.is_cuda else torch.float32)
 
         def progress(what: str, total: int) -> Callable[[int], None]:
             return (lambda i: on_progress(what, i + 1, total)) if on_progress else (lambda i: None)
 
-        dense = load_weights(f, spec, dtype=dtype, device=self.ctx.device, with_experts=False,
-                             on_layer=progress("dense weights", spec.n_layers))
+        tag = "" if self.is_first and self.is_last else f" {layers.start}-{layers.stop - 1} on {self.ctx.device}"
+        dense = load_weights(f, spec, dtype=dtype, device=self.ctx.device, with_experts=False, layers=layers,
+                             embed=self.is_first, head=self.is_last,
+                             on_layer=progress("dense weights" + tag, len(layers)))
         dense_bytes = sum(t.numel() * t.element_size() for lw in dense.layers for t in vars(lw).values()
                           if isinstance(t, torch.Tensor))
         dense_bytes += sum(t.numel() * t.element_size() for t in {id(x): x for x in
-                                                                 (dense.embed, dense.output, dense.out_norm)}.values())
-        self.arena = HostExpertArena(f, spec, layers, pin=self.ctx.is_cuda, on_layer=progress("experts", len(layers)))
-        kernels = select_kernels(self.ctx.device, prefer_cuda=opts.prefer_cuda_kernels)
+                                                                 (dense.embed, dense.output, dense.out_norm)
+                                                                 if x is not None}.values())
+        self.arena = HostExpertArena(f, spec, layers, pin=self.ctx.is_cuda,
+                                     on_layer=progress("experts" + tag, len(layers)))
+        kernels = self.kernels = select_kernels(self.ctx.device, prefer_cuda=opts.prefer_cuda_kernels)
         ring = ExpertRing(self.ctx, self.arena.max_layer_bytes, opts.ring_slots)
         experts = StreamedExperts(self.ctx, spec, self.arena, kernels, ring, None, layers, dtype=dtype)
         cache = self._expert_cache(spec, opts, layers)
         experts.cache = cache
         super().__init__(Decoder(spec, dense, experts))
-        self._graphs_ok = (opts.cuda_graphs and cache is not None and isinstance(kernels, CudaKernels)
-                           and kernels.use_grouped_mm and kernels.host_pointers and dtype == torch.bfloat16)
+        self._graphs_ok = (opts.cuda_graphs and self.is_first and self.is_last and cache is not None
+                           and isinstance(kernels, CudaKernels) and kernels.use_grouped_mm
+                           and kernels.host_pointers and dtype == torch.bfloat16)
         self._graph: DecodeGraph | None = None
         self.report = StageReport(dense_bytes=dense_bytes, arena_bytes=self.arena.nbytes, ring_bytes=ring.nbytes,
                                   workspace_bytes=experts.workspace_bytes, cache_slots=cache.n_slots if cache else 0,
@@ -102,17 +112,26 @@ class Stage(DecoderRunner):
                  opts.ring_slots, self.arena.max_layer_bytes / 1e6, experts.workspace_bytes / 1e9,
                  self.report.cache_slots, self.report.kernels)
 
+    @property
+    def stages(self) -> list[Stage]:
+        return [self]
+
+    def prefill(self, kv, tokens: torch.Tensor) -> torch.Tensor:
+        with self.ctx.on_compute():
+            return super().prefill(kv, tokens)
+
     @torch.inference_mode()
     def decode(self, kvs, tokens: torch.Tensor) -> torch.Tensor:
         """Batch 1 on the capturable path: a CUDA graph replay per token; otherwise eager."""
-        if not self._graphs_ok or len(kvs) != 1:
-            return super().decode(kvs, tokens)
-        kv = kvs[0]
-        kv.reserve(1)
-        if self._graph is None or self._graph.key != graph_key(kv):
-            self._graph = None  # release the old capture's memory before making a new one
-            self._graph = DecodeGraph(self.model, kv, tokens)
-        return self._graph.step(kv, tokens)
+        with self.ctx.on_compute():
+            if not self._graphs_ok or len(kvs) != 1:
+                return super().decode(kvs, tokens)
+            kv = kvs[0]
+            kv.reserve(1)
+            if self._graph is None or self._graph.key != graph_key(kv):
+                self._graph = None  # release the old capture's memory before making a new one
+                self._graph = DecodeGraph(self.model, kv, tokens)
+            return self._graph.step(kv, tokens)
 
     def _expert_cache(self, spec: ModelSpec, opts: StageOptions, layers: range) -> ExpertCache | None:
         """Decode's resident experts: as many as the budget's spare room holds after the

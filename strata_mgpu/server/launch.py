@@ -16,9 +16,8 @@ from strata_mgpu.config import ServerConfig
 from strata_mgpu.model.gguf_reader import GGUFFile
 from strata_mgpu.model.spec import ModelSpec, spec_from_gguf
 from strata_mgpu.model.tokenizer import Tokenizer, tokenizer_from_gguf
+from strata_mgpu.runtime.build import build_runner
 from strata_mgpu.runtime.engine import Engine
-from strata_mgpu.runtime.model_runner import load_reference_runner
-from strata_mgpu.runtime.stage import Stage
 from strata_mgpu.server.app import ServerState, create_app
 
 log = logging.getLogger("strata.server")
@@ -56,11 +55,8 @@ def _load(state: ServerState, config: ServerConfig, f: GGUFFile, spec: ModelSpec
                     tasks[what] = bar.add_task(what, total=total)
                 bar.update(tasks[what], completed=done)
 
-            opts = config.stage
-            if opts is None or opts.device.type == "cpu":
-                runner = load_reference_runner(f, spec, on_progress=lambda d, t: on_progress("layers", d, t))
-            else:
-                runner = Stage(f, spec, opts, on_progress=on_progress)
+            runner = build_runner(f, spec, config.placement, config.engine.chunk_size, cpu_reference=True,
+                                  on_progress=on_progress)
         engine = Engine(runner, tokenizer, config.engine)
         engine.start()
         state.engine = engine

@@ -1,9 +1,12 @@
-"""`strata bench`: one-chunk prefill and decode speed against the link bound, in one run.
+"""`strata bench`: prefill and decode speed against the link bound, in one run.
 
 Measures pinned host-to-device bandwidth first (the bound's denominator), then for each prompt
-length: prefill tok/s, achieved expert GB/s (every expert byte crosses the link once per
-prefill), the link bound (expert bytes / measured bandwidth) and the ratio to it; then decode
-tok/s. Runs on the CPU with the tiny model too (bandwidth then reads 'n/a').
+length: prefill tok/s, achieved expert GB/s (every expert byte crosses a link once per prefill),
+the link bound (expert bytes / measured bandwidth) and the ratio to it; then decode tok/s.
+Prompts longer than the chunk size run chunk by chunk, as the engine runs them; with several
+stages the longest prompt is timed per stage too: each stage's busy time and how long two or
+more stages were busy at once (the pipeline's overlap). Runs on the CPU with the tiny model too
+(bandwidth then reads 'n/a').
 """
 
 from __future__ import annotations
@@ -26,9 +29,18 @@ class PrefillResult:
     seconds: float  # median over runs
     tok_per_s: float
     expert_gb_per_s: float
-    bound_s: float | None  # expert bytes / measured link bandwidth
+    bound_s: float | None  # chunks x the busiest link's expert bytes / measured bandwidth
     ratio_to_bound: float | None  # bound_s / seconds: 1.0 is the link's speed
     runs: list[float] = field(default_factory=list)
+
+
+@dataclass
+class StageResult:
+    index: int
+    device: str
+    layers: str
+    expert_bytes: int
+    busy_s: float | None  # during the longest prompt, when it ran in several chunks
 
 
 @dataclass
@@ -42,17 +54,20 @@ class BenchResult:
     decode_tok_per_s: float | None
     decode_resident_share: float | None  # share of each layer's experts resident in VRAM for decode
     peak_vram_gb: float | None
-    max_vram_gib: float | None
     kernels: str
+    stages: list[StageResult] = field(default_factory=list)
+    overlap_s: float | None = None  # time two or more stages were busy at once (longest prompt)
+    pipeline_s: float | None = None
+    pipeline_tokens: int | None = None
     date: str = field(default_factory=lambda: time.strftime("%Y-%m-%d"))
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2)
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+def _sync(stages: list[Stage]) -> None:
+    for d in {s.ctx.device for s in stages if s.ctx.is_cuda}:
+        torch.cuda.synchronize(d)
 
 
 def measure_h2d(stage: Stage, repeats: int = 5) -> float | None:
@@ -72,59 +87,136 @@ def measure_h2d(stage: Stage, repeats: int = 5) -> float | None:
     return src.numel() / statistics.median(times[1:]) / 1e9
 
 
-def time_prefill(stage: Stage, tokens: int, runs: int, seed: int = 0) -> list[float]:
+def prefill_chunks(runner, prompt: torch.Tensor, chunk: int) -> None:
+    kv = runner.new_sequence(prompt.numel() + 1)
+    for start in range(0, prompt.numel(), chunk):
+        runner.prefill(kv, prompt[start:start + chunk])  # no host sync between chunks
+
+
+def time_prefill(runner, tokens: int, runs: int, chunk: int, seed: int = 0) -> list[float]:
     g = torch.Generator().manual_seed(seed)
-    prompt = torch.randint(0, stage.spec.vocab_size, (tokens,), generator=g)
+    prompt = torch.randint(0, runner.spec.vocab_size, (tokens,), generator=g)
     out = []
     for _ in range(runs):
-        kv = stage.new_sequence(tokens + 1)
-        _sync(stage.ctx.device)
+        _sync(runner.stages)
         t0 = time.perf_counter()
-        stage.prefill(kv, prompt)
-        _sync(stage.ctx.device)
+        prefill_chunks(runner, prompt, chunk)
+        _sync(runner.stages)
         out.append(time.perf_counter() - t0)
     return out
 
 
-def time_decode(stage: Stage, n: int, prompt_tokens: int = 64) -> float:
+class StageTimeline:
+    """Busy intervals of each stage, from events recorded on its stream (host clock on the CPU)."""
+
+    def __init__(self, stages: list[Stage]):
+        self.stages = stages
+        self.marks: list[tuple[int, str, object]] = []
+        self.base = {s.ctx.device: self._mark(s) for s in stages}
+
+    def _mark(self, stage: Stage) -> object:
+        if not stage.ctx.is_cuda:
+            return time.perf_counter()
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record(torch.cuda.current_stream(stage.ctx.device))
+        return ev
+
+    def __call__(self, k: int, what: str) -> None:
+        self.marks.append((k, what, self._mark(self.stages[k])))
+
+    def intervals(self) -> dict[int, list[tuple[float, float]]]:
+        def at(k: int, mark: object) -> float:
+            base = self.base[self.stages[k].ctx.device]
+            if isinstance(mark, float):
+                return mark - base  # type: ignore[operator]
+            return base.elapsed_time(mark) / 1e3  # type: ignore[union-attr]
+
+        out: dict[int, list[tuple[float, float]]] = {k: [] for k in range(len(self.stages))}
+        starts: dict[int, float] = {}
+        for k, what, mark in self.marks:
+            if what == "start":
+                starts[k] = at(k, mark)
+            else:
+                out[k].append((starts.pop(k), at(k, mark)))
+        return out
+
+
+def busy_and_overlap(intervals: dict[int, list[tuple[float, float]]]) -> tuple[dict[int, float], float, float]:
+    """Per-stage busy seconds, seconds with >= 2 stages busy, and the whole span."""
+    busy = {k: sum(b - a for a, b in iv) for k, iv in intervals.items()}
+    edges = sorted([(a, 1) for iv in intervals.values() for a, _ in iv] + [(b, -1) for iv in intervals.values()
+                                                                            for _, b in iv])
+    overlap, active, last = 0.0, 0, None
+    for t, d in edges:
+        if last is not None and active >= 2:
+            overlap += t - last
+        active += d
+        last = t
+    span = (edges[-1][0] - edges[0][0]) if edges else 0.0
+    return busy, overlap, span
+
+
+def time_decode(runner, n: int, prompt_tokens: int = 64) -> float:
     """Decode tok/s at batch 1, greedy, one token at a time."""
-    kv = stage.new_sequence(prompt_tokens + n + 3)  # + the two warm-up steps
-    logits = stage.prefill(kv, torch.arange(prompt_tokens) % stage.spec.vocab_size)
+    kv = runner.new_sequence(prompt_tokens + n + 3)  # + the two warm-up steps
+    logits = runner.prefill(kv, torch.arange(prompt_tokens) % runner.spec.vocab_size)
     token = torch.tensor([int(logits.argmax())])
-    for _ in range(2):  # warm the expert cache and the kernels
-        logits = stage.decode([kv], token)
+    for _ in range(2):  # warm up: kernels, graph capture
+        logits = runner.decode([kv], token)
         token = torch.tensor([int(logits[0].argmax())])
-    _sync(stage.ctx.device)
+    _sync(runner.stages)
     t0 = time.perf_counter()
     for _ in range(n):
-        logits = stage.decode([kv], token)
+        logits = runner.decode([kv], token)
         token = torch.tensor([int(logits[0].argmax())])  # the host needs each token: a sync per step
     return n / (time.perf_counter() - t0)
 
 
-def run_bench(stage: Stage, model_name: str, prompt_tokens: list[int], decode_tokens: int, runs: int,
-              max_vram_gib: float | None, on_step: Callable[[str], None] = lambda s: None) -> BenchResult:
-    bw = measure_h2d(stage)
+def run_bench(runner, model_name: str, prompt_tokens: list[int], decode_tokens: int, runs: int, chunk: int,
+              on_step: Callable[[str], None] = lambda s: None) -> BenchResult:
+    stages: list[Stage] = runner.stages
+    bw = measure_h2d(stages[0])
     on_step(f"pinned H2D: {bw:.1f} GB/s" if bw else "pinned H2D: n/a (CPU)")
-    expert_bytes = stage.arena.nbytes
-    time_prefill(stage, min(prompt_tokens), 1)  # warm-up: kernel compilation, allocator
-    if stage.ctx.is_cuda:
-        torch.cuda.reset_peak_memory_stats(stage.ctx.device)
+    expert_bytes = sum(s.arena.nbytes for s in stages)
+    per_link: dict[torch.device, int] = {}  # stages on one card share its link
+    for s in stages:
+        per_link[s.ctx.device] = per_link.get(s.ctx.device, 0) + s.arena.nbytes
+    time_prefill(runner, min(min(prompt_tokens), chunk), 1, chunk)  # warm-up: kernels, allocator
+    for d in {s.ctx.device for s in stages if s.ctx.is_cuda}:
+        torch.cuda.reset_peak_memory_stats(d)
     results = []
     for n in prompt_tokens:
-        times = time_prefill(stage, n, runs)
+        times = time_prefill(runner, n, runs, chunk)
         med = statistics.median(times)
-        bound = expert_bytes / (bw * 1e9) if bw else None
-        results.append(PrefillResult(tokens=n, seconds=med, tok_per_s=n / med, expert_gb_per_s=expert_bytes / med / 1e9,
-                                     bound_s=bound, ratio_to_bound=bound / med if bound else None, runs=times))
+        passes = -(-n // chunk)  # every chunk streams every expert once
+        bound = passes * max(per_link.values()) / (bw * 1e9) if bw else None
+        results.append(PrefillResult(tokens=n, seconds=med, tok_per_s=n / med,
+                                     expert_gb_per_s=passes * expert_bytes / med / 1e9, bound_s=bound,
+                                     ratio_to_bound=bound / med if bound else None, runs=times))
         on_step(f"prefill {n}: {n / med:,.0f} tok/s")
-    dec = time_decode(stage, decode_tokens) if decode_tokens else None
-    cache = stage.model.experts.cache
-    peak = torch.cuda.max_memory_reserved(stage.ctx.device) / 1e9 if stage.ctx.is_cuda else None
-    return BenchResult(device=str(stage.ctx.device), model=model_name, expert_bytes=expert_bytes, link_gb_per_s=bw,
-                       prefill=results, decode_tokens=decode_tokens, decode_tok_per_s=dec,
-                       decode_resident_share=cache.hit_rate_uniform if cache else None, peak_vram_gb=peak,
-                       max_vram_gib=max_vram_gib, kernels=stage.report.kernels)
+    busy: dict[int, float] = {}
+    overlap = span = None
+    longest = max(prompt_tokens)
+    if len(stages) > 1 and longest > chunk:
+        timeline = StageTimeline(stages)
+        runner.on_stage = timeline
+        try:
+            time_prefill(runner, longest, 1, chunk)
+        finally:
+            runner.on_stage = None
+        busy, overlap, span = busy_and_overlap(timeline.intervals())
+    dec = time_decode(runner, decode_tokens) if decode_tokens else None
+    cache = stages[0].model.experts.cache
+    devices = {s.ctx.device for s in stages if s.ctx.is_cuda}
+    peak = sum(torch.cuda.max_memory_reserved(d) for d in devices) / 1e9 if devices else None
+    return BenchResult(
+        device=",".join(str(s.ctx.device) for s in stages), model=model_name, expert_bytes=expert_bytes,
+        link_gb_per_s=bw, prefill=results, decode_tokens=decode_tokens, decode_tok_per_s=dec,
+        decode_resident_share=cache.hit_rate_uniform if cache else None, peak_vram_gb=peak,
+        kernels=stages[0].report.kernels,
+        stages=[StageResult(index=i, device=str(s.ctx.device), layers=f"{s.layers.start}-{s.layers.stop - 1}",
+                            expert_bytes=s.arena.nbytes, busy_s=busy.get(i)) for i, s in enumerate(stages)],
+        overlap_s=overlap, pipeline_s=span, pipeline_tokens=longest if overlap is not None else None)
 
 
 def write_json(result: BenchResult, path: Path) -> None:

@@ -1,0 +1,43 @@
+"""From a `Placement` to a `ModelRunner`: the CPU reference, one stage, or stages in a split."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from strata_mgpu.config import Placement
+from strata_mgpu.model.gguf_reader import GGUFFile
+from strata_mgpu.model.spec import ModelSpec
+from strata_mgpu.runtime.device import parse_device
+from strata_mgpu.runtime.model_runner import ModelRunner, load_reference_runner
+from strata_mgpu.runtime.split import build_split
+from strata_mgpu.runtime.stage import Stage, StageOptions
+
+Progress = Callable[[str, int, int], None]
+
+
+def resolve_devices(placement: Placement) -> list[torch.device]:
+    if placement.devices == ("auto",):
+        return [torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")]
+    return [parse_device(d) for d in placement.devices]
+
+
+def stage_options(placement: Placement, chunk_size: int) -> list[StageOptions]:
+    return [StageOptions(device=d, max_vram_gib=placement.budget(i), chunk_size=chunk_size,
+                         dtype=torch.float32 if placement.dtype == "fp32" else None,
+                         cuda_graphs=placement.cuda_graphs)
+            for i, d in enumerate(resolve_devices(placement))]
+
+
+def build_runner(f: GGUFFile, spec: ModelSpec, placement: Placement, chunk_size: int, *,
+                 cpu_reference: bool = False, on_progress: Progress | None = None) -> ModelRunner:
+    """One CPU device with `cpu_reference`: the fp32 oracle forward (what the demo serves);
+    one device: a Stage; several: a SplitRunner."""
+    options = stage_options(placement, chunk_size)
+    if len(options) == 1:
+        if cpu_reference and options[0].device.type == "cpu":
+            return load_reference_runner(f, spec, on_progress=(lambda d, t: on_progress("layers", d, t))
+                                         if on_progress else None)
+        return Stage(f, spec, options[0], on_progress=on_progress)
+    return build_split(f, spec, options, placement.layer_split, on_progress=on_progress)

@@ -1,0 +1,62 @@
+"""The hand-over between two stages: activations through mapped pinned host memory.
+
+Stage k writes its output rows into a host buffer with the `copy_f32_wide` kernel (16-byte
+stores through the buffer's device mapping) and records an event; stage k+1's stream waits on
+that event and reads the rows into its own device with the same kernel. No cudaMemcpyPeer (the
+driver stages it through the host without P2P, and it would queue on the copy engines behind
+the expert uploads), no host synchronization. Two buffers alternate, so stage k may write chunk
+c+1 while stage k+1 still reads chunk c; a buffer is rewritten only after its reader's event.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import torch
+
+from strata_mgpu.runtime.device import DeviceContext
+from strata_mgpu.runtime.kernels import TorchKernels
+from strata_mgpu.runtime.pinned import host_buffer
+
+
+class Exchange:
+    def __init__(self, src: DeviceContext, dst: DeviceContext, src_kernels: TorchKernels, dst_kernels: TorchKernels,
+                 max_bytes: int, n_buffers: int = 2):
+        self.src, self.dst = src, dst
+        self.src_kernels, self.dst_kernels = src_kernels, dst_kernels
+        pin = src.is_cuda or dst.is_cuda
+        self.buffers = [host_buffer(max_bytes, pin=pin) for _ in range(n_buffers)]
+        self.sent = [src.event() for _ in range(n_buffers)]  # recorded by the writer
+        self.read = [dst.event() for _ in range(n_buffers)]  # recorded by the reader
+        self._next = 0
+        self._pending: deque[tuple[int, torch.Size, torch.dtype]] = deque()
+        self.bytes_moved = 0
+
+    @property
+    def max_bytes(self) -> int:
+        return self.buffers[0].numel()
+
+    def send(self, x: torch.Tensor) -> None:
+        """On the writer's current stream: put x [T, D] into the next buffer."""
+        nbytes = x.numel() * x.element_size()
+        assert nbytes <= self.max_bytes, f"{nbytes} bytes exceed the exchange's {self.max_bytes}"
+        b = self._next
+        self._next = (b + 1) % len(self.buffers)
+        if self.read[b] is not None:
+            torch.cuda.current_stream(self.src.device).wait_event(self.read[b])  # its reader is done
+        self.src_kernels.copy_wide(self.buffers[b][:nbytes], x.contiguous())
+        if self.sent[b] is not None:
+            self.sent[b].record(torch.cuda.current_stream(self.src.device))
+        self._pending.append((b, x.shape, x.dtype))
+        self.bytes_moved += nbytes
+
+    def receive(self) -> torch.Tensor:
+        """On the reader's current stream: the oldest rows sent, on the reader's device."""
+        b, shape, dtype = self._pending.popleft()
+        if self.sent[b] is not None:
+            torch.cuda.current_stream(self.dst.device).wait_event(self.sent[b])
+        out = torch.empty(shape, dtype=dtype, device=self.dst.device)
+        self.dst_kernels.copy_wide(out, self.buffers[b][:out.numel() * out.element_size()])
+        if self.read[b] is not None:
+            self.read[b].record(torch.cuda.current_stream(self.dst.device))
+        return out

@@ -1,0 +1,124 @@
+"""`--layer-split`: layers across stages, one device each, chained by exchanges.
+
+A prompt chunk runs stage after stage; nothing waits on the host between them, so while stage 2
+still computes chunk c, stage 1 already runs chunk c+1 (the engine's next prefill call).
+Decode steps pass through the stages in turn.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from strata_mgpu.model.gguf_reader import GGUFFile
+from strata_mgpu.model.reference import Segment
+from strata_mgpu.model.spec import ModelSpec
+from strata_mgpu.runtime.exchange import Exchange
+from strata_mgpu.runtime.kv_cache import KVCache
+from strata_mgpu.runtime.stage import Stage, StageOptions
+
+
+class SplitError(ValueError):
+    """A --layer-split that cannot be used; the message says why."""
+
+
+def plan_layers(n_layers: int, n_stages: int, layer_split: str, weights: Sequence[float | None]) -> list[range]:
+    """Stage layer ranges from 'auto' (proportional to `weights`, e.g. VRAM budgets; equal when
+    unknown) or 'K1,K2,..' (each the first layer of a later stage)."""
+    if n_stages < 1:
+        raise SplitError("no devices")
+    text = layer_split.strip().lower()
+    if text == "auto":
+        w = [x if x else 1.0 for x in weights] if all(weights) else [1.0] * n_stages
+        if n_layers < n_stages:
+            raise SplitError(f"{n_stages} stages need at least {n_stages} layers, the model has {n_layers}")
+        total, starts, acc = sum(w), [], 0.0
+        for x in w[:-1]:
+            acc += x
+            starts.append(round(n_layers * acc / total))
+        starts = [min(max(s, i + 1), n_layers - (n_stages - 1 - i)) for i, s in enumerate(starts)]
+    else:
+        try:
+            starts = [int(x) for x in text.split(",") if x.strip()]
+        except ValueError:
+            raise SplitError(f"--layer-split {layer_split!r}: expected 'auto' or layer numbers "
+                             f"like 24 or 16,32") from None
+        if len(starts) != n_stages - 1:
+            raise SplitError(f"--layer-split {layer_split!r} makes {len(starts) + 1} stages, but {n_stages} "
+                             f"device(s) were given")
+    bounds = [0, *starts, n_layers]
+    for a, b in zip(bounds, bounds[1:], strict=False):
+        if not a < b:
+            raise SplitError(f"--layer-split {layer_split!r}: stage boundaries must increase within 1..{n_layers - 1}")
+    return [range(a, b) for a, b in zip(bounds, bounds[1:], strict=False)]
+
+
+@dataclass
+class SplitKV:
+    """One sequence's KV caches, one per stage (each on its stage's device)."""
+
+    parts: list[KVCache]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.parts)
+
+    @property
+    def length(self) -> int:
+        return self.parts[0].length
+
+
+class SplitRunner:
+    """A `ModelRunner` over stages chained by exchanges."""
+
+    def __init__(self, stages: list[Stage], exchanges: list[Exchange]):
+        assert len(exchanges) == len(stages) - 1 and stages[0].is_first and stages[-1].is_last
+        self.stages = stages
+        self.exchanges = exchanges
+        self.spec = stages[0].spec
+        self.on_stage: Callable[[int, str], None] | None = None  # timing hook: (stage, 'start'|'end')
+
+    def new_sequence(self, max_length: int) -> SplitKV:
+        return SplitKV([s.model.new_cache(max_length=max_length) for s in self.stages])
+
+    @torch.inference_mode()
+    def prefill(self, kv: SplitKV, tokens: torch.Tensor) -> torch.Tensor:
+        n = tokens.shape[0]
+        return self._run(tokens, [[Segment(0, n, part)] for part in kv.parts], last_row_only=True)[0]
+
+    @torch.inference_mode()
+    def decode(self, kvs: Sequence[SplitKV], tokens: torch.Tensor) -> torch.Tensor:
+        per_stage = [[Segment(i, i + 1, kv.parts[k]) for i, kv in enumerate(kvs)] for k in range(len(self.stages))]
+        return self._run(tokens, per_stage, last_row_only=False)
+
+    def _run(self, tokens: torch.Tensor, segments: list[list[Segment]], last_row_only: bool) -> torch.Tensor:
+        last = len(self.stages) - 1
+        out = None
+        for k, stage in enumerate(self.stages):
+            with stage.ctx.on_compute():
+                x = stage.model.embed(tokens.to(stage.ctx.device)) if k == 0 else self.exchanges[k - 1].receive()
+                if self.on_stage:  # after the hand-over's wait: the stage's own work starts here
+                    self.on_stage(k, "start")
+                x = stage.model.run(x, segments[k])
+                if k < last:
+                    self.exchanges[k].send(x)
+                else:
+                    out = stage.model.logits(x[-1:] if last_row_only else x)
+                if self.on_stage:
+                    self.on_stage(k, "end")
+        assert out is not None
+        return out
+
+
+def build_split(f: GGUFFile, spec: ModelSpec, options: list[StageOptions], layer_split: str,
+                on_progress: Callable[[str, int, int], None] | None = None) -> SplitRunner:
+    """Stages on `options`' devices (one each, in order), layers placed by `layer_split`."""
+    ranges = plan_layers(spec.n_layers, len(options), layer_split, [o.max_vram_gib for o in options])
+    stages = [Stage(f, spec, o, r, on_progress=on_progress) for o, r in zip(options, ranges, strict=True)]
+    chunk = max(o.chunk_size for o in options)
+    max_bytes = chunk * spec.hidden * 4  # fp32 rows at most: bf16 needs half
+    exchanges = [Exchange(a.ctx, b.ctx, a.kernels, b.kernels, max_bytes) for a, b in zip(stages, stages[1:],
+                                                                                         strict=False)]
+    return SplitRunner(stages, exchanges)

@@ -1,0 +1,96 @@
+"""--layer-split on the CPU: two or three emulated stages against one stage."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from strata_mgpu.cli import main
+from strata_mgpu.config import EngineConfig
+from strata_mgpu.model.gguf_reader import GGUFFile
+from strata_mgpu.model.spec import spec_from_gguf
+from strata_mgpu.model.tokenizer import tokenizer_from_gguf
+from strata_mgpu.runtime.engine import Engine
+from strata_mgpu.runtime.sampler import SamplingParams
+from strata_mgpu.runtime.split import SplitError, build_split, plan_layers
+from strata_mgpu.runtime.stage import Stage, StageOptions
+from tests.test_engine import greedy_chain, run_all
+
+CPU = StageOptions(device=torch.device("cpu"), chunk_size=64)
+
+
+@pytest.mark.parametrize("split, budgets, expected", [
+    ("24", [None, None], [(0, 24), (24, 48)]),
+    ("16,32", [None] * 3, [(0, 16), (16, 32), (32, 48)]),
+    ("auto", [None, None], [(0, 24), (24, 48)]),
+    ("auto", [16, 8], [(0, 32), (32, 48)]),
+    ("auto", [1, 100], [(0, 1), (1, 48)]),
+])
+def test_plan_layers(split, budgets, expected):
+    assert [(r.start, r.stop) for r in plan_layers(48, len(budgets), split, budgets)] == expected
+
+
+@pytest.mark.parametrize("split, n, message", [
+    ("24,12", 3, "must increase"),
+    ("0", 2, "must increase"),
+    ("48", 2, "must increase"),
+    ("24", 3, "makes 2 stages, but 3"),
+    ("x", 2, "expected 'auto'"),
+])
+def test_plan_layers_errors(split, n, message):
+    with pytest.raises(SplitError, match=message):
+        plan_layers(48, n, split, [None] * n)
+
+
+@pytest.fixture(scope="module")
+def loaded(tiny_gguf):
+    f = GGUFFile(tiny_gguf)
+    return f, spec_from_gguf(f)
+
+
+@pytest.mark.parametrize("layer_split, n_stages", [("2", 2), ("1,3", 3)])
+def test_split_equals_single_stage_bit_for_bit(loaded, layer_split, n_stages):
+    """Same kernels on the same rows: the hand-over must not change a single bit."""
+    f, spec = loaded
+    single = Stage(f, spec, CPU)
+    split = build_split(f, spec, [CPU] * n_stages, layer_split)
+    assert [s.layers.start for s in split.stages][1:] == [int(x) for x in layer_split.split(",")]
+    a_kv, b_kv = single.new_sequence(300), split.new_sequence(300)
+    prompt = torch.randint(0, spec.vocab_size, (150,))
+    for start in range(0, 150, 64):  # chunked, as the engine prefills
+        a = single.prefill(a_kv, prompt[start:start + 64])
+        b = split.prefill(b_kv, prompt[start:start + 64])
+    assert torch.equal(a, b)
+    other_a, other_b = single.new_sequence(300), split.new_sequence(300)
+    single.prefill(other_a, prompt[:20])
+    split.prefill(other_b, prompt[:20])
+    for _ in range(3):  # two sequences decoded in one batch
+        tokens = torch.tensor([int(a.argmax()), 7])
+        a = single.decode([a_kv, other_a], tokens)
+        b = split.decode([b_kv, other_b], tokens)
+        assert torch.equal(a, b)
+        a = a[0]
+    assert all(x.bytes_moved > 0 for x in split.exchanges)
+
+
+def test_engine_greedy_on_split_equals_reference(loaded, tiny_gguf):
+    f, spec = loaded
+    tok = tokenizer_from_gguf(f)
+    from strata_mgpu.runtime.model_runner import load_reference_runner
+
+    split = build_split(f, spec, [CPU, CPU], "auto")
+    prompt = tok.encode("The sea is wide, the sea is deep.")
+    (out,) = run_all(Engine(split, tok, EngineConfig(chunk_size=5)),
+                     [(prompt, SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))])
+    assert [t for o in out for t in o.token_ids] == greedy_chain(load_reference_runner(f, spec), prompt, 10)
+
+
+def test_bench_cli_with_two_cpu_stages(tiny_gguf):
+    r = CliRunner().invoke(main, ["bench", str(tiny_gguf), "--devices", "cpu,cpu", "--prompt-tokens", "64,300",
+                                  "--chunk-size", "128", "--decode-tokens", "4", "--runs", "1"])
+    assert r.exit_code == 0, r.output
+    assert "stage 0: layers 0-1 on cpu" in r.output and "stage 1: layers 2-3 on cpu" in r.output
+    assert "stages busy at the same time" in r.output
+    r = CliRunner().invoke(main, ["bench", str(tiny_gguf), "--devices", "cpu,cpu", "--layer-split", "9"])
+    assert r.exit_code == 1 and "must increase" in r.output

@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# On the GPU machine: GPU tests, then one stage against two stages on the same card (30b-a3b preset).
+set -euo pipefail
+export PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/strata-out}
+mkdir -p "$OUT"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+export PYTHONPATH=$PWD:/tmp/site
+python3 -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" | tail -3 || true
+MODEL=/tmp/q30b.gguf
+[ -f $MODEL ] || python3 -m strata_mgpu gen-model $MODEL --preset 30b-a3b --seed 0 2>&1 | tail -1
+python3 -m strata_mgpu bench $MODEL --max-vram 16 --prompt-tokens 4096 --decode-tokens 0 --runs 3 \
+  --json "$OUT/bench_single.json" 2>&1 | tee "$OUT/bench_single.log" | tail -9
+python3 -m strata_mgpu bench $MODEL --devices 0,0 --layer-split 24 --max-vram 16 \
+  --prompt-tokens 1024,2048,4096,8192,32768 --chunk-size 8192 --decode-tokens 16 --runs 3 \
+  --json "$OUT/bench_split.json" 2>&1 | tee "$OUT/bench_split.log" | tail -18
