@@ -22,6 +22,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention.bias import causal_lower_right
 
 from strata_mgpu.model.spec import ModelSpec
 from strata_mgpu.model.weights import LayerWeights, ModelWeights
@@ -81,9 +82,13 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, enable_gqa=True)
     elif t == 1:  # one new token sees every key: no mask (a mask would send SDPA to a slower kernel)
         out = F.scaled_dot_product_attention(qh, kh, vh, enable_gqa=True)
-    else:  # query i sits at key position s - t + i and sees keys 0..s-t+i
-        mask = torch.ones(t, s, dtype=torch.bool, device=q.device).tril(diagonal=s - t)
-        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, enable_gqa=True)
+    else:  # a chunk after a prefix: query i sits at key s - t + i and sees keys 0..s-t+i.
+        # A lower-right causal bias keeps the flash/efficient kernels (an explicit [T, S] mask sent
+        # GQA to the math kernel, which wanted 16 GiB of scores for an 8K chunk after 16K keys);
+        # they take no GQA flag, so the KV heads are repeated for this call.
+        group = q.shape[1] // k.shape[1]
+        kh, vh = kh.repeat_interleave(group, dim=1), vh.repeat_interleave(group, dim=1)
+        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=causal_lower_right(t, s))
     return out[0].transpose(0, 1)
 
 
