@@ -61,17 +61,24 @@ class DeviceContext:
         return self.device.type == "cuda"
 
     @contextlib.contextmanager
-    def on_compute(self) -> Iterator[None]:
-        """Run the enclosed work on this stage's compute stream, ordered after what the caller's
-        stream has queued and before what it queues next (GPU-side waits, no host sync)."""
+    def on_compute(self, *, after_caller: bool = True, join_caller: bool = True) -> Iterator[None]:
+        """Run the enclosed work on this stage's compute stream; GPU-side waits, no host sync.
+
+        after_caller: the work waits for what the caller's stream has queued (its inputs may come
+        from there). join_caller: the caller's stream waits for the work (it will read the output).
+        Stages in a pipeline skip both where the exchange's events already order them: chaining
+        every stage through the caller's stream would serialize chunk c+1 behind chunk c.
+        """
         if self.compute is None:
             yield
             return
         caller = torch.cuda.current_stream(self.device)
-        self.compute.wait_stream(caller)
+        if after_caller:
+            self.compute.wait_stream(caller)
         with torch.cuda.stream(self.compute):
             yield
-        caller.wait_stream(self.compute)
+        if join_caller:
+            caller.wait_stream(self.compute)
 
     def event(self) -> torch.cuda.Event | None:
         return torch.cuda.Event() if self.is_cuda else None
