@@ -81,7 +81,11 @@ class SplitRunner:
         self.on_stage: Callable[[int, str], None] | None = None  # timing hook: (stage, 'start'|'end')
 
     def new_sequence(self, max_length: int) -> SplitKV:
-        return SplitKV([s.model.new_cache(max_length=max_length) for s in self.stages])
+        parts = []
+        for s in self.stages:  # zero-filled on the stage's own stream, which later reads them
+            with s.ctx.on_compute():
+                parts.append(s.model.new_cache(max_length=max_length))
+        return SplitKV(parts)
 
     @torch.inference_mode()
     def prefill(self, kv: SplitKV, tokens: torch.Tensor) -> torch.Tensor:
