@@ -2,12 +2,7 @@
 # One full run on the lent GPU machine: install the carried wheels, run the GPU tests, write the
 # 30b-a3b synthetic model, and benchmark it. Output under $OUT (gpu_tests.log, bench.log, bench.json).
 # Usage (from the repo root, with .whl carried): bash tools/gpu_run.sh [bench args...]
-set -euo pipefail
-export PYTHONUNBUFFERED=1
-OUT=${OUT:-/tmp/strata-out}
-mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-export PYTHONPATH=$PWD:/tmp/site
+source "$(dirname "$0")/gpu_env.sh"
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
 python3 -c "import torch, cupy; print('torch', torch.__version__, 'cupy', cupy.__version__)" | tee -a "$OUT/gpu.txt"
 if [ "${SKIP_TESTS:-0}" != 1 ]; then

@@ -1,11 +1,6 @@
 #!/usr/bin/env bash
 # On the GPU machine: GPU tests, then one stage against two stages on the same card (30b-a3b preset).
-set -euo pipefail
-export PYTHONUNBUFFERED=1
-OUT=${OUT:-/tmp/strata-out}
-mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-export PYTHONPATH=$PWD:/tmp/site
+source "$(dirname "$0")/gpu_env.sh"
 [ "${SKIP_TESTS:-0}" = 1 ] || python3 -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" | tail -3 || true
 MODEL=/tmp/q30b.gguf
 [ -f $MODEL ] || python3 -m strata_mgpu gen-model $MODEL --preset 30b-a3b --seed 0 2>&1 | tail -1

@@ -7,6 +7,7 @@ Decode steps pass through the stages in turn.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -18,6 +19,8 @@ from strata_mgpu.model.spec import ModelSpec
 from strata_mgpu.runtime.exchange import Exchange
 from strata_mgpu.runtime.kv_cache import KVCache
 from strata_mgpu.runtime.stage import Stage, StageOptions
+
+log = logging.getLogger("strata.split")
 
 
 class SplitError(ValueError):
@@ -122,6 +125,8 @@ def build_split(f: GGUFFile, spec: ModelSpec, options: list[StageOptions], layer
                 on_progress: Callable[[str, int, int], None] | None = None) -> SplitRunner:
     """Stages on `options`' devices (one each, in order), layers placed by `layer_split`."""
     ranges = plan_layers(spec.n_layers, len(options), layer_split, [o.max_vram_gib for o in options])
+    log.info("layer split %s: %s", layer_split, "; ".join(f"stage {i}: layers {r.start}-{r.stop - 1} on {o.device}"
+                                                         for i, (o, r) in enumerate(zip(options, ranges, strict=True))))
     stages = [Stage(f, spec, o, r, on_progress=on_progress) for o, r in zip(options, ranges, strict=True)]
     chunk = max(o.chunk_size for o in options)
     max_bytes = chunk * spec.hidden * 4  # fp32 rows at most: bf16 needs half

@@ -1,0 +1,8 @@
+# Sourced by the GPU-machine scripts: install the carried wheels (.whl/, from
+# ../shared/device/wheels.sh) and point Python at the checkout; $OUT collects the results.
+set -euo pipefail
+export PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/strata-out}
+mkdir -p "$OUT"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+export PYTHONPATH=$PWD:/tmp/site
