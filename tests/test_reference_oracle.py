@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import torch
 
@@ -12,6 +14,14 @@ from strata_mgpu.model.weights import load_weights
 from tests.hf_oracle import hf_qwen3moe
 
 TOL = 1e-4  # max|diff| / max|ref|, both fp32
+
+
+def hf_step(hf, ids: torch.Tensor, cache):
+    """One forward of transformers' model with its KV cache, whichever name this version gives
+    the cache (`cache` in 5.24+, `past_key_values` before)."""
+    name = "cache" if "cache" in inspect.signature(hf.forward).parameters else "past_key_values"
+    out = hf(ids, use_cache=True, **({name: cache} if cache is not None else {}))
+    return out.logits[0], getattr(out, name)
 
 
 def rel_err(a: torch.Tensor, ref: torch.Tensor) -> float:
@@ -33,16 +43,14 @@ def test_prefill_and_decode_match_transformers(models):
     prompt = torch.randint(0, ours.spec.vocab_size, (57,), generator=g)
     kv = ours.new_cache(max_length=256, capacity=8)  # small capacity: decode grows the cache
     logits = ours.prefill(prompt, kv)
-    out = hf(prompt[None], use_cache=True)
-    assert rel_err(logits, out.logits[0]) <= TOL
-    cache = out.past_key_values
-    nxt = out.logits[0, -1].argmax()
+    ref, cache = hf_step(hf, prompt[None], None)
+    assert rel_err(logits, ref) <= TOL
+    nxt = ref[-1].argmax()
     for _ in range(6):
         step = ours.prefill(nxt[None], kv)
-        out = hf(nxt[None, None], past_key_values=cache, use_cache=True)
-        cache = out.past_key_values
-        assert rel_err(step, out.logits[0]) <= TOL
-        nxt = out.logits[0, -1].argmax()
+        ref, cache = hf_step(hf, nxt[None, None], cache)
+        assert rel_err(step, ref) <= TOL
+        nxt = ref[-1].argmax()
     assert kv.length == 57 + 6
 
 

@@ -57,11 +57,3 @@ def launch(fn, grid: int, block: int, args: tuple, device: torch.device) -> None
     dev, stream = _cupy_stream(torch.cuda.current_stream(device).cuda_stream, device.index or 0)
     with dev, stream:
         fn((grid,), (block,), args)
-
-
-def cupy_available() -> bool:
-    try:
-        import cupy  # noqa: F401
-    except ImportError:
-        return False
-    return True

@@ -83,9 +83,6 @@ class DeviceContext:
     def event(self) -> torch.cuda.Event | None:
         return torch.cuda.Event() if self.is_cuda else None
 
-    def vram_in_use(self) -> int:
-        return torch.cuda.memory_reserved(self.device) if self.is_cuda else 0
-
     def vram_free_in_budget(self) -> int:
         """Bytes the stage may still allocate under its budget (or on the card)."""
         if not self.is_cuda:
