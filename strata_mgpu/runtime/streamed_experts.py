@@ -5,7 +5,8 @@ rows, F = expert width, G = experts present in this call.
 
 Two ways to bring a layer's experts in, picked per forward by how many rows it has:
 - stream: the whole layer goes up through the ring, one layer ahead of compute (prefill);
-- cache: only the experts the rows picked, one by one through the expert cache (decode).
+- gather: only the experts the rows picked, each read where it lives, a VRAM cache slot or the
+  mapped pinned arena, by one dequant launch per matrix kind (decode; no host sync).
 Either way the experts' bytes are dequantized to bf16 on the device and computed as one grouped
 GEMM pair over the rows sorted by expert.
 """
@@ -42,6 +43,9 @@ def combine(y_sorted: torch.Tensor, order: torch.Tensor, weights: torch.Tensor) 
 
 
 class StreamedExperts:
+    """The `ExpertBackend` of a stage: its layers' experts from the host arena, via the ring or
+    gathered by address. Owns the bf16 workspace of one layer's experts."""
+
     def __init__(self, ctx: DeviceContext, spec: ModelSpec, arena: HostExpertArena, kernels: TorchKernels,
                  ring: ExpertRing, cache: ExpertCache | None, layers: range, dtype: torch.dtype = torch.bfloat16):
         self.ctx, self.spec, self.arena, self.kernels, self.ring, self.cache = ctx, spec, arena, kernels, ring, cache
