@@ -297,6 +297,7 @@ def serve(model: Path | None, host: str, port: int, ctx_size: int | None, chunk_
     from strata_mgpu.server import launch
 
     try:
+        launch.setup_logging()  # so writing the demo model is seen
         if model is None:
             model = launch.demo_model_path()
             alias = alias or launch.DEMO_NAME

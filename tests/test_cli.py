@@ -40,3 +40,18 @@ def test_bad_arguments_are_one_line_errors(tmp_path):
 def test_python_dash_m_entry_point():
     r = subprocess.run([sys.executable, "-m", "strata_mgpu", "--help"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and "gen-model" in r.stdout
+
+
+def test_serve_refuses_bad_placement_before_starting(tiny_gguf):
+    import torch
+
+    cases = [(["--devices", "cpu,cpu", "--layer-split", "7"], "stage boundaries must increase"),
+             (["--devices", "gpu"], "unknown device 'gpu'"),
+             (["--max-vram", "abc"], "--max-vram 'abc'")]
+    if not torch.cuda.is_available():
+        cases.append((["--devices", "cuda:0"], "torch sees no CUDA device"))
+    for args, message in cases:
+        r = subprocess.run([sys.executable, "-m", "strata_mgpu", "serve", str(tiny_gguf), "--port", "1", *args],
+                           capture_output=True, text=True, timeout=120)
+        assert r.returncode in (1, 2), (args, r.stderr)
+        assert message in r.stderr and "Traceback" not in r.stderr, (args, r.stderr)

@@ -1,8 +1,11 @@
 from __future__ import annotations
 
 import shutil
+import unicodedata
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from strata_mgpu.model.gguf_reader import GGUFFile
 from strata_mgpu.model.tokenizer import tokenizer_from_gguf
@@ -96,3 +99,13 @@ def test_chat_template_is_sandboxed():
         t.render([])
     with pytest.raises(ValueError, match="does not parse"):
         ChatTemplate("{% for %}")
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(text=st.text(st.characters(codec="utf-8", exclude_categories=("Cs",)), max_size=60))
+def test_random_text_encodes_like_transformers_and_round_trips(tok, hf_tok, text):
+    """Qwen's own tokenizer normalizes to NFC first (its tokenizer.json, and Qwen2Tokenizer);
+    transformers' GGUF conversion does not, so the two are compared on NFC text."""
+    nfc = unicodedata.normalize("NFC", text)
+    assert tok.encode(text) == tok.encode(nfc) == hf_tok.encode(nfc, add_special_tokens=False)
+    assert tok.decode(tok.encode(text), skip_special=False) == nfc

@@ -9,18 +9,33 @@ import torch
 from strata_mgpu.config import Placement
 from strata_mgpu.model.gguf_reader import GGUFFile
 from strata_mgpu.model.spec import ModelSpec
-from strata_mgpu.runtime.device import parse_device
+from strata_mgpu.runtime.device import DeviceError, parse_device
 from strata_mgpu.runtime.model_runner import ModelRunner, load_reference_runner
-from strata_mgpu.runtime.split import build_split
+from strata_mgpu.runtime.split import build_split, plan_layers
 from strata_mgpu.runtime.stage import Stage, StageOptions
 
 Progress = Callable[[str, int, int], None]
 
 
 def resolve_devices(placement: Placement) -> list[torch.device]:
+    """The stages' devices, each checked to exist (DeviceError otherwise)."""
     if placement.devices == ("auto",):
         return [torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")]
-    return [parse_device(d) for d in placement.devices]
+    devices = [parse_device(d) for d in placement.devices]
+    for d in devices:
+        if d.type == "cuda" and not torch.cuda.is_available():
+            raise DeviceError(f"{d} was asked for, but torch sees no CUDA device")
+        if d.type == "cuda" and (d.index or 0) >= torch.cuda.device_count():
+            raise DeviceError(f"{d} does not exist ({torch.cuda.device_count()} CUDA device(s))")
+    return devices
+
+
+def check_placement(placement: Placement, spec: ModelSpec) -> None:
+    """Fail before anything loads: devices that do not exist, a split that does not fit."""
+    devices = resolve_devices(placement)
+    if len(devices) > 1:
+        plan_layers(spec.n_layers, len(devices), placement.layer_split,
+                    [placement.budget(i) for i in range(len(devices))])
 
 
 def stage_options(placement: Placement, chunk_size: int) -> list[StageOptions]:

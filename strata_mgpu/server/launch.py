@@ -16,12 +16,19 @@ from strata_mgpu.config import ServerConfig
 from strata_mgpu.model.gguf_reader import GGUFFile
 from strata_mgpu.model.spec import ModelSpec, spec_from_gguf
 from strata_mgpu.model.tokenizer import Tokenizer, tokenizer_from_gguf
-from strata_mgpu.runtime.build import build_runner
+from strata_mgpu.runtime.build import build_runner, check_placement
+from strata_mgpu.runtime.device import DeviceError
 from strata_mgpu.runtime.engine import Engine
+from strata_mgpu.runtime.pinned import PinError
+from strata_mgpu.runtime.split import SplitError
 from strata_mgpu.server.app import ServerState, create_app
 
 log = logging.getLogger("strata.server")
 DEMO_PRESET, DEMO_SEED, DEMO_NAME = "tiny", 0, "strata-demo"
+
+
+def setup_logging() -> None:
+    logging.basicConfig(level=env.log_level(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
 
 def demo_model_path() -> Path:
@@ -62,14 +69,18 @@ def _load(state: ServerState, config: ServerConfig, f: GGUFFile, spec: ModelSpec
         state.engine = engine
         log.info("model %s ready: %d layers, %d experts (%d used), context %d, chunk %d", state.model_name,
                  spec.n_layers, spec.n_experts, spec.n_experts_used, engine.n_ctx, config.engine.chunk_size)
+    except (DeviceError, PinError, SplitError) as e:  # the machine cannot hold it: say so in one line
+        state.load_error = f"loading failed: {e}"
+        log.error("loading %s failed: %s", config.model_path, e)
     except Exception as e:  # shown by /health and the log; the server keeps answering 503
         state.load_error = f"loading failed: {type(e).__name__}: {e}"
         log.exception("loading %s failed", config.model_path)
 
 
 def serve(config: ServerConfig) -> None:
-    logging.basicConfig(level=env.log_level(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_logging()
     f, spec, tokenizer = open_model(config.model_path)
+    check_placement(config.placement, spec)
     state = ServerState(model_name=config.model_name, api_key=config.api_key)
     app = create_app(state)
     threading.Thread(target=_load, args=(state, config, f, spec, tokenizer), name="strata-load", daemon=True).start()
