@@ -143,11 +143,20 @@ layer_split_option = click.option("--layer-split", default="auto", show_default=
                                   help="auto (by VRAM budget) or K1[,K2..]: the first layer of each later stage")
 max_vram_option = click.option("--max-vram", default=None,
                                help="GiB of VRAM each stage may use: one value, or one per device (16,12)")
+def help_options(f):
+    f = click.option("--prefill-help-frac", type=float, default=None,
+                     help="fix the helper's share of each layer's experts (0 < f < 1); "
+                          "default: STRATA_PREFILL_HELP_FRAC, else the rule")(f)
+    return click.option("--prefill-help/--no-prefill-help", default=None,
+                        help="the idle stage helps one-chunk prompts (default: STRATA_PREFILL_HELP, on)")(f)
+
+
 dtype_option = click.option("--dtype", type=click.Choice(["bf16", "fp32"]), default="bf16", show_default=True,
                             help="compute dtype on the GPU (fp32: slower, for checks)")
 
 
-def _placement(devices: str, layer_split: str, max_vram: str | None, dtype: str, cuda_graphs: bool = True):
+def _placement(devices: str, layer_split: str, max_vram: str | None, dtype: str, cuda_graphs: bool = True,
+               prefill_help: bool | None = None, prefill_help_frac: float | None = None):
     from strata_mgpu.config import Placement
 
     budgets: tuple[float | None, ...] = (None,)
@@ -160,7 +169,8 @@ def _placement(devices: str, layer_split: str, max_vram: str | None, dtype: str,
             raise click.BadParameter(f"--max-vram {max_vram!r}: at least 0.5 GiB a stage")
     try:
         return Placement(devices=tuple(d.strip() for d in devices.split(",")), layer_split=layer_split,
-                         max_vram_gib=budgets, dtype=dtype, cuda_graphs=cuda_graphs)
+                         max_vram_gib=budgets, dtype=dtype, cuda_graphs=cuda_graphs, prefill_help=prefill_help,
+                         prefill_help_frac=prefill_help_frac)
     except ValueError as e:
         raise click.BadParameter(str(e)) from None
 
@@ -178,20 +188,23 @@ def _placement(devices: str, layer_split: str, max_vram: str | None, dtype: str,
               help="longer prompts run in chunks of this many tokens (pipelined across stages)")
 @click.option("--cuda-graphs/--no-cuda-graphs", default=True, show_default=True,
               help="replay batch-1 decode steps as CUDA graphs")
+@help_options
 @click.option("--json", "json_out", type=click.Path(dir_okay=False, path_type=Path), default=None)
 def bench(model: Path, prompt_tokens: str, decode_tokens: int, runs: int, devices: str, layer_split: str,
-          max_vram: str | None, dtype: str, chunk_size: int, cuda_graphs: bool, json_out: Path | None) -> None:
+          max_vram: str | None, dtype: str, chunk_size: int, cuda_graphs: bool, prefill_help: bool | None,
+          prefill_help_frac: float | None, json_out: Path | None) -> None:
     """Prefill tok/s against the PCIe link bound, and decode tok/s."""
+    from strata_mgpu.env import EnvError
     from strata_mgpu.runtime.device import DeviceError
     from strata_mgpu.runtime.split import SplitError
     from strata_mgpu.tools.bench import run_bench, write_json
 
     lengths = _int_list(prompt_tokens)
-    placement = _placement(devices, layer_split, max_vram, dtype, cuda_graphs)
+    placement = _placement(devices, layer_split, max_vram, dtype, cuda_graphs, prefill_help, prefill_help_frac)
     try:
         runner = _build(model, placement, chunk_size)
         result = run_bench(runner, model.name, lengths, decode_tokens, runs, chunk_size, on_step=err.print)
-    except (GGUFError, DeviceError, SplitError) as e:
+    except (GGUFError, DeviceError, SplitError, EnvError) as e:
         fail(str(e))
     t = Table(title=f"{model.name} on {result.device} ({result.kernels}), experts {_gb(result.expert_bytes)}, "
                     f"pinned H2D {result.link_gb_per_s:.1f} GB/s" if result.link_gb_per_s else
@@ -237,6 +250,70 @@ def _build(model: Path, placement, chunk_size: int):
             bar.update(tasks[what], completed=done)
 
         return build_runner(f, spec, placement, chunk_size, on_progress=on_progress)
+
+
+def _float_list(value: str) -> list[float]:
+    try:
+        items = [float(x) for x in value.split(",") if x.strip()]
+    except ValueError:
+        raise click.BadParameter(f"{value!r} is not a comma-separated list of numbers") from None
+    if not items or any(not 0 <= x < 1 for x in items):
+        raise click.BadParameter(f"{value!r}: shares lie in [0, 1)")
+    return sorted(set(items) | {0.0})
+
+
+@main.command()
+@click.argument("model", type=click.Path(dir_okay=False, path_type=Path))
+@devices_option
+@layer_split_option
+@max_vram_option
+@click.option("--prompt-tokens", default="1024,1536,2048,3072,4096,8192", show_default=True)
+@click.option("--shares", default="0,0.2,0.3,0.4,0.45,0.5", show_default=True,
+              help="helper shares to try; 0 (help off) is always included")
+@click.option("--runs", default=3, show_default=True, type=click.IntRange(min=1))
+@click.option("--csv", "csv_out", type=click.Path(dir_okay=False, path_type=Path), default=None)
+@click.option("--json", "json_out", type=click.Path(dir_okay=False, path_type=Path), default=None)
+@click.option("--png", "png_out", type=click.Path(dir_okay=False, path_type=Path), default=None)
+def sweep(model: Path, devices: str, layer_split: str, max_vram: str | None, prompt_tokens: str, shares: str,
+          runs: int, csv_out: Path | None, json_out: Path | None, png_out: Path | None) -> None:
+    """One-chunk prefill tok/s for each PeerPrefill share and prompt length."""
+    from strata_mgpu.env import EnvError
+    from strata_mgpu.runtime.device import DeviceError
+    from strata_mgpu.runtime.split import SplitError
+    from strata_mgpu.tools import share_sweep as sw
+
+    lengths = _int_list(prompt_tokens)
+    share_list = _float_list(shares)
+    placement = _placement(devices, layer_split, max_vram, "bf16", prefill_help=True)
+    try:
+        runner = _build(model, placement, max(lengths))
+        result = sw.run_sweep(runner, model.name, lengths, share_list, runs,
+                              on_cell=lambda c: err.print(f"{c.tokens} tokens, share {c.share:g}: "
+                                                          f"{c.tok_per_s:,.0f} tok/s"))
+    except (GGUFError, DeviceError, SplitError, EnvError, ValueError) as e:
+        fail(str(e))
+    t = Table(title=f"{model.name} on {result.devices}: one-chunk prefill tok/s (gain over help-off); "
+                    f"* best, r = the rule's share")
+    t.add_column("tokens", justify="right")
+    for s in result.shares():
+        t.add_column("off" if s == 0 else f"{s:g}", justify="right")
+    t.add_column("rule", justify="right")
+    for n in result.lengths():
+        best, rule = result.best_share(n), result.rule_share(n)
+        near = min(result.shares(), key=lambda s: abs(s - rule))
+        cells = []
+        for s in result.shares():
+            c = result.cell(n, s)
+            mark = ("*" if s == best else "") + ("r" if s == near else "")
+            cells.append(f"{c.tok_per_s:,.0f}" + ("" if s == 0 else f" ({100 * result.gain(n, s):+.0f}%)") + mark)
+        t.add_row(f"{n:,}", *cells, f"{rule:.2f}" if rule else "off")
+    out.print(t)
+    if csv_out:
+        sw.write_csv(result, csv_out)
+    if json_out:
+        sw.write_json(result, json_out)
+    if png_out and not sw.write_png(result, png_out):
+        err.print("matplotlib is not installed: no PNG written (pip install matplotlib)")
 
 
 @main.command()
@@ -286,9 +363,10 @@ def topo() -> None:
 @layer_split_option
 @max_vram_option
 @dtype_option
+@help_options
 def serve(model: Path | None, host: str, port: int, ctx_size: int | None, chunk_size: int, max_running: int,
           api_key: str | None, alias: str | None, devices: str, layer_split: str, max_vram: str | None,
-          dtype: str) -> None:
+          dtype: str, prefill_help: bool | None, prefill_help_frac: float | None) -> None:
     """OpenAI-compatible server. With no MODEL, serves a small built-in demo model."""
     from strata_mgpu.config import EngineConfig, ServerConfig
     from strata_mgpu.env import EnvError
@@ -303,7 +381,8 @@ def serve(model: Path | None, host: str, port: int, ctx_size: int | None, chunk_
             alias = alias or launch.DEMO_NAME
         config = ServerConfig(model_path=model, host=host, port=port, api_key=api_key, alias=alias,
                               engine=EngineConfig(ctx_size=ctx_size, chunk_size=chunk_size, max_running=max_running),
-                              placement=_placement(devices, layer_split, max_vram, dtype))
+                              placement=_placement(devices, layer_split, max_vram, dtype,
+                                                   prefill_help=prefill_help, prefill_help_frac=prefill_help_frac))
         launch.serve(config)
     except (GGUFError, EnvError, DeviceError, SplitError) as e:
         fail(str(e))

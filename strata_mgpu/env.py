@@ -25,7 +25,12 @@ class EnvVar:
 CACHE_DIR = EnvVar("STRATA_CACHE_DIR", None, "where the built-in demo model is written (default: the user cache dir)")
 LOG_LEVEL = EnvVar("STRATA_LOG_LEVEL", "INFO", "logging level of the server and engine (DEBUG, INFO, WARNING, ...)")
 
-ALL = (CACHE_DIR, LOG_LEVEL)
+PREFILL_HELP = EnvVar("STRATA_PREFILL_HELP", "1",
+                      "0 turns the PeerPrefill helper off (the idle stage streaming a share of a one-chunk prompt)")
+PREFILL_HELP_FRAC = EnvVar("STRATA_PREFILL_HELP_FRAC", None,
+                           "fixes the helper's share of each layer's experts (0 < f < 1) instead of the rule")
+
+ALL = (CACHE_DIR, LOG_LEVEL, PREFILL_HELP, PREFILL_HELP_FRAC)
 
 
 def cache_dir() -> Path:
@@ -42,3 +47,25 @@ def log_level() -> str:
     if raw not in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"):
         raise EnvError(f"{LOG_LEVEL.name}={raw!r}: expected DEBUG, INFO, WARNING, ERROR or CRITICAL")
     return raw
+
+
+def prefill_help() -> bool:
+    raw = (PREFILL_HELP.raw() or "1").strip().lower()
+    if raw in ("1", "true", "yes", "on"):
+        return True
+    if raw in ("0", "false", "no", "off"):
+        return False
+    raise EnvError(f"{PREFILL_HELP.name}={raw!r}: expected 0 or 1")
+
+
+def prefill_help_frac() -> float | None:
+    raw = PREFILL_HELP_FRAC.raw()
+    if raw is None:
+        return None
+    try:
+        frac = float(raw)
+    except ValueError:
+        raise EnvError(f"{PREFILL_HELP_FRAC.name}={raw!r}: expected a number between 0 and 1") from None
+    if not 0 < frac < 1:
+        raise EnvError(f"{PREFILL_HELP_FRAC.name}={raw!r}: the share must lie strictly between 0 and 1")
+    return frac

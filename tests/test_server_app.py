@@ -41,8 +41,8 @@ class FailingDecode:
     def new_sequence(self, max_length):
         return self.inner.new_sequence(max_length)
 
-    def prefill(self, kv, tokens):
-        return self.inner.prefill(kv, tokens)
+    def prefill(self, kv, tokens, whole_prompt=False):
+        return self.inner.prefill(kv, tokens, whole_prompt)
 
     def decode(self, kvs, tokens):
         raise RuntimeError("device fell over")

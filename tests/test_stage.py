@@ -15,8 +15,8 @@ from strata_mgpu.runtime.expert_cache import ExpertCache
 from strata_mgpu.runtime.expert_ring import ExpertRing
 from strata_mgpu.runtime.kernels import TorchKernels
 from strata_mgpu.runtime.model_runner import load_reference_runner
+from strata_mgpu.runtime.routing import combine, group_rows
 from strata_mgpu.runtime.stage import Stage, StageOptions
-from strata_mgpu.runtime.streamed_experts import combine, group_rows
 
 CPU = torch.device("cpu")
 

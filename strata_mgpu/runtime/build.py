@@ -10,6 +10,7 @@ from strata_mgpu.config import Placement
 from strata_mgpu.model.gguf_reader import GGUFFile
 from strata_mgpu.model.spec import ModelSpec
 from strata_mgpu.runtime.device import DeviceError, parse_device
+from strata_mgpu.runtime.help_rule import HelpPolicy
 from strata_mgpu.runtime.model_runner import ModelRunner, load_reference_runner
 from strata_mgpu.runtime.split import build_split, plan_layers
 from strata_mgpu.runtime.stage import Stage, StageOptions
@@ -33,6 +34,7 @@ def resolve_devices(placement: Placement) -> list[torch.device]:
 def check_placement(placement: Placement, spec: ModelSpec) -> None:
     """Fail before anything loads: devices that do not exist, a split that does not fit."""
     devices = resolve_devices(placement)
+    HelpPolicy.resolve(placement.prefill_help, placement.prefill_help_frac)  # a bad STRATA_PREFILL_* fails now
     if len(devices) > 1:
         plan_layers(spec.n_layers, len(devices), placement.layer_split,
                     [placement.budget(i) for i in range(len(devices))])
@@ -55,4 +57,5 @@ def build_runner(f: GGUFFile, spec: ModelSpec, placement: Placement, chunk_size:
             return load_reference_runner(f, spec, on_progress=(lambda d, t: on_progress("layers", d, t))
                                          if on_progress else None)
         return Stage(f, spec, options[0], on_progress=on_progress)
-    return build_split(f, spec, options, placement.layer_split, on_progress=on_progress)
+    policy = HelpPolicy.resolve(placement.prefill_help, placement.prefill_help_frac)
+    return build_split(f, spec, options, placement.layer_split, on_progress=on_progress, help_policy=policy)

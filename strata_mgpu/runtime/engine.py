@@ -215,7 +215,8 @@ class Engine:
             req.t_first_chunk = time.perf_counter()
         chunk = req.prompt[req.n_prefilled:req.n_prefilled + self.config.chunk_size]
         t0 = time.perf_counter()
-        logits = self.runner.prefill(req.kv, torch.tensor(chunk, dtype=torch.long))
+        logits = self.runner.prefill(req.kv, torch.tensor(chunk, dtype=torch.long),
+                                     whole_prompt=len(chunk) == len(req.prompt))
         req.n_prefilled += len(chunk)
         self.metrics.prompt_tokens.inc(len(chunk))
         self.metrics.prompt_seconds.inc(time.perf_counter() - t0)

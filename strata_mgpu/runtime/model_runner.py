@@ -25,8 +25,9 @@ class ModelRunner(Protocol):
         """State of one sequence (its KV cache), able to hold max_length tokens."""
         ...
 
-    def prefill(self, kv: KVCache, tokens: torch.Tensor) -> torch.Tensor:
-        """Append tokens [T] to the sequence; logits [V] of the last one."""
+    def prefill(self, kv: KVCache, tokens: torch.Tensor, whole_prompt: bool = False) -> torch.Tensor:
+        """Append tokens [T] to the sequence; logits [V] of the last one. `whole_prompt`: these
+        tokens are the entire prompt, in one chunk (the split runner's helper may then engage)."""
         ...
 
     def decode(self, kvs: Sequence[KVCache], tokens: torch.Tensor) -> torch.Tensor:
@@ -45,7 +46,7 @@ class DecoderRunner:
         return self.model.new_cache(max_length=max_length)
 
     @torch.inference_mode()
-    def prefill(self, kv: KVCache, tokens: torch.Tensor) -> torch.Tensor:
+    def prefill(self, kv: KVCache, tokens: torch.Tensor, whole_prompt: bool = False) -> torch.Tensor:
         hidden = self.model.forward(tokens.to(self.model.device), [Segment(0, tokens.shape[0], kv)])
         return self.model.logits(hidden[-1:])[0]
 

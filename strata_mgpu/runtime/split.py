@@ -17,7 +17,9 @@ from strata_mgpu.model.gguf_reader import GGUFFile
 from strata_mgpu.model.reference import Segment
 from strata_mgpu.model.spec import ModelSpec
 from strata_mgpu.runtime.exchange import Exchange
+from strata_mgpu.runtime.help_rule import HelpPolicy
 from strata_mgpu.runtime.kv_cache import KVCache
+from strata_mgpu.runtime.peer_prefill import MESSAGES_PER_LAYER, PeerPrefill
 from strata_mgpu.runtime.stage import Stage, StageOptions
 
 log = logging.getLogger("strata.split")
@@ -82,6 +84,24 @@ class SplitRunner:
         self.exchanges = exchanges
         self.spec = stages[0].spec
         self.on_stage: Callable[[int, str], None] | None = None  # timing hook: (stage, 'start'|'end')
+        self.helpers: list[PeerPrefill] = []
+        self.policy = HelpPolicy(enabled=False)
+
+    def set_stage_helper(self, policy: HelpPolicy, max_rows: int) -> None:
+        """Give each stage's prompt path the next stage's helper (the last stage gets the
+        first's), with host buffers for prompts of up to `max_rows` tokens."""
+        n = len(self.stages)
+        self.helpers = []
+        for k, busy in enumerate(self.stages):
+            idle = self.stages[(k + 1) % n]
+            elem = busy.model.w.dtype.itemsize
+            max_bytes = max_rows * max(self.spec.hidden * elem, self.spec.n_experts_used * 8)
+            helper = PeerPrefill(Exchange(busy.ctx, idle.ctx, busy.kernels, idle.kernels, max_bytes,
+                                          n_buffers=2 * MESSAGES_PER_LAYER),
+                                 Exchange(idle.ctx, busy.ctx, idle.kernels, busy.kernels, max_bytes))
+            busy.model.experts.helper = helper
+            self.helpers.append(helper)
+        self.policy = policy
 
     def new_sequence(self, max_length: int) -> SplitKV:
         parts = []
@@ -91,9 +111,19 @@ class SplitRunner:
         return SplitKV(parts)
 
     @torch.inference_mode()
-    def prefill(self, kv: SplitKV, tokens: torch.Tensor) -> torch.Tensor:
+    def prefill(self, kv: SplitKV, tokens: torch.Tensor, whole_prompt: bool = False) -> torch.Tensor:
         n = tokens.shape[0]
-        return self._run(tokens, [[Segment(0, n, part)] for part in kv.parts], last_row_only=True)[0]
+        share = self.policy.share(n) if whole_prompt and self.helpers else 0.0
+        n_help = min(self.spec.n_experts - 1, round(share * self.spec.n_experts))
+        if n_help > 0:  # one-chunk prompt: the stages run one after the other, the idle one helps
+            for k, (busy, helper) in enumerate(zip(self.stages, self.helpers, strict=True)):
+                idle = self.stages[(k + 1) % len(self.stages)]
+                helper.bind_stage_helper(idle.lend(), busy.arena, busy.layers, n_help)
+        try:
+            return self._run(tokens, [[Segment(0, n, part)] for part in kv.parts], last_row_only=True)[0]
+        finally:
+            for helper in self.helpers:
+                helper.unbind()
 
     @torch.inference_mode()
     def decode(self, kvs: Sequence[SplitKV], tokens: torch.Tensor) -> torch.Tensor:
@@ -122,7 +152,8 @@ class SplitRunner:
 
 
 def build_split(f: GGUFFile, spec: ModelSpec, options: list[StageOptions], layer_split: str,
-                on_progress: Callable[[str, int, int], None] | None = None) -> SplitRunner:
+                on_progress: Callable[[str, int, int], None] | None = None,
+                help_policy: HelpPolicy | None = None) -> SplitRunner:
     """Stages on `options`' devices (one each, in order), layers placed by `layer_split`."""
     ranges = plan_layers(spec.n_layers, len(options), layer_split, [o.max_vram_gib for o in options])
     log.info("layer split %s: %s", layer_split, "; ".join(f"stage {i}: layers {r.start}-{r.stop - 1} on {o.device}"
@@ -132,4 +163,7 @@ def build_split(f: GGUFFile, spec: ModelSpec, options: list[StageOptions], layer
     max_bytes = chunk * spec.hidden * 4  # fp32 rows at most: bf16 needs half
     exchanges = [Exchange(a.ctx, b.ctx, a.kernels, b.kernels, max_bytes) for a, b in zip(stages, stages[1:],
                                                                                          strict=False)]
-    return SplitRunner(stages, exchanges)
+    runner = SplitRunner(stages, exchanges)
+    if help_policy is not None and help_policy.enabled:
+        runner.set_stage_helper(help_policy, chunk)
+    return runner

@@ -26,6 +26,7 @@ from strata_mgpu.runtime.expert_ring import ExpertRing
 from strata_mgpu.runtime.host_arena import HostExpertArena
 from strata_mgpu.runtime.kernels import CudaKernels, select_kernels
 from strata_mgpu.runtime.model_runner import DecoderRunner
+from strata_mgpu.runtime.peer_prefill import LentBuffers
 from strata_mgpu.runtime.streamed_experts import StreamedExperts
 
 log = logging.getLogger("strata.stage")
@@ -116,7 +117,14 @@ class Stage(DecoderRunner):
     def stages(self) -> list[Stage]:
         return [self]
 
-    def prefill(self, kv, tokens: torch.Tensor) -> torch.Tensor:
+    def lend(self) -> LentBuffers:
+        """The VRAM a helper may borrow while this stage idles: its expert ring and its experts'
+        bf16 workspace, both laid out when the stage was built."""
+        experts = self.model.experts
+        return LentBuffers(ctx=self.ctx, kernels=self.kernels, ring=experts.ring, w_gate_up=experts.w_gate_up,
+                           w_down=experts.w_down)
+
+    def prefill(self, kv, tokens: torch.Tensor, whole_prompt: bool = False) -> torch.Tensor:
         with self.ctx.on_compute():
             return super().prefill(kv, tokens)
 

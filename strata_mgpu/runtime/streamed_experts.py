@@ -21,25 +21,8 @@ from strata_mgpu.runtime.expert_cache import ExpertCache
 from strata_mgpu.runtime.expert_ring import ExpertRing, Slot
 from strata_mgpu.runtime.host_arena import ExpertLayout, HostExpertArena
 from strata_mgpu.runtime.kernels import TorchKernels
-
-
-def group_rows(experts: torch.Tensor, n_groups: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """experts [T, A] group ids -> (order [M]: routed rows sorted by group, offs [G] int32 row ends).
-    Stable, and no host synchronization."""
-    flat = experts.reshape(-1)
-    order = torch.argsort(flat, stable=True)
-    counts = torch.zeros(n_groups, dtype=torch.int64, device=flat.device)
-    counts.scatter_add_(0, flat, torch.ones_like(flat))
-    return order, counts.cumsum(0).to(torch.int32)
-
-
-def combine(y_sorted: torch.Tensor, order: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """Sorted expert outputs [M, D] back to rows and weighted: [T, D]. A batched [1, A] x [A, D]
-    product per row (fp32 accumulation, no atomics), so the result is repeatable."""
-    t, a = weights.shape
-    y = torch.empty_like(y_sorted)
-    y[order] = y_sorted
-    return torch.bmm(weights.to(y.dtype).unsqueeze(1), y.view(t, a, -1)).squeeze(1)  # [T, 1, A] @ [T, A, D]
+from strata_mgpu.runtime.peer_prefill import PeerPrefill
+from strata_mgpu.runtime.routing import combine, group_rows, masked_combine
 
 
 class StreamedExperts:
@@ -56,6 +39,7 @@ class StreamedExperts:
         self.w_down = torch.empty(E, D, F, dtype=dtype, device=ctx.device)
         self._slots: dict[int, Slot] = {}
         self.streaming = False
+        self.helper: PeerPrefill | None = None  # bound for one-chunk prompts by the split runner
 
     @property
     def workspace_bytes(self) -> int:
@@ -65,31 +49,49 @@ class StreamedExperts:
         """Whole layers when the rows will touch most experts anyway (or there is no cache)."""
         return self.cache is None or n_rows * self.spec.n_experts_used >= self.spec.n_experts
 
+    @property
+    def helped(self) -> bool:
+        return self.streaming and self.helper is not None and self.helper.bound
+
     def begin(self, n_rows: int) -> None:
         self.streaming = self.should_stream(n_rows)
         self._slots.clear()
         if self.streaming:
             for i in range(min(len(self.ring.slots), len(self.layers))):
                 self._upload(i)
+            if self.helped:
+                self.helper.begin()
 
     def _upload(self, i: int) -> None:
+        """Layer i's experts into the ring: all of them, or the busy stage's share when helped."""
         layer = self.layers[i]
-        self._slots[i] = self.ring.upload(layer, self.arena.layer(layer))
+        src = self.arena.layer(layer)
+        if self.helped:
+            src = src[:self.helper.split(layer)[1]]
+        self._slots[i] = self.ring.upload(layer, src)
 
     def forward(self, i: int, h: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         layer = self.layers[i]
         lay = self.arena.layouts[layer]
-        if self.streaming:
-            slot = self._slots.pop(i)
-            src = slot.acquire(self.ctx.device)
-            self._dequant(src, lay, self.spec.n_experts, lay.expert_bytes)
-            slot.release(self.ctx.device)  # dequant was the slot's only reader: the next upload may start
-            if i + len(self.ring.slots) < len(self.layers):
-                self._upload(i + len(self.ring.slots))
-            order, offs = group_rows(experts, self.spec.n_experts)
-            y = self.kernels.grouped_mlp(h[order // experts.shape[1]], offs, self.w_gate_up, self.w_down)
+        if not self.streaming:
+            return self._forward_cached(i, lay, h, weights, experts)
+        helper = self.helper if self.helped else None
+        if helper is not None:  # hand the helper its inputs first: it works while we do
+            helper.publish(h, weights, experts)
+            helper.run_layer(i, self.spec.n_experts)
+        mine = helper.split(layer)[0] if helper is not None else self.spec.n_experts  # our experts: 0..mine-1
+        slot = self._slots.pop(i)
+        src = slot.acquire(self.ctx.device)
+        self._dequant(src, lay, mine, lay.expert_bytes)
+        slot.release(self.ctx.device)  # dequant was the slot's only reader: the next upload may start
+        if i + len(self.ring.slots) < len(self.layers):
+            self._upload(i + len(self.ring.slots))
+        order, offs = group_rows(experts, self.spec.n_experts)  # our experts' rows sort first
+        y = self.kernels.grouped_mlp(h[order // experts.shape[1]], offs[:mine], self.w_gate_up[:mine],
+                                     self.w_down[:mine])
+        if helper is None:
             return combine(y, order, weights)
-        return self._forward_cached(i, lay, h, weights, experts)
+        return masked_combine(y, order, weights, experts < mine) + helper.collect()
 
     def _forward_cached(self, i: int, lay: ExpertLayout, h: torch.Tensor, weights: torch.Tensor,
                         experts: torch.Tensor) -> torch.Tensor:

@@ -89,8 +89,9 @@ def measure_h2d(stage: Stage, repeats: int = 5) -> float | None:
 
 def prefill_chunks(runner, prompt: torch.Tensor, chunk: int) -> None:
     kv = runner.new_sequence(prompt.numel() + 1)
+    whole = prompt.numel() <= chunk
     for start in range(0, prompt.numel(), chunk):
-        runner.prefill(kv, prompt[start:start + chunk])  # no host sync between chunks
+        runner.prefill(kv, prompt[start:start + chunk], whole_prompt=whole)  # no host sync between chunks
 
 
 def time_prefill(runner, tokens: int, runs: int, chunk: int, seed: int = 0) -> list[float]:

@@ -1,0 +1,37 @@
+"""Routed rows: grouping them by expert and combining the experts' outputs back into tokens.
+
+Shape legend: T = token rows, A = picks per token, M = T * A routed rows, D = hidden, G = groups.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def group_rows(experts: torch.Tensor, n_groups: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """experts [T, A] group ids -> (order [M]: routed rows sorted by group, offs [G] int32 row ends).
+    Stable, and no host synchronization."""
+    flat = experts.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.zeros(n_groups, dtype=torch.int64, device=flat.device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))
+    return order, counts.cumsum(0).to(torch.int32)
+
+
+def combine(y_sorted: torch.Tensor, order: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """Sorted expert outputs [M, D] back to rows and weighted: [T, D]. A batched [1, A] x [A, D]
+    product per row (fp32 accumulation, no atomics), so the result is repeatable."""
+    t, a = weights.shape
+    y = torch.empty_like(y_sorted)
+    y[order] = y_sorted
+    return torch.bmm(weights.to(y.dtype).unsqueeze(1), y.view(t, a, -1)).squeeze(1)  # [T, 1, A] @ [T, A, D]
+
+
+def masked_combine(y_sorted: torch.Tensor, order: torch.Tensor, weights: torch.Tensor, mine: torch.Tensor
+                   ) -> torch.Tensor:
+    """`combine` over only the picks in `mine` [T, A]; the other picks' rows may hold anything
+    (a grouped GEMM given fewer groups leaves them unwritten)."""
+    keep = mine.reshape(-1)[order]  # [M], in sorted order
+    zero = torch.zeros((), dtype=y_sorted.dtype, device=y_sorted.device)
+    y = torch.where(keep[:, None], y_sorted, zero)
+    return combine(y, order, torch.where(mine, weights, torch.zeros((), dtype=weights.dtype, device=weights.device)))

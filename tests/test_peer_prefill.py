@@ -1,0 +1,135 @@
+"""The PeerPrefill helper on two (and three) emulated CPU stages: the rule, the controls,
+equivalence with help off, repeatability, when it engages, and what memory it holds."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from strata_mgpu.config import EngineConfig, Placement
+from strata_mgpu.env import EnvError
+from strata_mgpu.model.gguf_reader import GGUFFile
+from strata_mgpu.model.spec import spec_from_gguf
+from strata_mgpu.model.tokenizer import tokenizer_from_gguf
+from strata_mgpu.runtime.engine import Engine
+from strata_mgpu.runtime.help_rule import HelpPolicy, default_share
+from strata_mgpu.runtime.sampler import SamplingParams
+from strata_mgpu.runtime.split import build_split
+from strata_mgpu.runtime.stage import StageOptions
+from tests.test_engine import run_all
+
+CPU = StageOptions(device=torch.device("cpu"), chunk_size=256)
+
+
+def test_rule_boundaries():
+    assert default_share(1) == 0.45 and default_share(819) == 0.45  # capped
+    assert default_share(1024) == pytest.approx(0.4375)
+    assert default_share(3276) == pytest.approx(0.3, abs=1e-4)  # the last length helped
+    assert default_share(3277) == 0.0 and default_share(8192) == 0.0
+    shares = [default_share(t) for t in range(800, 3300, 100)]
+    assert shares == sorted(shares, reverse=True)
+
+
+def test_controls(monkeypatch):
+    monkeypatch.delenv("STRATA_PREFILL_HELP", raising=False)
+    monkeypatch.delenv("STRATA_PREFILL_HELP_FRAC", raising=False)
+    assert HelpPolicy.resolve(None, None) == HelpPolicy(enabled=True, fixed_share=None)
+    monkeypatch.setenv("STRATA_PREFILL_HELP", "0")
+    assert HelpPolicy.resolve(None, None).share(1000) == 0.0
+    assert HelpPolicy.resolve(True, None).share(1000) == default_share(1000)  # the flag wins
+    monkeypatch.setenv("STRATA_PREFILL_HELP", "1")
+    monkeypatch.setenv("STRATA_PREFILL_HELP_FRAC", "0.25")
+    assert HelpPolicy.resolve(None, None).share(8000) == 0.25  # fixed: also where the rule is off
+    assert HelpPolicy.resolve(None, 0.4).share(8000) == 0.4
+    for bad in ("0", "1", "1.5", "-0.1", "abc"):
+        monkeypatch.setenv("STRATA_PREFILL_HELP_FRAC", bad)
+        with pytest.raises(EnvError, match="STRATA_PREFILL_HELP_FRAC"):
+            HelpPolicy.resolve(None, None)
+    monkeypatch.setenv("STRATA_PREFILL_HELP", "sometimes")
+    with pytest.raises(EnvError, match="expected 0 or 1"):
+        HelpPolicy.resolve(None, None)
+    with pytest.raises(ValueError, match="strictly between 0 and 1"):
+        Placement(prefill_help_frac=1.0)
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_gguf):
+    f = GGUFFile(tiny_gguf)
+    return f, spec_from_gguf(f)
+
+
+def helped_and_not(runner, prompt: torch.Tensor, share: float) -> list[torch.Tensor]:
+    out = []
+    for policy in (HelpPolicy(enabled=False), HelpPolicy(fixed_share=share), HelpPolicy(fixed_share=share)):
+        runner.policy = policy
+        out.append(runner.prefill(runner.new_sequence(512), prompt, whole_prompt=True))
+    return out
+
+
+@pytest.mark.parametrize("n_stages, share", [(2, 0.4), (2, 0.75), (3, 0.3)])
+def test_helped_equals_unhelped_and_repeats(tiny, n_stages, share):
+    f, spec = tiny
+    runner = build_split(f, spec, [CPU] * n_stages, "auto", help_policy=HelpPolicy())
+    prompt = torch.randint(0, spec.vocab_size, (150,))
+    off, on, again = helped_and_not(runner, prompt, share)
+    assert torch.equal(on, again)  # repeatable, run after run
+    assert float((on - off).abs().max() / off.abs().max()) <= 1e-5  # fp32: two partial sums
+    assert all(h.to_helper.bytes_moved > 0 and h.from_helper.bytes_moved > 0 for h in runner.helpers)
+
+
+def test_helper_engages_only_for_one_chunk_prompts(tiny):
+    f, spec = tiny
+    tok = tokenizer_from_gguf(f)
+    runner = build_split(f, spec, [CPU, CPU], "auto", help_policy=HelpPolicy(fixed_share=0.4))
+    moved = lambda: sum(h.to_helper.bytes_moved for h in runner.helpers)  # noqa: E731
+    prompt = tok.encode("Once upon a time there was a small model that wanted to run on two old cards.")
+    params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+    run_all(Engine(runner, tok, EngineConfig(chunk_size=8)), [(prompt, params)])  # several chunks
+    assert moved() == 0
+    run_all(Engine(runner, tok, EngineConfig(chunk_size=256)), [(prompt, params)])  # one chunk
+    assert moved() > 0
+    before = moved()
+    runner.prefill(runner.new_sequence(64), torch.tensor(prompt[:16]))  # not said to be whole
+    assert moved() == before
+
+
+def test_helper_holds_only_lent_buffers(tiny):
+    """No memory of its own: what the helper computes in is the idle stage's ring and workspace."""
+    f, spec = tiny
+    runner = build_split(f, spec, [CPU, CPU], "auto", help_policy=HelpPolicy(fixed_share=0.4))
+    seen = []
+    helper = runner.helpers[0]
+    run_layer = helper.run_layer
+
+    def spy(i, n):
+        seen.append((helper.lent.ring, helper.lent.w_gate_up, helper.lent.w_down))
+        assert not any(isinstance(v, torch.Tensor) for v in vars(helper).values())
+        return run_layer(i, n)
+
+    helper.run_layer = spy
+    runner.prefill(runner.new_sequence(256), torch.randint(0, spec.vocab_size, (100,)), whole_prompt=True)
+    idle = runner.stages[1].model.experts
+    assert seen and all(r is idle.ring and g is idle.w_gate_up and d is idle.w_down for r, g, d in seen)
+    assert helper.lent is None  # unbound after the prompt
+
+
+def test_sweep_cli_on_two_cpu_stages(tiny_gguf, tmp_path):
+    import csv
+    import json
+
+    from click.testing import CliRunner
+
+    from strata_mgpu.cli import main
+
+    files = {k: tmp_path / f"sweep.{k}" for k in ("csv", "json", "png")}
+    r = CliRunner().invoke(main, ["sweep", str(tiny_gguf), "--devices", "cpu,cpu", "--prompt-tokens", "64,200",
+                                  "--shares", "0.3,0.45", "--runs", "1", "--csv", str(files["csv"]),
+                                  "--json", str(files["json"]), "--png", str(files["png"])])
+    assert r.exit_code == 0, r.output
+    rows = list(csv.DictReader(files["csv"].open()))
+    assert {(int(x["tokens"]), float(x["share"])) for x in rows} == {(n, s) for n in (64, 200) for s in (0, 0.3, 0.45)}
+    data = json.loads(files["json"].read_text())
+    assert data["rule_share"]["64"] == 0.45 and len(data["cells"]) == 6
+    assert files["png"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    r = CliRunner().invoke(main, ["sweep", str(tiny_gguf), "--devices", "cpu"])
+    assert r.exit_code == 1 and "needs two or more stages" in r.output
