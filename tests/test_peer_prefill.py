@@ -133,3 +133,15 @@ def test_sweep_cli_on_two_cpu_stages(tiny_gguf, tmp_path):
     assert files["png"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     r = CliRunner().invoke(main, ["sweep", str(tiny_gguf), "--devices", "cpu"])
     assert r.exit_code == 1 and "needs two or more stages" in r.output
+
+
+def test_rule_leaves_stages_on_one_device_unhelped(tiny):
+    """No second link on one device: the rule's share is not used there; a fixed share is."""
+    f, spec = tiny
+    runner = build_split(f, spec, [CPU, CPU], "auto", help_policy=HelpPolicy())
+    prompt = torch.randint(0, spec.vocab_size, (100,))
+    runner.prefill(runner.new_sequence(256), prompt, whole_prompt=True)
+    assert sum(h.to_helper.bytes_moved for h in runner.helpers) == 0
+    runner.policy = HelpPolicy(fixed_share=0.4)
+    runner.prefill(runner.new_sequence(256), prompt, whole_prompt=True)
+    assert sum(h.to_helper.bytes_moved for h in runner.helpers) > 0

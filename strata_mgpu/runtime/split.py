@@ -118,7 +118,10 @@ class SplitRunner:
         if n_help > 0:  # one-chunk prompt: the stages run one after the other, the idle one helps
             for k, (busy, helper) in enumerate(zip(self.stages, self.helpers, strict=True)):
                 idle = self.stages[(k + 1) % len(self.stages)]
-                helper.bind_stage_helper(idle.lend(), busy.arena, busy.layers, n_help)
+                # On the same card there is no second link to use: the helper would only cost
+                # (measured: 6-12% on one H200). A fixed share still forces it (tests, the sweep).
+                if idle.ctx.device != busy.ctx.device or self.policy.fixed_share is not None:
+                    helper.bind_stage_helper(idle.lend(), busy.arena, busy.layers, n_help)
         try:
             return self._run(tokens, [[Segment(0, n, part)] for part in kv.parts], last_row_only=True)[0]
         finally:
