@@ -94,3 +94,20 @@ def test_bench_cli_with_two_cpu_stages(tiny_gguf):
     assert "stages busy at the same time" in r.output
     r = CliRunner().invoke(main, ["bench", str(tiny_gguf), "--devices", "cpu,cpu", "--layer-split", "9"])
     assert r.exit_code == 1 and "must increase" in r.output
+
+
+def test_server_on_two_cpu_stages_answers_like_one(tiny_gguf, tmp_path):
+    """Through HTTP: the split runner behind the engine gives the reference's greedy answer."""
+    import httpx
+
+    from tests.server_proc import running_server
+
+    body = {"messages": [{"role": "user", "content": "Tell me about the sea."}], "max_tokens": 12,
+            "temperature": 0, "ignore_eos": True}
+    answers = []
+    for args in (["--devices", "cpu"], ["--devices", "cpu,cpu", "--layer-split", "2", "--chunk-size", "8"]):
+        with running_server([str(tiny_gguf), *args], tmp_path / f"{len(args)}.log") as base:
+            r = httpx.post(base + "/v1/chat/completions", json=body, timeout=120)
+            assert r.status_code == 200, r.text
+            answers.append(r.json()["choices"][0]["message"]["content"])
+    assert answers[0] == answers[1] and answers[0]
