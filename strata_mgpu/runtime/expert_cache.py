@@ -6,9 +6,12 @@ kernel straight from the pinned host arena through its device mapping (UVA), at 
 with no copy to wait for. `slot_of[layer, expert]` (-1: not resident) and `host_offset` let the
 device build each expert's address itself, so a decode step never synchronizes the host.
 
-Which experts stay: an even share of every layer, chosen once when the stage is built (the
-first K of each layer). A routing-frequency policy would serve trained models better; the
-synthetic models route almost uniformly, so any choice gives them a hit rate of K / E.
+Which experts stay: an even share of every layer, K each. They start as the first K; every
+forward counts each layer's picks on the device (`observe`, no sync), and before a new
+sequence's prompt `refill` swaps in experts picked clearly more often than the resident ones
+they replace (a margin, and a cap on the bytes moved, keep near-ties from churning): trained
+models route with locality, which this follows. The synthetic models route almost uniformly,
+so for them the hit rate stays about K / E.
 """
 
 from __future__ import annotations
@@ -42,7 +45,9 @@ class ExpertCache:
         self.slot_of = slot_of.to(ctx.device)  # [L, E]
         self.host_offset = host_offset.to(ctx.device)  # [L, E] bytes from the arena's start
         self.arena = arena
-        self.lookups = self.hits = 0  # counted by the torch twin path and by `count` on the device path
+        self.lookups = self.hits = 0  # counted by the torch twin path
+        self.picks = torch.zeros(len(layers), E, dtype=torch.float32, device=ctx.device)  # [L, E], decayed
+        self.swapped = 0  # experts moved into VRAM by refills
 
     @property
     def n_slots(self) -> int:
@@ -69,6 +74,46 @@ class ExpertCache:
         cached = self.buffer.data_ptr() + slot.clamp(min=0) * self.slot_bytes
         host = self.arena.buffer.data_ptr() + self.host_offset[i, picks]
         return torch.where(slot >= 0, cached, host)
+
+    def observe(self, i: int, experts: torch.Tensor) -> None:
+        """Count local layer i's picks [T, A] (a device op; never synchronizes)."""
+        flat = experts.reshape(-1)
+        self.picks[i].scatter_add_(0, flat, torch.ones(flat.shape, dtype=self.picks.dtype, device=flat.device))
+
+    def refill(self, margin: float = 1.5, max_share: float = 0.125) -> int:
+        """Swap in experts picked more than `margin` times as often as the resident ones they
+        replace, at most `max_share` of each layer's slots (at least one); then halve the counts.
+        Call on the stream that runs the forwards (the copies and the table update are ordered
+        with them). One host sync. Returns the number of experts moved."""
+        if self.per_layer == 0 or self.per_layer == self.arena.spec.n_experts:
+            return 0
+        picks = self.picks.cpu()
+        budget = max(1, int(max_share * self.per_layer))
+        moved = 0
+        resident = self.slot_of_host >= 0
+        hottest_outside = torch.where(resident, -1.0, picks).amax(1)  # [L]
+        coldest_inside = torch.where(resident, picks, float("inf")).amin(1)
+        for i in (hottest_outside > margin * coldest_inside + 1).nonzero().flatten().tolist():
+            layer = self.layers[i]
+            moved_here = 0
+            inside = resident[i].nonzero().flatten().tolist()
+            outside = (~resident[i]).nonzero().flatten().tolist()
+            coldest = sorted(inside, key=lambda e: (float(picks[i, e]), e))
+            hottest = sorted(outside, key=lambda e: (-float(picks[i, e]), e))
+            for e_out, e_in in zip(coldest, hottest, strict=False):
+                if moved_here >= budget or float(picks[i, e_in]) <= margin * float(picks[i, e_out]) + 1:
+                    break
+                slot = int(self.slot_of_host[i, e_out])
+                src = self.arena.expert(layer, e_in)
+                self.buffer[slot, :src.numel()].copy_(src, non_blocking=True)
+                self.slot_of_host[i, e_out], self.slot_of_host[i, e_in] = -1, slot
+                moved_here += 1
+            moved += moved_here
+        if moved:
+            self.slot_of.copy_(self.slot_of_host)  # in place: captured graphs read the same table
+            self.swapped += moved
+        self.picks.mul_(0.5)
+        return moved
 
     def count(self, i: int, picks: torch.Tensor) -> torch.Tensor:
         """Number of resident picks (a device scalar; read it only where a sync is fine)."""

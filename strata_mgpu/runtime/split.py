@@ -140,6 +140,8 @@ class SplitRunner:
             # Stage k waits only for its inputs (tokens are copied on its own stream; hidden rows
             # come through the exchange's events); only the logits go back to the caller's stream.
             with stage.ctx.on_compute(after_caller=False, join_caller=k == last):
+                if last_row_only:
+                    stage.refill_cache(segments[k][0].kv)
                 x = stage.model.embed(tokens.to(stage.ctx.device)) if k == 0 else self.exchanges[k - 1].receive()
                 if self.on_stage:  # after the hand-over's wait: the stage's own work starts here
                     self.on_stage(k, "start")

@@ -126,7 +126,14 @@ class Stage(DecoderRunner):
 
     def prefill(self, kv, tokens: torch.Tensor, whole_prompt: bool = False) -> torch.Tensor:
         with self.ctx.on_compute():
+            self.refill_cache(kv)
             return super().prefill(kv, tokens)
+
+    def refill_cache(self, kv) -> None:
+        """Before a new sequence's prompt: follow the routing seen so far (one host sync a request)."""
+        cache = self.model.experts.cache
+        if cache is not None and kv.length == 0:
+            cache.refill()
 
     @torch.inference_mode()
     def decode(self, kvs, tokens: torch.Tensor) -> torch.Tensor:

@@ -73,6 +73,8 @@ class StreamedExperts:
     def forward(self, i: int, h: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         layer = self.layers[i]
         lay = self.arena.layouts[layer]
+        if self.cache is not None:
+            self.cache.observe(i, experts)
         if not self.streaming:
             return self._forward_cached(i, lay, h, weights, experts)
         helper = self.helper if self.helped else None
