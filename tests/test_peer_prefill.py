@@ -41,6 +41,8 @@ def test_controls(monkeypatch):
     monkeypatch.setenv("STRATA_PREFILL_HELP_FRAC", "0.25")
     assert HelpPolicy.resolve(None, None).share(8000) == 0.25  # fixed: also where the rule is off
     assert HelpPolicy.resolve(None, 0.4).share(8000) == 0.4
+    assert HelpPolicy().share(1000, across_cards=False) == 0.0  # one card, one link: nothing to gain
+    assert HelpPolicy(fixed_share=0.3).share(1000, across_cards=False) == 0.3
     for bad in ("0", "1", "1.5", "-0.1", "abc"):
         monkeypatch.setenv("STRATA_PREFILL_HELP_FRAC", bad)
         with pytest.raises(EnvError, match="STRATA_PREFILL_HELP_FRAC"):

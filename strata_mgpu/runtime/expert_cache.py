@@ -114,7 +114,3 @@ class ExpertCache:
             self.swapped += moved
         self.picks.mul_(0.5)
         return moved
-
-    def count(self, i: int, picks: torch.Tensor) -> torch.Tensor:
-        """Number of resident picks (a device scalar; read it only where a sync is fine)."""
-        return (self.slot_of[i, picks] >= 0).sum()

@@ -113,14 +113,12 @@ class SplitRunner:
     @torch.inference_mode()
     def prefill(self, kv: SplitKV, tokens: torch.Tensor, whole_prompt: bool = False) -> torch.Tensor:
         n = tokens.shape[0]
-        share = self.policy.share(n) if whole_prompt and self.helpers else 0.0
-        n_help = min(self.spec.n_experts - 1, round(share * self.spec.n_experts))
-        if n_help > 0:  # one-chunk prompt: the stages run one after the other, the idle one helps
-            for k, (busy, helper) in enumerate(zip(self.stages, self.helpers, strict=True)):
+        if whole_prompt:  # one chunk: the stages run one after the other, and the idle one helps
+            for k, (busy, helper) in enumerate(zip(self.stages, self.helpers, strict=False)):
                 idle = self.stages[(k + 1) % len(self.stages)]
-                # On the same card there is no second link to use: the helper would only cost
-                # (measured: 6-12% on one H200). A fixed share still forces it (tests, the sweep).
-                if idle.ctx.device != busy.ctx.device or self.policy.fixed_share is not None:
+                share = self.policy.share(n, across_cards=idle.ctx.device != busy.ctx.device)
+                n_help = min(self.spec.n_experts - 1, round(share * self.spec.n_experts))
+                if n_help > 0:
                     helper.bind_stage_helper(idle.lend(), busy.arena, busy.layers, n_help)
         try:
             return self._run(tokens, [[Segment(0, n, part)] for part in kv.parts], last_row_only=True)[0]
