@@ -61,7 +61,8 @@ class TorchKernels:
     def grouped_mlp(self, x: torch.Tensor, offs: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor
                     ) -> torch.Tensor:
         """SiLU-gated MLP per group: x [M, D] sorted by group, offs [G] cumulative row ends,
-        w_gate_up [G, 2F, D], w_down [G, D, F] -> [M, D]."""
+        w_gate_up [G, 2F, D], w_down [G, D, F] -> [M, D]. Rows past offs[-1] belong to no group
+        and are left unwritten (the helped path masks them)."""
         out = torch.empty_like(x)
         ends = offs.tolist()
         f = w_down.shape[-1]
