@@ -9,8 +9,8 @@ from pathlib import Path
 import click
 from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
-from rich.table import Table
 
+from strata_mgpu import report
 from strata_mgpu.model.gguf_reader import GGUFError, GGUFFile
 from strata_mgpu.quant.formats import parse_type
 
@@ -40,10 +40,6 @@ def _size(value: str | None) -> int:
     if not m:
         raise click.BadParameter(f"{value!r} is not a size like 500M or 2G")
     return int(float(m[1]) * {"": 1, "K": 1e3, "M": 1e6, "G": 1e9}[m[2].upper()])
-
-
-def _gb(n: float) -> str:
-    return f"{n / 1e9:,.2f} GB" if n >= 1e8 else f"{n / 1e6:,.2f} MB"
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -79,7 +75,7 @@ def gen_model(out_path: Path, preset: str, expert_type: str, down_type: str | No
                     split_max_bytes=_size(split_max_size),
                     on_tensor=lambda _name, nbytes: bar.advance(task, nbytes))
     err.print(f"wrote {out_path} ({preset}, experts {e_type.name}/{down.name}, dense {d_type.name}, "
-              f"{_gb(total)} of tensors, seed {seed})")
+              f"{report.gb(total)} of tensors, seed {seed})")
 
 
 @main.command()
@@ -95,36 +91,7 @@ def info(model: Path, link_gbps: float) -> None:
             mi = model_info(f)
     except GGUFError as e:
         fail(str(e))
-    s = mi.spec
-    t = Table(title=f"{model.name}", show_header=False, box=None)
-    rows = [
-        ("architecture", s.arch + (f" ({s.name})" if s.name else "")),
-        ("file", f"{_gb(mi.file_bytes)} in {mi.n_shards} file(s)"),
-        ("layers", str(s.n_layers)),
-        ("hidden", str(s.hidden)),
-        ("heads / KV heads / head dim", f"{s.n_heads} / {s.n_kv_heads} / {s.head_dim}"),
-        ("experts / used / expert FFN", f"{s.n_experts} / {s.n_experts_used} / {s.expert_ffn}"),
-        ("vocab", f"{s.vocab_size:,}"),
-        ("context", f"{s.context_length:,}"),
-        ("RoPE base / RMS eps", f"{s.rope_base:g} / {s.rms_eps:g}"),
-        ("output head", "tied to the embedding" if s.tied_output else "own tensor"),
-        ("parameters", f"{mi.n_params:,} ({s.n_active_params:,} active per token)"),
-        ("expert bytes per layer", _gb(mi.expert_bytes_per_layer[0]) if len(set(mi.expert_bytes_per_layer)) == 1
-         else f"{_gb(min(mi.expert_bytes_per_layer))} .. {_gb(max(mi.expert_bytes_per_layer))}"),
-        ("expert bytes in all", f"{_gb(mi.expert_bytes)} ({100 * mi.expert_bytes / mi.tensor_bytes:.1f}% of tensors)"),
-        (f"one expert pass at {link_gbps:g} GB/s", f"{mi.expert_pass_seconds(link_gbps) * 1e3:,.1f} ms"),
-    ]
-    for k, v in rows:
-        t.add_row(f"[bold]{k}[/]", v)
-    out.print(t)
-    bt = Table(title="bytes by tensor type")
-    bt.add_column("type")
-    bt.add_column("parameters", justify="right")
-    bt.add_column("bytes", justify="right")
-    for name, nbytes in sorted(mi.bytes_by_type.items(), key=lambda kv: -kv[1]):
-        bt.add_row(name, f"{mi.params_by_type[name]:,}", _gb(nbytes))
-    out.print(bt)
-
+    out.print(*report.info_tables(mi, model.name, link_gbps), sep="\n")
 
 def _int_list(value: str) -> list[int]:
     try:
@@ -206,28 +173,7 @@ def bench(model: Path, prompt_tokens: str, decode_tokens: int, runs: int, device
         result = run_bench(runner, model.name, lengths, decode_tokens, runs, chunk_size, on_step=err.print)
     except (GGUFError, DeviceError, SplitError, EnvError) as e:
         fail(str(e))
-    t = Table(title=f"{model.name} on {result.device} ({result.kernels}), experts {_gb(result.expert_bytes)}, "
-                    f"pinned H2D {result.link_gb_per_s:.1f} GB/s" if result.link_gb_per_s else
-                    f"{model.name} on {result.device} ({result.kernels})")
-    for col in ("prompt tokens", "prefill tok/s", "seconds", "expert GB/s", "link bound s", "ratio to bound"):
-        t.add_column(col, justify="right")
-    for r in result.prefill:
-        t.add_row(f"{r.tokens:,}", f"{r.tok_per_s:,.0f}", f"{r.seconds:.3f}", f"{r.expert_gb_per_s:.1f}",
-                  f"{r.bound_s:.3f}" if r.bound_s else "n/a", f"{r.ratio_to_bound:.2f}" if r.ratio_to_bound else "n/a")
-    out.print(t)
-    if result.decode_tok_per_s is not None:
-        hit = (f", {100 * result.decode_resident_share:.0f}% of each layer's experts resident in VRAM"
-               if result.decode_resident_share is not None else "")
-        out.print(f"decode: {result.decode_tok_per_s:.1f} tok/s ({decode_tokens} tokens, batch 1{hit})")
-    for st in result.stages:
-        out.print(f"stage {st.index}: layers {st.layers} on {st.device}, experts {_gb(st.expert_bytes)}"
-                  + (f", busy {st.busy_s:.3f} s of the longest prompt" if st.busy_s is not None else ""))
-    if result.overlap_s is not None:
-        out.print(f"stages busy at the same time: {result.overlap_s:.3f} s of {result.pipeline_s:.3f} s "
-                  f"({result.pipeline_tokens:,} tokens in chunks of {chunk_size:,})")
-    if result.peak_vram_gb is not None:
-        out.print(f"peak VRAM reserved: {result.peak_vram_gb:.2f} GB"
-                  + (f" (budget {max_vram} GiB a stage)" if max_vram else ""))
+    out.print(*report.bench_lines(result, chunk_size, max_vram), sep="\n")
     if json_out:
         write_json(result, json_out)
 
@@ -292,22 +238,7 @@ def sweep(model: Path, devices: str, layer_split: str, max_vram: str | None, pro
                                                           f"{c.tok_per_s:,.0f} tok/s"))
     except (GGUFError, DeviceError, SplitError, EnvError, ValueError) as e:
         fail(str(e))
-    t = Table(title=f"{model.name} on {result.devices}: one-chunk prefill tok/s (gain over help-off); "
-                    f"* best, r = the rule's share")
-    t.add_column("tokens", justify="right")
-    for s in result.shares():
-        t.add_column("off" if s == 0 else f"{s:g}", justify="right")
-    t.add_column("rule", justify="right")
-    for n in result.lengths():
-        best, rule = result.best_share(n), result.rule_share(n)
-        near = min(result.shares(), key=lambda s: abs(s - rule))
-        cells = []
-        for s in result.shares():
-            c = result.cell(n, s)
-            mark = ("*" if s == best else "") + ("r" if s == near else "")
-            cells.append(f"{c.tok_per_s:,.0f}" + ("" if s == 0 else f" ({100 * result.gain(n, s):+.0f}%)") + mark)
-        t.add_row(f"{n:,}", *cells, f"{rule:.2f}" if rule else "off")
-    out.print(t)
+    out.print(report.sweep_table(result))
     if csv_out:
         sw.write_csv(result, csv_out)
     if json_out:
@@ -331,21 +262,7 @@ def topo() -> None:
         m = t.parse_p2p(raw)
     except t.TopoParseError as e:
         fail(f"could not read nvidia-smi's P2P matrix: {e}")
-    table = Table(title="P2P read capability (nvidia-smi topo -p2p r)")
-    table.add_column("")
-    for g in m.gpus:
-        table.add_column(g, justify="center")
-    for i, g in enumerate(m.gpus):
-        table.add_row(g, *[m.status[i, j] for j in range(len(m.gpus))])
-    out.print(table)
-    if len(m.gpus) == 1:
-        out.print("one GPU: nothing to hand over between cards")
-    for i, j, code in m.pairs():
-        cuda = "" if peers is None or (i, j) not in peers else \
-            f"; CUDA peer access {'yes' if peers[i, j] else 'no'}" + \
-            (" (disagrees with nvidia-smi)" if peers[i, j] != (code == "OK") else "")
-        out.print(f"{m.gpus[i]} -> {m.gpus[j]}: {code} ({t.LEGEND[code]}){cuda}: {t.runtime_plan(code)}")
-
+    out.print(*report.topo_lines(m, peers), sep="\n")
 
 @main.command()
 @click.argument("model", required=False, type=click.Path(dir_okay=False, path_type=Path))

@@ -1,0 +1,117 @@
+"""How results are shown in the terminal (rich): `strata info`, `bench`, `sweep` and `topo`."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from rich.table import Table
+
+if TYPE_CHECKING:
+    from strata_mgpu.model.info import ModelInfo
+    from strata_mgpu.tools.bench import BenchResult
+    from strata_mgpu.tools.share_sweep import SweepResult
+    from strata_mgpu.topo import P2PMatrix
+
+
+def gb(n: float) -> str:
+    return f"{n / 1e9:,.2f} GB" if n >= 1e8 else f"{n / 1e6:,.2f} MB"
+
+
+def info_tables(mi: ModelInfo, name: str, link_gbps: float) -> list[Table]:
+    s = mi.spec
+    t = Table(title=name, show_header=False, box=None)
+    per_layer = mi.expert_bytes_per_layer
+    rows = [
+        ("architecture", s.arch + (f" ({s.name})" if s.name else "")),
+        ("file", f"{gb(mi.file_bytes)} in {mi.n_shards} file(s)"),
+        ("layers", str(s.n_layers)),
+        ("hidden", str(s.hidden)),
+        ("heads / KV heads / head dim", f"{s.n_heads} / {s.n_kv_heads} / {s.head_dim}"),
+        ("experts / used / expert FFN", f"{s.n_experts} / {s.n_experts_used} / {s.expert_ffn}"),
+        ("vocab", f"{s.vocab_size:,}"),
+        ("context", f"{s.context_length:,}"),
+        ("RoPE base / RMS eps", f"{s.rope_base:g} / {s.rms_eps:g}"),
+        ("output head", "tied to the embedding" if s.tied_output else "own tensor"),
+        ("parameters", f"{mi.n_params:,} ({s.n_active_params:,} active per token)"),
+        ("expert bytes per layer", gb(per_layer[0]) if len(set(per_layer)) == 1
+         else f"{gb(min(per_layer))} .. {gb(max(per_layer))}"),
+        ("expert bytes in all", f"{gb(mi.expert_bytes)} ({100 * mi.expert_bytes / mi.tensor_bytes:.1f}% of tensors)"),
+        (f"one expert pass at {link_gbps:g} GB/s", f"{mi.expert_pass_seconds(link_gbps) * 1e3:,.1f} ms"),
+    ]
+    for k, v in rows:
+        t.add_row(f"[bold]{k}[/]", v)
+    bt = Table(title="bytes by tensor type")
+    bt.add_column("type")
+    bt.add_column("parameters", justify="right")
+    bt.add_column("bytes", justify="right")
+    for type_name, nbytes in sorted(mi.bytes_by_type.items(), key=lambda kv: -kv[1]):
+        bt.add_row(type_name, f"{mi.params_by_type[type_name]:,}", gb(nbytes))
+    return [t, bt]
+
+
+def bench_lines(result: BenchResult, chunk_size: int, max_vram: str | None) -> list[Table | str]:
+    title = f"{result.model} on {result.device} ({result.kernels})"
+    if result.link_gb_per_s:
+        title += f", experts {gb(result.expert_bytes)}, pinned H2D {result.link_gb_per_s:.1f} GB/s"
+    t = Table(title=title)
+    for col in ("prompt tokens", "prefill tok/s", "seconds", "expert GB/s", "link bound s", "ratio to bound"):
+        t.add_column(col, justify="right")
+    for r in result.prefill:
+        t.add_row(f"{r.tokens:,}", f"{r.tok_per_s:,.0f}", f"{r.seconds:.3f}", f"{r.expert_gb_per_s:.1f}",
+                  f"{r.bound_s:.3f}" if r.bound_s else "n/a", f"{r.ratio_to_bound:.2f}" if r.ratio_to_bound else "n/a")
+    lines: list[Table | str] = [t]
+    if result.decode_tok_per_s is not None:
+        hit = (f", {100 * result.decode_resident_share:.0f}% of each layer's experts resident in VRAM"
+               if result.decode_resident_share is not None else "")
+        lines.append(f"decode: {result.decode_tok_per_s:.1f} tok/s ({result.decode_tokens} tokens, batch 1{hit})")
+    for st in result.stages:
+        lines.append(f"stage {st.index}: layers {st.layers} on {st.device}, experts {gb(st.expert_bytes)}"
+                     + (f", busy {st.busy_s:.3f} s of the longest prompt" if st.busy_s is not None else ""))
+    if result.overlap_s is not None:
+        lines.append(f"stages busy at the same time: {result.overlap_s:.3f} s of {result.pipeline_s:.3f} s "
+                     f"({result.pipeline_tokens:,} tokens in chunks of {chunk_size:,})")
+    if result.peak_vram_gb is not None:
+        lines.append(f"peak VRAM reserved: {result.peak_vram_gb:.2f} GB"
+                     + (f" (budget {max_vram} GiB a stage)" if max_vram else ""))
+    return lines
+
+
+def sweep_table(result: SweepResult) -> Table:
+    t = Table(title=f"{result.model} on {result.devices}: one-chunk prefill tok/s (gain over help-off); "
+                    f"* best, r = the rule's share")
+    t.add_column("tokens", justify="right")
+    for s in result.shares():
+        t.add_column("off" if s == 0 else f"{s:g}", justify="right")
+    t.add_column("rule", justify="right")
+    for n in result.lengths():
+        best, rule = result.best_share(n), result.rule_share(n)
+        near = min(result.shares(), key=lambda s: abs(s - rule))
+        cells = []
+        for s in result.shares():
+            c = result.cell(n, s)
+            mark = ("*" if s == best else "") + ("r" if s == near else "")
+            cells.append(f"{c.tok_per_s:,.0f}" + ("" if s == 0 else f" ({100 * result.gain(n, s):+.0f}%)") + mark)
+        t.add_row(f"{n:,}", *cells, f"{rule:.2f}" if rule else "off")
+    return t
+
+
+def topo_lines(m: P2PMatrix, peers: dict[tuple[int, int], bool] | None) -> list[Table | str]:
+    from strata_mgpu.topo import LEGEND, runtime_plan
+
+    table = Table(title="P2P read capability (nvidia-smi topo -p2p r)")
+    table.add_column("")
+    for g in m.gpus:
+        table.add_column(g, justify="center")
+    for i, g in enumerate(m.gpus):
+        table.add_row(g, *[m.status[i, j] for j in range(len(m.gpus))])
+    lines: list[Table | str] = [table]
+    if len(m.gpus) == 1:
+        lines.append("one GPU: nothing to hand over between cards")
+    for i, j, code in m.pairs():
+        cuda = ""
+        if peers is not None and (i, j) in peers:
+            cuda = f"; CUDA peer access {'yes' if peers[i, j] else 'no'}"
+            if peers[i, j] != (code == "OK"):
+                cuda += " (disagrees with nvidia-smi)"
+        lines.append(f"{m.gpus[i]} -> {m.gpus[j]}: {code} ({LEGEND[code]}){cuda}: {runtime_plan(code)}")
+    return lines
