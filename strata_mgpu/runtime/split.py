@@ -113,6 +113,9 @@ class SplitRunner:
     @torch.inference_mode()
     def prefill(self, kv: SplitKV, tokens: torch.Tensor, whole_prompt: bool = False) -> torch.Tensor:
         n = tokens.shape[0]
+        for stage, part in zip(self.stages, kv.parts, strict=True):  # before any of this prompt's work is
+            with stage.ctx.on_compute():  # queued: a refill's host sync must not stall the pipeline
+                stage.refill_cache(part)
         if whole_prompt:  # one chunk: the stages run one after the other, and the idle one helps
             for k, (busy, helper) in enumerate(zip(self.stages, self.helpers, strict=False)):
                 idle = self.stages[(k + 1) % len(self.stages)]
@@ -138,8 +141,6 @@ class SplitRunner:
             # Stage k waits only for its inputs (tokens are copied on its own stream; hidden rows
             # come through the exchange's events); only the logits go back to the caller's stream.
             with stage.ctx.on_compute(after_caller=False, join_caller=k == last):
-                if last_row_only:
-                    stage.refill_cache(segments[k][0].kv)
                 x = stage.model.embed(tokens.to(stage.ctx.device)) if k == 0 else self.exchanges[k - 1].receive()
                 if self.on_stage:  # after the hand-over's wait: the stage's own work starts here
                     self.on_stage(k, "start")
