@@ -145,7 +145,12 @@ class Stage(DecoderRunner):
             kv.reserve(1)
             if self._graph is None or self._graph.key != graph_key(kv):
                 self._graph = None  # release the old capture's memory before making a new one
-                self._graph = DecodeGraph(self.model, kv, tokens)
+                try:
+                    self._graph = DecodeGraph(self.model, kv, tokens)
+                except RuntimeError as e:  # a capture this torch cannot make: decode eagerly from now on
+                    log.warning("CUDA graph capture failed on %s (%s): decoding without graphs", self.ctx.device, e)
+                    self._graphs_ok = False
+                    return super().decode(kvs, tokens)
             return self._graph.step(kv, tokens)
 
     def _expert_cache(self, spec: ModelSpec, opts: StageOptions, layers: range) -> ExpertCache | None:
