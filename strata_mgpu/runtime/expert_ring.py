@@ -8,6 +8,7 @@ here synchronizes the host.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -64,3 +65,31 @@ class ExpertRing:
         slot.layer = layer
         self.uploaded_bytes += n
         return slot
+
+
+class LayerFeed:
+    """One pass over `count` layers through a ring, `len(ring.slots)` layers ahead of compute.
+
+    `source(i)` gives local layer i's (global id, pinned bytes). `acquire(i)` waits for layer i's
+    upload; `release(i)` marks its last read and queues layer i + len(slots) into the freed slot
+    (queued only after the release, so the upload waits for that read).
+    """
+
+    def __init__(self, ring: ExpertRing, count: int, source: Callable[[int], tuple[int, torch.Tensor]]):
+        self.ring, self.count, self.source = ring, count, source
+        self._slots: dict[int, Slot] = {}
+        for i in range(min(len(ring.slots), count)):
+            self._upload(i)
+
+    def _upload(self, i: int) -> None:
+        layer, src = self.source(i)
+        self._slots[i] = self.ring.upload(layer, src)
+
+    def acquire(self, i: int) -> torch.Tensor:
+        return self._slots[i].acquire(self.ring.ctx.device)
+
+    def release(self, i: int) -> None:
+        self._slots.pop(i).release(self.ring.ctx.device)
+        ahead = i + len(self.ring.slots)
+        if ahead < self.count:
+            self._upload(ahead)

@@ -49,14 +49,21 @@ class TorchKernels:
         values = dequantize_rows(blocks.contiguous(), ggml_type, fmt.block_size)
         out.copy_(values.reshape(-1))
 
+    def dequant_experts(self, src: torch.Tensor, lay: ExpertLayout, n: int, w_gate_up: torch.Tensor,
+                        w_down: torch.Tensor) -> None:
+        """n consecutive experts' raw bytes (arena layout, from src[0]) -> w_gate_up[:n] [n, 2F, D]
+        and w_down[:n] [n, D, F]. Gate and up are adjacent in an expert: one run of 2*F*D weights."""
+        self.dequant(src, lay.gate_type, n, 2 * lay.gate_weights, lay.expert_bytes,
+                     w_gate_up.view(-1)[:n * 2 * lay.gate_weights])
+        self.dequant(src[lay.down_offset:], lay.down_type, n, lay.down_weights, lay.expert_bytes,
+                     w_down.view(-1)[:n * lay.down_weights])
+
     def gather_experts(self, cache: ExpertCache, i: int, picks: torch.Tensor, lay: ExpertLayout,
                        w_gate_up: torch.Tensor, w_down: torch.Tensor) -> None:
         """Dequantize experts `picks` [M] of local layer i, wherever they live, into w_gate_up [M, 2F, D]
         and w_down [M, D, F]. The twin reads each expert's bytes through the cache's `source`."""
         for g, e in enumerate(picks.tolist()):
-            src = cache.source(i, e)
-            self.dequant(src, lay.gate_type, 1, 2 * lay.gate_weights, 0, w_gate_up[g].view(-1))
-            self.dequant(src[lay.down_offset:], lay.down_type, 1, lay.down_weights, 0, w_down[g].view(-1))
+            self.dequant_experts(cache.source(i, e), lay, 1, w_gate_up[g:g + 1], w_down[g:g + 1])
 
     def grouped_mlp(self, x: torch.Tensor, offs: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor
                     ) -> torch.Tensor:

@@ -26,7 +26,7 @@ import torch
 
 from strata_mgpu.runtime.device import DeviceContext
 from strata_mgpu.runtime.exchange import Exchange
-from strata_mgpu.runtime.expert_ring import ExpertRing, Slot
+from strata_mgpu.runtime.expert_ring import ExpertRing, LayerFeed
 from strata_mgpu.runtime.host_arena import HostExpertArena
 from strata_mgpu.runtime.kernels import TorchKernels
 from strata_mgpu.runtime.routing import group_rows, masked_combine
@@ -55,7 +55,7 @@ class PeerPrefill:
         self.arena: HostExpertArena | None = None
         self.layers: range | None = None
         self.n_experts = 0  # the helper takes the last n experts of every layer
-        self._slots: dict[int, Slot] = {}
+        self._feed: LayerFeed | None = None
 
     @property
     def bound(self) -> bool:
@@ -66,12 +66,11 @@ class PeerPrefill:
         read from its `arena`, computed in `lent`."""
         assert 0 < n_experts < arena.spec.n_experts
         self.lent, self.arena, self.layers, self.n_experts = lent, arena, layers, n_experts
-        self._slots.clear()
+        self._feed = None
 
     def unbind(self) -> None:
-        self.lent = self.arena = self.layers = None
+        self.lent = self.arena = self.layers = self._feed = None
         self.n_experts = 0
-        self._slots.clear()
 
     def split(self, layer: int) -> tuple[int, int]:
         """(the helper's first expert, the byte offset of its share in the arena layer)."""
@@ -82,14 +81,12 @@ class PeerPrefill:
     def begin(self) -> None:
         """Queue the helper's uploads of the first layers, as the busy stage queues its own."""
         assert self.lent is not None and self.layers is not None
-        for i in range(min(len(self.lent.ring.slots), len(self.layers))):
-            self._upload(i)
+        self._feed = LayerFeed(self.lent.ring, len(self.layers), self._source)
 
-    def _upload(self, i: int) -> None:
-        assert self.arena is not None and self.layers is not None and self.lent is not None
+    def _source(self, i: int) -> tuple[int, torch.Tensor]:
+        assert self.arena is not None and self.layers is not None
         layer = self.layers[i]
-        _, offset = self.split(layer)
-        self._slots[i] = self.lent.ring.upload(layer, self.arena.layer(layer)[offset:])
+        return layer, self.arena.layer(layer)[self.split(layer)[1]:]
 
     def publish(self, h: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> None:
         """On the busy stage's stream: the layer's MoE input and routing, to the helper."""
@@ -99,8 +96,8 @@ class PeerPrefill:
 
     def run_layer(self, i: int, n_experts_total: int) -> None:
         """Queue the helper's work for local layer i on the helper's stream."""
-        lent, arena, layers = self.lent, self.arena, self.layers
-        assert lent is not None and arena is not None and layers is not None
+        lent, arena, layers, feed = self.lent, self.arena, self.layers, self._feed
+        assert lent is not None and arena is not None and layers is not None and feed is not None
         layer = layers[i]
         lay = arena.layouts[layer]
         first, _ = self.split(layer)
@@ -109,15 +106,8 @@ class PeerPrefill:
             h = self.to_helper.receive()
             experts = self.to_helper.receive()
             weights = self.to_helper.receive()
-            slot = self._slots.pop(i)
-            src = slot.acquire(lent.ctx.device)
-            lent.kernels.dequant(src, lay.gate_type, n, 2 * lay.gate_weights, lay.expert_bytes,
-                                 lent.w_gate_up.view(-1)[:n * 2 * lay.gate_weights])
-            lent.kernels.dequant(src[lay.down_offset:], lay.down_type, n, lay.down_weights, lay.expert_bytes,
-                                 lent.w_down.view(-1)[:n * lay.down_weights])
-            slot.release(lent.ctx.device)
-            if i + len(lent.ring.slots) < len(layers):
-                self._upload(i + len(lent.ring.slots))
+            lent.kernels.dequant_experts(feed.acquire(i), lay, n, lent.w_gate_up, lent.w_down)
+            feed.release(i)
             local = (experts - first) % n_experts_total  # the helper's experts become 0..n-1, sorted first
             order, offs = group_rows(local, n_experts_total)
             y = lent.kernels.grouped_mlp(h[order // experts.shape[1]], offs[:n], lent.w_gate_up[:n], lent.w_down[:n])

@@ -18,7 +18,7 @@ import torch
 from strata_mgpu.model.spec import ModelSpec
 from strata_mgpu.runtime.device import DeviceContext
 from strata_mgpu.runtime.expert_cache import ExpertCache
-from strata_mgpu.runtime.expert_ring import ExpertRing, Slot
+from strata_mgpu.runtime.expert_ring import ExpertRing, LayerFeed
 from strata_mgpu.runtime.host_arena import ExpertLayout, HostExpertArena
 from strata_mgpu.runtime.kernels import TorchKernels
 from strata_mgpu.runtime.peer_prefill import PeerPrefill
@@ -37,7 +37,7 @@ class StreamedExperts:
         # one layer's experts as bf16: the GEMMs' operands (E x 2F x D and E x D x F)
         self.w_gate_up = torch.empty(E, 2 * F, D, dtype=dtype, device=ctx.device)
         self.w_down = torch.empty(E, D, F, dtype=dtype, device=ctx.device)
-        self._slots: dict[int, Slot] = {}
+        self._feed: LayerFeed | None = None  # this forward's uploads, when streaming
         self.streaming = False
         self.helper: PeerPrefill | None = None  # bound for one-chunk prompts by the split runner
 
@@ -55,20 +55,15 @@ class StreamedExperts:
 
     def begin(self, n_rows: int) -> None:
         self.streaming = self.should_stream(n_rows)
-        self._slots.clear()
-        if self.streaming:
-            for i in range(min(len(self.ring.slots), len(self.layers))):
-                self._upload(i)
-            if self.helped:
-                self.helper.begin()
+        self._feed = LayerFeed(self.ring, len(self.layers), self._source) if self.streaming else None
+        if self.helped:
+            self.helper.begin()
 
-    def _upload(self, i: int) -> None:
-        """Layer i's experts into the ring: all of them, or the busy stage's share when helped."""
+    def _source(self, i: int) -> tuple[int, torch.Tensor]:
+        """Layer i's experts for the ring: all of them, or the busy stage's share when helped."""
         layer = self.layers[i]
         src = self.arena.layer(layer)
-        if self.helped:
-            src = src[:self.helper.split(layer)[1]]
-        self._slots[i] = self.ring.upload(layer, src)
+        return layer, src[:self.helper.split(layer)[1]] if self.helped else src
 
     def forward(self, i: int, h: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         layer = self.layers[i]
@@ -82,12 +77,9 @@ class StreamedExperts:
             helper.publish(h, weights, experts)
             helper.run_layer(i, self.spec.n_experts)
         mine = helper.split(layer)[0] if helper is not None else self.spec.n_experts  # our experts: 0..mine-1
-        slot = self._slots.pop(i)
-        src = slot.acquire(self.ctx.device)
-        self._dequant(src, lay, mine, lay.expert_bytes)
-        slot.release(self.ctx.device)  # dequant was the slot's only reader: the next upload may start
-        if i + len(self.ring.slots) < len(self.layers):
-            self._upload(i + len(self.ring.slots))
+        assert self._feed is not None
+        self.kernels.dequant_experts(self._feed.acquire(i), lay, mine, self.w_gate_up, self.w_down)
+        self._feed.release(i)  # dequant was the slot's only reader: the next upload may start
         order, offs = group_rows(experts, self.spec.n_experts)  # our experts' rows sort first
         y = self.kernels.grouped_mlp(h[order // experts.shape[1]], offs[:mine], self.w_gate_up[:mine],
                                      self.w_down[:mine])
@@ -107,11 +99,3 @@ class StreamedExperts:
         offs = torch.arange(1, m + 1, dtype=torch.int32, device=h.device)
         y = self.kernels.grouped_mlp(h[order // experts.shape[1]], offs, self.w_gate_up[:m], self.w_down[:m])
         return combine(y, order, weights)
-
-    def _dequant(self, src: torch.Tensor, lay: ExpertLayout, n: int, stride: int) -> None:
-        """n experts' bytes, stride apart from src[0] -> the workspace."""
-        # gate and up are adjacent in an expert: one run of 2 * F * D weights per expert
-        self.kernels.dequant(src, lay.gate_type, n, 2 * lay.gate_weights, stride, self.w_gate_up.view(-1)[
-            :n * 2 * lay.gate_weights])
-        self.kernels.dequant(src[lay.down_offset:], lay.down_type, n, lay.down_weights, stride,
-                             self.w_down.view(-1)[:n * lay.down_weights])

@@ -65,7 +65,7 @@ class BenchResult:
         return json.dumps(asdict(self), indent=2)
 
 
-def _sync(stages: list[Stage]) -> None:
+def sync_stages(stages: list[Stage]) -> None:
     for d in {s.ctx.device for s in stages if s.ctx.is_cuda}:
         torch.cuda.synchronize(d)
 
@@ -99,10 +99,10 @@ def time_prefill(runner, tokens: int, runs: int, chunk: int, seed: int = 0) -> l
     prompt = torch.randint(0, runner.spec.vocab_size, (tokens,), generator=g)
     out = []
     for _ in range(runs):
-        _sync(runner.stages)
+        sync_stages(runner.stages)
         t0 = time.perf_counter()
         prefill_chunks(runner, prompt, chunk)
-        _sync(runner.stages)
+        sync_stages(runner.stages)
         out.append(time.perf_counter() - t0)
     return out
 
@@ -165,7 +165,7 @@ def time_decode(runner, n: int, prompt_tokens: int = 64) -> float:
     for _ in range(2):  # warm up: kernels, graph capture
         logits = runner.decode([kv], token)
         token = torch.tensor([int(logits[0].argmax())])
-    _sync(runner.stages)
+    sync_stages(runner.stages)
     t0 = time.perf_counter()
     for _ in range(n):
         logits = runner.decode([kv], token)

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from strata_mgpu.runtime.help_rule import HelpPolicy, default_share
-from strata_mgpu.tools.bench import _sync
+from strata_mgpu.tools.bench import sync_stages
 
 
 @dataclass
@@ -76,10 +76,10 @@ def run_sweep(runner, model_name: str, lengths: list[int], shares: list[float], 
                 times = []
                 for _ in range(runs):
                     kv = runner.new_sequence(n + 1)
-                    _sync(runner.stages)
+                    sync_stages(runner.stages)
                     t0 = time.perf_counter()
                     runner.prefill(kv, prompt, whole_prompt=True)
-                    _sync(runner.stages)
+                    sync_stages(runner.stages)
                     times.append(time.perf_counter() - t0)
                 cell = SweepCell(tokens=n, share=share, tok_per_s=n / statistics.median(times), runs_s=times)
                 cells.append(cell)
