@@ -63,7 +63,7 @@ def gen_model(out_path: Path, preset: str, expert_type: str, down_type: str | No
 
     e_type, d_type, dn_type = _type_option(expert_type), _type_option(dense_type), _type_option(down_type)
     spec = PRESETS[preset].spec(preset)
-    down = dn_type or DEFAULT_DOWN.get(e_type, e_type)
+    down = DEFAULT_DOWN.get(e_type, e_type) if dn_type is None else dn_type  # F32 is 0: no `or`
     try:
         total = sum(p.nbytes for p in plan_tensors(spec, e_type, down, d_type))
     except ValueError as e:

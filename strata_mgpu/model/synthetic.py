@@ -166,7 +166,7 @@ def write_model(path: str | Path, preset_name: str, *, expert_type: Q = Q.Q4_K, 
                 on_tensor: Callable[[str, int], None] | None = None) -> ModelSpec:
     """Write a synthetic qwen3moe GGUF; `on_tensor(name, nbytes)` is called after each tensor."""
     preset = PRESETS[preset_name]
-    down_type = down_type or DEFAULT_DOWN.get(expert_type, expert_type)
+    down_type = DEFAULT_DOWN.get(expert_type, expert_type) if down_type is None else down_type  # F32 is 0
     spec = preset.spec(f"strata-synthetic-{preset_name}")
     plans = plan_tensors(spec, expert_type, down_type, dense_type)
     vocab = build_vocab(spec.vocab_size)

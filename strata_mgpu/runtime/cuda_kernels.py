@@ -32,7 +32,7 @@ def _module(file: str, name_expressions: tuple[str, ...], device_index: int):
     except ImportError as e:  # pragma: no cover - exercised on machines without CuPy
         raise KernelUnavailable("CuPy is not installed (pip install 'strata-mgpu[cuda]')") from e
     with cupy.cuda.Device(device_index):
-        mod = cupy.RawModule(code=cuda_source(file), options=("-std=c++17",),
+        mod = cupy.RawModule(code=cuda_source(file), options=("-std=c++17", f"-I{CUDA_SRC}"),
                               name_expressions=name_expressions or None)
         mod.compile()
     return mod
@@ -51,9 +51,10 @@ def _cupy_stream(stream_ptr: int, device_index: int):
     return cupy.cuda.Device(device_index), cupy.cuda.ExternalStream(stream_ptr, device_index)
 
 
-def launch(fn, grid: int, block: int, args: tuple, device: torch.device) -> None:
+def launch(fn, grid: int | tuple[int, ...], block: int, args: tuple, device: torch.device,
+           shared_mem: int = 0) -> None:
     """Launch on torch's current stream of `device` (so stream order and events are torch's).
     CuPy's wrappers of that stream are made once, not per launch (decode launches many)."""
     dev, stream = _cupy_stream(torch.cuda.current_stream(device).cuda_stream, device.index or 0)
     with dev, stream:
-        fn((grid,), (block,), args)
+        fn(grid if isinstance(grid, tuple) else (grid,), (block,), args, shared_mem=shared_mem)

@@ -2,7 +2,8 @@
 
 `TorchKernels` is the twin (any device, the CPU included); `CudaKernels` overrides what it
 speeds up: dequantization by `cuda_src/dequant.cu`, the grouped expert GEMMs by
-`torch._grouped_mm`. `select_kernels` picks once, when a stage is built.
+`torch._grouped_mm`, decode's routed experts by the fused kernels of `cuda_src/moe_decode.cu`.
+`select_kernels` picks once, when a stage is built.
 """
 
 from __future__ import annotations
@@ -24,8 +25,12 @@ log = logging.getLogger("strata.kernels")
 Q = GGMLQuantizationType
 DEQUANT_FILE = "dequant.cu"
 COPY_FILE = "copy_f32_wide.cu"
+MOE_FILE = "moe_decode.cu"
 CUDA_DEQUANT_TYPES = (Q.F32, Q.F16, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K)
 _DEQUANT_EXPRS = tuple(f"dequant_bf16<{int(t)}>" for t in CUDA_DEQUANT_TYPES)
+_MOE_EXPRS = tuple(f"{k}<{int(t)}>" for t in CUDA_DEQUANT_TYPES for k in ("moe_gate_up", "moe_down"))
+MOE_THREADS = 256  # 8 warps: a block's tile has at most 8 rows, one a warp
+MOE_SHARED_BYTES = 46 * 1024  # under the 48 KiB every card gives a block without opting in
 CUDA_ATTR_HOST_POINTER_FOR_REGISTERED_MEM = 91  # cudaDevAttrCanUseHostPointerForRegisteredMem
 
 
@@ -65,6 +70,20 @@ class TorchKernels:
         for g, e in enumerate(picks.tolist()):
             self.dequant_experts(cache.source(i, e), lay, 1, w_gate_up[g:g + 1], w_down[g:g + 1])
 
+    def moe_gathered(self, cache: ExpertCache, i: int, lay: ExpertLayout, h: torch.Tensor, weights: torch.Tensor,
+                     experts: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
+        """Decode's routed experts of local layer i: every row's picks read where they live (a cache
+        slot or the host arena), computed and combined. h [T, D], weights [T, A] fp32, experts
+        [T, A] -> [T, D]. The twin dequantizes the M = T * A picks into the workspace (w_gate_up
+        [>= M, 2F, D], w_down [>= M, D, F]) and runs the grouped GEMM pair, one row a group."""
+        t, a = experts.shape
+        flat = experts.reshape(-1)  # [M]: row r * A + k is token r's k-th pick
+        m = flat.numel()
+        self.gather_experts(cache, i, flat, lay, w_gate_up, w_down)
+        offs = torch.arange(1, m + 1, dtype=torch.int32, device=h.device)
+        y = self.grouped_mlp(h.repeat_interleave(a, dim=0), offs, w_gate_up[:m], w_down[:m])  # [M, D]
+        return torch.bmm(weights.to(y.dtype).unsqueeze(1), y.view(t, a, -1)).squeeze(1)  # as routing.combine
+
     def grouped_mlp(self, x: torch.Tensor, offs: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor
                     ) -> torch.Tensor:
         """SiLU-gated MLP per group: x [M, D] sorted by group, offs [G] cumulative row ends,
@@ -97,6 +116,8 @@ class CudaKernels(TorchKernels):
             CUDA_ATTR_HOST_POINTER_FOR_REGISTERED_MEM, device.index or 0) == 1
         for expr in _DEQUANT_EXPRS:  # compile now, not in the middle of the first prompt
             cuda_kernels.kernel(DEQUANT_FILE, expr, _DEQUANT_EXPRS, device)
+        for expr in _MOE_EXPRS:
+            cuda_kernels.kernel(MOE_FILE, expr, _MOE_EXPRS, device)
         cuda_kernels.kernel(COPY_FILE, "copy_f32_wide", (), device)
 
     def dequant(self, src: torch.Tensor, ggml_type: GGMLQuantizationType, groups: int, weights_per_group: int,
@@ -115,6 +136,50 @@ class CudaKernels(TorchKernels):
         m = picks.numel()
         self._launch_dequant(lay.gate_type, 0, addresses, 0, m, 2 * lay.gate_weights, 0, w_gate_up[:m].view(-1))
         self._launch_dequant(lay.down_type, 0, addresses, lay.down_offset, m, lay.down_weights, 0, w_down[:m].view(-1))
+
+    def moe_fused(self, lay: ExpertLayout, hidden: int, n_used: int) -> tuple[int, int] | None:
+        """Rows per block of the fused decode kernels (gate-up, down) for this layout, or None where
+        they do not apply (a type without a kernel, tiles too big for shared memory)."""
+        if not (self.host_pointers and lay.gate_type in CUDA_DEQUANT_TYPES and lay.down_type in CUDA_DEQUANT_TYPES):
+            return None
+        ffn = lay.gate_weights // hidden
+        gate_row, down_row = lay.gate_bytes // ffn, lay.down_bytes // hidden
+        rows_gu = ((MOE_SHARED_BYTES - _vector_bytes(hidden)) // 2 - 32) // gate_row
+        rows_down = ((MOE_SHARED_BYTES - _vector_bytes(ffn)) // n_used - 32) // down_row
+        rows_gu, rows_down = min(rows_gu, MOE_THREADS // 32), min(rows_down, MOE_THREADS // 32)
+        return (rows_gu, rows_down) if rows_gu >= 1 and rows_down >= 1 else None
+
+    def moe_gathered(self, cache: ExpertCache, i: int, lay: ExpertLayout, h: torch.Tensor, weights: torch.Tensor,
+                     experts: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
+        """Two launches (`moe_decode.cu`) straight from the experts' quantized bytes: no workspace,
+        no host sync."""
+        t, a = experts.shape
+        d = h.shape[1]
+        rows = self.moe_fused(lay, d, a) if h.dtype == torch.bfloat16 else None
+        if rows is None:
+            return super().moe_gathered(cache, i, lay, h, weights, experts, w_gate_up, w_down)
+        rows_gu, rows_down = rows
+        ffn = lay.gate_weights // d
+        gate_row, down_row = lay.gate_bytes // ffn, lay.down_bytes // d
+        h, picks, weights = h.contiguous(), experts.reshape(-1).contiguous(), weights.float().contiguous()
+        n_experts = cache.slot_of.shape[1]
+        table = (np.uint64(cache.slot_of.data_ptr() + 8 * i * n_experts),
+                 np.uint64(cache.host_offset.data_ptr() + 8 * i * n_experts), np.uint64(cache.buffer.data_ptr()),
+                 np.int64(cache.slot_bytes), np.uint64(cache.arena.buffer.data_ptr()))
+        act = torch.empty(t * a, ffn, dtype=torch.bfloat16, device=h.device)
+        out = torch.empty(t, d, dtype=torch.bfloat16, device=h.device)
+        fn = cuda_kernels.kernel(MOE_FILE, f"moe_gate_up<{int(lay.gate_type)}>", _MOE_EXPRS, self.device)
+        cuda_kernels.launch(fn, (-(-ffn // rows_gu), t * a), MOE_THREADS,
+                            (h.data_ptr(), picks.data_ptr(), np.int32(a), *table, np.int32(d), np.int32(ffn),
+                             np.int64(gate_row), np.int32(rows_gu), act.data_ptr()), self.device,
+                            shared_mem=2 * _tile_room(rows_gu * gate_row) + _vector_bytes(d))
+        fn = cuda_kernels.kernel(MOE_FILE, f"moe_down<{int(lay.down_type)}>", _MOE_EXPRS, self.device)
+        cuda_kernels.launch(fn, (-(-d // rows_down), t), MOE_THREADS,
+                            (act.data_ptr(), picks.data_ptr(), weights.data_ptr(), np.int32(a), *table, np.int32(d),
+                             np.int32(ffn), np.int64(down_row), np.int64(lay.down_offset), np.int32(rows_down),
+                             out.data_ptr()), self.device,
+                            shared_mem=a * _tile_room(rows_down * down_row) + _vector_bytes(ffn))
+        return out
 
     def copy_wide(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         """`copy_f32_wide`: 16-byte loads and stores by a kernel, so a hand-over through mapped
@@ -155,6 +220,16 @@ class CudaKernels(TorchKernels):
         gu = torch._grouped_mm(x, w_gate_up.transpose(1, 2), offs=offs)  # [M, 2F]
         act = F.silu(gu[:, :f]) * gu[:, f:]  # [M, F]
         return torch._grouped_mm(act, w_down.transpose(1, 2), offs=offs)  # [M, D]
+
+
+def _tile_room(nbytes: int) -> int:
+    """Shared memory for a staged tile of `nbytes` (moe_decode.cu's tile_room)."""
+    return (nbytes + 15) // 16 * 16 + 16
+
+
+def _vector_bytes(n: int) -> int:
+    """Shared memory for a staged vector of n values (fp32, 33 floats a 32-value sub-block)."""
+    return 33 * n // 32 * 4
 
 
 def _grouped_mm_works(device: torch.device) -> bool:

@@ -101,8 +101,7 @@ class Stage(DecoderRunner):
         experts.cache = cache
         super().__init__(Decoder(spec, dense, experts))
         self._graphs_ok = (opts.cuda_graphs and self.is_first and self.is_last and cache is not None
-                           and isinstance(kernels, CudaKernels) and kernels.use_grouped_mm
-                           and kernels.host_pointers and dtype == torch.bfloat16)
+                           and dtype == torch.bfloat16 and self._decode_never_syncs(kernels, spec))
         self._graph: DecodeGraph | None = None
         self.report = StageReport(dense_bytes=dense_bytes, arena_bytes=self.arena.nbytes, ring_bytes=ring.nbytes,
                                   workspace_bytes=experts.workspace_bytes, cache_slots=cache.n_slots if cache else 0,
@@ -152,6 +151,14 @@ class Stage(DecoderRunner):
                     self._graphs_ok = False
                     return super().decode(kvs, tokens)
             return self._graph.step(kv, tokens)
+
+    def _decode_never_syncs(self, kernels, spec: ModelSpec) -> bool:
+        """Can a decode step run with no host sync (so be captured)? Each layer's experts go through
+        the fused kernels, or the dequant gather and the grouped GEMM."""
+        if not isinstance(kernels, CudaKernels) or not kernels.host_pointers:
+            return False
+        return kernels.use_grouped_mm or all(kernels.moe_fused(lay, spec.hidden, spec.n_experts_used) is not None
+                                             for lay in self.arena.layouts.values())
 
     def _expert_cache(self, spec: ModelSpec, opts: StageOptions, layers: range) -> ExpertCache | None:
         """Decode's resident experts: as many as the budget's spare room holds after the

@@ -6,9 +6,10 @@ rows, F = expert width, G = experts present in this call.
 Two ways to bring a layer's experts in, picked per forward by how many rows it has:
 - stream: the whole layer goes up through the ring, one layer ahead of compute (prefill);
 - gather: only the experts the rows picked, each read where it lives, a VRAM cache slot or the
-  mapped pinned arena, by one dequant launch per matrix kind (decode; no host sync).
-Either way the experts' bytes are dequantized to bf16 on the device and computed as one grouped
-GEMM pair over the rows sorted by expert.
+  mapped pinned arena (decode; no host sync). On CUDA two fused kernels compute them straight from
+  their quantized bytes (`cuda_src/moe_decode.cu`); the twin dequantizes them into the workspace.
+Streamed layers are dequantized to bf16 on the device and computed as one grouped GEMM pair over
+the rows sorted by expert.
 """
 
 from __future__ import annotations
@@ -89,13 +90,7 @@ class StreamedExperts:
 
     def _forward_cached(self, i: int, lay: ExpertLayout, h: torch.Tensor, weights: torch.Tensor,
                         experts: torch.Tensor) -> torch.Tensor:
-        """Each routed row's expert, gathered from VRAM or the mapped arena: M = T * A groups of
-        one row each (M < E here), no host sync on the device path."""
+        """Each row's picks read where they live, a VRAM slot or the mapped arena (M = T * A < E
+        here): fused kernels on CUDA, no host sync on the device path."""
         assert self.cache is not None
-        order = torch.argsort(experts.reshape(-1), stable=True)  # [M]
-        picks = experts.reshape(-1)[order]
-        m = picks.numel()
-        self.kernels.gather_experts(self.cache, i, picks, lay, self.w_gate_up, self.w_down)
-        offs = torch.arange(1, m + 1, dtype=torch.int32, device=h.device)
-        y = self.kernels.grouped_mlp(h[order // experts.shape[1]], offs, self.w_gate_up[:m], self.w_down[:m])
-        return combine(y, order, weights)
+        return self.kernels.moe_gathered(self.cache, i, lay, h, weights, experts, self.w_gate_up, self.w_down)

@@ -1,0 +1,149 @@
+// Decode's routed experts computed straight from their GGML blocks, wherever they live.
+//
+// A decode step touches a few experts a layer, once each. Reading their quantized bytes where they
+// sit (a VRAM cache slot, or the pinned host arena through its device mapping) and multiplying in
+// the same kernel saves writing a bf16 copy of every picked expert and reading it back, and about
+// twenty small launches a layer (sort, address building, gather, grouped GEMM, combine).
+//
+// Shapes: T tokens, A picks a token, P = T * A picks (pick p = t * A + a), D hidden, F expert width.
+//   moe_gate_up: x [T, D] bf16, picks [P] expert ids -> act [P, F] bf16 = silu(x Wg^T) * (x Wu^T)
+//   moe_down:    act [P, F] bf16, weights [P] fp32 -> out [T, D] bf16 = sum_a w_a (act_a Wd^T)
+// Rounding follows the torch twin (weights dequantized to bf16; GEMM outputs, SiLU and the product
+// rounded to bf16; routing weights cast to bf16; an fp32 sum over the picks): only the order of
+// the fp32 sums inside a dot product differs.
+//
+// Expert e's bytes: slots + slot_of[e] * slot_bytes when slot_of[e] >= 0, else arena +
+// host_offset[e] (the layer's rows of the cache's tables). An expert is [gate | up | down], each
+// matrix row-major in whole blocks: gate and up F rows of D weights, down D rows of F weights.
+//
+// Each block stages a tile of rows (contiguous bytes) into shared memory with 16-byte loads, so
+// reads of mapped host memory leave as whole, coalesced PCIe requests and many are in flight at
+// once; then each warp takes one row, its lanes one 32-weight sub-block at a time.
+#include "ggml_blocks.cuh"
+
+typedef unsigned long long u64;
+
+__device__ __forceinline__ float bf16r(float x) { return __bfloat162float(__float2bfloat16_rn(x)); }
+
+__device__ __forceinline__ const u8* expert_at(long long e, const long long* slot_of, const long long* host_offset,
+                                               u64 slots, long long slot_bytes, u64 arena) {
+    const long long s = slot_of[e];
+    return reinterpret_cast<const u8*>(s >= 0 ? slots + (u64)(s * slot_bytes) : arena + (u64)host_offset[e]);
+}
+
+// Copies n bytes at src into shared memory `tile` (16-byte aligned, room for n + 15 bytes) so
+// that src[0] lands at tile + src % 16 (the return value): the 16-byte-aligned middle moves in
+// 16-byte loads and stores, the ragged ends byte by byte. The block's threads share the work.
+__device__ const u8* stage_bytes(const u8* src, long long n, u8* tile) {
+    const u64 a = reinterpret_cast<u64>(src), end = a + n;
+    const u64 lo = (a + 15) & ~15ull, hi = end & ~15ull;
+    u8* dst = tile + (a & 15);
+    if (lo >= hi) {
+        for (long long i = threadIdx.x; i < n; i += blockDim.x) dst[i] = src[i];
+        return dst;
+    }
+    const long long head = (long long)(lo - a), body = (long long)(hi - lo) / 16, tail = (long long)(end - hi);
+    const uint4* s4 = reinterpret_cast<const uint4*>(lo);
+    uint4* d4 = reinterpret_cast<uint4*>(dst + head);  // 16-byte aligned: tile + 16 * (a % 16 != 0)
+#pragma unroll 4
+    for (long long i = threadIdx.x; i < body; i += blockDim.x) d4[i] = s4[i];
+    for (long long i = threadIdx.x; i < head; i += blockDim.x) dst[i] = src[i];
+    for (long long i = threadIdx.x; i < tail; i += blockDim.x) dst[head + 16 * body + i] = src[head + 16 * body + i];
+    return dst;
+}
+
+// A vector of n_sub * 32 values into shared memory as fp32, sub-block j at v + 33 * j: lanes
+// reading "their" sub-block's l-th value then hit 32 different banks.
+__device__ __forceinline__ void stage_vector(const __nv_bfloat16* src, int n, float* v) {
+    for (int i = threadIdx.x; i < n; i += blockDim.x) v[(i >> 5) * 33 + (i & 31)] = __bfloat162float(src[i]);
+}
+
+// One row of n_sub 32-weight sub-blocks (GGML blocks from `row`) dotted with the staged vector v;
+// every lane gets the warp's sum. Weights are rounded to bf16 first, as the twin's dequant does.
+template <int TYPE>
+__device__ __forceinline__ float row_dot(const u8* row, int n_sub, const float* v) {
+    constexpr int PER = Fmt<TYPE>::QK / 32;
+    float acc = 0.f;
+    for (int j = threadIdx.x & 31; j < n_sub; j += 32) {
+        float w[32];
+        sub_block<TYPE>(row + (j / PER) * Fmt<TYPE>::BYTES, j % PER, w);
+        const float* vj = v + 33 * j;
+#pragma unroll
+        for (int l = 0; l < 32; ++l) acc = fmaf(bf16r(w[l]), vj[l], acc);
+    }
+#pragma unroll
+    for (int o = 16; o; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
+    return acc;
+}
+
+__host__ __device__ constexpr long long tile_room(long long bytes) { return ((bytes + 15) & ~15ll) + 16; }
+
+// grid (ceil(F / rows), P), rows <= warps a block; shared: 2 * tile_room(rows * row_bytes) + 33 * D / 32 * 4.
+template <int TYPE>
+__global__ void moe_gate_up(const __nv_bfloat16* __restrict__ x, const long long* __restrict__ picks, int A,
+                            const long long* __restrict__ slot_of, const long long* __restrict__ host_offset,
+                            u64 slots, long long slot_bytes, u64 arena, int D, int F, long long row_bytes,
+                            int rows, __nv_bfloat16* __restrict__ act) {
+    extern __shared__ __align__(16) u8 smem[];
+    const int p = blockIdx.y, t = p / A, f0 = blockIdx.x * rows, n = min(rows, F - f0);
+    const int warp = threadIdx.x >> 5;
+    const long long room = tile_room(rows * row_bytes);
+    const u8* expert = expert_at(picks[p], slot_of, host_offset, slots, slot_bytes, arena);
+    const u8* gate = stage_bytes(expert + f0 * row_bytes, n * row_bytes, smem);
+    const u8* up = stage_bytes(expert + (F + f0) * row_bytes, n * row_bytes, smem + room);
+    float* v = reinterpret_cast<float*>(smem + 2 * room);
+    stage_vector(x + (long long)t * D, D, v);
+    __syncthreads();
+    if (warp < n) {
+        const float g = bf16r(row_dot<TYPE>(gate + warp * row_bytes, D / 32, v));
+        const float u = bf16r(row_dot<TYPE>(up + warp * row_bytes, D / 32, v));
+        if ((threadIdx.x & 31) == 0) act[(long long)p * F + f0 + warp] = __float2bfloat16_rn(bf16r(g / (1.f + expf(-g))) * u);
+    }
+}
+
+// grid (ceil(D / rows), T), rows <= warps a block; shared: A * tile_room(rows * row_bytes) + 33 * F / 32 * 4.
+template <int TYPE>
+__global__ void moe_down(const __nv_bfloat16* __restrict__ act, const long long* __restrict__ picks,
+                         const float* __restrict__ weights, int A, const long long* __restrict__ slot_of,
+                         const long long* __restrict__ host_offset, u64 slots, long long slot_bytes, u64 arena,
+                         int D, int F, long long row_bytes, long long down_offset, int rows,
+                         __nv_bfloat16* __restrict__ out) {
+    extern __shared__ __align__(16) u8 smem[];
+    const int t = blockIdx.y, d0 = blockIdx.x * rows, n = min(rows, D - d0);
+    const int warp = threadIdx.x >> 5;
+    const long long room = tile_room(rows * row_bytes);
+    float* v = reinterpret_cast<float*>(smem + A * room);
+    for (int a = 0; a < A; ++a) {  // every pick's tile in flight at once
+        const u8* w = expert_at(picks[t * A + a], slot_of, host_offset, slots, slot_bytes, arena);
+        stage_bytes(w + down_offset + d0 * row_bytes, n * row_bytes, smem + a * room);
+    }
+    float acc = 0.f;
+    for (int a = 0; a < A; ++a) {
+        const long long p = (long long)t * A + a;
+        __syncthreads();  // the tiles are in (a = 0); nobody reads the previous pick's vector any more
+        stage_vector(act + p * F, F, v);
+        __syncthreads();
+        if (warp < n) {
+            const u64 w = reinterpret_cast<u64>(expert_at(picks[p], slot_of, host_offset, slots, slot_bytes, arena))
+                          + down_offset + d0 * row_bytes;
+            const u8* row = smem + a * room + (w & 15) + warp * row_bytes;
+            const float y = bf16r(row_dot<TYPE>(row, F / 32, v));
+            acc = fmaf(bf16r(weights[p]), y, acc);
+        }
+    }
+    if (warp < n && (threadIdx.x & 31) == 0) out[(long long)t * D + d0 + warp] = __float2bfloat16_rn(acc);
+}
+
+#define MOE_INSTANTIATE(TYPE)                                                                             \
+    template __global__ void moe_gate_up<TYPE>(const __nv_bfloat16*, const long long*, int, const long long*, \
+                                               const long long*, u64, long long, u64, int, int, long long, int,  \
+                                               __nv_bfloat16*);                                              \
+    template __global__ void moe_down<TYPE>(const __nv_bfloat16*, const long long*, const float*, int,           \
+                                            const long long*, const long long*, u64, long long, u64, int, int,   \
+                                            long long, long long, int, __nv_bfloat16*);
+MOE_INSTANTIATE(0)
+MOE_INSTANTIATE(1)
+MOE_INSTANTIATE(8)
+MOE_INSTANTIATE(12)
+MOE_INSTANTIATE(13)
+MOE_INSTANTIATE(14)
