@@ -113,9 +113,6 @@ class SplitRunner:
     @torch.inference_mode()
     def prefill(self, kv: SplitKV, tokens: torch.Tensor, whole_prompt: bool = False) -> torch.Tensor:
         n = tokens.shape[0]
-        for stage, part in zip(self.stages, kv.parts, strict=True):  # before any of this prompt's work is
-            with stage.ctx.on_compute():  # queued: a refill's host sync must not stall the pipeline
-                stage.refill_cache(part)
         if whole_prompt:  # one chunk: the stages run one after the other, and the idle one helps
             for k, (busy, helper) in enumerate(zip(self.stages, self.helpers, strict=False)):
                 idle = self.stages[(k + 1) % len(self.stages)]
@@ -132,6 +129,9 @@ class SplitRunner:
     @torch.inference_mode()
     def decode(self, kvs: Sequence[SplitKV], tokens: torch.Tensor) -> torch.Tensor:
         per_stage = [[Segment(i, i + 1, kv.parts[k]) for i, kv in enumerate(kvs)] for k in range(len(self.stages))]
+        for k, stage in enumerate(self.stages):  # a new sequence's first step: every cache follows the routing
+            with stage.ctx.on_compute():
+                stage.refill_cache([kv.parts[k] for kv in kvs])
         return self._run(tokens, per_stage, last_row_only=False)
 
     def _run(self, tokens: torch.Tensor, segments: list[list[Segment]], last_row_only: bool) -> torch.Tensor:
