@@ -9,6 +9,7 @@ import torch
 from gguf.constants import GGMLQuantizationType as Q
 
 from strata_mgpu.model.gguf_reader import GGUFFile
+from strata_mgpu.model.reference import DecodeOps
 from strata_mgpu.model.spec import spec_from_gguf
 from strata_mgpu.model.synthetic import TensorPlan, make_tensor, write_model
 from strata_mgpu.quant import block_format
@@ -105,6 +106,69 @@ def test_fused_decode_experts_equal_twin(kernels, tmp_path_factory, types, rows)
     torch.cuda.synchronize()
     assert torch.isfinite(got).all() and got.shape == (rows, D)
     assert rel_err(got, want) <= FUSED_TOL, f"seed {seed}"
+
+
+OPS_TOL = 1e-2  # max|diff| / max|ref|: bf16 results, one rounding step apart at most
+
+
+@pytest.fixture(scope="module")
+def ops():
+    from strata_mgpu.runtime.decode_ops import CudaDecodeOps
+
+    return CudaDecodeOps(CUDA)
+
+
+def _fresh_generator() -> tuple[torch.Generator, int]:
+    seed = int(np.random.SeedSequence().entropy % 2**31)
+    return torch.Generator(device=CUDA).manual_seed(seed), seed
+
+
+@pytest.mark.parametrize("rows,n", [(1, 2048), (3, 4096), (1, 64)])
+def test_fused_norms_equal_twin(ops, rows, n):
+    g, seed = _fresh_generator()
+    x = torch.randn(rows, n, device=CUDA, generator=g).to(torch.bfloat16)
+    y = torch.randn(rows, n, device=CUDA, generator=g).to(torch.bfloat16)
+    w = (1 + 0.1 * torch.randn(n, device=CUDA, generator=g)).to(torch.bfloat16)
+    assert rel_err(ops.rms_norm(x, w, 1e-6), DecodeOps().rms_norm(x, w, 1e-6)) <= OPS_TOL, f"seed {seed}"
+    want_x, want = DecodeOps().add_rms_norm(x, y, w, 1e-6)
+    got_x, got = ops.add_rms_norm(x.clone(), y, w, 1e-6)
+    assert torch.equal(got_x, want_x) and rel_err(got, want) <= OPS_TOL, f"seed {seed}"
+
+
+@pytest.mark.parametrize("preset", ["tiny", "30b-a3b"])
+def test_fused_qk_norm_rope_kv_equals_twin(ops, preset):
+    from types import SimpleNamespace
+
+    from strata_mgpu.model.reference import rope_cos_sin
+    from strata_mgpu.model.synthetic import PRESETS
+
+    spec = PRESETS[preset].spec(preset)
+    g, seed = _fresh_generator()
+    H, Hkv, Dh, cap = spec.n_heads, spec.n_kv_heads, spec.head_dim, 1024
+    w = SimpleNamespace(q_norm=(1 + 0.1 * torch.randn(Dh, device=CUDA, generator=g)).to(torch.bfloat16),
+                        k_norm=(1 + 0.1 * torch.randn(Dh, device=CUDA, generator=g)).to(torch.bfloat16))
+    q, k, v = (torch.randn(1, n * Dh, device=CUDA, generator=g).to(torch.bfloat16) for n in (H, Hkv, Hkv))
+    position = torch.randint(0, cap, (1,), device=CUDA, generator=g)
+    cos, sin = rope_cos_sin(position, Dh, spec.rope_base, torch.bfloat16)
+    outs = []
+    for impl in (ops, DecodeOps()):
+        kc, vc = torch.zeros(2, cap, Hkv, Dh, device=CUDA, dtype=torch.bfloat16)
+        outs.append((impl.qk_norm_rope_kv(spec, w, q.clone(), k, v, position, cos, sin, kc, vc), kc, vc))
+    (q_got, k_got, v_got), (q_want, k_want, v_want) = outs
+    assert rel_err(q_got, q_want) <= OPS_TOL and rel_err(k_got, k_want) <= OPS_TOL, f"seed {seed}"
+    assert torch.equal(v_got, v_want) and int(k_got.abs().sum(dim=(1, 2)).count_nonzero()) == 1
+
+
+@pytest.mark.parametrize("rows,renorm", [(1, True), (5, False)])
+def test_fused_route_equals_twin(ops, rows, renorm):
+    g, seed = _fresh_generator()
+    E, D, A = 128, 2048, 8
+    h = torch.randn(rows, D, device=CUDA, generator=g).to(torch.bfloat16)
+    router = torch.randn(E, D, device=CUDA, generator=g) / 16
+    w_got, e_got = ops.route(h, router, A, renorm)
+    w_want, e_want = DecodeOps().route(h, router, A, renorm)
+    assert torch.equal(e_got, e_want), f"seed {seed}"  # both largest first
+    assert torch.allclose(w_got, w_want, rtol=1e-4, atol=1e-6), f"seed {seed}"
 
 
 @pytest.mark.parametrize("rows", [1, 37, 1024])

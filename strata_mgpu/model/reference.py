@@ -121,6 +121,37 @@ def moe_reference(h: torch.Tensor, w: LayerWeights, weights: torch.Tensor, exper
     return out
 
 
+class DecodeOps:
+    """The small ops of the static decode step, as plain torch: the twins of the fused CUDA
+    versions (`runtime.decode_ops`), which a GPU stage passes to its `Decoder` instead."""
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return rms_norm(x, weight, eps)
+
+    def add_rms_norm(self, x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor, eps: float
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x + y, rms_norm(x + y)): the residual stream and the next block's input. The fused
+        version updates x in place."""
+        x = x + y
+        return x, rms_norm(x, weight, eps)
+
+    def qk_norm_rope_kv(self, spec: ModelSpec, w: LayerWeights, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                        position: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
+                        v_cache: torch.Tensor) -> torch.Tensor:
+        """One token's projections q [1, H*Dh], k and v [1, Hkv*Dh]: q and k normed per head and
+        rotated, k and v written at `position` [1] (on the device) of the layer's cache rows
+        [capacity, Hkv, Dh]; returns q [1, H, Dh]."""
+        q = apply_rope(rms_norm(q.view(1, spec.n_heads, spec.head_dim), w.q_norm, spec.rms_eps), cos, sin)
+        k = apply_rope(rms_norm(k.view(1, spec.n_kv_heads, spec.head_dim), w.k_norm, spec.rms_eps), cos, sin)
+        k_cache.index_copy_(0, position, k)
+        v_cache.index_copy_(0, position, v.view(1, spec.n_kv_heads, spec.head_dim))
+        return q
+
+    def route(self, h: torch.Tensor, router: torch.Tensor, n_used: int, renormalize: bool
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+        return route(h, router, n_used, renormalize)
+
+
 class ExpertBackend(Protocol):
     """Computes a layer's routed experts for the rows routed to them."""
 
@@ -149,10 +180,11 @@ class DenseExperts:
 class Decoder:
     """The decoder forward over dense weights (any dtype, any device) and an expert backend."""
 
-    def __init__(self, spec: ModelSpec, weights: ModelWeights, experts: ExpertBackend):
+    def __init__(self, spec: ModelSpec, weights: ModelWeights, experts: ExpertBackend, ops: DecodeOps | None = None):
         self.spec = spec
         self.w = weights
         self.experts = experts
+        self.ops = ops or DecodeOps()
 
     @property
     def device(self) -> torch.device:
@@ -202,24 +234,30 @@ class Decoder:
         Attention runs over the cache's whole capacity under a mask, and the new key and value
         are written at `position` on the device: every shape and address is fixed, so the step
         can be captured once as a CUDA graph and replayed. The caller advances `kv` afterwards.
+        The small ops go through `self.ops` (fused on the GPU: a few launches a layer).
         """
-        s = self.spec
+        s, ops, layers = self.spec, self.ops, self.w.layers
         cos, sin = rope_cos_sin(position, s.head_dim, s.rope_base, self.w.dtype)
         visible = torch.arange(kv.capacity, device=position.device) <= position  # [S]: keys 0..position
         x = self.embed(token)  # [1, D]
+        h = ops.rms_norm(x, layers[0].attn_norm, s.rms_eps)
         self.experts.begin(1)
-        for i, layer in enumerate(self.w.layers):
-            q, k, v = self._qkv(layer, rms_norm(x, layer.attn_norm, s.rms_eps), cos, sin)
-            kv.k[i].index_copy_(0, position, k)
-            kv.v[i].index_copy_(0, position, v)
+        for i, layer in enumerate(layers):
+            q = ops.qk_norm_rope_kv(s, layer, h @ layer.wq.T, h @ layer.wk.T, h @ layer.wv.T, position, cos, sin,
+                                    kv.k[i], kv.v[i])
             out = masked_attention(q, kv.k[i], kv.v[i], visible)
-            x = x + out.reshape(1, s.q_dim) @ layer.wo.T
-            x = x + self._moe(i, layer, x)
+            x, h = ops.add_rms_norm(x, out.reshape(1, s.q_dim) @ layer.wo.T, layer.ffn_norm, s.rms_eps)
+            weights, experts = self.route(i, h, layer.router)
+            y = self.experts.forward(i, h, weights, experts)
+            if i + 1 < len(layers):
+                x, h = ops.add_rms_norm(x, y, layers[i + 1].attn_norm, s.rms_eps)
+            else:
+                x = x + y
         return x
 
     def route(self, i: int, h: torch.Tensor, router: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer i's routing: (weights [T, A] fp32, experts [T, A])."""
-        return route(h, router, self.spec.n_experts_used, self.spec.norm_topk_prob)
+        return self.ops.route(h, router, self.spec.n_experts_used, self.spec.norm_topk_prob)
 
     def _qkv(self, w: LayerWeights, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

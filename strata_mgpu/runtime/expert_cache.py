@@ -48,6 +48,7 @@ class ExpertCache:
         self.lookups = self.hits = 0  # counted by the torch twin path
         self.picks = torch.zeros(len(layers), E, dtype=torch.float32, device=ctx.device)  # [L, E], decayed
         self.swapped = 0  # experts moved into VRAM by refills
+        self._ones = torch.ones(arena.spec.n_experts_used, dtype=self.picks.dtype, device=ctx.device)
 
     @property
     def n_slots(self) -> int:
@@ -78,7 +79,9 @@ class ExpertCache:
     def observe(self, i: int, experts: torch.Tensor) -> None:
         """Count local layer i's picks [T, A] (a device op; never synchronizes)."""
         flat = experts.reshape(-1)
-        self.picks[i].scatter_add_(0, flat, torch.ones(flat.shape, dtype=self.picks.dtype, device=flat.device))
+        if self._ones.numel() < flat.numel():  # grown at a prompt, never inside a decode graph's capture
+            self._ones = torch.ones(flat.numel(), dtype=self.picks.dtype, device=flat.device)
+        self.picks[i].index_add_(0, flat, self._ones[:flat.numel()])  # one launch
 
     def refill(self, margin: float = 1.5, max_share: float = 0.125) -> int:
         """Swap in experts picked more than `margin` times as often as the resident ones they

@@ -21,6 +21,7 @@ from strata_mgpu.model.reference import Decoder
 from strata_mgpu.model.spec import ModelSpec
 from strata_mgpu.model.weights import load_weights
 from strata_mgpu.runtime.decode_graph import DecodeGraph, graph_key
+from strata_mgpu.runtime.decode_ops import CudaDecodeOps
 from strata_mgpu.runtime.device import DeviceContext
 from strata_mgpu.runtime.expert_cache import ExpertCache
 from strata_mgpu.runtime.expert_ring import ExpertRing
@@ -100,7 +101,8 @@ class Stage(DecoderRunner):
         experts = StreamedExperts(self.ctx, spec, self.arena, kernels, ring, None, layers, dtype=dtype)
         cache = self._expert_cache(spec, opts, layers)
         experts.cache = cache
-        super().__init__(Decoder(spec, dense, experts))
+        ops = CudaDecodeOps(self.ctx.device) if isinstance(kernels, CudaKernels) and dtype == torch.bfloat16 else None
+        super().__init__(Decoder(spec, dense, experts, ops))
         self._graphs_ok = (opts.cuda_graphs and self.is_first and self.is_last and cache is not None
                            and dtype == torch.bfloat16 and self._decode_never_syncs(kernels, spec))
         self._graph: DecodeGraph | None = None

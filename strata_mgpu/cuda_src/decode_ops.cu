@@ -1,0 +1,191 @@
+// The small ops of a decode step, fused: each replaces several elementwise launches of its torch
+// twin (reference.py). At batch 1 those launches, not their arithmetic, are the cost.
+//
+// Rounding follows the twins where they round: RMSNorm in fp32, its result rounded to bf16 before
+// the weight multiplies; RoPE on bf16 values with bf16 cos/sin tables, each product and the sum
+// rounded; routing in fp32.
+//
+//   rms_norm_rows:     x [R, N] -> out [R, N]                 out = rmsnorm(x) * w
+//   add_rms_norm_rows: x [R, N] += y [R, N]; out = rmsnorm(x) * w
+//   qk_norm_rope_kv:   one token's q [H, Dh], k, v [Hkv, Dh] -> q normed and rotated (in place);
+//                      k normed, rotated and v written into the KV cache rows at *position
+//   router_logits:     h [T, D] bf16, router [E, D] fp32 -> logits [T, E] fp32
+//   route_topk:        logits [T, E] -> the A largest softmax probabilities (renormalized over
+//                      the A when `renorm`) and their experts, largest first
+#include <cuda_bf16.h>
+
+typedef __nv_bfloat16 bf16;
+
+#define NEG_INF_F __int_as_float(0xff800000)  // -inf (NVRTC has no math.h for INFINITY)
+
+__device__ __forceinline__ float bf16r(float x) { return __bfloat162float(__float2bfloat16_rn(x)); }
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+    for (int o = 16; o; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+// Sum over the block (blockDim.x a multiple of 32, at most 1024); every thread gets it.
+__device__ float block_sum(float v) {
+    __shared__ float partial[32];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+    v = warp_sum(v);
+    __syncthreads();  // `partial` may still be read by a previous call
+    if (lane == 0) partial[warp] = v;
+    __syncthreads();
+    v = lane < warps ? partial[lane] : 0.f;
+    return warp_sum(v);
+}
+
+// One row per block. With y: x += y first (rounded to bf16, as the twin's bf16 add), in place.
+__device__ void norm_row(bf16* x, const bf16* y, const bf16* w, int n, float eps, bf16* out) {
+    float ss = 0.f;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) {
+        float v = __bfloat162float(x[i]);
+        if (y) {
+            v = bf16r(v + __bfloat162float(y[i]));
+            x[i] = __float2bfloat16_rn(v);
+        }
+        ss += v * v;
+    }
+    const float rstd = rsqrtf(block_sum(ss) / n + eps);
+    for (int i = threadIdx.x; i < n; i += blockDim.x)  // each thread re-reads only what it wrote
+        out[i] = __float2bfloat16_rn(bf16r(__bfloat162float(x[i]) * rstd) * __bfloat162float(w[i]));
+}
+
+extern "C" __global__ void rms_norm_rows(bf16* x, const bf16* __restrict__ w, int n, float eps, bf16* __restrict__ out) {
+    norm_row(x + (long long)blockIdx.x * n, nullptr, w, n, eps, out + (long long)blockIdx.x * n);
+}
+
+extern "C" __global__ void add_rms_norm_rows(bf16* x, const bf16* __restrict__ y, const bf16* __restrict__ w, int n, float eps,
+                                  bf16* __restrict__ out) {
+    const long long r = (long long)blockIdx.x * n;
+    norm_row(x + r, y + r, w, n, eps, out + r);
+}
+
+// One warp a head: blocks 0..H-1 are q's heads, H..H+Hkv-1 k's, then v's. Dh <= 256, even.
+// The cache rows of layer i: k_cache, v_cache [capacity, Hkv, Dh]; row *position is written.
+extern "C" __global__ void qk_norm_rope_kv(bf16* q, const bf16* __restrict__ k, const bf16* __restrict__ v,
+                                const bf16* __restrict__ q_norm, const bf16* __restrict__ k_norm, int H, int Hkv,
+                                int Dh, const long long* __restrict__ position, float base, float eps,
+                                bf16* __restrict__ k_cache, bf16* __restrict__ v_cache) {
+    const int head = blockIdx.x, lane = threadIdx.x;
+    const long long row = *position * (long long)Hkv * Dh;
+    if (head >= H + Hkv) {  // v: a copy into the cache
+        const int hv = head - H - Hkv;
+        for (int d = lane; d < Dh; d += 32) v_cache[row + hv * Dh + d] = v[hv * Dh + d];
+        return;
+    }
+    const bool is_q = head < H;
+    const bf16* src = is_q ? q + head * Dh : k + (head - H) * Dh;
+    const bf16* w = is_q ? q_norm : k_norm;
+    bf16* dst = is_q ? q + head * Dh : k_cache + row + (head - H) * Dh;
+    float x[8], nx[8];  // this lane's values: d = lane + 32 * j
+    float ss = 0.f;
+    const int per = Dh / 32;
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+        if (j < per) {
+            x[j] = __bfloat162float(src[lane + 32 * j]);
+            ss += x[j] * x[j];
+        }
+    const float rstd = rsqrtf(warp_sum(ss) / Dh + eps);
+    const int half = Dh / 2;
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+        if (j < per) nx[j] = bf16r(bf16r(x[j] * rstd) * __bfloat162float(w[lane + 32 * j]));
+    // The partner of d is d + half (or d - half): `per / 2` slots away in this same lane when Dh is
+    // a multiple of 64; otherwise read it through the other lanes.
+    const float pos = (float)*position;
+    float out[8];
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+        if (j < per) {
+            const int d = lane + 32 * j, f = d % half;
+            const float inv = 1.f / powf(base, (float)(2 * f) / (float)Dh);
+            const float ang = pos * inv;
+            const float c = bf16r(cosf(ang)), s = bf16r(sinf(ang));
+            float partner;
+            if ((half & 31) == 0) {
+                const int jp = d < half ? j + half / 32 : j - half / 32;
+                partner = nx[jp < 0 ? 0 : (jp > 7 ? 7 : jp)];
+            } else {
+                partner = 0.f;  // unreachable for the Dh the host allows (multiples of 64)
+            }
+            const float rot = d < half ? -partner : partner;  // rotate_half: [-x2, x1]
+            out[j] = bf16r(bf16r(nx[j] * c) + bf16r(rot * s));
+        }
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+        if (j < per) dst[lane + 32 * j] = __float2bfloat16_rn(out[j]);
+}
+
+// grid (ceil(E / warps), T): one warp an expert.
+extern "C" __global__ void router_logits(const bf16* __restrict__ h, const float* __restrict__ router, int D, int E,
+                              float* __restrict__ logits) {
+    const int t = blockIdx.y, e = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5), lane = threadIdx.x & 31;
+    if (e >= E) return;
+    const bf16* x = h + (long long)t * D;
+    const float* r = router + (long long)e * D;
+    float acc = 0.f;
+    for (int i = lane; i < D; i += 32) acc = fmaf(__bfloat162float(x[i]), r[i], acc);
+    acc = warp_sum(acc);
+    if (lane == 0) logits[(long long)t * E + e] = acc;
+}
+
+// One warp a row; E <= 512 (16 values a lane), A <= E.
+extern "C" __global__ void route_topk(const float* __restrict__ logits, int E, int A, int renorm, float* __restrict__ weights,
+                           long long* __restrict__ experts) {
+    const int t = blockIdx.x, lane = threadIdx.x;
+    const float* l = logits + (long long)t * E;
+    float p[16];
+    float m = NEG_INF_F;
+#pragma unroll
+    for (int j = 0; j < 16; ++j) {
+        const int e = lane + 32 * j;
+        p[j] = e < E ? l[e] : NEG_INF_F;
+        m = fmaxf(m, p[j]);
+    }
+#pragma unroll
+    for (int o = 16; o; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+    float s = 0.f;
+#pragma unroll
+    for (int j = 0; j < 16; ++j) {
+        p[j] = lane + 32 * j < E ? expf(p[j] - m) : 0.f;
+        s += p[j];
+    }
+    s = warp_sum(s);
+    float picked_sum = 0.f, picked = 0.f;
+    for (int a = 0; a < A; ++a) {  // the largest remaining, lowest expert id on ties
+        float best = -1.f;
+        int best_e = E;
+#pragma unroll
+        for (int j = 0; j < 16; ++j) {
+            const int e = lane + 32 * j;
+            if (e < E && (p[j] > best || (p[j] == best && e < best_e))) {
+                best = p[j];
+                best_e = e;
+            }
+        }
+#pragma unroll
+        for (int o = 16; o; o >>= 1) {
+            const float ob = __shfl_xor_sync(0xffffffffu, best, o);
+            const int oe = __shfl_xor_sync(0xffffffffu, best_e, o);
+            if (ob > best || (ob == best && oe < best_e)) {
+                best = ob;
+                best_e = oe;
+            }
+        }
+        const float prob = best / s;
+        if (lane == a) {
+            picked = prob;
+            experts[(long long)t * A + a] = best_e;
+        }
+        picked_sum += prob;
+#pragma unroll
+        for (int j = 0; j < 16; ++j)
+            if (lane + 32 * j == best_e) p[j] = -1.f;  // taken
+    }
+    if (lane < A) weights[(long long)t * A + lane] = renorm ? picked / picked_sum : picked;
+}

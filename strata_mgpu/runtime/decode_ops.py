@@ -1,0 +1,85 @@
+"""The decode step's small ops as fused CUDA kernels (`cuda_src/decode_ops.cu`).
+
+`model.reference.DecodeOps` is the twin. Each op here replaces three to ten torch launches:
+RMSNorm (with the residual add before it), q/k head norms + RoPE + the KV cache write, router
+logits, softmax + top-k + renormalization. A call these kernels do not cover (another dtype, a
+head dim that is not a multiple of 64, more than 512 experts) goes to the twin.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from strata_mgpu.model.reference import DecodeOps
+from strata_mgpu.model.spec import ModelSpec
+from strata_mgpu.model.weights import LayerWeights
+from strata_mgpu.runtime import cuda_kernels
+
+OPS_FILE = "decode_ops.cu"
+KERNEL_NAMES = ("rms_norm_rows", "add_rms_norm_rows", "qk_norm_rope_kv", "router_logits", "route_topk")
+NORM_THREADS = 256
+ROUTER_WARPS = 8
+MAX_EXPERTS = 512  # route_topk holds 16 values a lane
+MAX_ROUTED_ROWS = 64  # router_logits re-reads the router for every row: a prompt's rows go to the GEMM
+
+
+class CudaDecodeOps(DecodeOps):
+    def __init__(self, device: torch.device):
+        self.device = device
+        self._fn = {name: cuda_kernels.kernel(OPS_FILE, name, (), device) for name in KERNEL_NAMES}
+
+    def _launch(self, name: str, grid, block: int, *args) -> None:
+        cuda_kernels.launch(self._fn[name], grid, block, args, self.device)
+
+    @staticmethod
+    def _ok(*tensors: torch.Tensor) -> bool:
+        return all(t.is_cuda and t.dtype == torch.bfloat16 and t.is_contiguous() for t in tensors)
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        if not self._ok(x, weight):
+            return super().rms_norm(x, weight, eps)
+        out = torch.empty_like(x)
+        n = x.shape[-1]
+        self._launch("rms_norm_rows", x.numel() // n, NORM_THREADS, x.data_ptr(), weight.data_ptr(), np.int32(n),
+                     np.float32(eps), out.data_ptr())
+        return out
+
+    def add_rms_norm(self, x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor, eps: float
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        if not (self._ok(x, y, weight) and x.shape == y.shape):
+            return super().add_rms_norm(x, y, weight, eps)
+        out = torch.empty_like(x)
+        n = x.shape[-1]
+        self._launch("add_rms_norm_rows", x.numel() // n, NORM_THREADS, x.data_ptr(), y.data_ptr(),
+                     weight.data_ptr(), np.int32(n), np.float32(eps), out.data_ptr())
+        return x, out
+
+    def qk_norm_rope_kv(self, spec: ModelSpec, w: LayerWeights, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                        position: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
+                        v_cache: torch.Tensor) -> torch.Tensor:
+        dh = spec.head_dim
+        if not (self._ok(q, k, v, w.q_norm, w.k_norm, k_cache, v_cache) and dh % 64 == 0 and dh <= 256
+                and q.shape[0] == 1 and position.dtype == torch.int64):
+            return super().qk_norm_rope_kv(spec, w, q, k, v, position, cos, sin, k_cache, v_cache)
+        self._launch("qk_norm_rope_kv", spec.n_heads + 2 * spec.n_kv_heads, 32, q.data_ptr(), k.data_ptr(),
+                     v.data_ptr(), w.q_norm.data_ptr(), w.k_norm.data_ptr(), np.int32(spec.n_heads),
+                     np.int32(spec.n_kv_heads), np.int32(dh), position.data_ptr(), np.float32(spec.rope_base),
+                     np.float32(spec.rms_eps), k_cache.data_ptr(), v_cache.data_ptr())
+        return q.view(1, spec.n_heads, dh)  # normed and rotated in place
+
+    def route(self, h: torch.Tensor, router: torch.Tensor, n_used: int, renormalize: bool
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+        e, d = router.shape
+        if not (self._ok(h) and router.dtype == torch.float32 and router.is_contiguous() and e <= MAX_EXPERTS
+                and n_used <= min(32, e) and h.shape[0] <= MAX_ROUTED_ROWS):
+            return super().route(h, router, n_used, renormalize)
+        t = h.shape[0]
+        logits = torch.empty(t, e, dtype=torch.float32, device=h.device)
+        weights = torch.empty(t, n_used, dtype=torch.float32, device=h.device)
+        experts = torch.empty(t, n_used, dtype=torch.int64, device=h.device)
+        self._launch("router_logits", (-(-e // ROUTER_WARPS), t), 32 * ROUTER_WARPS, h.data_ptr(), router.data_ptr(),
+                     np.int32(d), np.int32(e), logits.data_ptr())
+        self._launch("route_topk", t, 32, logits.data_ptr(), np.int32(e), np.int32(n_used), np.int32(renormalize),
+                     weights.data_ptr(), experts.data_ptr())
+        return weights, experts
