@@ -63,7 +63,10 @@ def bench_lines(result: BenchResult, chunk_size: int, max_vram: str | None) -> l
     if result.decode_tok_per_s is not None:
         hit = (f", {100 * result.decode_resident_share:.0f}% of each layer's experts resident in VRAM"
                if result.decode_resident_share is not None else "")
-        lines.append(f"decode: {result.decode_tok_per_s:.1f} tok/s ({result.decode_tokens} tokens, batch 1{hit})")
+        if result.decode_hit_rate is not None:
+            hit += f", {100 * result.decode_hit_rate:.0f}% of picks read from VRAM"
+        lines.append(f"decode: {result.decode_tok_per_s:.1f} tok/s ({result.decode_tokens} random tokens, "
+                     f"batch 1{hit})")
     for st in result.stages:
         lines.append(f"stage {st.index}: layers {st.layers} on {st.device}, experts {gb(st.expert_bytes)}"
                      + (f", busy {st.busy_s:.3f} s of the longest prompt" if st.busy_s is not None else ""))

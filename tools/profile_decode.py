@@ -26,14 +26,15 @@ def main() -> None:
     spec = spec_from_gguf(f)
     stage = Stage(f, spec, StageOptions(device=torch.device("cuda", 0), max_vram_gib=args.max_vram, chunk_size=1024))
     kv = stage.new_sequence(200)
-    token = torch.tensor([int(stage.prefill(kv, torch.arange(64)).argmax())])
-    for _ in range(4):
-        token = torch.tensor([int(stage.decode([kv], token)[0].argmax())])
+    tokens = torch.randint(0, spec.vocab_size, (64 + 4 + args.steps, 1))  # random: see tools/bench time_decode
+    stage.prefill(kv, tokens[:64, 0])
+    for i in range(4):
+        int(stage.decode([kv], tokens[64 + i])[0].argmax())
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for _ in range(args.steps):
-            token = torch.tensor([int(stage.decode([kv], token)[0].argmax())])
+        for i in range(args.steps):
+            int(stage.decode([kv], tokens[68 + i])[0].argmax())
     dt = (time.perf_counter() - t0) / args.steps
     print(f"{1e3 * dt:.1f} ms per token under the profiler ({1 / dt:.1f} tok/s)")
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))

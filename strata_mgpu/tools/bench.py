@@ -53,6 +53,7 @@ class BenchResult:
     decode_tokens: int
     decode_tok_per_s: float | None
     decode_resident_share: float | None  # share of each layer's experts resident in VRAM for decode
+    decode_hit_rate: float | None  # share of the timed decode steps' expert picks read from VRAM
     peak_vram_gb: float | None
     kernels: str
     stages: list[StageResult] = field(default_factory=list)
@@ -157,20 +158,29 @@ def busy_and_overlap(intervals: dict[int, list[tuple[float, float]]]) -> tuple[d
     return busy, overlap, span
 
 
-def time_decode(runner, n: int, prompt_tokens: int = 64) -> float:
-    """Decode tok/s at batch 1, greedy, one token at a time."""
+def time_decode(runner, n: int, prompt_tokens: int = 64, seed: int = 0) -> tuple[float, float | None]:
+    """Decode tok/s at batch 1, one token at a time, and the share of the timed steps' expert picks
+    that were read from VRAM. Each step's logits go to the host (a sync, as sampling does), but
+    the next token fed is random: a synthetic model's greedy chain soon loops over a few tokens,
+    whose experts the cache then holds, which would flatter the figure."""
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, runner.spec.vocab_size, (prompt_tokens + n + 2,), generator=g)
     kv = runner.new_sequence(prompt_tokens + n + 3)  # + the two warm-up steps
-    logits = runner.prefill(kv, torch.arange(prompt_tokens) % runner.spec.vocab_size)
-    token = torch.tensor([int(logits.argmax())])
-    for _ in range(2):  # warm up: kernels, graph capture
-        logits = runner.decode([kv], token)
-        token = torch.tensor([int(logits[0].argmax())])
+    runner.prefill(kv, tokens[:prompt_tokens])
+    steps = iter(tokens[prompt_tokens:].view(-1, 1))
+    for _ in range(2):  # warm up: kernels, graph capture, the cache's refill at the first step
+        int(runner.decode([kv], next(steps))[0].argmax())
+    caches = [s.model.experts.cache for s in runner.stages if s.model.experts.cache is not None]
     sync_stages(runner.stages)
+    before = [c.picks.clone() for c in caches]
     t0 = time.perf_counter()
     for _ in range(n):
-        logits = runner.decode([kv], token)
-        token = torch.tensor([int(logits[0].argmax())])  # the host needs each token: a sync per step
-    return n / (time.perf_counter() - t0)
+        int(runner.decode([kv], next(steps))[0].argmax())  # the host needs each step's logits
+    seconds = time.perf_counter() - t0
+    picked = [(c.picks - b).cpu() for c, b in zip(caches, before, strict=True)]  # no refill in between
+    total = sum(float(p.sum()) for p in picked)
+    hits = sum(float((p * (c.slot_of_host >= 0)).sum()) for p, c in zip(picked, caches, strict=True))
+    return n / seconds, (hits / total if total else None)
 
 
 def run_bench(runner, model_name: str, prompt_tokens: list[int], decode_tokens: int, runs: int, chunk: int,
@@ -206,14 +216,14 @@ def run_bench(runner, model_name: str, prompt_tokens: list[int], decode_tokens: 
         finally:
             runner.on_stage = None
         busy, overlap, span = busy_and_overlap(timeline.intervals())
-    dec = time_decode(runner, decode_tokens) if decode_tokens else None
+    dec, hit = time_decode(runner, decode_tokens) if decode_tokens else (None, None)
     cache = stages[0].model.experts.cache
     devices = {s.ctx.device for s in stages if s.ctx.is_cuda}
     peak = sum(torch.cuda.max_memory_reserved(d) for d in devices) / 1e9 if devices else None
     return BenchResult(
         device=",".join(str(s.ctx.device) for s in stages), model=model_name, expert_bytes=expert_bytes,
         link_gb_per_s=bw, prefill=results, decode_tokens=decode_tokens, decode_tok_per_s=dec,
-        decode_resident_share=cache.hit_rate_uniform if cache else None, peak_vram_gb=peak,
+        decode_resident_share=cache.hit_rate_uniform if cache else None, decode_hit_rate=hit, peak_vram_gb=peak,
         kernels=stages[0].report.kernels,
         stages=[StageResult(index=i, device=str(s.ctx.device), layers=f"{s.layers.start}-{s.layers.stop - 1}",
                             expert_bytes=s.arena.nbytes, busy_s=busy.get(i)) for i, s in enumerate(stages)],
