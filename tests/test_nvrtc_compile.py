@@ -1,0 +1,99 @@
+"""Every kernel compiles with NVRTC, the compiler the runtime uses (through CuPy), with the options
+it passes, and every kernel the runtime looks up is found by that name: a plain name must stay
+unmangled (extern "C"), a template must resolve through its name expression. NVRTC differs from
+nvcc (no implicit host headers: `INFINITY` is undefined there), so the nvcc check alone let both
+kinds of mistake through to the GPU. Needs the `nvidia-cuda-nvrtc` wheel (a dev dependency), no GPU.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+
+from strata_mgpu.runtime import cuda_kernels, decode_ops, kernels
+
+
+def _libnvrtc() -> ctypes.CDLL | None:
+    try:
+        import nvidia
+    except ImportError:
+        return None
+    for root in nvidia.__path__:
+        for lib in sorted(Path(root).glob("*/lib/libnvrtc.so*")):
+            if "builtins" not in lib.name:
+                return ctypes.CDLL(str(lib))
+    return None
+
+
+def _cuda_include() -> Path | None:
+    """The toolkit's headers (cuda_bf16.h, ...), which CuPy puts on NVRTC's include path too."""
+    candidates = [Path(p) / "include" for p in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH")) if p]
+    nvcc = shutil.which("nvcc")
+    if nvcc:
+        candidates.append(Path(nvcc).resolve().parents[1] / "include")
+    candidates.append(Path("/usr/local/cuda/include"))
+    return next((c for c in candidates if (c / "cuda_bf16.h").exists()), None)
+
+
+NVRTC = _libnvrtc()
+CUDA_INCLUDE = _cuda_include()
+# file -> (names looked up as they are, template name expressions)
+KERNELS = {
+    kernels.DEQUANT_FILE: ((), kernels._DEQUANT_EXPRS),
+    kernels.MOE_FILE: ((), kernels._MOE_EXPRS),
+    kernels.COPY_FILE: (("copy_f32_wide",), ()),
+    decode_ops.OPS_FILE: (decode_ops.KERNEL_NAMES, ()),
+}
+
+
+def _check(rc: int, what: str, log: str = "") -> None:
+    assert rc == 0, f"{what}: nvrtc error {rc}\n{log}"
+
+
+def compile_ptx(source: str, expressions: tuple[str, ...], arch: str) -> tuple[str, dict[str, str]]:
+    """PTX of `source` and the lowered (mangled) name of each expression."""
+    prog = ctypes.c_void_p()
+    _check(NVRTC.nvrtcCreateProgram(ctypes.byref(prog), source.encode(), b"kernel.cu", 0, None, None), "create")
+    try:
+        for e in expressions:
+            _check(NVRTC.nvrtcAddNameExpression(prog, e.encode()), f"name expression {e}")
+        options = [b"-std=c++17", f"-I{cuda_kernels.CUDA_SRC}".encode(), f"-I{CUDA_INCLUDE}".encode(),
+                   f"--gpu-architecture={arch}".encode()]
+        rc = NVRTC.nvrtcCompileProgram(prog, len(options), (ctypes.c_char_p * len(options))(*options))
+        size = ctypes.c_size_t()
+        NVRTC.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
+        log = ctypes.create_string_buffer(size.value)
+        NVRTC.nvrtcGetProgramLog(prog, log)
+        _check(rc, "compile", log.value.decode(errors="replace"))
+        lowered = {}
+        for e in expressions:
+            name = ctypes.c_char_p()
+            _check(NVRTC.nvrtcGetLoweredName(prog, e.encode(), ctypes.byref(name)), f"lowered name of {e}")
+            lowered[e] = name.value.decode()
+        NVRTC.nvrtcGetPTXSize(prog, ctypes.byref(size))
+        ptx = ctypes.create_string_buffer(size.value)
+        _check(NVRTC.nvrtcGetPTX(prog, ptx), "ptx")
+        return ptx.value.decode(), lowered
+    finally:
+        NVRTC.nvrtcDestroyProgram(ctypes.byref(prog))
+
+
+@pytest.mark.skipif(NVRTC is None or CUDA_INCLUDE is None,
+                    reason="libnvrtc (pip install nvidia-cuda-nvrtc) or the CUDA headers not found")
+@pytest.mark.parametrize("arch", ["compute_86", "compute_90"])
+@pytest.mark.parametrize("file", sorted(KERNELS))
+def test_kernels_compile_with_nvrtc_and_are_found(file, arch):
+    plain, expressions = KERNELS[file]
+    ptx, lowered = compile_ptx(cuda_kernels.cuda_source(file), expressions, arch)
+    entries = set(re.findall(r"\.entry\s+([\w$]+)\s*\(", ptx))
+    assert set(plain) <= entries, f"{file}: not found by plain name: {set(plain) - entries}"
+    assert set(lowered.values()) <= entries, f"{file}: name expressions without a kernel"
+
+
+def test_every_source_file_is_covered():
+    assert {p.name for p in cuda_kernels.CUDA_SRC.glob("*.cu")} == set(KERNELS)
