@@ -16,6 +16,10 @@ from strata_mgpu.runtime.model_runner import load_reference_runner
 from strata_mgpu.server.app import ServerState, create_app
 
 BODY = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 5}
+# must reach a decode step: a sampled end-of-sequence as the first token would finish the request
+# at its prompt (p ~ 0.1% on this model). The stream test failed twice in ~16 full-suite runs on
+# the 2-core machine and never alone; its events are in the failure message for next time.
+TO_DECODE = {**BODY, "ignore_eos": True}
 
 
 def test_health_is_503_while_loading_then_200(tiny_gguf):
@@ -59,15 +63,15 @@ def failing_client(tiny_gguf):
 
 
 def test_failure_during_a_stream_is_an_error_event(failing_client):
-    with failing_client.stream("POST", "/v1/chat/completions", json={**BODY, "stream": True}) as r:
+    with failing_client.stream("POST", "/v1/chat/completions", json={**TO_DECODE, "stream": True}) as r:
         assert r.status_code == 200
         events = [line[6:] for line in r.iter_lines() if line]
     errors = [json.loads(e)["error"] for e in events if e.startswith("{") and "error" in json.loads(e)]
-    assert len(errors) == 1 and "device fell over" in errors[0]["message"]
-    assert events[-1] == "[DONE]"
+    assert len(errors) == 1 and "device fell over" in errors[0]["message"], events
+    assert events[-1] == "[DONE]", events
 
 
 def test_failure_without_stream_is_500(failing_client):
-    r = failing_client.post("/v1/chat/completions", json=BODY)
+    r = failing_client.post("/v1/chat/completions", json=TO_DECODE)
     assert r.status_code == 500
     assert "device fell over" in r.json()["error"]["message"] and r.json()["error"]["type"] == "server_error"
