@@ -256,7 +256,13 @@ def test_max_vram_is_never_exceeded(model):
     assert torch.cuda.max_memory_reserved(CUDA) <= budget * 2**30
 
 
-def test_graph_decode_equals_eager(tiny_gguf):
+def test_graph_replay_equals_the_static_step_run_eagerly(tiny_gguf):
+    """The captured graph replays the static step's own kernels: the same logits as running
+    `forward_static` eagerly on a twin cache. (Against the other decode path, `run`, bf16 results
+    differ by rounding, and on the tiny model a rounding can flip a near-tied expert pick, which
+    moves the logits by O(1): on the CPU, 2e-3 relative noise in attention moved bf16 logits by
+    more than 2e-2 in 3 of 120 decode steps. The fused ops are checked against their twins above,
+    the decode path against the CPU below.)"""
     f = GGUFFile(tiny_gguf)
     spec = spec_from_gguf(f)
     stage = Stage(f, spec, StageOptions(device=CUDA, max_vram_gib=8))
@@ -269,11 +275,14 @@ def test_graph_decode_equals_eager(tiny_gguf):
     for _ in range(6):
         token = torch.tensor([int(a.argmax())])
         a = stage.decode([kv_g], token)[0]  # graph replay
-        b = super(Stage, stage).decode([kv_e], token)[0]  # eager
+        with torch.inference_mode(), stage.ctx.on_compute():
+            kv_e.reserve(1)
+            position = torch.full((1,), kv_e.length, dtype=torch.long, device=CUDA)
+            b = stage.model.logits(stage.model.forward_static(token.to(CUDA), position, kv_e))[0]
+            kv_e.advance(1)
         keys.add(stage._graph.key)
-        assert rel_err(a.cpu(), b.cpu()) <= BF16_TOL  # bf16 both; masked vs unmasked attention kernels
-        # the graph's top token is eager's top, or ties with it within that tolerance
-        assert float(b[a.argmax()]) >= float(b.max()) - BF16_TOL * float(b.abs().max())
+        assert rel_err(a, b) <= 1e-3
+        assert float(b[a.argmax()]) >= float(b.max()) - 1e-3 * float(b.abs().max())  # same top, or a tie
     assert len(keys) == 1 and kv_g.length == kv_e.length == 46
 
 
