@@ -109,6 +109,9 @@ class CudaKernels(TorchKernels):
     def __init__(self, device: torch.device, use_grouped_mm: bool):
         self.device = device
         self.use_grouped_mm = use_grouped_mm
+        # Below sm_90 torch._grouped_mm is a per-group loop that copies the offsets to the host
+        # (pytorch/pytorch#186620): it works, but a step that uses it cannot be captured.
+        self.grouped_mm_sync_free = use_grouped_mm and torch.cuda.get_device_capability(device) >= (9, 0)
         import cupy
 
         # Can kernels read registered host memory at its host address (UVA)? Decode relies on it.

@@ -166,7 +166,7 @@ class Stage(DecoderRunner):
         the fused kernels, or the dequant gather and the grouped GEMM."""
         if not isinstance(kernels, CudaKernels) or not kernels.host_pointers:
             return False
-        return kernels.use_grouped_mm or all(kernels.moe_fused(lay, spec.hidden, spec.n_experts_used) is not None
+        return kernels.grouped_mm_sync_free or all(kernels.moe_fused(lay, spec.hidden, spec.n_experts_used) is not None
                                              for lay in self.arena.layouts.values())
 
     def _expert_cache(self, spec: ModelSpec, opts: StageOptions, layers: range) -> ExpertCache | None:
