@@ -74,7 +74,9 @@ def bench_lines(result: BenchResult, chunk_size: int, max_vram: str | None) -> l
         lines.append(f"stages busy at the same time: {result.overlap_s:.3f} s of {result.pipeline_s:.3f} s "
                      f"({result.pipeline_tokens:,} tokens in chunks of {chunk_size:,})")
     if result.peak_vram_gb is not None:
-        lines.append(f"peak VRAM reserved: {result.peak_vram_gb:.2f} GB"
+        live = (f", {result.peak_vram_allocated_gb:.2f} GB in live tensors"
+                if result.peak_vram_allocated_gb is not None else "")
+        lines.append(f"peak VRAM reserved: {result.peak_vram_gb:.2f} GB{live}"
                      + (f" (budget {max_vram} GiB a stage)" if max_vram else ""))
     return lines
 

@@ -54,7 +54,8 @@ class BenchResult:
     decode_tok_per_s: float | None
     decode_resident_share: float | None  # share of each layer's experts resident in VRAM for decode
     decode_hit_rate: float | None  # share of the timed decode steps' expert picks read from VRAM
-    peak_vram_gb: float | None
+    peak_vram_gb: float | None  # reserved by the caching allocator (what the budget caps)
+    peak_vram_allocated_gb: float | None  # in live tensors; reserved minus this is cached free blocks
     kernels: str
     stages: list[StageResult] = field(default_factory=list)
     overlap_s: float | None = None  # time two or more stages were busy at once (longest prompt)
@@ -220,10 +221,12 @@ def run_bench(runner, model_name: str, prompt_tokens: list[int], decode_tokens: 
     cache = stages[0].model.experts.cache
     devices = {s.ctx.device for s in stages if s.ctx.is_cuda}
     peak = sum(torch.cuda.max_memory_reserved(d) for d in devices) / 1e9 if devices else None
+    peak_live = sum(torch.cuda.max_memory_allocated(d) for d in devices) / 1e9 if devices else None
     return BenchResult(
         device=",".join(str(s.ctx.device) for s in stages), model=model_name, expert_bytes=expert_bytes,
         link_gb_per_s=bw, prefill=results, decode_tokens=decode_tokens, decode_tok_per_s=dec,
         decode_resident_share=cache.hit_rate_uniform if cache else None, decode_hit_rate=hit, peak_vram_gb=peak,
+        peak_vram_allocated_gb=peak_live,
         kernels=stages[0].report.kernels,
         stages=[StageResult(index=i, device=str(s.ctx.device), layers=f"{s.layers.start}-{s.layers.stop - 1}",
                             expert_bytes=s.arena.nbytes, busy_s=busy.get(i)) for i, s in enumerate(stages)],
