@@ -9,8 +9,8 @@ device build each expert's address itself, so a decode step never synchronizes t
 Which experts stay: an even share of every layer, K each. They start as the first K; every
 forward counts each layer's picks on the device (`observe`, no sync), and when a sequence
 starts decoding `refill` swaps in experts picked clearly more often (its prompt's picks counted
-too) than the resident ones they replace (a margin, and a cap on the bytes moved, keep near-ties from churning): trained
-models route with locality, which this follows. The synthetic models route almost uniformly,
+too) than the resident ones they replace (a margin, and a cap on the bytes moved, keep near-ties
+from churning): trained models route with locality, which this follows. The synthetic models route almost uniformly,
 so for them the hit rate stays about K / E.
 """
 

@@ -9,6 +9,7 @@ speeds up: dequantization by `cuda_src/dequant.cu`, the grouped expert GEMMs by
 from __future__ import annotations
 
 import logging
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -32,6 +33,16 @@ _MOE_EXPRS = tuple(f"{k}<{int(t)}>" for t in CUDA_DEQUANT_TYPES for k in ("moe_g
 MOE_THREADS = 256  # 8 warps: a block's tile has at most 8 rows, one a warp
 MOE_SHARED_BYTES = 46 * 1024  # under the 48 KiB every card gives a block without opting in
 CUDA_ATTR_HOST_POINTER_FOR_REGISTERED_MEM = 91  # cudaDevAttrCanUseHostPointerForRegisteredMem
+
+
+class MoePlan(NamedTuple):
+    """The fused decode kernels' launch shape for one expert layout."""
+
+    ffn: int  # F: gate/up rows, down row length
+    gate_row: int  # bytes of one gate (or up) row of D weights
+    down_row: int  # bytes of one down row of F weights
+    rows_gu: int  # rows a block of moe_gate_up stages (one a warp)
+    rows_down: int  # rows a block of moe_down stages, for each of the A picks
 
 
 class TorchKernels:
@@ -140,17 +151,18 @@ class CudaKernels(TorchKernels):
         self._launch_dequant(lay.gate_type, 0, addresses, 0, m, 2 * lay.gate_weights, 0, w_gate_up[:m].view(-1))
         self._launch_dequant(lay.down_type, 0, addresses, lay.down_offset, m, lay.down_weights, 0, w_down[:m].view(-1))
 
-    def moe_fused(self, lay: ExpertLayout, hidden: int, n_used: int) -> tuple[int, int] | None:
-        """Rows per block of the fused decode kernels (gate-up, down) for this layout, or None where
-        they do not apply (a type without a kernel, tiles too big for shared memory)."""
+    def moe_fused(self, lay: ExpertLayout, hidden: int, n_used: int) -> MoePlan | None:
+        """How the fused decode kernels run this layout, or None where they do not apply (a type
+        without a kernel, tiles too big for shared memory)."""
         if not (self.host_pointers and lay.gate_type in CUDA_DEQUANT_TYPES and lay.down_type in CUDA_DEQUANT_TYPES):
             return None
         ffn = lay.gate_weights // hidden
         gate_row, down_row = lay.gate_bytes // ffn, lay.down_bytes // hidden
-        rows_gu = ((MOE_SHARED_BYTES - _vector_bytes(hidden)) // 2 - 32) // gate_row
-        rows_down = ((MOE_SHARED_BYTES - _vector_bytes(ffn)) // n_used - 32) // down_row
-        rows_gu, rows_down = min(rows_gu, MOE_THREADS // 32), min(rows_down, MOE_THREADS // 32)
-        return (rows_gu, rows_down) if rows_gu >= 1 and rows_down >= 1 else None
+        rows_gu = min(((MOE_SHARED_BYTES - _vector_bytes(hidden)) // 2 - 32) // gate_row, MOE_THREADS // 32)
+        rows_down = min(((MOE_SHARED_BYTES - _vector_bytes(ffn)) // n_used - 32) // down_row, MOE_THREADS // 32)
+        if rows_gu < 1 or rows_down < 1:
+            return None
+        return MoePlan(ffn=ffn, gate_row=gate_row, down_row=down_row, rows_gu=rows_gu, rows_down=rows_down)
 
     def moe_gathered(self, cache: ExpertCache, i: int, lay: ExpertLayout, h: torch.Tensor, weights: torch.Tensor,
                      experts: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
@@ -158,30 +170,28 @@ class CudaKernels(TorchKernels):
         no host sync."""
         t, a = experts.shape
         d = h.shape[1]
-        rows = self.moe_fused(lay, d, a) if h.dtype == torch.bfloat16 else None
-        if rows is None:
+        plan = self.moe_fused(lay, d, a) if h.dtype == torch.bfloat16 else None
+        if plan is None:
             return super().moe_gathered(cache, i, lay, h, weights, experts, w_gate_up, w_down)
-        rows_gu, rows_down = rows
-        ffn = lay.gate_weights // d
-        gate_row, down_row = lay.gate_bytes // ffn, lay.down_bytes // d
+        f = plan.ffn
         h, picks, weights = h.contiguous(), experts.reshape(-1).contiguous(), weights.float().contiguous()
         n_experts = cache.slot_of.shape[1]
         table = (np.uint64(cache.slot_of.data_ptr() + 8 * i * n_experts),
                  np.uint64(cache.host_offset.data_ptr() + 8 * i * n_experts), np.uint64(cache.buffer.data_ptr()),
                  np.int64(cache.slot_bytes), np.uint64(cache.arena.buffer.data_ptr()))
-        act = torch.empty(t * a, ffn, dtype=torch.bfloat16, device=h.device)
+        act = torch.empty(t * a, f, dtype=torch.bfloat16, device=h.device)
         out = torch.empty(t, d, dtype=torch.bfloat16, device=h.device)
         fn = cuda_kernels.kernel(MOE_FILE, f"moe_gate_up<{int(lay.gate_type)}>", _MOE_EXPRS, self.device)
-        cuda_kernels.launch(fn, (-(-ffn // rows_gu), t * a), MOE_THREADS,
-                            (h.data_ptr(), picks.data_ptr(), np.int32(a), *table, np.int32(d), np.int32(ffn),
-                             np.int64(gate_row), np.int32(rows_gu), act.data_ptr()), self.device,
-                            shared_mem=2 * _tile_room(rows_gu * gate_row) + _vector_bytes(d))
+        cuda_kernels.launch(fn, (-(-f // plan.rows_gu), t * a), MOE_THREADS,
+                            (h.data_ptr(), picks.data_ptr(), np.int32(a), *table, np.int32(d), np.int32(f),
+                             np.int64(plan.gate_row), np.int32(plan.rows_gu), act.data_ptr()), self.device,
+                            shared_mem=2 * _tile_room(plan.rows_gu * plan.gate_row) + _vector_bytes(d))
         fn = cuda_kernels.kernel(MOE_FILE, f"moe_down<{int(lay.down_type)}>", _MOE_EXPRS, self.device)
-        cuda_kernels.launch(fn, (-(-d // rows_down), t), MOE_THREADS,
+        cuda_kernels.launch(fn, (-(-d // plan.rows_down), t), MOE_THREADS,
                             (act.data_ptr(), picks.data_ptr(), weights.data_ptr(), np.int32(a), *table, np.int32(d),
-                             np.int32(ffn), np.int64(down_row), np.int64(lay.down_offset), np.int32(rows_down),
+                             np.int32(f), np.int64(plan.down_row), np.int64(lay.down_offset), np.int32(plan.rows_down),
                              out.data_ptr()), self.device,
-                            shared_mem=a * _tile_room(rows_down * down_row) + _vector_bytes(ffn))
+                            shared_mem=a * _tile_room(plan.rows_down * plan.down_row) + _vector_bytes(f))
         return out
 
     def copy_wide(self, dst: torch.Tensor, src: torch.Tensor) -> None:

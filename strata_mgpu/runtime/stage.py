@@ -166,8 +166,9 @@ class Stage(DecoderRunner):
         the fused kernels, or the dequant gather and the grouped GEMM."""
         if not isinstance(kernels, CudaKernels) or not kernels.host_pointers:
             return False
-        return kernels.grouped_mm_sync_free or all(kernels.moe_fused(lay, spec.hidden, spec.n_experts_used) is not None
-                                             for lay in self.arena.layouts.values())
+        fused = all(kernels.moe_fused(lay, spec.hidden, spec.n_experts_used) is not None
+                    for lay in self.arena.layouts.values())
+        return fused or kernels.grouped_mm_sync_free
 
     def _expert_cache(self, spec: ModelSpec, opts: StageOptions, layers: range) -> ExpertCache | None:
         """Decode's resident experts: as many as the budget's spare room holds after the

@@ -1,0 +1,76 @@
+"""The Python side of the fused decode kernels, without a GPU: the launch plan for real layouts
+(shared memory within what every card gives a block) and arguments that match the kernels'
+signatures in moe_decode.cu. (The kernels' results are checked against their twins on the GPU.)"""
+
+from __future__ import annotations
+
+import re
+from types import SimpleNamespace
+
+import torch
+from gguf.constants import GGMLQuantizationType as Q
+
+from strata_mgpu.quant.formats import block_format
+from strata_mgpu.runtime import cuda_kernels
+from strata_mgpu.runtime import kernels as K
+from strata_mgpu.runtime.host_arena import ExpertLayout
+
+SHARED_LIMIT = 48 * 1024  # what a block gets without opting in
+
+
+def layout(gate_type: Q, down_type: Q, d: int, f: int) -> ExpertLayout:
+    def nbytes(t: Q, n: int) -> int:
+        fmt = block_format(t)
+        return n // fmt.block_size * fmt.type_size
+
+    return ExpertLayout(gate_type=gate_type, down_type=down_type, gate_bytes=nbytes(gate_type, f * d),
+                        down_bytes=nbytes(down_type, d * f), gate_weights=f * d, down_weights=d * f)
+
+
+def fake_kernels() -> K.CudaKernels:
+    k = K.CudaKernels.__new__(K.CudaKernels)  # no CuPy, no device: only the launch arithmetic is used
+    k.host_pointers, k.device = True, torch.device("cpu")
+    return k
+
+
+def kernel_params(name: str) -> int:
+    src = cuda_kernels.cuda_source(K.MOE_FILE)
+    sig = re.search(rf"__global__ void {name}\((.*?)\)\s*{{", src, re.S)
+    assert sig, name
+    return sig.group(1).count(",") + 1
+
+
+def test_plans_of_real_layouts_fit_shared_memory():
+    k = fake_kernels()
+    # Qwen3-30B-A3B (D 2048, F 768, A 8) and Qwen3-235B-A22B (D 4096, F 1536, A 8) in the usual types
+    for d, f in ((2048, 768), (4096, 1536)):
+        for gate, down in ((Q.Q4_K, Q.Q6_K), (Q.Q8_0, Q.Q8_0), (Q.Q5_K, Q.Q6_K), (Q.F16, Q.F16)):
+            plan = k.moe_fused(layout(gate, down, d, f), d, 8)
+            assert plan is not None and plan.ffn == f
+            assert 2 * K._tile_room(plan.rows_gu * plan.gate_row) + K._vector_bytes(d) <= SHARED_LIMIT
+            assert 8 * K._tile_room(plan.rows_down * plan.down_row) + K._vector_bytes(f) <= SHARED_LIMIT
+            assert 1 <= plan.rows_gu <= K.MOE_THREADS // 32 and 1 <= plan.rows_down <= K.MOE_THREADS // 32
+    assert k.moe_fused(layout(Q.Q4_K, Q.Q6_K, 2048, 768), 2048, 8) == K.MoePlan(768, 1152, 630, 8, 8)
+    assert k.moe_fused(layout(Q.IQ4_XS, Q.Q6_K, 2048, 768), 2048, 8) is None  # no kernel for that type
+
+
+def test_launches_match_the_kernel_signatures(monkeypatch):
+    launches = []
+    monkeypatch.setattr(cuda_kernels, "kernel", lambda file, expr, exprs, device: expr)
+    monkeypatch.setattr(cuda_kernels, "launch", lambda fn, grid, block, args, device, shared_mem=0:
+                        launches.append((fn, grid, block, args, shared_mem)))
+    d, f, e, a, t = 2048, 768, 128, 8, 3
+    lay = layout(Q.Q4_K, Q.Q6_K, d, f)
+    cache = SimpleNamespace(slot_of=torch.full((4, e), -1, dtype=torch.int64),
+                            host_offset=torch.zeros(4, e, dtype=torch.int64),
+                            buffer=torch.zeros(16, dtype=torch.uint8), slot_bytes=lay.expert_bytes,
+                            arena=SimpleNamespace(buffer=torch.zeros(16, dtype=torch.uint8)))
+    h = torch.zeros(t, d, dtype=torch.bfloat16)
+    experts = torch.randint(0, e, (t, a))
+    out = fake_kernels().moe_gathered(cache, 2, lay, h, torch.rand(t, a), experts, None, None)
+    assert out.shape == (t, d) and out.dtype == torch.bfloat16
+    (gu_fn, gu_grid, gu_block, gu_args, gu_smem), (dn_fn, dn_grid, dn_block, dn_args, dn_smem) = launches
+    assert gu_fn == "moe_gate_up<12>" and gu_grid == (f // 8, t * a) and len(gu_args) == kernel_params("moe_gate_up")
+    assert dn_fn == "moe_down<14>" and dn_grid == (d // 8, t) and len(dn_args) == kernel_params("moe_down")
+    assert gu_block == dn_block == K.MOE_THREADS and max(gu_smem, dn_smem) <= SHARED_LIMIT
+    assert gu_args[3] == cache.slot_of.data_ptr() + 8 * 2 * e  # layer 2's row of the table
