@@ -48,15 +48,12 @@ __global__ void dequant_bf16(const u8* __restrict__ src, __nv_bfloat16* __restri
 }
 
 // Explicit instantiations: what nvcc's compile check builds and NVRTC's name expressions find.
-template __global__ void dequant_bf16<0>(const u8*, __nv_bfloat16*, long long, long long, long long,
-                                             const unsigned long long*, long long);
-template __global__ void dequant_bf16<1>(const u8*, __nv_bfloat16*, long long, long long, long long,
-                                             const unsigned long long*, long long);
-template __global__ void dequant_bf16<8>(const u8*, __nv_bfloat16*, long long, long long, long long,
-                                             const unsigned long long*, long long);
-template __global__ void dequant_bf16<12>(const u8*, __nv_bfloat16*, long long, long long, long long,
-                                             const unsigned long long*, long long);
-template __global__ void dequant_bf16<13>(const u8*, __nv_bfloat16*, long long, long long, long long,
-                                             const unsigned long long*, long long);
-template __global__ void dequant_bf16<14>(const u8*, __nv_bfloat16*, long long, long long, long long,
-                                             const unsigned long long*, long long);
+#define DEQUANT_INSTANTIATE(TYPE)                                                                        \
+    template __global__ void dequant_bf16<TYPE>(const u8*, __nv_bfloat16*, long long, long long, long long, \
+                                                const unsigned long long*, long long);
+DEQUANT_INSTANTIATE(0)
+DEQUANT_INSTANTIATE(1)
+DEQUANT_INSTANTIATE(8)
+DEQUANT_INSTANTIATE(12)
+DEQUANT_INSTANTIATE(13)
+DEQUANT_INSTANTIATE(14)
