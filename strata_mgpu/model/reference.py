@@ -63,6 +63,16 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos[:, None, :] + rotated * sin[:, None, :]
 
 
+def qk_norm_rope(spec: ModelSpec, w: LayerWeights, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+                 sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Projections q [T, H*Dh], k [T, Hkv*Dh] -> q [T, H, Dh], k [T, Hkv, Dh], each head RMS-normed
+    and rotated."""
+    t = q.shape[0]
+    q = rms_norm(q.view(t, spec.n_heads, spec.head_dim), w.q_norm, spec.rms_eps)
+    k = rms_norm(k.view(t, spec.n_kv_heads, spec.head_dim), w.k_norm, spec.rms_eps)
+    return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+
+
 # cuDNN's attention builds a graph per new shape: about 1 ms of CPU per call in decode, where the
 # key count grows every step (seen on the H200 with torch 2.11). Flash, memory-efficient or math
 # kernels serve every shape here.
@@ -141,8 +151,7 @@ class DecodeOps:
         """One token's projections q [1, H*Dh], k and v [1, Hkv*Dh]: q and k normed per head and
         rotated, k and v written at `position` [1] (on the device) of the layer's cache rows
         [capacity, Hkv, Dh]; returns q [1, H, Dh]."""
-        q = apply_rope(rms_norm(q.view(1, spec.n_heads, spec.head_dim), w.q_norm, spec.rms_eps), cos, sin)
-        k = apply_rope(rms_norm(k.view(1, spec.n_kv_heads, spec.head_dim), w.k_norm, spec.rms_eps), cos, sin)
+        q, k = qk_norm_rope(spec, w, q, k, cos, sin)
         k_cache.index_copy_(0, position, k)
         v_cache.index_copy_(0, position, v.view(1, spec.n_kv_heads, spec.head_dim))
         return q
@@ -263,11 +272,8 @@ class Decoder:
              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Normed input h [T, D] -> q [T, H, Dh], k and v [T, Hkv, Dh], q/k normed and rotated."""
         s = self.spec
-        t = h.shape[0]
-        q = rms_norm((h @ w.wq.T).view(t, s.n_heads, s.head_dim), w.q_norm, s.rms_eps)
-        k = rms_norm((h @ w.wk.T).view(t, s.n_kv_heads, s.head_dim), w.k_norm, s.rms_eps)
-        v = (h @ w.wv.T).view(t, s.n_kv_heads, s.head_dim)
-        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+        q, k = qk_norm_rope(s, w, h @ w.wq.T, h @ w.wk.T, cos, sin)
+        return q, k, (h @ w.wv.T).view(h.shape[0], s.n_kv_heads, s.head_dim)
 
     def _moe(self, i: int, w: LayerWeights, x: torch.Tensor) -> torch.Tensor:
         """The routed-expert block of layer i on the residual x [T, D]."""
