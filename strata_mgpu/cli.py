@@ -162,8 +162,8 @@ def bench(model: Path, prompt_tokens: str, decode_tokens: int, runs: int, device
           prefill_help_frac: float | None, json_out: Path | None) -> None:
     """Prefill tok/s against the PCIe link bound, and decode tok/s."""
     from strata_mgpu.env import EnvError
-    from strata_mgpu.runtime.device import DeviceError
-    from strata_mgpu.runtime.split import SplitError
+    from strata_mgpu.split.runner import SplitError
+    from strata_mgpu.stage.device import DeviceError
     from strata_mgpu.tools.bench import run_bench, write_json
 
     lengths = _int_list(prompt_tokens)
@@ -181,8 +181,8 @@ def bench(model: Path, prompt_tokens: str, decode_tokens: int, runs: int, device
 def _build(model: Path, placement, chunk_size: int):
     from rich.progress import MofNCompleteColumn
 
+    from strata_mgpu.engine.build import build_runner
     from strata_mgpu.model.spec import spec_from_gguf
-    from strata_mgpu.runtime.build import build_runner
 
     f = GGUFFile(model)
     spec = spec_from_gguf(f)
@@ -224,8 +224,8 @@ def sweep(model: Path, devices: str, layer_split: str, max_vram: str | None, pro
           runs: int, csv_out: Path | None, json_out: Path | None, png_out: Path | None) -> None:
     """One-chunk prefill tok/s for each PeerPrefill share and prompt length."""
     from strata_mgpu.env import EnvError
-    from strata_mgpu.runtime.device import DeviceError
-    from strata_mgpu.runtime.split import SplitError
+    from strata_mgpu.split.runner import SplitError
+    from strata_mgpu.stage.device import DeviceError
     from strata_mgpu.tools import share_sweep as sw
 
     lengths = _int_list(prompt_tokens)
@@ -287,9 +287,9 @@ def serve(model: Path | None, host: str, port: int, ctx_size: int | None, chunk_
     """OpenAI-compatible server. With no MODEL, serves a small built-in demo model."""
     from strata_mgpu.config import EngineConfig, ServerConfig
     from strata_mgpu.env import EnvError
-    from strata_mgpu.runtime.device import DeviceError
-    from strata_mgpu.runtime.split import SplitError
     from strata_mgpu.server import launch
+    from strata_mgpu.split.runner import SplitError
+    from strata_mgpu.stage.device import DeviceError
 
     try:
         launch.setup_logging()  # so writing the demo model is seen

@@ -8,7 +8,7 @@ import subprocess
 
 import pytest
 
-from strata_mgpu.runtime.cuda_kernels import CUDA_SRC
+from strata_mgpu.kernels.nvrtc import CUDA_SRC
 
 SOURCES = sorted(CUDA_SRC.glob("*.cu"))
 

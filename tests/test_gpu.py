@@ -8,15 +8,15 @@ import pytest
 import torch
 from gguf.constants import GGMLQuantizationType as Q
 
+from strata_mgpu.engine.runner import load_reference_runner
+from strata_mgpu.kernels.experts import CUDA_DEQUANT_TYPES, TorchKernels, select_kernels
+from strata_mgpu.model.decoder import DecodeOps
 from strata_mgpu.model.gguf_reader import GGUFFile
-from strata_mgpu.model.reference import DecodeOps
 from strata_mgpu.model.spec import spec_from_gguf
 from strata_mgpu.model.synthetic import TensorPlan, make_tensor, write_model
 from strata_mgpu.quant import block_format
-from strata_mgpu.runtime.expert_cache import ExpertCache
-from strata_mgpu.runtime.kernels import CUDA_DEQUANT_TYPES, TorchKernels, select_kernels
-from strata_mgpu.runtime.model_runner import load_reference_runner
-from strata_mgpu.runtime.stage import Stage, StageOptions
+from strata_mgpu.stage.expert_cache import ExpertCache
+from strata_mgpu.stage.stage import Stage, StageOptions
 
 pytestmark = pytest.mark.gpu
 CUDA = torch.device("cuda", 0)
@@ -113,7 +113,7 @@ OPS_TOL = 1e-2  # max|diff| / max|ref|: bf16 results, one rounding step apart at
 
 @pytest.fixture(scope="module")
 def ops():
-    from strata_mgpu.runtime.decode_ops import CudaDecodeOps
+    from strata_mgpu.kernels.decode_ops import CudaDecodeOps
 
     return CudaDecodeOps(CUDA)
 
@@ -139,7 +139,7 @@ def test_fused_norms_equal_twin(ops, rows, n):
 def test_fused_qk_norm_rope_kv_equals_twin(ops, preset):
     from types import SimpleNamespace
 
-    from strata_mgpu.model.reference import rope_cos_sin
+    from strata_mgpu.model.decoder import rope_cos_sin
     from strata_mgpu.model.synthetic import PRESETS
 
     spec = PRESETS[preset].spec(preset)
@@ -288,9 +288,9 @@ def test_graph_replay_equals_the_static_step_run_eagerly(tiny_gguf):
 
 def test_greedy_decode_gpu_equals_cpu(tiny_gguf):
     from strata_mgpu.config import EngineConfig
+    from strata_mgpu.engine.engine import Engine
+    from strata_mgpu.engine.sampler import SamplingParams
     from strata_mgpu.model.tokenizer import tokenizer_from_gguf
-    from strata_mgpu.runtime.engine import Engine
-    from strata_mgpu.runtime.sampler import SamplingParams
     from tests.test_engine import run_all
 
     f = GGUFFile(tiny_gguf)
@@ -322,7 +322,7 @@ def test_greedy_through_the_server_gpu_equals_cpu(tiny_gguf, tmp_path):
 
 
 def _seg(kv, n):
-    from strata_mgpu.model.reference import Segment
+    from strata_mgpu.model.decoder import Segment
 
     return Segment(0, n, kv)
 
@@ -330,7 +330,7 @@ def _seg(kv, n):
 def test_two_stages_on_one_gpu_equal_one_stage(tiny_gguf):
     """The hand-over through mapped host memory (copy_f32_wide both ways), two stages with their
     own streams on one card: bit-identical to one stage, prefill in chunks and batched decode."""
-    from strata_mgpu.runtime.split import build_split
+    from strata_mgpu.split.runner import build_split
 
     f = GGUFFile(tiny_gguf)
     spec = spec_from_gguf(f)
@@ -355,8 +355,8 @@ def test_helper_on_two_stages_of_one_gpu(tiny_gguf, dtype):
     """PeerPrefill with the hand-overs through mapped memory: repeatable run after run; in fp32
     equal to help-off up to the order of the two partial sums (bf16 could flip a later layer's
     routing on a near-tie, so there only repeatability is asserted)."""
-    from strata_mgpu.runtime.help_rule import HelpPolicy
-    from strata_mgpu.runtime.split import build_split
+    from strata_mgpu.split.help_rule import HelpPolicy
+    from strata_mgpu.split.runner import build_split
 
     f = GGUFFile(tiny_gguf)
     spec = spec_from_gguf(f)

@@ -10,10 +10,10 @@ from types import SimpleNamespace
 import torch
 from gguf.constants import GGMLQuantizationType as Q
 
+from strata_mgpu.kernels import experts as K
+from strata_mgpu.kernels import nvrtc
 from strata_mgpu.quant.formats import block_format
-from strata_mgpu.runtime import cuda_kernels
-from strata_mgpu.runtime import kernels as K
-from strata_mgpu.runtime.host_arena import ExpertLayout
+from strata_mgpu.stage.host_arena import ExpertLayout
 
 SHARED_LIMIT = 48 * 1024  # what a block gets without opting in
 
@@ -34,7 +34,7 @@ def fake_kernels() -> K.CudaKernels:
 
 
 def kernel_params(name: str) -> int:
-    src = cuda_kernels.cuda_source(K.MOE_FILE)
+    src = nvrtc.cuda_source(K.MOE_FILE)
     sig = re.search(rf"__global__ void {name}\((.*?)\)\s*{{", src, re.S)
     assert sig, name
     return sig.group(1).count(",") + 1
@@ -56,8 +56,8 @@ def test_plans_of_real_layouts_fit_shared_memory():
 
 def test_launches_match_the_kernel_signatures(monkeypatch):
     launches = []
-    monkeypatch.setattr(cuda_kernels, "kernel", lambda file, expr, exprs, device: expr)
-    monkeypatch.setattr(cuda_kernels, "launch", lambda fn, grid, block, args, device, shared_mem=0:
+    monkeypatch.setattr(nvrtc, "kernel", lambda file, expr, exprs, device: expr)
+    monkeypatch.setattr(nvrtc, "launch", lambda fn, grid, block, args, device, shared_mem=0:
                         launches.append((fn, grid, block, args, shared_mem)))
     d, f, e, a, t = 2048, 768, 128, 8, 3
     lay = layout(Q.Q4_K, Q.Q6_K, d, f)

@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from strata_mgpu.runtime import cuda_kernels, decode_ops, kernels
+from strata_mgpu.kernels import decode_ops, nvrtc
+from strata_mgpu.kernels import experts as kernels
 
 
 def _libnvrtc() -> ctypes.CDLL | None:
@@ -62,7 +63,7 @@ def compile_ptx(source: str, expressions: tuple[str, ...], arch: str) -> tuple[s
     try:
         for e in expressions:
             _check(NVRTC.nvrtcAddNameExpression(prog, e.encode()), f"name expression {e}")
-        options = [b"-std=c++17", f"-I{cuda_kernels.CUDA_SRC}".encode(), f"-I{CUDA_INCLUDE}".encode(),
+        options = [b"-std=c++17", f"-I{nvrtc.CUDA_SRC}".encode(), f"-I{CUDA_INCLUDE}".encode(),
                    f"--gpu-architecture={arch}".encode()]
         rc = NVRTC.nvrtcCompileProgram(prog, len(options), (ctypes.c_char_p * len(options))(*options))
         size = ctypes.c_size_t()
@@ -89,11 +90,11 @@ def compile_ptx(source: str, expressions: tuple[str, ...], arch: str) -> tuple[s
 @pytest.mark.parametrize("file", sorted(KERNELS))
 def test_kernels_compile_with_nvrtc_and_are_found(file, arch):
     plain, expressions = KERNELS[file]
-    ptx, lowered = compile_ptx(cuda_kernels.cuda_source(file), expressions, arch)
+    ptx, lowered = compile_ptx(nvrtc.cuda_source(file), expressions, arch)
     entries = set(re.findall(r"\.entry\s+([\w$]+)\s*\(", ptx))
     assert set(plain) <= entries, f"{file}: not found by plain name: {set(plain) - entries}"
     assert set(lowered.values()) <= entries, f"{file}: name expressions without a kernel"
 
 
 def test_every_source_file_is_covered():
-    assert {p.name for p in cuda_kernels.CUDA_SRC.glob("*.cu")} == set(KERNELS)
+    assert {p.name for p in nvrtc.CUDA_SRC.glob("*.cu")} == set(KERNELS)

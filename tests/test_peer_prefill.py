@@ -7,15 +7,15 @@ import pytest
 import torch
 
 from strata_mgpu.config import EngineConfig, Placement
+from strata_mgpu.engine.engine import Engine
+from strata_mgpu.engine.sampler import SamplingParams
 from strata_mgpu.env import EnvError
 from strata_mgpu.model.gguf_reader import GGUFFile
 from strata_mgpu.model.spec import spec_from_gguf
 from strata_mgpu.model.tokenizer import tokenizer_from_gguf
-from strata_mgpu.runtime.engine import Engine
-from strata_mgpu.runtime.help_rule import HelpPolicy, default_share
-from strata_mgpu.runtime.sampler import SamplingParams
-from strata_mgpu.runtime.split import build_split
-from strata_mgpu.runtime.stage import StageOptions
+from strata_mgpu.split.help_rule import HelpPolicy, default_share
+from strata_mgpu.split.runner import build_split
+from strata_mgpu.stage.stage import StageOptions
 from tests.test_engine import run_all
 
 CPU = StageOptions(device=torch.device("cpu"), chunk_size=256)

@@ -7,8 +7,9 @@ import inspect
 import pytest
 import torch
 
+from strata_mgpu.model.decoder import Segment
 from strata_mgpu.model.gguf_reader import GGUFFile
-from strata_mgpu.model.reference import ReferenceModel, Segment
+from strata_mgpu.model.reference import ReferenceModel
 from strata_mgpu.model.spec import spec_from_gguf
 from strata_mgpu.model.weights import load_weights
 from tests.hf_oracle import hf_qwen3moe

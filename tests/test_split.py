@@ -8,13 +8,13 @@ from click.testing import CliRunner
 
 from strata_mgpu.cli import main
 from strata_mgpu.config import EngineConfig
+from strata_mgpu.engine.engine import Engine
+from strata_mgpu.engine.sampler import SamplingParams
 from strata_mgpu.model.gguf_reader import GGUFFile
 from strata_mgpu.model.spec import spec_from_gguf
 from strata_mgpu.model.tokenizer import tokenizer_from_gguf
-from strata_mgpu.runtime.engine import Engine
-from strata_mgpu.runtime.sampler import SamplingParams
-from strata_mgpu.runtime.split import SplitError, build_split, plan_layers
-from strata_mgpu.runtime.stage import Stage, StageOptions
+from strata_mgpu.split.runner import SplitError, build_split, plan_layers
+from strata_mgpu.stage.stage import Stage, StageOptions
 from tests.test_engine import greedy_chain, run_all
 
 CPU = StageOptions(device=torch.device("cpu"), chunk_size=64)
@@ -77,7 +77,7 @@ def test_split_equals_single_stage_bit_for_bit(loaded, layer_split, n_stages):
 def test_engine_greedy_on_split_equals_reference(loaded, tiny_gguf):
     f, spec = loaded
     tok = tokenizer_from_gguf(f)
-    from strata_mgpu.runtime.model_runner import load_reference_runner
+    from strata_mgpu.engine.runner import load_reference_runner
 
     split = build_split(f, spec, [CPU, CPU], "auto")
     prompt = tok.encode("The sea is wide, the sea is deep.")

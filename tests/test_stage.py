@@ -6,17 +6,17 @@ import pytest
 import torch
 from gguf.constants import GGMLQuantizationType as Q
 
+from strata_mgpu.engine.runner import load_reference_runner
+from strata_mgpu.kernels.experts import TorchKernels
+from strata_mgpu.kernels.routing import combine, group_rows
 from strata_mgpu.model.gguf_reader import GGUFFile
 from strata_mgpu.model.spec import spec_from_gguf
 from strata_mgpu.model.synthetic import write_model
 from strata_mgpu.quant import dequantize
-from strata_mgpu.runtime.device import DeviceContext
-from strata_mgpu.runtime.expert_cache import ExpertCache
-from strata_mgpu.runtime.expert_ring import ExpertRing
-from strata_mgpu.runtime.kernels import TorchKernels
-from strata_mgpu.runtime.model_runner import load_reference_runner
-from strata_mgpu.runtime.routing import combine, group_rows
-from strata_mgpu.runtime.stage import Stage, StageOptions
+from strata_mgpu.stage.device import DeviceContext
+from strata_mgpu.stage.expert_cache import ExpertCache
+from strata_mgpu.stage.expert_ring import ExpertRing
+from strata_mgpu.stage.stage import Stage, StageOptions
 
 CPU = torch.device("cpu")
 

@@ -1,123 +1,17 @@
-"""The Qwen3-MoE decoder forward, written once; with `DenseExperts` it is the plain torch oracle
-every fast path is checked against.
-
-Shape legend: T = token rows in the batch, D = hidden, H = query heads, Hkv = KV heads,
-Dh = head dim, E = experts, A = experts used per token, F = expert width, V = vocab, S = keys.
-
-One batch packs several sequences along T (`Segment`s): a prefill is one segment of many rows,
-a decode step is one row for each running sequence. Everything but attention runs on all rows
-at once; attention runs per segment against that sequence's KV cache.
-
-What differs between devices is the routed experts: `Decoder` takes an `ExpertBackend`.
-`DenseExperts` computes them from dequantized tensors (the reference); the GPU stage streams
-them from pinned host memory (`runtime.streamed_experts`).
-"""
+"""The oracle: the decoder forward over dense dequantized weights (fp32 by default), the routed
+experts computed one at a time. Every fast path is checked against it, and it against Hugging Face
+transformers' Qwen3-MoE (tests/test_reference_oracle.py)."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention import SDPBackend, sdpa_kernel
-from torch.nn.attention.bias import causal_lower_right
 
+from strata_mgpu.model.decoder import Decoder
 from strata_mgpu.model.spec import ModelSpec
 from strata_mgpu.model.weights import LayerWeights, ModelWeights
-from strata_mgpu.runtime.kv_cache import KVCache
-
-
-@dataclass
-class Segment:
-    """Rows [start, end) of the batch belong to the sequence whose cache is `kv`."""
-
-    start: int
-    end: int
-    kv: KVCache
-
-    @property
-    def n(self) -> int:
-        return self.end - self.start
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Normalized in fp32, cast back, then scaled (as transformers does)."""
-    return F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype) * weight
-
-
-def rope_cos_sin(positions: torch.Tensor, head_dim: int, base: float, dtype: torch.dtype
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """NEOX-style rotary tables: [T, Dh] each (the half-frequencies repeated)."""
-    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim))
-    freqs = positions.float()[:, None] * inv_freq[None, :]  # [T, Dh/2]
-    emb = torch.cat([freqs, freqs], dim=-1)
-    return emb.cos().to(dtype), emb.sin().to(dtype)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, heads, Dh]: rotate the two halves of each head (NEOX / HF rotate_half)."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos[:, None, :] + rotated * sin[:, None, :]
-
-
-def qk_norm_rope(spec: ModelSpec, w: LayerWeights, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
-                 sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Projections q [T, H*Dh], k [T, Hkv*Dh] -> q [T, H, Dh], k [T, Hkv, Dh], each head RMS-normed
-    and rotated."""
-    t = q.shape[0]
-    q = rms_norm(q.view(t, spec.n_heads, spec.head_dim), w.q_norm, spec.rms_eps)
-    k = rms_norm(k.view(t, spec.n_kv_heads, spec.head_dim), w.k_norm, spec.rms_eps)
-    return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-
-
-# cuDNN's attention builds a graph per new shape: about 1 ms of CPU per call in decode, where the
-# key count grows every step (seen on the H200 with torch 2.11). Flash, memory-efficient or math
-# kernels serve every shape here.
-SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
-
-
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """q [T, H, Dh] are the last T positions of k, v [S, Hkv, Dh]; returns [T, H, Dh]."""
-    with sdpa_kernel(SDPA_BACKENDS):
-        return _sdpa(q, k, v)
-
-
-def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    t, s = q.shape[0], k.shape[0]
-    qh, kh, vh = q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None]
-    if t == s:
-        out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, enable_gqa=True)
-    elif t == 1:  # one new token sees every key: no mask (a mask would send SDPA to a slower kernel)
-        out = F.scaled_dot_product_attention(qh, kh, vh, enable_gqa=True)
-    else:  # a chunk after a prefix: query i sits at key s - t + i and sees keys 0..s-t+i.
-        # A lower-right causal bias keeps the flash/efficient kernels (an explicit [T, S] mask sent
-        # GQA to the math kernel, which wanted 16 GiB of scores for an 8K chunk after 16K keys);
-        # they take no GQA flag, so the KV heads are repeated for this call.
-        group = q.shape[1] // k.shape[1]
-        kh, vh = kh.repeat_interleave(group, dim=1), vh.repeat_interleave(group, dim=1)
-        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=causal_lower_right(t, s))
-    return out[0].transpose(0, 1)
-
-
-def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
-    """q [T, H, Dh] against all of k, v [S, Hkv, Dh] where visible [S] (bool) allows; -> [T, H, Dh]."""
-    qh, kh, vh = q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None]
-    with sdpa_kernel(SDPA_BACKENDS):
-        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=visible[None, :], enable_gqa=True)
-    return out[0].transpose(0, 1)
-
-
-def route(h: torch.Tensor, router: torch.Tensor, n_used: int, renormalize: bool
-          ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Router softmax -> top-k -> renormalize. h [T, D] -> (weights [T, A] fp32, experts [T, A])."""
-    probs = torch.softmax(h.float() @ router.float().T, dim=-1)  # [T, E], fp32 whatever h's dtype
-    weights, experts = torch.topk(probs, n_used, dim=-1)
-    if renormalize:
-        weights = weights / weights.sum(-1, keepdim=True)
-    return weights, experts
 
 
 def moe_reference(h: torch.Tensor, w: LayerWeights, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
@@ -131,48 +25,6 @@ def moe_reference(h: torch.Tensor, w: LayerWeights, weights: torch.Tensor, exper
     return out
 
 
-class DecodeOps:
-    """The small ops of the static decode step, as plain torch: the twins of the fused CUDA
-    versions (`runtime.decode_ops`), which a GPU stage passes to its `Decoder` instead."""
-
-    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        return rms_norm(x, weight, eps)
-
-    def add_rms_norm(self, x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor, eps: float
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(x + y, rms_norm(x + y)): the residual stream and the next block's input. The fused
-        version updates x in place."""
-        x = x + y
-        return x, rms_norm(x, weight, eps)
-
-    def qk_norm_rope_kv(self, spec: ModelSpec, w: LayerWeights, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                        position: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
-                        v_cache: torch.Tensor) -> torch.Tensor:
-        """One token's projections q [1, H*Dh], k and v [1, Hkv*Dh]: q and k normed per head and
-        rotated, k and v written at `position` [1] (on the device) of the layer's cache rows
-        [capacity, Hkv, Dh]; returns q [1, H, Dh]."""
-        q, k = qk_norm_rope(spec, w, q, k, cos, sin)
-        k_cache.index_copy_(0, position, k)
-        v_cache.index_copy_(0, position, v.view(1, spec.n_kv_heads, spec.head_dim))
-        return q
-
-    def route(self, h: torch.Tensor, router: torch.Tensor, n_used: int, renormalize: bool
-              ) -> tuple[torch.Tensor, torch.Tensor]:
-        return route(h, router, n_used, renormalize)
-
-
-class ExpertBackend(Protocol):
-    """Computes a layer's routed experts for the rows routed to them."""
-
-    def begin(self, n_rows: int) -> None:
-        """A forward over n_rows token rows starts (a streaming backend starts its uploads)."""
-        ...
-
-    def forward(self, layer: int, h: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
-        """h [T, D], router weights [T, A] fp32, expert ids [T, A] -> weighted expert outputs [T, D]."""
-        ...
-
-
 class DenseExperts:
     """Experts from dequantized tensors in memory, one expert at a time: the oracle."""
 
@@ -184,111 +36,6 @@ class DenseExperts:
 
     def forward(self, layer: int, h: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         return moe_reference(h, self.layers[layer], weights, experts)
-
-
-class Decoder:
-    """The decoder forward over dense weights (any dtype, any device) and an expert backend."""
-
-    def __init__(self, spec: ModelSpec, weights: ModelWeights, experts: ExpertBackend, ops: DecodeOps | None = None):
-        self.spec = spec
-        self.w = weights
-        self.experts = experts
-        self.ops = ops or DecodeOps()
-
-    @property
-    def device(self) -> torch.device:
-        return self.w.device
-
-    def new_cache(self, max_length: int, capacity: int = 256) -> KVCache:
-        s = self.spec
-        return KVCache(len(self.w.layers), s.n_kv_heads, s.head_dim, capacity=capacity, max_length=max_length,
-                       device=self.device, dtype=self.w.dtype)
-
-    def forward(self, tokens: torch.Tensor, segments: Sequence[Segment]) -> torch.Tensor:
-        """tokens [T] (sequences packed as `segments`) -> final hidden states [T, D]."""
-        return self.run(self.embed(tokens), segments)
-
-    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
-        assert self.w.embed is not None, "only the first stage embeds"
-        return self.w.embed[tokens]  # [T, D]
-
-    def run(self, x: torch.Tensor, segments: Sequence[Segment]) -> torch.Tensor:
-        """This decoder's layers over hidden rows x [T, D] -> [T, D].
-
-        Each segment's rows continue its sequence at `kv.length`; caches advance afterwards.
-        """
-        s = self.spec
-        for seg in segments:
-            seg.kv.reserve(seg.n)
-        positions = torch.cat([torch.arange(seg.kv.length, seg.kv.length + seg.n, device=x.device)
-                               for seg in segments])  # [T]
-        cos, sin = rope_cos_sin(positions, s.head_dim, s.rope_base, self.w.dtype)
-        self.experts.begin(x.shape[0])
-        for i, layer in enumerate(self.w.layers):
-            q, k, v = self._qkv(layer, rms_norm(x, layer.attn_norm, s.rms_eps), cos, sin)
-            out = torch.empty_like(q)
-            for seg in segments:
-                rows = slice(seg.start, seg.end)
-                k_all, v_all = seg.kv.write(i, k[rows], v[rows])  # [S, Hkv, Dh]
-                out[rows] = causal_attention(q[rows], k_all, v_all)
-            x = x + out.reshape(-1, s.q_dim) @ layer.wo.T
-            x = x + self._moe(i, layer, x)
-        for seg in segments:
-            seg.kv.advance(seg.n)
-        return x
-
-    def forward_static(self, token: torch.Tensor, position: torch.Tensor, kv: KVCache) -> torch.Tensor:
-        """One token [1] of one sequence at a device-held position [1] -> hidden [1, D].
-
-        Attention runs over the cache's whole capacity under a mask, and the new key and value
-        are written at `position` on the device: every shape and address is fixed, so the step
-        can be captured once as a CUDA graph and replayed. The caller advances `kv` afterwards.
-        The small ops go through `self.ops` (fused on the GPU: a few launches a layer).
-        """
-        s, ops, layers = self.spec, self.ops, self.w.layers
-        cos, sin = rope_cos_sin(position, s.head_dim, s.rope_base, self.w.dtype)
-        visible = torch.arange(kv.capacity, device=position.device) <= position  # [S]: keys 0..position
-        x = self.embed(token)  # [1, D]
-        h = ops.rms_norm(x, layers[0].attn_norm, s.rms_eps)
-        self.experts.begin(1)
-        for i, layer in enumerate(layers):
-            q = ops.qk_norm_rope_kv(s, layer, h @ layer.wq.T, h @ layer.wk.T, h @ layer.wv.T, position, cos, sin,
-                                    kv.k[i], kv.v[i])
-            out = masked_attention(q, kv.k[i], kv.v[i], visible)
-            x, h = ops.add_rms_norm(x, out.reshape(1, s.q_dim) @ layer.wo.T, layer.ffn_norm, s.rms_eps)
-            weights, experts = self.route(i, h, layer.router)
-            y = self.experts.forward(i, h, weights, experts)
-            if i + 1 < len(layers):
-                x, h = ops.add_rms_norm(x, y, layers[i + 1].attn_norm, s.rms_eps)
-            else:
-                x = x + y
-        return x
-
-    def route(self, i: int, h: torch.Tensor, router: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Layer i's routing: (weights [T, A] fp32, experts [T, A])."""
-        return self.ops.route(h, router, self.spec.n_experts_used, self.spec.norm_topk_prob)
-
-    def _qkv(self, w: LayerWeights, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Normed input h [T, D] -> q [T, H, Dh], k and v [T, Hkv, Dh], q/k normed and rotated."""
-        s = self.spec
-        q, k = qk_norm_rope(s, w, h @ w.wq.T, h @ w.wk.T, cos, sin)
-        return q, k, (h @ w.wv.T).view(h.shape[0], s.n_kv_heads, s.head_dim)
-
-    def _moe(self, i: int, w: LayerWeights, x: torch.Tensor) -> torch.Tensor:
-        """The routed-expert block of layer i on the residual x [T, D]."""
-        h = rms_norm(x, w.ffn_norm, self.spec.rms_eps)
-        weights, experts = self.route(i, h, w.router)
-        return self.experts.forward(i, h, weights, experts)
-
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[N, D] final hidden rows -> [N, V] logits (final norm, then the head)."""
-        assert self.w.output is not None and self.w.out_norm is not None, "only the last stage has the head"
-        return rms_norm(hidden, self.w.out_norm, self.spec.rms_eps) @ self.w.output.T
-
-    def prefill(self, tokens: torch.Tensor, kv: KVCache) -> torch.Tensor:
-        """All-position logits [T, V] of one sequence's new tokens."""
-        return self.logits(self.forward(tokens, [Segment(0, tokens.shape[0], kv)]))
 
 
 class ReferenceModel(Decoder):

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from strata_mgpu.runtime.engine import Engine
+from strata_mgpu.engine.engine import Engine
 from strata_mgpu.server.completions import CHAT, TEXT, chat_prompt, complete, text_prompt
 from strata_mgpu.server.errors import APIError, install_error_handlers
 from strata_mgpu.server.schemas import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest

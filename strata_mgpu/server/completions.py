@@ -13,7 +13,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from strata_mgpu.runtime.engine import ContextOverflow, Engine, RequestOutput
+from strata_mgpu.engine.engine import ContextOverflow, Engine, RequestOutput
 from strata_mgpu.server.errors import APIError, error_body
 from strata_mgpu.server.schemas import ChatCompletionRequest, CompletionRequest, _Generation
 

@@ -13,15 +13,15 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from strata_mgpu import env
 from strata_mgpu.config import ServerConfig
+from strata_mgpu.engine.build import build_runner, check_placement
+from strata_mgpu.engine.engine import Engine
 from strata_mgpu.model.gguf_reader import GGUFFile
 from strata_mgpu.model.spec import ModelSpec, spec_from_gguf
 from strata_mgpu.model.tokenizer import Tokenizer, tokenizer_from_gguf
-from strata_mgpu.runtime.build import build_runner, check_placement
-from strata_mgpu.runtime.device import DeviceError
-from strata_mgpu.runtime.engine import Engine
-from strata_mgpu.runtime.pinned import PinError
-from strata_mgpu.runtime.split import SplitError
 from strata_mgpu.server.app import ServerState, create_app
+from strata_mgpu.split.runner import SplitError
+from strata_mgpu.stage.device import DeviceError
+from strata_mgpu.stage.pinned import PinError
 
 log = logging.getLogger("strata.server")
 DEMO_PRESET, DEMO_SEED, DEMO_NAME = "tiny", 0, "strata-demo"

@@ -6,7 +6,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from strata_mgpu.runtime.sampler import SamplingParams
+from strata_mgpu.engine.sampler import SamplingParams
 
 
 class TextPart(BaseModel):

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from strata_mgpu.runtime.stage import Stage
+from strata_mgpu.stage.stage import Stage
 
 
 @dataclass

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from strata_mgpu.runtime.help_rule import HelpPolicy, default_share
+from strata_mgpu.split.help_rule import HelpPolicy, default_share
 from strata_mgpu.tools.bench import sync_stages
 
 
@@ -129,14 +129,3 @@ def write_png(result: SweepResult, path: Path) -> bool:
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return True
-
-
-def main() -> None:
-    """`python -m strata_mgpu.tools.share_sweep ...` is `strata sweep ...`."""
-    from strata_mgpu.cli import sweep
-
-    sweep()
-
-
-if __name__ == "__main__":
-    main()

@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import torch
 
-from strata_mgpu.runtime.device import DeviceContext
-from strata_mgpu.runtime.host_arena import HostExpertArena
+from strata_mgpu.stage.device import DeviceContext
+from strata_mgpu.stage.host_arena import HostExpertArena
 
 
 class ExpertCache:

@@ -1,7 +1,7 @@
 """Where does bf16 error come from? Row-error statistics of several stage variants against the
 fp32 reference, on one prompt: GPU with CUDA kernels, GPU with the torch twins, CPU in bf16.
 
-    python3 tools/diag_bf16.py MODEL.gguf
+    python3 -m strata_mgpu.tools.diag_bf16 MODEL.gguf
 """
 
 from __future__ import annotations
@@ -10,11 +10,11 @@ import sys
 
 import torch
 
+from strata_mgpu.engine.runner import load_reference_runner
+from strata_mgpu.model.decoder import Segment
 from strata_mgpu.model.gguf_reader import GGUFFile
-from strata_mgpu.model.reference import Segment
 from strata_mgpu.model.spec import spec_from_gguf
-from strata_mgpu.runtime.model_runner import load_reference_runner
-from strata_mgpu.runtime.stage import Stage, StageOptions
+from strata_mgpu.stage.stage import Stage, StageOptions
 
 
 def logits(runner, prompt: torch.Tensor) -> torch.Tensor:

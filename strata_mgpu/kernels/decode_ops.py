@@ -11,10 +11,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from strata_mgpu.model.reference import DecodeOps
+from strata_mgpu.kernels import nvrtc
+from strata_mgpu.model.decoder import DecodeOps
 from strata_mgpu.model.spec import ModelSpec
 from strata_mgpu.model.weights import LayerWeights
-from strata_mgpu.runtime import cuda_kernels
 
 OPS_FILE = "decode_ops.cu"
 KERNEL_NAMES = ("rms_norm_rows", "add_rms_norm_rows", "qk_norm_rope_kv", "router_logits", "route_topk")
@@ -27,10 +27,10 @@ MAX_ROUTED_ROWS = 64  # router_logits re-reads the router for every row: a promp
 class CudaDecodeOps(DecodeOps):
     def __init__(self, device: torch.device):
         self.device = device
-        self._fn = {name: cuda_kernels.kernel(OPS_FILE, name, (), device) for name in KERNEL_NAMES}
+        self._fn = {name: nvrtc.kernel(OPS_FILE, name, (), device) for name in KERNEL_NAMES}
 
     def _launch(self, name: str, grid, block: int, *args) -> None:
-        cuda_kernels.launch(self._fn[name], grid, block, args, self.device)
+        nvrtc.launch(self._fn[name], grid, block, args, self.device)
 
     @staticmethod
     def _ok(*tensors: torch.Tensor) -> bool:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from strata_mgpu.runtime.device import DeviceContext
+from strata_mgpu.stage.device import DeviceContext
 
 
 @dataclass

@@ -16,11 +16,11 @@ import torch
 import torch.nn.functional as F
 from gguf.constants import GGMLQuantizationType
 
+from strata_mgpu.kernels import nvrtc
 from strata_mgpu.quant.dequant import dequantize_rows
 from strata_mgpu.quant.formats import block_format
-from strata_mgpu.runtime import cuda_kernels
-from strata_mgpu.runtime.expert_cache import ExpertCache
-from strata_mgpu.runtime.host_arena import ExpertLayout
+from strata_mgpu.stage.expert_cache import ExpertCache
+from strata_mgpu.stage.host_arena import ExpertLayout
 
 log = logging.getLogger("strata.kernels")
 Q = GGMLQuantizationType
@@ -129,10 +129,10 @@ class CudaKernels(TorchKernels):
         self.host_pointers = cupy.cuda.runtime.deviceGetAttribute(
             CUDA_ATTR_HOST_POINTER_FOR_REGISTERED_MEM, device.index or 0) == 1
         for expr in _DEQUANT_EXPRS:  # compile now, not in the middle of the first prompt
-            cuda_kernels.kernel(DEQUANT_FILE, expr, _DEQUANT_EXPRS, device)
+            nvrtc.kernel(DEQUANT_FILE, expr, _DEQUANT_EXPRS, device)
         for expr in _MOE_EXPRS:
-            cuda_kernels.kernel(MOE_FILE, expr, _MOE_EXPRS, device)
-        cuda_kernels.kernel(COPY_FILE, "copy_f32_wide", (), device)
+            nvrtc.kernel(MOE_FILE, expr, _MOE_EXPRS, device)
+        nvrtc.kernel(COPY_FILE, "copy_f32_wide", (), device)
 
     def dequant(self, src: torch.Tensor, ggml_type: GGMLQuantizationType, groups: int, weights_per_group: int,
                 group_stride: int, out: torch.Tensor) -> None:
@@ -181,13 +181,13 @@ class CudaKernels(TorchKernels):
                  np.int64(cache.slot_bytes), np.uint64(cache.arena.buffer.data_ptr()))
         act = torch.empty(t * a, f, dtype=torch.bfloat16, device=h.device)
         out = torch.empty(t, d, dtype=torch.bfloat16, device=h.device)
-        fn = cuda_kernels.kernel(MOE_FILE, f"moe_gate_up<{int(lay.gate_type)}>", _MOE_EXPRS, self.device)
-        cuda_kernels.launch(fn, (-(-f // plan.rows_gu), t * a), MOE_THREADS,
+        fn = nvrtc.kernel(MOE_FILE, f"moe_gate_up<{int(lay.gate_type)}>", _MOE_EXPRS, self.device)
+        nvrtc.launch(fn, (-(-f // plan.rows_gu), t * a), MOE_THREADS,
                             (h.data_ptr(), picks.data_ptr(), np.int32(a), *table, np.int32(d), np.int32(f),
                              np.int64(plan.gate_row), np.int32(plan.rows_gu), act.data_ptr()), self.device,
                             shared_mem=2 * _tile_room(plan.rows_gu * plan.gate_row) + _vector_bytes(d))
-        fn = cuda_kernels.kernel(MOE_FILE, f"moe_down<{int(lay.down_type)}>", _MOE_EXPRS, self.device)
-        cuda_kernels.launch(fn, (-(-d // plan.rows_down), t), MOE_THREADS,
+        fn = nvrtc.kernel(MOE_FILE, f"moe_down<{int(lay.down_type)}>", _MOE_EXPRS, self.device)
+        nvrtc.launch(fn, (-(-d // plan.rows_down), t), MOE_THREADS,
                             (act.data_ptr(), picks.data_ptr(), weights.data_ptr(), np.int32(a), *table, np.int32(d),
                              np.int32(f), np.int64(plan.down_row), np.int64(lay.down_offset), np.int32(plan.rows_down),
                              out.data_ptr()), self.device,
@@ -201,9 +201,9 @@ class CudaKernels(TorchKernels):
         assert dst.numel() * dst.element_size() == nbytes and src.is_contiguous() and dst.is_contiguous()
         if not self.host_pointers or nbytes % 16 or src.data_ptr() % 16 or dst.data_ptr() % 16:
             return super().copy_wide(dst, src)
-        fn = cuda_kernels.kernel(COPY_FILE, "copy_f32_wide", (), self.device)
+        fn = nvrtc.kernel(COPY_FILE, "copy_f32_wide", (), self.device)
         n4 = nbytes // 16
-        cuda_kernels.launch(fn, min((n4 + 255) // 256, 4096), 256,
+        nvrtc.launch(fn, min((n4 + 255) // 256, 4096), 256,
                             (np.uint64(src.data_ptr()), np.uint64(dst.data_ptr()), np.int64(n4)), self.device)
 
     @staticmethod
@@ -216,12 +216,12 @@ class CudaKernels(TorchKernels):
         assert out.is_cuda and out.is_contiguous() and out.numel() == groups * weights_per_group
         assert weights_per_group % 32 == 0
         assert addresses is None or (addresses.dtype == torch.int64 and addresses.numel() == groups)
-        fn = cuda_kernels.kernel(DEQUANT_FILE, f"dequant_bf16<{int(ggml_type)}>", _DEQUANT_EXPRS, self.device)
+        fn = nvrtc.kernel(DEQUANT_FILE, f"dequant_bf16<{int(ggml_type)}>", _DEQUANT_EXPRS, self.device)
         n_sub = groups * weights_per_group // 32
         block = 256
         grid = min((n_sub + block - 1) // block, 65535 * 8)
         table = addresses.data_ptr() if addresses is not None else 0
-        cuda_kernels.launch(fn, grid, block, (np.uint64(src_ptr), out.data_ptr(), np.int64(n_sub),
+        nvrtc.launch(fn, grid, block, (np.uint64(src_ptr), out.data_ptr(), np.int64(n_sub),
                                               np.int64(weights_per_group // 32), np.int64(group_stride),
                                               np.uint64(table), np.int64(ptr_offset)), self.device)
 
@@ -266,7 +266,7 @@ def select_kernels(device: torch.device, *, prefer_cuda: bool = True) -> TorchKe
         return TorchKernels()
     try:
         kernels = CudaKernels(device, use_grouped_mm=_grouped_mm_works(device))
-    except cuda_kernels.KernelUnavailable as e:
+    except nvrtc.KernelUnavailable as e:
         log.warning("CUDA kernels unavailable (%s): using the torch twins", e)
         return TorchKernels()
     log.info("kernels on %s: CUDA dequant, grouped GEMM %s", device,

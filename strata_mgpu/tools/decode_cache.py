@@ -4,7 +4,7 @@ A static cache holds the first K experts of every layer: its hit rate is what un
 gives (K / E). Following the routing, each new sequence's first step swaps in the experts picked
 most so far. Run on the GPU machine:
 
-    python3 tools/decode_cache.py MODEL.gguf [--max-vram 16] [--tokens 64] [--sequences 3]
+    python3 -m strata_mgpu.tools.decode_cache MODEL.gguf [--max-vram 16] [--tokens 64] [--sequences 3]
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import torch
 
 from strata_mgpu.model.gguf_reader import GGUFFile
 from strata_mgpu.model.spec import spec_from_gguf
-from strata_mgpu.runtime.stage import Stage, StageOptions
+from strata_mgpu.stage.stage import Stage, StageOptions
 from strata_mgpu.tools.bench import time_decode
 
 

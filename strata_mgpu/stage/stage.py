@@ -16,20 +16,20 @@ from dataclasses import dataclass
 
 import torch
 
+from strata_mgpu.engine.runner import DecoderRunner
+from strata_mgpu.kernels.decode_ops import CudaDecodeOps
+from strata_mgpu.kernels.experts import CudaKernels, select_kernels
+from strata_mgpu.model.decoder import Decoder
 from strata_mgpu.model.gguf_reader import GGUFFile
-from strata_mgpu.model.reference import Decoder
 from strata_mgpu.model.spec import ModelSpec
 from strata_mgpu.model.weights import load_weights
-from strata_mgpu.runtime.decode_graph import DecodeGraph, graph_key
-from strata_mgpu.runtime.decode_ops import CudaDecodeOps
-from strata_mgpu.runtime.device import DeviceContext
-from strata_mgpu.runtime.expert_cache import ExpertCache
-from strata_mgpu.runtime.expert_ring import ExpertRing
-from strata_mgpu.runtime.host_arena import HostExpertArena
-from strata_mgpu.runtime.kernels import CudaKernels, select_kernels
-from strata_mgpu.runtime.model_runner import DecoderRunner
-from strata_mgpu.runtime.peer_prefill import LentBuffers
-from strata_mgpu.runtime.streamed_experts import StreamedExperts
+from strata_mgpu.split.peer_prefill import LentBuffers
+from strata_mgpu.stage.decode_graph import DecodeGraph, graph_key
+from strata_mgpu.stage.device import DeviceContext
+from strata_mgpu.stage.expert_cache import ExpertCache
+from strata_mgpu.stage.expert_ring import ExpertRing
+from strata_mgpu.stage.host_arena import HostExpertArena
+from strata_mgpu.stage.streamed_experts import StreamedExperts
 
 log = logging.getLogger("strata.stage")
 GiB = 2**30

@@ -1,9 +1,11 @@
-"""One stage's compute device: its torch device, its own compute and upload streams, and its
-VRAM budget.
+"""A stage's handle on its device: the torch device, the stage's own compute and upload streams,
+and its VRAM budget.
 
-On the CPU the streams are None and every "asynchronous" step runs in order; the same stage code
-runs on both. Two stages on one card get two contexts, with streams of their own, so their work
-can overlap there as it would on two cards.
+Not a CUDA context: CUDA gives a process one primary context per device, which every stage on
+that card shares (and with it the caching allocator and its cap, the sum of their budgets). What a
+stage owns is its streams, so two stages on one card still queue their work independently and can
+overlap there as they would on two cards. On the CPU the streams are None and every
+"asynchronous" step runs in program order; the same stage code runs on both.
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ class DeviceError(RuntimeError):
 
 @dataclass(eq=False)  # identity, so live contexts can sit in a WeakSet
 class DeviceContext:
+    """One stage's device, streams and VRAM budget (see the module docstring)."""
+
     device: torch.device
     max_vram_bytes: int | None = None  # None: no cap beyond the card
     compute: torch.cuda.Stream | None = field(default=None, init=False)

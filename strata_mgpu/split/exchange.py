@@ -14,9 +14,9 @@ from collections import deque
 
 import torch
 
-from strata_mgpu.runtime.device import DeviceContext
-from strata_mgpu.runtime.kernels import TorchKernels
-from strata_mgpu.runtime.pinned import host_buffer
+from strata_mgpu.kernels.experts import TorchKernels
+from strata_mgpu.stage.device import DeviceContext
+from strata_mgpu.stage.pinned import host_buffer
 
 
 class Exchange:

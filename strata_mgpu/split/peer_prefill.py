@@ -24,12 +24,12 @@ from dataclasses import dataclass
 
 import torch
 
-from strata_mgpu.runtime.device import DeviceContext
-from strata_mgpu.runtime.exchange import Exchange
-from strata_mgpu.runtime.expert_ring import ExpertRing, LayerFeed
-from strata_mgpu.runtime.host_arena import HostExpertArena
-from strata_mgpu.runtime.kernels import TorchKernels
-from strata_mgpu.runtime.routing import group_rows, masked_combine
+from strata_mgpu.kernels.experts import TorchKernels
+from strata_mgpu.kernels.routing import group_rows, masked_combine
+from strata_mgpu.split.exchange import Exchange
+from strata_mgpu.stage.device import DeviceContext
+from strata_mgpu.stage.expert_ring import ExpertRing, LayerFeed
+from strata_mgpu.stage.host_arena import HostExpertArena
 
 MESSAGES_PER_LAYER = 3  # h, experts, weights
 

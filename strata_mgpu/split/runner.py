@@ -13,14 +13,14 @@ from dataclasses import dataclass
 
 import torch
 
+from strata_mgpu.model.decoder import Segment
 from strata_mgpu.model.gguf_reader import GGUFFile
-from strata_mgpu.model.reference import Segment
+from strata_mgpu.model.kv_cache import KVCache
 from strata_mgpu.model.spec import ModelSpec
-from strata_mgpu.runtime.exchange import Exchange
-from strata_mgpu.runtime.help_rule import HelpPolicy
-from strata_mgpu.runtime.kv_cache import KVCache
-from strata_mgpu.runtime.peer_prefill import MESSAGES_PER_LAYER, PeerPrefill
-from strata_mgpu.runtime.stage import Stage, StageOptions
+from strata_mgpu.split.exchange import Exchange
+from strata_mgpu.split.help_rule import HelpPolicy
+from strata_mgpu.split.peer_prefill import MESSAGES_PER_LAYER, PeerPrefill
+from strata_mgpu.stage.stage import Stage, StageOptions
 
 log = logging.getLogger("strata.split")
 

@@ -1,6 +1,6 @@
 """Profile a few decode steps of a model on the GPU: where does a token's time go?
 
-    python3 tools/profile_decode.py MODEL.gguf [--max-vram 16] [--steps 8] > profile.txt
+    python3 -m strata_mgpu.tools.profile_decode MODEL.gguf [--max-vram 16] [--steps 8] > profile.txt
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from strata_mgpu.model.gguf_reader import GGUFFile
 from strata_mgpu.model.spec import spec_from_gguf
-from strata_mgpu.runtime.stage import Stage, StageOptions
+from strata_mgpu.stage.stage import Stage, StageOptions
 
 
 def main() -> None:

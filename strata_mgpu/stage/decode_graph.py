@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from strata_mgpu.model.reference import Decoder
-from strata_mgpu.runtime.kv_cache import KVCache
+from strata_mgpu.model.decoder import Decoder
+from strata_mgpu.model.kv_cache import KVCache
 
 
 def graph_key(kv: KVCache) -> tuple[int, int, int]:

@@ -11,11 +11,12 @@ from typing import Protocol
 
 import torch
 
+from strata_mgpu.model.decoder import Decoder, Segment
 from strata_mgpu.model.gguf_reader import GGUFFile
-from strata_mgpu.model.reference import Decoder, ReferenceModel, Segment
+from strata_mgpu.model.kv_cache import KVCache
+from strata_mgpu.model.reference import ReferenceModel
 from strata_mgpu.model.spec import ModelSpec
 from strata_mgpu.model.weights import load_weights
-from strata_mgpu.runtime.kv_cache import KVCache
 
 
 class ModelRunner(Protocol):

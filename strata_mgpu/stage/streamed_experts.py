@@ -16,14 +16,14 @@ from __future__ import annotations
 
 import torch
 
+from strata_mgpu.kernels.experts import TorchKernels
+from strata_mgpu.kernels.routing import combine, group_rows, masked_combine
 from strata_mgpu.model.spec import ModelSpec
-from strata_mgpu.runtime.device import DeviceContext
-from strata_mgpu.runtime.expert_cache import ExpertCache
-from strata_mgpu.runtime.expert_ring import ExpertRing, LayerFeed
-from strata_mgpu.runtime.host_arena import ExpertLayout, HostExpertArena
-from strata_mgpu.runtime.kernels import TorchKernels
-from strata_mgpu.runtime.peer_prefill import PeerPrefill
-from strata_mgpu.runtime.routing import combine, group_rows, masked_combine
+from strata_mgpu.split.peer_prefill import PeerPrefill
+from strata_mgpu.stage.device import DeviceContext
+from strata_mgpu.stage.expert_cache import ExpertCache
+from strata_mgpu.stage.expert_ring import ExpertRing, LayerFeed
+from strata_mgpu.stage.host_arena import ExpertLayout, HostExpertArena
 
 
 class StreamedExperts:

@@ -20,11 +20,11 @@ from dataclasses import dataclass, field
 import torch
 
 from strata_mgpu.config import EngineConfig
+from strata_mgpu.engine.metrics import EngineMetrics
+from strata_mgpu.engine.runner import ModelRunner
+from strata_mgpu.engine.sampler import Sampler, SamplingParams, StopMatcher
+from strata_mgpu.model.kv_cache import KVCache
 from strata_mgpu.model.tokenizer import IncrementalDetokenizer, Tokenizer
-from strata_mgpu.runtime.kv_cache import KVCache
-from strata_mgpu.runtime.metrics import EngineMetrics
-from strata_mgpu.runtime.model_runner import ModelRunner
-from strata_mgpu.runtime.sampler import Sampler, SamplingParams, StopMatcher
 
 log = logging.getLogger("strata.engine")
 

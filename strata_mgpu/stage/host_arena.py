@@ -18,7 +18,7 @@ from gguf.constants import GGMLQuantizationType
 from strata_mgpu.model.gguf_reader import GGUFFile
 from strata_mgpu.model.spec import ModelSpec, T, tname
 from strata_mgpu.quant.formats import block_format
-from strata_mgpu.runtime.pinned import pin_in_place
+from strata_mgpu.stage.pinned import pin_in_place
 
 
 @dataclass(frozen=True)

@@ -7,13 +7,13 @@ from collections.abc import Callable
 import torch
 
 from strata_mgpu.config import Placement
+from strata_mgpu.engine.runner import ModelRunner, load_reference_runner
 from strata_mgpu.model.gguf_reader import GGUFFile
 from strata_mgpu.model.spec import ModelSpec
-from strata_mgpu.runtime.device import DeviceError, parse_device
-from strata_mgpu.runtime.help_rule import HelpPolicy
-from strata_mgpu.runtime.model_runner import ModelRunner, load_reference_runner
-from strata_mgpu.runtime.split import build_split, plan_layers
-from strata_mgpu.runtime.stage import Stage, StageOptions
+from strata_mgpu.split.help_rule import HelpPolicy
+from strata_mgpu.split.runner import build_split, plan_layers
+from strata_mgpu.stage.device import DeviceError, parse_device
+from strata_mgpu.stage.stage import Stage, StageOptions
 
 Progress = Callable[[str, int, int], None]
 

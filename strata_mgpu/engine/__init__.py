@@ -1,0 +1,1 @@
+"""The engine: requests, scheduling, sampling, and the ModelRunner protocol it drives."""

@@ -1,1 +1,0 @@
-"""Runtime: KV cache, model runners, sampling and the engine that drives them."""

@@ -1,0 +1,2 @@
+"""Several stages: the layer split, the hand-over through mapped host memory (exchange), the
+PeerPrefill helper and its share rule."""
