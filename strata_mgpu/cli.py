@@ -78,31 +78,6 @@ def gen_model(out_path: Path, preset: str, expert_type: str, down_type: str | No
               f"{report.gb(total)} of tensors, seed {seed})")
 
 
-@main.command()
-@click.argument("model", type=click.Path(dir_okay=False, path_type=Path))
-@click.option("--link-gbps", default=25.0, show_default=True, type=click.FloatRange(min=0.001),
-              help="host-to-device link speed (GB/s) for the expert-pass time")
-def info(model: Path, link_gbps: float) -> None:
-    """Shapes, parameters, bytes by type and expert traffic of a GGUF model."""
-    from strata_mgpu.model.info import model_info
-
-    try:
-        with GGUFFile(model) as f:
-            mi = model_info(f)
-    except GGUFError as e:
-        fail(str(e))
-    out.print(*report.info_tables(mi, model.name, link_gbps), sep="\n")
-
-def _int_list(value: str) -> list[int]:
-    try:
-        items = [int(x) for x in value.split(",") if x.strip()]
-    except ValueError:
-        raise click.BadParameter(f"{value!r} is not a comma-separated list of integers") from None
-    if not items or any(x < 1 for x in items):
-        raise click.BadParameter(f"{value!r}: give positive integers")
-    return items
-
-
 devices_option = click.option("--devices", default="auto", show_default=True,
                               help="one device per stage: cpu, cuda:N or N, comma-separated (0,1; 0,0; cpu,cpu); "
                                    "auto: cuda:0 when CUDA is there, else cpu")
@@ -122,8 +97,61 @@ dtype_option = click.option("--dtype", type=click.Choice(["bf16", "fp32"]), defa
                             help="compute dtype on the GPU (fp32: slower, for checks)")
 
 
+resident_option = click.option("--resident-experts", type=click.IntRange(min=0), default=None,
+                               help="force this many resident experts a layer (0: stream every expert, as "
+                                    "without residency); default: as many as the VRAM plan holds")
+
+
+@main.command()
+@click.argument("model", type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--link-gbps", default=25.0, show_default=True, type=click.FloatRange(min=0.001),
+              help="host-to-device link speed (GB/s) for the expert-pass time")
+@max_vram_option
+@devices_option
+@layer_split_option
+@click.option("--ctx-size", default=None, type=click.IntRange(min=1),
+              help="KV cells to plan for (default: the model's context)")
+@click.option("--chunk-size", default=8192, show_default=True, type=click.IntRange(min=1))
+@resident_option
+def info(model: Path, link_gbps: float, max_vram: str | None, devices: str, layer_split: str, ctx_size: int | None,
+         chunk_size: int, resident_experts: int | None) -> None:
+    """Shapes, parameters, bytes by type and expert traffic of a GGUF model; with --max-vram, each
+    stage's VRAM plan (no GPU needed)."""
+    from strata_mgpu.engine.build import preview_plans
+    from strata_mgpu.model.info import model_info
+    from strata_mgpu.model.spec import spec_from_gguf
+    from strata_mgpu.split.runner import SplitError
+    from strata_mgpu.stage.memory_plan import PlanError
+
+    try:
+        with GGUFFile(model) as f:
+            mi = model_info(f)
+            plans = []
+            if max_vram:
+                placement = _placement(devices if devices != "auto" else "cuda:0", layer_split, max_vram, "bf16",
+                                       resident_experts=resident_experts)
+                spec = spec_from_gguf(f)
+                plans = preview_plans(f, spec, placement, chunk_size, min(ctx_size or spec.context_length,
+                                                                          spec.context_length))
+    except (GGUFError, SplitError, PlanError) as e:
+        fail(str(e))
+    out.print(*report.info_tables(mi, model.name, link_gbps), sep="\n")
+    for name, layers, plan in plans:
+        out.print(report.plan_table(name, layers, plan, mi.spec.n_experts))
+
+def _int_list(value: str) -> list[int]:
+    try:
+        items = [int(x) for x in value.split(",") if x.strip()]
+    except ValueError:
+        raise click.BadParameter(f"{value!r} is not a comma-separated list of integers") from None
+    if not items or any(x < 1 for x in items):
+        raise click.BadParameter(f"{value!r}: give positive integers")
+    return items
+
+
 def _placement(devices: str, layer_split: str, max_vram: str | None, dtype: str, cuda_graphs: bool = True,
-               prefill_help: bool | None = None, prefill_help_frac: float | None = None):
+               prefill_help: bool | None = None, prefill_help_frac: float | None = None,
+               resident_experts: int | None = None):
     from strata_mgpu.config import Placement
 
     budgets: tuple[float | None, ...] = (None,)
@@ -137,7 +165,7 @@ def _placement(devices: str, layer_split: str, max_vram: str | None, dtype: str,
     try:
         return Placement(devices=tuple(d.strip() for d in devices.split(",")), layer_split=layer_split,
                          max_vram_gib=budgets, dtype=dtype, cuda_graphs=cuda_graphs, prefill_help=prefill_help,
-                         prefill_help_frac=prefill_help_frac)
+                         prefill_help_frac=prefill_help_frac, resident_experts=resident_experts)
     except ValueError as e:
         raise click.BadParameter(str(e)) from None
 
@@ -156,10 +184,11 @@ def _placement(devices: str, layer_split: str, max_vram: str | None, dtype: str,
 @click.option("--cuda-graphs/--no-cuda-graphs", default=True, show_default=True,
               help="replay batch-1 decode steps as CUDA graphs")
 @help_options
+@resident_option
 @click.option("--json", "json_out", type=click.Path(dir_okay=False, path_type=Path), default=None)
 def bench(model: Path, prompt_tokens: str, decode_tokens: int, runs: int, devices: str, layer_split: str,
           max_vram: str | None, dtype: str, chunk_size: int, cuda_graphs: bool, prefill_help: bool | None,
-          prefill_help_frac: float | None, json_out: Path | None) -> None:
+          prefill_help_frac: float | None, resident_experts: int | None, json_out: Path | None) -> None:
     """Prefill tok/s against the PCIe link bound, and decode tok/s."""
     from strata_mgpu.env import EnvError
     from strata_mgpu.split.runner import SplitError
@@ -167,9 +196,10 @@ def bench(model: Path, prompt_tokens: str, decode_tokens: int, runs: int, device
     from strata_mgpu.tools.bench import run_bench, write_json
 
     lengths = _int_list(prompt_tokens)
-    placement = _placement(devices, layer_split, max_vram, dtype, cuda_graphs, prefill_help, prefill_help_frac)
-    try:
-        runner = _build(model, placement, chunk_size)
+    placement = _placement(devices, layer_split, max_vram, dtype, cuda_graphs, prefill_help, prefill_help_frac,
+                           resident_experts)
+    try:  # KV for the longest prompt and the decode run (its 64-token prompt, warm-up steps)
+        runner = _build(model, placement, chunk_size, kv_tokens=max(max(lengths), 64 + decode_tokens + 3))
         result = run_bench(runner, model.name, lengths, decode_tokens, runs, chunk_size, on_step=err.print)
     except (GGUFError, DeviceError, SplitError, EnvError) as e:
         fail(str(e))
@@ -178,7 +208,7 @@ def bench(model: Path, prompt_tokens: str, decode_tokens: int, runs: int, device
         write_json(result, json_out)
 
 
-def _build(model: Path, placement, chunk_size: int):
+def _build(model: Path, placement, chunk_size: int, kv_tokens: int):
     from rich.progress import MofNCompleteColumn
 
     from strata_mgpu.engine.build import build_runner
@@ -195,7 +225,7 @@ def _build(model: Path, placement, chunk_size: int):
                 tasks[what] = bar.add_task(what, total=total)
             bar.update(tasks[what], completed=done)
 
-        return build_runner(f, spec, placement, chunk_size, on_progress=on_progress)
+        return build_runner(f, spec, placement, chunk_size, kv_tokens=kv_tokens, on_progress=on_progress)
 
 
 def _float_list(value: str) -> list[float]:
@@ -217,11 +247,13 @@ def _float_list(value: str) -> list[float]:
 @click.option("--shares", default="0,0.2,0.3,0.4,0.45,0.5", show_default=True,
               help="helper shares to try; 0 (help off) is always included")
 @click.option("--runs", default=3, show_default=True, type=click.IntRange(min=1))
+@resident_option
 @click.option("--csv", "csv_out", type=click.Path(dir_okay=False, path_type=Path), default=None)
 @click.option("--json", "json_out", type=click.Path(dir_okay=False, path_type=Path), default=None)
 @click.option("--png", "png_out", type=click.Path(dir_okay=False, path_type=Path), default=None)
 def sweep(model: Path, devices: str, layer_split: str, max_vram: str | None, prompt_tokens: str, shares: str,
-          runs: int, csv_out: Path | None, json_out: Path | None, png_out: Path | None) -> None:
+          runs: int, resident_experts: int | None, csv_out: Path | None, json_out: Path | None,
+          png_out: Path | None) -> None:
     """One-chunk prefill tok/s for each PeerPrefill share and prompt length."""
     from strata_mgpu.env import EnvError
     from strata_mgpu.split.runner import SplitError
@@ -230,9 +262,10 @@ def sweep(model: Path, devices: str, layer_split: str, max_vram: str | None, pro
 
     lengths = _int_list(prompt_tokens)
     share_list = _float_list(shares)
-    placement = _placement(devices, layer_split, max_vram, "bf16", prefill_help=True)
+    placement = _placement(devices, layer_split, max_vram, "bf16", prefill_help=True,
+                           resident_experts=resident_experts)
     try:
-        runner = _build(model, placement, max(lengths))
+        runner = _build(model, placement, max(lengths), kv_tokens=max(lengths))
         result = sw.run_sweep(runner, model.name, lengths, share_list, runs,
                               on_cell=lambda c: err.print(f"{c.tokens} tokens, share {c.share:g}: "
                                                           f"{c.tok_per_s:,.0f} tok/s"))

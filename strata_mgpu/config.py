@@ -36,6 +36,7 @@ class Placement:
     cuda_graphs: bool = True
     prefill_help: bool | None = None  # the PeerPrefill helper; None: STRATA_PREFILL_HELP
     prefill_help_frac: float | None = None  # fixed helper share; None: STRATA_PREFILL_HELP_FRAC, else the rule
+    resident_experts: int | None = None  # force K resident experts a layer (0: stream all); None: the VRAM plan
 
     def __post_init__(self) -> None:
         if not self.devices:
@@ -44,6 +45,8 @@ class Placement:
             raise ValueError(f"--max-vram gives {len(self.max_vram_gib)} values for {len(self.devices)} devices")
         if self.dtype not in ("bf16", "fp32"):
             raise ValueError(f"dtype {self.dtype!r}: bf16 or fp32")
+        if self.resident_experts is not None and self.resident_experts < 0:
+            raise ValueError(f"--resident-experts {self.resident_experts}: 0 or more")
         if self.prefill_help_frac is not None and not 0 < self.prefill_help_frac < 1:
             raise ValueError(f"--prefill-help-frac {self.prefill_help_frac}: the share must lie strictly "
                              f"between 0 and 1")

@@ -8,6 +8,7 @@ from rich.table import Table
 
 if TYPE_CHECKING:
     from strata_mgpu.model.info import ModelInfo
+    from strata_mgpu.stage.memory_plan import MemoryPlan
     from strata_mgpu.tools.bench import BenchResult
     from strata_mgpu.tools.share_sweep import SweepResult
     from strata_mgpu.topo import P2PMatrix
@@ -49,16 +50,32 @@ def info_tables(mi: ModelInfo, name: str, link_gbps: float) -> list[Table]:
     return [t, bt]
 
 
+def plan_table(device: str, layers: range, plan: MemoryPlan, n_experts: int) -> Table:
+    t = Table(title=f"VRAM plan: layers {layers.start}-{layers.stop - 1} on {device}, "
+                    f"{plan.resident_per_layer}/{n_experts} experts a layer resident")
+    t.add_column("line")
+    t.add_column("bytes", justify="right")
+    for what, n in plan.lines():
+        t.add_row(what, gb(n))
+    return t
+
+
 def bench_lines(result: BenchResult, chunk_size: int, max_vram: str | None) -> list[Table | str]:
     title = f"{result.model} on {result.device} ({result.kernels})"
     if result.link_gb_per_s:
         title += f", experts {gb(result.expert_bytes)}, pinned H2D {result.link_gb_per_s:.1f} GB/s"
     t = Table(title=title)
-    for col in ("prompt tokens", "prefill tok/s", "seconds", "expert GB/s", "link bound s", "ratio to bound"):
+    for col in ("prompt tokens", "prefill tok/s", "seconds", "streamed GB", "link bound s", "compute s",
+                "ratio to bound", "all-streamed bound s"):
         t.add_column(col, justify="right")
+
+    def sec(x: float | None) -> str:
+        return f"{x:.3f}" if x is not None else "n/a"
+
     for r in result.prefill:
-        t.add_row(f"{r.tokens:,}", f"{r.tok_per_s:,.0f}", f"{r.seconds:.3f}", f"{r.expert_gb_per_s:.1f}",
-                  f"{r.bound_s:.3f}" if r.bound_s else "n/a", f"{r.ratio_to_bound:.2f}" if r.ratio_to_bound else "n/a")
+        t.add_row(f"{r.tokens:,}", f"{r.tok_per_s:,.0f}", f"{r.seconds:.3f}", f"{r.streamed_bytes / 1e9:.2f}",
+                  sec(r.link_bound_s), sec(r.compute_s), f"{r.ratio_to_bound:.2f}" if r.ratio_to_bound else "n/a",
+                  sec(r.all_streamed_bound_s))
     lines: list[Table | str] = [t]
     if result.decode_tok_per_s is not None:
         hit = (f", {100 * result.decode_resident_share:.0f}% of each layer's experts resident in VRAM"
@@ -68,8 +85,10 @@ def bench_lines(result: BenchResult, chunk_size: int, max_vram: str | None) -> l
         lines.append(f"decode: {result.decode_tok_per_s:.1f} tok/s ({result.decode_tokens} random tokens, "
                      f"batch 1{hit})")
     for st in result.stages:
-        lines.append(f"stage {st.index}: layers {st.layers} on {st.device}, experts {gb(st.expert_bytes)}"
+        lines.append(f"stage {st.index}: layers {st.layers} on {st.device}, experts {gb(st.expert_bytes)}, "
+                     f"{100 * st.resident_share:.0f}% resident, a pass streams {gb(st.pass_bytes)}"
                      + (f", busy {st.busy_s:.3f} s of the longest prompt" if st.busy_s is not None else ""))
+        lines.append("  VRAM plan: " + "; ".join(f"{what} {gb(n)}" for what, n in st.plan if n))
     if result.overlap_s is not None:
         lines.append(f"stages busy at the same time: {result.overlap_s:.3f} s of {result.pipeline_s:.3f} s "
                      f"({result.pipeline_tokens:,} tokens in chunks of {chunk_size:,})")

@@ -246,7 +246,7 @@ def test_max_vram_is_never_exceeded(model):
     f, spec = model
     budget = 1.0
     gc.collect()  # stages of earlier tests must not count against this device's cap
-    stage = Stage(f, spec, StageOptions(device=CUDA, max_vram_gib=budget, chunk_size=1024, kv_reserve_tokens=2048))
+    stage = Stage(f, spec, StageOptions(device=CUDA, max_vram_gib=budget, chunk_size=1024, kv_tokens=2048))
     torch.cuda.reset_peak_memory_stats(CUDA)
     kv = stage.new_sequence(1100)
     stage.prefill(kv, torch.randint(0, spec.vocab_size, (1024,)))
@@ -360,7 +360,8 @@ def test_helper_on_two_stages_of_one_gpu(tiny_gguf, dtype):
 
     f = GGUFFile(tiny_gguf)
     spec = spec_from_gguf(f)
-    opts = StageOptions(device=CUDA, max_vram_gib=4, chunk_size=512, cuda_graphs=False, dtype=dtype)
+    opts = StageOptions(device=CUDA, max_vram_gib=4, chunk_size=512, cuda_graphs=False, dtype=dtype,
+                        resident_experts=2)  # the tiny model fits whole: keep most experts streamed
     runner = build_split(f, spec, [opts, opts], "2", help_policy=HelpPolicy())
     prompt = torch.randint(0, spec.vocab_size, (300,))
     outs = []
@@ -372,3 +373,38 @@ def test_helper_on_two_stages_of_one_gpu(tiny_gguf, dtype):
     if dtype == torch.float32:
         assert rel_err(on, off) <= 1e-5
     assert all(h.to_helper.bytes_moved > 0 for h in runner.helpers)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_resident_experts_in_place_equal_all_streamed(tiny_gguf, dtype):
+    """A prompt pass computes resident experts from their VRAM slots (dequantized through the
+    address table) and streams only the rest: the same logits as streaming everything. The
+    dequant is bit-exact whatever the source; only the grouped GEMM sees its rows in another order."""
+    f = GGUFFile(tiny_gguf)
+    spec = spec_from_gguf(f)
+    prompt = torch.randint(0, spec.vocab_size, (300,))
+    outs = {}
+    for k in (0, 3, spec.n_experts):
+        stage = Stage(f, spec, StageOptions(device=CUDA, max_vram_gib=4, dtype=dtype, resident_experts=k,
+                                            cuda_graphs=False))
+        outs[k] = stage.prefill(stage.new_sequence(400), prompt).cpu()
+        experts = stage.model.experts
+        assert (experts.ring.uploaded_bytes if experts.ring else 0) == experts.pass_bytes()
+        assert experts.pass_bytes() == stage.arena.nbytes * (spec.n_experts - k) // spec.n_experts
+    for k, out in outs.items():
+        assert rel_err(out, outs[0]) <= (1e-5 if dtype == torch.float32 else BF16_TOL), k
+
+
+def test_plan_holds_under_the_budget_at_a_long_prompt(tiny_gguf):
+    """The VRAM plan's lines hold what a prompt of the planned length really allocates."""
+    f = GGUFFile(tiny_gguf)
+    spec = spec_from_gguf(f)
+    stage = Stage(f, spec, StageOptions(device=CUDA, max_vram_gib=1, chunk_size=2048, kv_tokens=4096))
+    torch.cuda.reset_peak_memory_stats(CUDA)
+    kv = stage.new_sequence(4096)
+    prompt = torch.randint(0, spec.vocab_size, (4000,))
+    for start in range(0, 4000, 2048):
+        stage.prefill(kv, prompt[start:start + 2048])
+    torch.cuda.synchronize()
+    assert torch.cuda.max_memory_reserved(CUDA) <= stage.plan.budget
+    assert torch.cuda.max_memory_allocated(CUDA) <= stage.plan.total

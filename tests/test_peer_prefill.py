@@ -103,10 +103,10 @@ def test_helper_holds_only_lent_buffers(tiny):
     helper = runner.helpers[0]
     run_layer = helper.run_layer
 
-    def spy(i, n):
+    def spy(i):
         seen.append((helper.lent.ring, helper.lent.w_gate_up, helper.lent.w_down))
         assert not any(isinstance(v, torch.Tensor) for v in vars(helper).values())
-        return run_layer(i, n)
+        return run_layer(i)
 
     helper.run_layer = spy
     runner.prefill(runner.new_sequence(256), torch.randint(0, spec.vocab_size, (100,)), whole_prompt=True)
@@ -147,3 +147,26 @@ def test_rule_leaves_stages_on_one_device_unhelped(tiny):
     runner.policy = HelpPolicy(fixed_share=0.4)
     runner.prefill(runner.new_sequence(256), prompt, whole_prompt=True)
     assert sum(h.to_helper.bytes_moved for h in runner.helpers) > 0
+
+
+@pytest.mark.parametrize("resident", [0, 3, 6])
+def test_helper_takes_only_streamed_experts(tiny, resident):
+    """With K experts a layer resident, the helper's share comes from the E - K streamed ones; the
+    answer equals the unhelped one of the same residency and the all-streamed one."""
+    f, spec = tiny
+    opts = StageOptions(device=torch.device("cpu"), chunk_size=256, resident_experts=resident)
+    runner = build_split(f, spec, [opts, opts], "auto", help_policy=HelpPolicy())
+    streamed = build_split(f, spec, [CPU.__class__(device=torch.device("cpu"), chunk_size=256, resident_experts=0)] * 2,
+                           "auto", help_policy=HelpPolicy(enabled=False))
+    prompt = torch.randint(0, spec.vocab_size, (120,))
+    off, on, again = helped_and_not(runner, prompt, 0.5)
+    reference = streamed.prefill(streamed.new_sequence(512), prompt, whole_prompt=True)
+    assert torch.equal(on, again)
+    assert float((on - off).abs().max() / off.abs().max()) <= 1e-5
+    assert float((off - reference).abs().max() / reference.abs().max()) <= 1e-5
+    busy = runner.stages[0].model.experts
+    helper = runner.helpers[0]
+    n_help = runner.helper_experts(runner.stages[0], runner.stages[1], 0.5)
+    assert n_help == round(0.5 * (spec.n_experts - resident))
+    per_expert = sum(runner.stages[0].arena.layouts[i].expert_bytes for i in busy.layers)
+    assert helper.streamed_bytes == 2 * n_help * per_expert  # two helped prompts, its share of each layer

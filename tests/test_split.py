@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from click.testing import CliRunner
@@ -86,12 +88,21 @@ def test_engine_greedy_on_split_equals_reference(loaded, tiny_gguf):
     assert [t for o in out for t in o.token_ids] == greedy_chain(load_reference_runner(f, spec), prompt, 10)
 
 
-def test_bench_cli_with_two_cpu_stages(tiny_gguf):
+def test_bench_cli_with_two_cpu_stages(tiny_gguf, tmp_path):
     r = CliRunner().invoke(main, ["bench", str(tiny_gguf), "--devices", "cpu,cpu", "--prompt-tokens", "64,300",
                                   "--chunk-size", "128", "--decode-tokens", "4", "--runs", "1"])
     assert r.exit_code == 0, r.output
     assert "stage 0: layers 0-1 on cpu" in r.output and "stage 1: layers 2-3 on cpu" in r.output
     assert "stages busy at the same time" in r.output
+    assert "25% resident" in r.output and "VRAM plan: dense weights" in r.output  # the CPU plan: a quarter
+    r = CliRunner().invoke(main, ["bench", str(tiny_gguf), "--devices", "cpu", "--prompt-tokens", "64",
+                                  "--decode-tokens", "2", "--runs", "1", "--resident-experts", "0", "--json",
+                                  str(tmp_path / "b.json")])
+    assert r.exit_code == 0, r.output
+    result = json.loads((tmp_path / "b.json").read_text())
+    stage = result["stages"][0]
+    assert stage["resident_share"] == 0 and stage["pass_bytes"] == stage["expert_bytes"]  # residency forced off
+    assert result["prefill"][0]["streamed_bytes"] == stage["expert_bytes"] and result["prefill"][0]["compute_s"] > 0
     r = CliRunner().invoke(main, ["bench", str(tiny_gguf), "--devices", "cpu,cpu", "--layer-split", "9"])
     assert r.exit_code == 1 and "must increase" in r.output
 

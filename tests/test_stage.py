@@ -37,7 +37,8 @@ def test_stage_matches_reference_prefill_and_decode(tmp_path, expert_type):
     prompt = torch.randint(0, spec.vocab_size, (40,))
     kv_ref, kv_stage = ref.new_sequence(128), stage.new_sequence(128)
     a, b = ref.prefill(kv_ref, prompt), stage.prefill(kv_stage, prompt)
-    assert experts.streaming and stage.model.experts.ring.uploaded_bytes == stage.arena.nbytes
+    assert experts.streaming and experts.ring.uploaded_bytes == experts.pass_bytes() == stage.report.pass_bytes
+    assert experts.pass_bytes() == stage.arena.nbytes * (spec.n_experts - experts.cache.per_layer) // spec.n_experts
     assert rel_err(b, a) <= 1e-5  # fp32 both: only summation order differs
     for _ in range(5):
         token = torch.tensor([int(a.argmax())])
@@ -94,11 +95,13 @@ def test_group_rows_and_combine():
 def test_ring_reuses_slots_in_order():
     ctx = DeviceContext(CPU)
     ring = ExpertRing(ctx, slot_bytes=16, n_slots=2)
-    slots = [ring.upload(i, torch.full((8,), i, dtype=torch.uint8)) for i in range(3)]
+    slots = [ring.upload(i, [torch.full((8,), i, dtype=torch.uint8)]) for i in range(3)]
     assert [s.index for s in slots] == [0, 1, 0]
     assert slots[2].layer == 2 and int(slots[2].buffer[0]) == 2
+    packed = ring.upload(3, [torch.full((5,), 7, dtype=torch.uint8), torch.full((3,), 9, dtype=torch.uint8)])
+    assert packed.buffer[:8].tolist() == [7] * 5 + [9] * 3  # runs packed one after the other
     with pytest.raises(AssertionError):
-        ring.upload(9, torch.zeros(17, dtype=torch.uint8))
+        ring.upload(9, [torch.zeros(9, dtype=torch.uint8), torch.zeros(8, dtype=torch.uint8)])
 
 
 def test_expert_cache_table_and_addresses(tiny_gguf):
@@ -146,3 +149,22 @@ def test_cache_follows_the_routing_and_answers_stay_the_same(tiny_gguf):
     n = stage.arena.layouts[0].expert_bytes
     assert torch.equal(cache.source(0, 5)[:n], stage.arena.expert(0, 5))
     assert 50.0 <= float(cache.picks[0, 5]) <= 50.0 + 3  # halved at the refill, then at most one pick a token
+
+
+def test_resident_experts_computed_in_place_equal_all_streamed(tiny_gguf):
+    """A prompt pass reads resident experts from VRAM and streams only the rest: the same answer
+    as streaming everything (fp32) for any resident share, and only the rest crosses the link."""
+    f = GGUFFile(tiny_gguf)
+    spec = spec_from_gguf(f)
+    prompt = torch.randint(0, spec.vocab_size, (48,))
+    outs = {}
+    for k in (0, 1, spec.n_experts // 2, spec.n_experts):
+        stage = Stage(f, spec, StageOptions(device=CPU, resident_experts=k))
+        experts = stage.model.experts
+        outs[k] = stage.prefill(stage.new_sequence(64), prompt)
+        assert experts.cache.per_layer == k and stage.plan.resident_per_layer == k
+        assert experts.pass_bytes() == stage.arena.nbytes * (spec.n_experts - k) // spec.n_experts
+        assert (experts.ring is None) == (k == spec.n_experts)  # nothing streams: no ring at all
+        assert (experts.ring.uploaded_bytes if experts.ring else 0) == experts.pass_bytes()
+    for k, out in outs.items():
+        assert torch.equal(out, outs[0]), k  # fp32: each row meets the same weights in the same order

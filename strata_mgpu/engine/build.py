@@ -13,6 +13,8 @@ from strata_mgpu.model.spec import ModelSpec
 from strata_mgpu.split.help_rule import HelpPolicy
 from strata_mgpu.split.runner import build_split, plan_layers
 from strata_mgpu.stage.device import DeviceError, parse_device
+from strata_mgpu.stage.host_arena import layer_layout
+from strata_mgpu.stage.memory_plan import GiB, MemoryPlan, dense_bytes, plan_memory
 from strata_mgpu.stage.stage import Stage, StageOptions
 
 Progress = Callable[[str, int, int], None]
@@ -40,18 +42,42 @@ def check_placement(placement: Placement, spec: ModelSpec) -> None:
                     [placement.budget(i) for i in range(len(devices))])
 
 
-def stage_options(placement: Placement, chunk_size: int) -> list[StageOptions]:
-    return [StageOptions(device=d, max_vram_gib=placement.budget(i), chunk_size=chunk_size,
+def stage_options(placement: Placement, chunk_size: int, kv_tokens: int) -> list[StageOptions]:
+    return [StageOptions(device=d, max_vram_gib=placement.budget(i), chunk_size=chunk_size, kv_tokens=kv_tokens,
+                         resident_experts=placement.resident_experts,
                          dtype=torch.float32 if placement.dtype == "fp32" else None,
                          cuda_graphs=placement.cuda_graphs)
             for i, d in enumerate(resolve_devices(placement))]
 
 
+def preview_plans(f: GGUFFile, spec: ModelSpec, placement: Placement, chunk_size: int, kv_tokens: int
+                  ) -> list[tuple[str, range, MemoryPlan]]:
+    """Each stage's VRAM plan from the file alone (no GPU needed): what `strata info --max-vram`
+    prints, and what a stage built on a card with that budget free would plan (its dense bytes
+    are estimated from the shapes, as the stage would lay them out in bf16)."""
+    names = [d.strip() for d in placement.devices]
+    budgets = [placement.budget(i) for i in range(len(names))]
+    ranges = (plan_layers(spec.n_layers, len(names), placement.layer_split, budgets) if len(names) > 1
+              else [range(spec.n_layers)])
+    elem = 4 if placement.dtype == "fp32" else 2
+    out = []
+    for name, budget, layers in zip(names, budgets, ranges, strict=True):
+        largest = max(layer_layout(f, spec, i).expert_bytes for i in layers)
+        dense = dense_bytes(spec, len(layers), embed=layers.start == 0, head=layers.stop == spec.n_layers, elem=elem)
+        plan = plan_memory(spec, n_layers=len(layers), expert_bytes=largest, dense=dense,
+                           budget=int(budget * GiB) if budget else None, chunk_tokens=chunk_size, kv_tokens=kv_tokens,
+                           elem=elem, resident_per_layer=placement.resident_experts, where=f"stage on {name}")
+        out.append((name, layers, plan))
+    return out
+
+
 def build_runner(f: GGUFFile, spec: ModelSpec, placement: Placement, chunk_size: int, *,
-                 cpu_reference: bool = False, on_progress: Progress | None = None) -> ModelRunner:
+                 kv_tokens: int | None = None, cpu_reference: bool = False,
+                 on_progress: Progress | None = None) -> ModelRunner:
     """One CPU device with `cpu_reference`: the fp32 oracle forward (what the demo serves);
-    one device: a Stage; several: a SplitRunner."""
-    options = stage_options(placement, chunk_size)
+    one device: a Stage; several: a SplitRunner. `kv_tokens`: the KV cells every stage's memory
+    plan keeps for all sequences together (default: one sequence of the model's whole context)."""
+    options = stage_options(placement, chunk_size, kv_tokens or spec.context_length)
     if len(options) == 1:
         if cpu_reference and options[0].device.type == "cpu":
             return load_reference_runner(f, spec, on_progress=(lambda d, t: on_progress("layers", d, t))

@@ -9,6 +9,7 @@ speeds up: dequantization by `cuda_src/dequant.cu`, the grouped expert GEMMs by
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import NamedTuple
 
 import numpy as np
@@ -73,6 +74,14 @@ class TorchKernels:
                      w_gate_up.view(-1)[:n * 2 * lay.gate_weights])
         self.dequant(src[lay.down_offset:], lay.down_type, n, lay.down_weights, lay.expert_bytes,
                      w_down.view(-1)[:n * lay.down_weights])
+
+    def dequant_addressed(self, addresses: torch.Tensor, sources: Callable[[], list[torch.Tensor]],
+                          lay: ExpertLayout, n: int, w_gate_up: torch.Tensor, w_down: torch.Tensor) -> None:
+        """n experts, each wherever it lies on the device, -> w_gate_up[:n], w_down[:n]. CUDA reads
+        them through `addresses` [n] (device int64); the twin copies `sources()` (each expert's
+        bytes) together and dequantizes them as one run."""
+        src = torch.cat(sources()) if n > 1 else sources()[0]
+        self.dequant_experts(src, lay, n, w_gate_up, w_down)
 
     def gather_experts(self, cache: ExpertCache, i: int, picks: torch.Tensor, lay: ExpertLayout,
                        w_gate_up: torch.Tensor, w_down: torch.Tensor) -> None:
@@ -140,6 +149,15 @@ class CudaKernels(TorchKernels):
             return super().dequant(src, ggml_type, groups, weights_per_group, group_stride, out)
         assert src.is_cuda
         self._launch_dequant(ggml_type, src.data_ptr(), None, 0, groups, weights_per_group, group_stride, out)
+
+    def dequant_addressed(self, addresses: torch.Tensor, sources: Callable[[], list[torch.Tensor]],
+                          lay: ExpertLayout, n: int, w_gate_up: torch.Tensor, w_down: torch.Tensor) -> None:
+        if not (self._has_kernel(lay.gate_type, w_gate_up) and self._has_kernel(lay.down_type, w_down)):
+            return super().dequant_addressed(addresses, sources, lay, n, w_gate_up, w_down)
+        addresses = addresses.contiguous()
+        self._launch_dequant(lay.gate_type, 0, addresses, 0, n, 2 * lay.gate_weights, 0, w_gate_up[:n].view(-1))
+        self._launch_dequant(lay.down_type, 0, addresses, lay.down_offset, n, lay.down_weights, 0,
+                             w_down[:n].view(-1))
 
     def gather_experts(self, cache: ExpertCache, i: int, picks: torch.Tensor, lay: ExpertLayout,
                        w_gate_up: torch.Tensor, w_down: torch.Tensor) -> None:

@@ -63,6 +63,7 @@ def _load(state: ServerState, config: ServerConfig, f: GGUFFile, spec: ModelSpec
                 bar.update(tasks[what], completed=done)
 
             runner = build_runner(f, spec, config.placement, config.engine.chunk_size, cpu_reference=True,
+                                  kv_tokens=config.engine.n_ctx(spec.context_length),
                                   on_progress=on_progress)
         engine = Engine(runner, tokenizer, config.engine)
         engine.start()

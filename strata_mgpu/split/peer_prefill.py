@@ -10,10 +10,11 @@ Per layer of A (shape legend: T tokens, A picks per token, D hidden, E experts, 
 1. A publishes the MoE input h [T, D] and the routing (experts, weights [T, A]) through mapped
    host memory (`Exchange`, copy_f32_wide); from them B builds its own row table and group
    bounds (the rows routed to its experts, sorted first) without a round trip.
-2. B streams the layer's last n experts from A's pinned arena over B's own link into B's ring,
-   two layers ahead, dequantizes them into B's workspace, computes its rows with the grouped
-   GEMM, weights them and sends back their sum per token [T, D].
-3. A computes the rows of its own E - n experts meanwhile and adds B's sums.
+2. B streams its n experts of the layer (the last n of those A would stream: resident experts
+   stay with A, computed in place) from A's pinned arena over B's own link into B's ring, two
+   layers ahead, dequantizes them into B's workspace, computes its rows with the grouped GEMM,
+   weights them and sends back their sum per token [T, D]. The same `compute_part` as A's.
+3. A computes the rows of its own experts meanwhile and adds B's sums.
 Events order every hand-over; the host never waits. Output is repeatable (fixed summation
 order) and equals unhelped output within rounding (the two partial sums round separately).
 """
@@ -25,9 +26,9 @@ from dataclasses import dataclass
 import torch
 
 from strata_mgpu.kernels.experts import TorchKernels
-from strata_mgpu.kernels.routing import group_rows, masked_combine
 from strata_mgpu.split.exchange import Exchange
 from strata_mgpu.stage.device import DeviceContext
+from strata_mgpu.stage.expert_parts import LayerPart, PartTables, compute_part
 from strata_mgpu.stage.expert_ring import ExpertRing, LayerFeed
 from strata_mgpu.stage.host_arena import HostExpertArena
 
@@ -40,7 +41,7 @@ class LentBuffers:
 
     ctx: DeviceContext
     kernels: TorchKernels
-    ring: ExpertRing
+    ring: ExpertRing | None  # None where the idle stage streams nothing (then it cannot help)
     w_gate_up: torch.Tensor  # [E, 2F, D]
     w_down: torch.Tensor  # [E, D, F]
 
@@ -53,40 +54,37 @@ class PeerPrefill:
         self.from_helper = from_helper  # helper -> busy stage: weighted sums per token
         self.lent: LentBuffers | None = None
         self.arena: HostExpertArena | None = None
-        self.layers: range | None = None
-        self.n_experts = 0  # the helper takes the last n experts of every layer
+        self.n_experts = 0  # the helper takes the last n streamed experts of every layer
         self._feed: LayerFeed | None = None
+        self._tables: PartTables | None = None
+        self.streamed_bytes = 0  # bytes the helper's link carried
 
     @property
     def bound(self) -> bool:
         return self.lent is not None and self.n_experts > 0
 
-    def bind_stage_helper(self, lent: LentBuffers, arena: HostExpertArena, layers: range, n_experts: int) -> None:
-        """For one prompt: help with the last `n_experts` of each of `layers` (the busy stage's),
-        read from its `arena`, computed in `lent`."""
-        assert 0 < n_experts < arena.spec.n_experts
-        self.lent, self.arena, self.layers, self.n_experts = lent, arena, layers, n_experts
-        self._feed = None
+    def bind_stage_helper(self, lent: LentBuffers, arena: HostExpertArena, n_experts: int) -> None:
+        """For one prompt: help with the last `n_experts` streamed experts of each of the busy
+        stage's layers, read from its `arena`, computed in `lent`."""
+        assert n_experts > 0 and lent.ring is not None
+        assert n_experts * arena.max_expert_bytes <= lent.ring.slot_bytes, "the helper's share exceeds the lent ring"
+        self.lent, self.arena, self.n_experts = lent, arena, n_experts
+        self._feed = self._tables = None
 
     def unbind(self) -> None:
-        self.lent = self.arena = self.layers = self._feed = None
+        self.lent = self.arena = self._feed = self._tables = None
         self.n_experts = 0
 
-    def split(self, layer: int) -> tuple[int, int]:
-        """(the helper's first expert, the byte offset of its share in the arena layer)."""
-        assert self.arena is not None
-        first = self.arena.spec.n_experts - self.n_experts
-        return first, first * self.arena.layouts[layer].expert_bytes
-
-    def begin(self) -> None:
-        """Queue the helper's uploads of the first layers, as the busy stage queues its own."""
-        assert self.lent is not None and self.layers is not None
-        self._feed = LayerFeed(self.lent.ring, len(self.layers), self._source)
-
-    def _source(self, i: int) -> tuple[int, torch.Tensor]:
-        assert self.arena is not None and self.layers is not None
-        layer = self.layers[i]
-        return layer, self.arena.layer(layer)[self.split(layer)[1]:]
+    def begin(self, parts: list[LayerPart]) -> None:
+        """The busy stage's pass starts: queue the uploads of the helper's `parts` (one a local
+        layer) on the lent ring, and their tables on the helper's stream."""
+        lent, arena = self.lent, self.arena
+        assert lent is not None and arena is not None
+        with lent.ctx.on_compute(after_caller=False, join_caller=False):
+            feed = self._feed = LayerFeed(lent.ring, len(parts), lambda i: (parts[i].layer, parts[i].runs(arena)))
+            self._tables = PartTables(parts, arena, lent.ctx.device, None,
+                                      lambda i: feed.slot_of[i].buffer if i in feed.slot_of else None)
+        self.streamed_bytes += sum(sum(r.numel() for r in p.runs(arena)) for p in parts)
 
     def publish(self, h: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> None:
         """On the busy stage's stream: the layer's MoE input and routing, to the helper."""
@@ -94,24 +92,19 @@ class PeerPrefill:
         self.to_helper.send(experts)
         self.to_helper.send(weights)
 
-    def run_layer(self, i: int, n_experts_total: int) -> None:
+    def run_layer(self, i: int) -> None:
         """Queue the helper's work for local layer i on the helper's stream."""
-        lent, arena, layers, feed = self.lent, self.arena, self.layers, self._feed
-        assert lent is not None and arena is not None and layers is not None and feed is not None
-        layer = layers[i]
-        lay = arena.layouts[layer]
-        first, _ = self.split(layer)
-        n = self.n_experts
+        lent, arena, feed, tables = self.lent, self.arena, self._feed, self._tables
+        assert lent is not None and arena is not None and feed is not None and tables is not None
+        lay = arena.layouts[tables.parts[i].layer]
         with lent.ctx.on_compute(after_caller=False, join_caller=False):
             h = self.to_helper.receive()
             experts = self.to_helper.receive()
             weights = self.to_helper.receive()
-            lent.kernels.dequant_experts(feed.acquire(i), lay, n, lent.w_gate_up, lent.w_down)
-            feed.release(i)
-            local = (experts - first) % n_experts_total  # the helper's experts become 0..n-1, sorted first
-            order, offs = group_rows(local, n_experts_total)
-            y = lent.kernels.grouped_mlp(h[order // experts.shape[1]], offs[:n], lent.w_gate_up[:n], lent.w_down[:n])
-            self.from_helper.send(masked_combine(y, order, weights, local < n))
+            feed.acquire(i)
+            y = compute_part(lent.kernels, tables, i, lay, h, weights, experts, lent.w_gate_up, lent.w_down,
+                             release=lambda: feed.release(i), whole_layer=False)
+            self.from_helper.send(y)
 
     def collect(self) -> torch.Tensor:
         """On the busy stage's stream: the helper's weighted sums for the layer [T, D]."""

@@ -86,6 +86,7 @@ class SplitRunner:
         self.on_stage: Callable[[int, str], None] | None = None  # timing hook: (stage, 'start'|'end')
         self.helpers: list[PeerPrefill] = []
         self.policy = HelpPolicy(enabled=False)
+        self.kv_token_budget = min(s.kv_token_budget for s in stages)  # every stage holds every sequence's KV
 
     def set_stage_helper(self, policy: HelpPolicy, max_rows: int) -> None:
         """Give each stage's prompt path the next stage's helper (the last stage gets the
@@ -103,6 +104,18 @@ class SplitRunner:
             self.helpers.append(helper)
         self.policy = policy
 
+    @staticmethod
+    def helper_experts(busy: Stage, idle: Stage, share: float) -> int:
+        """How many of each layer's streamed experts the idle stage's helper takes for `share`:
+        resident experts stay with their stage, the busy stage keeps at least one streamed expert,
+        and the helper's bytes must fit a slot of the ring it borrows."""
+        streamed = busy.model.experts.streamed_per_layer()
+        lent = idle.lend().ring
+        if share <= 0 or streamed < 2 or lent is None:
+            return 0
+        fits = lent.slot_bytes // busy.arena.max_expert_bytes
+        return max(0, min(streamed - 1, round(share * streamed), fits))
+
     def new_sequence(self, max_length: int) -> SplitKV:
         parts = []
         for s in self.stages:  # zero-filled on the stage's own stream, which later reads them
@@ -117,9 +130,9 @@ class SplitRunner:
             for k, (busy, helper) in enumerate(zip(self.stages, self.helpers, strict=False)):
                 idle = self.stages[(k + 1) % len(self.stages)]
                 share = self.policy.share(n, across_cards=idle.ctx.device != busy.ctx.device)
-                n_help = min(self.spec.n_experts - 1, round(share * self.spec.n_experts))
+                n_help = self.helper_experts(busy, idle, share)
                 if n_help > 0:
-                    helper.bind_stage_helper(idle.lend(), busy.arena, busy.layers, n_help)
+                    helper.bind_stage_helper(idle.lend(), busy.arena, n_help)
         try:
             return self._run(tokens, [[Segment(0, n, part)] for part in kv.parts], last_row_only=True)[0]
         finally:

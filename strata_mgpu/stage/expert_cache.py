@@ -59,6 +59,10 @@ class ExpertCache:
         """Hit rate under uniform routing: the resident share of each layer."""
         return self.per_layer / self.arena.spec.n_experts
 
+    def slot(self, index: int) -> torch.Tensor:
+        """uint8 [slot_bytes]: cache slot `index` in VRAM."""
+        return self.buffer[index]
+
     def source(self, i: int, e: int) -> torch.Tensor:
         """Where expert e of local layer i is read from: its cache slot, or the host arena."""
         slot = int(self.slot_of_host[i, e])

@@ -1,14 +1,15 @@
-"""The device expert ring: a few slots, each able to hold one layer's experts.
+"""The device expert ring: a few slots, each able to hold the streamed experts of one layer.
 
 Uploads run on the upload stream, ahead of compute. Contract: a slot is overwritten only after
 the event of its last reader has completed (`release` records it on the reader's stream, the next
 upload into the slot waits for it); a reader waits on the slot's ready event (`acquire`). Nothing
-here synchronizes the host.
+here synchronizes the host. One pass (a `LayerFeed`) holds the ring at a time: the busy stage's
+own prompt, or the helper it is lent to, never both.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -20,7 +21,7 @@ from strata_mgpu.stage.device import DeviceContext
 class Slot:
     index: int
     buffer: torch.Tensor  # uint8 [slot_bytes] on the device
-    ready: torch.cuda.Event | None  # recorded on the upload stream after the copy
+    ready: torch.cuda.Event | None  # recorded on the upload stream after the copies
     free: torch.cuda.Event | None  # recorded on the reader's stream after its last read
     layer: int | None = None
 
@@ -44,52 +45,106 @@ class ExpertRing:
                       for i in range(n_slots)]
         self._next = 0
         self.uploaded_bytes = 0
+        self.holder: object | None = None  # the LayerFeed passing through the ring now
 
     @property
     def nbytes(self) -> int:
         return sum(s.buffer.numel() for s in self.slots)
 
-    def upload(self, layer: int, src: torch.Tensor) -> Slot:
-        """Queue `src` (pinned host bytes of one layer) into the next slot; returns it at once."""
+    @property
+    def slot_bytes(self) -> int:
+        return self.slots[0].buffer.numel()
+
+    def claim(self, feed: object) -> int:
+        """`feed` starts a pass; returns the index of the slot its first upload will take."""
+        assert self.holder is None or getattr(self.holder, "done", True), \
+            "the expert ring is lent to one pass at a time (a helper and its stage overlapped)"
+        self.holder = feed
+        return self._next
+
+    def upload(self, layer: int, runs: Sequence[torch.Tensor]) -> Slot:
+        """Queue `runs` (pinned host bytes of one layer's streamed experts) packed one after the
+        other into the next slot; returns it at once."""
         slot = self.slots[self._next]
         self._next = (self._next + 1) % len(self.slots)
-        n = src.numel()
+        n = sum(r.numel() for r in runs)
         assert n <= slot.buffer.numel(), f"layer {layer}: {n} bytes exceed the slot's {slot.buffer.numel()}"
         if self.ctx.upload is None:
-            slot.buffer[:n].copy_(src)
+            self._copy(slot, runs)
         else:
             with torch.cuda.stream(self.ctx.upload):
                 self.ctx.upload.wait_event(slot.free)  # its last reader is done with the old layer
-                slot.buffer[:n].copy_(src, non_blocking=True)
+                self._copy(slot, runs)
                 slot.ready.record(self.ctx.upload)
         slot.layer = layer
         self.uploaded_bytes += n
         return slot
 
+    def advance(self) -> Slot:
+        """The next slot, as `upload` would take it, with nothing copied into it."""
+        slot = self.slots[self._next]
+        self._next = (self._next + 1) % len(self.slots)
+        return slot
+
+    @staticmethod
+    def _copy(slot: Slot, runs: Sequence[torch.Tensor]) -> None:
+        at = 0
+        for r in runs:
+            slot.buffer[at:at + r.numel()].copy_(r, non_blocking=True)
+            at += r.numel()
+
 
 class LayerFeed:
-    """One pass over `count` layers through a ring, `len(ring.slots)` layers ahead of compute.
+    """One pass over `count` layers through a ring, `len(ring.slots)` uploading layers ahead of
+    compute.
 
-    `source(i)` gives local layer i's (global id, pinned bytes). `acquire(i)` waits for layer i's
-    upload; `release(i)` marks its last read and queues layer i + len(slots) into the freed slot
-    (queued only after the release, so the upload waits for that read).
+    `source(i)` gives local layer i's (global id, runs of pinned bytes to stream); a layer with
+    nothing to stream takes no slot. `slot_of[i]` is the slot layer i will occupy, known before
+    its upload (so device address tables can be built for the whole pass at once).
+    `acquire(i)` waits for layer i's upload; `release(i)` marks its last read and queues the next
+    layer that needs a slot (queued only after the release, so that upload waits for the read).
     """
 
-    def __init__(self, ring: ExpertRing, count: int, source: Callable[[int], tuple[int, torch.Tensor]]):
+    def __init__(self, ring: ExpertRing | None, count: int,
+                 source: Callable[[int], tuple[int, Sequence[torch.Tensor]]], *, upload: bool = True):
         self.ring, self.count, self.source = ring, count, source
+        self.upload = upload  # False: the slots are read as they are (bench's compute-only timing)
+        self._runs = [source(i) for i in range(count)]
+        uploading = [i for i in range(count) if any(r.numel() for r in self._runs[i][1])]
+        assert ring is not None or not uploading, "experts to stream, but the stage has no ring"
+        self.slot_of: dict[int, Slot] = {}
+        self._queue = uploading  # layers still to upload, in order
         self._slots: dict[int, Slot] = {}
-        for i in range(min(len(ring.slots), count)):
-            self._upload(i)
+        self.done = not uploading
+        if ring is None or not uploading:
+            return
+        first = ring.claim(self)
+        n = len(ring.slots)
+        for k, i in enumerate(uploading):
+            self.slot_of[i] = ring.slots[(first + k) % n]
+        self._ahead = 0
+        for _ in range(min(n, len(uploading))):
+            self._upload_next()
 
-    def _upload(self, i: int) -> None:
-        layer, src = self.source(i)
-        self._slots[i] = self.ring.upload(layer, src)
+    def _upload_next(self) -> None:
+        i = self._queue[self._ahead]
+        self._ahead += 1
+        layer, runs = self._runs[i]
+        slot = self.ring.upload(layer, runs) if self.upload else self.ring.advance()
+        assert slot is self.slot_of[i]
+        self._slots[i] = slot
 
-    def acquire(self, i: int) -> torch.Tensor:
-        return self._slots[i].acquire(self.ring.ctx.device)
+    def acquire(self, i: int) -> torch.Tensor | None:
+        """Layer i's slot buffer once its upload is done (None: nothing of it streams)."""
+        slot = self._slots.get(i)
+        return slot.acquire(self.ring.ctx.device) if slot is not None else None
 
     def release(self, i: int) -> None:
-        self._slots.pop(i).release(self.ring.ctx.device)
-        ahead = i + len(self.ring.slots)
-        if ahead < self.count:
-            self._upload(ahead)
+        slot = self._slots.pop(i, None)
+        if slot is None:
+            return
+        slot.release(self.ring.ctx.device)
+        if self._ahead < len(self._queue):
+            self._upload_next()
+        elif not self._slots:
+            self.done = True

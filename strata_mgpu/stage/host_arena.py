@@ -95,6 +95,12 @@ class HostExpertArena:
         start = self.offsets[layer] + e * size
         return self.buffer[start:start + size]
 
+    def experts(self, layer: int, first: int, stop: int) -> torch.Tensor:
+        """uint8 [(stop - first) * expert_bytes]: experts first..stop-1 of a layer, one slice."""
+        size = self.layouts[layer].expert_bytes
+        start = self.offsets[layer]
+        return self.buffer[start + first * size:start + stop * size]
+
     @property
     def max_layer_bytes(self) -> int:
         return max(self.spec.n_experts * lay.expert_bytes for lay in self.layouts.values())

@@ -29,6 +29,7 @@ from strata_mgpu.stage.device import DeviceContext
 from strata_mgpu.stage.expert_cache import ExpertCache
 from strata_mgpu.stage.expert_ring import ExpertRing
 from strata_mgpu.stage.host_arena import HostExpertArena
+from strata_mgpu.stage.memory_plan import MemoryPlan, plan_memory
 from strata_mgpu.stage.streamed_experts import StreamedExperts
 
 log = logging.getLogger("strata.stage")
@@ -40,24 +41,13 @@ class StageOptions:
     device: torch.device
     max_vram_gib: float | None = None
     ring_slots: int = 2
-    chunk_size: int = 8192  # the largest prefill chunk, for the activation reserve
-    kv_reserve_tokens: int = 8192  # KV cache room kept out of the expert cache
-    expert_cache: bool = True
+    chunk_size: int = 8192  # the largest prefill chunk, for the activation line of the plan
+    kv_tokens: int = 8192  # KV cells the engine may fill, all sequences together (the plan's KV line)
+    expert_cache: bool = True  # False: no resident experts at all (every pass streams everything)
+    resident_experts: int | None = None  # force K resident experts a layer (0: residency off); None: the plan's
     prefer_cuda_kernels: bool = True
     dtype: torch.dtype | None = None  # compute dtype; None: bf16 on CUDA, fp32 on the CPU
     cuda_graphs: bool = True  # replay batch-1 decode steps as a captured graph where the path allows
-
-
-def activation_bytes(spec: ModelSpec, tokens: int, elem: int = 2) -> int:
-    """Rough peak of one layer's temporaries at `tokens` rows (routed rows dominate)."""
-    m = tokens * spec.n_experts_used
-    routed = m * (spec.hidden * 3 + spec.expert_ffn * 3) * elem  # sorted x, gate-up, act, y (twice)
-    dense = tokens * (spec.hidden * 6 + spec.q_dim * 3 + spec.kv_dim * 4) * elem + tokens * spec.n_experts * 8
-    return routed + dense
-
-
-def kv_bytes(spec: ModelSpec, n_layers: int, tokens: int, elem: int = 2) -> int:
-    return 2 * n_layers * tokens * spec.kv_dim * elem
 
 
 @dataclass
@@ -68,6 +58,8 @@ class StageReport:
     workspace_bytes: int
     cache_slots: int
     kernels: str
+    plan: MemoryPlan
+    pass_bytes: int  # expert bytes a prompt pass streams over the stage's link (the rest is resident)
 
 
 class Stage(DecoderRunner):
@@ -97,24 +89,42 @@ class Stage(DecoderRunner):
         self.arena = HostExpertArena(f, spec, layers, pin=self.ctx.is_cuda,
                                      on_layer=progress("experts" + tag, len(layers)))
         kernels = self.kernels = select_kernels(self.ctx.device, prefer_cuda=opts.prefer_cuda_kernels)
-        ring = ExpertRing(self.ctx, self.arena.max_layer_bytes, opts.ring_slots)
-        experts = StreamedExperts(self.ctx, spec, self.arena, kernels, ring, None, layers, dtype=dtype)
-        cache = self._expert_cache(spec, opts, layers)
-        experts.cache = cache
+        self.plan = self._plan(spec, opts, layers, dense_bytes, dtype)
+        ring = ExpertRing(self.ctx, self.plan.ring_slot_bytes, opts.ring_slots) if self.plan.ring else None
+        cache = (ExpertCache(self.ctx, self.arena, layers, self.plan.resident_per_layer * len(layers))
+                 if opts.expert_cache else None)
+        experts = StreamedExperts(self.ctx, spec, self.arena, kernels, ring, cache, layers, dtype=dtype)
         ops = CudaDecodeOps(self.ctx.device) if isinstance(kernels, CudaKernels) and dtype == torch.bfloat16 else None
         super().__init__(Decoder(spec, dense, experts, ops))
         self._graphs_ok = (opts.cuda_graphs and self.is_first and self.is_last and cache is not None
                            and dtype == torch.bfloat16 and self._decode_never_syncs(kernels, spec))
         self._graph: DecodeGraph | None = None
+        self.kv_token_budget = opts.kv_tokens  # KV cells the plan holds for all sequences together
         self._decoding: weakref.WeakSet = weakref.WeakSet()  # sequences past their first decode step
-        self.report = StageReport(dense_bytes=dense_bytes, arena_bytes=self.arena.nbytes, ring_bytes=ring.nbytes,
-                                  workspace_bytes=experts.workspace_bytes, cache_slots=cache.n_slots if cache else 0,
+        self.report = StageReport(dense_bytes=dense_bytes, arena_bytes=self.arena.nbytes,
+                                  ring_bytes=ring.nbytes if ring else 0, workspace_bytes=experts.workspace_bytes,
+                                  cache_slots=cache.n_slots if cache else 0,
                                   kernels=kernels.name + ("+grouped_mm" if getattr(kernels, "use_grouped_mm", False)
-                                                          else ""))
-        log.info("stage on %s: dense %.2f GB, experts %.2f GB pinned, ring %d x %.1f MB, workspace %.2f GB, "
-                 "expert cache %d slots, kernels %s", self.ctx.device, dense_bytes / 1e9, self.arena.nbytes / 1e9,
-                 opts.ring_slots, self.arena.max_layer_bytes / 1e6, experts.workspace_bytes / 1e9,
-                 self.report.cache_slots, self.report.kernels)
+                                                          else ""),
+                                  plan=self.plan, pass_bytes=experts.pass_bytes())
+        log.info("stage on %s: experts %.2f GB pinned, %d/%d a layer resident, a prompt pass streams %.2f GB, "
+                 "kernels %s", self.ctx.device, self.arena.nbytes / 1e9, self.plan.resident_per_layer,
+                 spec.n_experts, self.report.pass_bytes / 1e9, self.report.kernels)
+        log.info("memory plan of %s: %s", self.ctx.device, self.plan.describe())
+
+    def _plan(self, spec: ModelSpec, opts: StageOptions, layers: range, dense_bytes: int,
+              dtype: torch.dtype) -> MemoryPlan:
+        """The stage's VRAM plan (`memory_plan`): on CUDA within the budget and what the card has
+        free; on the CPU uncapped, with a quarter of each layer resident unless forced."""
+        budget = None
+        if self.ctx.is_cuda:  # what may still be allocated, plus the dense weights already placed
+            budget = self.ctx.vram_free_in_budget() + torch.cuda.memory_reserved(self.ctx.device)
+            budget = min(budget, self.ctx.max_vram_bytes) if self.ctx.max_vram_bytes else budget
+        resident = opts.resident_experts if opts.expert_cache else 0
+        return plan_memory(spec, n_layers=len(layers), expert_bytes=self.arena.max_expert_bytes, dense=dense_bytes,
+                           budget=budget, chunk_tokens=opts.chunk_size, kv_tokens=opts.kv_tokens,
+                           ring_slots=opts.ring_slots, elem=torch.empty((), dtype=dtype).element_size(),
+                           resident_per_layer=resident, where=f"stage on {self.ctx.device}")
 
     @property
     def stages(self) -> list[Stage]:
@@ -169,15 +179,3 @@ class Stage(DecoderRunner):
         fused = all(kernels.moe_fused(lay, spec.hidden, spec.n_experts_used) is not None
                     for lay in self.arena.layouts.values())
         return fused or kernels.grouped_mm_sync_free
-
-    def _expert_cache(self, spec: ModelSpec, opts: StageOptions, layers: range) -> ExpertCache | None:
-        """Decode's resident experts: as many as the budget's spare room holds after the
-        activation and KV reserve (on the CPU: a share, so both read paths stay exercised)."""
-        if not opts.expert_cache:
-            return None
-        if self.ctx.is_cuda:
-            reserve = activation_bytes(spec, opts.chunk_size) + kv_bytes(spec, len(layers), opts.kv_reserve_tokens)
-            n = max(0, self.ctx.vram_free_in_budget() - reserve) // self.arena.max_expert_bytes
-        else:
-            n = len(layers) * spec.n_experts // 4
-        return ExpertCache(self.ctx, self.arena, layers, int(min(n, len(layers) * spec.n_experts)))

@@ -1,50 +1,81 @@
-"""Routed experts streamed from the pinned host arena: the `ExpertBackend` of a device stage.
+"""Routed experts of a device stage: resident ones computed in place, the rest streamed from the
+pinned host arena. The `ExpertBackend` of a stage.
 
 Shape legend: T = token rows, D = hidden, E = experts, A = experts per token, M = T * A routed
-rows, F = expert width, G = experts present in this call.
+rows, F = expert width.
 
-Two ways to bring a layer's experts in, picked per forward by how many rows it has:
-- stream: the whole layer goes up through the ring, one layer ahead of compute (prefill);
-- gather: only the experts the rows picked, each read where it lives, a VRAM cache slot or the
-  mapped pinned arena (decode; no host sync). On CUDA two fused kernels compute them straight from
+Two ways through a layer, picked per forward by how many rows it has:
+- a prompt pass (rows x A >= E): every expert of the layer is computed once. Those resident in
+  VRAM (the expert cache's slots) are read in place; only the others go up through the ring, one
+  layer or more ahead of compute, packed into a slot. Both are dequantized to bf16 into the
+  workspace and computed as one grouped GEMM pair over the rows sorted by expert
+  (`expert_parts.compute_part`). With a helper bound, the helper takes the last of each layer's
+  streamed experts; where nothing streams there is nothing to help.
+- gather (decode): only the experts the rows picked, each read where it lives, a VRAM cache slot
+  or the mapped pinned arena (no host sync). On CUDA two fused kernels compute them straight from
   their quantized bytes (`cuda_src/moe_decode.cu`); the twin dequantizes them into the workspace.
-Streamed layers are dequantized to bf16 on the device and computed as one grouped GEMM pair over
-the rows sorted by expert.
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from strata_mgpu.kernels.experts import TorchKernels
-from strata_mgpu.kernels.routing import combine, group_rows, masked_combine
 from strata_mgpu.model.spec import ModelSpec
-from strata_mgpu.split.peer_prefill import PeerPrefill
 from strata_mgpu.stage.device import DeviceContext
 from strata_mgpu.stage.expert_cache import ExpertCache
+from strata_mgpu.stage.expert_parts import LayerPart, PartTables, compute_part, split_layer
 from strata_mgpu.stage.expert_ring import ExpertRing, LayerFeed
-from strata_mgpu.stage.host_arena import ExpertLayout, HostExpertArena
+from strata_mgpu.stage.host_arena import HostExpertArena
+
+if TYPE_CHECKING:  # the helper is bound from outside, by the split runner (split/ builds on stage/)
+    from strata_mgpu.split.peer_prefill import PeerPrefill
 
 
 class StreamedExperts:
-    """The `ExpertBackend` of a stage: its layers' experts from the host arena, via the ring or
-    gathered by address. Owns the bf16 workspace of one layer's experts."""
+    """The `ExpertBackend` of a stage: its layers' experts from VRAM where resident, else from the
+    host arena (streamed through the ring, or gathered by address). Owns the bf16 workspace of one
+    layer's experts."""
 
     def __init__(self, ctx: DeviceContext, spec: ModelSpec, arena: HostExpertArena, kernels: TorchKernels,
-                 ring: ExpertRing, cache: ExpertCache | None, layers: range, dtype: torch.dtype = torch.bfloat16):
+                 ring: ExpertRing | None, cache: ExpertCache | None, layers: range,
+                 dtype: torch.dtype = torch.bfloat16):
         self.ctx, self.spec, self.arena, self.kernels, self.ring, self.cache = ctx, spec, arena, kernels, ring, cache
         self.layers = layers  # global layer ids, in order; forward() gets the index into them
         E, F, D = spec.n_experts, spec.expert_ffn, spec.hidden
         # one layer's experts as bf16: the GEMMs' operands (E x 2F x D and E x D x F)
         self.w_gate_up = torch.empty(E, 2 * F, D, dtype=dtype, device=ctx.device)
         self.w_down = torch.empty(E, D, F, dtype=dtype, device=ctx.device)
-        self._feed: LayerFeed | None = None  # this forward's uploads, when streaming
+        self._feed: LayerFeed | None = None  # this pass's uploads
+        self._tables: PartTables | None = None
         self.streaming = False
         self.helper: PeerPrefill | None = None  # bound for one-chunk prompts by the split runner
+        self.streamed_bytes = 0  # bytes this stage's passes uploaded (the helper's share excluded)
+        # bench only: passes compute from whatever the ring slots hold, uploading nothing, so the
+        # compute of a pass can be timed apart from its stream. The answers are wrong meanwhile.
+        self.skip_uploads = False
 
     @property
     def workspace_bytes(self) -> int:
         return (self.w_gate_up.numel() + self.w_down.numel()) * self.w_gate_up.element_size()
+
+    def resident(self, i: int) -> dict[int, int]:
+        """Local layer i's resident experts: expert id -> cache slot."""
+        if self.cache is None:
+            return {}
+        row = self.cache.slot_of_host[i]
+        return {int(e): int(row[e]) for e in (row >= 0).nonzero().flatten().tolist()}
+
+    def streamed_per_layer(self) -> int:
+        """Experts a layer streams in a prompt pass (every layer keeps the same number resident)."""
+        return self.spec.n_experts - (self.cache.per_layer if self.cache is not None else 0)
+
+    def pass_bytes(self) -> int:
+        """Expert bytes one prompt pass streams over this stage's link."""
+        return sum((self.spec.n_experts - len(self.resident(i))) * self.arena.layouts[layer].expert_bytes
+                   for i, layer in enumerate(self.layers))
 
     def should_stream(self, n_rows: int) -> bool:
         """Whole layers when the rows will touch most experts anyway (or there is no cache)."""
@@ -56,15 +87,27 @@ class StreamedExperts:
 
     def begin(self, n_rows: int) -> None:
         self.streaming = self.should_stream(n_rows)
-        self._feed = LayerFeed(self.ring, len(self.layers), self._source) if self.streaming else None
-        if self.helped:
-            self.helper.begin()
-
-    def _source(self, i: int) -> tuple[int, torch.Tensor]:
-        """Layer i's experts for the ring: all of them, or the busy stage's share when helped."""
-        layer = self.layers[i]
-        src = self.arena.layer(layer)
-        return layer, src[:self.helper.split(layer)[1]] if self.helped else src
+        self._feed = self._tables = None
+        if not self.streaming:
+            return
+        helper = self.helper if self.helped else None
+        n_help = helper.n_experts if helper is not None else 0
+        own: list[LayerPart] = []
+        helped: list[LayerPart] = []
+        for i, layer in enumerate(self.layers):
+            mine, theirs = split_layer(layer, self.resident(i), self.spec.n_experts, n_help)
+            own.append(mine)
+            helped.append(theirs)
+        self._feed = LayerFeed(self.ring, len(own), lambda i: (own[i].layer, own[i].runs(self.arena)),
+                               upload=not self.skip_uploads)
+        feed = self._feed
+        self._tables = PartTables(own, self.arena, self.ctx.device,
+                                  self.cache.slot if self.cache is not None else None,
+                                  lambda i: feed.slot_of[i].buffer if i in feed.slot_of else None)
+        if not self.skip_uploads:
+            self.streamed_bytes += sum(sum(r.numel() for r in p.runs(self.arena)) for p in own)
+        if helper is not None:
+            helper.begin(helped)
 
     def forward(self, i: int, h: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         layer = self.layers[i]
@@ -72,25 +115,15 @@ class StreamedExperts:
         if self.cache is not None:
             self.cache.observe(i, experts)
         if not self.streaming:
-            return self._forward_cached(i, lay, h, weights, experts)
+            assert self.cache is not None
+            return self.kernels.moe_gathered(self.cache, i, lay, h, weights, experts, self.w_gate_up, self.w_down)
         helper = self.helper if self.helped else None
         if helper is not None:  # hand the helper its inputs first: it works while we do
             helper.publish(h, weights, experts)
-            helper.run_layer(i, self.spec.n_experts)
-        mine = helper.split(layer)[0] if helper is not None else self.spec.n_experts  # our experts: 0..mine-1
-        assert self._feed is not None
-        self.kernels.dequant_experts(self._feed.acquire(i), lay, mine, self.w_gate_up, self.w_down)
-        self._feed.release(i)  # dequant was the slot's only reader: the next upload may start
-        order, offs = group_rows(experts, self.spec.n_experts)  # our experts' rows sort first
-        y = self.kernels.grouped_mlp(h[order // experts.shape[1]], offs[:mine], self.w_gate_up[:mine],
-                                     self.w_down[:mine])
-        if helper is None:
-            return combine(y, order, weights)
-        return masked_combine(y, order, weights, experts < mine) + helper.collect()
-
-    def _forward_cached(self, i: int, lay: ExpertLayout, h: torch.Tensor, weights: torch.Tensor,
-                        experts: torch.Tensor) -> torch.Tensor:
-        """Each row's picks read where they live, a VRAM slot or the mapped arena (M = T * A < E
-        here): fused kernels on CUDA, no host sync on the device path."""
-        assert self.cache is not None
-        return self.kernels.moe_gathered(self.cache, i, lay, h, weights, experts, self.w_gate_up, self.w_down)
+            helper.run_layer(i)
+        feed, tables = self._feed, self._tables
+        assert feed is not None and tables is not None
+        feed.acquire(i)
+        y = compute_part(self.kernels, tables, i, lay, h, weights, experts, self.w_gate_up, self.w_down,
+                         release=lambda: feed.release(i), whole_layer=helper is None)
+        return y if helper is None else y + helper.collect()

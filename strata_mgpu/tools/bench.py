@@ -1,8 +1,10 @@
 """`strata bench`: prefill and decode speed against the link bound, in one run.
 
 Measures pinned host-to-device bandwidth first (the bound's denominator), then for each prompt
-length: prefill tok/s, achieved expert GB/s (every expert byte crosses a link once per prefill),
-the link bound (expert bytes / measured bandwidth) and the ratio to it; then decode tok/s.
+length: prefill tok/s, achieved expert GB/s (every non-resident expert byte crosses a link once
+per chunk), and the bound: the larger of the link bound (streamed bytes / measured bandwidth)
+and the compute of the same passes timed without their uploads; the all-streamed link bound too,
+so figures from before residency compare. Then decode tok/s.
 Prompts longer than the chunk size run chunk by chunk, as the engine runs them; with several
 stages the longest prompt is timed per stage too: each stage's busy time and how long two or
 more stages were busy at once (the pipeline's overlap). Runs on the CPU with the tiny model too
@@ -28,9 +30,13 @@ class PrefillResult:
     tokens: int
     seconds: float  # median over runs
     tok_per_s: float
-    expert_gb_per_s: float
-    bound_s: float | None  # chunks x the busiest link's expert bytes / measured bandwidth
-    ratio_to_bound: float | None  # bound_s / seconds: 1.0 is the link's speed
+    expert_gb_per_s: float  # expert bytes that crossed the links per second
+    streamed_bytes: int  # expert bytes the prompt streamed (non-resident experts, every chunk)
+    link_bound_s: float | None  # chunks x the busiest link's streamed bytes / measured bandwidth
+    compute_s: float | None  # the same passes timed without their uploads (median)
+    bound_s: float | None  # the larger of the two: what the prompt cannot beat
+    ratio_to_bound: float | None  # bound_s / seconds: 1.0 is as fast as the bound allows
+    all_streamed_bound_s: float | None  # the link bound were every expert streamed (older figures' bound)
     runs: list[float] = field(default_factory=list)
 
 
@@ -40,6 +46,9 @@ class StageResult:
     device: str
     layers: str
     expert_bytes: int
+    resident_share: float  # of each layer's experts, resident in VRAM (computed in place)
+    pass_bytes: int  # expert bytes one prompt pass streams over this stage's link
+    plan: list[tuple[str, int]]  # the stage's VRAM plan, line by line
     busy_s: float | None  # during the longest prompt, when it ran in several chunks
 
 
@@ -94,6 +103,18 @@ def prefill_chunks(runner, prompt: torch.Tensor, chunk: int) -> None:
     whole = prompt.numel() <= chunk
     for start in range(0, prompt.numel(), chunk):
         runner.prefill(kv, prompt[start:start + chunk], whole_prompt=whole)  # no host sync between chunks
+
+
+def time_compute(runner, tokens: int, runs: int, chunk: int) -> list[float]:
+    """Prefill timed with every stage's uploads skipped: the compute a pass cannot go below."""
+    stages: list[Stage] = runner.stages
+    for s in stages:
+        s.model.experts.skip_uploads = True
+    try:
+        return time_prefill(runner, tokens, runs, chunk)
+    finally:
+        for s in stages:
+            s.model.experts.skip_uploads = False
 
 
 def time_prefill(runner, tokens: int, runs: int, chunk: int, seed: int = 0) -> list[float]:
@@ -190,9 +211,12 @@ def run_bench(runner, model_name: str, prompt_tokens: list[int], decode_tokens: 
     bw = measure_h2d(stages[0])
     on_step(f"pinned H2D: {bw:.1f} GB/s" if bw else "pinned H2D: n/a (CPU)")
     expert_bytes = sum(s.arena.nbytes for s in stages)
-    per_link: dict[torch.device, int] = {}  # stages on one card share its link
+    per_link: dict[torch.device, int] = {}  # bytes a pass streams over each card's link (stages on one card share it)
+    all_per_link: dict[torch.device, int] = {}
     for s in stages:
-        per_link[s.ctx.device] = per_link.get(s.ctx.device, 0) + s.arena.nbytes
+        per_link[s.ctx.device] = per_link.get(s.ctx.device, 0) + s.model.experts.pass_bytes()
+        all_per_link[s.ctx.device] = all_per_link.get(s.ctx.device, 0) + s.arena.nbytes
+    pass_bytes = sum(per_link.values())
     time_prefill(runner, min(min(prompt_tokens), chunk), 1, chunk)  # warm-up: kernels, allocator
     for d in {s.ctx.device for s in stages if s.ctx.is_cuda}:
         torch.cuda.reset_peak_memory_stats(d)
@@ -200,12 +224,16 @@ def run_bench(runner, model_name: str, prompt_tokens: list[int], decode_tokens: 
     for n in prompt_tokens:
         times = time_prefill(runner, n, runs, chunk)
         med = statistics.median(times)
-        passes = -(-n // chunk)  # every chunk streams every expert once
-        bound = passes * max(per_link.values()) / (bw * 1e9) if bw else None
-        results.append(PrefillResult(tokens=n, seconds=med, tok_per_s=n / med,
-                                     expert_gb_per_s=passes * expert_bytes / med / 1e9, bound_s=bound,
-                                     ratio_to_bound=bound / med if bound else None, runs=times))
-        on_step(f"prefill {n}: {n / med:,.0f} tok/s")
+        passes = -(-n // chunk)  # every chunk streams every non-resident expert once
+        link = passes * max(per_link.values()) / (bw * 1e9) if bw else None
+        compute = statistics.median(time_compute(runner, n, runs, chunk))
+        bound = max(link, compute) if link is not None and compute is not None else None
+        results.append(PrefillResult(
+            tokens=n, seconds=med, tok_per_s=n / med, expert_gb_per_s=passes * pass_bytes / med / 1e9,
+            streamed_bytes=passes * pass_bytes, link_bound_s=link, compute_s=compute, bound_s=bound,
+            ratio_to_bound=bound / med if bound else None,
+            all_streamed_bound_s=passes * max(all_per_link.values()) / (bw * 1e9) if bw else None, runs=times))
+        on_step(f"prefill {n}: {n / med:,.0f} tok/s" + (f" (compute alone {compute:.3f} s)" if compute else ""))
     busy: dict[int, float] = {}
     overlap = span = None
     longest = max(prompt_tokens)
@@ -229,7 +257,9 @@ def run_bench(runner, model_name: str, prompt_tokens: list[int], decode_tokens: 
         peak_vram_allocated_gb=peak_live,
         kernels=stages[0].report.kernels,
         stages=[StageResult(index=i, device=str(s.ctx.device), layers=f"{s.layers.start}-{s.layers.stop - 1}",
-                            expert_bytes=s.arena.nbytes, busy_s=busy.get(i)) for i, s in enumerate(stages)],
+                            expert_bytes=s.arena.nbytes, resident_share=s.plan.resident_share,
+                            pass_bytes=s.model.experts.pass_bytes(), plan=s.plan.lines(), busy_s=busy.get(i))
+                for i, s in enumerate(stages)],
         overlap_s=overlap, pipeline_s=span, pipeline_tokens=longest if overlap is not None else None)
 
 

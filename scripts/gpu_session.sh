@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# One lease's run on the lent GPU machine, in steps chosen by STEPS (space-separated):
+#   tests   the GPU tests (every tests/ file's `gpu`-marked tests)
+#   gen     write the 30b-a3b synthetic model (in the background while the tests run)
+#   b16 b24 b40   bench at --max-vram 16 / 24 / 40 (one card, residency by the plan)
+#   b16off  bench at --max-vram 16 with residency forced off (the figures before the VRAM plan)
+#   split   two stages on one card, --max-vram 8,8 (total 16) and 20,20 (all resident)
+#   sweep   the helper's share sweep on two stages of one card
+# Results under $OUT: gpu.txt, gpu_tests.log, bench_*.log/json. A failing GPU test fails the run.
+# Usage (repo root, .whl carried): STEPS="tests gen b16 b40" bash scripts/gpu_session.sh
+source "$(dirname "$0")/gpu_env.sh"
+STEPS=${STEPS:-"tests gen b16 b40"}
+MODEL=/tmp/q30b.gguf
+has() { [[ " $STEPS " == *" $1 "* ]]; }
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
+python3 -c "import torch, cupy; print('torch', torch.__version__, 'cupy', cupy.__version__)" | tee -a "$OUT/gpu.txt"
+gen_pid=
+if has gen && [ ! -f $MODEL ]; then
+  (python3 -m strata_mgpu gen-model $MODEL --preset 30b-a3b --seed 0 > "$OUT/gen.log" 2>&1) &
+  gen_pid=$!
+fi
+status=0
+if has tests; then
+  python3 -m pytest -q -m gpu tests/ -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log"
+  status=${PIPESTATUS[0]}
+fi
+[ -n "$gen_pid" ] && wait $gen_pid
+bench() {  # name, args...
+  local name=$1; shift
+  (time python3 -m strata_mgpu bench $MODEL --json "$OUT/bench_$name.json" "$@") 2>&1 | tee "$OUT/bench_$name.log" | tail -30
+}
+has b16 && bench 16 --max-vram 16 --prompt-tokens 2048,4096,8192 --decode-tokens 64 --runs 3
+has b16off && bench 16off --max-vram 16 --resident-experts 0 --prompt-tokens 2048,4096 --decode-tokens 0 --runs 2
+has b24 && bench 24 --max-vram 24 --prompt-tokens 2048,4096,8192 --decode-tokens 64 --runs 3
+has b40 && bench 40 --max-vram 40 --prompt-tokens 2048,4096,8192 --decode-tokens 64 --runs 3
+if has split; then
+  bench split16 --devices 0,0 --max-vram 8,8 --prompt-tokens 2048,4096 --decode-tokens 32 --runs 3
+  bench split40 --devices 0,0 --max-vram 20,20 --prompt-tokens 2048,4096 --decode-tokens 32 --runs 3
+fi
+if has sweep; then
+  python3 -m strata_mgpu sweep $MODEL --devices 0,0 --max-vram 8,8 --prompt-tokens 1024,2048,4096,8192 \
+    --shares 0,0.3,0.45 --runs 2 --json "$OUT/sweep.json" 2>&1 | tee "$OUT/sweep.log" | tail -20
+fi
+exit $status

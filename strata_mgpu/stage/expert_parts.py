@@ -1,0 +1,125 @@
+"""Which experts of a layer a device computes in one prompt pass, where each is read, and the one
+function that computes them: the busy stage's part and its helper's part alike.
+
+Shape legend: T = token rows, D = hidden, E = experts, A = picks per token, M = T * A routed
+rows, n = experts in the part, F = expert width.
+
+A layer's experts are either resident (a VRAM cache slot of the stage that owns the layer) or
+streamed (uploaded for this pass into a ring slot, packed in id order). A part lists its experts
+resident first; `local_of` maps every expert id to its index in the part (n: not in the part), so
+the rows routed to the part sort first and its results are masked in when the part is not the
+whole layer. On CUDA each expert's bytes are found through a device address table built on the
+host for the whole pass (one copy, no sync); the torch twin reads each expert's bytes as a tensor.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from strata_mgpu.kernels.experts import TorchKernels
+from strata_mgpu.kernels.routing import combine, group_rows, masked_combine
+from strata_mgpu.stage.host_arena import ExpertLayout, HostExpertArena
+
+
+@dataclass(frozen=True)
+class LayerPart:
+    """The experts of one layer one device computes in one pass."""
+
+    layer: int  # global layer id
+    resident: tuple[tuple[int, int], ...]  # (expert id, cache slot) read from VRAM
+    streamed: tuple[int, ...]  # expert ids read from the pass's ring slot, packed in this order
+
+    @property
+    def ids(self) -> list[int]:
+        return [e for e, _ in self.resident] + list(self.streamed)
+
+    @property
+    def n(self) -> int:
+        return len(self.resident) + len(self.streamed)
+
+    def runs(self, arena: HostExpertArena) -> list[torch.Tensor]:
+        """The streamed experts' bytes as runs of consecutive ids (one copy each), in packing order."""
+        out: list[torch.Tensor] = []
+        start = prev = None
+        for e in (*self.streamed, None):
+            if e is not None and prev is not None and e == prev + 1:
+                prev = e
+                continue
+            if start is not None:
+                out.append(arena.experts(self.layer, start, prev + 1))
+            start = prev = e
+        return out
+
+
+def split_layer(layer: int, resident: dict[int, int], n_experts: int, n_help: int) -> tuple[LayerPart, LayerPart]:
+    """(the owner's part, the helper's part): the helper takes the last `n_help` streamed experts."""
+    streamed = [e for e in range(n_experts) if e not in resident]
+    assert 0 <= n_help <= len(streamed)
+    keep = len(streamed) - n_help
+    own = LayerPart(layer, tuple(sorted(resident.items())), tuple(streamed[:keep]))
+    return own, LayerPart(layer, (), tuple(streamed[keep:]))
+
+
+class PartTables:
+    """A pass's parts on one device: per local layer the id map [E] and the address table [n].
+
+    Built on the host for every layer at once and copied to the device in one non-blocking copy on
+    the current stream (the caller's stream, which later reads them)."""
+
+    def __init__(self, parts: list[LayerPart], arena: HostExpertArena, device: torch.device,
+                 cache_slot: Callable[[int], torch.Tensor] | None, ring_slot: Callable[[int], torch.Tensor | None]):
+        self.parts, self.arena = parts, arena
+        self.cache_slot, self.ring_slot = cache_slot, ring_slot  # (slot) -> VRAM bytes; (local layer) -> slot buffer
+        E = arena.spec.n_experts
+        n = max((p.n for p in parts), default=0)
+        local_of = np.full((len(parts), E), n, dtype=np.int64)
+        addresses = np.zeros((len(parts), max(n, 1)), dtype=np.int64)
+        for i, p in enumerate(parts):
+            local_of[i, p.ids] = np.arange(p.n)
+            if device.type == "cuda":
+                lay = arena.layouts[p.layer]
+                for j, (_, slot) in enumerate(p.resident):
+                    addresses[i, j] = cache_slot(slot).data_ptr()
+                if p.streamed:
+                    base = ring_slot(i).data_ptr()
+                    at = len(p.resident)
+                    addresses[i, at:at + len(p.streamed)] = base + lay.expert_bytes * np.arange(len(p.streamed))
+        both = torch.from_numpy(np.concatenate([local_of, addresses], axis=1))
+        if device.type == "cuda":
+            both = both.pin_memory().to(device, non_blocking=True)
+        self.local_of, self.addresses = both[:, :E], both[:, E:]
+
+    def sources(self, i: int) -> list[torch.Tensor]:
+        """The twin's view of local layer i's part: each expert's bytes, in part order."""
+        p = self.parts[i]
+        eb = self.arena.layouts[p.layer].expert_bytes
+        out = [self.cache_slot(slot)[:eb] for _, slot in p.resident]
+        if p.streamed:
+            ring = self.ring_slot(i)
+            out += [ring[k * eb:(k + 1) * eb] for k in range(len(p.streamed))]
+        return out
+
+
+def compute_part(kernels: TorchKernels, tables: PartTables, i: int, lay: ExpertLayout, h: torch.Tensor,
+                 weights: torch.Tensor, experts: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
+                 release: Callable[[], None], whole_layer: bool) -> torch.Tensor:
+    """Local layer i's part: dequantize its n experts into the workspace (w_gate_up [>= n, 2F, D],
+    w_down [>= n, D, F]), call `release` (the dequant was the ring slot's only reader), then the
+    grouped GEMM pair over the rows routed to them. h [T, D], weights [T, A] fp32, experts [T, A]
+    -> the weighted sum over the part's picks [T, D]; picks outside the part count zero."""
+    n = tables.parts[i].n
+    if n == 0:
+        release()
+        return torch.zeros_like(h)
+    kernels.dequant_addressed(tables.addresses[i, :n], lambda: tables.sources(i), lay, n, w_gate_up, w_down)
+    release()
+    local = tables.local_of[i][experts]  # [T, A]: the part's experts become 0..n-1, the rest n
+    order, offs = group_rows(local, n + 1)  # the part's rows sort first
+    y = kernels.grouped_mlp(h[order // experts.shape[1]], offs[:n], w_gate_up[:n], w_down[:n])  # [M, D]
+    if whole_layer:
+        return combine(y, order, weights)
+    return masked_combine(y, order, weights, local < n)

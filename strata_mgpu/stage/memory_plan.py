@@ -1,0 +1,171 @@
+"""One VRAM plan per stage: what the budget holds, line by line, resident experts with the rest.
+
+A stage's `--max-vram` is one pool. Fixed lines come first: the dense weights, one layer's experts
+as bf16 (the prefill GEMMs' operands), one chunk's activation peak, the KV cells the engine must
+hold, and a slack for the caching allocator's rounding. What is left holds experts resident in
+VRAM (the same `K` per layer: decode reads them in place, prefill computes them in place) and the
+expert ring, which only needs room for the experts that are not resident: two slots of
+(E - K) experts. K is the largest count whose lines all fit; with K = E nothing streams and the
+ring is gone. The plan never exceeds the budget (a property test checks it for any shapes and
+budgets); where even K = 0 does not fit, `plan_memory` raises a one-line `PlanError`.
+
+Shape legend: L = the stage's layers, E = experts a layer, K = resident experts a layer,
+A = experts used per token, T = chunk tokens, S = context tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from strata_mgpu.model.spec import ModelSpec
+
+GiB = 2**30
+ALLOCATOR_SLACK = 0.03  # of the budget: the caching allocator rounds blocks and keeps some cached
+
+
+class PlanError(ValueError):
+    """The budget cannot hold what the stage needs; the message says which lines and by how much."""
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """Bytes of VRAM per line for one stage. `budget` None: no cap (CPU)."""
+
+    budget: int | None
+    dense: int  # attention, norms, router; embedding and head where the stage has them
+    workspace: int  # one layer's experts as bf16: [E, 2F, D] + [E, D, F]
+    activations: int  # one chunk's temporaries at their peak
+    kv: int  # the KV cells the engine may fill, for every sequence together
+    kv_tokens: int
+    slack: int  # allocator rounding and cached blocks
+    n_layers: int  # L
+    n_experts: int  # E
+    resident_per_layer: int  # K
+    expert_bytes: int  # the largest expert's bytes (a cache slot, a ring position)
+    ring_slots: int
+
+    @property
+    def streamed_per_layer(self) -> int:
+        """Experts a layer streams per prompt pass: E - K."""
+        return self.n_experts - self.resident_per_layer
+
+    @property
+    def ring_slot_bytes(self) -> int:
+        return self.streamed_per_layer * self.expert_bytes
+
+    @property
+    def ring(self) -> int:
+        return self.ring_slots * self.ring_slot_bytes if self.streamed_per_layer else 0
+
+    @property
+    def resident(self) -> int:
+        return self.n_layers * self.resident_per_layer * self.expert_bytes
+
+    @property
+    def resident_share(self) -> float:
+        return self.resident_per_layer / self.n_experts
+
+    @property
+    def fixed(self) -> int:
+        return self.dense + self.workspace + self.activations + self.kv + self.slack
+
+    @property
+    def total(self) -> int:
+        return self.fixed + self.ring + self.resident
+
+    def lines(self) -> list[tuple[str, int]]:
+        """(what, bytes) in the order they are placed; the budget and what is left last."""
+        out = [("dense weights", self.dense), ("expert workspace (bf16, one layer)", self.workspace),
+               ("activations (one chunk)", self.activations), (f"KV cache ({self.kv_tokens:,} tokens)", self.kv),
+               ("allocator slack", self.slack),
+               (f"expert ring ({self.ring_slots} x {self.streamed_per_layer} experts)", self.ring),
+               (f"resident experts ({self.resident_per_layer}/{self.n_experts} a layer)", self.resident)]
+        if self.budget is not None:
+            out += [("total", self.total), ("budget", self.budget), ("unplaced", self.budget - self.total)]
+        return out
+
+    def describe(self) -> str:
+        return "; ".join(f"{what} {n / 1e9:.2f} GB" for what, n in self.lines())
+
+
+def workspace_bytes(spec: ModelSpec, elem: int = 2) -> int:
+    """One layer's experts dequantized: gate and up [E, 2F, D], down [E, D, F]."""
+    return spec.n_experts * 3 * spec.expert_ffn * spec.hidden * elem
+
+
+def activation_bytes(spec: ModelSpec, tokens: int, context: int, elem: int = 2) -> int:
+    """Peak of one layer's temporaries for a chunk of `tokens` rows after up to `context` keys.
+
+    The residual stream and the block inputs live throughout; on top of them either the MoE
+    block (M = T * A routed rows: sorted inputs, gate-up, SiLU product, outputs, and the rows put
+    back in order) or attention (q, and the KV heads repeated for the chunked-prefill kernel),
+    whichever is larger: the one's temporaries are freed before the other's. A quarter more for
+    what this count misses (index tensors, router scores, kernel workspaces).
+    """
+    m = tokens * spec.n_experts_used
+    rows = tokens * (spec.hidden * 4 + spec.q_dim * 2 + spec.kv_dim * 2) * elem  # x, h, q, k, v, attn out
+    moe = m * (3 * spec.hidden + 4 * spec.expert_ffn) * elem + m * 8 * 4 + tokens * spec.n_experts * 4
+    attention = 2 * context * spec.n_heads * spec.head_dim * elem + tokens * spec.q_dim * elem * 2
+    return int(1.25 * (rows + max(moe, attention)))
+
+
+def dense_bytes(spec: ModelSpec, n_layers: int, *, embed: bool, head: bool, elem: int = 2) -> int:
+    """The dense weights a stage keeps in VRAM, as `model.weights.load_weights` lays them out:
+    attention and norms in the compute dtype, the router in fp32, the embedding on the first
+    stage, the final norm and head on the last (a tied head reuses the embedding)."""
+    d = spec.hidden
+    layer = (2 * spec.q_dim * d + 2 * spec.kv_dim * d + 2 * d + 2 * spec.head_dim) * elem + spec.n_experts * d * 4
+    table = spec.vocab_size * d * elem
+    ends = (table if embed or (head and spec.tied_output) else 0) + ((d * elem + (0 if spec.tied_output else table))
+                                                                     if head else 0)
+    return n_layers * layer + ends
+
+
+def kv_bytes(spec: ModelSpec, n_layers: int, tokens: int, elem: int = 2) -> int:
+    """Keys and values of `tokens` cells in `n_layers` layers."""
+    return 2 * n_layers * tokens * spec.kv_dim * elem
+
+
+def plan_memory(spec: ModelSpec, *, n_layers: int, expert_bytes: int, dense: int, budget: int | None,
+                chunk_tokens: int, kv_tokens: int, ring_slots: int = 2, elem: int = 2,
+                resident_per_layer: int | None = None, where: str = "the stage") -> MemoryPlan:
+    """Place the fixed lines, then as many resident experts a layer as the rest holds.
+
+    `resident_per_layer` forces K (0: stream everything, for measurements); it must still fit.
+    Without a budget (CPU) K defaults to a quarter of E, so both read paths stay exercised.
+    """
+    E = spec.n_experts
+    fixed = dict(dense=dense, workspace=workspace_bytes(spec, elem),
+                 activations=activation_bytes(spec, min(chunk_tokens, kv_tokens), kv_tokens, elem),
+                 kv=kv_bytes(spec, n_layers, kv_tokens, elem), kv_tokens=kv_tokens,
+                 slack=int(ALLOCATOR_SLACK * budget) if budget is not None else 0)
+
+    def plan(k: int) -> MemoryPlan:
+        return MemoryPlan(budget=budget, n_layers=n_layers, n_experts=E, resident_per_layer=k,
+                          expert_bytes=expert_bytes, ring_slots=ring_slots, **fixed)
+
+    if budget is None:
+        return plan(E // 4 if resident_per_layer is None else resident_per_layer)
+    if resident_per_layer is not None:
+        if not 0 <= resident_per_layer <= E:
+            raise PlanError(f"resident experts {resident_per_layer} a layer: expected 0..{E}")
+        forced = plan(resident_per_layer)
+        if forced.total > budget:
+            raise PlanError(f"{where}: {resident_per_layer} resident experts a layer need "
+                            f"{forced.total / GiB:.2f} GiB, over the {budget / GiB:.2f} GiB budget")
+        return forced
+    # The total is not monotonic in K where the ring vanishes (K = E frees both slots), so try
+    # K = E first, then the largest K below it that fits.
+    if plan(E).total <= budget:
+        return plan(E)
+    per_k = n_layers * expert_bytes - ring_slots * expert_bytes  # one more resident: +L experts, -slots
+    room = budget - plan(0).total
+    if room < 0:
+        need = plan(0)
+        raise PlanError(f"{where}: a {budget / GiB:.2f} GiB budget cannot hold "
+                        + ", ".join(f"{what} {n / GiB:.2f}" for what, n in need.lines()[:6] if n)
+                        + f" GiB (needs {need.total / GiB:.2f} GiB; raise --max-vram or lower --ctx-size)")
+    k = E - 1 if per_k <= 0 else min(E - 1, room // per_k)
+    while k > 0 and plan(k).total > budget:  # integer rounding: step down until it fits
+        k -= 1
+    return plan(int(k))
