@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from gguf.constants import GGMLQuantizationType
 
 from strata_mgpu.kernels import nvrtc
+from strata_mgpu.kernels.paths import warn_once
 from strata_mgpu.quant.dequant import dequantize_rows
 from strata_mgpu.quant.formats import block_format
 from strata_mgpu.stage.expert_cache import ExpertCache
@@ -123,8 +124,7 @@ class CudaKernels(TorchKernels):
         # Below sm_90 torch._grouped_mm is a per-group loop that copies the offsets to the host
         # (pytorch/pytorch#186620): it works, but a step that uses it cannot be captured.
         self.grouped_mm_sync_free = use_grouped_mm and torch.cuda.get_device_capability(device) >= (9, 0)
-        import cupy
-
+        cupy = nvrtc.require_cupy()
         # Can kernels read registered host memory at its host address (UVA)? Decode relies on it.
         self.host_pointers = cupy.cuda.runtime.deviceGetAttribute(
             CUDA_ATTR_HOST_POINTER_FOR_REGISTERED_MEM, device.index or 0) == 1
@@ -261,13 +261,16 @@ def _grouped_mm_works(device: torch.device) -> bool:
 
 
 def select_kernels(device: torch.device, *, prefer_cuda: bool = True) -> TorchKernels:
-    """The kernel set for a stage on `device`, chosen once."""
+    """The kernel set for a stage on `device`, chosen once. Without CuPy (or a kernel source) on a
+    CUDA device: the torch twins, with one warning a process saying what is lost."""
     if device.type != "cuda" or not prefer_cuda:
         return TorchKernels()
     try:
+        nvrtc.require_cupy()
         kernels = CudaKernels(device, use_grouped_mm=_grouped_mm_works(device))
     except nvrtc.KernelUnavailable as e:
-        log.warning("CUDA kernels unavailable (%s): using the torch twins", e)
+        warn_once("CUDA kernels unavailable, the stage runs the torch twins (no CUDA dequant, no fused decode "
+                  "experts or decode ops, hand-overs by copy engine: slower prompts and decode)", str(e))
         return TorchKernels()
     log.info("kernels on %s: CUDA dequant, grouped GEMM %s", device,
              "torch._grouped_mm" if kernels.use_grouped_mm else "per-expert loop")
