@@ -19,7 +19,7 @@ from gguf.constants import GGMLQuantizationType
 from strata_mgpu.kernels import nvrtc
 from strata_mgpu.kernels.paths import warn_once
 from strata_mgpu.quant.dequant import dequantize_rows
-from strata_mgpu.quant.formats import block_format
+from strata_mgpu.quant.formats import CUDA_DEQUANT_TYPES, FUSED_DECODE_TYPES, block_format
 from strata_mgpu.stage.expert_cache import ExpertCache
 from strata_mgpu.stage.host_arena import ExpertLayout
 
@@ -28,9 +28,9 @@ Q = GGMLQuantizationType
 DEQUANT_FILE = "dequant.cu"
 COPY_FILE = "copy_f32_wide.cu"
 MOE_FILE = "moe_decode.cu"
-CUDA_DEQUANT_TYPES = (Q.F32, Q.F16, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K)
+# Which types have which kernel: quant/formats.py's table (CUDA_DEQUANT_TYPES is re-exported here).
 _DEQUANT_EXPRS = tuple(f"dequant_bf16<{int(t)}>" for t in CUDA_DEQUANT_TYPES)
-_MOE_EXPRS = tuple(f"{k}<{int(t)}>" for t in CUDA_DEQUANT_TYPES for k in ("moe_gate_up", "moe_down"))
+_MOE_EXPRS = tuple(f"{k}<{int(t)}>" for t in FUSED_DECODE_TYPES for k in ("moe_gate_up", "moe_down"))
 MOE_THREADS = 256  # 8 warps: a block's tile has at most 8 rows, one a warp
 MOE_SHARED_BYTES = 46 * 1024  # under the 48 KiB every card gives a block without opting in
 CUDA_ATTR_HOST_POINTER_FOR_REGISTERED_MEM = 91  # cudaDevAttrCanUseHostPointerForRegisteredMem
@@ -154,7 +154,8 @@ class CudaKernels(TorchKernels):
     def moe_fused(self, lay: ExpertLayout, hidden: int, n_used: int) -> MoePlan | None:
         """How the fused decode kernels run this layout, or None where they do not apply (a type
         without a kernel, tiles too big for shared memory)."""
-        if not (self.host_pointers and lay.gate_type in CUDA_DEQUANT_TYPES and lay.down_type in CUDA_DEQUANT_TYPES):
+        if not (self.host_pointers and block_format(lay.gate_type).fused_decode
+                and block_format(lay.down_type).fused_decode):
             return None
         ffn = lay.gate_weights // hidden
         gate_row, down_row = lay.gate_bytes // ffn, lay.down_bytes // hidden
@@ -208,7 +209,7 @@ class CudaKernels(TorchKernels):
 
     @staticmethod
     def _has_kernel(ggml_type: GGMLQuantizationType, out: torch.Tensor) -> bool:
-        return ggml_type != Q.BF16 and ggml_type in CUDA_DEQUANT_TYPES and out.dtype == torch.bfloat16
+        return block_format(ggml_type).cuda_dequant and out.dtype == torch.bfloat16
 
     def _launch_dequant(self, ggml_type: GGMLQuantizationType, src_ptr: int, addresses: torch.Tensor | None,
                         ptr_offset: int, groups: int, weights_per_group: int, group_stride: int,
