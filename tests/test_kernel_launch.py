@@ -29,6 +29,7 @@ def layout(gate_type: Q, down_type: Q, d: int, f: int) -> ExpertLayout:
 
 def fake_kernels() -> K.CudaKernels:
     k = K.CudaKernels.__new__(K.CudaKernels)  # no CuPy, no device: only the launch arithmetic is used
+    K.TorchKernels.__init__(k)
     k.host_pointers, k.device = True, torch.device("cpu")
     return k
 

@@ -4,6 +4,11 @@
 speeds up: dequantization by `cuda_src/dequant.cu`, the grouped expert GEMMs by
 `torch._grouped_mm`, decode's routed experts by the fused kernels of `cuda_src/moe_decode.cu`.
 `select_kernels` picks once, when a stage is built.
+
+Every op counts the path it ran in the kernel set's `paths` ("dequant:cuda", "moe_gathered:twin",
+...; see `kernels.paths`), and a CUDA op that falls back to its twin says why, once, in a warning.
+The counts are of eager calls and of calls made while capturing a CUDA graph: replays of a
+captured decode step run no Python and add nothing.
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ import torch.nn.functional as F
 from gguf.constants import GGMLQuantizationType
 
 from strata_mgpu.kernels import nvrtc
-from strata_mgpu.kernels.paths import warn_once
+from strata_mgpu.kernels.paths import PathCounter, warn_once
 from strata_mgpu.quant.dequant import dequantize_rows
 from strata_mgpu.quant.formats import CUDA_DEQUANT_TYPES, FUSED_DECODE_TYPES, block_format
 from strata_mgpu.stage.expert_cache import ExpertCache
@@ -34,6 +39,7 @@ _MOE_EXPRS = tuple(f"{k}<{int(t)}>" for t in FUSED_DECODE_TYPES for k in ("moe_g
 MOE_THREADS = 256  # 8 warps: a block's tile has at most 8 rows, one a warp
 MOE_SHARED_BYTES = 46 * 1024  # under the 48 KiB every card gives a block without opting in
 CUDA_ATTR_HOST_POINTER_FOR_REGISTERED_MEM = 91  # cudaDevAttrCanUseHostPointerForRegisteredMem
+NO_HOST_POINTERS = "this device cannot read registered host memory at its host address"
 
 
 class MoePlan(NamedTuple):
@@ -51,14 +57,23 @@ class TorchKernels:
 
     name = "torch"
 
+    def __init__(self):
+        self.paths = PathCounter()  # "op:path" -> calls (eager and captured; see the module docstring)
+
+    def path_summary(self) -> str:
+        """The paths the ops ran, e.g. 'copy_wide:copy_f32_wide 24, dequant:cuda 96'."""
+        return self.paths.summary()
+
     def copy_wide(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         """Copy src's bytes into dst (same byte count; either side may be mapped host memory)."""
         assert dst.numel() * dst.element_size() == src.numel() * src.element_size()
+        self.paths.ran("copy_wide", "copy_engine")
         dst.view(torch.uint8).view(-1).copy_(src.contiguous().view(torch.uint8).view(-1), non_blocking=True)
 
     def dequant(self, src: torch.Tensor, ggml_type: GGMLQuantizationType, groups: int, weights_per_group: int,
                 group_stride: int, out: torch.Tensor) -> None:
         """`groups` runs of blocks, `group_stride` bytes apart from src[0] -> out [groups * weights_per_group]."""
+        self.paths.ran("dequant", "torch")
         fmt = block_format(ggml_type)
         run_bytes = weights_per_group // fmt.block_size * fmt.type_size
         runs = torch.as_strided(src, (groups, run_bytes), (group_stride, 1))
@@ -79,6 +94,7 @@ class TorchKernels:
                        w_gate_up: torch.Tensor, w_down: torch.Tensor) -> None:
         """Dequantize experts `picks` [M] of local layer i, wherever they live, into w_gate_up [M, 2F, D]
         and w_down [M, D, F]. The twin reads each expert's bytes through the cache's `source`."""
+        self.paths.ran("gather_experts", "torch")
         for g, e in enumerate(picks.tolist()):
             self.dequant_experts(cache.source(i, e), lay, 1, w_gate_up[g:g + 1], w_down[g:g + 1])
 
@@ -88,6 +104,7 @@ class TorchKernels:
         slot or the host arena), computed and combined. h [T, D], weights [T, A] fp32, experts
         [T, A] -> [T, D]. The twin dequantizes the M = T * A picks into the workspace (w_gate_up
         [>= M, 2F, D], w_down [>= M, D, F]) and runs the grouped GEMM pair, one row a group."""
+        self.paths.ran("moe_gathered", "twin")
         t, a = experts.shape
         flat = experts.reshape(-1)  # [M]: row r * A + k is token r's k-th pick
         m = flat.numel()
@@ -101,6 +118,7 @@ class TorchKernels:
         """SiLU-gated MLP per group: x [M, D] sorted by group, offs [G] cumulative row ends,
         w_gate_up [G, 2F, D], w_down [G, D, F] -> [M, D]. Rows past offs[-1] belong to no group
         and are left unwritten (the helped path masks them)."""
+        self.paths.ran("grouped_mlp", "loop")
         out = torch.empty_like(x)
         ends = offs.tolist()
         f = w_down.shape[-1]
@@ -119,6 +137,7 @@ class CudaKernels(TorchKernels):
     name = "cuda"
 
     def __init__(self, device: torch.device, use_grouped_mm: bool):
+        super().__init__()
         self.device = device
         self.use_grouped_mm = use_grouped_mm
         # Below sm_90 torch._grouped_mm is a per-group loop that copies the offsets to the host
@@ -137,15 +156,21 @@ class CudaKernels(TorchKernels):
     def dequant(self, src: torch.Tensor, ggml_type: GGMLQuantizationType, groups: int, weights_per_group: int,
                 group_stride: int, out: torch.Tensor) -> None:
         if not self._has_kernel(ggml_type, out):
+            self.paths.fell_back("dequant", "cuda", self._no_kernel_reason(ggml_type, out))
             return super().dequant(src, ggml_type, groups, weights_per_group, group_stride, out)
         assert src.is_cuda
+        self.paths.ran("dequant", "cuda")
         self._launch_dequant(ggml_type, src.data_ptr(), None, 0, groups, weights_per_group, group_stride, out)
 
     def gather_experts(self, cache: ExpertCache, i: int, picks: torch.Tensor, lay: ExpertLayout,
                        w_gate_up: torch.Tensor, w_down: torch.Tensor) -> None:
         if not (self.host_pointers and self._has_kernel(lay.gate_type, w_gate_up)
                 and self._has_kernel(lay.down_type, w_down)):
+            reason = (NO_HOST_POINTERS if not self.host_pointers else
+                      self._no_kernel_reason(lay.gate_type, w_gate_up) or self._no_kernel_reason(lay.down_type, w_down))
+            self.paths.fell_back("gather_experts", "cuda", reason)
             return super().gather_experts(cache, i, picks, lay, w_gate_up, w_down)
+        self.paths.ran("gather_experts", "cuda")
         addresses = cache.addresses(i, picks)  # [M] on the device: no host sync
         m = picks.numel()
         self._launch_dequant(lay.gate_type, 0, addresses, 0, m, 2 * lay.gate_weights, 0, w_gate_up[:m].view(-1))
@@ -173,7 +198,9 @@ class CudaKernels(TorchKernels):
         d = h.shape[1]
         plan = self.moe_fused(lay, d, a) if h.dtype == torch.bfloat16 else None
         if plan is None:
+            self.paths.fell_back("moe_gathered", "fused", self._not_fused_reason(lay, h))
             return super().moe_gathered(cache, i, lay, h, weights, experts, w_gate_up, w_down)
+        self.paths.ran("moe_gathered", "fused")
         f = plan.ffn
         h, picks, weights = h.contiguous(), experts.reshape(-1).contiguous(), weights.float().contiguous()
         n_experts = cache.slot_of.shape[1]
@@ -201,7 +228,10 @@ class CudaKernels(TorchKernels):
         nbytes = src.numel() * src.element_size()
         assert dst.numel() * dst.element_size() == nbytes and src.is_contiguous() and dst.is_contiguous()
         if not self.host_pointers or nbytes % 16 or src.data_ptr() % 16 or dst.data_ptr() % 16:
+            self.paths.fell_back("copy_wide", "copy_f32_wide", NO_HOST_POINTERS if not self.host_pointers else
+                                 "byte count or an address is not a multiple of 16")
             return super().copy_wide(dst, src)
+        self.paths.ran("copy_wide", "copy_f32_wide")
         fn = nvrtc.kernel(COPY_FILE, "copy_f32_wide", (), self.device)
         n4 = nbytes // 16
         nvrtc.launch(fn, min((n4 + 255) // 256, 4096), 256,
@@ -210,6 +240,24 @@ class CudaKernels(TorchKernels):
     @staticmethod
     def _has_kernel(ggml_type: GGMLQuantizationType, out: torch.Tensor) -> bool:
         return block_format(ggml_type).cuda_dequant and out.dtype == torch.bfloat16
+
+    @staticmethod
+    def _no_kernel_reason(ggml_type: GGMLQuantizationType, out: torch.Tensor) -> str:
+        """Why `_has_kernel` is False ('' where it is True)."""
+        if not block_format(ggml_type).cuda_dequant:
+            return f"{ggml_type.name} has no CUDA dequant"
+        return "" if out.dtype == torch.bfloat16 else f"the output is {out.dtype}; the kernel writes bfloat16"
+
+    def _not_fused_reason(self, lay: ExpertLayout, h: torch.Tensor) -> str:
+        """Why decode's fused kernels do not take this layout and input."""
+        if h.dtype != torch.bfloat16:
+            return f"activations are {h.dtype}; the kernels take bfloat16"
+        if not self.host_pointers:
+            return NO_HOST_POINTERS
+        for t in (lay.gate_type, lay.down_type):
+            if not block_format(t).fused_decode:
+                return f"{t.name} has no fused decode kernel"
+        return f"a row tile of {lay.gate_type.name}/{lay.down_type.name} experts does not fit shared memory"
 
     def _launch_dequant(self, ggml_type: GGMLQuantizationType, src_ptr: int, addresses: torch.Tensor | None,
                         ptr_offset: int, groups: int, weights_per_group: int, group_stride: int,
@@ -229,7 +277,10 @@ class CudaKernels(TorchKernels):
     def grouped_mlp(self, x: torch.Tensor, offs: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor
                     ) -> torch.Tensor:
         if not self.use_grouped_mm or x.dtype != torch.bfloat16:
+            self.paths.fell_back("grouped_mlp", "grouped_mm", "torch._grouped_mm does not work on this device"
+                                 if not self.use_grouped_mm else f"activations are {x.dtype}; it takes bfloat16")
             return super().grouped_mlp(x, offs, w_gate_up, w_down)
+        self.paths.ran("grouped_mlp", "grouped_mm")
         f = w_down.shape[-1]
         gu = torch._grouped_mm(x, w_gate_up.transpose(1, 2), offs=offs)  # [M, 2F]
         act = F.silu(gu[:, :f]) * gu[:, f:]  # [M, F]
