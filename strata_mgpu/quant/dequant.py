@@ -199,10 +199,6 @@ def dequantize_rows(raw: torch.Tensor, ggml_type: GGMLQuantizationType, row_len:
     return _TORCH_KERNELS[ggml_type](blocks).reshape(rows, row_len)
 
 
-def has_torch_kernel(ggml_type: GGMLQuantizationType) -> bool:
-    return ggml_type in _TORCH_KERNELS or ggml_type in _FLOATS
-
-
 def dequantize(raw: np.ndarray, ggml_type: GGMLQuantizationType, shape: tuple[int, ...],
                device: torch.device | str = "cpu") -> torch.Tensor:
     """Host bytes of a tensor ([..., row_bytes] uint8) -> float32 tensor of `shape`, dequantized on
