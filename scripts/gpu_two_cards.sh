@@ -7,8 +7,9 @@ source "$(dirname "$0")/gpu_env.sh"
 nvidia-smi --query-gpu=index,name,memory.total,pcie.link.gen.current,pcie.link.width.current --format=csv \
   | tee "$OUT/gpu.txt"
 python3 -m strata_mgpu topo 2>&1 | tee "$OUT/topo.txt"
-[ "${SKIP_TESTS:-0}" = 1 ] || python3 -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider 2>&1 \
-  | tee "$OUT/gpu_tests.log" | tail -3 || true
+tests_rc=0  # a failing test fails the script, after the benchmarks have run
+[ "${SKIP_TESTS:-0}" = 1 ] || python3 -m pytest -q -m gpu tests/test_gpu.py tests/test_gpu_quant.py -p no:cacheprovider \
+  2>&1 | tee "$OUT/gpu_tests.log" | tail -3 || tests_rc=$?
 MODEL=/tmp/q30b.gguf
 [ -f $MODEL ] || python3 -m strata_mgpu gen-model $MODEL --preset 30b-a3b --seed 0 2>&1 | tail -1
 LENGTHS=1024,2048,4096,8192,32768
@@ -23,3 +24,4 @@ python3 -m strata_mgpu bench $MODEL --devices 0,1 --layer-split auto --max-vram 
 python3 -m strata_mgpu sweep $MODEL --devices 0,1 --layer-split auto --max-vram 16,16 \
   --prompt-tokens 1024,2048,3072,4096,6144,8192 --shares 0,0.2,0.3,0.35,0.4,0.45,0.5 --runs 3 \
   --csv "$OUT/sweep.csv" --json "$OUT/sweep.json" --png "$OUT/sweep.png" 2>&1 | tail -14
+exit $tests_rc

@@ -29,6 +29,7 @@ def layout(gate_type: Q, down_type: Q, d: int, f: int) -> ExpertLayout:
 
 def fake_kernels() -> K.CudaKernels:
     k = K.CudaKernels.__new__(K.CudaKernels)  # no CuPy, no device: only the launch arithmetic is used
+    K.TorchKernels.__init__(k)
     k.host_pointers, k.device = True, torch.device("cpu")
     return k
 
@@ -44,14 +45,28 @@ def test_plans_of_real_layouts_fit_shared_memory():
     k = fake_kernels()
     # Qwen3-30B-A3B (D 2048, F 768, A 8) and Qwen3-235B-A22B (D 4096, F 1536, A 8) in the usual types
     for d, f in ((2048, 768), (4096, 1536)):
-        for gate, down in ((Q.Q4_K, Q.Q6_K), (Q.Q8_0, Q.Q8_0), (Q.Q5_K, Q.Q6_K), (Q.F16, Q.F16)):
+        for gate, down in ((Q.Q4_K, Q.Q6_K), (Q.Q8_0, Q.Q8_0), (Q.Q5_K, Q.Q6_K), (Q.F16, Q.F16), (Q.BF16, Q.BF16),
+                           (Q.Q2_K, Q.Q3_K), (Q.Q3_K, Q.Q4_K), (Q.IQ4_XS, Q.IQ4_NL), (Q.MXFP4, Q.MXFP4),
+                           (Q.Q4_0, Q.Q8_0), (Q.Q4_1, Q.Q5_1), (Q.Q5_0, Q.Q6_K)):
             plan = k.moe_fused(layout(gate, down, d, f), d, 8)
             assert plan is not None and plan.ffn == f
             assert 2 * K._tile_room(plan.rows_gu * plan.gate_row) + K._vector_bytes(d) <= SHARED_LIMIT
             assert 8 * K._tile_room(plan.rows_down * plan.down_row) + K._vector_bytes(f) <= SHARED_LIMIT
             assert 1 <= plan.rows_gu <= K.MOE_THREADS // 32 and 1 <= plan.rows_down <= K.MOE_THREADS // 32
     assert k.moe_fused(layout(Q.Q4_K, Q.Q6_K, 2048, 768), 2048, 8) == K.MoePlan(768, 1152, 630, 8, 8)
-    assert k.moe_fused(layout(Q.IQ4_XS, Q.Q6_K, 2048, 768), 2048, 8) is None  # no kernel for that type
+    assert k.moe_fused(layout(Q.F32, Q.F32, 4096, 1536), 4096, 8) is None  # a row tile over shared memory
+
+
+def test_a_type_without_fused_kernels_gets_no_plan(monkeypatch):
+    from dataclasses import replace
+
+    from strata_mgpu.quant import formats
+
+    monkeypatch.setitem(formats.FORMATS, Q.IQ4_XS, replace(formats.FORMATS[Q.IQ4_XS], fused_decode=False))
+    k = fake_kernels()
+    assert k.moe_fused(layout(Q.IQ4_XS, Q.Q6_K, 2048, 768), 2048, 8) is None
+    assert k.moe_fused(layout(Q.Q6_K, Q.IQ4_XS, 2048, 768), 2048, 8) is None
+    assert k.moe_fused(layout(Q.Q4_K, Q.Q6_K, 2048, 768), 2048, 8) is not None
 
 
 def test_launches_match_the_kernel_signatures(monkeypatch):

@@ -17,6 +17,7 @@ import pytest
 
 from strata_mgpu.kernels import decode_ops, nvrtc
 from strata_mgpu.kernels import experts as kernels
+from strata_mgpu.quant import formats
 
 
 def _libnvrtc() -> ctypes.CDLL | None:
@@ -98,3 +99,25 @@ def test_kernels_compile_with_nvrtc_and_are_found(file, arch):
 
 def test_every_source_file_is_covered():
     assert {p.name for p in nvrtc.CUDA_SRC.glob("*.cu")} == set(KERNELS)
+
+
+def test_cuda_type_list_is_the_format_tables():
+    """ggml_blocks.cuh's GGML_CUDA_TYPES (the explicit instantiations of dequant.cu and
+    moe_decode.cu) lists exactly the table's cuda_dequant types; fused_decode needs cuda_dequant."""
+    src = nvrtc.cuda_source("ggml_blocks.cuh")
+    listed = re.search(r"#define GGML_CUDA_TYPES\(X\)(.*)", src).group(1)
+    assert sorted(int(t) for t in re.findall(r"X\((\d+)\)", listed)) == sorted(formats.CUDA_DEQUANT_TYPES)
+    assert set(formats.FUSED_DECODE_TYPES) <= set(formats.CUDA_DEQUANT_TYPES)
+    for file in (kernels.DEQUANT_FILE, kernels.MOE_FILE):
+        assert "GGML_CUDA_TYPES(" in nvrtc.cuda_source(file).split("#define")[-1], file
+
+
+def test_block_sizes_in_cuda_equal_gguf():
+    """Fmt<TYPE>'s QK (weights) and BYTES for each type: the block, or 32 weights of a float type."""
+    src = nvrtc.cuda_source("ggml_blocks.cuh")
+    sizes = {int(t): (int(qk), int(nbytes)) for t, qk, nbytes in
+             re.findall(r"struct Fmt<(\d+)> \{ static const int QK = (\d+), BYTES = (\d+); \}", src)}
+    for t in formats.CUDA_DEQUANT_TYPES:
+        fmt = formats.block_format(t)
+        want = (32, 32 * fmt.type_size) if fmt.is_float else (fmt.block_size, fmt.type_size)
+        assert sizes.get(int(t)) == want, t.name

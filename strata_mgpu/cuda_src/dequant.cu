@@ -1,6 +1,6 @@
 // Dequantize GGML blocks to bf16, one thread per 32-weight sub-block.
 //
-// Template argument: the ggml type id (Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14, F16 = 1, F32 = 0).
+// Template argument: the ggml type id (F32 = 0, F16 = 1, Q8_0 = 8, Q4_K = 12, ...; GGML_CUDA_TYPES).
 // The source is `groups` runs of whole blocks (one expert's matrix each), `group_stride` bytes
 // apart; dst is the runs' values back to back. Contiguous data: one group, stride 0.
 // n_sub = 32-weight sub-blocks in all; sub_per_group = sub-blocks of one run. With group_ptr
@@ -51,9 +51,4 @@ __global__ void dequant_bf16(const u8* __restrict__ src, __nv_bfloat16* __restri
 #define DEQUANT_INSTANTIATE(TYPE)                                                                        \
     template __global__ void dequant_bf16<TYPE>(const u8*, __nv_bfloat16*, long long, long long, long long, \
                                                 const unsigned long long*, long long);
-DEQUANT_INSTANTIATE(0)
-DEQUANT_INSTANTIATE(1)
-DEQUANT_INSTANTIATE(8)
-DEQUANT_INSTANTIATE(12)
-DEQUANT_INSTANTIATE(13)
-DEQUANT_INSTANTIATE(14)
+GGML_CUDA_TYPES(DEQUANT_INSTANTIATE)

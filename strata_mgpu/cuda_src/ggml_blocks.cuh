@@ -1,15 +1,22 @@
 // GGML quantized blocks, decoded 32 weights at a time on the device: shared by the dequant
 // kernel (dequant.cu) and the fused decode expert kernels (moe_decode.cu).
-// Arithmetic is written with __fmul_rn/__fsub_rn so it rounds exactly like the torch twin
-// (strata_mgpu/quant/dequant.py): fp32 products in the same order, no fused multiply-add.
+// Arithmetic is written with __fmul_rn/__fadd_rn/__fsub_rn so it rounds exactly like the torch
+// twin (strata_mgpu/quant/dequant.py): fp32 products in the same order, no fused multiply-add.
+// Quantized blocks are read byte by byte, so they may start at any byte (MXFP4's are 17 bytes
+// long); F32 and F16 rows are read in words of their own size, which their offsets are multiples of.
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
 typedef unsigned char u8;
 
+// The ggml type ids with a decoder here, for the explicit instantiations of dequant.cu and
+// moe_decode.cu: quant/formats.py's cuda_dequant (and fused_decode) types, which
+// tests/test_nvrtc_compile.py checks against this list.
+#define GGML_CUDA_TYPES(X) X(0) X(1) X(2) X(3) X(6) X(7) X(8) X(10) X(11) X(12) X(13) X(14) X(20) X(23) X(30) X(39)
+
 __device__ __forceinline__ float f16_at(const u8* p) {
-    return __half2float(*reinterpret_cast<const __half*>(p));
+    return __half2float(__ushort_as_half((unsigned short)(p[0] | (p[1] << 8))));
 }
 
 // Q4_K/Q5_K 6-bit scale and min of sub-block j from the 12 packed bytes.
@@ -26,6 +33,26 @@ __device__ __forceinline__ void scale_min_k4(int j, const u8* q, float* sc, floa
     *mn = (float)m;
 }
 
+// Byte q (0..15) of the 16-byte little-endian table w0..w3, as a signed value: a codebook in
+// registers (a table in memory would serialize a warp's divergent lookups).
+__device__ __forceinline__ int table16(unsigned w0, unsigned w1, unsigned w2, unsigned w3, int q) {
+    const unsigned w = q < 8 ? (q < 4 ? w0 : w1) : (q < 12 ? w2 : w3);
+    return (int)(signed char)(w >> (8 * (q & 3)));
+}
+
+// IQ4_NL/IQ4_XS codebook: -127 -104 -83 -65 -49 -35 -22 -10 1 13 25 38 53 69 89 113.
+__device__ __forceinline__ float iq4_value(int q) {
+    return (float)table16(0xBFAD9881u, 0xF6EADDCFu, 0x26190D01u, 0x71594535u, q);
+}
+
+// MXFP4 (E2M1) codebook, doubled: 0 1 2 3 4 6 8 12 0 -1 -2 -3 -4 -6 -8 -12.
+__device__ __forceinline__ float mxfp4_value(int q) {
+    return (float)table16(0x03020100u, 0x0C080604u, 0xFDFEFF00u, 0xF4F8FAFCu, q);
+}
+
+// Weight l (0..31) of a 32-weight run packed as 16 low nibbles then 16 high nibbles.
+__device__ __forceinline__ int nibble(const u8* qs, int l) { return l < 16 ? qs[l] & 0xF : qs[l - 16] >> 4; }
+
 template <int TYPE> struct Fmt;
 template <> struct Fmt<0> { static const int QK = 32, BYTES = 128; };   // F32, taken 32 at a time
 template <> struct Fmt<1> { static const int QK = 32, BYTES = 64; };    // F16, taken 32 at a time
@@ -33,6 +60,16 @@ template <> struct Fmt<8> { static const int QK = 32, BYTES = 34; };    // Q8_0
 template <> struct Fmt<12> { static const int QK = 256, BYTES = 144; }; // Q4_K
 template <> struct Fmt<13> { static const int QK = 256, BYTES = 176; }; // Q5_K
 template <> struct Fmt<14> { static const int QK = 256, BYTES = 210; }; // Q6_K
+template <> struct Fmt<2> { static const int QK = 32, BYTES = 18; };    // Q4_0
+template <> struct Fmt<3> { static const int QK = 32, BYTES = 20; };    // Q4_1
+template <> struct Fmt<6> { static const int QK = 32, BYTES = 22; };    // Q5_0
+template <> struct Fmt<7> { static const int QK = 32, BYTES = 24; };    // Q5_1
+template <> struct Fmt<10> { static const int QK = 256, BYTES = 84; };  // Q2_K
+template <> struct Fmt<11> { static const int QK = 256, BYTES = 110; }; // Q3_K
+template <> struct Fmt<20> { static const int QK = 32, BYTES = 18; };   // IQ4_NL
+template <> struct Fmt<23> { static const int QK = 256, BYTES = 136; }; // IQ4_XS
+template <> struct Fmt<30> { static const int QK = 32, BYTES = 64; };   // BF16, taken 32 at a time
+template <> struct Fmt<39> { static const int QK = 32, BYTES = 17; };   // MXFP4
 
 template <int TYPE>
 __device__ __forceinline__ void sub_block(const u8* b, int j, float* v);
@@ -93,4 +130,102 @@ template <> __device__ __forceinline__ void sub_block<14>(const u8* b, int j, fl
         const int q = (((ql[l] >> lo_shift) & 0xF) | (((qh[l] >> hi_shift) & 3) << 4)) - 32;
         v[l] = __fmul_rn(__fmul_rn(d, (float)sc[2 * g + (l >> 4)]), (float)q);
     }
+}
+
+template <> __device__ __forceinline__ void sub_block<30>(const u8* b, int, float* v) {
+#pragma unroll
+    for (int l = 0; l < 32; ++l) v[l] = __uint_as_float((unsigned)(b[2 * l] | (b[2 * l + 1] << 8)) << 16);
+}
+
+// Q4_0 [d:f16][qs:16]: d * (q - 8)
+template <> __device__ __forceinline__ void sub_block<2>(const u8* b, int, float* v) {
+    const float d = f16_at(b);
+#pragma unroll
+    for (int l = 0; l < 32; ++l) v[l] = __fmul_rn(d, (float)(nibble(b + 2, l) - 8));
+}
+
+// Q4_1 [d:f16][m:f16][qs:16]: d * q + m
+template <> __device__ __forceinline__ void sub_block<3>(const u8* b, int, float* v) {
+    const float d = f16_at(b), m = f16_at(b + 2);
+#pragma unroll
+    for (int l = 0; l < 32; ++l) v[l] = __fadd_rn(__fmul_rn(d, (float)nibble(b + 4, l)), m);
+}
+
+// Q5_0 [d:f16][qh:u32][qs:16]: d * (q - 16), bit l of qh the 5th bit of weight l
+template <> __device__ __forceinline__ void sub_block<6>(const u8* b, int, float* v) {
+    const float d = f16_at(b);
+    const unsigned qh = b[2] | (b[3] << 8) | (b[4] << 16) | ((unsigned)b[5] << 24);
+#pragma unroll
+    for (int l = 0; l < 32; ++l) {
+        const int q = nibble(b + 6, l) | (int)((qh >> l) & 1) << 4;  // int: q - 16 may be negative
+        v[l] = __fmul_rn(d, (float)(q - 16));
+    }
+}
+
+// Q5_1 [d:f16][m:f16][qh:u32][qs:16]: d * q + m
+template <> __device__ __forceinline__ void sub_block<7>(const u8* b, int, float* v) {
+    const float d = f16_at(b), m = f16_at(b + 2);
+    const unsigned qh = b[4] | (b[5] << 8) | (b[6] << 16) | ((unsigned)b[7] << 24);
+#pragma unroll
+    for (int l = 0; l < 32; ++l) v[l] = __fadd_rn(__fmul_rn(d, (float)(nibble(b + 8, l) | (((qh >> l) & 1) << 4))), m);
+}
+
+// Q2_K [scales:16][qs:64][d:f16][dmin:f16]: sub-block j = 4 h + s is bits 2s..2s+1 of qs[32 h + l];
+// 16 weights share scales byte i: (d * (i & 15)) * q - dmin * (i >> 4)
+template <> __device__ __forceinline__ void sub_block<10>(const u8* b, int j, float* v) {
+    const float d = f16_at(b + 80), dmin = f16_at(b + 82);
+    const u8* qs = b + 16 + 32 * (j >> 2);
+    const int shift = 2 * (j & 3);
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+        const int sc = b[2 * j + half];
+        const float dl = __fmul_rn(d, (float)(sc & 0xF)), ml = __fmul_rn(dmin, (float)(sc >> 4));
+#pragma unroll
+        for (int l = 16 * half; l < 16 * half + 16; ++l) v[l] = __fsub_rn(__fmul_rn(dl, (float)((qs[l] >> shift) & 3)), ml);
+    }
+}
+
+// Q3_K [hmask:32][qs:64][scales:12][d:f16]: low 2 bits as Q2_K's, bit j of hmask[l] clear means
+// -4; 16 weights share a 6-bit scale (low 4 bits in bytes 0..7, high 2 in bytes 8..11), minus 32.
+template <> __device__ __forceinline__ void sub_block<11>(const u8* b, int j, float* v) {
+    const float d = f16_at(b + 108);
+    const u8* qs = b + 32 + 32 * (j >> 2);
+    const u8* sc = b + 96;
+    const int shift = 2 * (j & 3);
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+        const int i = 2 * j + half;
+        const int low = i < 8 ? sc[i] & 0xF : sc[i - 8] >> 4, high = (sc[8 + (i & 3)] >> (2 * (i >> 2))) & 3;
+        const float dl = __fmul_rn(d, (float)((low | (high << 4)) - 32));
+#pragma unroll
+        for (int l = 16 * half; l < 16 * half + 16; ++l) {
+            const int q = ((qs[l] >> shift) & 3) - (((b[l] >> j) & 1) ? 0 : 4);
+            v[l] = __fmul_rn(dl, (float)q);
+        }
+    }
+}
+
+// IQ4_NL [d:f16][qs:16]: d * codebook[q]
+template <> __device__ __forceinline__ void sub_block<20>(const u8* b, int, float* v) {
+    const float d = f16_at(b);
+#pragma unroll
+    for (int l = 0; l < 32; ++l) v[l] = __fmul_rn(d, iq4_value(nibble(b + 2, l)));
+}
+
+// IQ4_XS [d:f16][scales_h:u16][scales_l:4][qs:128]: sub-block j's 6-bit scale is nibble j of
+// scales_l (low) and bits 2j..2j+1 of scales_h (high), minus 32; (d * scale) * codebook[q]
+template <> __device__ __forceinline__ void sub_block<23>(const u8* b, int j, float* v) {
+    const int high = ((b[2] | (b[3] << 8)) >> (2 * j)) & 3, low = (b[4 + (j >> 1)] >> (4 * (j & 1))) & 0xF;
+    const float dl = __fmul_rn(f16_at(b), (float)((low | (high << 4)) - 32));
+    const u8* qs = b + 8 + 16 * j;
+#pragma unroll
+    for (int l = 0; l < 32; ++l) v[l] = __fmul_rn(dl, iq4_value(nibble(qs, l)));
+}
+
+// MXFP4 [e:e8m0][qs:16]: half of 2^(e - 127) (ggml_e8m0_to_fp32_half) * doubled codebook[q]
+template <> __device__ __forceinline__ void sub_block<39>(const u8* b, int, float* v) {
+    const unsigned e = b[0];
+    const float d = __uint_as_float(e < 2 ? 0x00200000u << e : (e - 1) << 23);
+#pragma unroll
+    for (int l = 0; l < 32; ++l) v[l] = __fmul_rn(d, mxfp4_value(nibble(b + 1, l)));
 }

@@ -141,9 +141,4 @@ __global__ void moe_down(const __nv_bfloat16* __restrict__ act, const long long*
     template __global__ void moe_down<TYPE>(const __nv_bfloat16*, const long long*, const float*, int,           \
                                             const long long*, const long long*, u64, long long, u64, int, int,   \
                                             long long, long long, int, __nv_bfloat16*);
-MOE_INSTANTIATE(0)
-MOE_INSTANTIATE(1)
-MOE_INSTANTIATE(8)
-MOE_INSTANTIATE(12)
-MOE_INSTANTIATE(13)
-MOE_INSTANTIATE(14)
+GGML_CUDA_TYPES(MOE_INSTANTIATE)

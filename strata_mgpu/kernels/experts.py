@@ -4,6 +4,11 @@
 speeds up: dequantization by `cuda_src/dequant.cu`, the grouped expert GEMMs by
 `torch._grouped_mm`, decode's routed experts by the fused kernels of `cuda_src/moe_decode.cu`.
 `select_kernels` picks once, when a stage is built.
+
+Every op counts the path it ran in the kernel set's `paths` ("dequant:cuda", "moe_gathered:twin",
+...; see `kernels.paths`), and a CUDA op that falls back to its twin says why, once, in a warning.
+The counts are of eager calls and of calls made while capturing a CUDA graph: replays of a
+captured decode step run no Python and add nothing.
 """
 
 from __future__ import annotations
@@ -18,8 +23,9 @@ import torch.nn.functional as F
 from gguf.constants import GGMLQuantizationType
 
 from strata_mgpu.kernels import nvrtc
+from strata_mgpu.kernels.paths import PathCounter, warn_once
 from strata_mgpu.quant.dequant import dequantize_rows
-from strata_mgpu.quant.formats import block_format
+from strata_mgpu.quant.formats import CUDA_DEQUANT_TYPES, FUSED_DECODE_TYPES, block_format
 from strata_mgpu.stage.expert_cache import ExpertCache
 from strata_mgpu.stage.host_arena import ExpertLayout
 
@@ -28,12 +34,13 @@ Q = GGMLQuantizationType
 DEQUANT_FILE = "dequant.cu"
 COPY_FILE = "copy_f32_wide.cu"
 MOE_FILE = "moe_decode.cu"
-CUDA_DEQUANT_TYPES = (Q.F32, Q.F16, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K)
+# Which types have which kernel: quant/formats.py's table (CUDA_DEQUANT_TYPES is re-exported here).
 _DEQUANT_EXPRS = tuple(f"dequant_bf16<{int(t)}>" for t in CUDA_DEQUANT_TYPES)
-_MOE_EXPRS = tuple(f"{k}<{int(t)}>" for t in CUDA_DEQUANT_TYPES for k in ("moe_gate_up", "moe_down"))
+_MOE_EXPRS = tuple(f"{k}<{int(t)}>" for t in FUSED_DECODE_TYPES for k in ("moe_gate_up", "moe_down"))
 MOE_THREADS = 256  # 8 warps: a block's tile has at most 8 rows, one a warp
 MOE_SHARED_BYTES = 46 * 1024  # under the 48 KiB every card gives a block without opting in
 CUDA_ATTR_HOST_POINTER_FOR_REGISTERED_MEM = 91  # cudaDevAttrCanUseHostPointerForRegisteredMem
+NO_HOST_POINTERS = "this device cannot read registered host memory at its host address"
 
 
 class MoePlan(NamedTuple):
@@ -51,14 +58,23 @@ class TorchKernels:
 
     name = "torch"
 
+    def __init__(self):
+        self.paths = PathCounter()  # "op:path" -> calls (eager and captured; see the module docstring)
+
+    def path_summary(self) -> str:
+        """The paths the ops ran, e.g. 'copy_wide:copy_f32_wide 24, dequant:cuda 96'."""
+        return self.paths.summary()
+
     def copy_wide(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         """Copy src's bytes into dst (same byte count; either side may be mapped host memory)."""
         assert dst.numel() * dst.element_size() == src.numel() * src.element_size()
+        self.paths.ran("copy_wide", "copy_engine")
         dst.view(torch.uint8).view(-1).copy_(src.contiguous().view(torch.uint8).view(-1), non_blocking=True)
 
     def dequant(self, src: torch.Tensor, ggml_type: GGMLQuantizationType, groups: int, weights_per_group: int,
                 group_stride: int, out: torch.Tensor) -> None:
         """`groups` runs of blocks, `group_stride` bytes apart from src[0] -> out [groups * weights_per_group]."""
+        self.paths.ran("dequant", "torch")
         fmt = block_format(ggml_type)
         run_bytes = weights_per_group // fmt.block_size * fmt.type_size
         runs = torch.as_strided(src, (groups, run_bytes), (group_stride, 1))
@@ -87,6 +103,7 @@ class TorchKernels:
                        w_gate_up: torch.Tensor, w_down: torch.Tensor) -> None:
         """Dequantize experts `picks` [M] of local layer i, wherever they live, into w_gate_up [M, 2F, D]
         and w_down [M, D, F]. The twin reads each expert's bytes through the cache's `source`."""
+        self.paths.ran("gather_experts", "torch")
         for g, e in enumerate(picks.tolist()):
             self.dequant_experts(cache.source(i, e), lay, 1, w_gate_up[g:g + 1], w_down[g:g + 1])
 
@@ -96,6 +113,7 @@ class TorchKernels:
         slot or the host arena), computed and combined. h [T, D], weights [T, A] fp32, experts
         [T, A] -> [T, D]. The twin dequantizes the M = T * A picks into the workspace (w_gate_up
         [>= M, 2F, D], w_down [>= M, D, F]) and runs the grouped GEMM pair, one row a group."""
+        self.paths.ran("moe_gathered", "twin")
         t, a = experts.shape
         flat = experts.reshape(-1)  # [M]: row r * A + k is token r's k-th pick
         m = flat.numel()
@@ -109,6 +127,7 @@ class TorchKernels:
         """SiLU-gated MLP per group: x [M, D] sorted by group, offs [G] cumulative row ends,
         w_gate_up [G, 2F, D], w_down [G, D, F] -> [M, D]. Rows past offs[-1] belong to no group
         and are left unwritten (the helped path masks them)."""
+        self.paths.ran("grouped_mlp", "loop")
         out = torch.empty_like(x)
         ends = offs.tolist()
         f = w_down.shape[-1]
@@ -127,13 +146,13 @@ class CudaKernels(TorchKernels):
     name = "cuda"
 
     def __init__(self, device: torch.device, use_grouped_mm: bool):
+        super().__init__()
         self.device = device
         self.use_grouped_mm = use_grouped_mm
         # Below sm_90 torch._grouped_mm is a per-group loop that copies the offsets to the host
         # (pytorch/pytorch#186620): it works, but a step that uses it cannot be captured.
         self.grouped_mm_sync_free = use_grouped_mm and torch.cuda.get_device_capability(device) >= (9, 0)
-        import cupy
-
+        cupy = nvrtc.require_cupy()
         # Can kernels read registered host memory at its host address (UVA)? Decode relies on it.
         self.host_pointers = cupy.cuda.runtime.deviceGetAttribute(
             CUDA_ATTR_HOST_POINTER_FOR_REGISTERED_MEM, device.index or 0) == 1
@@ -146,8 +165,10 @@ class CudaKernels(TorchKernels):
     def dequant(self, src: torch.Tensor, ggml_type: GGMLQuantizationType, groups: int, weights_per_group: int,
                 group_stride: int, out: torch.Tensor) -> None:
         if not self._has_kernel(ggml_type, out):
+            self.paths.fell_back("dequant", "cuda", self._no_kernel_reason(ggml_type, out))
             return super().dequant(src, ggml_type, groups, weights_per_group, group_stride, out)
         assert src.is_cuda
+        self.paths.ran("dequant", "cuda")
         self._launch_dequant(ggml_type, src.data_ptr(), None, 0, groups, weights_per_group, group_stride, out)
 
     def dequant_addressed(self, addresses: torch.Tensor, sources: Callable[[], list[torch.Tensor]],
@@ -163,7 +184,11 @@ class CudaKernels(TorchKernels):
                        w_gate_up: torch.Tensor, w_down: torch.Tensor) -> None:
         if not (self.host_pointers and self._has_kernel(lay.gate_type, w_gate_up)
                 and self._has_kernel(lay.down_type, w_down)):
+            reason = (NO_HOST_POINTERS if not self.host_pointers else
+                      self._no_kernel_reason(lay.gate_type, w_gate_up) or self._no_kernel_reason(lay.down_type, w_down))
+            self.paths.fell_back("gather_experts", "cuda", reason)
             return super().gather_experts(cache, i, picks, lay, w_gate_up, w_down)
+        self.paths.ran("gather_experts", "cuda")
         addresses = cache.addresses(i, picks)  # [M] on the device: no host sync
         m = picks.numel()
         self._launch_dequant(lay.gate_type, 0, addresses, 0, m, 2 * lay.gate_weights, 0, w_gate_up[:m].view(-1))
@@ -172,7 +197,8 @@ class CudaKernels(TorchKernels):
     def moe_fused(self, lay: ExpertLayout, hidden: int, n_used: int) -> MoePlan | None:
         """How the fused decode kernels run this layout, or None where they do not apply (a type
         without a kernel, tiles too big for shared memory)."""
-        if not (self.host_pointers and lay.gate_type in CUDA_DEQUANT_TYPES and lay.down_type in CUDA_DEQUANT_TYPES):
+        if not (self.host_pointers and block_format(lay.gate_type).fused_decode
+                and block_format(lay.down_type).fused_decode):
             return None
         ffn = lay.gate_weights // hidden
         gate_row, down_row = lay.gate_bytes // ffn, lay.down_bytes // hidden
@@ -190,7 +216,9 @@ class CudaKernels(TorchKernels):
         d = h.shape[1]
         plan = self.moe_fused(lay, d, a) if h.dtype == torch.bfloat16 else None
         if plan is None:
+            self.paths.fell_back("moe_gathered", "fused", self._not_fused_reason(lay, h))
             return super().moe_gathered(cache, i, lay, h, weights, experts, w_gate_up, w_down)
+        self.paths.ran("moe_gathered", "fused")
         f = plan.ffn
         h, picks, weights = h.contiguous(), experts.reshape(-1).contiguous(), weights.float().contiguous()
         n_experts = cache.slot_of.shape[1]
@@ -218,7 +246,10 @@ class CudaKernels(TorchKernels):
         nbytes = src.numel() * src.element_size()
         assert dst.numel() * dst.element_size() == nbytes and src.is_contiguous() and dst.is_contiguous()
         if not self.host_pointers or nbytes % 16 or src.data_ptr() % 16 or dst.data_ptr() % 16:
+            self.paths.fell_back("copy_wide", "copy_f32_wide", NO_HOST_POINTERS if not self.host_pointers else
+                                 "byte count or an address is not a multiple of 16")
             return super().copy_wide(dst, src)
+        self.paths.ran("copy_wide", "copy_f32_wide")
         fn = nvrtc.kernel(COPY_FILE, "copy_f32_wide", (), self.device)
         n4 = nbytes // 16
         nvrtc.launch(fn, min((n4 + 255) // 256, 4096), 256,
@@ -226,7 +257,25 @@ class CudaKernels(TorchKernels):
 
     @staticmethod
     def _has_kernel(ggml_type: GGMLQuantizationType, out: torch.Tensor) -> bool:
-        return ggml_type != Q.BF16 and ggml_type in CUDA_DEQUANT_TYPES and out.dtype == torch.bfloat16
+        return block_format(ggml_type).cuda_dequant and out.dtype == torch.bfloat16
+
+    @staticmethod
+    def _no_kernel_reason(ggml_type: GGMLQuantizationType, out: torch.Tensor) -> str:
+        """Why `_has_kernel` is False ('' where it is True)."""
+        if not block_format(ggml_type).cuda_dequant:
+            return f"{ggml_type.name} has no CUDA dequant"
+        return "" if out.dtype == torch.bfloat16 else f"the output is {out.dtype}; the kernel writes bfloat16"
+
+    def _not_fused_reason(self, lay: ExpertLayout, h: torch.Tensor) -> str:
+        """Why decode's fused kernels do not take this layout and input."""
+        if h.dtype != torch.bfloat16:
+            return f"activations are {h.dtype}; the kernels take bfloat16"
+        if not self.host_pointers:
+            return NO_HOST_POINTERS
+        for t in (lay.gate_type, lay.down_type):
+            if not block_format(t).fused_decode:
+                return f"{t.name} has no fused decode kernel"
+        return f"a row tile of {lay.gate_type.name}/{lay.down_type.name} experts does not fit shared memory"
 
     def _launch_dequant(self, ggml_type: GGMLQuantizationType, src_ptr: int, addresses: torch.Tensor | None,
                         ptr_offset: int, groups: int, weights_per_group: int, group_stride: int,
@@ -246,7 +295,10 @@ class CudaKernels(TorchKernels):
     def grouped_mlp(self, x: torch.Tensor, offs: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor
                     ) -> torch.Tensor:
         if not self.use_grouped_mm or x.dtype != torch.bfloat16:
+            self.paths.fell_back("grouped_mlp", "grouped_mm", "torch._grouped_mm does not work on this device"
+                                 if not self.use_grouped_mm else f"activations are {x.dtype}; it takes bfloat16")
             return super().grouped_mlp(x, offs, w_gate_up, w_down)
+        self.paths.ran("grouped_mlp", "grouped_mm")
         f = w_down.shape[-1]
         gu = torch._grouped_mm(x, w_gate_up.transpose(1, 2), offs=offs)  # [M, 2F]
         act = F.silu(gu[:, :f]) * gu[:, f:]  # [M, F]
@@ -279,13 +331,16 @@ def _grouped_mm_works(device: torch.device) -> bool:
 
 
 def select_kernels(device: torch.device, *, prefer_cuda: bool = True) -> TorchKernels:
-    """The kernel set for a stage on `device`, chosen once."""
+    """The kernel set for a stage on `device`, chosen once. Without CuPy (or a kernel source) on a
+    CUDA device: the torch twins, with one warning a process saying what is lost."""
     if device.type != "cuda" or not prefer_cuda:
         return TorchKernels()
     try:
+        nvrtc.require_cupy()
         kernels = CudaKernels(device, use_grouped_mm=_grouped_mm_works(device))
     except nvrtc.KernelUnavailable as e:
-        log.warning("CUDA kernels unavailable (%s): using the torch twins", e)
+        warn_once("CUDA kernels unavailable, the stage runs the torch twins (no CUDA dequant, no fused decode "
+                  "experts or decode ops, hand-overs by copy engine: slower prompts and decode)", str(e))
         return TorchKernels()
     log.info("kernels on %s: CUDA dequant, grouped GEMM %s", device,
              "torch._grouped_mm" if kernels.use_grouped_mm else "per-expert loop")

@@ -14,8 +14,21 @@ import torch
 CUDA_SRC = Path(__file__).resolve().parents[1] / "cuda_src"
 
 
+INSTALL_HINT = ("pip install 'strata-mgpu[cuda12]' or 'strata-mgpu[cuda13]' (cupy-cuda12x or cupy-cuda13x, "
+                "matching torch.version.cuda)")
+
+
 class KernelUnavailable(RuntimeError):
     """CuPy or the kernel source is missing: the stage falls back to the torch twins."""
+
+
+def require_cupy():
+    """The `cupy` module, or KernelUnavailable saying how to install it."""
+    try:
+        import cupy
+    except ImportError as e:  # also where sys.modules["cupy"] is None
+        raise KernelUnavailable(f"CuPy is not installed ({INSTALL_HINT})") from e
+    return cupy
 
 
 def cuda_source(name: str) -> str:
@@ -27,10 +40,7 @@ def cuda_source(name: str) -> str:
 
 @cache
 def _module(file: str, name_expressions: tuple[str, ...], device_index: int):
-    try:
-        import cupy
-    except ImportError as e:  # pragma: no cover - exercised on machines without CuPy
-        raise KernelUnavailable("CuPy is not installed (pip install 'strata-mgpu[cuda]')") from e
+    cupy = require_cupy()
     with cupy.cuda.Device(device_index):
         mod = cupy.RawModule(code=cuda_source(file), options=("-std=c++17", f"-I{CUDA_SRC}"),
                               name_expressions=name_expressions or None)
@@ -46,8 +56,7 @@ def kernel(file: str, expression: str, all_expressions: tuple[str, ...], device:
 
 @cache
 def _cupy_stream(stream_ptr: int, device_index: int):
-    import cupy
-
+    cupy = require_cupy()
     return cupy.cuda.Device(device_index), cupy.cuda.ExternalStream(stream_ptr, device_index)
 
 

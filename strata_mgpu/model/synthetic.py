@@ -4,7 +4,11 @@ Weights are random but well-formed: float tensors are Gaussian; quantized tensor
 bytes (any bit pattern is a valid quant) whose fp16 scale words are then set so the dequantized
 weights have the wanted spread and zero mean. Dequantization is linear in those scale words, so
 a one-off calibration per format on a few blocks (through `gguf.quants`) tells which values to
-write. Everything derives from `--seed` and the tensor's name: same seed, same file.
+write. Random codes are not zero-mean in most formats (Q4_0's q - 8 averages -0.5, IQ4_NL's
+codebook leans negative), so every block's scale words also get a random sign: a block's values
+flip sign with them, and the tensor's mean is zero whatever the format's codes average.
+(MXFP4's power-of-two scale has no sign; its FP4 codebook is symmetric.)
+Everything derives from `--seed` and the tensor's name: same seed, same file.
 """
 
 from __future__ import annotations
@@ -157,8 +161,36 @@ def make_tensor(plan: TensorPlan, seed: int) -> np.ndarray:
     blocks = rng.integers(0, 256, size=(n_blocks, fmt.type_size), dtype=np.uint8)
     ratio, unit = _calibration(t)
     c = plan.std / unit * rng.uniform(0.5, 1.5, size=n_blocks)  # per-block scale jitter
+    if fmt.scale_fields:  # fp16 scales: a random sign a block (see the module docstring)
+        c *= rng.choice(np.array([-1.0, 1.0]), size=n_blocks)
     _set_scales(fmt, blocks, [c, ratio * c])
     return blocks.reshape(*plan.shape[:-1], fmt.row_bytes(plan.shape[-1]))
+
+
+# A file is labelled by its experts' gate/up type, as llama.cpp labels its quantizations (the
+# experts are nearly all of a MoE's bytes); K-quants say whether down is of a larger type (_M).
+_FILE_TYPES = {
+    Q.F32: LlamaFileType.ALL_F32, Q.F16: LlamaFileType.MOSTLY_F16, Q.BF16: LlamaFileType.MOSTLY_BF16,
+    Q.Q4_0: LlamaFileType.MOSTLY_Q4_0, Q.Q4_1: LlamaFileType.MOSTLY_Q4_1, Q.Q5_0: LlamaFileType.MOSTLY_Q5_0,
+    Q.Q5_1: LlamaFileType.MOSTLY_Q5_1, Q.Q8_0: LlamaFileType.MOSTLY_Q8_0, Q.Q2_K: LlamaFileType.MOSTLY_Q2_K,
+    Q.Q6_K: LlamaFileType.MOSTLY_Q6_K, Q.IQ4_NL: LlamaFileType.MOSTLY_IQ4_NL,
+    Q.IQ4_XS: LlamaFileType.MOSTLY_IQ4_XS, Q.MXFP4: LlamaFileType.MOSTLY_MXFP4_MOE,
+}
+_K_SIZES = {  # gate/up type -> (file type with down alike, with down of a larger type)
+    Q.Q3_K: (LlamaFileType.MOSTLY_Q3_K_S, LlamaFileType.MOSTLY_Q3_K_M),
+    Q.Q4_K: (LlamaFileType.MOSTLY_Q4_K_S, LlamaFileType.MOSTLY_Q4_K_M),
+    Q.Q5_K: (LlamaFileType.MOSTLY_Q5_K_S, LlamaFileType.MOSTLY_Q5_K_M),
+}
+
+
+def file_type(expert_type: Q, down_type: Q) -> LlamaFileType:
+    """`general.file_type` of a file with these expert types, after llama.cpp's names: Q4_K gate/up
+    with Q6_K down is Q4_K_M, all Q4_K is Q4_K_S, Q8_0 experts are MOSTLY_Q8_0."""
+    if expert_type in _K_SIZES:
+        alike, larger = _K_SIZES[expert_type]
+        bits = block_format(down_type).bits_per_weight
+        return larger if bits > block_format(expert_type).bits_per_weight else alike
+    return _FILE_TYPES[expert_type]
 
 
 def write_model(path: str | Path, preset_name: str, *, expert_type: Q = Q.Q4_K, down_type: Q | None = None,
@@ -188,7 +220,7 @@ def write_model(path: str | Path, preset_name: str, *, expert_type: Q = Q.Q4_K, 
     w.add_expert_count(spec.n_experts)
     w.add_expert_used_count(spec.n_experts_used)
     w.add_expert_feed_forward_length(spec.expert_ffn)
-    w.add_file_type(LlamaFileType.MOSTLY_Q4_K_M if expert_type == Q.Q4_K else LlamaFileType.GUESSED)
+    w.add_file_type(file_type(expert_type, down_type))
     w.add_quantization_version(2)
     w.add_string("strata.synthetic.seed", str(seed))
     w.add_tokenizer_model("gpt2")

@@ -1,8 +1,16 @@
-"""Block formats strata can read: sizes from `gguf.constants`, scale-field layout for the writer.
+"""The one table of block formats strata serves: sizes (from `gguf.constants`), the scale-field
+layout the synthetic writer uses, and which implementations each format has.
 
 A block holds `block_size` weights in `type_size` bytes. `scale_fields` lists the byte offsets of
 each block's fp16 scale words (d, dmin, ...): dequantized values are linear in them, which is how
 the synthetic writer sets the weights' magnitude on otherwise random, always valid, blocks.
+
+Capabilities (every other list of types derives from these flags):
+  torch_dequant  quant/dequant.py, vectorised torch on any device: the twin. A format without it
+                 is not served: `block_format` refuses it, so a model fails at load, in one line.
+  cuda_dequant   cuda_src/dequant.cu (block decoders in ggml_blocks.cuh), bit-exact with the twin.
+  fused_decode   cuda_src/moe_decode.cu, decode's experts straight from their blocks; without it
+                 decode gathers through the dequant and runs the grouped GEMMs.
 """
 
 from __future__ import annotations
@@ -19,6 +27,9 @@ class BlockFormat:
     ggml_type: GGMLQuantizationType
     scale_fields: tuple[int, ...]  # byte offsets of fp16 scales inside a block (empty: float types)
     e8m0_fields: tuple[int, ...] = ()  # byte offsets of power-of-two exponent scales (MXFP4)
+    torch_dequant: bool = True
+    cuda_dequant: bool = True
+    fused_decode: bool = True
 
     @property
     def name(self) -> str:
@@ -59,6 +70,8 @@ class BlockFormat:
 #   IQ4_NL [d:f16][qs:16]                        non-linear 4-bit codebook
 #   IQ4_XS [d:f16][scales_h:u16][scales_l:4][qs:128]
 #   MXFP4  [e:e8m0][qs:16]                       FP4 (E2M1) values times 2^(e-127)
+# Every format here has all three implementations; a format added without one says so with its
+# flag (and the CUDA type list in ggml_blocks.cuh, checked against this table by the tests).
 _FORMATS = [
     BlockFormat(Q.F32, ()),
     BlockFormat(Q.F16, ()),
@@ -77,16 +90,20 @@ _FORMATS = [
     BlockFormat(Q.IQ4_XS, (0,)),
     BlockFormat(Q.MXFP4, (), e8m0_fields=(0,)),
 ]
-_BY_TYPE = {f.ggml_type: f for f in _FORMATS}
-SUPPORTED_TYPES: tuple[GGMLQuantizationType, ...] = tuple(_BY_TYPE)
+FORMATS: dict[GGMLQuantizationType, BlockFormat] = {f.ggml_type: f for f in _FORMATS}
+SUPPORTED_TYPES: tuple[GGMLQuantizationType, ...] = tuple(t for t, f in FORMATS.items() if f.torch_dequant)
+CUDA_DEQUANT_TYPES: tuple[GGMLQuantizationType, ...] = tuple(t for t, f in FORMATS.items() if f.cuda_dequant)
+FUSED_DECODE_TYPES: tuple[GGMLQuantizationType, ...] = tuple(t for t, f in FORMATS.items() if f.fused_decode)
 
 
 def block_format(ggml_type: GGMLQuantizationType) -> BlockFormat:
-    try:
-        return _BY_TYPE[ggml_type]
-    except KeyError:
-        raise ValueError(f"tensor type {GGMLQuantizationType(ggml_type).name} is not supported "
-                         f"(supported: {', '.join(t.name for t in SUPPORTED_TYPES)})") from None
+    """The format of a type strata serves; a one-line ValueError for any other (model load calls
+    this for every tensor, so an unservable file fails there, not at its first prompt)."""
+    fmt = FORMATS.get(ggml_type)
+    if fmt is None or not fmt.torch_dequant:
+        served = ", ".join(t.name for t, f in FORMATS.items() if f.torch_dequant)
+        raise ValueError(f"tensor type {GGMLQuantizationType(ggml_type).name} is not supported (supported: {served})")
+    return fmt
 
 
 def parse_type(name: str) -> GGMLQuantizationType:

@@ -1,0 +1,163 @@
+"""GPU checks of every served block format (marker `gpu`; skipped without CUDA): the CUDA dequant
+bit-exact against the torch twin on random blocks, decode's fused expert kernels and the address
+gather against the twin for every type on both sides of an expert, and the path counters."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from strata_mgpu.kernels.experts import TorchKernels, select_kernels
+from strata_mgpu.model.gguf_reader import GGUFFile
+from strata_mgpu.model.spec import spec_from_gguf
+from strata_mgpu.model.synthetic import write_model
+from strata_mgpu.quant.formats import CUDA_DEQUANT_TYPES, FUSED_DECODE_TYPES, block_format
+from strata_mgpu.stage.expert_cache import ExpertCache
+from strata_mgpu.stage.stage import Stage, StageOptions
+from tests.test_quant import fresh_seed, raw_blocks
+
+pytestmark = pytest.mark.gpu
+CUDA = torch.device("cuda", 0)
+FUSED_TOL = 1e-2  # max|diff| / max|ref|: same bf16 weights and roundings, fp32 sums in another order
+
+
+def rel_err(a: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((a.float() - ref.float()).abs().max() / ref.float().abs().max())
+
+
+def same_bf16_bits(got: torch.Tensor, want: torch.Tensor) -> tuple[bool, int]:
+    """Equal bf16 bit patterns, a NaN matching any NaN; and the first differing index (-1: none)."""
+    bad = (got.view(torch.int16) != want.view(torch.int16)) & ~(got.isnan() & want.isnan())
+    return not bool(bad.any()), int(bad.nonzero()[0, 0]) if bad.any() else -1
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    k = select_kernels(CUDA)
+    assert k.name == "cuda", "CuPy is needed for the GPU tests"
+    return k
+
+
+@pytest.mark.parametrize("ggml_type", CUDA_DEQUANT_TYPES, ids=lambda t: t.name)
+def test_cuda_dequant_is_bit_exact_with_the_twin(kernels, ggml_type):
+    """Random raw blocks (any bits, finite fp16 scales), as strided runs with gaps between them."""
+    fmt = block_format(ggml_type)
+    seed = fresh_seed()
+    groups, per_group = 7, 256 * 6
+    run_bytes = per_group // fmt.block_size * fmt.type_size
+    stride = run_bytes + fmt.type_size + 1  # odd gaps: blocks at every alignment the formats allow
+    if fmt.is_float:
+        stride += (-stride) % fmt.type_size  # F32/F16/BF16 read whole words
+    blocks = raw_blocks(ggml_type, groups * per_group // fmt.block_size, np.random.default_rng(seed))
+    strided = np.zeros((groups, stride), dtype=np.uint8)
+    strided[:, :run_bytes] = blocks.reshape(groups, run_bytes)
+    src = torch.from_numpy(strided.reshape(-1)).to(CUDA)
+    got = torch.full((groups * per_group,), float("nan"), dtype=torch.bfloat16, device=CUDA)  # poisoned
+    want = torch.empty_like(got)
+    before = kernels.paths["dequant:cuda"]
+    kernels.dequant(src, ggml_type, groups, per_group, stride, got)
+    TorchKernels().dequant(src, ggml_type, groups, per_group, stride, want)
+    torch.cuda.synchronize()
+    assert kernels.paths["dequant:cuda"] == before + 1  # the kernel ran, not the twin
+    ok, at = same_bf16_bits(got, want)
+    assert ok, f"seed {seed}: {ggml_type.name} differs first at weight {at} (block {at // fmt.block_size})"
+
+
+# (gate/up, down): every type on each side once
+FUSED_PAIRS = [(t, FUSED_DECODE_TYPES[(i + 5) % len(FUSED_DECODE_TYPES)]) for i, t in enumerate(FUSED_DECODE_TYPES)]
+
+
+@pytest.mark.parametrize("types", FUSED_PAIRS, ids=lambda t: f"{t[0].name}-{t[1].name}")
+def test_fused_decode_and_gather_of_every_type_equal_twin(kernels, tmp_path_factory, types):
+    """Decode's fused expert kernels against the dequantize + grouped GEMM twin, and the address
+    gather (prefill with resident experts, decode's fallback) bit-exact against the twin's gather;
+    picks read from cache slots and from the mapped host arena."""
+    seed = int(np.random.SeedSequence().entropy % 2**31)
+    path = tmp_path_factory.mktemp("fused") / "m.gguf"
+    write_model(path, "tiny", expert_type=types[0], down_type=types[1], seed=seed)
+    f = GGUFFile(path)
+    spec = spec_from_gguf(f)
+    stage = Stage(f, spec, StageOptions(device=CUDA, max_vram_gib=8))
+    cache = ExpertCache(stage.ctx, stage.arena, range(spec.n_layers), n_slots=3 * spec.n_layers)  # 0-2 resident
+    lay = stage.arena.layouts[1]
+    assert (lay.gate_type, lay.down_type) == types
+    assert kernels.moe_fused(lay, spec.hidden, spec.n_experts_used) is not None
+    E, A, D, F = spec.n_experts, spec.n_experts_used, spec.hidden, spec.expert_ffn
+    rows = 2
+    g = torch.Generator(device=CUDA).manual_seed(seed)
+    h = torch.randn(rows, D, device=CUDA, dtype=torch.bfloat16, generator=g)
+    experts = torch.stack([torch.randperm(E, device=CUDA, generator=g)[:A] for _ in range(rows)])
+    experts[0, :2] = torch.tensor([0, E - 1])  # one resident pick and one from the host for sure
+    weights = torch.softmax(torch.randn(rows, A, device=CUDA, generator=g), -1)
+    w_gu = torch.empty(rows * A, 2 * F, D, dtype=torch.bfloat16, device=CUDA)
+    w_d = torch.empty(rows * A, D, F, dtype=torch.bfloat16, device=CUDA)
+    before = kernels.paths["moe_gathered:fused"]
+    got = kernels.moe_gathered(cache, 1, lay, h, weights, experts, w_gu, w_d)
+    assert kernels.paths["moe_gathered:fused"] == before + 1
+    want = TorchKernels().moe_gathered(cache, 1, lay, h, weights, experts, w_gu, w_d)
+    torch.cuda.synchronize()
+    assert torch.isfinite(got).all() and got.shape == (rows, D)
+    assert rel_err(got, want) <= FUSED_TOL, f"seed {seed}"
+
+    picks = experts.reshape(-1)
+    outs = []
+    for k in (kernels, TorchKernels()):
+        gu = torch.full_like(w_gu, float("nan"))
+        dn = torch.full_like(w_d, float("nan"))
+        k.gather_experts(cache, 1, picks, lay, gu, dn)
+        outs.append((gu, dn))
+    torch.cuda.synchronize()
+    for got_w, want_w in zip(outs[0], outs[1], strict=True):
+        ok, at = same_bf16_bits(got_w.view(-1), want_w.view(-1))
+        assert ok, f"seed {seed}: gather differs first at {at}"
+
+
+def _paths_of(stage) -> dict[str, int]:
+    """The stage's kernel-set counts and its decode ops' (one counter where the stage shares it)."""
+    counts = dict(stage.kernels.paths)
+    ops_paths = getattr(stage.model.ops, "paths", None)
+    if ops_paths is not None and ops_paths is not stage.kernels.paths:
+        counts.update(ops_paths)
+    return counts
+
+
+FAST_PATHS = {"dequant:cuda", "gather_experts:cuda", "moe_gathered:fused", "grouped_mlp:grouped_mm",
+              "copy_wide:copy_f32_wide", "rms_norm:cuda", "add_rms_norm:cuda", "qk_norm_rope_kv:cuda", "route:cuda",
+              "route:gemm"}
+
+
+def test_bf16_stage_runs_only_fast_paths(tiny_gguf):
+    """On a card with mapped host memory and torch._grouped_mm, a bf16 stage's prefill and eager
+    decode take no fallback: the counters name only CUDA paths."""
+    f = GGUFFile(tiny_gguf)
+    spec = spec_from_gguf(f)
+    stage = Stage(f, spec, StageOptions(device=CUDA, max_vram_gib=8, cuda_graphs=False))
+    kv = stage.new_sequence(128)
+    logits = stage.prefill(kv, torch.randint(0, spec.vocab_size, (40,)))
+    for _ in range(3):
+        logits = stage.decode([kv], torch.tensor([int(logits.argmax())]))[0]
+    counts = _paths_of(stage)
+    assert counts.get("dequant:cuda", 0) > 0 and counts.get("moe_gathered:fused", 0) == 3 * spec.n_layers
+    assert set(k for k, n in counts.items() if n) <= FAST_PATHS, stage.kernels.path_summary()
+
+
+def test_two_stage_hand_over_runs_copy_f32_wide(tiny_gguf):
+    """Two stages on one card hand activations over through mapped host memory with the
+    copy_f32_wide kernel, never the copy-engine fallback."""
+    from strata_mgpu.split.runner import build_split
+
+    f = GGUFFile(tiny_gguf)
+    spec = spec_from_gguf(f)
+    opts = StageOptions(device=CUDA, max_vram_gib=4, chunk_size=64, cuda_graphs=False)
+    split = build_split(f, spec, [opts, opts], "2")
+    assert len(split.stages) == 2
+    kv = split.new_sequence(200)
+    logits = split.prefill(kv, torch.randint(0, spec.vocab_size, (100,)))
+    for _ in range(2):
+        logits = split.decode([kv], torch.tensor([int(logits.argmax())]))[0]
+    torch.cuda.synchronize()
+    wide = sum(s.kernels.paths["copy_wide:copy_f32_wide"] for s in split.stages)
+    engine = sum(s.kernels.paths["copy_wide:copy_engine"] for s in split.stages)
+    # a send and a receive each hand-over: at least one in prefill, one each decode step
+    assert wide >= 2 * (1 + 2) and engine == 0, [s.kernels.path_summary() for s in split.stages]
