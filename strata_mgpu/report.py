@@ -89,6 +89,8 @@ def bench_lines(result: BenchResult, chunk_size: int, max_vram: str | None) -> l
                      f"{100 * st.resident_share:.0f}% resident, a pass streams {gb(st.pass_bytes)}"
                      + (f", busy {st.busy_s:.3f} s of the longest prompt" if st.busy_s is not None else ""))
         lines.append("  VRAM plan: " + "; ".join(f"{what} {gb(n)}" for what, n in st.plan if n))
+    for i, paths in enumerate(result.paths):
+        lines.append(f"stage {i} ran: {paths}")
     if result.overlap_s is not None:
         lines.append(f"stages busy at the same time: {result.overlap_s:.3f} s of {result.pipeline_s:.3f} s "
                      f"({result.pipeline_tokens:,} tokens in chunks of {chunk_size:,})")

@@ -96,6 +96,7 @@ class TorchKernels:
         """n experts, each wherever it lies on the device, -> w_gate_up[:n], w_down[:n]. CUDA reads
         them through `addresses` [n] (device int64); the twin copies `sources()` (each expert's
         bytes) together and dequantizes them as one run."""
+        self.paths.ran("dequant_addressed", "torch")
         src = torch.cat(sources()) if n > 1 else sources()[0]
         self.dequant_experts(src, lay, n, w_gate_up, w_down)
 
@@ -174,7 +175,10 @@ class CudaKernels(TorchKernels):
     def dequant_addressed(self, addresses: torch.Tensor, sources: Callable[[], list[torch.Tensor]],
                           lay: ExpertLayout, n: int, w_gate_up: torch.Tensor, w_down: torch.Tensor) -> None:
         if not (self._has_kernel(lay.gate_type, w_gate_up) and self._has_kernel(lay.down_type, w_down)):
+            bad = lay.gate_type if not self._has_kernel(lay.gate_type, w_gate_up) else lay.down_type
+            self.paths.fell_back("dequant_addressed", "cuda", self._no_kernel_reason(bad, w_gate_up))
             return super().dequant_addressed(addresses, sources, lay, n, w_gate_up, w_down)
+        self.paths.ran("dequant_addressed", "cuda")
         addresses = addresses.contiguous()
         self._launch_dequant(lay.gate_type, 0, addresses, 0, n, 2 * lay.gate_weights, 0, w_gate_up[:n].view(-1))
         self._launch_dequant(lay.down_type, 0, addresses, lay.down_offset, n, lay.down_weights, 0,

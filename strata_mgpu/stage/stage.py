@@ -94,7 +94,8 @@ class Stage(DecoderRunner):
         cache = (ExpertCache(self.ctx, self.arena, layers, self.plan.resident_per_layer * len(layers))
                  if opts.expert_cache else None)
         experts = StreamedExperts(self.ctx, spec, self.arena, kernels, ring, cache, layers, dtype=dtype)
-        ops = CudaDecodeOps(self.ctx.device) if isinstance(kernels, CudaKernels) and dtype == torch.bfloat16 else None
+        fused_ops = isinstance(kernels, CudaKernels) and dtype == torch.bfloat16
+        ops = CudaDecodeOps(self.ctx.device, paths=kernels.paths) if fused_ops else None  # one counter for both
         super().__init__(Decoder(spec, dense, experts, ops))
         self._graphs_ok = (opts.cuda_graphs and self.is_first and self.is_last and cache is not None
                            and dtype == torch.bfloat16 and self._decode_never_syncs(kernels, spec))

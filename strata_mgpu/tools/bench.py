@@ -66,6 +66,7 @@ class BenchResult:
     peak_vram_gb: float | None  # reserved by the caching allocator (what the budget caps)
     peak_vram_allocated_gb: float | None  # in live tensors; reserved minus this is cached free blocks
     kernels: str
+    paths: list[str] = field(default_factory=list)  # per stage: which implementation each op ran, and how often
     stages: list[StageResult] = field(default_factory=list)
     overlap_s: float | None = None  # time two or more stages were busy at once (longest prompt)
     pipeline_s: float | None = None
@@ -255,7 +256,7 @@ def run_bench(runner, model_name: str, prompt_tokens: list[int], decode_tokens: 
         link_gb_per_s=bw, prefill=results, decode_tokens=decode_tokens, decode_tok_per_s=dec,
         decode_resident_share=cache.hit_rate_uniform if cache else None, decode_hit_rate=hit, peak_vram_gb=peak,
         peak_vram_allocated_gb=peak_live,
-        kernels=stages[0].report.kernels,
+        kernels=stages[0].report.kernels, paths=[s.kernels.path_summary() for s in stages],
         stages=[StageResult(index=i, device=str(s.ctx.device), layers=f"{s.layers.start}-{s.layers.stop - 1}",
                             expert_bytes=s.arena.nbytes, resident_share=s.plan.resident_share,
                             pass_bytes=s.model.experts.pass_bytes(), plan=s.plan.lines(), busy_s=busy.get(i))
