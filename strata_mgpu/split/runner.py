@@ -20,6 +20,7 @@ from strata_mgpu.model.spec import ModelSpec
 from strata_mgpu.split.exchange import Exchange
 from strata_mgpu.split.help_rule import HelpPolicy
 from strata_mgpu.split.peer_prefill import MESSAGES_PER_LAYER, PeerPrefill
+from strata_mgpu.split.rate_model import stage_load
 from strata_mgpu.stage.stage import Stage, StageOptions
 
 log = logging.getLogger("strata.split")
@@ -116,7 +117,8 @@ class SplitRunner:
         if whole_prompt:  # one chunk: the stages run one after the other, and the idle one helps
             for k, (busy, helper) in enumerate(zip(self.stages, self.helpers, strict=False)):
                 idle = self.stages[(k + 1) % len(self.stages)]
-                share = self.policy.share(n, across_cards=idle.ctx.device != busy.ctx.device)
+                share = self.policy.share(n, across_cards=idle.ctx.device != busy.ctx.device,
+                                          load=stage_load(busy, idle))
                 n_help = min(self.spec.n_experts - 1, round(share * self.spec.n_experts))
                 if n_help > 0:
                     helper.bind_stage_helper(idle.lend(), busy.arena, busy.layers, n_help)
