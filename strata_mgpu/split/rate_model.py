@@ -41,7 +41,6 @@ import torch
 from strata_mgpu.stage.device import DeviceContext
 
 # issue #13's H200s, see the module docstring
-H200_LINK_BYTES_PER_S = 55.4e9
 H200_OTHER_S_PER_TOKEN = 0.30e-6
 H200_EXPERT_S_PER_TOKEN = 0.15e-6
 H200_MAPPED_BYTES_PER_S = 23e9
