@@ -86,9 +86,9 @@ layer_split_option = click.option("--layer-split", default="auto", show_default=
 max_vram_option = click.option("--max-vram", default=None,
                                help="GiB of VRAM each stage may use: one value, or one per device (16,12)")
 def help_options(f):
-    f = click.option("--prefill-help-frac", type=float, default=None,
-                     help="fix the helper's share of each layer's experts (0 < f < 1); "
-                          "default: STRATA_PREFILL_HELP_FRAC, else the rule")(f)
+    f = click.option("--prefill-help-frac", default=None,
+                     help="the helper's share of each layer's experts: auto (the rate model), rule, or fixed "
+                          "0 < f < 1; default: STRATA_PREFILL_HELP_FRAC, else auto")(f)
     return click.option("--prefill-help/--no-prefill-help", default=None,
                         help="the idle stage helps one-chunk prompts (default: STRATA_PREFILL_HELP, on)")(f)
 
@@ -150,7 +150,7 @@ def _int_list(value: str) -> list[int]:
 
 
 def _placement(devices: str, layer_split: str, max_vram: str | None, dtype: str, cuda_graphs: bool = True,
-               prefill_help: bool | None = None, prefill_help_frac: float | None = None,
+               prefill_help: bool | None = None, prefill_help_frac: str | None = None,
                resident_experts: int | None = None):
     from strata_mgpu.config import Placement
 
@@ -188,7 +188,7 @@ def _placement(devices: str, layer_split: str, max_vram: str | None, dtype: str,
 @click.option("--json", "json_out", type=click.Path(dir_okay=False, path_type=Path), default=None)
 def bench(model: Path, prompt_tokens: str, decode_tokens: int, runs: int, devices: str, layer_split: str,
           max_vram: str | None, dtype: str, chunk_size: int, cuda_graphs: bool, prefill_help: bool | None,
-          prefill_help_frac: float | None, resident_experts: int | None, json_out: Path | None) -> None:
+          prefill_help_frac: str | None, resident_experts: int | None, json_out: Path | None) -> None:
     """Prefill tok/s against the PCIe link bound, and decode tok/s."""
     from strata_mgpu.env import EnvError
     from strata_mgpu.split.runner import SplitError
@@ -267,8 +267,7 @@ def sweep(model: Path, devices: str, layer_split: str, max_vram: str | None, pro
     try:
         runner = _build(model, placement, max(lengths), kv_tokens=max(lengths))
         result = sw.run_sweep(runner, model.name, lengths, share_list, runs,
-                              on_cell=lambda c: err.print(f"{c.tokens} tokens, share {c.share:g}: "
-                                                          f"{c.tok_per_s:,.0f} tok/s"))
+                              on_cell=lambda c: err.print(sw.describe(c)))
     except (GGUFError, DeviceError, SplitError, EnvError, ValueError) as e:
         fail(str(e))
     out.print(report.sweep_table(result))
@@ -316,7 +315,7 @@ def topo() -> None:
 @help_options
 def serve(model: Path | None, host: str, port: int, ctx_size: int | None, chunk_size: int, max_running: int,
           api_key: str | None, alias: str | None, devices: str, layer_split: str, max_vram: str | None,
-          dtype: str, prefill_help: bool | None, prefill_help_frac: float | None) -> None:
+          dtype: str, prefill_help: bool | None, prefill_help_frac: str | None) -> None:
     """OpenAI-compatible server. With no MODEL, serves a small built-in demo model."""
     from strata_mgpu.config import EngineConfig, ServerConfig
     from strata_mgpu.env import EnvError

@@ -35,7 +35,7 @@ class Placement:
     dtype: str = "bf16"  # compute dtype on the GPU: bf16 or fp32
     cuda_graphs: bool = True
     prefill_help: bool | None = None  # the PeerPrefill helper; None: STRATA_PREFILL_HELP
-    prefill_help_frac: float | None = None  # fixed helper share; None: STRATA_PREFILL_HELP_FRAC, else the rule
+    prefill_help_frac: float | str | None = None  # 'auto', 'rule' or a share; None: STRATA_PREFILL_HELP_FRAC, else auto
     resident_experts: int | None = None  # force K resident experts a layer (0: stream all); None: the VRAM plan
 
     def __post_init__(self) -> None:
@@ -47,9 +47,10 @@ class Placement:
             raise ValueError(f"dtype {self.dtype!r}: bf16 or fp32")
         if self.resident_experts is not None and self.resident_experts < 0:
             raise ValueError(f"--resident-experts {self.resident_experts}: 0 or more")
-        if self.prefill_help_frac is not None and not 0 < self.prefill_help_frac < 1:
-            raise ValueError(f"--prefill-help-frac {self.prefill_help_frac}: the share must lie strictly "
-                             f"between 0 and 1")
+        if self.prefill_help_frac is not None:
+            from strata_mgpu.env import parse_help_frac
+
+            parse_help_frac(self.prefill_help_frac, "--prefill-help-frac")  # EnvError is a ValueError
 
     def budget(self, stage: int) -> float | None:
         return self.max_vram_gib[0] if len(self.max_vram_gib) == 1 else self.max_vram_gib[stage]

@@ -28,7 +28,8 @@ LOG_LEVEL = EnvVar("STRATA_LOG_LEVEL", "INFO", "logging level of the server and 
 PREFILL_HELP = EnvVar("STRATA_PREFILL_HELP", "1",
                       "0 turns the PeerPrefill helper off (the idle stage streaming a share of a one-chunk prompt)")
 PREFILL_HELP_FRAC = EnvVar("STRATA_PREFILL_HELP_FRAC", None,
-                           "fixes the helper's share of each layer's experts (0 < f < 1) instead of the rule")
+                           "the helper's share of each layer's experts: auto (the rate model, default), rule "
+                           "(min(0.45, 0.5 - T/16384), off below 0.3) or a fixed share 0 < f < 1")
 
 ALL = (CACHE_DIR, LOG_LEVEL, PREFILL_HELP, PREFILL_HELP_FRAC)
 
@@ -58,14 +59,21 @@ def prefill_help() -> bool:
     raise EnvError(f"{PREFILL_HELP.name}={raw!r}: expected 0 or 1")
 
 
-def prefill_help_frac() -> float | None:
-    raw = PREFILL_HELP_FRAC.raw()
-    if raw is None:
-        return None
+def parse_help_frac(raw: str | float, source: str) -> float | str:
+    """'auto', 'rule' or a share strictly between 0 and 1; `source` names the setting in the error."""
+    text = str(raw).strip().lower()
+    if text in ("auto", "rule"):
+        return text
     try:
-        frac = float(raw)
+        frac = float(text)
     except ValueError:
-        raise EnvError(f"{PREFILL_HELP_FRAC.name}={raw!r}: expected a number between 0 and 1") from None
+        raise EnvError(f"{source}={raw!r}: expected auto, rule or a number between 0 and 1") from None
     if not 0 < frac < 1:
-        raise EnvError(f"{PREFILL_HELP_FRAC.name}={raw!r}: the share must lie strictly between 0 and 1")
+        raise EnvError(f"{source}={raw!r}: the share must lie strictly between 0 and 1")
     return frac
+
+
+def prefill_help_frac() -> float | str | None:
+    """None when unset (the policy's default, auto)."""
+    raw = PREFILL_HELP_FRAC.raw()
+    return None if raw is None else parse_help_frac(raw, PREFILL_HELP_FRAC.name)

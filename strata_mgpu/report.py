@@ -104,11 +104,13 @@ def bench_lines(result: BenchResult, chunk_size: int, max_vram: str | None) -> l
 
 def sweep_table(result: SweepResult) -> Table:
     t = Table(title=f"{result.model} on {result.devices}: one-chunk prefill tok/s (gain over help-off); "
-                    f"* best, r = the rule's share")
+                    f"* best, r = the rule's share; auto: the rate model's pick; bounds: links only")
     t.add_column("tokens", justify="right")
     for s in result.shares():
         t.add_column("off" if s == 0 else f"{s:g}", justify="right")
     t.add_column("rule", justify="right")
+    t.add_column("auto", justify="right")
+    t.add_column("bound s off / helped", justify="right")
     for n in result.lengths():
         best, rule = result.best_share(n), result.rule_share(n)
         near = min(result.shares(), key=lambda s: abs(s - rule))
@@ -117,7 +119,11 @@ def sweep_table(result: SweepResult) -> Table:
             c = result.cell(n, s)
             mark = ("*" if s == best else "") + ("r" if s == near else "")
             cells.append(f"{c.tok_per_s:,.0f}" + ("" if s == 0 else f" ({100 * result.gain(n, s):+.0f}%)") + mark)
-        t.add_row(f"{n:,}", *cells, f"{rule:.2f}" if rule else "off")
+        a, gain, bounds = result.auto_cell(n), result.auto_gain(n), result.bounds(n)
+        auto = "n/a" if a is None or gain is None else (
+            f"{'/'.join(f'{s:.2f}' for s in dict.fromkeys(a.shares))}: {a.tok_per_s:,.0f} ({100 * gain:+.0f}%)")
+        t.add_row(f"{n:,}", *cells, f"{rule:.2f}" if rule else "off", auto,
+                  f"{bounds[0]:.3f} / {bounds[1]:.3f}" if bounds else "n/a")
     return t
 
 

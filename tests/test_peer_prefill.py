@@ -36,7 +36,7 @@ def test_controls(monkeypatch):
     assert HelpPolicy.resolve(None, None) == HelpPolicy(enabled=True, fixed_share=None)
     monkeypatch.setenv("STRATA_PREFILL_HELP", "0")
     assert HelpPolicy.resolve(None, None).share(1000) == 0.0
-    assert HelpPolicy.resolve(True, None).share(1000) == default_share(1000)  # the flag wins
+    assert HelpPolicy.resolve(True, "rule").share(1000) == default_share(1000)  # the flag wins
     monkeypatch.setenv("STRATA_PREFILL_HELP", "1")
     monkeypatch.setenv("STRATA_PREFILL_HELP_FRAC", "0.25")
     assert HelpPolicy.resolve(None, None).share(8000) == 0.25  # fixed: also where the rule is off

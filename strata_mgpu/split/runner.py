@@ -20,6 +20,7 @@ from strata_mgpu.model.spec import ModelSpec
 from strata_mgpu.split.exchange import Exchange
 from strata_mgpu.split.help_rule import HelpPolicy
 from strata_mgpu.split.peer_prefill import MESSAGES_PER_LAYER, PeerPrefill
+from strata_mgpu.split.rate_model import measure_link_rate, stage_load
 from strata_mgpu.stage.stage import Stage, StageOptions
 
 log = logging.getLogger("strata.split")
@@ -129,7 +130,8 @@ class SplitRunner:
         if whole_prompt:  # one chunk: the stages run one after the other, and the idle one helps
             for k, (busy, helper) in enumerate(zip(self.stages, self.helpers, strict=False)):
                 idle = self.stages[(k + 1) % len(self.stages)]
-                share = self.policy.share(n, across_cards=idle.ctx.device != busy.ctx.device)
+                share = self.policy.share(n, across_cards=idle.ctx.device != busy.ctx.device,
+                                          load=stage_load(busy, idle))
                 n_help = self.helper_experts(busy, idle, share)
                 if n_help > 0:
                     helper.bind_stage_helper(idle.lend(), busy.arena, n_help)
@@ -176,6 +178,8 @@ def build_split(f: GGUFFile, spec: ModelSpec, options: list[StageOptions], layer
     log.info("layer split %s: %s", layer_split, "; ".join(f"stage {i}: layers {r.start}-{r.stop - 1} on {o.device}"
                                                          for i, (o, r) in enumerate(zip(options, ranges, strict=True))))
     stages = [Stage(f, spec, o, r, on_progress=on_progress) for o, r in zip(options, ranges, strict=True)]
+    for s in stages:  # each link's rate for the helper's share, now rather than inside the first prompt
+        measure_link_rate(s.ctx)
     chunk = max(o.chunk_size for o in options)
     max_bytes = chunk * spec.hidden * 4  # fp32 rows at most: bf16 needs half
     exchanges = [Exchange(a.ctx, b.ctx, a.kernels, b.kernels, max_bytes) for a, b in zip(stages, stages[1:],

@@ -1,11 +1,15 @@
 """`strata sweep`: one-chunk prefill speed for each helper share and prompt length.
 
 Each cell is the median tok/s of `runs` one-chunk prefills with the helper's share fixed (0:
-help off); the table gives the gain over help-off, the best share per length, and marks the
-share the default rule would take (`runtime.help_rule.default_share`). Writes CSV, JSON and a
-PNG plot (matplotlib, when installed). Runs on the CPU with the tiny model and two emulated
-stages too; there both stages share the same cores and no link is streamed, so those figures
-say nothing about what a second card's link brings.
+help off); the table gives the gain over help-off, the best share per length, the share the rule
+would take (`split.help_rule.default_share`), and an `auto` column: the shares the rate model
+picks (`split.rate_model`, one per busy stage) and their measured speed. The link bounds per
+length: unhelped, each stage's streamed bytes over its link, summed (the stages run one after the
+other); helped, the larger of the two links' loads (experts plus hand-over bytes, all at DMA
+rate) at the share that balances them. The JSON also holds the rate model's inputs. Writes CSV,
+JSON and a PNG plot (matplotlib, when installed). Runs on the CPU with the tiny model and two
+emulated stages too; there both stages share the same cores and no link is measured (no bounds,
+auto helps nothing), so those figures say nothing about what a second card's link brings.
 """
 
 from __future__ import annotations
@@ -14,13 +18,17 @@ import csv
 import json
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 
 from strata_mgpu.split.help_rule import HelpPolicy, default_share
+from strata_mgpu.split.rate_model import ComputeRates, RateEstimate, StageLoad, best_share, link_bounds, stage_load
 from strata_mgpu.tools.bench import sync_stages
+
+TimePrompt = Callable[[int, HelpPolicy], float]  # (tokens, policy) -> seconds of one one-chunk prefill
 
 
 @dataclass
@@ -32,13 +40,28 @@ class SweepCell:
 
 
 @dataclass
+class AutoCell:
+    tokens: int
+    shares: list[float]  # what auto picked, one per busy stage
+    tok_per_s: float  # median
+    runs_s: list[float] = field(default_factory=list)
+
+
+@dataclass
 class SweepResult:
     devices: str
     model: str
     cells: list[SweepCell]
+    auto: list[AutoCell] = field(default_factory=list)
+    loads: list[StageLoad] = field(default_factory=list)  # the rate model's inputs, one per busy stage
+    across_cards: list[bool] = field(default_factory=list)  # helper and busy stage on different cards
+    rates: ComputeRates = field(default_factory=ComputeRates)
 
     def cell(self, tokens: int, share: float) -> SweepCell:
         return next(c for c in self.cells if c.tokens == tokens and c.share == share)
+
+    def auto_cell(self, tokens: int) -> AutoCell | None:
+        return next((c for c in self.auto if c.tokens == tokens), None)
 
     def lengths(self) -> list[int]:
         return sorted({c.tokens for c in self.cells})
@@ -50,6 +73,10 @@ class SweepResult:
         """tok/s relative to help-off at the same length (share 0 must be in the sweep)."""
         return self.cell(tokens, share).tok_per_s / self.cell(tokens, 0.0).tok_per_s - 1.0
 
+    def auto_gain(self, tokens: int) -> float | None:
+        a = self.auto_cell(tokens)
+        return None if a is None else a.tok_per_s / self.cell(tokens, 0.0).tok_per_s - 1.0
+
     def best_share(self, tokens: int) -> float:
         return max(self.shares(), key=lambda s: self.cell(tokens, s).tok_per_s)
 
@@ -57,55 +84,99 @@ class SweepResult:
     def rule_share(tokens: int) -> float:
         return default_share(tokens)
 
+    def bounds(self, tokens: int) -> tuple[float, float] | None:
+        """(unhelped, helped) link bounds of a one-chunk prompt in seconds; None without measured
+        links (the CPU). Stages whose helper shares their card have no second link."""
+        if not self.loads or any(x.link_busy is None or x.link_helper is None for x in self.loads):
+            return None
+        off = helped = 0.0
+        for load, across in zip(self.loads, self.across_cards, strict=True):
+            o, h = link_bounds(load, tokens)
+            off, helped = off + o, helped + (h if across else o)
+        return off, helped
+
+
+def sweep(time_prompt: TimePrompt, lengths: list[int], shares: list[float], runs: int, loads: list[StageLoad],
+          across_cards: list[bool], devices: str, model_name: str, rates: ComputeRates | None = None,
+          on_cell: Callable[[SweepCell | AutoCell], None] = lambda cell: None) -> SweepResult:
+    """Time every (length, share) cell and auto's pick per length with `time_prompt`."""
+    rates = rates or ComputeRates()
+    cells, autos = [], []
+    for n in lengths:
+        for share in shares:
+            policy = HelpPolicy(enabled=share > 0, fixed_share=share if share > 0 else None)
+            times = [time_prompt(n, policy) for _ in range(runs)]
+            cells.append(SweepCell(tokens=n, share=share, tok_per_s=n / statistics.median(times), runs_s=times))
+            on_cell(cells[-1])
+        policy = HelpPolicy(mode="auto", estimate=RateEstimate(rates))  # fixed rates: no observe here
+        picks = [best_share(x, rates, n) if across else 0.0 for x, across in zip(loads, across_cards, strict=True)]
+        times = [time_prompt(n, policy) for _ in range(runs)]
+        autos.append(AutoCell(tokens=n, shares=picks, tok_per_s=n / statistics.median(times), runs_s=times))
+        on_cell(autos[-1])
+    return SweepResult(devices=devices, model=model_name, cells=cells, auto=autos, loads=loads,
+                       across_cards=across_cards, rates=rates)
+
 
 def run_sweep(runner, model_name: str, lengths: list[int], shares: list[float], runs: int,
-              on_cell=lambda cell: None) -> SweepResult:
-    """Time every (length, share) cell; the runner must be a split runner with helpers set."""
+              on_cell: Callable[[SweepCell | AutoCell], None] = lambda cell: None) -> SweepResult:
+    """Time every cell on a split runner with helpers set (links probed first, on a GPU)."""
     if not getattr(runner, "helpers", None):
         raise ValueError("the sweep needs two or more stages (--devices 0,1, 0,0 or cpu,cpu)")
+    stages = runner.stages
+    idles = [stages[(k + 1) % len(stages)] for k in range(len(stages))]
+    loads = [stage_load(busy, idle) for busy, idle in zip(stages, idles, strict=True)]
+    across = [busy.ctx.device != idle.ctx.device for busy, idle in zip(stages, idles, strict=True)]
     g = torch.Generator().manual_seed(0)
-    cells = []
+    prompts: dict[int, torch.Tensor] = {}
     saved = runner.policy
-    try:
-        for n in lengths:
-            prompt = torch.randint(0, runner.spec.vocab_size, (n,), generator=g)
+
+    def time_prompt(n: int, policy: HelpPolicy) -> float:
+        if n not in prompts:  # a new length: warm up once, help off
+            prompts[n] = torch.randint(0, runner.spec.vocab_size, (n,), generator=g)
             runner.policy = HelpPolicy(enabled=False)
-            runner.prefill(runner.new_sequence(n + 1), prompt, whole_prompt=True)  # warm-up for this length
-            for share in shares:
-                runner.policy = HelpPolicy(enabled=share > 0, fixed_share=share if share > 0 else None)
-                times = []
-                for _ in range(runs):
-                    kv = runner.new_sequence(n + 1)
-                    sync_stages(runner.stages)
-                    t0 = time.perf_counter()
-                    runner.prefill(kv, prompt, whole_prompt=True)
-                    sync_stages(runner.stages)
-                    times.append(time.perf_counter() - t0)
-                cell = SweepCell(tokens=n, share=share, tok_per_s=n / statistics.median(times), runs_s=times)
-                cells.append(cell)
-                on_cell(cell)
+            runner.prefill(runner.new_sequence(n + 1), prompts[n], whole_prompt=True)
+        runner.policy = policy
+        kv = runner.new_sequence(n + 1)
+        sync_stages(stages)
+        t0 = time.perf_counter()
+        runner.prefill(kv, prompts[n], whole_prompt=True)
+        sync_stages(stages)
+        return time.perf_counter() - t0
+
+    try:
+        return sweep(time_prompt, lengths, shares, runs, loads, across,
+                     ",".join(str(s.ctx.device) for s in stages), model_name, on_cell=on_cell)
     finally:
         runner.policy = saved
-    return SweepResult(devices=",".join(str(s.ctx.device) for s in runner.stages), model=model_name, cells=cells)
+
+
+def _shares_text(shares: list[float]) -> str:
+    return "/".join(f"{s:.3f}" for s in dict.fromkeys(shares))
 
 
 def write_csv(result: SweepResult, path: Path) -> None:
     with path.open("w", newline="") as fh:
         w = csv.writer(fh)
-        w.writerow(["tokens", "share", "tok_per_s", "gain_over_off", "rule_share", "best_share"])
+        w.writerow(["tokens", "share", "tok_per_s", "gain_over_off", "rule_share", "best_share", "auto_share",
+                    "auto_tok_per_s", "bound_off_s", "bound_helped_s"])
         for c in result.cells:
+            a, b = result.auto_cell(c.tokens), result.bounds(c.tokens)
             w.writerow([c.tokens, c.share, f"{c.tok_per_s:.1f}", f"{result.gain(c.tokens, c.share):.4f}",
-                        result.rule_share(c.tokens), result.best_share(c.tokens)])
+                        result.rule_share(c.tokens), result.best_share(c.tokens),
+                        _shares_text(a.shares) if a else "", f"{a.tok_per_s:.1f}" if a else "",
+                        f"{b[0]:.4f}" if b else "", f"{b[1]:.4f}" if b else ""])
 
 
 def write_json(result: SweepResult, path: Path) -> None:
     data = asdict(result) | {"best_share": {n: result.best_share(n) for n in result.lengths()},
-                             "rule_share": {n: result.rule_share(n) for n in result.lengths()}}
+                             "rule_share": {n: result.rule_share(n) for n in result.lengths()},
+                             "bounds_s": {n: result.bounds(n) for n in result.lengths()}}
     path.write_text(json.dumps(data, indent=2))
 
 
 def write_png(result: SweepResult, path: Path) -> bool:
-    """Gain over help-off against share, one line per length. False when matplotlib is missing."""
+    """Gain over help-off against share, one line per length; auto's pick as a star. False when
+    matplotlib is missing."""
     try:
         import matplotlib
 
@@ -117,15 +188,26 @@ def write_png(result: SweepResult, path: Path) -> bool:
     for n in result.lengths():
         shares = result.shares()
         ax.plot(shares, [100 * result.gain(n, s) for s in shares], marker="o", label=f"{n:,} tokens")
+        color = ax.lines[-1].get_color()
         rule = result.rule_share(n)
         if rule > 0:
-            ax.axvline(rule, color=ax.lines[-1].get_color(), linestyle=":", linewidth=1)
+            ax.axvline(rule, color=color, linestyle=":", linewidth=1)
+        a, gain = result.auto_cell(n), result.auto_gain(n)
+        if a is not None and gain is not None:
+            ax.plot([statistics.mean(a.shares)], [100 * gain], marker="*", markersize=12, color=color)
     ax.axhline(0, color="grey", linewidth=0.8)
     ax.set_xlabel("helper's share of each layer's experts")
     ax.set_ylabel("prefill tok/s gain over help-off (%)")
-    ax.set_title(f"{result.model} on {result.devices} (dotted: the rule's share)")
+    ax.set_title(f"{result.model} on {result.devices} (dotted: the rule's share, star: auto)")
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return True
+
+
+def describe(cell: SweepCell | AutoCell) -> str:
+    """One progress line per timed cell."""
+    if isinstance(cell, AutoCell):
+        return f"{cell.tokens} tokens, auto (share {_shares_text(cell.shares)}): {cell.tok_per_s:,.0f} tok/s"
+    return f"{cell.tokens} tokens, share {cell.share:g}: {cell.tok_per_s:,.0f} tok/s"
