@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import threading
+from dataclasses import dataclass, field
 
 import pytest
 import torch
@@ -125,6 +126,114 @@ def test_background_thread(loaded):
     assert done.wait(30)
     engine.shutdown()
     assert outs[-1].n_generated == 5
+
+
+# -- the pipelined step, on a scripted runner ----------------------------------------------------
+
+@dataclass
+class ScriptedKV:
+    max_length: int
+    length: int = 0
+    n_decoded: int = 0
+    nbytes: int = 1
+
+    def grow(self, n: int) -> None:
+        self.length += n
+        assert self.length <= self.max_length, "the engine ran a sequence past its context"
+
+
+@dataclass
+class ScriptedRunner:
+    """Every sequence generates `script`, greedily: each call's logits put the mass on the
+    script's next token. Checks that every decode is fed the token drawn before it, and logs
+    its calls in `events` (which the test's on_output shares)."""
+
+    spec: object
+    script: list[int]
+    events: list[tuple] = field(default_factory=list)
+    kv_token_budget: int | None = None
+
+    def new_sequence(self, max_length: int) -> ScriptedKV:
+        return ScriptedKV(max_length)
+
+    def _row(self, kv: ScriptedKV) -> torch.Tensor:
+        row = torch.zeros(self.spec.vocab_size)
+        row[self.script[kv.n_decoded]] = 30.0
+        return row
+
+    def prefill(self, kv: ScriptedKV, tokens: torch.Tensor, whole_prompt: bool = False) -> torch.Tensor:
+        kv.grow(len(tokens))
+        self.events.append(("prefill", len(tokens)))
+        return self._row(kv)
+
+    def decode(self, kvs, tokens: torch.Tensor) -> torch.Tensor:
+        self.events.append(("decode", len(kvs)))
+        rows = []
+        for kv, fed in zip(kvs, tokens.tolist(), strict=True):
+            assert fed == self.script[kv.n_decoded], "decode was not fed the token drawn before"
+            kv.grow(1)
+            kv.n_decoded += 1
+            rows.append(self._row(kv))
+        return torch.stack(rows)
+
+
+def scripted(loaded, script: list[int], **engine_kw) -> tuple[Engine, ScriptedRunner]:
+    runner, tok = loaded
+    fake = ScriptedRunner(runner.spec, script)
+    return Engine(fake, tok, EngineConfig(**engine_kw)), fake
+
+
+def test_next_step_launches_before_the_host_sees_the_last_token(loaded):
+    tok = loaded[1]
+    script = tok.encode("one two three four five six", add_special=False)[:6]
+    engine, fake = scripted(loaded, script, ctx_size=64)
+    out: list[RequestOutput] = []
+    engine.submit([1, 2, 3], SamplingParams(max_tokens=6, temperature=0), lambda o: (out.append(o),
+                                                                                  fake.events.append(("out",))))
+    while not (out and out[-1].finished):
+        engine.step()
+    assert [t for o in out for t in o.token_ids] == script
+    kinds = [e[0] for e in fake.events]
+    # step 1: prefill + decode; step 2: decode, then the host lands step 1's two tokens
+    assert kinds[:5] == ["prefill", "decode", "decode", "out", "out"]
+    assert kinds.count("decode") == 5  # max_tokens is known from the count: no sixth step
+
+
+def test_eos_is_known_a_step_late_and_its_successor_dropped(loaded):
+    tok = loaded[1]
+    eos = min(tok.eot_ids)
+    words = tok.encode("alpha beta gamma delta epsilon", add_special=False)
+    script = [*words[:3], eos, *words[3:5]]
+    engine, fake = scripted(loaded, script, ctx_size=64)
+    (out,) = run_all(engine, [([5, 6], SamplingParams(max_tokens=6, temperature=0))])
+    assert [t for o in out for t in o.token_ids] == words[:3]
+    assert out[-1].finish_reason == "stop" and out[-1].n_generated == 4
+    assert "".join(o.text for o in out) == tok.decode(words[:3])
+    assert [e for e in fake.events if e[0] == "decode"] == [("decode", 1)] * 4  # one speculative step
+
+
+def test_stop_string_drops_the_speculative_token(loaded):
+    tok = loaded[1]
+    script = tok.encode("red green blue black white", add_special=False)
+    text = tok.decode(script)
+    stop = " blue"
+    n_stop = next(n for n in range(1, len(script) + 1) if stop in tok.decode(script[:n]))
+    engine, fake = scripted(loaded, script, ctx_size=64)
+    (out,) = run_all(engine, [([5, 6], SamplingParams(max_tokens=len(script), temperature=0, stop=(stop,)))])
+    assert out[-1].finish_reason == "stop" and out[-1].n_generated == n_stop
+    assert "".join(o.text for o in out) == text[:text.index(stop)]
+    assert len([e for e in fake.events if e[0] == "decode"]) == n_stop  # n_stop - 1 needed, one dropped
+
+
+def test_sampled_requests_repeat_alone_or_in_a_batch(loaded):
+    runner, tok = loaded
+    p = SamplingParams(max_tokens=8, temperature=0.9, top_p=0.95, top_k=40, seed=77, ignore_eos=True)
+    prompt = tok.encode("Once upon a time")
+    alone, = run_all(Engine(runner, tok, EngineConfig()), [(prompt, p)])
+    other = SamplingParams(max_tokens=5, temperature=1.0, seed=3, ignore_eos=True, presence_penalty=0.5)
+    _, crowd, _ = run_all(Engine(runner, tok, EngineConfig(chunk_size=4)),
+                          [(tok.encode("Hi there"), other), (prompt, p), (tok.encode("x = 1"), other)])
+    assert [t for o in crowd for t in o.token_ids] == [t for o in alone for t in o.token_ids]
 
 
 # -- sampler -------------------------------------------------------------------------------------
