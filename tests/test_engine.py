@@ -75,6 +75,23 @@ def test_abort_frees_the_kv_cache_at_once(loaded):
     assert not any(o.finished for o in outs)  # an aborted request is not answered any more
 
 
+def test_abort_while_queued_is_logged_and_counted(loaded, caplog):
+    runner, tok = loaded
+    engine = Engine(runner, tok, EngineConfig(max_running=1))
+    outs: list[RequestOutput] = []
+    engine.submit(tok.encode("first"), SamplingParams(max_tokens=50, ignore_eos=True), outs.append)
+    queued = engine.submit(tok.encode("second"), SamplingParams(max_tokens=50, ignore_eos=True), outs.append)
+    engine.step()
+    assert engine.n_waiting == 1
+    engine.abort(queued)
+    with caplog.at_level("INFO", logger="strata.engine"):
+        engine.step()
+    assert engine.n_waiting == 0 and engine.n_running == 1
+    assert any(queued in r.getMessage() and "abort" in r.getMessage() for r in caplog.records)
+    assert engine.metrics.registry.get_sample_value("strata_requests_total", {"finish_reason": "abort"}) == 1
+    assert all(o.request_id != queued for o in outs)
+
+
 def test_context_overflow_and_bad_prompts(loaded):
     runner, tok = loaded
     engine = Engine(runner, tok, EngineConfig(ctx_size=64))

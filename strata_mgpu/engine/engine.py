@@ -108,6 +108,7 @@ class Request:
     last_token: torch.Tensor | None = None  # [1] on the device: the newest drawn token, the next decode input
     generated: list[int] = field(default_factory=list)  # tokens landed on the host and accepted
     timings: Timings = field(default_factory=Timings)
+    t_submit: float = field(default_factory=time.perf_counter)
     t_first_chunk: float = 0.0
     t_prompt_done: float = 0.0
 
@@ -204,7 +205,8 @@ class Engine:
     def _take_aborts_and_admit(self) -> None:
         with self._cv:
             aborts, self._aborts = self._aborts, set()
-            if aborts:
+            queued = [r for r in self._waiting if r.id in aborts]
+            if queued:
                 self._waiting = deque(r for r in self._waiting if r.id not in aborts)
             while self._waiting and len(self._running) < self.config.max_running:
                 req = self._waiting.popleft()
@@ -212,7 +214,7 @@ class Engine:
                 req.draw = self.sampler.open(req.params)
                 self._running.append(req)
             self.metrics.waiting.set(len(self._waiting))
-        for r in self._running:
+        for r in [*queued, *self._running]:
             if r.id in aborts:
                 self._finish(r, "abort", notify=False)
         self._running = [r for r in self._running if r.phase is not Phase.DONE]
@@ -334,6 +336,7 @@ class Engine:
 
     def _finish(self, req: Request, reason: str, *, text: str = "", token: int | None = None, tail: str = "",
                 error: str | None = None, notify: bool = True) -> None:
+        was_queued = req.phase is Phase.WAITING
         req.phase = Phase.DONE
         req.kv = None  # frees the cache now
         req.last_token = None
@@ -345,9 +348,13 @@ class Engine:
             req.timings.predicted_ms = 1e3 * (end - req.t_prompt_done)
         self.metrics.requests.labels(finish_reason=reason).inc()
         t = req.timings
-        log.info("%s: prompt %d tok %.1f ms (%.1f tok/s), decode %d tok %.1f ms (%.1f tok/s), finish %s",
-                 req.id, t.prompt_n, t.prompt_ms, t.as_dict()["prompt_per_second"], t.predicted_n, t.predicted_ms,
-                 t.as_dict()["predicted_per_second"], reason)
+        if was_queued:
+            log.info("%s: prompt %d tok, queued %.1f ms, finish %s before it started", req.id, len(req.prompt),
+                     1e3 * (end - req.t_submit), reason)
+        else:
+            log.info("%s: prompt %d tok %.1f ms (%.1f tok/s), decode %d tok %.1f ms (%.1f tok/s), finish %s",
+                     req.id, t.prompt_n, t.prompt_ms, t.as_dict()["prompt_per_second"], t.predicted_n,
+                     t.predicted_ms, t.as_dict()["predicted_per_second"], reason)
         if notify:
             out = self._output(req, text + tail, [token] if token is not None else [])
             out.finished, out.finish_reason, out.error, out.timings = True, reason, error, req.timings
