@@ -242,6 +242,37 @@ def test_stop_string_drops_the_speculative_token(loaded):
     assert len([e for e in fake.events if e[0] == "decode"]) == n_stop  # n_stop - 1 needed, one dropped
 
 
+def test_admission_keeps_within_the_kv_budget(loaded):
+    tok = loaded[1]
+    script = tok.encode("a b c d e f g h i j k l m n o p q r s t", add_special=False)
+    fake = ScriptedRunner(loaded[0].spec, script, kv_token_budget=30)
+    engine = Engine(fake, tok, EngineConfig(ctx_size=64))
+    assert engine.n_ctx == 30  # no single sequence can be longer than the whole budget
+    with pytest.raises(ContextOverflow) as e:
+        engine.submit([1] * 21, SamplingParams(max_tokens=10), lambda o: None)
+    assert e.value.n_ctx == 30
+    outs: list[list[RequestOutput]] = [[] for _ in range(3)]
+    for i in range(3):  # 5 + 10 cells each: two fit together, the third waits
+        engine.submit([1, 2, 3, 4, 5], SamplingParams(max_tokens=10, temperature=0, ignore_eos=True), outs[i].append)
+    most = 0
+    while not all(o and o[-1].finished for o in outs):
+        engine.step()
+        most = max(most, engine.n_running)
+        assert engine.n_running + engine.n_waiting + sum(bool(o and o[-1].finished) for o in outs) == 3
+    assert most == 2
+    assert all(o[-1].finish_reason == "length" and o[-1].n_generated == 10 for o in outs)
+
+
+def test_a_request_the_shrunken_budget_can_never_hold_ends_with_an_error(loaded):
+    engine, fake = scripted(loaded, [7] * 20, ctx_size=64)
+    out: list[RequestOutput] = []
+    engine.submit([1, 2, 3], SamplingParams(max_tokens=10, temperature=0), out.append)
+    fake.kv_token_budget = 8
+    engine.step()
+    assert engine.n_waiting == 0 and engine.n_running == 0
+    assert out[-1].finish_reason == "error" and "8 tokens" in out[-1].error
+
+
 def test_sampled_requests_repeat_alone_or_in_a_batch(loaded):
     runner, tok = loaded
     p = SamplingParams(max_tokens=8, temperature=0.9, top_p=0.95, top_k=40, seed=77, ignore_eos=True)

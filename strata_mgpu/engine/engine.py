@@ -112,6 +112,11 @@ class Request:
     t_first_chunk: float = 0.0
     t_prompt_done: float = 0.0
 
+    @property
+    def kv_tokens(self) -> int:
+        """The KV cells the request may come to hold (the one-step-late stop stays within it)."""
+        return len(self.prompt) + self.params.max_tokens
+
 
 class Engine:
     def __init__(self, runner: ModelRunner, tokenizer: Tokenizer, config: EngineConfig,
@@ -120,6 +125,8 @@ class Engine:
         self.tokenizer = tokenizer
         self.config = config
         self.n_ctx = config.n_ctx(runner.spec.context_length)
+        if self._kv_budget() is not None:  # no sequence longer than what the runner can hold at all
+            self.n_ctx = min(self.n_ctx, self._kv_budget())
         self.metrics = metrics or EngineMetrics()
         self.sampler = BatchSampler()
         self._in_flight: StepTokens | None = None  # the last step's tokens, not yet on the host
@@ -135,7 +142,8 @@ class Engine:
     # -- API for any thread ------------------------------------------------------------------
     def submit(self, prompt: list[int], params: SamplingParams, on_output: Callable[[RequestOutput], None],
                request_id: str | None = None) -> str:
-        """Queue a request. Raises ContextOverflow if prompt + max_tokens exceeds the context."""
+        """Queue a request. Raises ContextOverflow if prompt + max_tokens exceeds the context (or the
+        runner's KV budget: a request that could never be admitted)."""
         if not prompt:
             raise ValueError("the prompt is empty")
         if len(prompt) + params.max_tokens > self.n_ctx:
@@ -208,16 +216,41 @@ class Engine:
             queued = [r for r in self._waiting if r.id in aborts]
             if queued:
                 self._waiting = deque(r for r in self._waiting if r.id not in aborts)
-            while self._waiting and len(self._running) < self.config.max_running:
-                req = self._waiting.popleft()
-                req.phase = Phase.PREFILL
-                req.draw = self.sampler.open(req.params)
-                self._running.append(req)
-            self.metrics.waiting.set(len(self._waiting))
         for r in [*queued, *self._running]:
             if r.id in aborts:
                 self._finish(r, "abort", notify=False)
         self._running = [r for r in self._running if r.phase is not Phase.DONE]
+        with self._cv:
+            rejected = self._admit()
+            self.metrics.waiting.set(len(self._waiting))
+        for r in rejected:
+            self._finish(r, "error", error=str(ContextOverflow(len(r.prompt), r.params.max_tokens,
+                                                                 self._kv_budget() or self.n_ctx)))
+
+    def _admit(self) -> list[Request]:
+        """Move waiting requests to running, in order, while there are slots and KV room: every
+        running request keeps room for its prompt + max_tokens. Returns the requests that can
+        never fit (the runner's budget shrank below them after they were queued). Holds _cv."""
+        budget = self._kv_budget()
+        held = sum(r.kv_tokens for r in self._running)
+        rejected = []
+        while self._waiting and len(self._running) < self.config.max_running:
+            req = self._waiting[0]
+            if budget is not None and held + req.kv_tokens > budget:
+                if req.kv_tokens <= budget:
+                    break  # it waits for room
+                rejected.append(self._waiting.popleft())
+                continue
+            self._waiting.popleft()
+            req.phase = Phase.PREFILL
+            req.draw = self.sampler.open(req.params)
+            self._running.append(req)
+            held += req.kv_tokens
+        return rejected
+
+    def _kv_budget(self) -> int | None:
+        """KV cells the runner can hold for all sequences together; None: no limit."""
+        return getattr(self.runner, "kv_token_budget", None)
 
     def _guarded(self, reqs: list[Request], fn: Callable[..., T], *args: object) -> T | None:
         """Run a model call; if it fails, the requests in it end with an error, the engine goes on."""

@@ -39,6 +39,10 @@ class ModelRunner(Protocol):
 class DecoderRunner:
     """ModelRunner over a `Decoder`: the fp32 reference on the CPU, or a device stage."""
 
+    # KV cells (tokens) the runner can hold for all its sequences together; the engine admits
+    # requests while the running ones' prompt + max_tokens fit. None: no limit.
+    kv_token_budget: int | None = None
+
     def __init__(self, model: Decoder):
         self.model = model
         self.spec = model.spec
