@@ -8,11 +8,12 @@ import torch
 
 from strata_mgpu.config import EngineConfig
 from strata_mgpu.engine.engine import ContextOverflow, Engine, RequestOutput
-from strata_mgpu.engine.runner import load_reference_runner
+from strata_mgpu.engine.runner import DecoderRunner, load_reference_runner
 from strata_mgpu.engine.sampler import Sampler, SamplingParams, StopMatcher
 from strata_mgpu.model.gguf_reader import GGUFFile
 from strata_mgpu.model.spec import spec_from_gguf
 from strata_mgpu.model.tokenizer import tokenizer_from_gguf
+from strata_mgpu.stage.stage import Stage, StageOptions
 
 
 @pytest.fixture(scope="module")
@@ -143,6 +144,74 @@ def test_background_thread(loaded):
     assert done.wait(30)
     engine.shutdown()
     assert outs[-1].n_generated == 5
+
+
+# -- packed prefill ------------------------------------------------------------------------------
+
+class CountingRunner(DecoderRunner):
+    """The reference runner, logging its prefill calls."""
+
+    def __init__(self, model):
+        super().__init__(model)
+        self.calls: list[tuple[str, list[int]]] = []
+
+    def prefill(self, kv, tokens, whole_prompt=False):
+        self.calls.append(("prefill", [len(tokens)]))
+        return super().prefill(kv, tokens, whole_prompt)
+
+    def prefill_many(self, kvs, chunks):
+        self.calls.append(("prefill_many", [len(c) for c in chunks]))
+        return super().prefill_many(kvs, chunks)
+
+
+@pytest.fixture(scope="module")
+def cpu_stage(tiny_gguf):
+    f = GGUFFile(tiny_gguf)
+    return Stage(f, spec_from_gguf(f), StageOptions(device=torch.device("cpu")))
+
+
+@pytest.mark.parametrize("kind", ["reference", "stage"])
+def test_prefill_many_equals_one_at_a_time(loaded, cpu_stage, kind):
+    runner = loaded[0] if kind == "reference" else cpu_stage
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(0, runner.spec.vocab_size, (n,), generator=g) for n in (7, 1, 12)]
+    one = [runner.new_sequence(64) for _ in prompts]
+    many = [runner.new_sequence(64) for _ in prompts]
+    runner.prefill(one[2], prompts[2][:5])  # the third continues after a prefix, in both
+    runner.prefill(many[2], prompts[2][:5])
+    rests = [prompts[0], prompts[1], prompts[2][5:]]
+    want = torch.stack([runner.prefill(kv, rest) for kv, rest in zip(one, rests, strict=True)])
+    got = runner.prefill_many(many, rests)
+    assert got.shape == want.shape
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * float(want.abs().max()))
+    assert [kv.length for kv in many] == [kv.length for kv in one] == [7, 1, 12]
+    nxt = torch.tensor([3, 4, 5])
+    torch.testing.assert_close(runner.decode(many, nxt), runner.decode(one, nxt), rtol=1e-4,
+                               atol=1e-4 * float(want.abs().max()))
+
+
+def test_short_prompts_are_packed_beside_a_chunk(loaded):
+    runner, tok = loaded
+    counting = CountingRunner(runner.model)
+    prompts = [list(range(5, 25)), [30, 31, 32], [40, 41, 42, 43], [50, 51]]
+    engine = Engine(counting, tok, EngineConfig(chunk_size=12, max_running=4))
+    params = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
+    outs = run_all(engine, [(p, params) for p in prompts])
+    assert counting.calls == [("prefill", [12]), ("prefill_many", [8, 3]), ("prefill_many", [4, 2])]
+    for prompt, out in zip(prompts, outs, strict=True):
+        assert [t for o in out for t in o.token_ids] == greedy_chain(runner, prompt, 5)
+
+
+def test_arrivals_together_get_their_first_token_together(loaded):
+    runner, tok = loaded
+    engine = Engine(CountingRunner(runner.model), tok, EngineConfig())
+    outs: list[list[RequestOutput]] = [[] for _ in range(6)]
+    for i, out in enumerate(outs):
+        engine.submit([7 + i] * (3 + i), SamplingParams(max_tokens=4, temperature=0, ignore_eos=True), out.append)
+    engine.step()  # one packed prefill (and the first decode step), launched
+    engine.step()  # ... landed
+    assert all(out for out in outs)
+    assert engine.runner.calls == [("prefill_many", [3, 4, 5, 6, 7, 8])]
 
 
 # -- the pipelined step, on a scripted runner ----------------------------------------------------

@@ -1,10 +1,11 @@
 """The engine: a request queue, chunked prefill and batched decode over a `ModelRunner`.
 
 Its steady state is one call, `step()`: free what was aborted, admit waiting requests, launch one
-prefill chunk and one decode step for every request past its prompt, with their tokens drawn on
-the device (`BatchSampler`) and sent to the host; then, while the device runs them, turn the
-previous step's tokens into text, stops and outputs. A decode step's input is the previous
-step's drawn tokens, still on the device: launching never waits for the host's text work.
+prefill call (a chunk of one prompt, short prompts packed beside it) and one decode step for
+every request past its prompt, their tokens drawn on the device (`BatchSampler`) and sent to the
+host; then, while the device runs them, turn the previous step's tokens into text, stops and
+outputs. A decode step's input is the previous step's drawn tokens, still on the device:
+launching never waits for the host's text work.
 
 The host learns a token one step after it was drawn. EOS and stop strings are therefore known a
 step late: a request that stopped at step n has had its step n+1 launched too, and that token is
@@ -268,9 +269,9 @@ class Engine:
         copy to the host. Waits for the device only where the runner itself does."""
         rows: list[Request] = []
         drawn: list[torch.Tensor] = []
-        prefilling = next((r for r in self._running if r.phase is Phase.PREFILL), None)
-        if prefilling is not None:
-            out = self._guarded([prefilling], self._prefill_chunk, prefilling)
+        pack = self._prefill_pack()
+        if pack:
+            out = self._guarded([r for r, _ in pack], self._prefill, pack)
             if out is not None and out[0]:
                 rows += out[0]
                 drawn.append(out[1])
@@ -288,24 +289,52 @@ class Engine:
             return None
         return StepTokens.send(rows, torch.cat(drawn) if len(drawn) > 1 else drawn[0], len(decoding), t_decode)
 
-    def _prefill_chunk(self, req: Request) -> tuple[list[Request], torch.Tensor | None]:
-        """The next chunk of `req`'s prompt; its first token drawn if the prompt is complete."""
-        if req.kv is None:
-            req.kv = self.runner.new_sequence(self.n_ctx)
-            req.t_first_chunk = time.perf_counter()
-        chunk = req.prompt[req.n_prefilled:req.n_prefilled + self.config.chunk_size]
+    def _prefill_pack(self) -> list[tuple[Request, list[int]]]:
+        """This step's prompt chunks: the next chunk of the first prompt in prefill, then, if the
+        runner packs sequences (`prefill_many`), every later prompt whose rest fits the chunk's
+        remaining room, whole. Short prompts arriving together so reach their first token in one
+        call instead of one step each."""
+        prefilling = [r for r in self._running if r.phase is Phase.PREFILL]
+        if not prefilling:
+            return []
+        first = prefilling[0]
+        pack = [(first, first.prompt[first.n_prefilled:first.n_prefilled + self.config.chunk_size])]
+        room = self.config.chunk_size - len(pack[0][1])
+        if hasattr(self.runner, "prefill_many"):
+            for r in prefilling[1:]:
+                rest = len(r.prompt) - r.n_prefilled
+                if rest <= room:
+                    pack.append((r, r.prompt[r.n_prefilled:]))
+                    room -= rest
+        return pack
+
+    def _prefill(self, pack: list[tuple[Request, list[int]]]) -> tuple[list[Request], torch.Tensor | None]:
+        """Run the pack's chunks; the first token of each prompt that is now complete, drawn."""
+        for req, _ in pack:
+            if req.kv is None:
+                req.kv = self.runner.new_sequence(self.n_ctx)
+                req.t_first_chunk = time.perf_counter()
         t0 = time.perf_counter()
-        logits = self.runner.prefill(req.kv, torch.tensor(chunk, dtype=torch.long),
-                                     whole_prompt=len(chunk) == len(req.prompt))
-        req.n_prefilled += len(chunk)
-        self.metrics.prompt_tokens.inc(len(chunk))
+        chunks = [torch.tensor(chunk, dtype=torch.long) for _, chunk in pack]
+        if len(pack) == 1:
+            req, chunk = pack[0]
+            logits = self.runner.prefill(req.kv, chunks[0], whole_prompt=len(chunk) == len(req.prompt))[None]
+        else:
+            logits = self.runner.prefill_many([req.kv for req, _ in pack], chunks)  # type: ignore[attr-defined]
+        n_tokens = sum(len(chunk) for _, chunk in pack)
+        self.metrics.prompt_tokens.inc(n_tokens)
         self.metrics.prompt_seconds.inc(time.perf_counter() - t0)
-        if req.n_prefilled < len(req.prompt):
+        for req, chunk in pack:
+            req.n_prefilled += len(chunk)
+        done = [req for req, _ in pack if req.n_prefilled == len(req.prompt)]
+        if not done:
             return [], None
-        req.phase = Phase.DECODE
-        tokens = self.sampler.sample(logits[None], [req.draw])  # [1]
-        req.last_token = tokens
-        return [req], tokens
+        assert all(r in done for r, _ in pack[1:]), "only the first chunk of a pack may leave a prompt unfinished"
+        tokens = self.sampler.sample(logits[len(pack) - len(done):], [r.draw for r in done])  # [N]
+        for i, req in enumerate(done):
+            req.phase = Phase.DECODE
+            req.last_token = tokens[i:i + 1]
+        return done, tokens
 
     def _decode(self, reqs: list[Request]) -> torch.Tensor:
         """One decode step for reqs, fed their last drawn tokens; their next tokens [B] (device)."""
