@@ -139,10 +139,10 @@ class BatchSampler:
             drawn = self._draw(logits, table, any(s.needs_sort for s in states))
             greedy = table[:, 0] == 0
             tokens = torch.where(greedy, logits.argmax(-1), drawn) if any(s.greedy for s in states) else drawn
-        if pen_index is not None:
+        if pen_index is not None:  # one (slot, token) per row: no duplicates, no accumulating scatter
             assert self._counts is not None
-            self._counts.index_put_((pen_index[:, 1], tokens[pen_index[:, 0]]),
-                                    torch.ones(len(pen_rows), dtype=torch.int32, device=device), accumulate=True)
+            cells = (pen_index[:, 1], tokens[pen_index[:, 0]])
+            self._counts.index_put_(cells, self._counts[cells] + 1)
         for s in states:
             s.n_drawn += 1
         return tokens
