@@ -311,6 +311,25 @@ def test_stop_string_drops_the_speculative_token(loaded):
     assert len([e for e in fake.events if e[0] == "decode"]) == n_stop  # n_stop - 1 needed, one dropped
 
 
+def test_a_failed_decode_ends_its_requests_and_the_engine_goes_on(loaded):
+    engine, fake = scripted(loaded, [9] * 10, ctx_size=64)
+    real_decode, calls = fake.decode, []
+
+    def failing(kvs, tokens):
+        calls.append(len(kvs))
+        if len(calls) == 3:
+            raise RuntimeError("device fell over")
+        return real_decode(kvs, tokens)
+
+    fake.decode = failing
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    first, = run_all(engine, [([1, 2], params)])
+    assert first[-1].finish_reason == "error" and "device fell over" in first[-1].error
+    assert first[-1].n_generated == 3  # the tokens drawn before the failed step still landed
+    second, = run_all(engine, [([3, 4], params)])
+    assert second[-1].finish_reason == "length" and second[-1].n_generated == 8
+
+
 def test_admission_keeps_within_the_kv_budget(loaded):
     tok = loaded[1]
     script = tok.encode("a b c d e f g h i j k l m n o p q r s t", add_special=False)

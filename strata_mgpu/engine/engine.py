@@ -132,6 +132,7 @@ class Engine:
         self.sampler = BatchSampler()
         self._in_flight: StepTokens | None = None  # the last step's tokens, not yet on the host
         self._t_landed = 0.0  # when the last step's tokens reached the host
+        self._failed: list[tuple[list[Request], str]] = []  # this step's failed calls: their requests, the error
         self._waiting: deque[Request] = deque()
         self._running: list[Request] = []
         self._aborts: set[str] = set()
@@ -208,6 +209,11 @@ class Engine:
         landing, self._in_flight = self._in_flight, launched
         if landing is not None:
             self._land(landing)
+        failed, self._failed = self._failed, []
+        for reqs, error in failed:
+            for r in reqs:
+                if r.phase is not Phase.DONE:
+                    self._finish(r, "error", error=error)
         self._running = [r for r in self._running if r.phase is not Phase.DONE]
         self.metrics.running.set(len(self._running))
 
@@ -254,18 +260,17 @@ class Engine:
         return getattr(self.runner, "kv_token_budget", None)
 
     def _guarded(self, reqs: list[Request], fn: Callable[..., T], *args: object) -> T | None:
-        """Run a model call; if it fails, the requests in it end with an error, the engine goes on."""
+        """Run a model call; if it fails, the requests in it will end with an error once the step
+        in flight has landed (the tokens drawn before the failure are theirs), the engine goes on."""
         try:
             return fn(*args)
         except Exception as e:  # a failed forward must not take down the other requests
             log.exception("model call failed")
-            for r in reqs:
-                if r.phase is not Phase.DONE:
-                    self._finish(r, "error", error=f"{type(e).__name__}: {e}")
+            self._failed.append((reqs, f"{type(e).__name__}: {e}"))
             return None
 
     def _launch(self) -> StepTokens | None:
-        """Queue this step's prefill chunk and decode step with their draws; start the tokens'
+        """Queue this step's prefill call and decode step with their draws; start the tokens'
         copy to the host. Waits for the device only where the runner itself does."""
         rows: list[Request] = []
         drawn: list[torch.Tensor] = []
@@ -287,7 +292,8 @@ class Engine:
                 decoding = []
         if not rows:
             return None
-        return StepTokens.send(rows, torch.cat(drawn) if len(drawn) > 1 else drawn[0], len(decoding), t_decode)
+        return self._guarded(rows, lambda: StepTokens.send(rows, torch.cat(drawn) if len(drawn) > 1 else drawn[0],
+                                                           len(decoding), t_decode))
 
     def _prefill_pack(self) -> list[tuple[Request, list[int]]]:
         """This step's prompt chunks: the next chunk of the first prompt in prefill, then, if the
