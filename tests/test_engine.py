@@ -1,17 +1,19 @@
 from __future__ import annotations
 
 import threading
+from dataclasses import dataclass, field
 
 import pytest
 import torch
 
 from strata_mgpu.config import EngineConfig
 from strata_mgpu.engine.engine import ContextOverflow, Engine, RequestOutput
-from strata_mgpu.engine.runner import load_reference_runner
+from strata_mgpu.engine.runner import DecoderRunner, load_reference_runner
 from strata_mgpu.engine.sampler import Sampler, SamplingParams, StopMatcher
 from strata_mgpu.model.gguf_reader import GGUFFile
 from strata_mgpu.model.spec import spec_from_gguf
 from strata_mgpu.model.tokenizer import tokenizer_from_gguf
+from strata_mgpu.stage.stage import Stage, StageOptions
 
 
 @pytest.fixture(scope="module")
@@ -74,6 +76,23 @@ def test_abort_frees_the_kv_cache_at_once(loaded):
     assert not any(o.finished for o in outs)  # an aborted request is not answered any more
 
 
+def test_abort_while_queued_is_logged_and_counted(loaded, caplog):
+    runner, tok = loaded
+    engine = Engine(runner, tok, EngineConfig(max_running=1))
+    outs: list[RequestOutput] = []
+    engine.submit(tok.encode("first"), SamplingParams(max_tokens=50, ignore_eos=True), outs.append)
+    queued = engine.submit(tok.encode("second"), SamplingParams(max_tokens=50, ignore_eos=True), outs.append)
+    engine.step()
+    assert engine.n_waiting == 1
+    engine.abort(queued)
+    with caplog.at_level("INFO", logger="strata.engine"):
+        engine.step()
+    assert engine.n_waiting == 0 and engine.n_running == 1
+    assert any(queued in r.getMessage() and "abort" in r.getMessage() for r in caplog.records)
+    assert engine.metrics.registry.get_sample_value("strata_requests_total", {"finish_reason": "abort"}) == 1
+    assert all(o.request_id != queued for o in outs)
+
+
 def test_context_overflow_and_bad_prompts(loaded):
     runner, tok = loaded
     engine = Engine(runner, tok, EngineConfig(ctx_size=64))
@@ -125,6 +144,232 @@ def test_background_thread(loaded):
     assert done.wait(30)
     engine.shutdown()
     assert outs[-1].n_generated == 5
+
+
+# -- packed prefill ------------------------------------------------------------------------------
+
+class CountingRunner(DecoderRunner):
+    """The reference runner, logging its prefill calls."""
+
+    def __init__(self, model):
+        super().__init__(model)
+        self.calls: list[tuple[str, list[int]]] = []
+
+    def prefill(self, kv, tokens, whole_prompt=False):
+        self.calls.append(("prefill", [len(tokens)]))
+        return super().prefill(kv, tokens, whole_prompt)
+
+    def prefill_many(self, kvs, chunks):
+        self.calls.append(("prefill_many", [len(c) for c in chunks]))
+        return super().prefill_many(kvs, chunks)
+
+
+@pytest.fixture(scope="module")
+def cpu_stage(tiny_gguf):
+    f = GGUFFile(tiny_gguf)
+    return Stage(f, spec_from_gguf(f), StageOptions(device=torch.device("cpu")))
+
+
+@pytest.mark.parametrize("kind", ["reference", "stage"])
+def test_prefill_many_equals_one_at_a_time(loaded, cpu_stage, kind):
+    runner = loaded[0] if kind == "reference" else cpu_stage
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(0, runner.spec.vocab_size, (n,), generator=g) for n in (7, 1, 12)]
+    one = [runner.new_sequence(64) for _ in prompts]
+    many = [runner.new_sequence(64) for _ in prompts]
+    runner.prefill(one[2], prompts[2][:5])  # the third continues after a prefix, in both
+    runner.prefill(many[2], prompts[2][:5])
+    rests = [prompts[0], prompts[1], prompts[2][5:]]
+    want = torch.stack([runner.prefill(kv, rest) for kv, rest in zip(one, rests, strict=True)])
+    got = runner.prefill_many(many, rests)
+    assert got.shape == want.shape
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * float(want.abs().max()))
+    assert [kv.length for kv in many] == [kv.length for kv in one] == [7, 1, 12]
+    nxt = torch.tensor([3, 4, 5])
+    torch.testing.assert_close(runner.decode(many, nxt), runner.decode(one, nxt), rtol=1e-4,
+                               atol=1e-4 * float(want.abs().max()))
+
+
+def test_short_prompts_are_packed_beside_a_chunk(loaded):
+    runner, tok = loaded
+    counting = CountingRunner(runner.model)
+    prompts = [list(range(5, 25)), [30, 31, 32], [40, 41, 42, 43], [50, 51]]
+    engine = Engine(counting, tok, EngineConfig(chunk_size=12, max_running=4))
+    params = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
+    outs = run_all(engine, [(p, params) for p in prompts])
+    assert counting.calls == [("prefill", [12]), ("prefill_many", [8, 3]), ("prefill_many", [4, 2])]
+    for prompt, out in zip(prompts, outs, strict=True):
+        assert [t for o in out for t in o.token_ids] == greedy_chain(runner, prompt, 5)
+
+
+def test_arrivals_together_get_their_first_token_together(loaded):
+    runner, tok = loaded
+    engine = Engine(CountingRunner(runner.model), tok, EngineConfig())
+    outs: list[list[RequestOutput]] = [[] for _ in range(6)]
+    for i, out in enumerate(outs):
+        engine.submit([7 + i] * (3 + i), SamplingParams(max_tokens=4, temperature=0, ignore_eos=True), out.append)
+    engine.step()  # one packed prefill (and the first decode step), launched
+    engine.step()  # ... landed
+    assert all(out for out in outs)
+    assert engine.runner.calls == [("prefill_many", [3, 4, 5, 6, 7, 8])]
+
+
+# -- the pipelined step, on a scripted runner ----------------------------------------------------
+
+@dataclass
+class ScriptedKV:
+    max_length: int
+    length: int = 0
+    n_decoded: int = 0
+    nbytes: int = 1
+
+    def grow(self, n: int) -> None:
+        self.length += n
+        assert self.length <= self.max_length, "the engine ran a sequence past its context"
+
+
+@dataclass
+class ScriptedRunner:
+    """Every sequence generates `script`, greedily: each call's logits put the mass on the
+    script's next token. Checks that every decode is fed the token drawn before it, and logs
+    its calls in `events` (which the test's on_output shares)."""
+
+    spec: object
+    script: list[int]
+    events: list[tuple] = field(default_factory=list)
+    kv_token_budget: int | None = None
+
+    def new_sequence(self, max_length: int) -> ScriptedKV:
+        return ScriptedKV(max_length)
+
+    def _row(self, kv: ScriptedKV) -> torch.Tensor:
+        row = torch.zeros(self.spec.vocab_size)
+        row[self.script[kv.n_decoded]] = 30.0
+        return row
+
+    def prefill(self, kv: ScriptedKV, tokens: torch.Tensor, whole_prompt: bool = False) -> torch.Tensor:
+        kv.grow(len(tokens))
+        self.events.append(("prefill", len(tokens)))
+        return self._row(kv)
+
+    def decode(self, kvs, tokens: torch.Tensor) -> torch.Tensor:
+        self.events.append(("decode", len(kvs)))
+        rows = []
+        for kv, fed in zip(kvs, tokens.tolist(), strict=True):
+            assert fed == self.script[kv.n_decoded], "decode was not fed the token drawn before"
+            kv.grow(1)
+            kv.n_decoded += 1
+            rows.append(self._row(kv))
+        return torch.stack(rows)
+
+
+def scripted(loaded, script: list[int], **engine_kw) -> tuple[Engine, ScriptedRunner]:
+    runner, tok = loaded
+    fake = ScriptedRunner(runner.spec, script)
+    return Engine(fake, tok, EngineConfig(**engine_kw)), fake
+
+
+def test_next_step_launches_before_the_host_sees_the_last_token(loaded):
+    tok = loaded[1]
+    script = tok.encode("one two three four five six", add_special=False)[:6]
+    engine, fake = scripted(loaded, script, ctx_size=64)
+    out: list[RequestOutput] = []
+    engine.submit([1, 2, 3], SamplingParams(max_tokens=6, temperature=0), lambda o: (out.append(o),
+                                                                                  fake.events.append(("out",))))
+    while not (out and out[-1].finished):
+        engine.step()
+    assert [t for o in out for t in o.token_ids] == script
+    kinds = [e[0] for e in fake.events]
+    # step 1: prefill + decode; step 2: decode, then the host lands step 1's two tokens
+    assert kinds[:5] == ["prefill", "decode", "decode", "out", "out"]
+    assert kinds.count("decode") == 5  # max_tokens is known from the count: no sixth step
+
+
+def test_eos_is_known_a_step_late_and_its_successor_dropped(loaded):
+    tok = loaded[1]
+    eos = min(tok.eot_ids)
+    words = tok.encode("alpha beta gamma delta epsilon", add_special=False)
+    script = [*words[:3], eos, *words[3:5]]
+    engine, fake = scripted(loaded, script, ctx_size=64)
+    (out,) = run_all(engine, [([5, 6], SamplingParams(max_tokens=6, temperature=0))])
+    assert [t for o in out for t in o.token_ids] == words[:3]
+    assert out[-1].finish_reason == "stop" and out[-1].n_generated == 4
+    assert "".join(o.text for o in out) == tok.decode(words[:3])
+    assert [e for e in fake.events if e[0] == "decode"] == [("decode", 1)] * 4  # one speculative step
+
+
+def test_stop_string_drops_the_speculative_token(loaded):
+    tok = loaded[1]
+    script = tok.encode("red green blue black white", add_special=False)
+    text = tok.decode(script)
+    stop = " blue"
+    n_stop = next(n for n in range(1, len(script) + 1) if stop in tok.decode(script[:n]))
+    engine, fake = scripted(loaded, script, ctx_size=64)
+    (out,) = run_all(engine, [([5, 6], SamplingParams(max_tokens=len(script), temperature=0, stop=(stop,)))])
+    assert out[-1].finish_reason == "stop" and out[-1].n_generated == n_stop
+    assert "".join(o.text for o in out) == text[:text.index(stop)]
+    assert len([e for e in fake.events if e[0] == "decode"]) == n_stop  # n_stop - 1 needed, one dropped
+
+
+def test_a_failed_decode_ends_its_requests_and_the_engine_goes_on(loaded):
+    engine, fake = scripted(loaded, [9] * 10, ctx_size=64)
+    real_decode, calls = fake.decode, []
+
+    def failing(kvs, tokens):
+        calls.append(len(kvs))
+        if len(calls) == 3:
+            raise RuntimeError("device fell over")
+        return real_decode(kvs, tokens)
+
+    fake.decode = failing
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    first, = run_all(engine, [([1, 2], params)])
+    assert first[-1].finish_reason == "error" and "device fell over" in first[-1].error
+    assert first[-1].n_generated == 3  # the tokens drawn before the failed step still landed
+    second, = run_all(engine, [([3, 4], params)])
+    assert second[-1].finish_reason == "length" and second[-1].n_generated == 8
+
+
+def test_admission_keeps_within_the_kv_budget(loaded):
+    tok = loaded[1]
+    script = tok.encode("a b c d e f g h i j k l m n o p q r s t", add_special=False)
+    fake = ScriptedRunner(loaded[0].spec, script, kv_token_budget=30)
+    engine = Engine(fake, tok, EngineConfig(ctx_size=64))
+    assert engine.n_ctx == 30  # no single sequence can be longer than the whole budget
+    with pytest.raises(ContextOverflow) as e:
+        engine.submit([1] * 21, SamplingParams(max_tokens=10), lambda o: None)
+    assert e.value.n_ctx == 30
+    outs: list[list[RequestOutput]] = [[] for _ in range(3)]
+    for i in range(3):  # 5 + 10 cells each: two fit together, the third waits
+        engine.submit([1, 2, 3, 4, 5], SamplingParams(max_tokens=10, temperature=0, ignore_eos=True), outs[i].append)
+    most = 0
+    while not all(o and o[-1].finished for o in outs):
+        engine.step()
+        most = max(most, engine.n_running)
+        assert engine.n_running + engine.n_waiting + sum(bool(o and o[-1].finished) for o in outs) == 3
+    assert most == 2
+    assert all(o[-1].finish_reason == "length" and o[-1].n_generated == 10 for o in outs)
+
+
+def test_a_request_the_shrunken_budget_can_never_hold_ends_with_an_error(loaded):
+    engine, fake = scripted(loaded, [7] * 20, ctx_size=64)
+    out: list[RequestOutput] = []
+    engine.submit([1, 2, 3], SamplingParams(max_tokens=10, temperature=0), out.append)
+    fake.kv_token_budget = 8
+    engine.step()
+    assert engine.n_waiting == 0 and engine.n_running == 0
+    assert out[-1].finish_reason == "error" and "8 tokens" in out[-1].error
+
+
+def test_sampled_requests_repeat_alone_or_in_a_batch(loaded):
+    runner, tok = loaded
+    p = SamplingParams(max_tokens=8, temperature=0.9, top_p=0.95, top_k=40, seed=77, ignore_eos=True)
+    prompt = tok.encode("Once upon a time")
+    alone, = run_all(Engine(runner, tok, EngineConfig()), [(prompt, p)])
+    other = SamplingParams(max_tokens=5, temperature=1.0, seed=3, ignore_eos=True, presence_penalty=0.5)
+    _, crowd, _ = run_all(Engine(runner, tok, EngineConfig(chunk_size=4)),
+                          [(tok.encode("Hi there"), other), (prompt, p), (tok.encode("x = 1"), other)])
+    assert [t for o in crowd for t in o.token_ids] == [t for o in alone for t in o.token_ids]
 
 
 # -- sampler -------------------------------------------------------------------------------------

@@ -1,9 +1,19 @@
 """The engine: a request queue, chunked prefill and batched decode over a `ModelRunner`.
 
-Its steady state is one call, `step()`: free what was aborted, admit waiting requests, run one
-prefill chunk, run one decode step for every request past its prompt, hand each request its new
-text. A background thread calls `step()` while there is work; `submit` and `abort` may be called
-from any thread.
+Its steady state is one call, `step()`: free what was aborted, admit waiting requests, launch one
+prefill call (a chunk of one prompt, short prompts packed beside it) and one decode step for
+every request past its prompt, their tokens drawn on the device (`BatchSampler`) and sent to the
+host; then, while the device runs them, turn the previous step's tokens into text, stops and
+outputs. A decode step's input is the previous step's drawn tokens, still on the device:
+launching never waits for the host's text work.
+
+The host learns a token one step after it was drawn. EOS and stop strings are therefore known a
+step late: a request that stopped at step n has had its step n+1 launched too, and that token is
+dropped when it lands (its KV row is written, within prompt + max_tokens). The length limit is
+known from the count alone and costs no extra step.
+
+A background thread calls `step()` while there is work; `submit` and `abort` may be called from
+any thread.
 """
 
 from __future__ import annotations
@@ -16,17 +26,21 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import torch
 
 from strata_mgpu.config import EngineConfig
+from strata_mgpu.engine.device_sampler import BatchSampler, DrawState
 from strata_mgpu.engine.metrics import EngineMetrics
 from strata_mgpu.engine.runner import ModelRunner
-from strata_mgpu.engine.sampler import Sampler, SamplingParams, StopMatcher
+from strata_mgpu.engine.sampler import SamplingParams, StopMatcher
+from strata_mgpu.engine.step_tokens import StepTokens
 from strata_mgpu.model.kv_cache import KVCache
 from strata_mgpu.model.tokenizer import IncrementalDetokenizer, Tokenizer
 
 log = logging.getLogger("strata.engine")
+T = TypeVar("T")
 
 
 class ContextOverflow(ValueError):
@@ -86,16 +100,23 @@ class Request:
     prompt: list[int]
     params: SamplingParams
     on_output: Callable[[RequestOutput], None]
-    sampler: Sampler
     detok: IncrementalDetokenizer
     stops: StopMatcher
     phase: Phase = Phase.WAITING
+    draw: DrawState | None = None  # the sampler's state of the request, from admission on
     kv: KVCache | None = None
     n_prefilled: int = 0  # prompt tokens in the KV cache
-    generated: list[int] = field(default_factory=list)
+    last_token: torch.Tensor | None = None  # [1] on the device: the newest drawn token, the next decode input
+    generated: list[int] = field(default_factory=list)  # tokens landed on the host and accepted
     timings: Timings = field(default_factory=Timings)
+    t_submit: float = field(default_factory=time.perf_counter)
     t_first_chunk: float = 0.0
     t_prompt_done: float = 0.0
+
+    @property
+    def kv_tokens(self) -> int:
+        """The KV cells the request may come to hold (the one-step-late stop stays within it)."""
+        return len(self.prompt) + self.params.max_tokens
 
 
 class Engine:
@@ -105,7 +126,13 @@ class Engine:
         self.tokenizer = tokenizer
         self.config = config
         self.n_ctx = config.n_ctx(runner.spec.context_length)
+        if self._kv_budget() is not None:  # no sequence longer than what the runner can hold at all
+            self.n_ctx = min(self.n_ctx, self._kv_budget())
         self.metrics = metrics or EngineMetrics()
+        self.sampler = BatchSampler()
+        self._in_flight: StepTokens | None = None  # the last step's tokens, not yet on the host
+        self._t_landed = 0.0  # when the last step's tokens reached the host
+        self._failed: list[tuple[list[Request], str]] = []  # this step's failed calls: their requests, the error
         self._waiting: deque[Request] = deque()
         self._running: list[Request] = []
         self._aborts: set[str] = set()
@@ -117,7 +144,8 @@ class Engine:
     # -- API for any thread ------------------------------------------------------------------
     def submit(self, prompt: list[int], params: SamplingParams, on_output: Callable[[RequestOutput], None],
                request_id: str | None = None) -> str:
-        """Queue a request. Raises ContextOverflow if prompt + max_tokens exceeds the context."""
+        """Queue a request. Raises ContextOverflow if prompt + max_tokens exceeds the context (or the
+        runner's KV budget: a request that could never be admitted)."""
         if not prompt:
             raise ValueError("the prompt is empty")
         if len(prompt) + params.max_tokens > self.n_ctx:
@@ -125,7 +153,7 @@ class Engine:
         if any(not 0 <= t < self.runner.spec.vocab_size for t in prompt):
             raise ValueError(f"prompt token ids must be in 0..{self.runner.spec.vocab_size - 1}")
         rid = request_id or f"req-{next(self._ids)}"
-        req = Request(id=rid, prompt=list(prompt), params=params, on_output=on_output, sampler=Sampler(params),
+        req = Request(id=rid, prompt=list(prompt), params=params, on_output=on_output,
                       detok=self.tokenizer.detokenizer(), stops=StopMatcher(params.stop))
         with self._cv:
             self._waiting.append(req)
@@ -167,78 +195,196 @@ class Engine:
     def _loop(self) -> None:
         while True:
             with self._cv:
-                while not self._stop and not self._waiting and not self._running and not self._aborts:
+                while (not self._stop and not self._waiting and not self._running and not self._aborts
+                       and self._in_flight is None):
                     self._cv.wait()
                 if self._stop:
                     return
             self.step()
 
     def step(self) -> None:
+        """Launch this step's forwards, then land the previous step's tokens while they run."""
         self._take_aborts_and_admit()
-        prefilling = next((r for r in self._running if r.phase is Phase.PREFILL), None)
-        if prefilling is not None:
-            self._guarded([prefilling], self._prefill_chunk, prefilling)
-        decoding = [r for r in self._running if r.phase is Phase.DECODE]
-        if decoding:
-            self._guarded(decoding, self._decode, decoding)
+        launched = self._launch()
+        landing, self._in_flight = self._in_flight, launched
+        if landing is not None:
+            self._land(landing)
+        failed, self._failed = self._failed, []
+        for reqs, error in failed:
+            for r in reqs:
+                if r.phase is not Phase.DONE:
+                    self._finish(r, "error", error=error)
         self._running = [r for r in self._running if r.phase is not Phase.DONE]
         self.metrics.running.set(len(self._running))
 
     def _take_aborts_and_admit(self) -> None:
         with self._cv:
             aborts, self._aborts = self._aborts, set()
-            if aborts:
+            queued = [r for r in self._waiting if r.id in aborts]
+            if queued:
                 self._waiting = deque(r for r in self._waiting if r.id not in aborts)
-            while self._waiting and len(self._running) < self.config.max_running:
-                req = self._waiting.popleft()
-                req.phase = Phase.PREFILL
-                self._running.append(req)
-            self.metrics.waiting.set(len(self._waiting))
-        for r in self._running:
+        for r in [*queued, *self._running]:
             if r.id in aborts:
                 self._finish(r, "abort", notify=False)
         self._running = [r for r in self._running if r.phase is not Phase.DONE]
+        with self._cv:
+            rejected = self._admit()
+            self.metrics.waiting.set(len(self._waiting))
+        for r in rejected:
+            self._finish(r, "error", error=str(ContextOverflow(len(r.prompt), r.params.max_tokens,
+                                                                 self._kv_budget() or self.n_ctx)))
 
-    def _guarded(self, reqs: list[Request], fn: Callable[..., None], *args: object) -> None:
-        """Run a model call; if it fails, the requests in it end with an error, the engine goes on."""
+    def _admit(self) -> list[Request]:
+        """Move waiting requests to running, in order, while there are slots and KV room: every
+        running request keeps room for its prompt + max_tokens. Returns the requests that can
+        never fit (the runner's budget shrank below them after they were queued). Holds _cv."""
+        budget = self._kv_budget()
+        held = sum(r.kv_tokens for r in self._running)
+        rejected = []
+        while self._waiting and len(self._running) < self.config.max_running:
+            req = self._waiting[0]
+            if budget is not None and held + req.kv_tokens > budget:
+                if req.kv_tokens <= budget:
+                    break  # it waits for room
+                rejected.append(self._waiting.popleft())
+                continue
+            self._waiting.popleft()
+            req.phase = Phase.PREFILL
+            req.draw = self.sampler.open(req.params)
+            self._running.append(req)
+            held += req.kv_tokens
+        return rejected
+
+    def _kv_budget(self) -> int | None:
+        """KV cells the runner can hold for all sequences together; None: no limit."""
+        return getattr(self.runner, "kv_token_budget", None)
+
+    def _guarded(self, reqs: list[Request], fn: Callable[..., T], *args: object) -> T | None:
+        """Run a model call; if it fails, the requests in it will end with an error once the step
+        in flight has landed (the tokens drawn before the failure are theirs), the engine goes on."""
         try:
-            fn(*args)
+            return fn(*args)
         except Exception as e:  # a failed forward must not take down the other requests
             log.exception("model call failed")
-            for r in reqs:
+            self._failed.append((reqs, f"{type(e).__name__}: {e}"))
+            return None
+
+    def _launch(self) -> StepTokens | None:
+        """Queue this step's prefill call and decode step with their draws; start the tokens'
+        copy to the host. Waits for the device only where the runner itself does."""
+        rows: list[Request] = []
+        drawn: list[torch.Tensor] = []
+        pack = self._prefill_pack()
+        if pack:
+            out = self._guarded([r for r, _ in pack], self._prefill, pack)
+            if out is not None and out[0]:
+                rows += out[0]
+                drawn.append(out[1])
+        t_decode = time.perf_counter()
+        decoding = [r for r in self._running
+                    if r.phase is Phase.DECODE and r.draw.n_drawn < r.params.max_tokens]
+        if decoding:
+            tokens = self._guarded(decoding, self._decode, decoding)
+            if tokens is not None:
+                rows += decoding
+                drawn.append(tokens)
+            else:
+                decoding = []
+        if not rows:
+            return None
+        return self._guarded(rows, lambda: StepTokens.send(rows, torch.cat(drawn) if len(drawn) > 1 else drawn[0],
+                                                           len(decoding), t_decode))
+
+    def _prefill_pack(self) -> list[tuple[Request, list[int]]]:
+        """This step's prompt chunks: the next chunk of the first prompt in prefill, then, if the
+        runner packs sequences (`prefill_many`), every later prompt whose rest fits the chunk's
+        remaining room, whole. Short prompts arriving together so reach their first token in one
+        call instead of one step each."""
+        prefilling = [r for r in self._running if r.phase is Phase.PREFILL]
+        if not prefilling:
+            return []
+        first = prefilling[0]
+        pack = [(first, first.prompt[first.n_prefilled:first.n_prefilled + self.config.chunk_size])]
+        room = self.config.chunk_size - len(pack[0][1])
+        if hasattr(self.runner, "prefill_many"):
+            for r in prefilling[1:]:
+                rest = len(r.prompt) - r.n_prefilled
+                if rest <= room:
+                    pack.append((r, r.prompt[r.n_prefilled:]))
+                    room -= rest
+        return pack
+
+    def _prefill(self, pack: list[tuple[Request, list[int]]]) -> tuple[list[Request], torch.Tensor | None]:
+        """Run the pack's chunks; the first token of each prompt that is now complete, drawn."""
+        for req, _ in pack:
+            if req.kv is None:
+                req.kv = self.runner.new_sequence(self.n_ctx)
+                req.t_first_chunk = time.perf_counter()
+        t0 = time.perf_counter()
+        chunks = [torch.tensor(chunk, dtype=torch.long) for _, chunk in pack]
+        if len(pack) == 1:
+            req, chunk = pack[0]
+            logits = self.runner.prefill(req.kv, chunks[0], whole_prompt=len(chunk) == len(req.prompt))[None]
+        else:
+            logits = self.runner.prefill_many([req.kv for req, _ in pack], chunks)  # type: ignore[attr-defined]
+        n_tokens = sum(len(chunk) for _, chunk in pack)
+        self.metrics.prompt_tokens.inc(n_tokens)
+        self.metrics.prompt_seconds.inc(time.perf_counter() - t0)
+        for req, chunk in pack:
+            req.n_prefilled += len(chunk)
+        done = [req for req, _ in pack if req.n_prefilled == len(req.prompt)]
+        if not done:
+            return [], None
+        assert all(r in done for r, _ in pack[1:]), "only the first chunk of a pack may leave a prompt unfinished"
+        tokens = self.sampler.sample(logits[len(pack) - len(done):], [r.draw for r in done])  # [N]
+        for i, req in enumerate(done):
+            req.phase = Phase.DECODE
+            req.last_token = tokens[i:i + 1]
+        return done, tokens
+
+    def _decode(self, reqs: list[Request]) -> torch.Tensor:
+        """One decode step for reqs, fed their last drawn tokens; their next tokens [B] (device)."""
+        kvs = [r.kv for r in reqs]
+        assert all(kv is not None for kv in kvs) and all(r.last_token is not None for r in reqs)
+        fed = torch.cat([r.last_token for r in reqs])  # [B], where the draws left them
+        logits = self.runner.decode(kvs, fed)
+        tokens = self.sampler.sample(logits, [r.draw for r in reqs])
+        for i, r in enumerate(reqs):
+            r.last_token = tokens[i:i + 1]
+        return tokens
+
+    def _land(self, step: StepTokens) -> None:
+        """The host's part of a step: wait for its tokens, then text, stops and outputs."""
+        try:
+            ids = step.wait()
+        except Exception as e:  # an error of the device work surfaces here
+            log.exception("model call failed")
+            for r in step.rows:
                 if r.phase is not Phase.DONE:
                     self._finish(r, "error", error=f"{type(e).__name__}: {e}")
-
-    def _prefill_chunk(self, req: Request) -> None:
-        if req.kv is None:
-            req.kv = self.runner.new_sequence(self.n_ctx)
-            req.t_first_chunk = time.perf_counter()
-        chunk = req.prompt[req.n_prefilled:req.n_prefilled + self.config.chunk_size]
-        t0 = time.perf_counter()
-        logits = self.runner.prefill(req.kv, torch.tensor(chunk, dtype=torch.long),
-                                     whole_prompt=len(chunk) == len(req.prompt))
-        req.n_prefilled += len(chunk)
-        self.metrics.prompt_tokens.inc(len(chunk))
-        self.metrics.prompt_seconds.inc(time.perf_counter() - t0)
-        if req.n_prefilled < len(req.prompt):
             return
-        req.t_prompt_done = time.perf_counter()
-        req.timings.prompt_n = len(req.prompt)
-        req.timings.prompt_ms = 1e3 * (req.t_prompt_done - req.t_first_chunk)
-        self.metrics.prefill_tps.set(len(req.prompt) / max(req.t_prompt_done - req.t_first_chunk, 1e-9))
-        req.phase = Phase.DECODE
-        self._accept(req, req.sampler.sample(logits))
+        now = time.perf_counter()
+        n_decoded = 0
+        first_decode_row = len(step.rows) - step.n_decode_rows
+        for i, (req, token) in enumerate(zip(step.rows, ids, strict=True)):
+            if req.phase is Phase.DONE:  # stopped or aborted after this step was launched
+                continue
+            if not req.t_prompt_done:
+                self._prompt_done(req, now)
+            n_decoded += i >= first_decode_row
+            self._accept(req, token)
+        if step.n_decode_rows:
+            dt = max(now - max(step.t_decode, self._t_landed), 1e-9)
+            self.metrics.decode_seconds.inc(dt)
+            self.metrics.decode_tps.set(n_decoded / dt)
+        self._t_landed = now
 
-    def _decode(self, reqs: list[Request]) -> None:
-        t0 = time.perf_counter()
-        kvs = [r.kv for r in reqs]
-        assert all(kv is not None for kv in kvs)
-        logits = self.runner.decode(kvs, torch.tensor([r.generated[-1] for r in reqs], dtype=torch.long))
-        dt = time.perf_counter() - t0
-        self.metrics.decode_seconds.inc(dt)
-        self.metrics.decode_tps.set(len(reqs) / max(dt, 1e-9))
-        for i, r in enumerate(reqs):
-            self._accept(r, r.sampler.sample(logits[i]))
+    def _prompt_done(self, req: Request, now: float) -> None:
+        """The prompt's first token has reached the host: the prompt's timings end here."""
+        req.t_prompt_done = now
+        req.timings.prompt_n = len(req.prompt)
+        req.timings.prompt_ms = 1e3 * (now - req.t_first_chunk)
+        self.metrics.prefill_tps.set(len(req.prompt) / max(now - req.t_first_chunk, 1e-9))
 
     def _accept(self, req: Request, token: int) -> None:
         """A new token for `req`: emit its text, or finish on EOS, a stop string or the limit."""
@@ -258,17 +404,25 @@ class Engine:
 
     def _finish(self, req: Request, reason: str, *, text: str = "", token: int | None = None, tail: str = "",
                 error: str | None = None, notify: bool = True) -> None:
+        was_queued = req.phase is Phase.WAITING
         req.phase = Phase.DONE
         req.kv = None  # frees the cache now
+        req.last_token = None
+        if req.draw is not None:
+            self.sampler.close(req.draw)
         end = time.perf_counter()
         if req.t_prompt_done:
             req.timings.predicted_n = len(req.generated)
             req.timings.predicted_ms = 1e3 * (end - req.t_prompt_done)
         self.metrics.requests.labels(finish_reason=reason).inc()
         t = req.timings
-        log.info("%s: prompt %d tok %.1f ms (%.1f tok/s), decode %d tok %.1f ms (%.1f tok/s), finish %s",
-                 req.id, t.prompt_n, t.prompt_ms, t.as_dict()["prompt_per_second"], t.predicted_n, t.predicted_ms,
-                 t.as_dict()["predicted_per_second"], reason)
+        if was_queued:
+            log.info("%s: prompt %d tok, queued %.1f ms, finish %s before it started", req.id, len(req.prompt),
+                     1e3 * (end - req.t_submit), reason)
+        else:
+            log.info("%s: prompt %d tok %.1f ms (%.1f tok/s), decode %d tok %.1f ms (%.1f tok/s), finish %s",
+                     req.id, t.prompt_n, t.prompt_ms, t.as_dict()["prompt_per_second"], t.predicted_n,
+                     t.predicted_ms, t.as_dict()["predicted_per_second"], reason)
         if notify:
             out = self._output(req, text + tail, [token] if token is not None else [])
             out.finished, out.finish_reason, out.error, out.timings = True, reason, error, req.timings

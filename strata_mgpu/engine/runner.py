@@ -6,6 +6,7 @@ one batched decode call per step. The GPU stages implement the same protocol.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
@@ -39,6 +40,10 @@ class ModelRunner(Protocol):
 class DecoderRunner:
     """ModelRunner over a `Decoder`: the fp32 reference on the CPU, or a device stage."""
 
+    # KV cells (tokens) the runner can hold for all its sequences together; the engine admits
+    # requests while the running ones' prompt + max_tokens fit. None: no limit.
+    kv_token_budget: int | None = None
+
     def __init__(self, model: Decoder):
         self.model = model
         self.spec = model.spec
@@ -50,6 +55,17 @@ class DecoderRunner:
     def prefill(self, kv: KVCache, tokens: torch.Tensor, whole_prompt: bool = False) -> torch.Tensor:
         hidden = self.model.forward(tokens.to(self.model.device), [Segment(0, tokens.shape[0], kv)])
         return self.model.logits(hidden[-1:])[0]
+
+    @torch.inference_mode()
+    def prefill_many(self, kvs: Sequence[KVCache], chunks: Sequence[torch.Tensor]) -> torch.Tensor:
+        """Append chunks[i] [T_i] to sequence kvs[i], all in one forward (packed as segments);
+        logits [N, V] of each chunk's last token. The engine packs short prompts this way; a
+        runner without this method gets them one at a time."""
+        assert len(kvs) == len(chunks) > 0 and len({id(kv) for kv in kvs}) == len(kvs)
+        ends = list(itertools.accumulate(c.shape[0] for c in chunks))
+        segments = [Segment(end - c.shape[0], end, kv) for kv, c, end in zip(kvs, chunks, ends, strict=True)]
+        hidden = self.model.forward(torch.cat(list(chunks)).to(self.model.device), segments)  # [sum T_i, D]
+        return self.model.logits(torch.cat([hidden[end - 1:end] for end in ends]))  # slices: no index upload
 
     @torch.inference_mode()
     def decode(self, kvs: Sequence[KVCache], tokens: torch.Tensor) -> torch.Tensor:

@@ -53,6 +53,18 @@ class Sampler:
 
     def sample(self, logits: torch.Tensor) -> int:
         """logits [V] (any device) -> the next token id."""
+        logits = self.penalized(logits)
+        if self.params.temperature == 0:
+            token = int(logits.argmax())
+        else:
+            token = int(torch.multinomial(self.filtered(logits / self.params.temperature), 1,
+                                          generator=self.generator))
+        self.counts[token] += 1
+        return token
+
+    def penalized(self, logits: torch.Tensor) -> torch.Tensor:
+        """logits [V] -> fp32 on the host, less the presence and frequency penalties of the tokens
+        generated so far."""
         p = self.params
         logits = logits.float().cpu()
         if self.counts and (p.presence_penalty or p.frequency_penalty):
@@ -60,11 +72,11 @@ class Sampler:
             n = torch.tensor(list(self.counts.values()), dtype=torch.float32)
             logits = logits.clone()
             logits[ids] -= p.presence_penalty + p.frequency_penalty * n
-        token = int(logits.argmax()) if p.temperature == 0 else self._draw(logits / p.temperature)
-        self.counts[token] += 1
-        return token
+        return logits
 
-    def _draw(self, logits: torch.Tensor) -> int:
+    def filtered(self, logits: torch.Tensor) -> torch.Tensor:
+        """Temperature-scaled logits [V] -> the probabilities [V] a draw is made from (top-k,
+        top-p and min-p applied, normalized)."""
         p = self.params
         if p.top_k and p.top_k < logits.numel():
             kth = torch.topk(logits, p.top_k).values[-1]
@@ -78,7 +90,7 @@ class Sampler:
             probs[order[drop]] = 0.0
         if p.min_p > 0:
             probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)
-        return int(torch.multinomial(probs / probs.sum(), 1, generator=self.generator))
+        return probs / probs.sum()
 
 
 class StopMatcher:

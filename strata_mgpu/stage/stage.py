@@ -142,6 +142,10 @@ class Stage(DecoderRunner):
         with self.ctx.on_compute():
             return super().prefill(kv, tokens)
 
+    def prefill_many(self, kvs, chunks) -> torch.Tensor:
+        with self.ctx.on_compute():
+            return super().prefill_many(kvs, chunks)
+
     def refill_cache(self, kvs) -> None:
         """Before a sequence's first decode step: follow the routing seen so far, its own prompt's
         included. Not before the prompt: there the moves would share the link with the prefill's
