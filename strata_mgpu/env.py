@@ -30,7 +30,11 @@ PREFILL_HELP = EnvVar("STRATA_PREFILL_HELP", "1",
 PREFILL_HELP_FRAC = EnvVar("STRATA_PREFILL_HELP_FRAC", None,
                            "fixes the helper's share of each layer's experts (0 < f < 1) instead of the rule")
 
-ALL = (CACHE_DIR, LOG_LEVEL, PREFILL_HELP, PREFILL_HELP_FRAC)
+KV_PREFETCH = EnvVar("STRATA_KV_PREFETCH", "0",
+                     "1 uploads the next attention layer's host KV prefix on a side stream while the current "
+                     "layer computes")
+
+ALL = (CACHE_DIR, LOG_LEVEL, PREFILL_HELP, PREFILL_HELP_FRAC, KV_PREFETCH)
 
 
 def cache_dir() -> Path:
@@ -69,3 +73,11 @@ def prefill_help_frac() -> float | None:
     if not 0 < frac < 1:
         raise EnvError(f"{PREFILL_HELP_FRAC.name}={raw!r}: the share must lie strictly between 0 and 1")
     return frac
+
+
+def kv_prefetch() -> bool:
+    """Off by default until a GPU run shows the overlap never costs prompt speed."""
+    raw = (KV_PREFETCH.raw() or "0").strip()
+    if raw not in ("0", "1"):
+        raise EnvError(f"{KV_PREFETCH.name}={raw!r}: expected 0 or 1")
+    return raw == "1"
