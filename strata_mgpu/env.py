@@ -31,7 +31,11 @@ PREFILL_HELP_FRAC = EnvVar("STRATA_PREFILL_HELP_FRAC", None,
                            "the helper's share of each layer's experts: auto (the rate model, default), rule "
                            "(min(0.45, 0.5 - T/16384), off below 0.3) or a fixed share 0 < f < 1")
 
-ALL = (CACHE_DIR, LOG_LEVEL, PREFILL_HELP, PREFILL_HELP_FRAC)
+KV_PREFETCH = EnvVar("STRATA_KV_PREFETCH", "0",
+                     "1 uploads the next attention layer's host KV prefix on a side stream while the current "
+                     "layer computes")
+
+ALL = (CACHE_DIR, LOG_LEVEL, PREFILL_HELP, PREFILL_HELP_FRAC, KV_PREFETCH)
 
 
 def cache_dir() -> Path:
@@ -77,3 +81,11 @@ def prefill_help_frac() -> float | str | None:
     """None when unset (the policy's default, auto)."""
     raw = PREFILL_HELP_FRAC.raw()
     return None if raw is None else parse_help_frac(raw, PREFILL_HELP_FRAC.name)
+
+
+def kv_prefetch() -> bool:
+    """Off by default until a GPU run shows the overlap never costs prompt speed."""
+    raw = (KV_PREFETCH.raw() or "0").strip()
+    if raw not in ("0", "1"):
+        raise EnvError(f"{KV_PREFETCH.name}={raw!r}: expected 0 or 1")
+    return raw == "1"

@@ -192,6 +192,8 @@ class Decoder:
         """This decoder's layers over hidden rows x [T, D] -> [T, D].
 
         Each segment's rows continue its sequence at `kv.length`; caches advance afterwards.
+        A cache with part of its keys elsewhere (`stage.host_kv`) has `prefetch(layer)`, called one
+        layer ahead of its attention, and `drain()`, called if the forward fails.
         """
         s = self.spec
         for seg in segments:
@@ -199,16 +201,26 @@ class Decoder:
         positions = torch.cat([torch.arange(seg.kv.length, seg.kv.length + seg.n, device=x.device)
                                for seg in segments])  # [T]
         cos, sin = rope_cos_sin(positions, s.head_dim, s.rope_base, self.w.dtype)
-        self.experts.begin(x.shape[0])
-        for i, layer in enumerate(self.w.layers):
-            q, k, v = self._qkv(layer, rms_norm(x, layer.attn_norm, s.rms_eps), cos, sin)
-            out = torch.empty_like(q)
-            for seg in segments:
-                rows = slice(seg.start, seg.end)
-                k_all, v_all = seg.kv.write(i, k[rows], v[rows])  # [S, Hkv, Dh]
-                out[rows] = causal_attention(q[rows], k_all, v_all)
-            x = x + out.reshape(-1, s.q_dim) @ layer.wo.T
-            x = x + self._moe(i, layer, x)
+        ahead = [seg.kv for seg in segments if hasattr(seg.kv, "prefetch")]
+        try:
+            for kv in ahead:
+                kv.prefetch(0)
+            self.experts.begin(x.shape[0])
+            for i, layer in enumerate(self.w.layers):
+                q, k, v = self._qkv(layer, rms_norm(x, layer.attn_norm, s.rms_eps), cos, sin)
+                for kv in ahead:  # layer i+1's keys arrive while layer i attends and runs its experts
+                    kv.prefetch(i + 1)
+                out = torch.empty_like(q)
+                for seg in segments:
+                    rows = slice(seg.start, seg.end)
+                    k_all, v_all = seg.kv.write(i, k[rows], v[rows])  # [S, Hkv, Dh]
+                    out[rows] = causal_attention(q[rows], k_all, v_all)
+                x = x + out.reshape(-1, s.q_dim) @ layer.wo.T
+                x = x + self._moe(i, layer, x)
+        except BaseException:
+            for kv in ahead:  # no upload may still run into a buffer someone else uses next
+                kv.drain()
+            raise
         for seg in segments:
             seg.kv.advance(seg.n)
         return x
@@ -219,8 +231,10 @@ class Decoder:
         Attention runs over the cache's whole capacity under a mask, and the new key and value
         are written at `position` on the device: every shape and address is fixed, so the step
         can be captured once as a CUDA graph and replayed. The caller advances `kv` afterwards.
-        The small ops go through `self.ops` (fused on the GPU: a few launches a layer).
+        The small ops go through `self.ops` (fused on the GPU: a few launches a layer). Only for a
+        cache whose every cell sits in `kv.k`/`kv.v` at its position (`kv.graph_capturable`).
         """
+        assert kv.graph_capturable, "this cache keeps cells outside kv.k/kv.v: decode it with run()"
         s, ops, layers = self.spec, self.ops, self.w.layers
         cos, sin = rope_cos_sin(position, s.head_dim, s.rope_base, self.w.dtype)
         visible = torch.arange(kv.capacity, device=position.device) <= position  # [S]: keys 0..position

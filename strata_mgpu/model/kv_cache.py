@@ -28,6 +28,11 @@ class KVCache:
         return self.k.shape[1]
 
     @property
+    def graph_capturable(self) -> bool:
+        """Every cell sits in `k`/`v` at its own position: the static decode step may read them."""
+        return True
+
+    @property
     def nbytes(self) -> int:
         return self.k.numel() * self.k.element_size() * 2
 

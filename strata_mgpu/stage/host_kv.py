@@ -1,0 +1,346 @@
+"""KV in two tiers: a sequence's last `window` cells in VRAM, its older prefix in host RAM (pinned
+on CUDA), assembled layer by layer in a staging buffer on the device for attention.
+
+Shape legend: L = layers of the stage, W = window cells, C = host rows allocated, S = staging
+cells (the longest sequence), Hkv = KV heads, Dh = head dim.
+
+Where cell p lives (per layer i, `host_rows[i]` = h): positions [0, h) in host rows [0, h);
+positions [h, length) in the VRAM ring at slot p % W (at most W of them). Before the first
+spill every position sits in its own slot, so the ring reads like a plain `KVCache` (and the
+static decode step can be captured); after it, attention reads keys and values in position order
+from a staging buffer: host rows uploaded, then the ring's cells, then the new rows. The oldest
+cells leave the ring through that buffer to the host (a chunk longer than the window spills some
+of its own rows), so the host always holds a prefix. Host rows are per layer, so a forward that
+fails between layers leaves every layer readable: a retry gives the same result.
+
+Streams (CUDA, prefetch on): uploads into staging and spills out of it run on the staging's side
+stream. `released[b]` is recorded on the compute stream when side work on buffer b is queued
+(every earlier reader of b was queued there before it); the side stream waits for it. `ready[b]`
+is recorded on the side stream after its last use of b; the compute stream waits for it before
+it reads or overwrites b. Without prefetch there is no side stream: everything runs on the
+caller's stream in program order. On the CPU a "side-stream" copy runs at once, so the same
+bookkeeping (holds, drains) runs there too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import weakref
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+from strata_mgpu.model.kv_cache import KVCache
+from strata_mgpu.model.spec import ModelSpec
+from strata_mgpu.stage.pinned import host_buffer
+
+_owner_ids = itertools.count(1)
+
+
+@dataclass(frozen=True)
+class Hold:
+    """A staging buffer holds (or is being filled with) `rows` host rows of `owner`'s `layer`."""
+
+    owner: int
+    layer: int
+    rows: int
+
+
+class KVStaging:
+    """Device buffers where a spilled sequence's keys and values of one layer are put in position
+    order for attention: k, v [n_buffers, S, Hkv, Dh]. One per stage, shared by its two-tier
+    caches (the forward attends one segment at a time). With prefetch there are two buffers and
+    a side stream: layer i + 1's host prefix uploads into one while layer i attends from the other.
+    """
+
+    def __init__(self, n_kv_heads: int, head_dim: int, max_cells: int, *, device: torch.device | str,
+                 dtype: torch.dtype, prefetch: bool):
+        self.device = torch.device(device)
+        self.prefetch = prefetch
+        n = 2 if prefetch else 1
+        self.k = torch.zeros(n, max_cells, n_kv_heads, head_dim, device=self.device, dtype=dtype)
+        self.v = torch.zeros_like(self.k)
+        self.side = torch.cuda.Stream(self.device) if prefetch and self.device.type == "cuda" else None
+        self.ready = [torch.cuda.Event() if self.side else None for _ in range(n)]
+        self.released = [torch.cuda.Event() if self.side else None for _ in range(n)]
+        self.holds: list[Hold | None] = [None] * n  # per buffer: a prefetch not yet consumed
+
+    @classmethod
+    def for_model(cls, spec: ModelSpec, max_cells: int, *, device: torch.device | str, dtype: torch.dtype,
+                  prefetch: bool) -> KVStaging:
+        return cls(spec.n_kv_heads, spec.head_dim, max_cells, device=device, dtype=dtype, prefetch=prefetch)
+
+    @property
+    def max_cells(self) -> int:
+        return self.k.shape[1]
+
+    @property
+    def n_buffers(self) -> int:
+        return self.k.shape[0]
+
+    @property
+    def nbytes(self) -> int:
+        return 2 * self.k.numel() * self.k.element_size()
+
+    def buffer_for(self, layer: int) -> int:
+        return layer % self.n_buffers
+
+    @contextlib.contextmanager
+    def on_side(self, b: int) -> Iterator[None]:
+        """Queue the enclosed copies touching buffer b on the side stream, after every use of b
+        queued so far on the current stream; later users of b wait on `ready[b]`."""
+        if self.side is None:
+            yield
+            return
+        self.released[b].record(torch.cuda.current_stream(self.device))
+        self.side.wait_event(self.released[b])
+        with torch.cuda.stream(self.side):
+            yield
+        self.ready[b].record(self.side)
+
+    def wait_side(self, b: int) -> None:
+        """The current stream waits for the side stream's last use of buffer b."""
+        if self.side is not None:
+            torch.cuda.current_stream(self.device).wait_event(self.ready[b])
+
+    def take(self, owner: int, layer: int, rows: int, b: int) -> bool:
+        """Whether buffer b holds `owner`'s prefetched rows of `layer` (the current stream then waits
+        for them). A hold of anything else is dropped: the caller is about to overwrite b."""
+        hold = self.holds[b]
+        self.holds[b] = None
+        self.wait_side(b)
+        return hold == Hold(owner, layer, rows)
+
+    def drain(self, owner: int | None = None) -> None:
+        """Wait (host) for everything queued on the side stream; forget `owner`'s holds (every
+        hold when None). Before an abort's cleanup, a relayout, or freeing memory it touches."""
+        if self.side is not None:
+            self.side.synchronize()
+        self.holds = [None if h is None or owner is None or h.owner == owner else h for h in self.holds]
+
+
+def _drain_before_free(staging: KVStaging, owner: int, device: torch.device) -> None:
+    """A two-tier cache is going: no copy may still run into or out of its host rows."""
+    staging.drain(owner)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)  # spills queued on the compute stream (prefetch off)
+
+
+class TwoTierKV:
+    """One sequence's KV for `n_layers` layers: the last `window` cells in VRAM, the older prefix in
+    host RAM (see the module docstring). Same interface as `KVCache` (`reserve`, `write`,
+    `advance`, `length`), plus `prefetch(layer)`, which `Decoder.run` calls one layer ahead, and
+    `drain()`, which it calls when a forward fails.
+
+    `k`, `v` [L, W', Hkv, Dh] are the VRAM ring (W' grows by doubling up to W). While nothing has
+    spilled and the next position fits the window, `graph_capturable` says the static decode step
+    may read the ring as a plain cache.
+    """
+
+    def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, *, window: int, max_length: int,
+                 staging: KVStaging, capacity: int = 256, dtype: torch.dtype = torch.float32):
+        if not 0 < window < max_length:
+            raise ValueError(f"a two-tier cache needs 0 < window ({window}) < max_length ({max_length})")
+        if staging.max_cells < max_length:
+            raise ValueError(f"the staging buffer holds {staging.max_cells} cells, the sequence may reach "
+                             f"{max_length}")
+        assert staging.k.dtype == dtype, "staging and cache dtypes differ"
+        self.window, self.max_length, self.length = window, max_length, 0
+        self.staging = staging
+        self.device = staging.device
+        self.owner = next(_owner_ids)
+        cap = min(capacity, window)
+        self.k = torch.zeros(n_layers, cap, n_kv_heads, head_dim, device=self.device, dtype=dtype)
+        self.v = torch.zeros_like(self.k)
+        self.host_rows = [0] * n_layers  # per layer: positions [0, h) are on the host
+        self.host_k: torch.Tensor | None = None  # [L, C, Hkv, Dh], allocated at the first spill
+        self.host_v: torch.Tensor | None = None
+        # This cache's last spill on the side stream: an upload on the compute stream waits for it.
+        self._spilled = torch.cuda.Event() if staging.side is not None else None
+        self._finalizer: weakref.finalize | None = None
+        self.closed = False
+
+    # -- sizes ---------------------------------------------------------------------------------
+    @property
+    def n_layers(self) -> int:
+        return self.k.shape[0]
+
+    @property
+    def capacity(self) -> int:
+        return self.k.shape[1]
+
+    @property
+    def nbytes(self) -> int:
+        """VRAM of the ring (the shared staging is counted once per stage: `KVStaging.nbytes`)."""
+        return 2 * self.k.numel() * self.k.element_size()
+
+    @property
+    def host_nbytes(self) -> int:
+        return 0 if self.host_k is None else 2 * self.host_k.numel() * self.host_k.element_size()
+
+    @property
+    def spilled(self) -> bool:
+        return any(self.host_rows)
+
+    @property
+    def graph_capturable(self) -> bool:
+        """Every cell, the next one's included, sits in VRAM at its own position."""
+        return not self.spilled and self.length < self.window
+
+    # -- the KVCache interface -----------------------------------------------------------------
+    def reserve(self, new_tokens: int) -> None:
+        if self.closed:
+            raise RuntimeError("this KV cache was closed")
+        need = self.length + new_tokens
+        if need > self.max_length:
+            raise ValueError(f"sequence of {need} tokens exceeds the context of {self.max_length}")
+        if need > self.capacity and self.capacity < self.window:  # never spilled: cell p sits in slot p
+            cap = min(self.window, max(need, 2 * self.capacity))
+            k = torch.zeros(self.n_layers, cap, *self.k.shape[2:], device=self.device, dtype=self.k.dtype)
+            v = torch.zeros_like(k)
+            k[:, :self.length] = self.k[:, :self.length]
+            v[:, :self.length] = self.v[:, :self.length]
+            self.k, self.v = k, v
+        # A layer's host prefix after this forward: max(h, need - window), h within what is there.
+        if need - self.window > (0 if self.host_k is None else self.host_k.shape[1]):
+            self._grow_host(need - self.window)
+
+    def write(self, layer: int, k_new: torch.Tensor, v_new: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store [T, Hkv, Dh] keys/values after the cached ones; return all of them [length+T, Hkv, Dh]:
+        views of the ring before the first spill, of a staging buffer after it (valid until this
+        layer's attention has been queued)."""
+        start, end = self.length, self.length + k_new.shape[0]
+        h = min(self.host_rows[layer], start)  # host rows past `length` are a failed forward's: rewritten
+        if h == 0 and end <= self.capacity:
+            self.k[layer, start:end] = k_new
+            self.v[layer, start:end] = v_new
+            self.host_rows[layer] = 0  # a failed forward may have spilled rows that are not the sequence's
+            return self.k[layer, :end], self.v[layer, :end]
+        assert self.capacity == self.window, "reserve() before writing"
+        st = self.staging
+        b = st.buffer_for(layer)
+        k_buf, v_buf = st.k[b], st.v[b]  # [S, Hkv, Dh]
+        if not st.take(self.owner, layer, h, b) and h > 0:  # not prefetched: upload it on this stream
+            if self._spilled is not None:
+                torch.cuda.current_stream(self.device).wait_event(self._spilled)
+            self._upload(layer, h, k_buf, v_buf)
+        for ring, pos in self._ring_spans(h, start):
+            k_buf[pos] = self.k[layer, ring]
+            v_buf[pos] = self.v[layer, ring]
+        k_buf[start:end] = k_new
+        v_buf[start:end] = v_new
+        new_h = max(h, end - self.window)
+        if new_h > h:  # the oldest cells leave the window, in position order
+            with st.on_side(b):
+                self.host_k[layer, h:new_h].copy_(k_buf[h:new_h], non_blocking=True)
+                self.host_v[layer, h:new_h].copy_(v_buf[h:new_h], non_blocking=True)
+                if self._spilled is not None:
+                    self._spilled.record(st.side)
+        for ring, pos in self._ring_spans(max(start, new_h), end):
+            rows = slice(pos.start - start, pos.stop - start)
+            self.k[layer, ring] = k_new[rows]
+            self.v[layer, ring] = v_new[rows]
+        self.host_rows[layer] = new_h
+        return k_buf[:end], v_buf[:end]
+
+    def advance(self, n: int) -> None:
+        self.length += n
+
+    # -- prefetch, drain, teardown -------------------------------------------------------------
+    def prefetch(self, layer: int) -> None:
+        """Start uploading `layer`'s host prefix into its staging buffer on the side stream (at once
+        on the CPU). A no-op without prefetch, past the last layer, with nothing on the host, or
+        while another sequence's prefetch holds that buffer."""
+        st = self.staging
+        if not st.prefetch or layer >= self.n_layers:
+            return
+        h = min(self.host_rows[layer], self.length)
+        b = st.buffer_for(layer)
+        if h == 0 or st.holds[b] is not None:
+            return
+        with st.on_side(b):  # this cache's spills were queued on the side stream before: in order
+            self._upload(layer, h, st.k[b], st.v[b])
+        st.holds[b] = Hold(self.owner, layer, h)
+
+    def drain(self) -> None:
+        """A forward failed or stopped early: wait for the side stream, drop this cache's pending
+        prefetches. The cache stays consistent (host rows are per layer); other sequences' holds
+        stay."""
+        self.staging.drain(self.owner)
+
+    def close(self) -> None:
+        """Free the ring and the host rows, after every copy touching them has finished."""
+        if self._finalizer is not None:
+            self._finalizer()
+        else:
+            self.staging.drain(self.owner)
+        self.k = torch.zeros(self.n_layers, 0, *self.k.shape[2:], device=self.device, dtype=self.k.dtype)
+        self.v = torch.zeros_like(self.k)
+        self.host_k = self.host_v = None
+        self.closed = True
+
+    # -- internals -----------------------------------------------------------------------------
+    def _upload(self, layer: int, rows: int, k_buf: torch.Tensor, v_buf: torch.Tensor) -> None:
+        """Host rows [0, rows) of `layer` into a staging buffer, on the current stream.
+
+        The seam for decode's other option: attention reading the prefix in place through mapped
+        memory instead of copying it (not built; measure first)."""
+        k_buf[:rows].copy_(self.host_k[layer, :rows], non_blocking=True)
+        v_buf[:rows].copy_(self.host_v[layer, :rows], non_blocking=True)
+
+    def _ring_spans(self, start: int, stop: int) -> list[tuple[slice, slice]]:
+        """Positions [start, stop) (at most a window) as (ring slots, positions) pairs in order."""
+        n = stop - start
+        if n <= 0:
+            return []
+        assert n <= self.window
+        first = start % self.window
+        head = min(n, self.window - first)
+        spans = [(slice(first, first + head), slice(start, start + head))]
+        if head < n:
+            spans.append((slice(0, n - head), slice(start + head, stop)))
+        return spans
+
+    def _grow_host(self, rows: int) -> None:
+        """Host rows for at least `rows` positions a layer: doubled, capped at max_length - window; the old
+        rows are copied once every copy touching them has finished."""
+        old = 0 if self.host_k is None else self.host_k.shape[1]
+        cap = min(self.max_length - self.window, max(rows, 2 * old))
+        shape = (2, self.n_layers, cap, *self.k.shape[2:])
+        elem = self.k.element_size()
+        flat = host_buffer(elem * torch.Size(shape).numel(), pin=self.device.type == "cuda")
+        kv = flat.view(self.k.dtype).view(shape)  # [2, L, C, Hkv, Dh]: keys, then values
+        if self.host_k is not None:
+            _drain_before_free(self.staging, self.owner, self.device)
+            kv[0, :, :old] = self.host_k
+            kv[1, :, :old] = self.host_v
+        self.host_k, self.host_v = kv[0], kv[1]
+        if self._finalizer is None:
+            self._finalizer = weakref.finalize(self, _drain_before_free, self.staging, self.owner, self.device)
+            self._finalizer.atexit = False
+
+
+def window_bytes(spec: ModelSpec, n_layers: int, cells: int, elem: int = 2) -> int:
+    """VRAM of `cells` KV cells in every one of `n_layers` layers (keys and values)."""
+    return 2 * n_layers * cells * spec.kv_dim * elem
+
+
+def staging_bytes(spec: ModelSpec, max_length: int, prefetch: bool, elem: int = 2) -> int:
+    """VRAM of a stage's `KVStaging` for sequences of up to `max_length` tokens."""
+    return (2 if prefetch else 1) * 2 * max_length * spec.kv_dim * elem
+
+
+def make_kv_cache(spec: ModelSpec, layers: range, vram_cells: int, max_length: int, *, device: torch.device,
+                  dtype: torch.dtype, staging: KVStaging | None) -> KVCache | TwoTierKV:
+    """A sequence's KV for a stage's `layers`: a plain `KVCache` when `max_length` fits in
+    `vram_cells`, else a `TwoTierKV` with that window, assembling in the stage's `staging`."""
+    if max_length <= vram_cells:
+        return KVCache(len(layers), spec.n_kv_heads, spec.head_dim, max_length=max_length, device=device,
+                       dtype=dtype)
+    if staging is None:
+        raise ValueError(f"a sequence of {max_length} tokens needs host KV beyond {vram_cells} VRAM cells, "
+                         f"and no staging buffer was given")
+    return TwoTierKV(len(layers), spec.n_kv_heads, spec.head_dim, window=vram_cells, max_length=max_length,
+                     staging=staging, dtype=dtype)
