@@ -54,6 +54,15 @@ def test_forced_and_uncapped():
     assert cpu.resident_per_layer == 32 and "budget" not in dict(cpu.lines())
 
 
+def test_longer_context_than_vram_kv_adds_a_staging_line():
+    plan = plan_memory(SPEC_30B, n_layers=48, expert_bytes=EXPERT_30B, dense=int(3.3e9), budget=16 * GiB,
+                       chunk_tokens=8192, kv_tokens=8192, context=40960, staging_buffers=2)
+    assert plan.kv_staging == 2 * 2 * 40960 * 512 * 2  # two buffers of one layer's keys and values
+    assert plan.kv == kv_bytes(SPEC_30B, 48, 8192) and plan.total <= 16 * GiB
+    assert plan_memory(SPEC_30B, n_layers=48, expert_bytes=EXPERT_30B, dense=0, budget=16 * GiB, chunk_tokens=512,
+                       kv_tokens=4096, context=4096).kv_staging == 0
+
+
 def test_line_formulas_scale_as_stated():
     s = SPEC_30B
     assert workspace_bytes(s, 4) == 2 * workspace_bytes(s, 2)
@@ -74,20 +83,21 @@ shapes = st.builds(
 @settings(max_examples=300, deadline=None)
 @given(spec=shapes, budget_gib=st.floats(0.5, 200), expert_kb=st.integers(1, 20_000), dense_gb=st.floats(0, 20),
        chunk=st.integers(1, 16384), kv_tokens=st.integers(1, 262144), slots=st.integers(1, 4),
-       layers=st.integers(1, 96))
-def test_plan_never_exceeds_the_budget(spec, budget_gib, expert_kb, dense_gb, chunk, kv_tokens, slots, layers):
+       layers=st.integers(1, 96), context=st.one_of(st.none(), st.integers(1, 262144)))
+def test_plan_never_exceeds_the_budget(spec, budget_gib, expert_kb, dense_gb, chunk, kv_tokens, slots, layers,
+                                       context):
     budget = int(budget_gib * GiB)
+    args = dict(n_layers=layers, expert_bytes=expert_kb * 1000, dense=int(dense_gb * 1e9), chunk_tokens=chunk,
+                kv_tokens=kv_tokens, ring_slots=slots, context=context)
     try:
-        plan = plan_memory(spec, n_layers=layers, expert_bytes=expert_kb * 1000, dense=int(dense_gb * 1e9),
-                           budget=budget, chunk_tokens=chunk, kv_tokens=kv_tokens, ring_slots=slots)
+        plan = plan_memory(spec, budget=budget, **args)
     except PlanError:
-        zero = plan_memory(spec, n_layers=layers, expert_bytes=expert_kb * 1000, dense=int(dense_gb * 1e9),
-                           budget=None, chunk_tokens=chunk, kv_tokens=kv_tokens, ring_slots=slots,
-                           resident_per_layer=0)
+        zero = plan_memory(spec, budget=None, resident_per_layer=0, **args)
         assert zero.total + int(0.03 * budget) > budget  # refused only when nothing would fit
         return
     assert plan.total <= budget
-    assert sum(n for what, n in plan.lines()[:7]) == plan.total
+    placed = [n for what, n in plan.lines()]
+    assert sum(placed[:placed.index(plan.total)]) == plan.total  # the lines before "total" add up to it
     assert 0 <= plan.resident_per_layer <= spec.n_experts
     if plan.resident_per_layer < spec.n_experts:  # one more resident expert a layer would not fit
         more = dataclasses.replace(plan, resident_per_layer=plan.resident_per_layer + 1)

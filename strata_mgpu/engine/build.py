@@ -44,6 +44,7 @@ def check_placement(placement: Placement, spec: ModelSpec) -> None:
 
 def stage_options(placement: Placement, chunk_size: int, kv_tokens: int) -> list[StageOptions]:
     return [StageOptions(device=d, max_vram_gib=placement.budget(i), chunk_size=chunk_size, kv_tokens=kv_tokens,
+                         context=kv_tokens,
                          resident_experts=placement.resident_experts,
                          dtype=torch.float32 if placement.dtype == "fp32" else None,
                          cuda_graphs=placement.cuda_graphs)

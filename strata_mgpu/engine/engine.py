@@ -126,8 +126,8 @@ class Engine:
         self.tokenizer = tokenizer
         self.config = config
         self.n_ctx = config.n_ctx(runner.spec.context_length)
-        if self._kv_budget() is not None:  # no sequence longer than what the runner can hold at all
-            self.n_ctx = min(self.n_ctx, self._kv_budget())
+        if self._kv_budget() is not None and not hasattr(runner, "kv_cells"):
+            self.n_ctx = min(self.n_ctx, self._kv_budget())  # no sequence longer than the runner can hold
         self.metrics = metrics or EngineMetrics()
         self.sampler = BatchSampler()
         self._in_flight: StepTokens | None = None  # the last step's tokens, not yet on the host
@@ -239,12 +239,13 @@ class Engine:
         running request keeps room for its prompt + max_tokens. Returns the requests that can
         never fit (the runner's budget shrank below them after they were queued). Holds _cv."""
         budget = self._kv_budget()
-        held = sum(r.kv_tokens for r in self._running)
+        held = sum(self._kv_cells(r.kv_tokens) for r in self._running)
         rejected = []
         while self._waiting and len(self._running) < self.config.max_running:
             req = self._waiting[0]
-            if budget is not None and held + req.kv_tokens > budget:
-                if req.kv_tokens <= budget:
+            cells = self._kv_cells(req.kv_tokens)
+            if budget is not None and held + cells > budget:
+                if cells <= budget:
                     break  # it waits for room
                 rejected.append(self._waiting.popleft())
                 continue
@@ -252,8 +253,14 @@ class Engine:
             req.phase = Phase.PREFILL
             req.draw = self.sampler.open(req.params)
             self._running.append(req)
-            held += req.kv_tokens
+            held += cells
         return rejected
+
+    def _kv_cells(self, tokens: int) -> int:
+        """KV cells a sequence of `tokens` holds against the budget (in VRAM: a runner whose longer
+        sequences spill their older KV to host RAM says how many stay)."""
+        cells = getattr(self.runner, "kv_cells", None)
+        return cells(tokens) if cells is not None else tokens
 
     def _kv_budget(self) -> int | None:
         """KV cells the runner can hold for all sequences together; None: no limit."""
@@ -318,7 +325,7 @@ class Engine:
         """Run the pack's chunks; the first token of each prompt that is now complete, drawn."""
         for req, _ in pack:
             if req.kv is None:
-                req.kv = self.runner.new_sequence(self.n_ctx)
+                req.kv = self.runner.new_sequence(req.kv_tokens)  # never more than admission counted
                 req.t_first_chunk = time.perf_counter()
         t0 = time.perf_counter()
         chunks = [torch.tensor(chunk, dtype=torch.long) for _, chunk in pack]

@@ -89,6 +89,10 @@ class SplitRunner:
         self.policy = HelpPolicy(enabled=False)
         self.kv_token_budget = min(s.kv_token_budget for s in stages)  # every stage holds every sequence's KV
 
+    def kv_cells(self, tokens: int) -> int:
+        """VRAM KV cells a sequence of `tokens` takes on the stage that holds the most of it."""
+        return max(s.kv_cells(tokens) for s in self.stages)
+
     def set_stage_helper(self, policy: HelpPolicy, max_rows: int) -> None:
         """Give each stage's prompt path the next stage's helper (the last stage gets the
         first's), with host buffers for prompts of up to `max_rows` tokens."""
@@ -119,9 +123,8 @@ class SplitRunner:
 
     def new_sequence(self, max_length: int) -> SplitKV:
         parts = []
-        for s in self.stages:  # zero-filled on the stage's own stream, which later reads them
-            with s.ctx.on_compute():
-                parts.append(s.model.new_cache(max_length=max_length))
+        for s in self.stages:  # each stage's own KV (VRAM, or VRAM and host), made on its own stream
+            parts.append(s.new_sequence(max_length))
         return SplitKV(parts)
 
     @torch.inference_mode()

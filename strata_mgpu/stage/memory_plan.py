@@ -37,6 +37,7 @@ class MemoryPlan:
     activations: int  # one chunk's temporaries at their peak
     kv: int  # the KV cells the engine may fill, for every sequence together
     kv_tokens: int
+    kv_staging: int  # where a sequence may outgrow kv_tokens: the buffer its host prefix is uploaded into
     slack: int  # allocator rounding and cached blocks
     n_layers: int  # L
     n_experts: int  # E
@@ -67,7 +68,7 @@ class MemoryPlan:
 
     @property
     def fixed(self) -> int:
-        return self.dense + self.workspace + self.activations + self.kv + self.slack
+        return self.dense + self.workspace + self.activations + self.kv + self.kv_staging + self.slack
 
     @property
     def total(self) -> int:
@@ -77,7 +78,7 @@ class MemoryPlan:
         """(what, bytes) in the order they are placed; the budget and what is left last."""
         out = [("dense weights", self.dense), ("expert workspace (bf16, one layer)", self.workspace),
                ("activations (one chunk)", self.activations), (f"KV cache ({self.kv_tokens:,} tokens)", self.kv),
-               ("allocator slack", self.slack),
+               ("KV staging (host prefix uploads)", self.kv_staging), ("allocator slack", self.slack),
                (f"expert ring ({self.ring_slots} x {self.streamed_per_layer} experts)", self.ring),
                (f"resident experts ({self.resident_per_layer}/{self.n_experts} a layer)", self.resident)]
         if self.budget is not None:
@@ -128,16 +129,22 @@ def kv_bytes(spec: ModelSpec, n_layers: int, tokens: int, elem: int = 2) -> int:
 
 def plan_memory(spec: ModelSpec, *, n_layers: int, expert_bytes: int, dense: int, budget: int | None,
                 chunk_tokens: int, kv_tokens: int, ring_slots: int = 2, elem: int = 2,
-                resident_per_layer: int | None = None, where: str = "the stage") -> MemoryPlan:
+                resident_per_layer: int | None = None, where: str = "the stage", context: int | None = None,
+                staging_buffers: int = 1) -> MemoryPlan:
     """Place the fixed lines, then as many resident experts a layer as the rest holds.
 
-    `resident_per_layer` forces K (0: stream everything, for measurements); it must still fit.
-    Without a budget (CPU) K defaults to a quarter of E, so both read paths stay exercised.
+    `kv_tokens` KV cells stay in VRAM; a sequence longer than that (up to `context` tokens) keeps
+    its older cells in host RAM and uploads them, a layer at a time, into `staging_buffers`
+    buffers of `context` cells (`stage.host_kv`). `resident_per_layer` forces K (0: stream
+    everything, for measurements); it must still fit. Without a budget (CPU) K defaults to a
+    quarter of E, so both read paths stay exercised.
     """
     E = spec.n_experts
+    context = max(context or kv_tokens, kv_tokens)
+    staging = staging_buffers * 2 * context * spec.kv_dim * elem if context > kv_tokens else 0
     fixed = dict(dense=dense, workspace=workspace_bytes(spec, elem),
-                 activations=activation_bytes(spec, min(chunk_tokens, kv_tokens), kv_tokens, elem),
-                 kv=kv_bytes(spec, n_layers, kv_tokens, elem), kv_tokens=kv_tokens,
+                 activations=activation_bytes(spec, min(chunk_tokens, context), context, elem),
+                 kv=kv_bytes(spec, n_layers, kv_tokens, elem), kv_tokens=kv_tokens, kv_staging=staging,
                  slack=int(ALLOCATOR_SLACK * budget) if budget is not None else 0)
 
     def plan(k: int) -> MemoryPlan:

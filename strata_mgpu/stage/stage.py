@@ -16,11 +16,13 @@ from dataclasses import dataclass
 
 import torch
 
+from strata_mgpu import env
 from strata_mgpu.engine.runner import DecoderRunner
 from strata_mgpu.kernels.decode_ops import CudaDecodeOps
 from strata_mgpu.kernels.experts import CudaKernels, select_kernels
 from strata_mgpu.model.decoder import Decoder
 from strata_mgpu.model.gguf_reader import GGUFFile
+from strata_mgpu.model.kv_cache import KVCache
 from strata_mgpu.model.spec import ModelSpec
 from strata_mgpu.model.weights import load_weights
 from strata_mgpu.split.peer_prefill import LentBuffers
@@ -29,7 +31,8 @@ from strata_mgpu.stage.device import DeviceContext
 from strata_mgpu.stage.expert_cache import ExpertCache
 from strata_mgpu.stage.expert_ring import ExpertRing
 from strata_mgpu.stage.host_arena import HostExpertArena
-from strata_mgpu.stage.memory_plan import MemoryPlan, plan_memory
+from strata_mgpu.stage.host_kv import KVStaging, TwoTierKV, make_kv_cache
+from strata_mgpu.stage.memory_plan import MemoryPlan, PlanError, plan_memory
 from strata_mgpu.stage.streamed_experts import StreamedExperts
 
 log = logging.getLogger("strata.stage")
@@ -42,7 +45,8 @@ class StageOptions:
     max_vram_gib: float | None = None
     ring_slots: int = 2
     chunk_size: int = 8192  # the largest prefill chunk, for the activation line of the plan
-    kv_tokens: int = 8192  # KV cells the engine may fill, all sequences together (the plan's KV line)
+    kv_tokens: int = 8192  # KV cells the engine may fill in VRAM, all sequences together (the plan's KV line)
+    context: int | None = None  # the longest sequence; beyond kv_tokens its older KV lives in host RAM
     expert_cache: bool = True  # False: no resident experts at all (every pass streams everything)
     resident_experts: int | None = None  # force K resident experts a layer (0: residency off); None: the plan's
     prefer_cuda_kernels: bool = True
@@ -90,6 +94,7 @@ class Stage(DecoderRunner):
                                      on_layer=progress("experts" + tag, len(layers)))
         kernels = self.kernels = select_kernels(self.ctx.device, prefer_cuda=opts.prefer_cuda_kernels)
         self.plan = self._plan(spec, opts, layers, dense_bytes, dtype)
+        self.plan_context = max(opts.context or 0, self.plan.kv_tokens)  # the longest sequence planned for
         ring = ExpertRing(self.ctx, self.plan.ring_slot_bytes, opts.ring_slots) if self.plan.ring else None
         cache = (ExpertCache(self.ctx, self.arena, layers, self.plan.resident_per_layer * len(layers))
                  if opts.expert_cache else None)
@@ -100,7 +105,11 @@ class Stage(DecoderRunner):
         self._graphs_ok = (opts.cuda_graphs and self.is_first and self.is_last and cache is not None
                            and dtype == torch.bfloat16 and self._decode_never_syncs(kernels, spec))
         self._graph: DecodeGraph | None = None
-        self.kv_token_budget = opts.kv_tokens  # KV cells the plan holds for all sequences together
+        # KV cells in VRAM for all sequences together (the engine admits within it); a sequence
+        # longer than that keeps its older cells in pinned host RAM (`stage.host_kv`)
+        self.kv_token_budget = self.plan.kv_tokens
+        self._kv_prefetch = env.kv_prefetch()
+        self._kv_staging: KVStaging | None = None
         self._decoding: weakref.WeakSet = weakref.WeakSet()  # sequences past their first decode step
         self.report = StageReport(dense_bytes=dense_bytes, arena_bytes=self.arena.nbytes,
                                   ring_bytes=ring.nbytes if ring else 0, workspace_bytes=experts.workspace_bytes,
@@ -116,16 +125,51 @@ class Stage(DecoderRunner):
     def _plan(self, spec: ModelSpec, opts: StageOptions, layers: range, dense_bytes: int,
               dtype: torch.dtype) -> MemoryPlan:
         """The stage's VRAM plan (`memory_plan`): on CUDA within the budget and what the card has
-        free; on the CPU uncapped, with a quarter of each layer resident unless forced."""
+        free; on the CPU uncapped, with a quarter of each layer resident unless forced. Where the
+        budget cannot hold the KV of the whole context, the VRAM KV is halved (down to one chunk)
+        and longer sequences keep their older cells in host RAM."""
         budget = None
         if self.ctx.is_cuda:  # what may still be allocated, plus the dense weights already placed
             budget = self.ctx.vram_free_in_budget() + torch.cuda.memory_reserved(self.ctx.device)
             budget = min(budget, self.ctx.max_vram_bytes) if self.ctx.max_vram_bytes else budget
         resident = opts.resident_experts if opts.expert_cache else 0
-        return plan_memory(spec, n_layers=len(layers), expert_bytes=self.arena.max_expert_bytes, dense=dense_bytes,
-                           budget=budget, chunk_tokens=opts.chunk_size, kv_tokens=opts.kv_tokens,
-                           ring_slots=opts.ring_slots, elem=torch.empty((), dtype=dtype).element_size(),
-                           resident_per_layer=resident, where=f"stage on {self.ctx.device}")
+        context = max(opts.context or opts.kv_tokens, opts.kv_tokens)
+        kv_tokens = opts.kv_tokens
+        floor = min(kv_tokens, max(opts.chunk_size, 1024))
+        while True:
+            try:
+                return plan_memory(spec, n_layers=len(layers), expert_bytes=self.arena.max_expert_bytes,
+                                   dense=dense_bytes, budget=budget, chunk_tokens=opts.chunk_size,
+                                   kv_tokens=kv_tokens, ring_slots=opts.ring_slots,
+                                   elem=torch.empty((), dtype=dtype).element_size(), resident_per_layer=resident,
+                                   where=f"stage on {self.ctx.device}", context=context,
+                                   staging_buffers=2 if env.kv_prefetch() else 1)
+            except PlanError:
+                if kv_tokens <= floor:
+                    raise
+                kv_tokens = max(floor, kv_tokens // 2)
+                log.warning("stage on %s: the budget cannot hold %d tokens of KV in VRAM; trying %d, with "
+                            "longer sequences' older KV in host RAM", self.ctx.device, 2 * kv_tokens, kv_tokens)
+
+    def kv_cells(self, tokens: int) -> int:
+        """VRAM KV cells a sequence of `tokens` takes (the rest of a longer one lives in host RAM)."""
+        return min(tokens, self.plan.kv_tokens)
+
+    def new_sequence(self, max_length: int) -> KVCache | TwoTierKV:
+        """A sequence's KV: all in VRAM when it fits the plan's KV cells, else the last cells in
+        VRAM and the older ones in pinned host RAM (zero-filled on the stage's stream)."""
+        with self.ctx.on_compute():
+            staging = None
+            if max_length > self.plan.kv_tokens:
+                if self._kv_staging is None or self._kv_staging.max_cells < max_length:
+                    if self._kv_staging is not None:
+                        self._kv_staging.drain()  # relayout: no upload may still target the old buffers
+                    self._kv_staging = KVStaging.for_model(self.spec, max(max_length, self.plan_context),
+                                                           device=self.ctx.device, dtype=self.model.w.dtype,
+                                                           prefetch=self._kv_prefetch)
+                staging = self._kv_staging
+            return make_kv_cache(self.spec, self.layers, self.plan.kv_tokens, max_length, device=self.ctx.device,
+                                 dtype=self.model.w.dtype, staging=staging)
 
     @property
     def stages(self) -> list[Stage]:
@@ -162,8 +206,8 @@ class Stage(DecoderRunner):
         """Batch 1 on the capturable path: a CUDA graph replay per token; otherwise eager."""
         with self.ctx.on_compute():
             self.refill_cache(kvs)
-            if not self._graphs_ok or len(kvs) != 1:
-                return super().decode(kvs, tokens)
+            if not self._graphs_ok or len(kvs) != 1 or not kvs[0].graph_capturable:
+                return super().decode(kvs, tokens)  # a spilled sequence's KV is assembled eagerly
             kv = kvs[0]
             kv.reserve(1)
             if self._graph is None or self._graph.key != graph_key(kv):
