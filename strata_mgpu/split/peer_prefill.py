@@ -106,10 +106,12 @@ class PeerPrefill:
             h = self.to_helper.receive()
             experts = self.to_helper.receive()
             weights = self.to_helper.receive()
+            lent.ctx.access((lent.w_gate_up, lent.w_down), "w")
             lent.kernels.dequant_experts(feed.acquire(i), lay, n, lent.w_gate_up, lent.w_down)
             feed.release(i)
             local = (experts - first) % n_experts_total  # the helper's experts become 0..n-1, sorted first
             order, offs = group_rows(local, n_experts_total)
+            lent.ctx.access((lent.w_gate_up, lent.w_down), "r")
             y = lent.kernels.grouped_mlp(h[order // experts.shape[1]], offs[:n], lent.w_gate_up[:n], lent.w_down[:n])
             self.from_helper.send(masked_combine(y, order, weights, local < n))
 

@@ -36,8 +36,8 @@ class StreamedExperts:
         self.layers = layers  # global layer ids, in order; forward() gets the index into them
         E, F, D = spec.n_experts, spec.expert_ffn, spec.hidden
         # one layer's experts as bf16: the GEMMs' operands (E x 2F x D and E x D x F)
-        self.w_gate_up = torch.empty(E, 2 * F, D, dtype=dtype, device=ctx.device)
-        self.w_down = torch.empty(E, D, F, dtype=dtype, device=ctx.device)
+        self.w_gate_up = ctx.label(torch.empty(E, 2 * F, D, dtype=dtype, device=ctx.device), "workspace gate-up")
+        self.w_down = ctx.label(torch.empty(E, D, F, dtype=dtype, device=ctx.device), "workspace down")
         self._feed: LayerFeed | None = None  # this forward's uploads, when streaming
         self.streaming = False
         self.helper: PeerPrefill | None = None  # bound for one-chunk prompts by the split runner
@@ -79,9 +79,11 @@ class StreamedExperts:
             helper.run_layer(i, self.spec.n_experts)
         mine = helper.split(layer)[0] if helper is not None else self.spec.n_experts  # our experts: 0..mine-1
         assert self._feed is not None
+        self.ctx.access((self.w_gate_up, self.w_down), "w")
         self.kernels.dequant_experts(self._feed.acquire(i), lay, mine, self.w_gate_up, self.w_down)
         self._feed.release(i)  # dequant was the slot's only reader: the next upload may start
         order, offs = group_rows(experts, self.spec.n_experts)  # our experts' rows sort first
+        self.ctx.access((self.w_gate_up, self.w_down), "r")
         y = self.kernels.grouped_mlp(h[order // experts.shape[1]], offs[:mine], self.w_gate_up[:mine],
                                      self.w_down[:mine])
         if helper is None:
@@ -93,4 +95,5 @@ class StreamedExperts:
         """Each row's picks read where they live, a VRAM slot or the mapped arena (M = T * A < E
         here): fused kernels on CUDA, no host sync on the device path."""
         assert self.cache is not None
+        self.ctx.access((self.w_gate_up, self.w_down), "w")  # the torch twin dequantizes the picks there
         return self.kernels.moe_gathered(self.cache, i, lay, h, weights, experts, self.w_gate_up, self.w_down)
