@@ -21,14 +21,14 @@ from strata_mgpu.stage.pinned import host_buffer
 
 class Exchange:
     def __init__(self, src: DeviceContext, dst: DeviceContext, src_kernels: TorchKernels, dst_kernels: TorchKernels,
-                 max_bytes: int, n_buffers: int = 2):
+                 max_bytes: int, n_buffers: int = 2, name: str = "hand-over"):
         self.src, self.dst = src, dst
         self.src_kernels, self.dst_kernels = src_kernels, dst_kernels
         pin = src.is_cuda or dst.is_cuda
-        self.buffers = [src.label(host_buffer(max_bytes, pin=pin), f"exchange to {dst.name} buffer {i}")
+        self.buffers = [src.label(host_buffer(max_bytes, pin=pin), f"{name} to {dst.name} buffer {i}")
                         for i in range(n_buffers)]
-        self.sent = [src.event(f"exchange to {dst.name} buffer {i} sent") for i in range(n_buffers)]  # by the writer
-        self.read = [dst.event(f"exchange from {src.name} buffer {i} read") for i in range(n_buffers)]  # by the reader
+        self.sent = [src.event(f"{name} to {dst.name} buffer {i} sent") for i in range(n_buffers)]  # by the writer
+        self.read = [dst.event(f"{name} from {src.name} buffer {i} read") for i in range(n_buffers)]  # by the reader
         self._next = 0
         self._pending: deque[tuple[int, torch.Size, torch.dtype]] = deque()
         self.bytes_moved = 0

@@ -97,8 +97,9 @@ class SplitRunner:
             elem = busy.model.w.dtype.itemsize
             max_bytes = max_rows * max(self.spec.hidden * elem, self.spec.n_experts_used * 8)
             helper = PeerPrefill(Exchange(busy.ctx, idle.ctx, busy.kernels, idle.kernels, max_bytes,
-                                          n_buffers=2 * MESSAGES_PER_LAYER),
-                                 Exchange(idle.ctx, busy.ctx, idle.kernels, busy.kernels, max_bytes))
+                                          n_buffers=2 * MESSAGES_PER_LAYER, name="helper input"),
+                                 Exchange(idle.ctx, busy.ctx, idle.kernels, busy.kernels, max_bytes,
+                                          name="helper output"))
             busy.model.experts.helper = helper
             self.helpers.append(helper)
         self.policy = policy

@@ -112,6 +112,8 @@ class OrderingTwin:
 
     def stream(self, name: str, home: TwinStreams | None) -> TwinStream:
         s = TwinStream(name, len(self.streams), home)
+        _join(s.vc, self.host.vc)  # work on it is issued after the host's steps so far
+        s.host_epoch = self._host_epoch
         self.streams.append(s)
         return s
 
