@@ -45,6 +45,7 @@ class TwinStream:
     home: TwinStreams | None  # None: the host
     vc: dict[int, int] = field(default_factory=dict)
     host_epoch: int = 0  # the host clock's epoch last joined into vc
+    waited: set[int] = field(default_factory=set)  # events it has waited on (for messages)
 
     def __post_init__(self) -> None:
         self.vc[self.index] = 1
@@ -138,6 +139,7 @@ class OrderingTwin:
     def wait(self, event: TwinEvent, s: TwinStream) -> None:
         """s waits for the event's latest record issued so far (none yet: no wait, as on CUDA)."""
         self._issue(s)
+        s.waited.add(event.index)
         if event.vc is not None:
             _join(s.vc, event.vc)
         if self.trace is not None:
@@ -202,14 +204,16 @@ class OrderingTwin:
         prior = "write" if p is state.write else "read"
         covering = [e for e in self.events if e.stream is p.stream and e.vc is not None
                     and e.vc.get(p.stream.index, 0) >= p.tick]
-        if covering:
-            e = min(covering, key=lambda e: (e.vc[p.stream.index], e.index))
+        if covering:  # the one s waits on elsewhere, if any, else the first recorded after the access
+            e = min(covering, key=lambda e: (e.index not in s.waited, e.vc[p.stream.index], e.index))
             missing = f"a wait on {e.name!r} (recorded on {p.stream.name} after that {prior})"
         else:
             missing = f"a wait on an event recorded on {p.stream.name} after that {prior} (none is recorded there)"
+        never = [self.events[i].name for i in sorted(s.waited) if self.events[i].vc is None]
+        note = f"; {s.name} waits on {never[0]!r}, which is never recorded" if never else ""
         verb = "reads" if mode == "r" else "writes"
         return OrderingError(f"{s.name} {verb} {state.name!r} at {where}, but its {prior} on {p.stream.name} at "
-                             f"{p.where} is not ordered before: missing {missing} on {s.name}")
+                             f"{p.where} is not ordered before: missing {missing} on {s.name}{note}")
 
 
 _ACTIVE: list[OrderingTwin] = []
