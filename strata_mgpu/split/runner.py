@@ -150,9 +150,11 @@ class SplitRunner:
                     self.exchanges[k].send(x)
                 else:
                     out = stage.model.logits(x[-1:] if last_row_only else x)
+                    stage.ctx.access(out, "w")
                 if self.on_stage:
                     self.on_stage(k, "end")
         assert out is not None
+        self.stages[last].ctx.access(out, "r")  # on the caller's stream, which joined the last stage's
         return out
 
 

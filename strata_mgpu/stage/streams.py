@@ -204,11 +204,12 @@ class OrderingTwin:
         prior = "write" if p is state.write else "read"
         covering = [e for e in self.events if e.stream is p.stream and e.vc is not None
                     and e.vc.get(p.stream.index, 0) >= p.tick]
-        if covering:  # the one s waits on elsewhere, if any, else the first recorded after the access
-            e = min(covering, key=lambda e: (e.index not in s.waited, e.vc[p.stream.index], e.index))
+        if covering:  # the first recorded after the access
+            e = min(covering, key=lambda e: (e.vc[p.stream.index], e.index))
             missing = f"a wait on {e.name!r} (recorded on {p.stream.name} after that {prior})"
         else:
-            missing = f"a wait on an event recorded on {p.stream.name} after that {prior} (none is recorded there)"
+            missing = (f"a wait on an event recorded on {p.stream.name} after that {prior} (none is recorded there), "
+                       f"or a wait_stream of it,")
         never = [self.events[i].name for i in sorted(s.waited) if self.events[i].vc is None]
         note = f"; {s.name} waits on {never[0]!r}, which is never recorded" if never else ""
         verb = "reads" if mode == "r" else "writes"
