@@ -21,13 +21,14 @@ from strata_mgpu.stage.pinned import host_buffer
 
 class Exchange:
     def __init__(self, src: DeviceContext, dst: DeviceContext, src_kernels: TorchKernels, dst_kernels: TorchKernels,
-                 max_bytes: int, n_buffers: int = 2):
+                 max_bytes: int, n_buffers: int = 2, name: str = "hand-over"):
         self.src, self.dst = src, dst
         self.src_kernels, self.dst_kernels = src_kernels, dst_kernels
         pin = src.is_cuda or dst.is_cuda
-        self.buffers = [host_buffer(max_bytes, pin=pin) for _ in range(n_buffers)]
-        self.sent = [src.event() for _ in range(n_buffers)]  # recorded by the writer
-        self.read = [dst.event() for _ in range(n_buffers)]  # recorded by the reader
+        self.buffers = [src.label(host_buffer(max_bytes, pin=pin), f"{name} to {dst.name} buffer {i}")
+                        for i in range(n_buffers)]
+        self.sent = [src.event(f"{name} to {dst.name} buffer {i} sent") for i in range(n_buffers)]  # by the writer
+        self.read = [dst.event(f"{name} from {src.name} buffer {i} read") for i in range(n_buffers)]  # by the reader
         self._next = 0
         self._pending: deque[tuple[int, torch.Size, torch.dtype]] = deque()
         self.bytes_moved = 0
@@ -42,21 +43,19 @@ class Exchange:
         assert nbytes <= self.max_bytes, f"{nbytes} bytes exceed the exchange's {self.max_bytes}"
         b = self._next
         self._next = (b + 1) % len(self.buffers)
-        if self.read[b] is not None:
-            torch.cuda.current_stream(self.src.device).wait_event(self.read[b])  # its reader is done
+        self.src.wait(self.read[b])  # its reader is done
+        self.src.access(self.buffers[b], "w")
         self.src_kernels.copy_wide(self.buffers[b][:nbytes], x.contiguous())
-        if self.sent[b] is not None:
-            self.sent[b].record(torch.cuda.current_stream(self.src.device))
+        self.src.record(self.sent[b])
         self._pending.append((b, x.shape, x.dtype))
         self.bytes_moved += nbytes
 
     def receive(self) -> torch.Tensor:
         """On the reader's current stream: the oldest rows sent, on the reader's device."""
         b, shape, dtype = self._pending.popleft()
-        if self.sent[b] is not None:
-            torch.cuda.current_stream(self.dst.device).wait_event(self.sent[b])
+        self.dst.wait(self.sent[b])
+        self.dst.access(self.buffers[b], "r")
         out = torch.empty(shape, dtype=dtype, device=self.dst.device)
         self.dst_kernels.copy_wide(out, self.buffers[b][:out.numel() * out.element_size()])
-        if self.read[b] is not None:
-            self.read[b].record(torch.cuda.current_stream(self.dst.device))
+        self.dst.record(self.read[b])
         return out

@@ -102,8 +102,8 @@ class PeerPrefill:
             experts = self.to_helper.receive()
             weights = self.to_helper.receive()
             feed.acquire(i)
-            y = compute_part(lent.kernels, tables, i, lay, h, weights, experts, lent.w_gate_up, lent.w_down,
-                             release=lambda: feed.release(i), whole_layer=False)
+            y = compute_part(lent.ctx, lent.kernels, tables, i, lay, h, weights, experts, lent.w_gate_up,
+                             lent.w_down, release=lambda: feed.release(i), whole_layer=False)
             self.from_helper.send(y)
 
     def collect(self) -> torch.Tensor:

@@ -103,8 +103,9 @@ class SplitRunner:
             elem = busy.model.w.dtype.itemsize
             max_bytes = max_rows * max(self.spec.hidden * elem, self.spec.n_experts_used * 8)
             helper = PeerPrefill(Exchange(busy.ctx, idle.ctx, busy.kernels, idle.kernels, max_bytes,
-                                          n_buffers=2 * MESSAGES_PER_LAYER),
-                                 Exchange(idle.ctx, busy.ctx, idle.kernels, busy.kernels, max_bytes))
+                                          n_buffers=2 * MESSAGES_PER_LAYER, name="helper input"),
+                                 Exchange(idle.ctx, busy.ctx, idle.kernels, busy.kernels, max_bytes,
+                                          name="helper output"))
             busy.model.experts.helper = helper
             self.helpers.append(helper)
         self.policy = policy
@@ -167,9 +168,11 @@ class SplitRunner:
                     self.exchanges[k].send(x)
                 else:
                     out = stage.model.logits(x[-1:] if last_row_only else x)
+                    stage.ctx.access(out, "w")
                 if self.on_stage:
                     self.on_stage(k, "end")
         assert out is not None
+        self.stages[last].ctx.access(out, "r")  # on the caller's stream, which joined the last stage's
         return out
 
 

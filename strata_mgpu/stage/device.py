@@ -6,6 +6,13 @@ that card shares (and with it the caching allocator and its cap, the sum of thei
 stage owns is its streams, so two stages on one card still queue their work independently and can
 overlap there as they would on two cards. On the CPU the streams are None and every
 "asynchronous" step runs in program order; the same stage code runs on both.
+
+Every stream and event operation of the stage code goes through the context (`event`, `record`,
+`wait`, `wait_stream`, `use`, `current_stream`, `synchronize`), and so does every read or write of
+a buffer that another stream may touch (`label` where it is allocated, `access` where it is used).
+On CUDA these are the torch.cuda calls and `access` is a no-op; on the plain CPU all are no-ops.
+A CPU context made with `twin=` (or inside `streams.ordering_twin()`) gets twin streams instead,
+and every missing wait raises `OrderingError` (`stage/streams.py`).
 """
 
 from __future__ import annotations
@@ -17,6 +24,16 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
+
+from strata_mgpu.stage.streams import (
+    CudaStreams,
+    Event,
+    InOrderStreams,
+    OrderingTwin,
+    Stream,
+    TwinStreams,
+    active_twin,
+)
 
 # The live contexts on each device: the caching allocator's cap is per process and device, so
 # stages sharing a card share its cap, the sum of their budgets (none if one has no budget).
@@ -33,19 +50,29 @@ class DeviceContext:
 
     device: torch.device
     max_vram_bytes: int | None = None  # None: no cap beyond the card
-    compute: torch.cuda.Stream | None = field(default=None, init=False)
-    upload: torch.cuda.Stream | None = field(default=None, init=False)
+    # CPU only: check the stream ordering in this twin session (None: the active one, if any)
+    twin: OrderingTwin | None = field(default=None, kw_only=True)
+    name: str = field(default="", kw_only=True)  # in messages; default: the device (twin: cpu0, cpu1, ..)
+    compute: Stream = field(default=None, init=False)
+    upload: Stream = field(default=None, init=False)
 
     def __post_init__(self) -> None:
-        if self.device.type == "cuda":
+        if self.twin is None and self.device.type == "cpu":
+            self.twin = active_twin()
+        if self.twin is not None:
+            if self.device.type != "cpu":
+                raise DeviceError(f"the ordering twin runs on the CPU, not on {self.device}")
+            self.name = self.name or f"cpu{self.twin.contexts}"
+            self.twin.contexts += 1
+            self._streams = TwinStreams(self.twin, self.name)
+        elif self.device.type == "cuda":
             if not torch.cuda.is_available():
                 raise DeviceError("CUDA was asked for, but torch sees no CUDA device")
             if (self.device.index or 0) >= torch.cuda.device_count():
                 raise DeviceError(f"{self.device} does not exist ({torch.cuda.device_count()} CUDA device(s))")
             if self.device.index is None:
                 self.device = torch.device("cuda", 0)
-            self.compute = torch.cuda.Stream(self.device)
-            self.upload = torch.cuda.Stream(self.device)
+            self._streams = CudaStreams(self.device)
             total = torch.cuda.get_device_properties(self.device).total_memory
             _LIVE[self.device].add(self)
             budgets = [c.max_vram_bytes for c in _LIVE[self.device]]
@@ -57,8 +84,13 @@ class DeviceContext:
             # hoped for. A stage without a budget lifts the cap for its device.
             torch.cuda.empty_cache()
             torch.cuda.set_per_process_memory_fraction((cap or total) / total, self.device)
-        elif self.device.type != "cpu":
+        elif self.device.type == "cpu":
+            self._streams = InOrderStreams()
+        else:
             raise DeviceError(f"device {self.device} is not supported (cpu or cuda:N)")
+        self.name = self.name or str(self.device)
+        self.compute = self._streams.new_stream("compute")
+        self.upload = self._streams.new_stream("upload")
 
     @property
     def is_cuda(self) -> bool:
@@ -76,16 +108,57 @@ class DeviceContext:
         if self.compute is None:
             yield
             return
-        caller = torch.cuda.current_stream(self.device)
+        caller = self.current_stream()
         if after_caller:
-            self.compute.wait_stream(caller)
-        with torch.cuda.stream(self.compute):
+            self.wait_stream(caller, on=self.compute)
+        with self.use(self.compute):
             yield
         if join_caller:
-            caller.wait_stream(self.compute)
+            self.wait_stream(self.compute, on=caller)
 
-    def event(self) -> torch.cuda.Event | None:
-        return torch.cuda.Event() if self.is_cuda else None
+    # --- streams and events: torch.cuda on CUDA, no-ops on the CPU, checked by the twin ---------
+
+    def event(self, name: str = "") -> Event:
+        """A new event (None on the plain CPU); `name` says what it marks, in the twin's messages."""
+        return self._streams.event(name)
+
+    def current_stream(self) -> Stream:
+        return self._streams.current_stream()
+
+    def use(self, stream: Stream) -> contextlib.AbstractContextManager:
+        """`with ctx.use(s):` work queued in the block goes to s (torch.cuda.stream)."""
+        return self._streams.use(stream)
+
+    def record(self, event: Event, stream: Stream = None) -> None:
+        """Record `event` on `stream` (default: the current stream); no-op for None."""
+        if event is not None:
+            self._streams.record(event, stream)
+
+    def wait(self, event: Event, stream: Stream = None) -> None:
+        """`stream` (default: the current one) waits, on the device, for the event's latest record
+        issued so far; an event never recorded is no wait (as on CUDA). No-op for None."""
+        if event is not None:
+            self._streams.wait(event, stream)
+
+    def wait_stream(self, stream: Stream, on: Stream = None) -> None:
+        """`on` (default: the current stream) waits for everything queued on `stream` so far."""
+        if stream is not None:
+            self._streams.wait_stream(stream, on)
+
+    def synchronize(self, stream: Stream = None) -> None:
+        """The host waits for `stream` (default: the current one)."""
+        self._streams.synchronize(stream)
+
+    def access(self, buffer: torch.Tensor | str | tuple | list, mode: str) -> None:
+        """Declare that the current stream reads ('r') or writes ('w') `buffer` (a tensor, meaning
+        its whole storage, a name, or several of them) from here: checked by the twin only."""
+        self._streams.access(buffer, mode)
+
+    def label(self, buffer: torch.Tensor, name: str) -> torch.Tensor:
+        """Name a shared buffer for the twin's messages (prefixed with the context's name);
+        returns it, so it can wrap the allocation."""
+        self._streams.label(buffer, name)
+        return buffer
 
     def vram_free_in_budget(self) -> int:
         """Bytes the stage may still allocate under its budget (or on the card)."""

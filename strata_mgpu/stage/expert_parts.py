@@ -22,6 +22,7 @@ import torch
 
 from strata_mgpu.kernels.experts import TorchKernels
 from strata_mgpu.kernels.routing import combine, group_rows, masked_combine
+from strata_mgpu.stage.device import DeviceContext
 from strata_mgpu.stage.host_arena import ExpertLayout, HostExpertArena
 
 
@@ -104,9 +105,9 @@ class PartTables:
         return out
 
 
-def compute_part(kernels: TorchKernels, tables: PartTables, i: int, lay: ExpertLayout, h: torch.Tensor,
-                 weights: torch.Tensor, experts: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
-                 release: Callable[[], None], whole_layer: bool) -> torch.Tensor:
+def compute_part(ctx: DeviceContext, kernels: TorchKernels, tables: PartTables, i: int, lay: ExpertLayout,
+                 h: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, w_gate_up: torch.Tensor,
+                 w_down: torch.Tensor, release: Callable[[], None], whole_layer: bool) -> torch.Tensor:
     """Local layer i's part: dequantize its n experts into the workspace (w_gate_up [>= n, 2F, D],
     w_down [>= n, D, F]), call `release` (the dequant was the ring slot's only reader), then the
     grouped GEMM pair over the rows routed to them. h [T, D], weights [T, A] fp32, experts [T, A]
@@ -115,10 +116,12 @@ def compute_part(kernels: TorchKernels, tables: PartTables, i: int, lay: ExpertL
     if n == 0:
         release()
         return torch.zeros_like(h)
+    ctx.access((w_gate_up, w_down), "w")  # the workspace (its own or lent): declared for the ordering twin
     kernels.dequant_addressed(tables.addresses[i, :n], lambda: tables.sources(i), lay, n, w_gate_up, w_down)
     release()
     local = tables.local_of[i][experts]  # [T, A]: the part's experts become 0..n-1, the rest n
     order, offs = group_rows(local, n + 1)  # the part's rows sort first
+    ctx.access((w_gate_up, w_down), "r")
     y = kernels.grouped_mlp(h[order // experts.shape[1]], offs[:n], w_gate_up[:n], w_down[:n])  # [M, D]
     if whole_layer:
         return combine(y, order, weights)

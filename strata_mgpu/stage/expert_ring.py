@@ -15,34 +15,36 @@ from dataclasses import dataclass
 import torch
 
 from strata_mgpu.stage.device import DeviceContext
+from strata_mgpu.stage.streams import Event
 
 
 @dataclass
 class Slot:
     index: int
     buffer: torch.Tensor  # uint8 [slot_bytes] on the device
-    ready: torch.cuda.Event | None  # recorded on the upload stream after the copies
-    free: torch.cuda.Event | None  # recorded on the reader's stream after its last read
+    ready: Event  # recorded on the upload stream after the copies
+    free: Event  # recorded on the reader's stream after its last read
     layer: int | None = None
 
-    def acquire(self, device: torch.device) -> torch.Tensor:
+    def acquire(self, ctx: DeviceContext) -> torch.Tensor:
         """Make the current stream wait for the slot's upload; returns its buffer."""
-        if self.ready is not None:
-            torch.cuda.current_stream(device).wait_event(self.ready)
+        ctx.wait(self.ready)
+        ctx.access(self.buffer, "r")
         return self.buffer
 
-    def release(self, device: torch.device) -> None:
+    def release(self, ctx: DeviceContext) -> None:
         """The current stream has issued its last read of the slot."""
-        if self.free is not None:
-            self.free.record(torch.cuda.current_stream(device))
+        ctx.record(self.free)
 
 
 class ExpertRing:
     def __init__(self, ctx: DeviceContext, slot_bytes: int, n_slots: int = 2):
         assert n_slots >= 1 and slot_bytes > 0
         self.ctx = ctx
-        self.slots = [Slot(i, torch.empty(slot_bytes, dtype=torch.uint8, device=ctx.device), ctx.event(), ctx.event())
-                      for i in range(n_slots)]
+        buffers = [ctx.label(torch.empty(slot_bytes, dtype=torch.uint8, device=ctx.device), f"ring slot {i}")
+                   for i in range(n_slots)]
+        self.slots = [Slot(i, b, ctx.event(f"ring slot {i} ready"), ctx.event(f"ring slot {i} free"))
+                      for i, b in enumerate(buffers)]
         self._next = 0
         self.uploaded_bytes = 0
         self.holder: object | None = None  # the LayerFeed passing through the ring now
@@ -69,13 +71,11 @@ class ExpertRing:
         self._next = (self._next + 1) % len(self.slots)
         n = sum(r.numel() for r in runs)
         assert n <= slot.buffer.numel(), f"layer {layer}: {n} bytes exceed the slot's {slot.buffer.numel()}"
-        if self.ctx.upload is None:
+        with self.ctx.use(self.ctx.upload):
+            self.ctx.wait(slot.free)  # its last reader is done with the old layer
+            self.ctx.access(slot.buffer, "w")
             self._copy(slot, runs)
-        else:
-            with torch.cuda.stream(self.ctx.upload):
-                self.ctx.upload.wait_event(slot.free)  # its last reader is done with the old layer
-                self._copy(slot, runs)
-                slot.ready.record(self.ctx.upload)
+            self.ctx.record(slot.ready)
         slot.layer = layer
         self.uploaded_bytes += n
         return slot
@@ -137,13 +137,13 @@ class LayerFeed:
     def acquire(self, i: int) -> torch.Tensor | None:
         """Layer i's slot buffer once its upload is done (None: nothing of it streams)."""
         slot = self._slots.get(i)
-        return slot.acquire(self.ring.ctx.device) if slot is not None else None
+        return slot.acquire(self.ring.ctx) if slot is not None else None
 
     def release(self, i: int) -> None:
         slot = self._slots.pop(i, None)
         if slot is None:
             return
-        slot.release(self.ring.ctx.device)
+        slot.release(self.ring.ctx)
         if self._ahead < len(self._queue):
             self._upload_next()
         elif not self._slots:

@@ -46,8 +46,8 @@ class StreamedExperts:
         self.layers = layers  # global layer ids, in order; forward() gets the index into them
         E, F, D = spec.n_experts, spec.expert_ffn, spec.hidden
         # one layer's experts as bf16: the GEMMs' operands (E x 2F x D and E x D x F)
-        self.w_gate_up = torch.empty(E, 2 * F, D, dtype=dtype, device=ctx.device)
-        self.w_down = torch.empty(E, D, F, dtype=dtype, device=ctx.device)
+        self.w_gate_up = ctx.label(torch.empty(E, 2 * F, D, dtype=dtype, device=ctx.device), "workspace gate-up")
+        self.w_down = ctx.label(torch.empty(E, D, F, dtype=dtype, device=ctx.device), "workspace down")
         self._feed: LayerFeed | None = None  # this pass's uploads
         self._tables: PartTables | None = None
         self.streaming = False
@@ -116,6 +116,7 @@ class StreamedExperts:
             self.cache.observe(i, experts)
         if not self.streaming:
             assert self.cache is not None
+            self.ctx.access((self.w_gate_up, self.w_down), "w")
             return self.kernels.moe_gathered(self.cache, i, lay, h, weights, experts, self.w_gate_up, self.w_down)
         helper = self.helper if self.helped else None
         if helper is not None:  # hand the helper its inputs first: it works while we do
@@ -124,6 +125,6 @@ class StreamedExperts:
         feed, tables = self._feed, self._tables
         assert feed is not None and tables is not None
         feed.acquire(i)
-        y = compute_part(self.kernels, tables, i, lay, h, weights, experts, self.w_gate_up, self.w_down,
+        y = compute_part(self.ctx, self.kernels, tables, i, lay, h, weights, experts, self.w_gate_up, self.w_down,
                          release=lambda: feed.release(i), whole_layer=helper is None)
         return y if helper is None else y + helper.collect()
