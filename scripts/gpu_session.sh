@@ -4,6 +4,9 @@
 #   gen     write the 30b-a3b synthetic model (in the background while the tests run)
 #   b16 b24 b40   bench at --max-vram 16 / 24 / 40 (one card, residency by the plan)
 #   b16off  bench at --max-vram 16 with residency forced off (the figures before the VRAM plan)
+#   long    a 32K-token prompt: at --max-vram 16 (its KV in VRAM) and at 8 (KV spilled to host RAM,
+#           STRATA_KV_PREFETCH=0 and 1)
+#   served  decode through the engine as the server does (sampling on), 1 and 8 requests, at 40 and 16
 #   split   two stages on one card, --max-vram 8,8 (total 16) and 20,20 (all resident)
 #   sweep   the helper's share sweep on two stages of one card
 # Results under $OUT: gpu.txt, gpu_tests.log, bench_*.log/json. A failing GPU test fails the run.
@@ -23,7 +26,8 @@ if has gen && [ ! -f $MODEL ]; then
 fi
 status=0
 if has tests; then
-  python3 -m pytest -q -m gpu tests/test_gpu*.py -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" || status=$?
+  python3 -m pytest -q -m gpu tests/test_gpu*.py tests/test_rate_model.py -p no:cacheprovider 2>&1 \
+    | tee "$OUT/gpu_tests.log" || status=$?
 fi
 [ -n "$gen_pid" ] && wait $gen_pid
 bench() {  # name, args...
@@ -34,6 +38,15 @@ has b16 && bench 16 --max-vram 16 --prompt-tokens 2048,4096,8192 --decode-tokens
 has b16off && bench 16off --max-vram 16 --resident-experts 0 --prompt-tokens 2048,4096 --decode-tokens 0 --runs 2
 has b24 && bench 24 --max-vram 24 --prompt-tokens 2048,4096,8192 --decode-tokens 64 --runs 3
 has b40 && bench 40 --max-vram 40 --prompt-tokens 2048,4096,8192 --decode-tokens 64 --runs 3
+if has long; then
+  bench long16 --max-vram 16 --prompt-tokens 32768 --decode-tokens 32 --runs 1
+  STRATA_KV_PREFETCH=0 bench long8 --max-vram 8 --prompt-tokens 32768 --decode-tokens 16 --runs 1
+  STRATA_KV_PREFETCH=1 bench long8pf --max-vram 8 --prompt-tokens 32768 --decode-tokens 16 --runs 1
+fi
+if has served; then
+  bench served40 --max-vram 40 --prompt-tokens 1024 --decode-tokens 128 --runs 1 --server-decode 1,8
+  bench served16 --max-vram 16 --prompt-tokens 1024 --decode-tokens 128 --runs 1 --server-decode 1,8
+fi
 if has split; then
   bench split16 --devices 0,0 --max-vram 8,8 --prompt-tokens 2048,4096 --decode-tokens 32 --runs 3
   bench split40 --devices 0,0 --max-vram 20,20 --prompt-tokens 2048,4096 --decode-tokens 32 --runs 3

@@ -185,10 +185,14 @@ def _placement(devices: str, layer_split: str, max_vram: str | None, dtype: str,
               help="replay batch-1 decode steps as CUDA graphs")
 @help_options
 @resident_option
+@click.option("--server-decode", default=None,
+              help="also decode through the engine as the server does (sampling on, seeded), with this many "
+                   "concurrent requests each, e.g. 1,8; --decode-tokens tokens a request (64 if 0)")
 @click.option("--json", "json_out", type=click.Path(dir_okay=False, path_type=Path), default=None)
 def bench(model: Path, prompt_tokens: str, decode_tokens: int, runs: int, devices: str, layer_split: str,
           max_vram: str | None, dtype: str, chunk_size: int, cuda_graphs: bool, prefill_help: bool | None,
-          prefill_help_frac: str | None, resident_experts: int | None, json_out: Path | None) -> None:
+          prefill_help_frac: str | None, resident_experts: int | None, server_decode: str | None,
+          json_out: Path | None) -> None:
     """Prefill tok/s against the PCIe link bound, and decode tok/s."""
     from strata_mgpu.env import EnvError
     from strata_mgpu.split.runner import SplitError
@@ -198,9 +202,21 @@ def bench(model: Path, prompt_tokens: str, decode_tokens: int, runs: int, device
     lengths = _int_list(prompt_tokens)
     placement = _placement(devices, layer_split, max_vram, dtype, cuda_graphs, prefill_help, prefill_help_frac,
                            resident_experts)
-    try:  # KV for the longest prompt and the decode run (its 64-token prompt, warm-up steps)
-        runner = _build(model, placement, chunk_size, kv_tokens=max(max(lengths), 64 + decode_tokens + 3))
+    served = _int_list(server_decode) if server_decode else []
+    try:  # KV for the longest prompt and the decode runs (the bench's 64-token prompt and warm-up steps; the
+        # server-shaped run's requests of 32 prompt tokens each, and its warm-up request)
+        kv = max(max(lengths), 64 + decode_tokens + 3, max(served, default=0) * (32 + (decode_tokens or 64)) + 64)
+        runner = _build(model, placement, chunk_size, kv_tokens=kv)
         result = run_bench(runner, model.name, lengths, decode_tokens, runs, chunk_size, on_step=err.print)
+        if server_decode:
+            from strata_mgpu.model.tokenizer import tokenizer_from_gguf
+            from strata_mgpu.tools.server_decode import measure_server_decode
+
+            tokenizer = tokenizer_from_gguf(GGUFFile(model))
+            for n in _int_list(server_decode):
+                served = measure_server_decode(runner, tokenizer, n, decode_tokens or 64)
+                err.print(served.summary())
+                result.server_decode.append(served.as_dict())
     except (GGUFError, DeviceError, SplitError, EnvError) as e:
         fail(str(e))
     out.print(*report.bench_lines(result, chunk_size, max_vram), sep="\n")

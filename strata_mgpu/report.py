@@ -89,6 +89,12 @@ def bench_lines(result: BenchResult, chunk_size: int, max_vram: str | None) -> l
                      f"{100 * st.resident_share:.0f}% resident, a pass streams {gb(st.pass_bytes)}"
                      + (f", busy {st.busy_s:.3f} s of the longest prompt" if st.busy_s is not None else ""))
         lines.append("  VRAM plan: " + "; ".join(f"{what} {gb(n)}" for what, n in st.plan if n))
+    for served in result.server_decode:
+        per = [r["decode_tok_per_s"] for r in served["requests"] if r["decode_tok_per_s"] is not None]
+        lines.append(f"server-shaped decode, {served['n_requests']} request(s): "
+                     f"{served['steady_tok_per_s'] or 0:.1f} tok/s in all while all decode, "
+                     f"{min(per, default=0):.1f}-{max(per, default=0):.1f} each, "
+                     f"first token {1e3 * served['mean_ttft_s']:.0f} ms mean")
     for i, paths in enumerate(result.paths):
         lines.append(f"stage {i} ran: {paths}")
     if result.overlap_s is not None:

@@ -396,15 +396,20 @@ def test_resident_experts_in_place_equal_all_streamed(tiny_gguf, dtype):
 
 
 def test_plan_holds_under_the_budget_at_a_long_prompt(tiny_gguf):
-    """The VRAM plan's lines hold what a prompt of the planned length really allocates."""
+    """The VRAM plan's lines hold what a prompt of the planned length really allocates: what the
+    stage allocates, at its peak, stays within the plan's total (other tests' leftovers aside)."""
+    import gc
+
     f = GGUFFile(tiny_gguf)
     spec = spec_from_gguf(f)
-    stage = Stage(f, spec, StageOptions(device=CUDA, max_vram_gib=1, chunk_size=2048, kv_tokens=4096))
+    gc.collect()
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated(CUDA)
     torch.cuda.reset_peak_memory_stats(CUDA)
+    stage = Stage(f, spec, StageOptions(device=CUDA, max_vram_gib=1, chunk_size=2048, kv_tokens=4096))
     kv = stage.new_sequence(4096)
     prompt = torch.randint(0, spec.vocab_size, (4000,))
     for start in range(0, 4000, 2048):
         stage.prefill(kv, prompt[start:start + 2048])
     torch.cuda.synchronize()
-    assert torch.cuda.max_memory_reserved(CUDA) <= stage.plan.budget
-    assert torch.cuda.max_memory_allocated(CUDA) <= stage.plan.total
+    assert torch.cuda.max_memory_allocated(CUDA) - before <= stage.plan.total, stage.plan.describe()

@@ -47,6 +47,9 @@ RERUN = {
     "helper_engages": (lambda t, g, tmp: helper_tests.test_helper_engages_only_for_one_chunk_prompts(t), True),
     "helper_lent_buffers": (lambda t, g, tmp: helper_tests.test_helper_holds_only_lent_buffers(t), True),
     "helper_one_device": (lambda t, g, tmp: helper_tests.test_rule_leaves_stages_on_one_device_unhelped(t), True),
+    "resident_in_place": (lambda t, g, tmp: stage_tests.test_resident_experts_computed_in_place_equal_all_streamed(g),
+                          True),
+    "helper_streamed_only": (lambda t, g, tmp: helper_tests.test_helper_takes_only_streamed_experts(t, 3), True),
 }
 
 

@@ -71,6 +71,7 @@ class BenchResult:
     overlap_s: float | None = None  # time two or more stages were busy at once (longest prompt)
     pipeline_s: float | None = None
     pipeline_tokens: int | None = None
+    server_decode: list[dict] = field(default_factory=list)  # tools.server_decode reports, when asked for
     date: str = field(default_factory=lambda: time.strftime("%Y-%m-%d"))
 
     def to_json(self) -> str:
