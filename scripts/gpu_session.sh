@@ -26,13 +26,14 @@ if has gen && [ ! -f $MODEL ]; then
 fi
 status=0
 if has tests; then
-  python3 -m pytest -q -m gpu tests/test_gpu*.py tests/test_rate_model.py -p no:cacheprovider 2>&1 \
+  python3 -m pytest -q -m gpu ${TESTS:-tests/test_gpu*.py tests/test_rate_model.py} -p no:cacheprovider 2>&1 \
     | tee "$OUT/gpu_tests.log" || status=$?
 fi
 [ -n "$gen_pid" ] && wait $gen_pid
 bench() {  # name, args...
   local name=$1; shift
-  (time python3 -m strata_mgpu bench $MODEL --json "$OUT/bench_$name.json" "$@") 2>&1 | tee "$OUT/bench_$name.log" | tail -30
+  (time python3 -m strata_mgpu bench $MODEL --json "$OUT/bench_$name.json" "$@") 2>&1 | tee "$OUT/bench_$name.log" \
+    | tail -30 || status=1  # a failed bench is reported, and the next one still runs
 }
 has b16 && bench 16 --max-vram 16 --prompt-tokens 2048,4096,8192 --decode-tokens 64 --runs 3
 has b16off && bench 16off --max-vram 16 --resident-experts 0 --prompt-tokens 2048,4096 --decode-tokens 0 --runs 2

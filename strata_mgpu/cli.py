@@ -205,7 +205,7 @@ def bench(model: Path, prompt_tokens: str, decode_tokens: int, runs: int, device
     served = _int_list(server_decode) if server_decode else []
     try:  # KV for the longest prompt and the decode runs (the bench's 64-token prompt and warm-up steps; the
         # server-shaped run's requests of 32 prompt tokens each, and its warm-up request)
-        kv = max(max(lengths), 64 + decode_tokens + 3, max(served, default=0) * (32 + (decode_tokens or 64)) + 64)
+        kv = max(max(lengths) + 1, 64 + decode_tokens + 3, max(served, default=0) * (32 + (decode_tokens or 64)) + 64)
         runner = _build(model, placement, chunk_size, kv_tokens=kv)
         result = run_bench(runner, model.name, lengths, decode_tokens, runs, chunk_size, on_step=err.print)
         if server_decode:

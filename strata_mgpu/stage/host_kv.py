@@ -336,11 +336,13 @@ def make_kv_cache(spec: ModelSpec, layers: range, vram_cells: int, max_length: i
                   dtype: torch.dtype, staging: KVStaging | None) -> KVCache | TwoTierKV:
     """A sequence's KV for a stage's `layers`: a plain `KVCache` when `max_length` fits in
     `vram_cells`, else a `TwoTierKV` with that window, assembling in the stage's `staging`."""
+    # Laid out whole at once: growing by doubling would hold the old and the new cache together
+    # for a moment (1.5x the cells the plan counted), which is how long prompts ran out of memory.
     if max_length <= vram_cells:
-        return KVCache(len(layers), spec.n_kv_heads, spec.head_dim, max_length=max_length, device=device,
-                       dtype=dtype)
+        return KVCache(len(layers), spec.n_kv_heads, spec.head_dim, capacity=max_length, max_length=max_length,
+                       device=device, dtype=dtype)
     if staging is None:
         raise ValueError(f"a sequence of {max_length} tokens needs host KV beyond {vram_cells} VRAM cells, "
                          f"and no staging buffer was given")
     return TwoTierKV(len(layers), spec.n_kv_heads, spec.head_dim, window=vram_cells, max_length=max_length,
-                     staging=staging, dtype=dtype)
+                     staging=staging, capacity=vram_cells, dtype=dtype)
