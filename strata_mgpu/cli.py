@@ -131,15 +131,15 @@ def _placement(devices: str, layer_split: str, max_vram: str | None, dtype: str,
         try:
             budgets = tuple(float(x) for x in max_vram.split(","))
         except ValueError:
-            raise click.BadParameter(f"--max-vram {max_vram!r}: GiB, one value or one per device") from None
+            fail(f"--max-vram {max_vram!r}: GiB, one value or one per device")
         if any(b < 0.5 for b in budgets):
-            raise click.BadParameter(f"--max-vram {max_vram!r}: at least 0.5 GiB a stage")
+            fail(f"--max-vram {max_vram!r}: at least 0.5 GiB a stage")
     try:
         return Placement(devices=tuple(d.strip() for d in devices.split(",")), layer_split=layer_split,
                          max_vram_gib=budgets, dtype=dtype, cuda_graphs=cuda_graphs, prefill_help=prefill_help,
                          prefill_help_frac=prefill_help_frac)
     except ValueError as e:
-        raise click.BadParameter(str(e)) from None
+        fail(str(e))
 
 
 @main.command()
@@ -188,14 +188,7 @@ def _build(model: Path, placement, chunk_size: int):
     spec = spec_from_gguf(f)
     with Progress(TextColumn("[bold]loading[/] {task.description}"), BarColumn(), MofNCompleteColumn(),
                   TimeRemainingColumn(), console=err, transient=True) as bar:
-        tasks: dict[str, int] = {}
-
-        def on_progress(what: str, done: int, total: int) -> None:
-            if what not in tasks:
-                tasks[what] = bar.add_task(what, total=total)
-            bar.update(tasks[what], completed=done)
-
-        return build_runner(f, spec, placement, chunk_size, on_progress=on_progress)
+        return build_runner(f, spec, placement, chunk_size, on_progress=report.layer_bars(bar))
 
 
 def _float_list(value: str) -> list[float]:
@@ -284,7 +277,14 @@ def topo() -> None:
 def serve(model: Path | None, host: str, port: int, ctx_size: int | None, chunk_size: int, max_running: int,
           api_key: str | None, alias: str | None, devices: str, layer_split: str, max_vram: str | None,
           dtype: str, prefill_help: bool | None, prefill_help_frac: float | None) -> None:
-    """OpenAI-compatible server. With no MODEL, serves a small built-in demo model."""
+    """OpenAI-compatible server. With no MODEL, serves a small built-in demo model.
+
+    Ctrl+C or SIGTERM stop it (a load in progress ends after its current layer); the exit status is
+    then 128 + the signal's number: 130 after Ctrl+C, 143 after SIGTERM."""
+    if api_key is not None and (not api_key or api_key != api_key.strip()):
+        # the server compares the stripped bearer token: an empty key would let any empty token in,
+        # and a key with spaces around it could never match
+        fail(f"--api-key {api_key!r}: give a non-empty key without spaces around it")
     from strata_mgpu.config import EngineConfig, ServerConfig
     from strata_mgpu.env import EnvError
     from strata_mgpu.runtime.device import DeviceError
@@ -300,9 +300,11 @@ def serve(model: Path | None, host: str, port: int, ctx_size: int | None, chunk_
                               engine=EngineConfig(ctx_size=ctx_size, chunk_size=chunk_size, max_running=max_running),
                               placement=_placement(devices, layer_split, max_vram, dtype,
                                                    prefill_help=prefill_help, prefill_help_frac=prefill_help_frac))
-        launch.serve(config)
-    except (GGUFError, EnvError, DeviceError, SplitError) as e:
+        status = launch.serve(config)
+    except (GGUFError, EnvError, DeviceError, SplitError, launch.ListenError) as e:
         fail(str(e))
+    if status:
+        sys.exit(status)
 
 
 if __name__ == "__main__":
