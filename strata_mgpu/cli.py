@@ -255,7 +255,17 @@ def topo() -> None:
         m = t.parse_p2p(raw)
     except t.TopoParseError as e:
         fail(f"could not read nvidia-smi's P2P matrix: {e}")
-    out.print(*report.topo_lines(m, peers), sep="\n")
+    cuda = None
+    if peers is not None:
+        smi_bus_ids, cuda_bus_ids = t.nvidia_smi_bus_ids(), t.cuda_bus_ids()
+        if smi_bus_ids is None or cuda_bus_ids is None:
+            err.print("nvidia-smi gave no PCI bus ids: CUDA's answers cannot be matched to its GPUs, not shown")
+        else:
+            try:
+                cuda = t.cuda_view(t.parse_smi_bus_ids(smi_bus_ids), cuda_bus_ids, peers)
+            except t.TopoParseError as e:
+                fail(f"could not read nvidia-smi's PCI bus ids: {e}")
+    out.print(*report.topo_lines(m, cuda), sep="\n")
 
 @main.command()
 @click.argument("model", required=False, type=click.Path(dir_okay=False, path_type=Path))

@@ -13,7 +13,7 @@ if TYPE_CHECKING:
     from strata_mgpu.model.info import ModelInfo
     from strata_mgpu.tools.bench import BenchResult
     from strata_mgpu.tools.share_sweep import SweepResult
-    from strata_mgpu.topo import P2PMatrix
+    from strata_mgpu.topo import CudaView, P2PMatrix
 
 
 def layer_bars(bar: Progress) -> Callable[[str, int, int], None]:
@@ -117,7 +117,7 @@ def sweep_table(result: SweepResult) -> Table:
     return t
 
 
-def topo_lines(m: P2PMatrix, peers: dict[tuple[int, int], bool] | None) -> list[Table | str]:
+def topo_lines(m: P2PMatrix, cuda: CudaView | None) -> list[Table | str]:
     from strata_mgpu.topo import LEGEND, runtime_plan
 
     table = Table(title="P2P read capability (nvidia-smi topo -p2p r)")
@@ -127,13 +127,16 @@ def topo_lines(m: P2PMatrix, peers: dict[tuple[int, int], bool] | None) -> list[
     for i, g in enumerate(m.gpus):
         table.add_row(g, *[m.status[i, j] for j in range(len(m.gpus))])
     lines: list[Table | str] = [table]
+    if cuda is not None:
+        lines += [f"{g} is cuda:{cuda.ordinals[i]}" if i in cuda.ordinals else f"{g} is hidden from CUDA "
+                  f"(CUDA_VISIBLE_DEVICES)" for i, g in enumerate(m.gpus)]
     if len(m.gpus) == 1:
         lines.append("one GPU: nothing to hand over between cards")
     for i, j, code in m.pairs():
-        cuda = ""
-        if peers is not None and (i, j) in peers:
-            cuda = f"; CUDA peer access {'yes' if peers[i, j] else 'no'}"
-            if peers[i, j] != (code == "OK"):
-                cuda += " (disagrees with nvidia-smi)"
-        lines.append(f"{m.gpus[i]} -> {m.gpus[j]}: {code} ({LEGEND[code]}){cuda}: {runtime_plan(code)}")
+        checked = ""
+        if cuda is not None and (i, j) in cuda.peers:
+            checked = f"; CUDA peer access {'yes' if cuda.peers[i, j] else 'no'}"
+            if cuda.peers[i, j] != (code == "OK"):
+                checked += " (disagrees with nvidia-smi)"
+        lines.append(f"{m.gpus[i]} -> {m.gpus[j]}: {code} ({LEGEND[code]}){checked}: {runtime_plan(code)}")
     return lines
