@@ -159,15 +159,15 @@ def _placement(devices: str, layer_split: str, max_vram: str | None, dtype: str,
         try:
             budgets = tuple(float(x) for x in max_vram.split(","))
         except ValueError:
-            raise click.BadParameter(f"--max-vram {max_vram!r}: GiB, one value or one per device") from None
+            fail(f"--max-vram {max_vram!r}: GiB, one value or one per device")
         if any(b < 0.5 for b in budgets):
-            raise click.BadParameter(f"--max-vram {max_vram!r}: at least 0.5 GiB a stage")
+            fail(f"--max-vram {max_vram!r}: at least 0.5 GiB a stage")
     try:
         return Placement(devices=tuple(d.strip() for d in devices.split(",")), layer_split=layer_split,
                          max_vram_gib=budgets, dtype=dtype, cuda_graphs=cuda_graphs, prefill_help=prefill_help,
                          prefill_help_frac=prefill_help_frac, resident_experts=resident_experts)
     except ValueError as e:
-        raise click.BadParameter(str(e)) from None
+        fail(str(e))
 
 
 @main.command()
@@ -234,14 +234,7 @@ def _build(model: Path, placement, chunk_size: int, kv_tokens: int):
     spec = spec_from_gguf(f)
     with Progress(TextColumn("[bold]loading[/] {task.description}"), BarColumn(), MofNCompleteColumn(),
                   TimeRemainingColumn(), console=err, transient=True) as bar:
-        tasks: dict[str, int] = {}
-
-        def on_progress(what: str, done: int, total: int) -> None:
-            if what not in tasks:
-                tasks[what] = bar.add_task(what, total=total)
-            bar.update(tasks[what], completed=done)
-
-        return build_runner(f, spec, placement, chunk_size, kv_tokens=kv_tokens, on_progress=on_progress)
+        return build_runner(f, spec, placement, chunk_size, kv_tokens=kv_tokens, on_progress=report.layer_bars(bar))
 
 
 def _float_list(value: str) -> list[float]:
@@ -310,7 +303,17 @@ def topo() -> None:
         m = t.parse_p2p(raw)
     except t.TopoParseError as e:
         fail(f"could not read nvidia-smi's P2P matrix: {e}")
-    out.print(*report.topo_lines(m, peers), sep="\n")
+    cuda = None
+    if peers is not None:
+        smi_bus_ids, cuda_bus_ids = t.nvidia_smi_bus_ids(), t.cuda_bus_ids()
+        if smi_bus_ids is None or cuda_bus_ids is None:
+            err.print("nvidia-smi gave no PCI bus ids: CUDA's answers cannot be matched to its GPUs, not shown")
+        else:
+            try:
+                cuda = t.cuda_view(t.parse_smi_bus_ids(smi_bus_ids), cuda_bus_ids, peers)
+            except t.TopoParseError as e:
+                fail(f"could not read nvidia-smi's PCI bus ids: {e}")
+    out.print(*report.topo_lines(m, cuda), sep="\n")
 
 @main.command()
 @click.argument("model", required=False, type=click.Path(dir_okay=False, path_type=Path))
@@ -332,7 +335,14 @@ def topo() -> None:
 def serve(model: Path | None, host: str, port: int, ctx_size: int | None, chunk_size: int, max_running: int,
           api_key: str | None, alias: str | None, devices: str, layer_split: str, max_vram: str | None,
           dtype: str, prefill_help: bool | None, prefill_help_frac: str | None) -> None:
-    """OpenAI-compatible server. With no MODEL, serves a small built-in demo model."""
+    """OpenAI-compatible server. With no MODEL, serves a small built-in demo model.
+
+    Ctrl+C or SIGTERM stop it (a load in progress ends after its current layer); the exit status is
+    then 128 + the signal's number: 130 after Ctrl+C, 143 after SIGTERM."""
+    if api_key is not None and (not api_key or api_key != api_key.strip()):
+        # the server compares the stripped bearer token: an empty key would let any empty token in,
+        # and a key with spaces around it could never match
+        fail(f"--api-key {api_key!r}: give a non-empty key without spaces around it")
     from strata_mgpu.config import EngineConfig, ServerConfig
     from strata_mgpu.env import EnvError
     from strata_mgpu.server import launch
@@ -348,9 +358,11 @@ def serve(model: Path | None, host: str, port: int, ctx_size: int | None, chunk_
                               engine=EngineConfig(ctx_size=ctx_size, chunk_size=chunk_size, max_running=max_running),
                               placement=_placement(devices, layer_split, max_vram, dtype,
                                                    prefill_help=prefill_help, prefill_help_frac=prefill_help_frac))
-        launch.serve(config)
-    except (GGUFError, EnvError, DeviceError, SplitError) as e:
+        status = launch.serve(config)
+    except (GGUFError, EnvError, DeviceError, SplitError, launch.ListenError) as e:
         fail(str(e))
+    if status:
+        sys.exit(status)
 
 
 if __name__ == "__main__":

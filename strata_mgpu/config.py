@@ -45,12 +45,34 @@ class Placement:
             raise ValueError(f"--max-vram gives {len(self.max_vram_gib)} values for {len(self.devices)} devices")
         if self.dtype not in ("bf16", "fp32"):
             raise ValueError(f"dtype {self.dtype!r}: bf16 or fp32")
+        self._check_layer_split()
         if self.resident_experts is not None and self.resident_experts < 0:
             raise ValueError(f"--resident-experts {self.resident_experts}: 0 or more")
         if self.prefill_help_frac is not None:
             from strata_mgpu.env import parse_help_frac
 
             parse_help_frac(self.prefill_help_frac, "--prefill-help-frac")  # EnvError is a ValueError
+
+    def _check_layer_split(self) -> None:
+        """What can be told without the model: the form, and that an explicit split has stages to
+        split across (with one device nothing reads it). Whether the layers exist is checked against
+        the model in `runtime.split.plan_layers`."""
+        text = self.layer_split.strip().lower()
+        if text == "auto":
+            return
+        bad_form = ValueError(f"--layer-split {self.layer_split!r}: expected 'auto' or layer numbers like 24 or 16,32")
+        try:
+            starts = [int(x) for x in text.split(",") if x.strip()]
+        except ValueError:
+            raise bad_form from None
+        if not starts:
+            raise bad_form
+        if any(b <= a for a, b in zip([0, *starts], starts, strict=False)):
+            raise ValueError(f"--layer-split {self.layer_split!r}: the first layer of each later stage, increasing "
+                             f"from 1")
+        if len(self.devices) == 1:
+            raise ValueError(f"--layer-split {self.layer_split!r} needs several devices (--devices 0,1); with one "
+                             f"device leave it at auto")
 
     def budget(self, stage: int) -> float | None:
         return self.max_vram_gib[0] if len(self.max_vram_gib) == 1 else self.max_vram_gib[stage]

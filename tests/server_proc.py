@@ -1,9 +1,11 @@
-"""Start `strata serve` in a subprocess on a free loopback port, wait until /health says 200."""
+"""Start `strata serve` in a subprocess on a free loopback port, wait until /health says 200; at
+the end, SIGTERM must stop it cleanly."""
 
 from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -40,4 +42,5 @@ def running_server(args: list[str], log: Path, timeout_s: float = 300) -> Iterat
         yield base
     finally:
         proc.terminate()
-        proc.wait(timeout=30)
+        status = proc.wait(timeout=30)
+    assert status == 128 + signal.SIGTERM, f"SIGTERM did not stop the server cleanly ({status}): " + log.read_text()

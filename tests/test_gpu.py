@@ -6,16 +6,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from gguf.constants import GGMLQuantizationType as Q
 
 from strata_mgpu.engine.runner import load_reference_runner
-from strata_mgpu.kernels.experts import CUDA_DEQUANT_TYPES, TorchKernels, select_kernels
+from strata_mgpu.kernels.experts import TorchKernels
 from strata_mgpu.model.decoder import DecodeOps
 from strata_mgpu.model.gguf_reader import GGUFFile
 from strata_mgpu.model.spec import spec_from_gguf
-from strata_mgpu.model.synthetic import TensorPlan, make_tensor, write_model
-from strata_mgpu.quant import block_format
-from strata_mgpu.stage.expert_cache import ExpertCache
+from strata_mgpu.model.synthetic import write_model
 from strata_mgpu.stage.stage import Stage, StageOptions
 
 pytestmark = pytest.mark.gpu
@@ -25,32 +22,6 @@ BF16_TOL = 2e-2  # max|diff| / max|ref| for bf16 compute against the fp32 refere
 
 def rel_err(a: torch.Tensor, ref: torch.Tensor) -> float:
     return float((a.float() - ref.float()).abs().max() / ref.float().abs().max())
-
-
-@pytest.fixture(scope="module")
-def kernels():
-    k = select_kernels(CUDA)
-    assert k.name == "cuda", "CuPy is needed for the GPU tests"
-    return k
-
-
-@pytest.mark.parametrize("ggml_type", CUDA_DEQUANT_TYPES, ids=lambda t: t.name)
-def test_cuda_dequant_equals_torch_twin(kernels, ggml_type):
-    fmt = block_format(ggml_type)
-    seed = int(np.random.SeedSequence().entropy % 2**32)
-    groups, per_group, pad = 5, 256 * 12, fmt.type_size * 3  # runs with gaps between them
-    run_bytes = per_group // fmt.block_size * fmt.type_size
-    plan = TensorPlan(f"probe{seed}", (groups * per_group,), ggml_type, std=0.05)
-    raw = np.ascontiguousarray(make_tensor(plan, seed)).view(np.uint8).reshape(groups, run_bytes)
-    strided = np.zeros((groups, run_bytes + pad), dtype=np.uint8)
-    strided[:, :run_bytes] = raw
-    src = torch.from_numpy(strided.reshape(-1)).to(CUDA)
-    got = torch.full((groups * per_group,), float("nan"), dtype=torch.bfloat16, device=CUDA)  # poisoned
-    want = torch.empty_like(got)
-    kernels.dequant(src, ggml_type, groups, per_group, run_bytes + pad, got)
-    TorchKernels().dequant(src, ggml_type, groups, per_group, run_bytes + pad, want)
-    torch.cuda.synchronize()
-    assert torch.equal(got, want), f"seed {seed}: {ggml_type.name} differs"
 
 
 def test_gather_from_vram_and_mapped_host_equals_twin(kernels, tiny_gguf):
@@ -74,38 +45,7 @@ def test_gather_from_vram_and_mapped_host_equals_twin(kernels, tiny_gguf):
     assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
 
 
-# (gate/up, down) types: every type the fused kernels take appears on both sides
-FUSED_TYPES = [(Q.Q4_K, Q.Q6_K), (Q.Q5_K, Q.Q8_0), (Q.Q8_0, Q.F16), (Q.F16, Q.Q4_K), (Q.F32, Q.Q5_K), (Q.Q6_K, Q.F32)]
-FUSED_TOL = 1e-2  # max|diff| / max|ref|: same bf16 weights and roundings, fp32 sums in another order
-
-
-@pytest.mark.parametrize("rows", [1, 3])
-@pytest.mark.parametrize("types", FUSED_TYPES, ids=lambda t: f"{t[0].name}-{t[1].name}")
-def test_fused_decode_experts_equal_twin(kernels, tmp_path_factory, types, rows):
-    """Decode's fused expert kernels against the dequantize + grouped GEMM twin, picks read from
-    cache slots and from the mapped host arena."""
-    seed = int(np.random.SeedSequence().entropy % 2**31)
-    path = tmp_path_factory.mktemp("fused") / "m.gguf"
-    write_model(path, "tiny", expert_type=types[0], down_type=types[1], seed=seed)
-    f = GGUFFile(path)
-    spec = spec_from_gguf(f)
-    stage = Stage(f, spec, StageOptions(device=CUDA, max_vram_gib=8))
-    cache = ExpertCache(stage.ctx, stage.arena, range(spec.n_layers), n_slots=3 * spec.n_layers)  # 0-2 resident
-    lay = stage.arena.layouts[1]
-    assert kernels.moe_fused(lay, spec.hidden, spec.n_experts_used) is not None
-    E, A, D, F = spec.n_experts, spec.n_experts_used, spec.hidden, spec.expert_ffn
-    g = torch.Generator(device=CUDA).manual_seed(seed)
-    h = torch.randn(rows, D, device=CUDA, dtype=torch.bfloat16, generator=g)
-    experts = torch.stack([torch.randperm(E, device=CUDA, generator=g)[:A] for _ in range(rows)])
-    experts[0, :2] = torch.tensor([0, E - 1])  # one resident pick and one from the host for sure
-    weights = torch.softmax(torch.randn(rows, A, device=CUDA, generator=g), -1)
-    w_gu = torch.empty(rows * A, 2 * F, D, dtype=torch.bfloat16, device=CUDA)
-    w_d = torch.empty(rows * A, D, F, dtype=torch.bfloat16, device=CUDA)
-    got = kernels.moe_gathered(cache, 1, lay, h, weights, experts, w_gu, w_d)
-    want = TorchKernels().moe_gathered(cache, 1, lay, h, weights, experts, w_gu, w_d)
-    torch.cuda.synchronize()
-    assert torch.isfinite(got).all() and got.shape == (rows, D)
-    assert rel_err(got, want) <= FUSED_TOL, f"seed {seed}"
+# The fused decode kernels against their twin, for every type: tests/test_gpu_quant.py.
 
 
 OPS_TOL = 1e-2  # max|diff| / max|ref|: bf16 results, one rounding step apart at most

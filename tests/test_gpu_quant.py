@@ -9,7 +9,7 @@ import pytest
 import torch
 from gguf.constants import GGMLQuantizationType
 
-from strata_mgpu.kernels.experts import TorchKernels, select_kernels
+from strata_mgpu.kernels.experts import TorchKernels
 from strata_mgpu.model.gguf_reader import GGUFFile
 from strata_mgpu.model.spec import spec_from_gguf
 from strata_mgpu.model.synthetic import write_model
@@ -31,13 +31,6 @@ def same_bf16_bits(got: torch.Tensor, want: torch.Tensor) -> tuple[bool, int]:
     """Equal bf16 bit patterns, a NaN matching any NaN; and the first differing index (-1: none)."""
     bad = (got.view(torch.int16) != want.view(torch.int16)) & ~(got.isnan() & want.isnan())
     return not bool(bad.any()), int(bad.nonzero()[0, 0]) if bad.any() else -1
-
-
-@pytest.fixture(scope="module")
-def kernels():
-    k = select_kernels(CUDA)
-    assert k.name == "cuda", "CuPy is needed for the GPU tests"
-    return k
 
 
 @pytest.mark.parametrize("ggml_type", CUDA_DEQUANT_TYPES, ids=lambda t: t.name)
@@ -71,8 +64,9 @@ def test_cuda_dequant_is_bit_exact_with_the_twin(kernels, ggml_type):
 FUSED_PAIRS = [(t, FUSED_DECODE_TYPES[(i + 5) % len(FUSED_DECODE_TYPES)]) for i, t in enumerate(FUSED_DECODE_TYPES)]
 
 
+@pytest.mark.parametrize("rows", [1, 3])
 @pytest.mark.parametrize("types", FUSED_PAIRS, ids=lambda t: f"{t[0].name}-{t[1].name}")
-def test_fused_decode_and_gather_of_every_type_equal_twin(kernels, tmp_path_factory, types):
+def test_fused_decode_and_gather_of_every_type_equal_twin(kernels, tmp_path_factory, types, rows):
     """Decode's fused expert kernels against the dequantize + grouped GEMM twin, and the address
     gather (prefill with resident experts, decode's fallback) bit-exact against the twin's gather;
     picks read from cache slots and from the mapped host arena."""
@@ -87,7 +81,6 @@ def test_fused_decode_and_gather_of_every_type_equal_twin(kernels, tmp_path_fact
     assert (lay.gate_type, lay.down_type) == types
     assert kernels.moe_fused(lay, spec.hidden, spec.n_experts_used) is not None
     E, A, D, F = spec.n_experts, spec.n_experts_used, spec.hidden, spec.expert_ffn
-    rows = 2
     g = torch.Generator(device=CUDA).manual_seed(seed)
     h = torch.randn(rows, D, device=CUDA, dtype=torch.bfloat16, generator=g)
     experts = torch.stack([torch.randperm(E, device=CUDA, generator=g)[:A] for _ in range(rows)])
@@ -125,9 +118,9 @@ def _paths_of(stage) -> dict[str, int]:
     return counts
 
 
-FAST_PATHS = {"dequant:cuda", "dequant_addressed:cuda", "gather_experts:cuda", "moe_gathered:fused", "grouped_mlp:grouped_mm",
-              "copy_wide:copy_f32_wide", "rms_norm:cuda", "add_rms_norm:cuda", "qk_norm_rope_kv:cuda", "route:cuda",
-              "route:gemm"}
+FAST_PATHS = {"dequant:cuda", "dequant_addressed:cuda", "gather_experts:cuda", "moe_gathered:fused",
+              "grouped_mlp:grouped_mm", "copy_wide:copy_f32_wide", "rms_norm:cuda", "add_rms_norm:cuda",
+              "qk_norm_rope_kv:cuda", "route:cuda", "route:gemm"}
 
 
 def test_bf16_stage_runs_only_fast_paths(tiny_gguf):

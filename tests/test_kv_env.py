@@ -1,4 +1,4 @@
-"""STRATA_KV_PREFETCH: 0 or 1, default 0; anything else is a one-line EnvError."""
+"""STRATA_KV_PREFETCH: 0 or 1, default 1; anything else is a one-line EnvError."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import pytest
 from strata_mgpu import env
 
 
-@pytest.mark.parametrize("raw,want", [(None, False), ("", False), ("0", False), ("1", True), (" 1 ", True)])
+@pytest.mark.parametrize("raw,want", [(None, True), ("", True), ("0", False), ("1", True), (" 1 ", True)])
 def test_kv_prefetch_values(monkeypatch, raw, want):
     if raw is None:
         monkeypatch.delenv("STRATA_KV_PREFETCH", raising=False)

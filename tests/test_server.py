@@ -166,6 +166,15 @@ def test_context_overflow_reports_sizes(server):
     assert err["n_prompt_tokens"] == 500 and err["n_ctx"] == 512 and err["type"] == "invalid_request_error"
 
 
+def test_a_body_over_the_cap_is_413_over_the_socket(server):
+    base, _ = server
+    prompt = "x" * (2 << 20)  # 2 MiB: over the 1 MiB that a 512-token context allows
+    r = httpx.post(base + "/v1/completions", headers={"Authorization": f"Bearer {API_KEY}"},
+                   json={"model": MODEL, "prompt": prompt, "max_tokens": 1}, timeout=60)
+    assert r.status_code == 413 and r.json()["error"]["type"] == "invalid_request_error", r.text
+    assert httpx.get(base + "/health").status_code == 200
+
+
 def test_invalid_json_unknown_model_and_auth(server, client):
     base, _ = server
     h = {"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"}

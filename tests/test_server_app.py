@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from fastapi.testclient import TestClient
@@ -75,3 +77,82 @@ def test_failure_without_stream_is_500(failing_client):
     r = failing_client.post("/v1/chat/completions", json=TO_DECODE)
     assert r.status_code == 500
     assert "device fell over" in r.json()["error"]["message"] and r.json()["error"]["type"] == "server_error"
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_gguf):
+    f = GGUFFile(tiny_gguf)
+    engine = Engine(load_reference_runner(f, spec_from_gguf(f)), tokenizer_from_gguf(f), EngineConfig(ctx_size=64))
+    engine.start()
+    yield engine
+    engine.shutdown()
+
+
+@pytest.fixture()
+def client(engine):
+    return TestClient(create_app(ServerState(model_name="m", engine=engine), max_body_bytes=4096),
+                      raise_server_exceptions=False)
+
+
+@pytest.mark.parametrize("key, value", [("add_generation_prompt", False), ("bos_token", "x"), ("messages", [])])
+def test_chat_template_kwargs_may_not_set_the_templates_own_arguments(client, key, value):
+    r = client.post("/v1/chat/completions", json={**BODY, "chat_template_kwargs": {key: value}})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == "chat_template_kwargs" and repr(key) in error["message"]
+
+
+def test_error_codes_are_strings_or_null_and_overflow_names_the_prompt_field(client):
+    error = client.post("/v1/chat/completions", json={**BODY, "max_tokens": 0}).json()["error"]
+    assert error["code"] is None
+    r = client.post("/v1/completions", json={"prompt": [5] * 60, "max_tokens": 10})
+    assert r.status_code == 400
+    assert r.json()["error"] | {"message": ""} == {"message": "", "type": "invalid_request_error", "param": "prompt",
+                                                   "code": "context_length_exceeded", "n_prompt_tokens": 60,
+                                                   "n_ctx": 64}
+    r = client.post("/v1/chat/completions", json={**BODY, "messages": [{"role": "user", "content": "x " * 60}]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+
+
+def test_tokenize_takes_content_or_prompt(client):
+    by_content = client.post("/tokenize", json={"content": "Hello world"}).json()["tokens"]
+    assert by_content and client.post("/tokenize", json={"prompt": "Hello world"}).json()["tokens"] == by_content
+    for body in ({}, {"content": "a", "prompt": "a"}):
+        r = client.post("/tokenize", json=body)
+        assert r.status_code == 400 and "'content' or 'prompt'" in r.json()["error"]["message"], r.text
+
+
+def test_a_body_over_the_cap_is_413(client):
+    big = json.dumps({"prompt": "x" * 5000, "max_tokens": 1}).encode()
+    r = client.post("/v1/completions", content=big, headers={"Content-Type": "application/json"})
+    assert r.status_code == 413 and r.json()["error"]["type"] == "invalid_request_error", r.text
+    assert "4096 bytes" in r.json()["error"]["message"]
+    # no Content-Length: the chunks are counted as they arrive
+    r = client.post("/v1/completions", content=iter([big[i:i + 1000] for i in range(0, len(big), 1000)]),
+                    headers={"Content-Type": "application/json"})
+    assert r.status_code == 413, r.text
+    small = client.post("/v1/completions", content=iter([b'{"prompt": "Hi", ', b'"max_tokens": 2}']),
+                        headers={"Content-Type": "application/json"})
+    assert small.status_code == 200 and small.json()["usage"]["completion_tokens"] <= 2, small.text
+
+
+def test_tokenizing_a_long_prompt_leaves_the_event_loop_free(engine, monkeypatch):
+    """While a prompt is being tokenized, /health still answers: the tokenizer runs off the loop."""
+    encoding, health_answered = threading.Event(), threading.Event()
+    encode = engine.tokenizer.encode
+    loop_was_free: list[bool] = []
+
+    def slow_encode(text, **kw):  # a 10 MB prompt takes seconds; this one waits for /health instead
+        encoding.set()
+        loop_was_free.append(health_answered.wait(timeout=5))
+        return encode(text, **kw)
+
+    monkeypatch.setattr(engine.tokenizer, "encode", slow_encode)
+    # entered, the client runs every request on one event loop, as uvicorn does
+    with TestClient(create_app(ServerState(model_name="m", engine=engine))) as client, ThreadPoolExecutor(1) as pool:
+        chat = pool.submit(client.post, "/v1/chat/completions", json=BODY)
+        assert encoding.wait(timeout=30)
+        assert client.get("/health").status_code == 200
+        health_answered.set()
+        assert chat.result(timeout=60).status_code == 200
+    assert loop_was_free == [True]

@@ -177,7 +177,12 @@ class Engine:
             self._stop = True
             self._cv.notify()
         if self._thread:
+            # No timeout: a process that exits while this thread is inside torch aborts (SIGABRT).
+            # A step ends in well under a second; a slow one is said, then waited for.
             self._thread.join(timeout=30)
+            if self._thread.is_alive():
+                log.warning("the engine's step is still running after 30 s; waiting for it before exiting")
+                self._thread.join()
 
     @property
     def n_running(self) -> int:

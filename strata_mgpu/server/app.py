@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import time
 from dataclasses import dataclass, field
@@ -10,6 +11,7 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from strata_mgpu.engine.engine import Engine
+from strata_mgpu.server.body_limit import MIN_BODY_BYTES, BodyLimit
 from strata_mgpu.server.completions import CHAT, TEXT, chat_prompt, complete, text_prompt
 from strata_mgpu.server.errors import APIError, install_error_handlers
 from strata_mgpu.server.schemas import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
@@ -26,9 +28,11 @@ class ServerState:
     created: int = field(default_factory=lambda: int(time.time()))
 
 
-def create_app(state: ServerState) -> FastAPI:
+def create_app(state: ServerState, max_body_bytes: int = MIN_BODY_BYTES) -> FastAPI:
+    """The API over `state`; request bodies over `max_body_bytes` get a 413."""
     app = FastAPI(title="strata-mgpu", version="0.1.0")
     install_error_handlers(app)
+    app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
 
     def authorized(request: Request) -> None:
         if state.api_key is None:
@@ -62,21 +66,26 @@ def create_app(state: ServerState) -> FastAPI:
         return {"object": "list", "data": [{"id": state.model_name, "object": "model", "created": state.created,
                                             "owned_by": "strata-mgpu"}]}
 
+    # Templates and tokenizers run in worker threads: a long prompt takes seconds, and on the event
+    # loop it would hold up every other client (health checks and streams included) meanwhile.
     @app.post("/v1/chat/completions", dependencies=auth)
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         check_model(body.model)
         eng = engine()
-        return await complete(request, eng, state.model_name, body, chat_prompt(eng, body), CHAT)
+        prompt = await asyncio.to_thread(chat_prompt, eng, body)
+        return await complete(request, eng, state.model_name, body, prompt, CHAT)
 
     @app.post("/v1/completions", dependencies=auth)
     async def completions(body: CompletionRequest, request: Request):
         check_model(body.model)
         eng = engine()
-        return await complete(request, eng, state.model_name, body, text_prompt(eng, body), TEXT)
+        prompt = await asyncio.to_thread(text_prompt, eng, body)
+        return await complete(request, eng, state.model_name, body, prompt, TEXT)
 
     @app.post("/tokenize", dependencies=auth)
     async def tokenize(body: TokenizeRequest) -> dict:
-        return {"tokens": engine().tokenizer.encode(body.content, add_special=body.add_special)}
+        tokens = await asyncio.to_thread(engine().tokenizer.encode, body.text, add_special=body.add_special)
+        return {"tokens": tokens}
 
     @app.post("/detokenize", dependencies=auth)
     async def detokenize(body: DetokenizeRequest) -> dict:

@@ -25,6 +25,7 @@ class Shape:
     """How one endpoint words its responses."""
 
     id_prefix: str
+    prompt_field: str  # the request field that holds the prompt: the `param` of errors about its length
     object: str
     chunk_object: str
     whole_choice: Callable[[str, str | None], dict[str, Any]]  # (text, finish_reason) -> choice
@@ -33,7 +34,7 @@ class Shape:
 
 
 CHAT = Shape(
-    id_prefix="chatcmpl-", object="chat.completion", chunk_object="chat.completion.chunk",
+    id_prefix="chatcmpl-", prompt_field="messages", object="chat.completion", chunk_object="chat.completion.chunk",
     whole_choice=lambda text, reason: {"index": 0, "message": {"role": "assistant", "content": text},
                                        "logprobs": None, "finish_reason": reason},
     delta_choice=lambda text, reason: {"index": 0, "delta": {} if text is None else {"content": text},
@@ -42,14 +43,23 @@ CHAT = Shape(
                   "finish_reason": None},
 )
 TEXT = Shape(
-    id_prefix="cmpl-", object="text_completion", chunk_object="text_completion",
+    id_prefix="cmpl-", prompt_field="prompt", object="text_completion", chunk_object="text_completion",
     whole_choice=lambda text, reason: {"index": 0, "text": text, "logprobs": None, "finish_reason": reason},
     delta_choice=lambda text, reason: {"index": 0, "text": text or "", "logprobs": None, "finish_reason": reason},
     first_choice=None,
 )
 
 
+# What `Tokenizer.apply_chat_template` itself passes to the template: a request may not set them.
+TEMPLATE_ARGUMENTS = frozenset({"messages", "add_generation_prompt", "bos_token", "eos_token"})
+
+
 def chat_prompt(engine: Engine, body: ChatCompletionRequest) -> list[int]:
+    """The chat's prompt tokens. Slow for a long chat (template, then tokenizer): call it off the event loop."""
+    reserved = sorted(TEMPLATE_ARGUMENTS & body.chat_template_kwargs.keys())
+    if reserved:
+        raise APIError(400, f"chat_template_kwargs may not set {', '.join(map(repr, reserved))}: the server sets "
+                            f"{', '.join(sorted(TEMPLATE_ARGUMENTS))} itself", param="chat_template_kwargs")
     messages = [m.as_template_dict() for m in body.messages]
     try:
         text = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True, **body.chat_template_kwargs)
@@ -59,6 +69,7 @@ def chat_prompt(engine: Engine, body: ChatCompletionRequest) -> list[int]:
 
 
 def text_prompt(engine: Engine, body: CompletionRequest) -> list[int]:
+    """The prompt's tokens. Slow for a long text: call it off the event loop."""
     if isinstance(body.prompt, str):
         return engine.tokenizer.encode(body.prompt)
     vocab = engine.runner.spec.vocab_size
@@ -72,8 +83,8 @@ async def complete(request: Request, engine: Engine, model: str, body: _Generati
     room = engine.n_ctx - len(prompt)
     max_tokens = body.requested_max_tokens() or room
     if room < 1 or max_tokens > room:
-        raise APIError(400, str(ContextOverflow(len(prompt), max_tokens, engine.n_ctx)), param="messages",
-                       code="exceed_context_size_error", n_prompt_tokens=len(prompt), n_ctx=engine.n_ctx)
+        raise APIError(400, str(ContextOverflow(len(prompt), max_tokens, engine.n_ctx)), param=shape.prompt_field,
+                       code="context_length_exceeded", n_prompt_tokens=len(prompt), n_ctx=engine.n_ctx)
     try:
         params = body.sampling(max_tokens)
     except ValueError as e:

@@ -1,4 +1,4 @@
-"""Errors in OpenAI's shape: {"error": {"message", "type", "param", "code"}}."""
+"""Errors in OpenAI's shape: {"error": {"message", "type", "param", "code"}}; `code` is a string or null."""
 
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ class APIError(Exception):
 def error_body(status: int, message: str, *, param: str | None = None, code: str | None = None,
                **extra: Any) -> dict[str, Any]:
     return {"error": {"message": message, "type": _TYPES.get(status, "invalid_request_error"), "param": param,
-                      "code": code if code is not None else status, **extra}}
+                      "code": code, **extra}}
 
 
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:

@@ -1,11 +1,16 @@
-"""`strata serve`: check the model, start the HTTP server at once, load the weights behind it."""
+"""`strata serve`: check the model and the address, start the HTTP server at once, load the weights
+behind it, and on a stop signal end the loading between two layers before the process exits."""
 
 from __future__ import annotations
 
 import logging
 import os
+import signal
+import socket
 import threading
+from collections.abc import Callable
 from pathlib import Path
+from types import FrameType
 
 import uvicorn
 from rich.console import Console
@@ -13,18 +18,38 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from strata_mgpu import env
 from strata_mgpu.config import ServerConfig
-from strata_mgpu.engine.build import build_runner, check_placement
+from strata_mgpu.engine.build import build_runner, check_placement, resolve_devices
 from strata_mgpu.engine.engine import Engine
 from strata_mgpu.model.gguf_reader import GGUFFile
 from strata_mgpu.model.spec import ModelSpec, spec_from_gguf
 from strata_mgpu.model.tokenizer import Tokenizer, tokenizer_from_gguf
+from strata_mgpu.report import layer_bars
 from strata_mgpu.server.app import ServerState, create_app
+from strata_mgpu.server.body_limit import max_body_bytes
 from strata_mgpu.split.runner import SplitError
 from strata_mgpu.stage.device import DeviceError
+from strata_mgpu.stage.memory_plan import PlanError
 from strata_mgpu.stage.pinned import PinError
 
 log = logging.getLogger("strata.server")
 DEMO_PRESET, DEMO_SEED, DEMO_NAME = "tiny", 0, "strata-demo"
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+class ListenError(Exception):
+    """The server cannot listen where it was asked to (port taken, host unknown)."""
+
+
+class Stopped(Exception):
+    """A stop signal reached the main thread; `signum` says which."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+class LoadCancelled(Exception):
+    """Raised between two layers inside the loader once the server is stopping."""
 
 
 def setup_logging() -> None:
@@ -50,42 +75,127 @@ def open_model(path: Path) -> tuple[GGUFFile, ModelSpec, Tokenizer]:
     return f, spec_from_gguf(f), tokenizer_from_gguf(f)
 
 
-def _load(state: ServerState, config: ServerConfig, f: GGUFFile, spec: ModelSpec, tokenizer: Tokenizer) -> None:
-    console = Console(stderr=True)
+def config_warnings(config: ServerConfig, spec: ModelSpec) -> list[str]:
+    """Options the model or the machine cannot honour, each with what happens instead."""
+    warnings = []
+    ctx_size = config.engine.ctx_size
+    if ctx_size is not None and ctx_size > spec.context_length:
+        warnings.append(f"--ctx-size {ctx_size} is more than the model's context of {spec.context_length} tokens: "
+                        f"sequences get {spec.context_length}")
+    placement = config.placement
+    cpu_budgets = [placement.budget(i) for i, d in enumerate(resolve_devices(placement))
+                   if d.type == "cpu" and placement.budget(i) is not None]
+    if cpu_budgets:
+        warnings.append(f"--max-vram {','.join(f'{b:g}' for b in cpu_budgets)} is ignored on the CPU: it caps "
+                        f"GPU memory only")
+    return warnings
+
+
+def listening_socket(host: str, port: int) -> socket.socket:
+    """A socket bound to host:port, for uvicorn to listen on: a port in use or a host that does
+    not resolve fails here, in one line, before anything loads."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET  # as uvicorn: a name binds its IPv4 address
     try:
-        with Progress(TextColumn("[bold]loading[/] {task.description}"), BarColumn(), MofNCompleteColumn(),
-                      TimeElapsedColumn(), console=console) as bar:
-            tasks: dict[str, int] = {}
-
-            def on_progress(what: str, done: int, total: int) -> None:
-                if what not in tasks:
-                    tasks[what] = bar.add_task(what, total=total)
-                bar.update(tasks[what], completed=done)
-
-            runner = build_runner(f, spec, config.placement, config.engine.chunk_size, cpu_reference=True,
-                                  kv_tokens=config.engine.n_ctx(spec.context_length),
-                                  on_progress=on_progress)
-        engine = Engine(runner, tokenizer, config.engine)
-        engine.start()
-        state.engine = engine
-        log.info("model %s ready: %d layers, %d experts (%d used), context %d, chunk %d", state.model_name,
-                 spec.n_layers, spec.n_experts, spec.n_experts_used, engine.n_ctx, config.engine.chunk_size)
-    except (DeviceError, PinError, SplitError) as e:  # the machine cannot hold it: say so in one line
-        state.load_error = f"loading failed: {e}"
-        log.error("loading %s failed: %s", config.model_path, e)
-    except Exception as e:  # shown by /health and the log; the server keeps answering 503
-        state.load_error = f"loading failed: {type(e).__name__}: {e}"
-        log.exception("loading %s failed", config.model_path)
+        (family, kind, proto, _, address), *_ = socket.getaddrinfo(host, port, family, socket.SOCK_STREAM,
+                                                                   flags=socket.AI_PASSIVE)
+        sock = socket.socket(family, kind, proto)
+    except OSError as e:
+        raise ListenError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: a restart need not wait TIME_WAIT
+        sock.bind(address)
+    except OSError as e:
+        sock.close()
+        raise ListenError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    return sock
 
 
-def serve(config: ServerConfig) -> None:
+class Loader:
+    """Loads the weights in a thread while the server answers 503, then starts the engine.
+    `stop()` makes the loader give up at its next layer and waits for it: the process must not
+    exit while that thread is inside torch (the C++ runtime aborts the whole process then)."""
+
+    def __init__(self, state: ServerState, config: ServerConfig, f: GGUFFile, spec: ModelSpec, tokenizer: Tokenizer):
+        self.state, self.config, self.f, self.spec, self.tokenizer = state, config, f, spec, tokenizer
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(target=self._load, name="strata-load")
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stopping.set()
+        if self._thread.is_alive():
+            log.info("stopping: the loader ends after its current layer")
+            self._thread.join()
+
+    def _on_progress(self, show: Callable[[str, int, int], None]) -> Callable[[str, int, int], None]:
+        """`show`, after the check that lets a stop end the build between two layers."""
+        def on_progress(what: str, done: int, total: int) -> None:
+            if self._stopping.is_set():
+                raise LoadCancelled
+            show(what, done, total)
+
+        return on_progress
+
+    def _load(self) -> None:
+        state, config, spec = self.state, self.config, self.spec
+        try:
+            with Progress(TextColumn("[bold]loading[/] {task.description}"), BarColumn(), MofNCompleteColumn(),
+                          TimeElapsedColumn(), console=Console(stderr=True)) as bar:
+                runner = build_runner(self.f, spec, config.placement, config.engine.chunk_size, cpu_reference=True,
+                                      kv_tokens=config.engine.n_ctx(spec.context_length),
+                                      on_progress=self._on_progress(layer_bars(bar)))
+            if self._stopping.is_set():  # stopped after the last layer: no engine to start
+                return
+            engine = Engine(runner, self.tokenizer, config.engine)
+            engine.start()
+            state.engine = engine
+            log.info("model %s ready: %d layers, %d experts (%d used), context %d, chunk %d", state.model_name,
+                     spec.n_layers, spec.n_experts, spec.n_experts_used, engine.n_ctx, config.engine.chunk_size)
+        except LoadCancelled:
+            log.info("loading %s stopped: the server is shutting down", config.model_path)
+        except (DeviceError, PinError, SplitError, PlanError) as e:  # the machine cannot hold it: say so in one line
+            state.load_error = f"loading failed: {e}"
+            log.error("loading %s failed: %s", config.model_path, e)
+        except Exception as e:  # shown by /health and the log; the server keeps answering 503
+            state.load_error = f"loading failed: {type(e).__name__}: {e}"
+            log.exception("loading %s failed", config.model_path)
+
+
+def _raise_stopped(signum: int, _frame: FrameType | None) -> None:
+    raise Stopped(signum)
+
+
+def serve(config: ServerConfig) -> int:
+    """Serve until a stop signal; the exit status. uvicorn handles SIGINT and SIGTERM while it runs
+    and raises the signal again once it has shut down; `_raise_stopped` turns that into `Stopped`,
+    and only when the loader has ended and the engine stopped does this return 128 + the signal
+    (130 for Ctrl+C, 143 for SIGTERM: what a shell reports for a process the signal ended)."""
     setup_logging()
     f, spec, tokenizer = open_model(config.model_path)
     check_placement(config.placement, spec)
+    for warning in config_warnings(config, spec):
+        log.warning(warning)
+    sock = listening_socket(config.host, config.port)
     state = ServerState(model_name=config.model_name, api_key=config.api_key)
-    app = create_app(state)
-    threading.Thread(target=_load, args=(state, config, f, spec, tokenizer), name="strata-load", daemon=True).start()
-    log.info("serving %s as %r on http://%s:%d", config.model_path, config.model_name, config.host, config.port)
-    uvicorn.run(app, host=config.host, port=config.port, log_level=env.log_level().lower(), access_log=False)
-    if state.engine is not None:
-        state.engine.shutdown()
+    app = create_app(state, max_body_bytes=max_body_bytes(config.engine.n_ctx(spec.context_length)))
+    loader = Loader(state, config, f, spec, tokenizer)
+    previous_handlers = {s: signal.signal(s, _raise_stopped) for s in STOP_SIGNALS}
+    try:
+        loader.start()
+        log.info("serving %s as %r on http://%s:%d", config.model_path, config.model_name, config.host,
+                 sock.getsockname()[1])
+        uvicorn.Server(uvicorn.Config(app, log_level=env.log_level().lower(), access_log=False)).run(sockets=[sock])
+        return 0
+    except Stopped as e:
+        return 128 + e.signum
+    finally:
+        for s in STOP_SIGNALS:  # a second Ctrl+C must not cut the clean-up short and leave torch mid-call
+            signal.signal(s, signal.SIG_IGN)
+        loader.stop()
+        if state.engine is not None:
+            state.engine.shutdown()
+        for s, handler in previous_handlers.items():
+            signal.signal(s, handler)
+        sock.close()

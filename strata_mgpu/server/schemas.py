@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from strata_mgpu.engine.sampler import SamplingParams
 
@@ -89,8 +89,21 @@ class CompletionRequest(_Generation):
 
 
 class TokenizeRequest(BaseModel):
-    content: str
+    """llama.cpp's `content` or vLLM's `prompt`: exactly one of them."""
+
+    content: str | None = None
+    prompt: str | None = None
     add_special: bool = False
+
+    @model_validator(mode="after")
+    def _one_text(self) -> TokenizeRequest:
+        if (self.content is None) == (self.prompt is None):
+            raise ValueError("give the text as either 'content' or 'prompt'")
+        return self
+
+    @property
+    def text(self) -> str:
+        return self.content if self.content is not None else self.prompt
 
 
 class DetokenizeRequest(BaseModel):

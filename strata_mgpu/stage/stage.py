@@ -79,7 +79,8 @@ class Stage(DecoderRunner):
         dtype = opts.dtype or (torch.bfloat16 if self.ctx.is_cuda else torch.float32)
 
         def progress(what: str, total: int) -> Callable[[int], None]:
-            return (lambda i: on_progress(what, i + 1, total)) if on_progress else (lambda i: None)
+            # on_layer gets the global layer id: count from this stage's first layer
+            return (lambda i: on_progress(what, i - layers.start + 1, total)) if on_progress else (lambda i: None)
 
         tag = "" if self.is_first and self.is_last else f" {layers.start}-{layers.stop - 1} on {self.ctx.device}"
         dense = load_weights(f, spec, dtype=dtype, device=self.ctx.device, with_experts=False, layers=layers,
