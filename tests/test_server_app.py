@@ -7,6 +7,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+import torch
 from fastapi.testclient import TestClient
 
 from strata_mgpu.config import EngineConfig
@@ -156,3 +157,38 @@ def test_tokenizing_a_long_prompt_leaves_the_event_loop_free(engine, monkeypatch
         health_answered.set()
         assert chat.result(timeout=60).status_code == 200
     assert loop_was_free == [True]
+
+
+class OutOfMemoryOnLongPrompts(FailingDecode):
+    """A runner whose prefill runs out of device memory on prompts over 30 tokens."""
+
+    def prefill(self, kv, tokens, whole_prompt=False):
+        if tokens.numel() > 30:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.50 GiB. GPU 0 has ...")
+        return self.inner.prefill(kv, tokens, whole_prompt)
+
+    def decode(self, kvs, tokens):
+        return self.inner.decode(kvs, tokens)
+
+
+def test_out_of_memory_is_a_503_in_one_line_and_the_server_goes_on(tiny_gguf, caplog):
+    f = GGUFFile(tiny_gguf)
+    runner = OutOfMemoryOnLongPrompts(load_reference_runner(f, spec_from_gguf(f)))
+    engine = Engine(runner, tokenizer_from_gguf(f), EngineConfig())
+    engine.start()
+    try:
+        client = TestClient(create_app(ServerState(model_name="m", engine=engine)))
+        long = {"prompt": "word " * 60, "max_tokens": 2}
+        r = client.post("/v1/completions", json=long)
+        assert r.status_code == 503 and r.json()["error"]["type"] == "unavailable_error"
+        message = r.json()["error"]["message"]
+        assert "ran out of memory" in message and "\n" not in message and "Tried to allocate" not in message
+        assert not any(rec.exc_info for rec in caplog.records if "out of memory" in rec.getMessage())  # no traceback
+        with client.stream("POST", "/v1/completions", json={**long, "stream": True}) as s:
+            events = [line[6:] for line in s.iter_lines() if line]
+        assert any('"unavailable_error"' in e for e in events) and events[-1] == "[DONE]"
+        ok = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+        assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 2  # the others go on
+        assert engine.n_running == 0  # the failed requests' KV is gone
+    finally:
+        engine.shutdown()

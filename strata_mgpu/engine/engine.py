@@ -84,7 +84,28 @@ class RequestOutput:
     finished: bool = False
     finish_reason: str | None = None  # 'stop', 'length', 'abort' or 'error'
     error: str | None = None
+    error_status: int = 500  # the HTTP status an error maps to: 503 where the device ran out of memory
     timings: Timings | None = None
+
+
+@dataclass(frozen=True)
+class Failure:
+    """Why a model call failed, as the requests in it are told."""
+
+    message: str
+    status: int  # HTTP: 503 when the device ran out of memory (try again later), else 500
+
+    @classmethod
+    def of(cls, e: Exception) -> Failure:
+        """Logged once: one line for an out-of-memory error (its requests' memory is freed as they
+        end, and the other requests go on), the traceback for anything else."""
+        if isinstance(e, torch.OutOfMemoryError):
+            log.error("the device ran out of memory in a model call; its requests end with 503, the rest go on")
+            torch.cuda.empty_cache()  # hand what the failed call held back to the allocator's pool
+            return cls("the device ran out of memory while running this request; it was dropped and its memory "
+                       "freed: retry it, or send a shorter one", 503)
+        log.exception("model call failed")
+        return cls(f"{type(e).__name__}: {e}", 500)
 
 
 class Phase(enum.Enum):
@@ -132,7 +153,7 @@ class Engine:
         self.sampler = BatchSampler()
         self._in_flight: StepTokens | None = None  # the last step's tokens, not yet on the host
         self._t_landed = 0.0  # when the last step's tokens reached the host
-        self._failed: list[tuple[list[Request], str]] = []  # this step's failed calls: their requests, the error
+        self._failed: list[tuple[list[Request], Failure]] = []  # this step's failed calls: their requests, why
         self._waiting: deque[Request] = deque()
         self._running: list[Request] = []
         self._aborts: set[str] = set()
@@ -215,10 +236,10 @@ class Engine:
         if landing is not None:
             self._land(landing)
         failed, self._failed = self._failed, []
-        for reqs, error in failed:
+        for reqs, why in failed:
             for r in reqs:
                 if r.phase is not Phase.DONE:
-                    self._finish(r, "error", error=error)
+                    self._finish(r, "error", error=why.message, error_status=why.status)
         self._running = [r for r in self._running if r.phase is not Phase.DONE]
         self.metrics.running.set(len(self._running))
 
@@ -277,8 +298,7 @@ class Engine:
         try:
             return fn(*args)
         except Exception as e:  # a failed forward must not take down the other requests
-            log.exception("model call failed")
-            self._failed.append((reqs, f"{type(e).__name__}: {e}"))
+            self._failed.append((reqs, Failure.of(e)))
             return None
 
     def _launch(self) -> StepTokens | None:
@@ -370,10 +390,10 @@ class Engine:
         try:
             ids = step.wait()
         except Exception as e:  # an error of the device work surfaces here
-            log.exception("model call failed")
+            why = Failure.of(e)
             for r in step.rows:
                 if r.phase is not Phase.DONE:
-                    self._finish(r, "error", error=f"{type(e).__name__}: {e}")
+                    self._finish(r, "error", error=why.message, error_status=why.status)
             return
         now = time.perf_counter()
         n_decoded = 0
@@ -415,7 +435,7 @@ class Engine:
             req.on_output(self._output(req, text, [token]))
 
     def _finish(self, req: Request, reason: str, *, text: str = "", token: int | None = None, tail: str = "",
-                error: str | None = None, notify: bool = True) -> None:
+                error: str | None = None, error_status: int = 500, notify: bool = True) -> None:
         was_queued = req.phase is Phase.WAITING
         req.phase = Phase.DONE
         req.kv = None  # frees the cache now
@@ -438,6 +458,7 @@ class Engine:
         if notify:
             out = self._output(req, text + tail, [token] if token is not None else [])
             out.finished, out.finish_reason, out.error, out.timings = True, reason, error, req.timings
+            out.error_status = error_status
             req.on_output(out)
 
     @staticmethod

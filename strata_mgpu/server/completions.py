@@ -132,7 +132,7 @@ async def _whole(request: Request, engine: Engine, rid: str, created: int, model
         engine.abort(rid)
         raise
     if out.finish_reason == "error":
-        raise APIError(500, f"generation failed: {out.error}")
+        raise APIError(out.error_status, f"generation failed: {out.error}")
     return JSONResponse({
         "id": rid, "object": shape.object, "created": created, "model": model,
         "choices": [shape.whole_choice("".join(parts), out.finish_reason)],
@@ -161,7 +161,7 @@ async def _stream(request: Request, engine: Engine, rid: str, created: int, mode
                 return
             finished = out.finished
             if out.finish_reason == "error":
-                yield _sse(error_body(500, f"generation failed: {out.error}"))
+                yield _sse(error_body(out.error_status, f"generation failed: {out.error}"))
                 break
             if out.text:
                 yield chunk(shape.delta_choice(out.text, None))
