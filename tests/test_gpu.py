@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 import torch
 
-from strata_mgpu.engine.runner import load_reference_runner
 from strata_mgpu.kernels.experts import TorchKernels
 from strata_mgpu.model.decoder import DecodeOps
 from strata_mgpu.model.gguf_reader import GGUFFile
+from strata_mgpu.model.runner import load_reference_runner
 from strata_mgpu.model.spec import spec_from_gguf
 from strata_mgpu.model.synthetic import write_model
 from strata_mgpu.stage.stage import Stage, StageOptions

@@ -7,8 +7,8 @@ import pytest
 import torch
 from gguf.constants import GGMLQuantizationType as Q
 
-from strata_mgpu.engine.runner import load_reference_runner
 from strata_mgpu.model.gguf_reader import GGUFFile
+from strata_mgpu.model.runner import load_reference_runner
 from strata_mgpu.model.spec import spec_from_gguf
 from strata_mgpu.model.synthetic import write_model
 from strata_mgpu.quant.formats import SUPPORTED_TYPES

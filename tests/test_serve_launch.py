@@ -52,7 +52,7 @@ def test_port_in_use_and_unknown_host_are_one_line_errors(tiny_gguf):
 SLOW_LAYER_S = 3
 SLOW_SERVE = f"""
 import sys, time
-import strata_mgpu.engine.runner as model_runner
+import strata_mgpu.model.runner as model_runner
 
 load_weights = model_runner.load_weights
 

@@ -12,8 +12,8 @@ from fastapi.testclient import TestClient
 
 from strata_mgpu.config import EngineConfig
 from strata_mgpu.engine.engine import Engine
-from strata_mgpu.engine.runner import load_reference_runner
 from strata_mgpu.model.gguf_reader import GGUFFile
+from strata_mgpu.model.runner import load_reference_runner
 from strata_mgpu.model.spec import spec_from_gguf
 from strata_mgpu.model.tokenizer import tokenizer_from_gguf
 from strata_mgpu.server.app import ServerState, create_app

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from strata_mgpu.config import EngineConfig
-from strata_mgpu.engine.runner import load_reference_runner
 from strata_mgpu.model.gguf_reader import GGUFFile
+from strata_mgpu.model.runner import load_reference_runner
 from strata_mgpu.model.spec import spec_from_gguf
 from strata_mgpu.model.tokenizer import tokenizer_from_gguf
 from strata_mgpu.tools.server_decode import bench_prompts, measure_server_decode

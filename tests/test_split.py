@@ -79,7 +79,7 @@ def test_split_equals_single_stage_bit_for_bit(loaded, layer_split, n_stages):
 def test_engine_greedy_on_split_equals_reference(loaded, tiny_gguf):
     f, spec = loaded
     tok = tokenizer_from_gguf(f)
-    from strata_mgpu.engine.runner import load_reference_runner
+    from strata_mgpu.model.runner import load_reference_runner
 
     split = build_split(f, spec, [CPU, CPU], "auto")
     prompt = tok.encode("The sea is wide, the sea is deep.")

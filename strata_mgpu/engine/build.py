@@ -7,8 +7,9 @@ from collections.abc import Callable
 import torch
 
 from strata_mgpu.config import Placement
-from strata_mgpu.engine.runner import ModelRunner, load_reference_runner
+from strata_mgpu.engine.runner import ModelRunner
 from strata_mgpu.model.gguf_reader import GGUFFile
+from strata_mgpu.model.runner import load_reference_runner
 from strata_mgpu.model.spec import ModelSpec
 from strata_mgpu.split.help_rule import HelpPolicy
 from strata_mgpu.split.runner import build_split, plan_layers

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 import torch
@@ -26,8 +26,10 @@ from strata_mgpu.kernels import nvrtc
 from strata_mgpu.kernels.paths import PathCounter, warn_once
 from strata_mgpu.quant.dequant import dequantize_rows
 from strata_mgpu.quant.formats import CUDA_DEQUANT_TYPES, FUSED_DECODE_TYPES, block_format
-from strata_mgpu.stage.expert_cache import ExpertCache
-from strata_mgpu.stage.host_arena import ExpertLayout
+
+if TYPE_CHECKING:  # only for annotations: kernels sit below the stage and import nothing of it
+    from strata_mgpu.stage.expert_cache import ExpertCache
+    from strata_mgpu.stage.host_arena import ExpertLayout
 
 log = logging.getLogger("strata.kernels")
 Q = GGMLQuantizationType

@@ -21,29 +21,15 @@ order) and equals unhelped output within rounding (the two partial sums round se
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-from strata_mgpu.kernels.experts import TorchKernels
 from strata_mgpu.split.exchange import Exchange
-from strata_mgpu.stage.device import DeviceContext
 from strata_mgpu.stage.expert_parts import LayerPart, PartTables, compute_part
-from strata_mgpu.stage.expert_ring import ExpertRing, LayerFeed
+from strata_mgpu.stage.expert_ring import LayerFeed
 from strata_mgpu.stage.host_arena import HostExpertArena
+from strata_mgpu.stage.stage import LentBuffers
 
 MESSAGES_PER_LAYER = 3  # h, experts, weights
-
-
-@dataclass(frozen=True)
-class LentBuffers:
-    """What an idle stage lends its helper for one prompt: VRAM laid out when the stage was built."""
-
-    ctx: DeviceContext
-    kernels: TorchKernels
-    ring: ExpertRing | None  # None where the idle stage streams nothing (then it cannot help)
-    w_gate_up: torch.Tensor  # [E, 2F, D]
-    w_down: torch.Tensor  # [E, D, F]
 
 
 class PeerPrefill:

@@ -17,15 +17,14 @@ from dataclasses import dataclass
 import torch
 
 from strata_mgpu import env
-from strata_mgpu.engine.runner import DecoderRunner
 from strata_mgpu.kernels.decode_ops import CudaDecodeOps
-from strata_mgpu.kernels.experts import CudaKernels, select_kernels
+from strata_mgpu.kernels.experts import CudaKernels, TorchKernels, select_kernels
 from strata_mgpu.model.decoder import Decoder
 from strata_mgpu.model.gguf_reader import GGUFFile
 from strata_mgpu.model.kv_cache import KVCache
+from strata_mgpu.model.runner import DecoderRunner
 from strata_mgpu.model.spec import ModelSpec
 from strata_mgpu.model.weights import load_weights
-from strata_mgpu.split.peer_prefill import LentBuffers
 from strata_mgpu.stage.decode_graph import DecodeGraph, graph_key
 from strata_mgpu.stage.device import DeviceContext
 from strata_mgpu.stage.expert_cache import ExpertCache
@@ -52,6 +51,17 @@ class StageOptions:
     prefer_cuda_kernels: bool = True
     dtype: torch.dtype | None = None  # compute dtype; None: bf16 on CUDA, fp32 on the CPU
     cuda_graphs: bool = True  # replay batch-1 decode steps as a captured graph where the path allows
+
+
+@dataclass(frozen=True)
+class LentBuffers:
+    """What an idle stage lends its helper for one prompt: VRAM laid out when the stage was built."""
+
+    ctx: DeviceContext
+    kernels: TorchKernels
+    ring: ExpertRing | None  # None where the idle stage streams nothing (then it cannot help)
+    w_gate_up: torch.Tensor  # [E, 2F, D]
+    w_down: torch.Tensor  # [E, D, F]
 
 
 @dataclass

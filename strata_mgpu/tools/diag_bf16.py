@@ -10,9 +10,9 @@ import sys
 
 import torch
 
-from strata_mgpu.engine.runner import load_reference_runner
 from strata_mgpu.model.decoder import Segment
 from strata_mgpu.model.gguf_reader import GGUFFile
+from strata_mgpu.model.runner import load_reference_runner
 from strata_mgpu.model.spec import spec_from_gguf
 from strata_mgpu.stage.stage import Stage, StageOptions
 

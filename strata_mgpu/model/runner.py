@@ -1,0 +1,59 @@
+"""`DecoderRunner`: the engine's `ModelRunner` protocol over a `Decoder` (the fp32 reference on the
+CPU; a GPU stage is one too), and the loader of the reference runner."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Sequence
+
+import torch
+
+from strata_mgpu.model.decoder import Decoder, Segment
+from strata_mgpu.model.gguf_reader import GGUFFile
+from strata_mgpu.model.kv_cache import KVCache
+from strata_mgpu.model.reference import ReferenceModel
+from strata_mgpu.model.spec import ModelSpec
+from strata_mgpu.model.weights import load_weights
+
+
+class DecoderRunner:
+    """ModelRunner over a `Decoder`: the fp32 reference on the CPU, or a device stage."""
+
+    # KV cells (tokens) the runner can hold for all its sequences together; the engine admits
+    # requests while the running ones' prompt + max_tokens fit. None: no limit.
+    kv_token_budget: int | None = None
+
+    def __init__(self, model: Decoder):
+        self.model = model
+        self.spec = model.spec
+
+    def new_sequence(self, max_length: int) -> KVCache:
+        return self.model.new_cache(max_length=max_length)
+
+    @torch.inference_mode()
+    def prefill(self, kv: KVCache, tokens: torch.Tensor, whole_prompt: bool = False) -> torch.Tensor:
+        hidden = self.model.forward(tokens.to(self.model.device), [Segment(0, tokens.shape[0], kv)])
+        return self.model.logits(hidden[-1:])[0]
+
+    @torch.inference_mode()
+    def prefill_many(self, kvs: Sequence[KVCache], chunks: Sequence[torch.Tensor]) -> torch.Tensor:
+        """Append chunks[i] [T_i] to sequence kvs[i], all in one forward (packed as segments);
+        logits [N, V] of each chunk's last token. The engine packs short prompts this way; a
+        runner without this method gets them one at a time."""
+        assert len(kvs) == len(chunks) > 0 and len({id(kv) for kv in kvs}) == len(kvs)
+        ends = list(itertools.accumulate(c.shape[0] for c in chunks))
+        segments = [Segment(end - c.shape[0], end, kv) for kv, c, end in zip(kvs, chunks, ends, strict=True)]
+        hidden = self.model.forward(torch.cat(list(chunks)).to(self.model.device), segments)  # [sum T_i, D]
+        return self.model.logits(torch.cat([hidden[end - 1:end] for end in ends]))  # slices: no index upload
+
+    @torch.inference_mode()
+    def decode(self, kvs: Sequence[KVCache], tokens: torch.Tensor) -> torch.Tensor:
+        segments = [Segment(i, i + 1, kv) for i, kv in enumerate(kvs)]
+        return self.model.logits(self.model.forward(tokens.to(self.model.device), segments))
+
+
+def load_reference_runner(f: GGUFFile, spec: ModelSpec, on_progress: Callable[[int, int], None] | None = None
+                          ) -> DecoderRunner:
+    """Dequantize a validated GGUF's weights to fp32; `on_progress(done, total)` counts layers."""
+    weights = load_weights(f, spec, on_layer=(lambda i: on_progress(i + 1, spec.n_layers)) if on_progress else None)
+    return DecoderRunner(ReferenceModel(spec, weights))
