@@ -274,7 +274,7 @@ def sweep(model: Path, devices: str, layer_split: str, max_vram: str | None, pro
     placement = _placement(devices, layer_split, max_vram, "bf16", prefill_help=True,
                            resident_experts=resident_experts)
     try:
-        runner = _build(model, placement, max(lengths), kv_tokens=max(lengths))
+        runner = _build(model, placement, max(lengths), kv_tokens=max(lengths) + 1)  # its prompts ask for one more
         result = sw.run_sweep(runner, model.name, lengths, share_list, runs,
                               on_cell=lambda c: err.print(sw.describe(c)))
     except (GGUFError, DeviceError, SplitError, EnvError, ValueError) as e:

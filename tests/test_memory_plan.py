@@ -10,7 +10,15 @@ from hypothesis import strategies as st
 
 from strata_mgpu.model.spec import ModelSpec
 from strata_mgpu.model.synthetic import PRESETS
-from strata_mgpu.stage.memory_plan import GiB, PlanError, activation_bytes, kv_bytes, plan_memory, workspace_bytes
+from strata_mgpu.stage.memory_plan import (
+    GiB,
+    PlanError,
+    activation_bytes,
+    kv_bytes,
+    plan_memory,
+    plan_stage_memory,
+    workspace_bytes,
+)
 
 SPEC_30B = ModelSpec(arch="qwen3moe", **dataclasses.asdict(PRESETS["30b-a3b"]))
 EXPERT_30B = 391_600_000 // 128  # Q4_K gate/up + Q6_K down: about 3.06 MB an expert
@@ -102,3 +110,15 @@ def test_plan_never_exceeds_the_budget(spec, budget_gib, expert_kb, dense_gb, ch
     if plan.resident_per_layer < spec.n_experts:  # one more resident expert a layer would not fit
         more = dataclasses.replace(plan, resident_per_layer=plan.resident_per_layer + 1)
         assert more.total > budget or plan.resident_per_layer + 1 == spec.n_experts
+
+
+def test_a_stage_halves_its_vram_kv_where_the_context_does_not_fit():
+    halvings = []
+    plan = plan_stage_memory(SPEC_30B, kv_tokens=32768, context=32768, chunk_tokens=8192,
+                             on_halved=lambda had, now: halvings.append((had, now)), n_layers=48,
+                             expert_bytes=EXPERT_30B, dense=int(3.11e9), budget=8 * GiB, staging_buffers=2)
+    assert halvings == [(32768, 16384), (16384, 8192)] and plan.kv_tokens == 8192  # as the H200 run logged
+    assert plan.kv_staging == 2 * 2 * 32768 * 512 * 2 and plan.total <= 8 * GiB  # the rest spills to host RAM
+    with pytest.raises(PlanError):  # down to one chunk, not below
+        plan_stage_memory(SPEC_30B, kv_tokens=32768, context=32768, chunk_tokens=8192, n_layers=48,
+                          expert_bytes=EXPERT_30B, dense=int(3.11e9), budget=int(6.5 * GiB))

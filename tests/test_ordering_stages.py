@@ -50,6 +50,8 @@ RERUN = {
     "resident_in_place": (lambda t, g, tmp: stage_tests.test_resident_experts_computed_in_place_equal_all_streamed(g),
                           True),
     "helper_streamed_only": (lambda t, g, tmp: helper_tests.test_helper_takes_only_streamed_experts(t, 3), True),
+    "failed_pass": (lambda t, g, tmp: stage_tests.test_a_pass_that_fails_partway_gives_the_ring_back(g), True),
+    "failed_helped_pass": (lambda t, g, tmp: helper_tests.test_a_failed_helped_pass_gives_both_rings_back(t), True),
 }
 
 
@@ -164,7 +166,9 @@ def test_a_broken_ring_is_caught_and_its_race_is_real(tiny):
         experts.ring = RingSkippingFreeWait(stage.ctx, stage.arena.max_layer_bytes, n_slots=2)
         with pytest.raises(OrderingError, match=r"cpu0\.upload writes 'cpu0 ring slot 0' .*its read on cpu0\.compute"):
             stage.prefill(stage.new_sequence(64), torch.randint(0, spec.vocab_size, (40,)))
-    assert first_race(twin.trace)[0] == len(twin.trace) - 1
+    race_at = first_race(twin.trace)[0]
+    assert twin.trace[race_at][0] == "access"  # the race the twin raised at: after it only the failed pass's
+    assert all(op[0] == "record" for op in twin.trace[race_at + 1:])  # ring given back (its slots' free events)
     names = [s.name for s in twin.streams]
     with pytest.raises(OrderingError, match=r"'cpu0 ring slot 0' .*at version"):
         replay(twin.trace, range(50), names)

@@ -170,3 +170,27 @@ def test_helper_takes_only_streamed_experts(tiny, resident):
     assert n_help == round(0.5 * (spec.n_experts - resident))
     per_expert = sum(runner.stages[0].arena.layouts[i].expert_bytes for i in busy.layers)
     assert helper.streamed_bytes == 2 * n_help * per_expert  # two helped prompts, its share of each layer
+
+
+def test_a_failed_helped_pass_gives_both_rings_back(tiny):
+    f, spec = tiny
+    runner = build_split(f, spec, [CPU, CPU], "auto", help_policy=HelpPolicy(fixed_share=0.5))
+    busy = runner.stages[0].model.experts
+    grouped_mlp, calls = busy.kernels.grouped_mlp, []
+
+    def failing(*args):
+        calls.append(1)
+        if len(calls) == 3:
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+        return grouped_mlp(*args)
+
+    busy.kernels.grouped_mlp = failing
+    prompt = torch.randint(0, spec.vocab_size, (100,))
+    with pytest.raises(torch.OutOfMemoryError):
+        runner.prefill(runner.new_sequence(256), prompt, whole_prompt=True)
+    assert all(s.model.experts.ring.holder is None or s.model.experts.ring.holder.done for s in runner.stages)
+    busy.kernels.grouped_mlp = grouped_mlp
+    again = runner.prefill(runner.new_sequence(256), prompt, whole_prompt=True)
+    runner.policy = HelpPolicy(enabled=False)
+    off = runner.prefill(runner.new_sequence(256), prompt, whole_prompt=True)
+    assert float((again - off).abs().max() / off.abs().max()) <= 1e-5

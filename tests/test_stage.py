@@ -168,3 +168,29 @@ def test_resident_experts_computed_in_place_equal_all_streamed(tiny_gguf):
         assert (experts.ring.uploaded_bytes if experts.ring else 0) == experts.pass_bytes()
     for k, out in outs.items():
         assert torch.equal(out, outs[0]), k  # fp32: each row meets the same weights in the same order
+
+
+def test_a_pass_that_fails_partway_gives_the_ring_back(tiny_gguf):
+    """An error inside a streamed pass (the device out of memory, say) must not leave the ring
+    held: the next prompt streams and answers as a fresh stage does."""
+    f = GGUFFile(tiny_gguf)
+    spec = spec_from_gguf(f)
+    stage = Stage(f, spec, StageOptions(device=CPU, resident_experts=1))
+    kernels, calls = stage.model.experts.kernels, []
+    grouped_mlp = kernels.grouped_mlp
+
+    def failing(*args):
+        calls.append(1)
+        if len(calls) == 2:
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+        return grouped_mlp(*args)
+
+    kernels.grouped_mlp = failing
+    prompt = torch.randint(0, spec.vocab_size, (48,))
+    with pytest.raises(torch.OutOfMemoryError):
+        stage.prefill(stage.new_sequence(64), prompt)
+    ring = stage.model.experts.ring
+    assert ring.holder is not None and ring.holder.done  # given back, not left claimed
+    again = stage.prefill(stage.new_sequence(64), prompt)
+    fresh = Stage(f, spec, StageOptions(device=CPU, resident_experts=1))
+    assert torch.equal(again, fresh.prefill(fresh.new_sequence(64), prompt))

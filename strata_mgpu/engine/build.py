@@ -6,6 +6,7 @@ from collections.abc import Callable
 
 import torch
 
+from strata_mgpu import env
 from strata_mgpu.config import Placement
 from strata_mgpu.engine.runner import ModelRunner
 from strata_mgpu.model.gguf_reader import GGUFFile
@@ -15,7 +16,7 @@ from strata_mgpu.split.help_rule import HelpPolicy
 from strata_mgpu.split.runner import build_split, plan_layers
 from strata_mgpu.stage.device import DeviceError, parse_device
 from strata_mgpu.stage.host_arena import layer_layout
-from strata_mgpu.stage.memory_plan import GiB, MemoryPlan, dense_bytes, plan_memory
+from strata_mgpu.stage.memory_plan import GiB, MemoryPlan, dense_bytes, plan_stage_memory
 from strata_mgpu.stage.stage import Stage, StageOptions
 
 Progress = Callable[[str, int, int], None]
@@ -66,9 +67,11 @@ def preview_plans(f: GGUFFile, spec: ModelSpec, placement: Placement, chunk_size
     for name, budget, layers in zip(names, budgets, ranges, strict=True):
         largest = max(layer_layout(f, spec, i).expert_bytes for i in layers)
         dense = dense_bytes(spec, len(layers), embed=layers.start == 0, head=layers.stop == spec.n_layers, elem=elem)
-        plan = plan_memory(spec, n_layers=len(layers), expert_bytes=largest, dense=dense,
-                           budget=int(budget * GiB) if budget else None, chunk_tokens=chunk_size, kv_tokens=kv_tokens,
-                           elem=elem, resident_per_layer=placement.resident_experts, where=f"stage on {name}")
+        plan = plan_stage_memory(spec, kv_tokens=kv_tokens, context=kv_tokens, chunk_tokens=chunk_size,
+                                 n_layers=len(layers), expert_bytes=largest, dense=dense,
+                                 budget=int(budget * GiB) if budget else None, elem=elem,
+                                 resident_per_layer=placement.resident_experts, where=f"stage on {name}",
+                                 staging_buffers=2 if env.kv_prefetch() else 1)
         out.append((name, layers, plan))
     return out
 

@@ -149,6 +149,7 @@ class Engine:
         self.n_ctx = config.n_ctx(runner.spec.context_length)
         if self._kv_budget() is not None and not hasattr(runner, "kv_cells"):
             self.n_ctx = min(self.n_ctx, self._kv_budget())  # no sequence longer than the runner can hold
+        self.n_ctx = min(self.n_ctx, getattr(runner, "max_context", self.n_ctx))  # nor than it planned for
         self.metrics = metrics or EngineMetrics()
         self.sampler = BatchSampler()
         self._in_flight: StepTokens | None = None  # the last step's tokens, not yet on the host

@@ -99,7 +99,10 @@ class TorchKernels:
         them through `addresses` [n] (device int64); the twin copies `sources()` (each expert's
         bytes) together and dequantizes them as one run."""
         self.paths.ran("dequant_addressed", "torch")
-        src = torch.cat(sources()) if n > 1 else sources()[0]
+        srcs = sources()
+        if addresses.device.type == "cpu":  # the table CUDA would read points at these very bytes
+            assert [s.data_ptr() for s in srcs] == addresses[:n].tolist(), "the address table is off"
+        src = torch.cat(srcs) if n > 1 else srcs[0]
         self.dequant_experts(src, lay, n, w_gate_up, w_down)
 
     def gather_experts(self, cache: ExpertCache, i: int, picks: torch.Tensor, lay: ExpertLayout,

@@ -220,6 +220,9 @@ class Decoder:
         except BaseException:
             for kv in ahead:  # no upload may still run into a buffer someone else uses next
                 kv.drain()
+            abort = getattr(self.experts, "abort", None)  # a streaming backend gives back what the pass held
+            if abort is not None:
+                abort()
             raise
         for seg in segments:
             seg.kv.advance(seg.n)

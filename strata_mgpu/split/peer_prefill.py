@@ -57,6 +57,13 @@ class PeerPrefill:
         self.lent, self.arena, self.n_experts = lent, arena, n_experts
         self._feed = self._tables = None
 
+    def abort(self) -> None:
+        """The busy stage's pass failed: give the lent ring back (on the helper's stream)."""
+        if self._feed is not None and self.lent is not None:
+            with self.lent.ctx.on_compute(after_caller=False, join_caller=False):
+                self._feed.abort()
+        self._feed = self._tables = None
+
     def unbind(self) -> None:
         self.lent = self.arena = self._feed = self._tables = None
         self.n_experts = 0
@@ -70,7 +77,7 @@ class PeerPrefill:
             feed = self._feed = LayerFeed(lent.ring, len(parts), lambda i: (parts[i].layer, parts[i].runs(arena)))
             self._tables = PartTables(parts, arena, lent.ctx.device, None,
                                       lambda i: feed.slot_of[i].buffer if i in feed.slot_of else None)
-        self.streamed_bytes += sum(sum(r.numel() for r in p.runs(arena)) for p in parts)
+        self.streamed_bytes += feed.bytes
 
     def publish(self, h: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> None:
         """On the busy stage's stream: the layer's MoE input and routing, to the helper."""

@@ -90,8 +90,16 @@ class SplitRunner:
         self.kv_token_budget = min(s.kv_token_budget for s in stages)  # every stage holds every sequence's KV
 
     def kv_cells(self, tokens: int) -> int:
-        """VRAM KV cells a sequence of `tokens` takes on the stage that holds the most of it."""
-        return max(s.kv_cells(tokens) for s in self.stages)
+        """VRAM KV cells a sequence of `tokens` counts against `kv_token_budget`, the smallest stage's
+        VRAM KV. Stages may plan different windows; counting min(tokens, smallest) is safe for all:
+        on a stage of window W >= the smallest S, min(t, W) <= (W / S) * min(t, S), so what
+        admission keeps within S keeps within W there."""
+        return min(tokens, self.kv_token_budget)
+
+    @property
+    def max_context(self) -> int:
+        """The longest sequence every stage planned for (its KV staging included)."""
+        return min(s.max_context for s in self.stages)
 
     def set_stage_helper(self, policy: HelpPolicy, max_rows: int) -> None:
         """Give each stage's prompt path the next stage's helper (the last stage gets the
@@ -143,6 +151,7 @@ class SplitRunner:
             return self._run(tokens, [[Segment(0, n, part)] for part in kv.parts], last_row_only=True)[0]
         finally:
             for helper in self.helpers:
+                helper.abort()  # a pass that ended normally holds nothing: a no-op then
                 helper.unbind()
 
     @torch.inference_mode()

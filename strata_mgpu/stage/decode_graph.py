@@ -15,9 +15,10 @@ from strata_mgpu.model.decoder import Decoder
 from strata_mgpu.model.kv_cache import KVCache
 
 
-def graph_key(kv: KVCache) -> tuple[int, int, int]:
-    """What a capture bakes in: the cache object, its buffer's address, its capacity."""
-    return id(kv), kv.k.data_ptr(), kv.capacity
+def graph_key(kv: KVCache) -> tuple[int, int, int, int]:
+    """What a capture bakes in: the cache object, its keys' and values' addresses, its capacity
+    (a new cache may reuse a freed one's id and keys' address, with its values elsewhere)."""
+    return id(kv), kv.k.data_ptr(), kv.v.data_ptr(), kv.capacity
 
 
 class DecodeGraph:

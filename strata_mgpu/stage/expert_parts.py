@@ -79,16 +79,15 @@ class PartTables:
         n = max((p.n for p in parts), default=0)
         local_of = np.full((len(parts), E), n, dtype=np.int64)
         addresses = np.zeros((len(parts), max(n, 1)), dtype=np.int64)
-        for i, p in enumerate(parts):
+        for i, p in enumerate(parts):  # built on the CPU too, where the twin checks them against its sources
             local_of[i, p.ids] = np.arange(p.n)
-            if device.type == "cuda":
-                lay = arena.layouts[p.layer]
-                for j, (_, slot) in enumerate(p.resident):
-                    addresses[i, j] = cache_slot(slot).data_ptr()
-                if p.streamed:
-                    base = ring_slot(i).data_ptr()
-                    at = len(p.resident)
-                    addresses[i, at:at + len(p.streamed)] = base + lay.expert_bytes * np.arange(len(p.streamed))
+            lay = arena.layouts[p.layer]
+            for j, (_, slot) in enumerate(p.resident):
+                addresses[i, j] = cache_slot(slot).data_ptr()
+            if p.streamed:
+                base = ring_slot(i).data_ptr()
+                at = len(p.resident)
+                addresses[i, at:at + len(p.streamed)] = base + lay.expert_bytes * np.arange(len(p.streamed))
         both = torch.from_numpy(np.concatenate([local_of, addresses], axis=1))
         if device.type == "cuda":
             both = both.pin_memory().to(device, non_blocking=True)

@@ -107,13 +107,15 @@ class LayerFeed:
 
     def __init__(self, ring: ExpertRing | None, count: int,
                  source: Callable[[int], tuple[int, Sequence[torch.Tensor]]], *, upload: bool = True):
-        self.ring, self.count, self.source = ring, count, source
+        self.ring, self.count = ring, count
         self.upload = upload  # False: the slots are read as they are (bench's compute-only timing)
         self._runs = [source(i) for i in range(count)]
+        self.bytes = sum(r.numel() for _, runs in self._runs for r in runs) if upload else 0  # what the pass streams
         uploading = [i for i in range(count) if any(r.numel() for r in self._runs[i][1])]
         assert ring is not None or not uploading, "experts to stream, but the stage has no ring"
         self.slot_of: dict[int, Slot] = {}
         self._queue = uploading  # layers still to upload, in order
+        self._ahead = 0  # how many of them are queued
         self._slots: dict[int, Slot] = {}
         self.done = not uploading
         if ring is None or not uploading:
@@ -122,7 +124,6 @@ class LayerFeed:
         n = len(ring.slots)
         for k, i in enumerate(uploading):
             self.slot_of[i] = ring.slots[(first + k) % n]
-        self._ahead = 0
         for _ in range(min(n, len(uploading))):
             self._upload_next()
 
@@ -138,6 +139,16 @@ class LayerFeed:
         """Layer i's slot buffer once its upload is done (None: nothing of it streams)."""
         slot = self._slots.get(i)
         return slot.acquire(self.ring.ctx) if slot is not None else None
+
+    def abort(self) -> None:
+        """The pass failed partway: mark the reads it queued on the current stream as the last of
+        every slot it still holds (the next upload into them waits for those), queue nothing more,
+        and give the ring back."""
+        for slot in self._slots.values():
+            slot.release(self.ring.ctx)
+        self._slots.clear()
+        self._queue = self._queue[:self._ahead]
+        self.done = True
 
     def release(self, i: int) -> None:
         slot = self._slots.pop(i, None)

@@ -15,6 +15,7 @@ A = experts used per token, T = chunk tokens, S = context tokens.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from strata_mgpu.model.spec import ModelSpec
@@ -56,7 +57,7 @@ class MemoryPlan:
 
     @property
     def ring(self) -> int:
-        return self.ring_slots * self.ring_slot_bytes if self.streamed_per_layer else 0
+        return self.ring_slots * self.ring_slot_bytes  # 0 where nothing streams (K = E)
 
     @property
     def resident(self) -> int:
@@ -122,6 +123,24 @@ def dense_bytes(spec: ModelSpec, n_layers: int, *, embed: bool, head: bool, elem
     return n_layers * layer + ends
 
 
+def plan_stage_memory(spec: ModelSpec, *, kv_tokens: int, context: int, chunk_tokens: int,
+                      on_halved: Callable[[int, int], None] = lambda had, now: None, **plan_args) -> MemoryPlan:
+    """`plan_memory` for a stage that must serve sequences of up to `context` tokens: where the
+    budget cannot hold `kv_tokens` of KV in VRAM, halve it (down to one chunk, at least 1,024) and
+    let longer sequences keep their older KV in host RAM; `on_halved(had, now)` is told each time.
+    A stage and `strata info` plan alike through this."""
+    context = max(context, kv_tokens)
+    floor = min(kv_tokens, max(chunk_tokens, 1024))
+    while True:
+        try:
+            return plan_memory(spec, kv_tokens=kv_tokens, context=context, chunk_tokens=chunk_tokens, **plan_args)
+        except PlanError:
+            if kv_tokens <= floor:
+                raise
+            had, kv_tokens = kv_tokens, max(floor, kv_tokens // 2)
+            on_halved(had, kv_tokens)
+
+
 def kv_bytes(spec: ModelSpec, n_layers: int, tokens: int, elem: int = 2) -> int:
     """Keys and values of `tokens` cells in `n_layers` layers."""
     return 2 * n_layers * tokens * spec.kv_dim * elem
@@ -173,6 +192,6 @@ def plan_memory(spec: ModelSpec, *, n_layers: int, expert_bytes: int, dense: int
                         + ", ".join(f"{what} {n / GiB:.2f}" for what, n in need.lines()[:6] if n)
                         + f" GiB (needs {need.total / GiB:.2f} GiB; raise --max-vram or lower --ctx-size)")
     k = E - 1 if per_k <= 0 else min(E - 1, room // per_k)
-    while k > 0 and plan(k).total > budget:  # integer rounding: step down until it fits
-        k -= 1
-    return plan(int(k))
+    fits = plan(int(k))
+    assert fits.total <= budget  # total(k) = total(0) + k * per_k exactly: the division found the largest k
+    return fits

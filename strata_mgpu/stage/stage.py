@@ -31,7 +31,7 @@ from strata_mgpu.stage.expert_cache import ExpertCache
 from strata_mgpu.stage.expert_ring import ExpertRing
 from strata_mgpu.stage.host_arena import HostExpertArena
 from strata_mgpu.stage.host_kv import KVStaging, TwoTierKV, make_kv_cache
-from strata_mgpu.stage.memory_plan import MemoryPlan, PlanError, plan_memory
+from strata_mgpu.stage.memory_plan import MemoryPlan, plan_stage_memory
 from strata_mgpu.stage.streamed_experts import StreamedExperts
 
 log = logging.getLogger("strata.stage")
@@ -144,23 +144,23 @@ class Stage(DecoderRunner):
             budget = self.ctx.vram_free_in_budget() + torch.cuda.memory_reserved(self.ctx.device)
             budget = min(budget, self.ctx.max_vram_bytes) if self.ctx.max_vram_bytes else budget
         resident = opts.resident_experts if opts.expert_cache else 0
-        context = max(opts.context or opts.kv_tokens, opts.kv_tokens)
-        kv_tokens = opts.kv_tokens
-        floor = min(kv_tokens, max(opts.chunk_size, 1024))
-        while True:
-            try:
-                return plan_memory(spec, n_layers=len(layers), expert_bytes=self.arena.max_expert_bytes,
-                                   dense=dense_bytes, budget=budget, chunk_tokens=opts.chunk_size,
-                                   kv_tokens=kv_tokens, ring_slots=opts.ring_slots,
-                                   elem=torch.empty((), dtype=dtype).element_size(), resident_per_layer=resident,
-                                   where=f"stage on {self.ctx.device}", context=context,
-                                   staging_buffers=2 if env.kv_prefetch() else 1)
-            except PlanError:
-                if kv_tokens <= floor:
-                    raise
-                kv_tokens = max(floor, kv_tokens // 2)
-                log.warning("stage on %s: the budget cannot hold %d tokens of KV in VRAM; trying %d, with "
-                            "longer sequences' older KV in host RAM", self.ctx.device, 2 * kv_tokens, kv_tokens)
+
+        def halved(had: int, now: int) -> None:
+            log.warning("stage on %s: the budget cannot hold %d tokens of KV in VRAM; trying %d, with longer "
+                        "sequences' older KV in host RAM", self.ctx.device, had, now)
+
+        return plan_stage_memory(spec, kv_tokens=opts.kv_tokens, context=opts.context or opts.kv_tokens,
+                                 chunk_tokens=opts.chunk_size, on_halved=halved, n_layers=len(layers),
+                                 expert_bytes=self.arena.max_expert_bytes, dense=dense_bytes, budget=budget,
+                                 ring_slots=opts.ring_slots, elem=torch.empty((), dtype=dtype).element_size(),
+                                 resident_per_layer=resident, where=f"stage on {self.ctx.device}",
+                                 staging_buffers=2 if env.kv_prefetch() else 1)
+
+    @property
+    def max_context(self) -> int:
+        """The longest sequence the plan holds (in VRAM, or with its older KV in host RAM through
+        the planned staging buffer)."""
+        return self.plan_context
 
     def kv_cells(self, tokens: int) -> int:
         """VRAM KV cells a sequence of `tokens` takes (the rest of a longer one lives in host RAM)."""
@@ -171,13 +171,13 @@ class Stage(DecoderRunner):
         VRAM and the older ones in pinned host RAM (zero-filled on the stage's stream)."""
         with self.ctx.on_compute():
             staging = None
+            if max_length > self.plan_context:
+                raise ValueError(f"a sequence of {max_length} tokens exceeds the {self.plan_context} this stage "
+                                 f"planned its KV for")
             if max_length > self.plan.kv_tokens:
-                if self._kv_staging is None or self._kv_staging.max_cells < max_length:
-                    if self._kv_staging is not None:
-                        self._kv_staging.drain()  # relayout: no upload may still target the old buffers
-                    self._kv_staging = KVStaging.for_model(self.spec, max(max_length, self.plan_context),
-                                                           device=self.ctx.device, dtype=self.model.w.dtype,
-                                                           prefetch=self._kv_prefetch)
+                if self._kv_staging is None:  # one buffer for the planned context, as the plan counted it
+                    self._kv_staging = KVStaging.for_model(self.spec, self.plan_context, device=self.ctx.device,
+                                                           dtype=self.model.w.dtype, prefetch=self._kv_prefetch)
                 staging = self._kv_staging
             return make_kv_cache(self.spec, self.layers, self.plan.kv_tokens, max_length, device=self.ctx.device,
                                  dtype=self.model.w.dtype, staging=staging)

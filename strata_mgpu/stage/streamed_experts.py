@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from strata_mgpu.kernels.experts import TorchKernels
@@ -65,8 +66,9 @@ class StreamedExperts:
         """Local layer i's resident experts: expert id -> cache slot."""
         if self.cache is None:
             return {}
-        row = self.cache.slot_of_host[i]
-        return {int(e): int(row[e]) for e in (row >= 0).nonzero().flatten().tolist()}
+        row = self.cache.slot_of_host[i].numpy()  # one numpy pass, not a tensor op per expert (host time a prompt)
+        held = np.flatnonzero(row >= 0)
+        return dict(zip(held.tolist(), row[held].tolist(), strict=True))
 
     def streamed_per_layer(self) -> int:
         """Experts a layer streams in a prompt pass (every layer keeps the same number resident)."""
@@ -104,10 +106,18 @@ class StreamedExperts:
         self._tables = PartTables(own, self.arena, self.ctx.device,
                                   self.cache.slot if self.cache is not None else None,
                                   lambda i: feed.slot_of[i].buffer if i in feed.slot_of else None)
-        if not self.skip_uploads:
-            self.streamed_bytes += sum(sum(r.numel() for r in p.runs(self.arena)) for p in own)
+        self.streamed_bytes += feed.bytes
         if helper is not None:
             helper.begin(helped)
+
+    def abort(self) -> None:
+        """A forward failed partway (out of memory, say): give back the ring this pass held, and the
+        helper's too, so the next prompt can stream."""
+        if self._feed is not None:
+            self._feed.abort()
+        if self.helped:
+            self.helper.abort()
+        self._feed = self._tables = None
 
     def forward(self, i: int, h: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         layer = self.layers[i]

@@ -1,0 +1,51 @@
+"""Profile one-chunk prefill on the GPU: where does a prompt's time go when little or nothing
+streams? (With every expert resident a prompt is compute-bound: docs/BENCHMARKS.md.)
+
+    python3 -m strata_mgpu.tools.profile_prefill MODEL.gguf [--max-vram 40] [--tokens 2048] > profile.txt
+
+Prints the prompt's wall time, then the CUDA kernels by their own time (dequantization,
+grouped GEMMs, attention, routing) and the host's side by CPU time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from strata_mgpu.model.gguf_reader import GGUFFile
+from strata_mgpu.model.spec import spec_from_gguf
+from strata_mgpu.stage.stage import Stage, StageOptions
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("model")
+    ap.add_argument("--max-vram", type=float, default=40)
+    ap.add_argument("--tokens", type=int, default=2048)
+    ap.add_argument("--resident-experts", type=int, default=None, help="force K resident a layer (0: none)")
+    args = ap.parse_args()
+    f = GGUFFile(args.model)
+    spec = spec_from_gguf(f)
+    stage = Stage(f, spec, StageOptions(device=torch.device("cuda", 0), max_vram_gib=args.max_vram,
+                                        chunk_size=args.tokens, kv_tokens=args.tokens + 1,
+                                        resident_experts=args.resident_experts))
+    prompt = torch.randint(0, spec.vocab_size, (args.tokens,))
+    for _ in range(2):  # warm-up: kernels, allocator
+        stage.prefill(stage.new_sequence(args.tokens + 1), prompt)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        stage.prefill(stage.new_sequence(args.tokens + 1), prompt)
+        torch.cuda.synchronize()
+        dt = time.perf_counter() - t0
+    print(f"{args.tokens} tokens in {1e3 * dt:.1f} ms under the profiler ({args.tokens / dt:,.0f} tok/s), "
+          f"{stage.plan.resident_per_layer}/{spec.n_experts} experts a layer resident")
+    print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=25))
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15))
+
+
+if __name__ == "__main__":
+    main()
