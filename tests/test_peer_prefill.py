@@ -194,3 +194,16 @@ def test_a_failed_helped_pass_gives_both_rings_back(tiny):
     runner.policy = HelpPolicy(enabled=False)
     off = runner.prefill(runner.new_sequence(256), prompt, whole_prompt=True)
     assert float((again - off).abs().max() / off.abs().max()) <= 1e-5
+
+
+def test_timed_one_chunk_prompts_refine_the_auto_share(tiny, monkeypatch):
+    """The split runner times each one-chunk prompt (events on a GPU, the host clock here) and
+    hands the policy its time once it has finished, skipping the first (warm-up)."""
+    f, spec = tiny
+    runner = build_split(f, spec, [CPU, CPU], "auto", help_policy=HelpPolicy())
+    seen = []
+    monkeypatch.setattr(HelpPolicy, "observe", lambda self, tokens, share, secs: seen.append((tokens, share, secs)))
+    for n in (50, 60, 70):
+        runner.prefill(runner.new_sequence(128), torch.randint(0, spec.vocab_size, (n,)), whole_prompt=True)
+    runner.prefill(runner.new_sequence(128), torch.randint(0, spec.vocab_size, (40,)))  # a chunk: not timed
+    assert [(t, s) for t, s, _ in seen] == [(60, None), (70, None)] and all(sec > 0 for _, _, sec in seen)

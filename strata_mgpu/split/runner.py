@@ -8,6 +8,7 @@ Decode steps pass through the stages in turn.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -87,6 +88,7 @@ class SplitRunner:
         self.on_stage: Callable[[int, str], None] | None = None  # timing hook: (stage, 'start'|'end')
         self.helpers: list[PeerPrefill] = []
         self.policy = HelpPolicy(enabled=False)
+        self._clock = PromptClock(stages[-1].ctx)  # times one-chunk prompts for the policy's rates
         self.kv_token_budget = min(s.kv_token_budget for s in stages)  # every stage holds every sequence's KV
 
     def kv_cells(self, tokens: int) -> int:
@@ -139,6 +141,7 @@ class SplitRunner:
     @torch.inference_mode()
     def prefill(self, kv: SplitKV, tokens: torch.Tensor, whole_prompt: bool = False) -> torch.Tensor:
         n = tokens.shape[0]
+        self._observe_finished_prompt()
         if whole_prompt:  # one chunk: the stages run one after the other, and the idle one helps
             for k, (busy, helper) in enumerate(zip(self.stages, self.helpers, strict=False)):
                 idle = self.stages[(k + 1) % len(self.stages)]
@@ -148,14 +151,28 @@ class SplitRunner:
                 if n_help > 0:
                     helper.bind_stage_helper(idle.lend(), busy.arena, n_help)
         try:
-            return self._run(tokens, [[Segment(0, n, part)] for part in kv.parts], last_row_only=True)[0]
+            if whole_prompt:
+                self._clock.start(n)
+            logits = self._run(tokens, [[Segment(0, n, part)] for part in kv.parts], last_row_only=True)[0]
+            if whole_prompt:
+                self._clock.stop()
+            return logits
         finally:
             for helper in self.helpers:
                 helper.abort()  # a pass that ended normally holds nothing: a no-op then
                 helper.unbind()
 
+    def _observe_finished_prompt(self) -> None:
+        """Feed the last one-chunk prompt's time to the helper policy once it has finished (no
+        wait: a prompt still running is read at a later call); the first one carries warm-up."""
+        timed = self._clock.read()
+        if timed is not None:
+            tokens, seconds = timed
+            self.policy.observe(tokens, None, seconds)
+
     @torch.inference_mode()
     def decode(self, kvs: Sequence[SplitKV], tokens: torch.Tensor) -> torch.Tensor:
+        self._observe_finished_prompt()
         per_stage = [[Segment(i, i + 1, kv.parts[k]) for i, kv in enumerate(kvs)] for k in range(len(self.stages))]
         for k, stage in enumerate(self.stages):  # a new sequence's first step: every cache follows the routing
             with stage.ctx.on_compute():
@@ -183,6 +200,49 @@ class SplitRunner:
         assert out is not None
         self.stages[last].ctx.access(out, "r")  # on the caller's stream, which joined the last stage's
         return out
+
+
+class PromptClock:
+    """Times one-chunk prompts on the last stage's stream without a host wait: `start(tokens)` and
+    `stop()` record events around a prompt; `read()` gives (tokens, seconds) once its end has passed
+    (None while it runs, for the first prompt, which carries warm-up, and when nothing was timed).
+    On the CPU the host clock, the work being synchronous there."""
+
+    def __init__(self, ctx):
+        self.ctx = ctx
+        self._timed: tuple[int, object, object] | None = None
+        self._started: tuple[int, object] | None = None
+        self.seen = 0  # prompts timed so far
+
+    def _now(self) -> object:
+        if not self.ctx.is_cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)  # a timing event: it orders nothing
+        event.record(torch.cuda.current_stream(self.ctx.device))
+        return event
+
+    def start(self, tokens: int) -> None:
+        self._started = (tokens, self._now())
+
+    def stop(self) -> None:
+        assert self._started is not None
+        tokens, begin = self._started
+        self._started = None
+        self.seen += 1
+        self._timed = (tokens, begin, self._now()) if self.seen > 1 else None
+
+    def read(self) -> tuple[int, float] | None:
+        if self._timed is None:
+            return None
+        tokens, begin, end = self._timed
+        if isinstance(begin, float):
+            seconds = end - begin
+        elif end.query():
+            seconds = begin.elapsed_time(end) / 1e3
+        else:
+            return None
+        self._timed = None
+        return tokens, seconds
 
 
 def build_split(f: GGUFFile, spec: ModelSpec, options: list[StageOptions], layer_split: str,
