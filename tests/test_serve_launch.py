@@ -12,6 +12,7 @@ import sys
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 from click.testing import CliRunner
 from rich.console import Console
@@ -93,6 +94,33 @@ def test_ctrl_c_while_loading_stops_the_loader_and_exits_130(tiny_gguf, tmp_path
     assert "Traceback" not in text and "terminate called" not in text, text
     # stopped after the layer in hand, not after all 4 (the whole load takes 4 * SLOW_LAYER_S)
     assert time.monotonic() - t_signal < 3 * SLOW_LAYER_S, text
+
+
+def test_ctrl_c_while_serving_exits_130_without_a_traceback(tiny_gguf, tmp_path):
+    """Once the model is ready, Ctrl+C shuts uvicorn down, which raises the signals it caught again
+    from its event loop as it ends; that must end the process quietly (with Ctrl+C pressed twice
+    it printed a traceback of the torn-down loop)."""
+    log, port = tmp_path / "serve.log", free_port()
+    with open(log, "w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "strata_mgpu", "serve", str(tiny_gguf), "--devices", "cpu",
+                                 "--port", str(port)], stdout=out, stderr=subprocess.STDOUT, cwd=ROOT,
+                                env={**os.environ, "NO_COLOR": "1"})
+    try:
+        deadline = time.monotonic() + 120
+        while "ready" not in log.read_text():
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.1)
+        answer = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json={"prompt": "hi", "max_tokens": 4},
+                            timeout=60)
+        assert answer.status_code == 200  # a request served first, as a user's session would
+        proc.send_signal(signal.SIGINT)
+        proc.send_signal(signal.SIGINT)  # impatient users press it twice: uvicorn raises both again
+        status = proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    text = log.read_text()
+    assert status == 130 and "Traceback" not in text and "CancelledError" not in text, text
 
 
 @pytest.mark.parametrize("args, message", [

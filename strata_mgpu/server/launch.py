@@ -163,15 +163,27 @@ class Loader:
             log.exception("loading %s failed", config.model_path)
 
 
-def _raise_stopped(signum: int, _frame: FrameType | None) -> None:
-    raise Stopped(signum)
+class _StopSignal:
+    """The stop signal seen, and whether uvicorn is serving: while it is, uvicorn shuts itself down
+    on the signal and raises it again from inside its event loop as it ends; raising there would
+    tear the loop down mid-task (a traceback on every Ctrl+C), so the signal is only noted."""
+
+    signum: int | None = None
+    serving = False
+
+
+def _on_stop_signal(signum: int, _frame: FrameType | None) -> None:
+    _StopSignal.signum = signum
+    if not _StopSignal.serving:
+        raise Stopped(signum)
 
 
 def serve(config: ServerConfig) -> int:
     """Serve until a stop signal; the exit status. uvicorn handles SIGINT and SIGTERM while it runs
-    and raises the signal again once it has shut down; `_raise_stopped` turns that into `Stopped`,
-    and only when the loader has ended and the engine stopped does this return 128 + the signal
-    (130 for Ctrl+C, 143 for SIGTERM: what a shell reports for a process the signal ended)."""
+    and raises the signal again once it has shut down, which `_on_stop_signal` notes (outside
+    uvicorn it raises `Stopped`); only when the loader has ended and the engine stopped does this
+    return 128 + the signal (130 for Ctrl+C, 143 for SIGTERM: what a shell reports for a process
+    the signal ended)."""
     setup_logging()
     f, spec, tokenizer = open_model(config.model_path)
     check_placement(config.placement, spec)
@@ -181,13 +193,22 @@ def serve(config: ServerConfig) -> int:
     state = ServerState(model_name=config.model_name, api_key=config.api_key)
     app = create_app(state, max_body_bytes=max_body_bytes(config.engine.n_ctx(spec.context_length)))
     loader = Loader(state, config, f, spec, tokenizer)
-    previous_handlers = {s: signal.signal(s, _raise_stopped) for s in STOP_SIGNALS}
+    _StopSignal.signum, _StopSignal.serving = None, False
+    previous_handlers = {s: signal.signal(s, _on_stop_signal) for s in STOP_SIGNALS}
     try:
         loader.start()
         log.info("serving %s as %r on http://%s:%d", config.model_path, config.model_name, config.host,
                  sock.getsockname()[1])
-        uvicorn.Server(uvicorn.Config(app, log_level=env.log_level().lower(), access_log=False)).run(sockets=[sock])
-        return 0
+        _StopSignal.serving = True
+        try:
+            # No lifespan protocol: the app has no startup or shutdown hooks (the loader and the
+            # engine are ours), and a second Ctrl+C would cancel uvicorn's lifespan task mid-wait
+            # and print its traceback.
+            uvicorn.Server(uvicorn.Config(app, log_level=env.log_level().lower(), access_log=False,
+                                          lifespan="off")).run(sockets=[sock])
+        finally:
+            _StopSignal.serving = False
+        return 128 + _StopSignal.signum if _StopSignal.signum is not None else 0
     except Stopped as e:
         return 128 + e.signum
     finally:
