@@ -280,9 +280,21 @@ def test_next_step_launches_before_the_host_sees_the_last_token(loaded):
         engine.step()
     assert [t for o in out for t in o.token_ids] == script
     kinds = [e[0] for e in fake.events]
-    # step 1: prefill + decode; step 2: decode, then the host lands step 1's two tokens
-    assert kinds[:5] == ["prefill", "decode", "decode", "out", "out"]
+    # step 1: the prefill, its first token landed at once, then a decode; step 2: a decode, then
+    # the host lands step 1's decoded token while step 2 runs
+    assert kinds[:6] == ["prefill", "out", "decode", "decode", "out", "decode"], kinds
     assert kinds.count("decode") == 5  # max_tokens is known from the count: no sixth step
+
+
+def test_a_first_token_does_not_wait_for_the_decode_step(loaded):
+    """Time to first token is the prompt's: the first token is out before any decode is launched."""
+    engine, fake = scripted(loaded, [7, 8, 9, 10], ctx_size=64)
+    out: list[RequestOutput] = []
+    engine.submit([1, 2], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True),
+                  lambda o: (out.append(o), fake.events.append(("out",))))
+    engine.step()
+    assert [e[0] for e in fake.events][:2] == ["prefill", "out"] and out[0].token_ids == [7]
+    assert out[0].n_prompt_tokens == 2 and not out[0].finished
 
 
 def test_eos_is_known_a_step_late_and_its_successor_dropped(loaded):

@@ -304,15 +304,21 @@ class Engine:
 
     def _launch(self) -> StepTokens | None:
         """Queue this step's prefill call and decode step with their draws; start the tokens'
-        copy to the host. Waits for the device only where the runner itself does."""
+        copy to the host. Waits for the device where a prompt ends (its first tokens are landed
+        at once) and where the runner itself does."""
         rows: list[Request] = []
         drawn: list[torch.Tensor] = []
         pack = self._prefill_pack()
         if pack:
             out = self._guarded([r for r, _ in pack], self._prefill, pack)
             if out is not None and out[0]:
-                rows += out[0]
-                drawn.append(out[1])
+                # The prompts' first tokens land now, before the decode step is launched: a time to
+                # first token of the prompt alone (not of the next decode step too, a new sequence's
+                # graph capture among it). One wait, at a prompt's end; the decode steps pipeline.
+                done, first = out
+                firsts = self._guarded(done, lambda: StepTokens.send(done, first, 0, time.perf_counter()))
+                if firsts is not None:
+                    self._land(firsts)
         t_decode = time.perf_counter()
         decoding = [r for r in self._running
                     if r.phase is Phase.DECODE and r.draw.n_drawn < r.params.max_tokens]
