@@ -180,14 +180,11 @@ class CudaKernels(TorchKernels):
     def dequant_addressed(self, addresses: torch.Tensor, sources: Callable[[], list[torch.Tensor]],
                           lay: ExpertLayout, n: int, w_gate_up: torch.Tensor, w_down: torch.Tensor) -> None:
         if not (self._has_kernel(lay.gate_type, w_gate_up) and self._has_kernel(lay.down_type, w_down)):
-            bad = lay.gate_type if not self._has_kernel(lay.gate_type, w_gate_up) else lay.down_type
-            self.paths.fell_back("dequant_addressed", "cuda", self._no_kernel_reason(bad, w_gate_up))
+            reason = self._no_kernel_reason(lay.gate_type, w_gate_up) or self._no_kernel_reason(lay.down_type, w_down)
+            self.paths.fell_back("dequant_addressed", "cuda", reason)
             return super().dequant_addressed(addresses, sources, lay, n, w_gate_up, w_down)
         self.paths.ran("dequant_addressed", "cuda")
-        addresses = addresses.contiguous()
-        self._launch_dequant(lay.gate_type, 0, addresses, 0, n, 2 * lay.gate_weights, 0, w_gate_up[:n].view(-1))
-        self._launch_dequant(lay.down_type, 0, addresses, lay.down_offset, n, lay.down_weights, 0,
-                             w_down[:n].view(-1))
+        self._dequant_by_address(addresses.contiguous(), lay, n, w_gate_up, w_down)
 
     def gather_experts(self, cache: ExpertCache, i: int, picks: torch.Tensor, lay: ExpertLayout,
                        w_gate_up: torch.Tensor, w_down: torch.Tensor) -> None:
@@ -198,10 +195,15 @@ class CudaKernels(TorchKernels):
             self.paths.fell_back("gather_experts", "cuda", reason)
             return super().gather_experts(cache, i, picks, lay, w_gate_up, w_down)
         self.paths.ran("gather_experts", "cuda")
-        addresses = cache.addresses(i, picks)  # [M] on the device: no host sync
-        m = picks.numel()
-        self._launch_dequant(lay.gate_type, 0, addresses, 0, m, 2 * lay.gate_weights, 0, w_gate_up[:m].view(-1))
-        self._launch_dequant(lay.down_type, 0, addresses, lay.down_offset, m, lay.down_weights, 0, w_down[:m].view(-1))
+        # [M] addresses built on the device: no host sync
+        self._dequant_by_address(cache.addresses(i, picks), lay, picks.numel(), w_gate_up, w_down)
+
+    def _dequant_by_address(self, addresses: torch.Tensor, lay: ExpertLayout, n: int, w_gate_up: torch.Tensor,
+                            w_down: torch.Tensor) -> None:
+        """n experts at `addresses` [n] (device int64, each an expert's first byte) -> w_gate_up[:n]
+        [n, 2F, D] (gate and up adjacent: one run) and w_down[:n] [n, D, F]: two launches."""
+        self._launch_dequant(lay.gate_type, 0, addresses, 0, n, 2 * lay.gate_weights, 0, w_gate_up[:n].view(-1))
+        self._launch_dequant(lay.down_type, 0, addresses, lay.down_offset, n, lay.down_weights, 0, w_down[:n].view(-1))
 
     def moe_fused(self, lay: ExpertLayout, hidden: int, n_used: int) -> MoePlan | None:
         """How the fused decode kernels run this layout, or None where they do not apply (a type

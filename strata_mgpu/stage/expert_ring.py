@@ -67,8 +67,7 @@ class ExpertRing:
     def upload(self, layer: int, runs: Sequence[torch.Tensor]) -> Slot:
         """Queue `runs` (pinned host bytes of one layer's streamed experts) packed one after the
         other into the next slot; returns it at once."""
-        slot = self.slots[self._next]
-        self._next = (self._next + 1) % len(self.slots)
+        slot = self.advance()
         n = sum(r.numel() for r in runs)
         assert n <= slot.buffer.numel(), f"layer {layer}: {n} bytes exceed the slot's {slot.buffer.numel()}"
         with self.ctx.use(self.ctx.upload):
@@ -107,7 +106,7 @@ class LayerFeed:
 
     def __init__(self, ring: ExpertRing | None, count: int,
                  source: Callable[[int], tuple[int, Sequence[torch.Tensor]]], *, upload: bool = True):
-        self.ring, self.count = ring, count
+        self.ring = ring
         self.upload = upload  # False: the slots are read as they are (bench's compute-only timing)
         self._runs = [source(i) for i in range(count)]
         self.bytes = sum(r.numel() for _, runs in self._runs for r in runs) if upload else 0  # what the pass streams
