@@ -69,19 +69,27 @@ sys.exit(main())
 """
 
 
+def start_serve(args: list[str], log: Path, until: str) -> subprocess.Popen:
+    """`python ARGS` with its output in `log`, once `until` shows there (killed if it never does)."""
+    with open(log, "w") as out:
+        proc = subprocess.Popen([sys.executable, *args], stdout=out, stderr=subprocess.STDOUT, cwd=ROOT,
+                                env={**os.environ, "NO_COLOR": "1"})
+    deadline = time.monotonic() + 120
+    while until not in log.read_text():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            raise AssertionError(log.read_text())
+        time.sleep(0.1)
+    return proc
+
+
 def test_ctrl_c_while_loading_stops_the_loader_and_exits_130(tiny_gguf, tmp_path):
     """The loader gives up at its next layer and the process exits cleanly (it used to abort in
     torch: "terminate called without an active exception", status 134)."""
     log = tmp_path / "serve.log"
-    with open(log, "w") as out:
-        proc = subprocess.Popen([sys.executable, "-c", SLOW_SERVE, "serve", str(tiny_gguf), "--devices", "cpu",
-                                 "--port", str(free_port())], stdout=out, stderr=subprocess.STDOUT, cwd=ROOT,
-                                env={**os.environ, "NO_COLOR": "1"})
+    proc = start_serve(["-c", SLOW_SERVE, "serve", str(tiny_gguf), "--devices", "cpu", "--port", str(free_port())],
+                       log, until="serving")
     try:
-        deadline = time.monotonic() + 120
-        while "serving" not in log.read_text():
-            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
-            time.sleep(0.1)
         proc.send_signal(signal.SIGINT)  # within the first of the tiny model's 4 layers
         t_signal = time.monotonic()
         status = proc.wait(timeout=60)
@@ -101,15 +109,9 @@ def test_ctrl_c_while_serving_exits_130_without_a_traceback(tiny_gguf, tmp_path)
     from its event loop as it ends; that must end the process quietly (with Ctrl+C pressed twice
     it printed a traceback of the torn-down loop)."""
     log, port = tmp_path / "serve.log", free_port()
-    with open(log, "w") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "strata_mgpu", "serve", str(tiny_gguf), "--devices", "cpu",
-                                 "--port", str(port)], stdout=out, stderr=subprocess.STDOUT, cwd=ROOT,
-                                env={**os.environ, "NO_COLOR": "1"})
+    proc = start_serve(["-m", "strata_mgpu", "serve", str(tiny_gguf), "--devices", "cpu", "--port", str(port)], log,
+                       until="ready")
     try:
-        deadline = time.monotonic() + 120
-        while "ready" not in log.read_text():
-            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
-            time.sleep(0.1)
         answer = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json={"prompt": "hi", "max_tokens": 4},
                             timeout=60)
         assert answer.status_code == 200  # a request served first, as a user's session would
