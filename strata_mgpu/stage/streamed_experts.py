@@ -76,8 +76,7 @@ class StreamedExperts:
 
     def pass_bytes(self) -> int:
         """Expert bytes one prompt pass streams over this stage's link."""
-        return sum((self.spec.n_experts - len(self.resident(i))) * self.arena.layouts[layer].expert_bytes
-                   for i, layer in enumerate(self.layers))
+        return self.streamed_per_layer() * sum(self.arena.layouts[layer].expert_bytes for layer in self.layers)
 
     def should_stream(self, n_rows: int) -> bool:
         """Whole layers when the rows will touch most experts anyway (or there is no cache)."""
