@@ -9,7 +9,14 @@
 #   served  decode through the engine as the server does (sampling on), 1 and 8 requests, at 40 and 16
 #   split   two stages on one card, --max-vram 8,8 (total 16) and 20,20 (all resident)
 #   sweep   the helper's share sweep on two stages of one card
-# Results under $OUT: gpu.txt, gpu_tests.log, bench_*.log/json. A failing GPU test fails the run.
+# On two GPUs (the nvidia-h200-x2 kind; the hand-over still goes through mapped host memory):
+#   topo    nvidia-smi's and strata's topology reports
+#   x2      one-chunk prefill 1K-8K and decode on two cards, --max-vram 16,16: help off and auto
+#   x2long  a 32K-token prompt on one card (16) and on two (16,16): tok/s and the stages' overlap
+#   x2sweep the share sweep on two cards with residency forced off, and at --max-vram 8,8
+#   x2served decode through the engine as the server does on two cards, 1 and 8 requests
+# Results under $OUT: gpu.txt, gpu_tests.log and results.tgz (every bench_*/sweep_* log and JSON:
+# the device tool brings back few files). A failing GPU test fails the run.
 # Usage (repo root, .whl carried): STEPS="tests gen b16 b40" bash scripts/gpu_session.sh
 source "$(dirname "$0")/gpu_env.sh"
 STEPS=${STEPS:-"tests gen b16 b40"}
@@ -56,4 +63,30 @@ if has sweep; then
   python3 -m strata_mgpu sweep $MODEL --devices 0,0 --max-vram 8,8 --prompt-tokens 1024,2048,4096,8192 \
     --shares 0,0.3,0.45 --runs 2 --json "$OUT/sweep.json" 2>&1 | tee "$OUT/sweep.log" | tail -20
 fi
+X2="--devices 0,1 --layer-split auto --max-vram 16,16"
+if has topo; then
+  { nvidia-smi topo -m; nvidia-smi topo -p2p r; python3 -m strata_mgpu topo; } 2>&1 | tee "$OUT/topo.log"
+fi
+if has x2; then
+  bench x2off $X2 --no-prefill-help --prompt-tokens 1024,2048,4096,8192 --decode-tokens 64 --runs 3
+  bench x2auto $X2 --prompt-tokens 1024,2048,4096,8192 --decode-tokens 0 --runs 3
+fi
+if has x2long; then
+  bench long16one --devices 0 --max-vram 16 --prompt-tokens 32768 --decode-tokens 32 --runs 2
+  bench long16two $X2 --prompt-tokens 32768 --decode-tokens 32 --runs 2
+fi
+if has x2sweep; then
+  for budget in "16,16 --resident-experts 0" "8,8"; do
+    name=sweep_x2_${budget%% *}; name=${name/,/_}
+    python3 -m strata_mgpu sweep $MODEL --devices 0,1 --max-vram $budget --prompt-tokens 1024,2048,3072,4096,6144,8192 \
+      --shares 0,0.2,0.3,0.4,0.45,0.5 --runs 2 --json "$OUT/$name.json" 2>&1 | tee "$OUT/$name.log" | tail -24 || status=1
+  done
+fi
+if has x2served; then
+  bench x2served $X2 --prompt-tokens 1024 --decode-tokens 128 --runs 1 --server-decode 1,8
+fi
+# few files come back from the device machine: everything but the summary files in one archive
+(cd "$OUT" && tar czf results.tgz --exclude=results.tgz --exclude=gpu.txt --exclude=gpu_tests.log \
+  --exclude=topo.log -- * && find . -maxdepth 1 -type f ! -name results.tgz ! -name gpu.txt ! -name gpu_tests.log \
+  ! -name topo.log -delete) || true
 exit $status

@@ -3,6 +3,8 @@ stage against the reference forward, the VRAM budget, and greedy decode GPU vs C
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 import torch
@@ -18,6 +20,12 @@ from strata_mgpu.stage.stage import Stage, StageOptions
 pytestmark = pytest.mark.gpu
 CUDA = torch.device("cuda", 0)
 BF16_TOL = 2e-2  # max|diff| / max|ref| for bf16 compute against the fp32 reference
+
+
+def second_gpu() -> torch.device:
+    """The second stage's card: cuda:1 on a two-GPU machine (the hand-over then crosses two real
+    devices through mapped host memory), else a second stage on cuda:0."""
+    return torch.device("cuda", 1 if torch.cuda.device_count() > 1 else 0)
 
 
 def rel_err(a: torch.Tensor, ref: torch.Tensor) -> float:
@@ -267,7 +275,7 @@ def _seg(kv, n):
     return Segment(0, n, kv)
 
 
-def test_two_stages_on_one_gpu_equal_one_stage(tiny_gguf):
+def test_two_stages_equal_one_stage(tiny_gguf):
     """The hand-over through mapped host memory (copy_f32_wide both ways), two stages with their
     own streams on one card: bit-identical to one stage, prefill in chunks and batched decode."""
     from strata_mgpu.split.runner import build_split
@@ -276,7 +284,7 @@ def test_two_stages_on_one_gpu_equal_one_stage(tiny_gguf):
     spec = spec_from_gguf(f)
     opts = StageOptions(device=CUDA, max_vram_gib=4, chunk_size=64, cuda_graphs=False)
     single = Stage(f, spec, opts)
-    split = build_split(f, spec, [opts, opts], "2")
+    split = build_split(f, spec, [opts, replace(opts, device=second_gpu())], "2")
     assert all(s.kernels.host_pointers for s in split.stages)
     prompt = torch.randint(0, spec.vocab_size, (200,))
     a_kv, b_kv = single.new_sequence(300), split.new_sequence(300)
@@ -291,7 +299,7 @@ def test_two_stages_on_one_gpu_equal_one_stage(tiny_gguf):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_helper_on_two_stages_of_one_gpu(tiny_gguf, dtype):
+def test_helper_on_two_stages(tiny_gguf, dtype):
     """PeerPrefill with the hand-overs through mapped memory: repeatable run after run; in fp32
     equal to help-off up to the order of the two partial sums (bf16 could flip a later layer's
     routing on a near-tie, so there only repeatability is asserted)."""
@@ -302,7 +310,7 @@ def test_helper_on_two_stages_of_one_gpu(tiny_gguf, dtype):
     spec = spec_from_gguf(f)
     opts = StageOptions(device=CUDA, max_vram_gib=4, chunk_size=512, cuda_graphs=False, dtype=dtype,
                         resident_experts=2)  # the tiny model fits whole: keep most experts streamed
-    runner = build_split(f, spec, [opts, opts], "2", help_policy=HelpPolicy())
+    runner = build_split(f, spec, [opts, replace(opts, device=second_gpu())], "2", help_policy=HelpPolicy())
     prompt = torch.randint(0, spec.vocab_size, (300,))
     outs = []
     for policy in (HelpPolicy(enabled=False), HelpPolicy(fixed_share=0.4), HelpPolicy(fixed_share=0.4)):
