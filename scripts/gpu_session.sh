@@ -15,6 +15,9 @@
 #   x2long  a 32K-token prompt on one card (16) and on two (16,16): tok/s and the stages' overlap
 #   x2sweep the share sweep on two cards with residency forced off, and at --max-vram 8,8
 #   x2served decode through the engine as the server does on two cards, 1 and 8 requests
+#   x2dec   decode on two cards (batch 1 bench, and 1 and 8 requests as the server does) and on one
+#   x2prof  tools/profile_pipeline on two cards, 32K prompt: host vs device timelines, allocator
+#           syncs (plain, then with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True)
 # Results under $OUT: gpu.txt, gpu_tests.log and results.tgz (every bench_*/sweep_* log and JSON:
 # the device tool brings back few files). A failing GPU test fails the run.
 # Usage (repo root, .whl carried): STEPS="tests gen b16 b40" bash scripts/gpu_session.sh
@@ -84,6 +87,23 @@ if has x2sweep; then
 fi
 if has x2served; then
   bench x2served $X2 --prompt-tokens 1024 --decode-tokens 128 --runs 1 --server-decode 1,8
+fi
+if has x2dec; then
+  bench x2dec $X2 --prompt-tokens 1024 --decode-tokens 128 --runs 1 --server-decode 1,8
+  bench dec40 --max-vram 40 --prompt-tokens 1024 --decode-tokens 128 --runs 1 --server-decode 1,8
+fi
+if has x2prof; then
+  python3 -m strata_mgpu.tools.profile_pipeline $MODEL --devices 0,1 --max-vram 16,16 --tokens 32768 --chunk 8192 \
+    > "$OUT/pipeline.log" 2>&1 || status=1
+  PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True python3 -m strata_mgpu.tools.profile_pipeline $MODEL \
+    --devices 0,1 --max-vram 16,16 --tokens 32768 --chunk 8192 > "$OUT/pipeline_expandable.log" 2>&1 || status=1
+  head -40 "$OUT/pipeline.log" "$OUT/pipeline_expandable.log"
+fi
+if has x2oom; then  # the sweep cell that ran out of memory at 8,8 (fragmentation?), plain and with expandable segments
+  for conf in "" "expandable_segments:True"; do
+    PYTORCH_CUDA_ALLOC_CONF=$conf python3 -m strata_mgpu sweep $MODEL --devices 0,1 --max-vram 8,8 \
+      --prompt-tokens 6144,8192 --shares 0,0.3 --runs 2 2>&1 | tee "$OUT/oom_${conf%%:*}.log" | grep -v "^ " | tail -8
+  done
 fi
 # few files come back from the device machine: everything but the summary files in one archive
 (cd "$OUT" && tar czf results.tgz --exclude=results.tgz --exclude=gpu.txt --exclude=gpu_tests.log \

@@ -234,6 +234,38 @@ def test_graph_replay_equals_the_static_step_run_eagerly(tiny_gguf):
     assert len(keys) == 1 and kv_g.length == kv_e.length == 46
 
 
+def test_split_graph_replays_equal_the_static_steps_run_eagerly(tiny_gguf):
+    """Each stage of a split captures its own layers (token -> hidden, hidden -> logits) and the
+    hand-over runs between the replays: a decode step equals the stages' static steps run eagerly
+    one after the other on twin caches."""
+    from strata_mgpu.split.runner import build_split
+
+    f = GGUFFile(tiny_gguf)
+    spec = spec_from_gguf(f)
+    opts = StageOptions(device=CUDA, max_vram_gib=4)
+    split = build_split(f, spec, [opts, replace(opts, device=second_gpu())], "2")
+    assert all(s._graphs_ok for s in split.stages)
+    prompt = torch.randint(0, spec.vocab_size, (40,))
+    kv_g, kv_e = split.new_sequence(300), split.new_sequence(300)
+    a = split.prefill(kv_g, prompt)
+    split.prefill(kv_e, prompt)
+    for _ in range(6):
+        token = torch.tensor([int(a.argmax())])
+        a = split.decode([kv_g], token)[0]  # two replays, the hand-over between them
+        x = token
+        with torch.inference_mode():
+            for k, stage in enumerate(split.stages):
+                part = kv_e.parts[k]
+                with stage.ctx.on_compute():
+                    part.reserve(1)
+                    position = torch.full((1,), part.length, dtype=torch.long, device=stage.ctx.device)
+                    x = stage.model.step_static(x.to(stage.ctx.device), position, part)
+                    part.advance(1)
+        b = x[0].to(a.device)
+        assert rel_err(a, b) <= 1e-3
+    assert all(s._graph is not None for s in split.stages) and kv_g.length == kv_e.length == 46
+
+
 def test_greedy_decode_gpu_equals_cpu(tiny_gguf):
     from strata_mgpu.config import EngineConfig
     from strata_mgpu.engine.engine import Engine
@@ -275,14 +307,16 @@ def _seg(kv, n):
     return Segment(0, n, kv)
 
 
-def test_two_stages_equal_one_stage(tiny_gguf):
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
+def test_two_stages_equal_one_stage(tiny_gguf, graphs):
     """The hand-over through mapped host memory (copy_f32_wide both ways), two stages with their
-    own streams on one card: bit-identical to one stage, prefill in chunks and batched decode."""
+    own streams (on two cards where there are two): bit-identical to one stage, prefill in chunks
+    and decode; with graphs, each stage replays its own capture and the one stage its whole one."""
     from strata_mgpu.split.runner import build_split
 
     f = GGUFFile(tiny_gguf)
     spec = spec_from_gguf(f)
-    opts = StageOptions(device=CUDA, max_vram_gib=4, chunk_size=64, cuda_graphs=False)
+    opts = StageOptions(device=CUDA, max_vram_gib=4, chunk_size=64, cuda_graphs=graphs)
     single = Stage(f, spec, opts)
     split = build_split(f, spec, [opts, replace(opts, device=second_gpu())], "2")
     assert all(s.kernels.host_pointers for s in split.stages)
@@ -296,6 +330,7 @@ def test_two_stages_equal_one_stage(tiny_gguf):
         token = torch.tensor([int(a.argmax())])
         a, b = single.decode([a_kv], token)[0], split.decode([b_kv], token)[0]
         assert torch.equal(a.cpu(), b.cpu())
+    assert all((s._graph is not None) == graphs for s in [single, *split.stages])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])

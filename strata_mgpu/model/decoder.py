@@ -228,8 +228,21 @@ class Decoder:
             seg.kv.advance(seg.n)
         return x
 
+    def step_static(self, inp: torch.Tensor, position: torch.Tensor, kv: KVCache) -> torch.Tensor:
+        """One decode row through this decoder's layers with every shape and address fixed (see
+        `forward_static`): a token id [1] where this decoder embeds (the first stage), else a
+        hidden row [1, D]; -> logits [1, V] where it holds the head (the last stage), else the
+        hidden row [1, D] for the next stage. What a stage's decode graph captures."""
+        x = self.embed(inp) if self.w.embed is not None else inp
+        x = self.layers_static(x, position, kv)
+        return self.logits(x) if self.w.output is not None else x
+
     def forward_static(self, token: torch.Tensor, position: torch.Tensor, kv: KVCache) -> torch.Tensor:
-        """One token [1] of one sequence at a device-held position [1] -> hidden [1, D].
+        """One token [1] of one sequence at a device-held position [1] -> hidden [1, D]."""
+        return self.layers_static(self.embed(token), position, kv)
+
+    def layers_static(self, x: torch.Tensor, position: torch.Tensor, kv: KVCache) -> torch.Tensor:
+        """One hidden row x [1, D] of one sequence at a device-held position [1] -> hidden [1, D].
 
         Attention runs over the cache's whole capacity under a mask, and the new key and value
         are written at `position` on the device: every shape and address is fixed, so the step
@@ -241,7 +254,6 @@ class Decoder:
         s, ops, layers = self.spec, self.ops, self.w.layers
         cos, sin = rope_cos_sin(position, s.head_dim, s.rope_base, self.w.dtype)
         visible = torch.arange(kv.capacity, device=position.device) <= position  # [S]: keys 0..position
-        x = self.embed(token)  # [1, D]
         h = ops.rms_norm(x, layers[0].attn_norm, s.rms_eps)
         self.experts.begin(1)
         for i, layer in enumerate(layers):

@@ -153,7 +153,7 @@ class SplitRunner:
         try:
             if whole_prompt:
                 self._clock.start(n)
-            logits = self._run(tokens, [[Segment(0, n, part)] for part in kv.parts], last_row_only=True)[0]
+            logits = self._run(tokens, self._prompt_rows([[Segment(0, n, part)] for part in kv.parts]))[0]
             if whole_prompt:
                 self._clock.stop()
             return logits
@@ -172,28 +172,39 @@ class SplitRunner:
 
     @torch.inference_mode()
     def decode(self, kvs: Sequence[SplitKV], tokens: torch.Tensor) -> torch.Tensor:
+        """One step of `kvs`: each stage runs its layers (a CUDA graph replay at batch 1 where its
+        path allows, `Stage.decode_rows`), the hand-overs queued between them."""
         self._observe_finished_prompt()
-        per_stage = [[Segment(i, i + 1, kv.parts[k]) for i, kv in enumerate(kvs)] for k in range(len(self.stages))]
         for k, stage in enumerate(self.stages):  # a new sequence's first step: every cache follows the routing
             with stage.ctx.on_compute():
                 stage.refill_cache([kv.parts[k] for kv in kvs])
-        return self._run(tokens, per_stage, last_row_only=False)
+        return self._run(tokens, lambda k, stage, x: stage.decode_rows([kv.parts[k] for kv in kvs], x))
 
-    def _run(self, tokens: torch.Tensor, segments: list[list[Segment]], last_row_only: bool) -> torch.Tensor:
+    def _prompt_rows(self, segments: list[list[Segment]]) -> Callable[[int, Stage, torch.Tensor], torch.Tensor]:
+        """Stage k's part of a prompt chunk: embed (first), its layers, the last row's logits (last)."""
+        def work(k: int, stage: Stage, x: torch.Tensor) -> torch.Tensor:
+            x = stage.model.run(stage.model.embed(x) if stage.is_first else x, segments[k])
+            return stage.model.logits(x[-1:]) if stage.is_last else x
+        return work
+
+    def _run(self, tokens: torch.Tensor, work: Callable[[int, Stage, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """tokens [T] through the stages: `work(k, stage, x)` maps stage k's input (token ids on the
+        first, the rows received from the previous stage on the others) to what it hands on (the
+        last: the logits the caller gets)."""
         last = len(self.stages) - 1
         out = None
         for k, stage in enumerate(self.stages):
             # Stage k waits only for its inputs (tokens are copied on its own stream; hidden rows
             # come through the exchange's events); only the logits go back to the caller's stream.
             with stage.ctx.on_compute(after_caller=False, join_caller=k == last):
-                x = stage.model.embed(tokens.to(stage.ctx.device)) if k == 0 else self.exchanges[k - 1].receive()
+                x = tokens.to(stage.ctx.device) if k == 0 else self.exchanges[k - 1].receive()
                 if self.on_stage:  # after the hand-over's wait: the stage's own work starts here
                     self.on_stage(k, "start")
-                x = stage.model.run(x, segments[k])
+                x = work(k, stage, x)
                 if k < last:
                     self.exchanges[k].send(x)
                 else:
-                    out = stage.model.logits(x[-1:] if last_row_only else x)
+                    out = x
                     stage.ctx.access(out, "w")
                 if self.on_stage:
                     self.on_stage(k, "end")

@@ -1,10 +1,14 @@
-"""A decode step of one sequence captured as a CUDA graph and replayed for every token.
+"""A stage's decode step of one sequence captured as a CUDA graph and replayed for every token.
 
 At batch 1 a token's work is thousands of small launches; from Python they cost far more than
-the GPU needs to run them. `Decoder.forward_static` keeps every shape and address fixed (the
-KV cache's whole capacity under a mask, the position on the device), so one capture serves every
+the GPU needs to run them. `Decoder.step_static` keeps every shape and address fixed (the KV
+cache's whole capacity under a mask, the position on the device), so one capture serves every
 token until the sequence or its cache changes. Only the device path that never synchronizes the
 host can be captured: CUDA kernels, grouped GEMM, experts gathered by address.
+
+Each stage of a split captures its own layers (the first from the token id, the last to the
+logits, the others hidden row to hidden row); the hand-over between stages stays outside the
+graphs (the exchange's copy kernel and events, queued between the replays).
 """
 
 from __future__ import annotations
@@ -22,27 +26,30 @@ def graph_key(kv: KVCache) -> tuple[int, int, int, int]:
 
 
 class DecodeGraph:
-    def __init__(self, model: Decoder, kv: KVCache, token: torch.Tensor):
-        device = model.device
+    def __init__(self, model: Decoder, kv: KVCache, inp: torch.Tensor):
+        """inp: the first step's input, a token id [1] (first stage) or a hidden row [1, D]."""
+        device = self.device = model.device
         self.key = graph_key(kv)
-        self.token = token.to(device).view(1).clone()
+        self.inp = inp.to(device).reshape(1, *inp.shape[1:]).clone()  # the replays' input buffer
         self.position = torch.full((1,), kv.length, dtype=torch.long, device=device)
         # Warm up outside the capture (lazy initializations may not happen inside it). The warm-up
         # computes the real next step, writing the very KV slot the replays write again.
-        side = torch.cuda.Stream(device)
-        side.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(side):
-            model.logits(model.forward_static(self.token, self.position, kv))
-        torch.cuda.current_stream(device).wait_stream(side)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, capture_error_mode="relaxed"):
-            self.logits = model.logits(model.forward_static(self.token, self.position, kv))  # [1, V]
+        with torch.cuda.device(device):  # the capture stream is the current device's: the stage's
+            side = torch.cuda.Stream(device)
+            side.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(side):
+                model.step_static(self.inp, self.position, kv)
+            torch.cuda.current_stream(device).wait_stream(side)
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph, capture_error_mode="relaxed"):
+                self.out = model.step_static(self.inp, self.position, kv)  # [1, V] logits or [1, D] hidden
 
-    def step(self, kv: KVCache, token: torch.Tensor) -> torch.Tensor:
-        """Logits [1, V] of `token` at the cache's next position; advances the cache."""
+    def step(self, kv: KVCache, inp: torch.Tensor) -> torch.Tensor:
+        """The step's output for `inp` at the cache's next position; advances the cache."""
         assert graph_key(kv) == self.key, "the graph belongs to another cache"
-        self.token.copy_(token.view(1), non_blocking=True)
+        self.inp.copy_(inp.reshape(self.inp.shape), non_blocking=True)
         self.position.fill_(kv.length)
-        self.graph.replay()
+        with torch.cuda.device(self.device):
+            self.graph.replay()
         kv.advance(1)
-        return self.logits.clone()  # the next replay overwrites the graph's own buffer
+        return self.out.clone()  # the next replay overwrites the graph's own buffer

@@ -19,7 +19,7 @@ import torch
 from strata_mgpu import env
 from strata_mgpu.kernels.decode_ops import CudaDecodeOps
 from strata_mgpu.kernels.experts import CudaKernels, TorchKernels, select_kernels
-from strata_mgpu.model.decoder import Decoder
+from strata_mgpu.model.decoder import Decoder, Segment
 from strata_mgpu.model.gguf_reader import GGUFFile
 from strata_mgpu.model.kv_cache import KVCache
 from strata_mgpu.model.runner import DecoderRunner
@@ -113,7 +113,7 @@ class Stage(DecoderRunner):
         fused_ops = isinstance(kernels, CudaKernels) and dtype == torch.bfloat16
         ops = CudaDecodeOps(self.ctx.device, paths=kernels.paths) if fused_ops else None  # one counter for both
         super().__init__(Decoder(spec, dense, experts, ops))
-        self._graphs_ok = (opts.cuda_graphs and self.is_first and self.is_last and cache is not None
+        self._graphs_ok = (opts.cuda_graphs and cache is not None
                            and dtype == torch.bfloat16 and self._decode_never_syncs(kernels, spec))
         self._graph: DecodeGraph | None = None
         # KV cells in VRAM for all sequences together (the engine admits within it); a sequence
@@ -217,19 +217,33 @@ class Stage(DecoderRunner):
         """Batch 1 on the capturable path: a CUDA graph replay per token; otherwise eager."""
         with self.ctx.on_compute():
             self.refill_cache(kvs)
-            if not self._graphs_ok or len(kvs) != 1 or not kvs[0].graph_capturable:
-                return super().decode(kvs, tokens)  # a spilled sequence's KV is assembled eagerly
-            kv = kvs[0]
-            kv.reserve(1)
-            if self._graph is None or self._graph.key != graph_key(kv):
-                self._graph = None  # release the old capture's memory before making a new one
-                try:
-                    self._graph = DecodeGraph(self.model, kv, tokens)
-                except RuntimeError as e:  # a capture this torch cannot make: decode eagerly from now on
-                    log.warning("CUDA graph capture failed on %s (%s): decoding without graphs", self.ctx.device, e)
-                    self._graphs_ok = False
-                    return super().decode(kvs, tokens)
-            return self._graph.step(kv, tokens)
+            return self.decode_rows(kvs, tokens.to(self.ctx.device))
+
+    def decode_rows(self, kvs, inp: torch.Tensor) -> torch.Tensor:
+        """One decode step of `kvs` through this stage's layers, on the current stream: token ids
+        inp [B] where the stage embeds (the first), else hidden rows [B, D]; -> logits [B, V] where
+        it holds the head (the last), else hidden rows [B, D]. Batch 1 replays the stage's CUDA
+        graph where the path allows; a spilled sequence's KV is assembled eagerly."""
+        if self._graphs_ok and len(kvs) == 1 and kvs[0].graph_capturable:
+            out = self._graph_step(kvs[0], inp)
+            if out is not None:
+                return out
+        x = self.model.embed(inp) if self.is_first else inp
+        x = self.model.run(x, [Segment(i, i + 1, kv) for i, kv in enumerate(kvs)])
+        return self.model.logits(x) if self.is_last else x
+
+    def _graph_step(self, kv, inp: torch.Tensor) -> torch.Tensor | None:
+        """The step as a graph replay (captured anew for a new cache); None where capture fails."""
+        kv.reserve(1)
+        if self._graph is None or self._graph.key != graph_key(kv):
+            self._graph = None  # release the old capture's memory before making a new one
+            try:
+                self._graph = DecodeGraph(self.model, kv, inp)
+            except RuntimeError as e:  # a capture this torch cannot make: decode eagerly from now on
+                log.warning("CUDA graph capture failed on %s (%s): decoding without graphs", self.ctx.device, e)
+                self._graphs_ok = False
+                return None
+        return self._graph.step(kv, inp)
 
     def _decode_never_syncs(self, kernels, spec: ModelSpec) -> bool:
         """Can a decode step run with no host sync (so be captured)? Each layer's experts go through
