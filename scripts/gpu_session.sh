@@ -17,7 +17,8 @@
 #   x2served decode through the engine as the server does on two cards, 1 and 8 requests
 #   x2dec   decode on two cards (batch 1 bench, and 1 and 8 requests as the server does) and on one
 #   x2prof  tools/profile_pipeline on two cards, 32K prompt: host vs device timelines, allocator
-#           syncs (plain, then with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True)
+#           syncs, host calls that wait for the device
+#   x2oom   the 8,8 sweep cells at 6K and 8K with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 # Results under $OUT: gpu.txt, gpu_tests.log and results.tgz (every bench_*/sweep_* log and JSON:
 # the device tool brings back few files). A failing GPU test fails the run.
 # Usage (repo root, .whl carried): STEPS="tests gen b16 b40" bash scripts/gpu_session.sh
@@ -74,8 +75,8 @@ if has x2; then
   bench x2off $X2 --no-prefill-help --prompt-tokens 1024,2048,4096,8192 --decode-tokens 64 --runs 3
   bench x2auto $X2 --prompt-tokens 1024,2048,4096,8192 --decode-tokens 0 --runs 3
 fi
-if has x2long; then
-  bench long16one --devices 0 --max-vram 16 --prompt-tokens 32768 --decode-tokens 32 --runs 2
+if has x2long; then  # X2LONG_ONE=0: the two-card run only
+  [ "${X2LONG_ONE:-1}" = 0 ] || bench long16one --devices 0 --max-vram 16 --prompt-tokens 32768 --decode-tokens 32 --runs 2
   bench long16two $X2 --prompt-tokens 32768 --decode-tokens 32 --runs 2
 fi
 if has x2sweep; then
@@ -92,18 +93,15 @@ if has x2dec; then
   bench x2dec $X2 --prompt-tokens 1024 --decode-tokens 128 --runs 1 --server-decode 1,8
   bench dec40 --max-vram 40 --prompt-tokens 1024 --decode-tokens 128 --runs 1 --server-decode 1,8
 fi
-if has x2prof; then
+if has x2prof; then  # STRATA_STAGE_THREADS=0 gives the one-thread figures to compare
   python3 -m strata_mgpu.tools.profile_pipeline $MODEL --devices 0,1 --max-vram 16,16 --tokens 32768 --chunk 8192 \
     > "$OUT/pipeline.log" 2>&1 || status=1
-  PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True python3 -m strata_mgpu.tools.profile_pipeline $MODEL \
-    --devices 0,1 --max-vram 16,16 --tokens 32768 --chunk 8192 > "$OUT/pipeline_expandable.log" 2>&1 || status=1
-  head -40 "$OUT/pipeline.log" "$OUT/pipeline_expandable.log"
+  head -24 "$OUT/pipeline.log"
 fi
-if has x2oom; then  # the sweep cell that ran out of memory at 8,8 (fragmentation?), plain and with expandable segments
-  for conf in "" "expandable_segments:True"; do
-    PYTORCH_CUDA_ALLOC_CONF=$conf python3 -m strata_mgpu sweep $MODEL --devices 0,1 --max-vram 8,8 \
-      --prompt-tokens 6144,8192 --shares 0,0.3 --runs 2 2>&1 | tee "$OUT/oom_${conf%%:*}.log" | grep -v "^ " | tail -8
-  done
+if has x2oom; then  # the sweep cell that ran out of memory at 8,8 (fragmentation?), with expandable segments
+  PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True python3 -m strata_mgpu sweep $MODEL --devices 0,1 --max-vram 8,8 \
+    --prompt-tokens 6144,8192 --shares 0,0.3 --runs 2 2>&1 | tee "$OUT/oom_expandable.log" | grep -v "^ " | tail -8 \
+    || status=1
 fi
 # few files come back from the device machine: everything but the summary files in one archive
 (cd "$OUT" && tar czf results.tgz --exclude=results.tgz --exclude=gpu.txt --exclude=gpu_tests.log \

@@ -35,7 +35,12 @@ KV_PREFETCH = EnvVar("STRATA_KV_PREFETCH", "1",
                      "1 uploads the next attention layer's host KV prefix on a side stream while the current "
                      "layer computes")
 
-ALL = (CACHE_DIR, LOG_LEVEL, PREFILL_HELP, PREFILL_HELP_FRAC, KV_PREFETCH)
+STAGE_THREADS = EnvVar("STRATA_STAGE_THREADS", "1",
+                       "1 gives each GPU stage of a --layer-split its own host thread queuing its work, so a "
+                       "stage held up by its card's full launch queue does not hold up the others; 0: one "
+                       "thread queues every stage in turn")
+
+ALL = (CACHE_DIR, LOG_LEVEL, PREFILL_HELP, PREFILL_HELP_FRAC, KV_PREFETCH, STAGE_THREADS)
 
 
 def cache_dir() -> Path:
@@ -88,4 +93,12 @@ def kv_prefetch() -> bool:
     raw = (KV_PREFETCH.raw() or "1").strip()
     if raw not in ("0", "1"):
         raise EnvError(f"{KV_PREFETCH.name}={raw!r}: expected 0 or 1")
+    return raw == "1"
+
+
+def stage_threads() -> bool:
+    """On by default: one thread queuing both stages let them overlap 0.34 s of a 2 s prompt."""
+    raw = (STAGE_THREADS.raw() or "1").strip()
+    if raw not in ("0", "1"):
+        raise EnvError(f"{STAGE_THREADS.name}={raw!r}: expected 0 or 1")
     return raw == "1"

@@ -155,9 +155,9 @@ class CountingRunner(DecoderRunner):
         super().__init__(model)
         self.calls: list[tuple[str, list[int]]] = []
 
-    def prefill(self, kv, tokens, whole_prompt=False):
+    def prefill(self, kv, tokens, whole_prompt=False, want_logits=True):
         self.calls.append(("prefill", [len(tokens)]))
-        return super().prefill(kv, tokens, whole_prompt)
+        return super().prefill(kv, tokens, whole_prompt, want_logits)
 
     def prefill_many(self, kvs, chunks):
         self.calls.append(("prefill_many", [len(c) for c in chunks]))
@@ -247,7 +247,8 @@ class ScriptedRunner:
         row[self.script[kv.n_decoded]] = 30.0
         return row
 
-    def prefill(self, kv: ScriptedKV, tokens: torch.Tensor, whole_prompt: bool = False) -> torch.Tensor:
+    def prefill(self, kv: ScriptedKV, tokens: torch.Tensor, whole_prompt: bool = False,
+                want_logits: bool = True) -> torch.Tensor:
         kv.grow(len(tokens))
         self.events.append(("prefill", len(tokens)))
         return self._row(kv)

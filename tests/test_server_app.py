@@ -48,7 +48,7 @@ class FailingDecode:
     def new_sequence(self, max_length):
         return self.inner.new_sequence(max_length)
 
-    def prefill(self, kv, tokens, whole_prompt=False):
+    def prefill(self, kv, tokens, whole_prompt=False, want_logits=True):
         return self.inner.prefill(kv, tokens, whole_prompt)
 
     def decode(self, kvs, tokens):
@@ -162,7 +162,7 @@ def test_tokenizing_a_long_prompt_leaves_the_event_loop_free(engine, monkeypatch
 class OutOfMemoryOnLongPrompts(FailingDecode):
     """A runner whose prefill runs out of device memory on prompts over 30 tokens."""
 
-    def prefill(self, kv, tokens, whole_prompt=False):
+    def prefill(self, kv, tokens, whole_prompt=False, want_logits=True):
         if tokens.numel() > 30:
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.50 GiB. GPU 0 has ...")
         return self.inner.prefill(kv, tokens, whole_prompt)

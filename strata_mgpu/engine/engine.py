@@ -363,7 +363,10 @@ class Engine:
         chunks = [torch.tensor(chunk, dtype=torch.long) for _, chunk in pack]
         if len(pack) == 1:
             req, chunk = pack[0]
-            logits = self.runner.prefill(req.kv, chunks[0], whole_prompt=len(chunk) == len(req.prompt))[None]
+            last = req.n_prefilled + len(chunk) == len(req.prompt)
+            logits = self.runner.prefill(req.kv, chunks[0], whole_prompt=len(chunk) == len(req.prompt),
+                                         want_logits=last)
+            logits = logits[None] if logits is not None else None
         else:
             logits = self.runner.prefill_many([req.kv for req, _ in pack], chunks)  # type: ignore[attr-defined]
         n_tokens = sum(len(chunk) for _, chunk in pack)

@@ -23,9 +23,13 @@ class ModelRunner(Protocol):
         """State of one sequence (its KV cache), able to hold max_length tokens."""
         ...
 
-    def prefill(self, kv: KVCache, tokens: torch.Tensor, whole_prompt: bool = False) -> torch.Tensor:
+    def prefill(self, kv: KVCache, tokens: torch.Tensor, whole_prompt: bool = False,
+                want_logits: bool = True) -> torch.Tensor | None:
         """Append tokens [T] to the sequence; logits [V] of the last one. `whole_prompt`: these
-        tokens are the entire prompt, in one chunk (the split runner's helper may then engage)."""
+        tokens are the entire prompt, in one chunk (the split runner's helper may then engage).
+        `want_logits=False` (a prompt's chunk before its last): the runner may return None without
+        waiting for the chunk (the split runner's stages then pipeline); the last chunk's call
+        waits for the earlier ones and raises their errors."""
         ...
 
     def decode(self, kvs: Sequence[KVCache], tokens: torch.Tensor) -> torch.Tensor:

@@ -31,7 +31,8 @@ class DecoderRunner:
         return self.model.new_cache(max_length=max_length)
 
     @torch.inference_mode()
-    def prefill(self, kv: KVCache, tokens: torch.Tensor, whole_prompt: bool = False) -> torch.Tensor:
+    def prefill(self, kv: KVCache, tokens: torch.Tensor, whole_prompt: bool = False,
+                want_logits: bool = True) -> torch.Tensor:
         hidden = self.model.forward(tokens.to(self.model.device), [Segment(0, tokens.shape[0], kv)])
         return self.model.logits(hidden[-1:])[0]
 

@@ -10,10 +10,12 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from concurrent.futures import Future
+from dataclasses import dataclass, field
 
 import torch
 
+from strata_mgpu import env
 from strata_mgpu.model.decoder import Segment
 from strata_mgpu.model.gguf_reader import GGUFFile
 from strata_mgpu.model.kv_cache import KVCache
@@ -22,6 +24,7 @@ from strata_mgpu.split.exchange import Exchange
 from strata_mgpu.split.help_rule import HelpPolicy
 from strata_mgpu.split.peer_prefill import MESSAGES_PER_LAYER, PeerPrefill
 from strata_mgpu.split.rate_model import measure_link_rate, stage_load
+from strata_mgpu.split.workers import StageWorkers, wait_all
 from strata_mgpu.stage.stage import Stage, StageOptions
 
 log = logging.getLogger("strata.split")
@@ -67,6 +70,7 @@ class SplitKV:
     """One sequence's KV caches, one per stage (each on its stage's device)."""
 
     parts: list[KVCache]
+    pending: list[Future] = field(default_factory=list)  # its prompt chunks' stage tasks not yet waited for
 
     @property
     def nbytes(self) -> int:
@@ -90,6 +94,8 @@ class SplitRunner:
         self.policy = HelpPolicy(enabled=False)
         self._clock = PromptClock(stages[-1].ctx)  # times one-chunk prompts for the policy's rates
         self.kv_token_budget = min(s.kv_token_budget for s in stages)  # every stage holds every sequence's KV
+        threaded = all(s.ctx.is_cuda for s in stages) and env.stage_threads()  # CPU work runs as it is queued
+        self.workers = StageWorkers([s.ctx.device for s in stages], threaded)
 
     def kv_cells(self, tokens: int) -> int:
         """VRAM KV cells a sequence of `tokens` counts against `kv_token_budget`, the smallest stage's
@@ -139,28 +145,44 @@ class SplitRunner:
         return SplitKV(parts)
 
     @torch.inference_mode()
-    def prefill(self, kv: SplitKV, tokens: torch.Tensor, whole_prompt: bool = False) -> torch.Tensor:
+    def prefill(self, kv: SplitKV, tokens: torch.Tensor, whole_prompt: bool = False,
+                want_logits: bool = True) -> torch.Tensor | None:
+        """Append tokens [T]; logits [V] of the last one. A chunk of a longer prompt is queued on
+        the stages' threads and, with `want_logits=False` (not the prompt's last chunk), not waited
+        for: the next chunk's stage 0 work is queued while stage 1 still queues this one. A
+        whole prompt runs on this thread, the idle stage helping."""
         n = tokens.shape[0]
         self._observe_finished_prompt()
-        if whole_prompt:  # one chunk: the stages run one after the other, and the idle one helps
-            for k, (busy, helper) in enumerate(zip(self.stages, self.helpers, strict=False)):
-                idle = self.stages[(k + 1) % len(self.stages)]
-                share = self.policy.share(n, across_cards=idle.ctx.device != busy.ctx.device,
-                                          load=stage_load(busy, idle))
-                n_help = self.helper_experts(busy, idle, share)
-                if n_help > 0:
-                    helper.bind_stage_helper(idle.lend(), busy.arena, n_help)
+        if not whole_prompt:
+            kv.pending += self._submit(tokens, self._prompt_rows([[Segment(0, n, part)] for part in kv.parts]))
+            if not want_logits:
+                return None
+            job, kv.pending = kv.pending, []
+            return self._result(job)[0]
+        self.workers.idle()  # the helper works on both stages from this thread: nothing else may be queued
+        for k, (busy, helper) in enumerate(zip(self.stages, self.helpers, strict=False)):
+            idle = self.stages[(k + 1) % len(self.stages)]
+            share = self.policy.share(n, across_cards=idle.ctx.device != busy.ctx.device,
+                                      load=stage_load(busy, idle))
+            n_help = self.helper_experts(busy, idle, share)
+            if n_help > 0:
+                helper.bind_stage_helper(idle.lend(), busy.arena, n_help)
         try:
-            if whole_prompt:
-                self._clock.start(n)
-            logits = self._run(tokens, self._prompt_rows([[Segment(0, n, part)] for part in kv.parts]))[0]
-            if whole_prompt:
-                self._clock.stop()
+            self._clock.start(n)
+            job = self._submit(tokens, self._prompt_rows([[Segment(0, n, part)] for part in kv.parts]), inline=True)
+            logits = self._result(job)[0]
+            self._clock.stop()
             return logits
         finally:
             for helper in self.helpers:
                 helper.abort()  # a pass that ended normally holds nothing: a no-op then
                 helper.unbind()
+
+    def synchronize(self) -> None:
+        """The host waits until every stage has queued what it was given and its device has run it."""
+        self.workers.idle()
+        for s in self.stages:
+            s.ctx.synchronize()
 
     def _observe_finished_prompt(self) -> None:
         """Feed the last one-chunk prompt's time to the helper policy once it has finished (no
@@ -172,13 +194,17 @@ class SplitRunner:
 
     @torch.inference_mode()
     def decode(self, kvs: Sequence[SplitKV], tokens: torch.Tensor) -> torch.Tensor:
-        """One step of `kvs`: each stage runs its layers (a CUDA graph replay at batch 1 where its
-        path allows, `Stage.decode_rows`), the hand-overs queued between them."""
+        """One step of `kvs`: each stage follows the routing seen so far on a new sequence's first
+        step, then runs its layers (a CUDA graph replay at batch 1 where its path allows,
+        `Stage.decode_rows`), the hand-overs queued between them."""
         self._observe_finished_prompt()
-        for k, stage in enumerate(self.stages):  # a new sequence's first step: every cache follows the routing
-            with stage.ctx.on_compute():
-                stage.refill_cache([kv.parts[k] for kv in kvs])
-        return self._run(tokens, lambda k, stage, x: stage.decode_rows([kv.parts[k] for kv in kvs], x))
+
+        def rows(k: int, stage: Stage, x: torch.Tensor) -> torch.Tensor:
+            parts = [kv.parts[k] for kv in kvs]
+            stage.refill_cache(parts)
+            return stage.decode_rows(parts, x)
+
+        return self._result(self._submit(tokens, rows))
 
     def _prompt_rows(self, segments: list[list[Segment]]) -> Callable[[int, Stage, torch.Tensor], torch.Tensor]:
         """Stage k's part of a prompt chunk: embed (first), its layers, the last row's logits (last)."""
@@ -187,29 +213,37 @@ class SplitRunner:
             return stage.model.logits(x[-1:]) if stage.is_last else x
         return work
 
-    def _run(self, tokens: torch.Tensor, work: Callable[[int, Stage, torch.Tensor], torch.Tensor]) -> torch.Tensor:
-        """tokens [T] through the stages: `work(k, stage, x)` maps stage k's input (token ids on the
-        first, the rows received from the previous stage on the others) to what it hands on (the
-        last: the logits the caller gets)."""
+    def _submit(self, tokens: torch.Tensor, work: Callable[[int, Stage, torch.Tensor], torch.Tensor],
+                inline: bool = False) -> list[Future]:
+        """tokens [T] through the stages, one task each on its stage's thread: `work(k, stage, x)`
+        maps stage k's input (token ids on the first, the rows received from the previous stage on
+        the others) to what it hands on; the last task's result is the output (the logits)."""
         last = len(self.stages) - 1
-        out = None
+        job: list[Future] = []
         for k, stage in enumerate(self.stages):
-            # Stage k waits only for its inputs (tokens are copied on its own stream; hidden rows
-            # come through the exchange's events); only the logits go back to the caller's stream.
-            with stage.ctx.on_compute(after_caller=False, join_caller=k == last):
-                x = tokens.to(stage.ctx.device) if k == 0 else self.exchanges[k - 1].receive()
-                if self.on_stage:  # after the hand-over's wait: the stage's own work starts here
-                    self.on_stage(k, "start")
-                x = work(k, stage, x)
-                if k < last:
-                    self.exchanges[k].send(x)
-                else:
-                    out = x
-                    stage.ctx.access(out, "w")
-                if self.on_stage:
-                    self.on_stage(k, "end")
-        assert out is not None
-        self.stages[last].ctx.access(out, "r")  # on the caller's stream, which joined the last stage's
+            def task(k: int = k, stage: Stage = stage) -> torch.Tensor | None:
+                # Stage k waits only for its inputs (tokens are copied on its own stream; hidden rows
+                # come through the exchange's events); only the logits go back to the caller's stream.
+                with stage.ctx.on_compute(after_caller=False, join_caller=k == last):
+                    x = tokens.to(stage.ctx.device) if k == 0 else self.exchanges[k - 1].receive()
+                    if self.on_stage:  # after the hand-over's wait: the stage's own work starts here
+                        self.on_stage(k, "start")
+                    x = work(k, stage, x)
+                    if k < last:
+                        self.exchanges[k].send(x)
+                    else:
+                        stage.ctx.access(x, "w")
+                    if self.on_stage:
+                        self.on_stage(k, "end")
+                    return x if k == last else None
+            job.append(self.workers.submit(k, task, job[-1] if job else None, inline=inline))
+        return job
+
+    def _result(self, job: list[Future]) -> torch.Tensor:
+        """Wait for a call's tasks (raising the first error) and give its output."""
+        wait_all(job)
+        out = job[-1].result()
+        self.stages[-1].ctx.access(out, "r")  # on the caller's stream, which joined the last stage's
         return out
 
 

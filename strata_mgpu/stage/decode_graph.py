@@ -41,7 +41,10 @@ class DecodeGraph:
                 model.step_static(self.inp, self.position, kv)
             torch.cuda.current_stream(device).wait_stream(side)
             self.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.graph, capture_error_mode="relaxed"):
+            # torch's default capture stream is made once, on whichever device captured first: a
+            # stage on another card would be captured on that card's stream. Each capture gets one
+            # of its own device's.
+            with torch.cuda.graph(self.graph, stream=torch.cuda.Stream(device), capture_error_mode="relaxed"):
                 self.out = model.step_static(self.inp, self.position, kv)  # [1, V] logits or [1, D] hidden
 
     def step(self, kv: KVCache, inp: torch.Tensor) -> torch.Tensor:

@@ -193,7 +193,7 @@ class Stage(DecoderRunner):
         return LentBuffers(ctx=self.ctx, kernels=self.kernels, ring=experts.ring, w_gate_up=experts.w_gate_up,
                            w_down=experts.w_down)
 
-    def prefill(self, kv, tokens: torch.Tensor, whole_prompt: bool = False) -> torch.Tensor:
+    def prefill(self, kv, tokens: torch.Tensor, whole_prompt: bool = False, want_logits: bool = True) -> torch.Tensor:
         with self.ctx.on_compute():
             return super().prefill(kv, tokens)
 

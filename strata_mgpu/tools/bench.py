@@ -103,8 +103,8 @@ def measure_h2d(stage: Stage, repeats: int = 5) -> float | None:
 def prefill_chunks(runner, prompt: torch.Tensor, chunk: int) -> None:
     kv = runner.new_sequence(prompt.numel() + 1)
     whole = prompt.numel() <= chunk
-    for start in range(0, prompt.numel(), chunk):
-        runner.prefill(kv, prompt[start:start + chunk], whole_prompt=whole)  # no host sync between chunks
+    for start in range(0, prompt.numel(), chunk):  # no host sync between chunks; only the last one's logits
+        runner.prefill(kv, prompt[start:start + chunk], whole_prompt=whole, want_logits=start + chunk >= prompt.numel())
 
 
 def time_compute(runner, tokens: int, runs: int, chunk: int) -> list[float]:
