@@ -18,6 +18,8 @@
 #   x2dec   decode on two cards (batch 1 bench, and 1 and 8 requests as the server does) and on one
 #   x2prof  tools/profile_pipeline on two cards, 32K prompt: host vs device timelines, allocator
 #           syncs, host calls that wait for the device
+#   x2final the session's last two-card figures: a 32K prompt in 4K chunks, decode (graphs per stage,
+#           server-shaped 1 and 8), and a 40K prompt on one card at --max-vram 16
 #   x2oom   the 8,8 sweep cells at 6K and 8K with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 # Results under $OUT: gpu.txt, gpu_tests.log and results.tgz (every bench_*/sweep_* log and JSON:
 # the device tool brings back few files). A failing GPU test fails the run.
@@ -102,6 +104,11 @@ if has x2oom; then  # the sweep cell that ran out of memory at 8,8 (fragmentatio
   PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True python3 -m strata_mgpu sweep $MODEL --devices 0,1 --max-vram 8,8 \
     --prompt-tokens 6144,8192 --shares 0,0.3 --runs 2 2>&1 | tee "$OUT/oom_expandable.log" | grep -v "^ " | tail -8 \
     || status=1
+fi
+if has x2final; then
+  bench long16two4k $X2 --prompt-tokens 32768 --chunk-size 4096 --decode-tokens 0 --runs 2
+  bench x2dec_final $X2 --prompt-tokens 1024 --decode-tokens 128 --runs 1 --server-decode 1,8
+  bench long40k --devices 0 --max-vram 16 --prompt-tokens 40000 --decode-tokens 32 --runs 1
 fi
 # few files come back from the device machine: everything but the summary files in one archive
 (cd "$OUT" && tar czf results.tgz --exclude=results.tgz --exclude=gpu.txt --exclude=gpu_tests.log \

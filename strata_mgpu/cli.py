@@ -10,7 +10,7 @@ import click
 from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
 
-from strata_mgpu import report
+from strata_mgpu import env, report
 from strata_mgpu.model.gguf_reader import GGUFError, GGUFFile
 from strata_mgpu.quant.formats import parse_type
 
@@ -46,6 +46,7 @@ def _size(value: str | None) -> int:
 @click.version_option(package_name="strata-mgpu")
 def main() -> None:
     """strata-mgpu: serve Mixture-of-Experts GGUF models with experts streamed from host RAM."""
+    env.default_allocator_config()  # before any CUDA allocation
 
 
 @main.command("gen-model")
