@@ -43,13 +43,39 @@ def kernels():
 def _free_gpu_memory(request):
     """After a GPU test, collect what its stages left in reference cycles and return the cached
     blocks: VRAM budgets are per process, so the next test's budget must not count this one's
-    leftovers (a split's stages and their helpers refer to each other)."""
+    leftovers (a split's stages and their helpers refer to each other). With STRATA_TEST_MEMLOG
+    set to a file, each GPU test's leftovers are written there (what is still allocated, which
+    runners are still alive and what refers to them)."""
     yield
-    if "gpu" in request.keywords:
-        import gc
+    if "gpu" not in request.keywords:
+        return
+    import gc
+    import os
+    import threading
 
-        import torch
+    import torch
 
-        gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+    gc.collect()
+    if not torch.cuda.is_available():
+        return
+    torch.cuda.empty_cache()
+    from strata_mgpu.stage.device import _LIVE
+
+    for d in range(torch.cuda.device_count()):  # a budget whose stages are gone caps nobody
+        device = torch.device("cuda", d)
+        if not _LIVE.get(device):
+            torch.cuda.set_per_process_memory_fraction(1.0, device)
+    path = os.environ.get("STRATA_TEST_MEMLOG")
+    if path:
+        from strata_mgpu.split.runner import SplitRunner
+        from strata_mgpu.stage.stage import Stage
+
+        live = [o for o in gc.get_objects() if isinstance(o, Stage | SplitRunner)]
+        with open(path, "a") as log:
+            mib = [torch.cuda.memory_allocated(d) >> 20 for d in range(torch.cuda.device_count())]
+            log.write(f"{request.node.nodeid}: allocated MiB {mib}, threads {threading.active_count()}, "
+                      f"live {[type(o).__name__ for o in live]}\n")
+            for o in live[:2]:
+                refs = [type(r).__name__ + (f" {getattr(r, '__qualname__', '')}" if callable(r) else "")
+                        for r in gc.get_referrers(o) if r is not live]
+                log.write(f"    {type(o).__name__} referred to by {refs[:8]}\n")

@@ -228,39 +228,47 @@ class Decoder:
             seg.kv.advance(seg.n)
         return x
 
-    def step_static(self, inp: torch.Tensor, position: torch.Tensor, kv: KVCache) -> torch.Tensor:
-        """One decode row through this decoder's layers with every shape and address fixed (see
-        `forward_static`): a token id [1] where this decoder embeds (the first stage), else a
-        hidden row [1, D]; -> logits [1, V] where it holds the head (the last stage), else the
-        hidden row [1, D] for the next stage. What a stage's decode graph captures."""
+    def step_static(self, inp: torch.Tensor, positions: torch.Tensor, kvs: Sequence[KVCache]) -> torch.Tensor:
+        """One decode step of B sequences through this decoder's layers with every shape and
+        address fixed (see `layers_static`): token ids [B] where this decoder embeds (the first
+        stage), else hidden rows [B, D]; -> logits [B, V] where it holds the head (the last
+        stage), else the hidden rows [B, D] for the next stage. What a stage's decode graph captures."""
         x = self.embed(inp) if self.w.embed is not None else inp
-        x = self.layers_static(x, position, kv)
+        x = self.layers_static(x, positions, kvs)
         return self.logits(x) if self.w.output is not None else x
 
     def forward_static(self, token: torch.Tensor, position: torch.Tensor, kv: KVCache) -> torch.Tensor:
         """One token [1] of one sequence at a device-held position [1] -> hidden [1, D]."""
-        return self.layers_static(self.embed(token), position, kv)
+        return self.layers_static(self.embed(token), position, [kv])
 
-    def layers_static(self, x: torch.Tensor, position: torch.Tensor, kv: KVCache) -> torch.Tensor:
-        """One hidden row x [1, D] of one sequence at a device-held position [1] -> hidden [1, D].
+    def layers_static(self, x: torch.Tensor, positions: torch.Tensor, kvs: Sequence[KVCache]) -> torch.Tensor:
+        """Hidden rows x [B, D], row b of sequence kvs[b] at the device-held positions[b] -> [B, D].
 
-        Attention runs over the cache's whole capacity under a mask, and the new key and value
-        are written at `position` on the device: every shape and address is fixed, so the step
-        can be captured once as a CUDA graph and replayed. The caller advances `kv` afterwards.
-        The small ops go through `self.ops` (fused on the GPU: a few launches a layer). Only for a
-        cache whose every cell sits in `kv.k`/`kv.v` at its position (`kv.graph_capturable`).
+        Attention runs over each cache's whole capacity under a mask, and the new keys and values
+        are written at the positions on the device: every shape and address is fixed, so the step
+        can be captured once as a CUDA graph and replayed while the batch keeps its sequences. The
+        caller advances the caches afterwards. The small ops go through `self.ops` (fused on the
+        GPU: a few launches a layer, the per-sequence ones once per row). Only for caches whose
+        every cell sits in `kv.k`/`kv.v` at its position (`kv.graph_capturable`), and for fewer
+        rows than make the experts stream (`experts.begin`).
         """
-        assert kv.graph_capturable, "this cache keeps cells outside kv.k/kv.v: decode it with run()"
-        s, ops, layers = self.spec, self.ops, self.w.layers
-        cos, sin = rope_cos_sin(position, s.head_dim, s.rope_base, self.w.dtype)
-        visible = torch.arange(kv.capacity, device=position.device) <= position  # [S]: keys 0..position
+        assert all(kv.graph_capturable for kv in kvs), "a cache keeps cells outside kv.k/kv.v: decode it with run()"
+        s, ops, layers, n = self.spec, self.ops, self.w.layers, len(kvs)
+        assert x.shape[0] == positions.shape[0] == n
+        cos, sin = rope_cos_sin(positions, s.head_dim, s.rope_base, self.w.dtype)  # [B, Dh]
+        visible = [torch.arange(kv.capacity, device=positions.device) <= positions[b]  # [S]: keys 0..position
+                   for b, kv in enumerate(kvs)]
         h = ops.rms_norm(x, layers[0].attn_norm, s.rms_eps)
-        self.experts.begin(1)
+        self.experts.begin(n)
         for i, layer in enumerate(layers):
-            q = ops.qk_norm_rope_kv(s, layer, h @ layer.wq.T, h @ layer.wk.T, h @ layer.wv.T, position, cos, sin,
-                                    kv.k[i], kv.v[i])
-            out = masked_attention(q, kv.k[i], kv.v[i], visible)
-            x, h = ops.add_rms_norm(x, out.reshape(1, s.q_dim) @ layer.wo.T, layer.ffn_norm, s.rms_eps)
+            q, k, v = h @ layer.wq.T, h @ layer.wk.T, h @ layer.wv.T
+            outs = []
+            for b, kv in enumerate(kvs):  # each row has its own cache and position
+                r = slice(b, b + 1)
+                q_b = ops.qk_norm_rope_kv(s, layer, q[r], k[r], v[r], positions[r], cos[r], sin[r], kv.k[i], kv.v[i])
+                outs.append(masked_attention(q_b, kv.k[i], kv.v[i], visible[b]))  # [1, H, Dh]
+            out = outs[0] if n == 1 else torch.cat(outs)
+            x, h = ops.add_rms_norm(x, out.reshape(n, s.q_dim) @ layer.wo.T, layer.ffn_norm, s.rms_eps)
             weights, experts = self.route(i, h, layer.router)
             y = self.experts.forward(i, h, weights, experts)
             if i + 1 < len(layers):

@@ -195,7 +195,7 @@ class SplitRunner:
     @torch.inference_mode()
     def decode(self, kvs: Sequence[SplitKV], tokens: torch.Tensor) -> torch.Tensor:
         """One step of `kvs`: each stage follows the routing seen so far on a new sequence's first
-        step, then runs its layers (a CUDA graph replay at batch 1 where its path allows,
+        step, then runs its layers (a CUDA graph replay of the batch where its path allows,
         `Stage.decode_rows`), the hand-overs queued between them."""
         self._observe_finished_prompt()
 

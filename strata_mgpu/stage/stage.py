@@ -25,7 +25,7 @@ from strata_mgpu.model.kv_cache import KVCache
 from strata_mgpu.model.runner import DecoderRunner
 from strata_mgpu.model.spec import ModelSpec
 from strata_mgpu.model.weights import load_weights
-from strata_mgpu.stage.decode_graph import DecodeGraph, graph_key
+from strata_mgpu.stage.decode_graph import DecodeGraph, batch_key
 from strata_mgpu.stage.device import DeviceContext
 from strata_mgpu.stage.expert_cache import ExpertCache
 from strata_mgpu.stage.expert_ring import ExpertRing
@@ -50,7 +50,7 @@ class StageOptions:
     resident_experts: int | None = None  # force K resident experts a layer (0: residency off); None: the plan's
     prefer_cuda_kernels: bool = True
     dtype: torch.dtype | None = None  # compute dtype; None: bf16 on CUDA, fp32 on the CPU
-    cuda_graphs: bool = True  # replay batch-1 decode steps as a captured graph where the path allows
+    cuda_graphs: bool = True  # replay decode steps as a captured graph (one per batch) where the path allows
 
 
 @dataclass(frozen=True)
@@ -214,7 +214,7 @@ class Stage(DecoderRunner):
 
     @torch.inference_mode()
     def decode(self, kvs, tokens: torch.Tensor) -> torch.Tensor:
-        """Batch 1 on the capturable path: a CUDA graph replay per token; otherwise eager."""
+        """A CUDA graph replay per step on the capturable path (`decode_rows`); otherwise eager."""
         with self.ctx.on_compute():
             self.refill_cache(kvs)
             return self.decode_rows(kvs, tokens.to(self.ctx.device))
@@ -222,28 +222,31 @@ class Stage(DecoderRunner):
     def decode_rows(self, kvs, inp: torch.Tensor) -> torch.Tensor:
         """One decode step of `kvs` through this stage's layers, on the current stream: token ids
         inp [B] where the stage embeds (the first), else hidden rows [B, D]; -> logits [B, V] where
-        it holds the head (the last), else hidden rows [B, D]. Batch 1 replays the stage's CUDA
-        graph where the path allows; a spilled sequence's KV is assembled eagerly."""
-        if self._graphs_ok and len(kvs) == 1 and kvs[0].graph_capturable:
-            out = self._graph_step(kvs[0], inp)
+        it holds the head (the last), else hidden rows [B, D]. Replays the stage's CUDA graph for
+        this batch where the path allows (every cache in VRAM, and too few rows to make the experts
+        stream); a spilled sequence's KV is assembled eagerly."""
+        if (self._graphs_ok and all(kv.graph_capturable for kv in kvs)
+                and not self.model.experts.should_stream(len(kvs))):
+            out = self._graph_step(kvs, inp)
             if out is not None:
                 return out
         x = self.model.embed(inp) if self.is_first else inp
         x = self.model.run(x, [Segment(i, i + 1, kv) for i, kv in enumerate(kvs)])
         return self.model.logits(x) if self.is_last else x
 
-    def _graph_step(self, kv, inp: torch.Tensor) -> torch.Tensor | None:
-        """The step as a graph replay (captured anew for a new cache); None where capture fails."""
-        kv.reserve(1)
-        if self._graph is None or self._graph.key != graph_key(kv):
+    def _graph_step(self, kvs, inp: torch.Tensor) -> torch.Tensor | None:
+        """The step as a graph replay (captured anew for a new batch); None where capture fails."""
+        for kv in kvs:
+            kv.reserve(1)
+        if self._graph is None or self._graph.key != batch_key(kvs):
             self._graph = None  # release the old capture's memory before making a new one
             try:
-                self._graph = DecodeGraph(self.model, kv, inp)
+                self._graph = DecodeGraph(self.model, kvs, inp)
             except RuntimeError as e:  # a capture this torch cannot make: decode eagerly from now on
                 log.warning("CUDA graph capture failed on %s (%s): decoding without graphs", self.ctx.device, e)
                 self._graphs_ok = False
                 return None
-        return self._graph.step(kv, inp)
+        return self._graph.step(kvs, inp)
 
     def _decode_never_syncs(self, kernels, spec: ModelSpec) -> bool:
         """Can a decode step run with no host sync (so be captured)? Each layer's experts go through
