@@ -40,7 +40,12 @@ STAGE_THREADS = EnvVar("STRATA_STAGE_THREADS", "1",
                        "stage held up by its card's full launch queue does not hold up the others; 0: one "
                        "thread queues every stage in turn")
 
-ALL = (CACHE_DIR, LOG_LEVEL, PREFILL_HELP, PREFILL_HELP_FRAC, KV_PREFETCH, STAGE_THREADS)
+DECODE_GRAPH_BATCH = EnvVar("STRATA_DECODE_GRAPH_BATCH", "1",
+                            "the largest decode batch replayed as one CUDA graph per stage (larger batches run "
+                            "eagerly); above 1 a batch change costs a capture. Batches above 1 are checked on the "
+                            "CPU only so far, hence the default")
+
+ALL = (CACHE_DIR, LOG_LEVEL, PREFILL_HELP, PREFILL_HELP_FRAC, KV_PREFETCH, STAGE_THREADS, DECODE_GRAPH_BATCH)
 
 
 def cache_dir() -> Path:
@@ -113,3 +118,10 @@ def default_allocator_config() -> None:
     prompt at 8,8 GiB ran out of memory with 1 GB reserved but unusable (two H200s); with
     expandable segments it ran. Call before the first CUDA allocation (the CLI's entry does)."""
     os.environ.setdefault(ALLOC_CONF, "expandable_segments:True")
+
+
+def decode_graph_batch() -> int:
+    raw = (DECODE_GRAPH_BATCH.raw() or "1").strip()
+    if not raw.isdigit() or not 1 <= int(raw) <= 64:
+        raise EnvError(f"{DECODE_GRAPH_BATCH.name}={raw!r}: expected a whole number from 1 to 64")
+    return int(raw)

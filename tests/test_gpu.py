@@ -240,7 +240,7 @@ def test_batched_graph_replay_equals_the_static_step_run_eagerly(tiny_gguf):
     static step run eagerly on twin caches."""
     f = GGUFFile(tiny_gguf)
     spec = spec_from_gguf(f)
-    stage = Stage(f, spec, StageOptions(device=CUDA, max_vram_gib=8))
+    stage = Stage(f, spec, StageOptions(device=CUDA, max_vram_gib=8, graph_batch=3))
     lengths = (40, 9, 23)
     kv_g = [stage.new_sequence(300) for _ in lengths]
     kv_e = [stage.new_sequence(300) for _ in lengths]

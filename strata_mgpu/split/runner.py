@@ -94,7 +94,7 @@ class SplitRunner:
         self.policy = HelpPolicy(enabled=False)
         self._clock = PromptClock(stages[-1].ctx)  # times one-chunk prompts for the policy's rates
         self.kv_token_budget = min(s.kv_token_budget for s in stages)  # every stage holds every sequence's KV
-        threaded = all(s.ctx.is_cuda for s in stages) and env.stage_threads()  # CPU work runs as it is queued
+        threaded = env.stage_threads() and all(s.ctx.is_cuda for s in stages)  # CPU work runs as it is queued
         self.workers = StageWorkers([s.ctx.device for s in stages], threaded)
 
     def kv_cells(self, tokens: int) -> int:

@@ -51,6 +51,7 @@ class StageOptions:
     prefer_cuda_kernels: bool = True
     dtype: torch.dtype | None = None  # compute dtype; None: bf16 on CUDA, fp32 on the CPU
     cuda_graphs: bool = True  # replay decode steps as a captured graph (one per batch) where the path allows
+    graph_batch: int | None = None  # the largest batch replayed as a graph; None: STRATA_DECODE_GRAPH_BATCH
 
 
 @dataclass(frozen=True)
@@ -116,6 +117,7 @@ class Stage(DecoderRunner):
         self._graphs_ok = (opts.cuda_graphs and cache is not None
                            and dtype == torch.bfloat16 and self._decode_never_syncs(kernels, spec))
         self._graph: DecodeGraph | None = None
+        self._graph_batch = opts.graph_batch or env.decode_graph_batch()
         # KV cells in VRAM for all sequences together (the engine admits within it); a sequence
         # longer than that keeps its older cells in pinned host RAM (`stage.host_kv`)
         self.kv_token_budget = self.plan.kv_tokens
@@ -225,7 +227,7 @@ class Stage(DecoderRunner):
         it holds the head (the last), else hidden rows [B, D]. Replays the stage's CUDA graph for
         this batch where the path allows (every cache in VRAM, and too few rows to make the experts
         stream); a spilled sequence's KV is assembled eagerly."""
-        if (self._graphs_ok and all(kv.graph_capturable for kv in kvs)
+        if (self._graphs_ok and len(kvs) <= self._graph_batch and all(kv.graph_capturable for kv in kvs)
                 and not self.model.experts.should_stream(len(kvs))):
             out = self._graph_step(kvs, inp)
             if out is not None:

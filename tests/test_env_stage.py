@@ -1,0 +1,72 @@
+"""STRATA_STAGE_THREADS (0 or 1, default 1), STRATA_DECODE_GRAPH_BATCH (1..64, default 1) and the
+allocator default: typed values, one-line EnvErrors, listed in env.ALL, and the split's threads
+following the variable."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from strata_mgpu import env
+
+
+@pytest.mark.parametrize("raw,want", [(None, True), ("", True), ("0", False), ("1", True)])
+def test_stage_threads_values(monkeypatch, raw, want):
+    if raw is None:
+        monkeypatch.delenv("STRATA_STAGE_THREADS", raising=False)
+    else:
+        monkeypatch.setenv("STRATA_STAGE_THREADS", raw)
+    assert env.stage_threads() is want
+
+
+@pytest.mark.parametrize("name,fn,raw,message", [
+    ("STRATA_STAGE_THREADS", env.stage_threads, "yes", "expected 0 or 1"),
+    ("STRATA_DECODE_GRAPH_BATCH", env.decode_graph_batch, "0", "from 1 to 64"),
+    ("STRATA_DECODE_GRAPH_BATCH", env.decode_graph_batch, "65", "from 1 to 64"),
+    ("STRATA_DECODE_GRAPH_BATCH", env.decode_graph_batch, "8.5", "from 1 to 64"),
+])
+def test_bad_values_are_one_line_errors(monkeypatch, name, fn, raw, message):
+    monkeypatch.setenv(name, raw)
+    with pytest.raises(env.EnvError, match=f"{name}=.*{message}") as e:
+        fn()
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("raw,want", [(None, 1), ("8", 8), (" 16 ", 16)])
+def test_decode_graph_batch_values(monkeypatch, raw, want):
+    if raw is None:
+        monkeypatch.delenv("STRATA_DECODE_GRAPH_BATCH", raising=False)
+    else:
+        monkeypatch.setenv("STRATA_DECODE_GRAPH_BATCH", raw)
+    assert env.decode_graph_batch() == want
+
+
+def test_listed():
+    assert env.STAGE_THREADS in env.ALL and env.DECODE_GRAPH_BATCH in env.ALL
+
+
+def test_allocator_default_keeps_a_user_setting(monkeypatch):
+    monkeypatch.delenv(env.ALLOC_CONF, raising=False)
+    env.default_allocator_config()
+    import os
+
+    assert os.environ[env.ALLOC_CONF] == "expandable_segments:True"
+    monkeypatch.setenv(env.ALLOC_CONF, "max_split_size_mb:128")
+    env.default_allocator_config()
+    assert os.environ[env.ALLOC_CONF] == "max_split_size_mb:128"
+
+
+def test_cpu_stages_run_inline_whatever_the_variable(monkeypatch, tiny_gguf):
+    """Threads only where the work is queued asynchronously (CUDA); CPU work runs as it is given."""
+    from strata_mgpu.model.gguf_reader import GGUFFile
+    from strata_mgpu.model.spec import spec_from_gguf
+    from strata_mgpu.split.runner import build_split
+    from strata_mgpu.stage.stage import StageOptions
+
+    monkeypatch.setenv("STRATA_STAGE_THREADS", "1")
+    f = GGUFFile(tiny_gguf)
+    cpu = StageOptions(device=torch.device("cpu"), chunk_size=64)
+    assert not build_split(f, spec_from_gguf(f), [cpu, cpu], "2").workers.threaded
+    monkeypatch.setenv("STRATA_STAGE_THREADS", "bad")
+    with pytest.raises(env.EnvError):
+        build_split(f, spec_from_gguf(f), [cpu, cpu], "2")
