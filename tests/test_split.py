@@ -76,6 +76,37 @@ def test_split_equals_single_stage_bit_for_bit(loaded, layer_split, n_stages):
     assert all(x.bytes_moved > 0 for x in split.exchanges)
 
 
+def test_split_packs_short_prompts_like_one_stage(loaded):
+    """Several prompts in one pass through the stages (segments): each one's last logits as one
+    stage gives them, and their decode goes on alike."""
+    f, spec = loaded
+    single, split = Stage(f, spec, CPU), build_split(f, spec, [CPU, CPU], "2")
+    prompts = [torch.randint(0, spec.vocab_size, (n,)) for n in (5, 17, 9)]
+    a_kvs, b_kvs = [single.new_sequence(64) for _ in prompts], [split.new_sequence(64) for _ in prompts]
+    a, b = single.prefill_many(a_kvs, prompts), split.prefill_many(b_kvs, prompts)
+    assert a.shape == b.shape == (3, spec.vocab_size) and torch.equal(a, b)
+    assert [kv.length for kv in b_kvs] == [5, 17, 9]
+    tokens = a.argmax(-1)
+    assert torch.equal(single.decode(a_kvs, tokens), split.decode(b_kvs, tokens))
+
+
+def test_engine_packs_short_prompts_on_a_split(loaded):
+    """Arrivals together reach their first token in one call on a split too (it has
+    prefill_many), and their greedy tokens are those of one stage."""
+    f, spec = loaded
+    tok = tokenizer_from_gguf(f)
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    prompts = [(tok.encode(t), params) for t in ("One fish.", "Two fish, red fish.", "Blue fish.")]
+    split, single = build_split(f, spec, [CPU, CPU], "2"), Stage(f, spec, CPU)
+    calls = []
+    real = split.prefill_many
+    split.prefill_many = lambda kvs, chunks: calls.append(len(chunks)) or real(kvs, chunks)
+    outs = run_all(Engine(split, tok, EngineConfig(chunk_size=64)), prompts)
+    ref = run_all(Engine(single, tok, EngineConfig(chunk_size=64)), prompts)
+    assert calls and max(calls) >= 2
+    assert [[t for o in out for t in o.token_ids] for out in outs] == [[t for o in r for t in o.token_ids] for r in ref]
+
+
 def test_engine_greedy_on_split_equals_reference(loaded, tiny_gguf):
     f, spec = loaded
     tok = tokenizer_from_gguf(f)

@@ -111,3 +111,20 @@ def test_a_stage0_failure_skips_the_later_stages_of_that_chunk(loaded, monkeypat
     monkeypatch.setattr(stage0, "run", real0)
     out = split.prefill(split.new_sequence(100), torch.arange(10))
     assert out.shape == (spec.vocab_size,) and calls1 == [1]
+
+
+def test_a_pack_waits_for_its_first_prompts_chunks_in_flight(loaded):
+    """The engine packs the next chunk of a long prompt (its earlier chunks maybe still queued)
+    with short prompts: the pack's result waits for those too, and equals the inline run's."""
+    f, spec = loaded
+    split, reference = threaded_split(f, spec), build_split(f, spec, [CPU] * 2, "2")
+    long = torch.randint(0, spec.vocab_size, (128,))
+    shorts = [torch.randint(0, spec.vocab_size, (n,)) for n in (5, 9)]
+    outs = []
+    for runner in (split, reference):
+        kv = runner.new_sequence(300)
+        assert runner.prefill(kv, long[:64], want_logits=False) is None or runner is reference
+        others = [runner.new_sequence(64) for _ in shorts]
+        outs.append(runner.prefill_many([kv, *others], [long[64:], *shorts]))
+        assert not kv.pending and [o.length for o in others] == [5, 9] and kv.length == 128
+    assert outs[0].shape == (3, spec.vocab_size) and close(*outs)

@@ -7,6 +7,7 @@ Decode steps pass through the stages in turn.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -177,6 +178,26 @@ class SplitRunner:
             for helper in self.helpers:
                 helper.abort()  # a pass that ended normally holds nothing: a no-op then
                 helper.unbind()
+
+    @torch.inference_mode()
+    def prefill_many(self, kvs: Sequence[SplitKV], chunks: Sequence[torch.Tensor]) -> torch.Tensor:
+        """Append chunks[i] [T_i] to sequence kvs[i], all in one pass through the stages (packed as
+        segments); logits [N, V] of each chunk's last token. The engine packs newly arrived short
+        prompts this way, so they reach their first token together instead of one step each."""
+        assert len(kvs) == len(chunks) > 0 and len({id(kv) for kv in kvs}) == len(kvs)
+        self._observe_finished_prompt()
+        ends = list(itertools.accumulate(c.shape[0] for c in chunks))
+        segments = [[Segment(end - c.shape[0], end, kv.parts[k]) for kv, c, end in zip(kvs, chunks, ends, strict=True)]
+                    for k in range(len(self.stages))]
+
+        def work(k: int, stage: Stage, x: torch.Tensor) -> torch.Tensor:
+            x = stage.model.run(stage.model.embed(x) if stage.is_first else x, segments[k])
+            return stage.model.logits(torch.cat([x[end - 1:end] for end in ends])) if stage.is_last else x
+
+        job = [f for kv in kvs for f in kv.pending]  # a pack's first prompt may have chunks in flight
+        for kv in kvs:
+            kv.pending = []
+        return self._result(job + self._submit(torch.cat(list(chunks)), work))
 
     def synchronize(self) -> None:
         """The host waits until every stage has queued what it was given and its device has run it."""
