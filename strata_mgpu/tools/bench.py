@@ -233,8 +233,8 @@ def time_decode_batch(runner, batch: int, n_steps: int, warmup: int = 2, chunk: 
     """Aggregate and per-sequence decode tok/s of `batch` sequences decoded together, one
     `runner.decode(kvs, tokens)` a step (the runner's own batched step: CUDA graphs per stage where
     enabled, eager otherwise). Each sequence has its own random prompt, of a different length
-    (`decode_batch_prompts`); each step feeds every row its greedy next token (argmax on the
-    device, one host sync a step, as sampling does). The warm-up steps (a new batch's first step
+    (`decode_batch_prompts`); each step's argmax comes back to the host (one sync a step, as
+    sampling does) and random tokens are fed, as in `time_decode`. The warm-up steps (a new batch's first step
     may capture a graph and refill the expert cache) are not timed."""
     g = torch.Generator().manual_seed(seed)
     kvs, first = [], []
@@ -251,7 +251,10 @@ def time_decode_batch(runner, batch: int, n_steps: int, warmup: int = 2, chunk: 
     sync_stages(runner.stages)
     t0 = time.perf_counter()
     for _ in range(n_steps):
-        tokens = runner.decode(kvs, tokens).argmax(-1).cpu()  # the host needs each step's tokens
+        runner.decode(kvs, tokens).argmax(-1).cpu()  # the host waits for each step's tokens, as sampling does
+        # random tokens fed, as `time_decode` does: a synthetic model's greedy chain loops over a few
+        # tokens, which would flatter a partly resident expert cache
+        tokens = torch.randint(0, runner.spec.vocab_size, (batch,), generator=g)
     sync_stages(runner.stages)
     seconds = time.perf_counter() - t0
     return batch * n_steps / seconds, n_steps / seconds
