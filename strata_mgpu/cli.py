@@ -189,26 +189,33 @@ def _placement(devices: str, layer_split: str, max_vram: str | None, dtype: str,
 @click.option("--server-decode", default=None,
               help="also decode through the engine as the server does (sampling on, seeded), with this many "
                    "concurrent requests each, e.g. 1,8; --decode-tokens tokens a request (64 if 0)")
+@click.option("--decode-batch", default="1", show_default=True,
+              callback=lambda ctx, param, value: list(dict.fromkeys(_int_list(value))),
+              help="also decode this many sequences together, one batched step for all, e.g. 1,8: aggregate "
+                   "and per-sequence tok/s for each (--decode-tokens steps, 64 if 0); 1 alone: batch-1 decode only")
 @click.option("--json", "json_out", type=click.Path(dir_okay=False, path_type=Path), default=None)
 def bench(model: Path, prompt_tokens: str, decode_tokens: int, runs: int, devices: str, layer_split: str,
           max_vram: str | None, dtype: str, chunk_size: int, cuda_graphs: bool, prefill_help: bool | None,
           prefill_help_frac: str | None, resident_experts: int | None, server_decode: str | None,
-          json_out: Path | None) -> None:
-    """Prefill tok/s against the PCIe link bound, and decode tok/s."""
+          decode_batch: list[int], json_out: Path | None) -> None:
+    """Prefill tok/s against the PCIe link bound, and decode tok/s (at each --decode-batch size)."""
     from strata_mgpu.env import EnvError
     from strata_mgpu.split.runner import SplitError
     from strata_mgpu.stage.device import DeviceError
-    from strata_mgpu.tools.bench import run_bench, write_json
+    from strata_mgpu.tools.bench import decode_batch_kv_tokens, run_bench, write_json
 
     lengths = _int_list(prompt_tokens)
     placement = _placement(devices, layer_split, max_vram, dtype, cuda_graphs, prefill_help, prefill_help_frac,
                            resident_experts)
     served = _int_list(server_decode) if server_decode else []
+    batches = decode_batch if decode_batch != [1] else []
     try:  # KV for the longest prompt and the decode runs (the bench's 64-token prompt and warm-up steps; the
-        # server-shaped run's requests of 32 prompt tokens each, and its warm-up request)
-        kv = max(max(lengths) + 1, 64 + decode_tokens + 3, max(served, default=0) * (32 + (decode_tokens or 64)) + 64)
+        # server-shaped run's requests of 32 prompt tokens each, and its warm-up request; the largest decode batch)
+        kv = max(max(lengths) + 1, 64 + decode_tokens + 3, max(served, default=0) * (32 + (decode_tokens or 64)) + 64,
+                 max((decode_batch_kv_tokens(b, decode_tokens or 64) for b in batches), default=0))
         runner = _build(model, placement, chunk_size, kv_tokens=kv)
-        result = run_bench(runner, model.name, lengths, decode_tokens, runs, chunk_size, on_step=err.print)
+        result = run_bench(runner, model.name, lengths, decode_tokens, runs, chunk_size, on_step=err.print,
+                           decode_batches=batches)
         if server_decode:
             from strata_mgpu.model.tokenizer import tokenizer_from_gguf
             from strata_mgpu.tools.server_decode import measure_server_decode

@@ -101,6 +101,10 @@ def bench_lines(result: BenchResult, chunk_size: int, max_vram: str | None) -> l
             hit += f", {100 * result.decode_hit_rate:.0f}% of picks read from VRAM"
         lines.append(f"decode: {result.decode_tok_per_s:.1f} tok/s ({result.decode_tokens} random tokens, "
                      f"batch 1{hit})")
+    for d in result.decode_batch:
+        lo, hi = d.prompt_tokens[0], d.prompt_tokens[-1]
+        lines.append(f"decode batch {d.batch}: {d.tok_per_s:,.1f} tok/s in all, {d.per_seq_tok_s:,.1f} per sequence "
+                     f"({d.steps} steps of random tokens, prompts of {lo}{'' if lo == hi else f'-{hi}'} tokens)")
     for st in result.stages:
         lines.append(f"stage {st.index}: layers {st.layers} on {st.device}, experts {gb(st.expert_bytes)}, "
                      f"{100 * st.resident_share:.0f}% resident, a pass streams {gb(st.pass_bytes)}"

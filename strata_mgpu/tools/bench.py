@@ -4,7 +4,8 @@ Measures pinned host-to-device bandwidth first (the bound's denominator), then f
 length: prefill tok/s, achieved expert GB/s (every non-resident expert byte crosses a link once
 per chunk), and the bound: the larger of the link bound (streamed bytes / measured bandwidth)
 and the compute of the same passes timed without their uploads; the all-streamed link bound too,
-so figures from before residency compare. Then decode tok/s.
+so figures from before residency compare. Then decode tok/s, and with `decode_batches` the same
+at each batch size B: B sequences decoded together, aggregate and per-sequence tok/s.
 Prompts longer than the chunk size run chunk by chunk, as the engine runs them; with several
 stages the longest prompt is timed per stage too: each stage's busy time and how long two or
 more stages were busy at once (the pipeline's overlap). Runs on the CPU with the tiny model too
@@ -53,6 +54,15 @@ class StageResult:
 
 
 @dataclass
+class DecodeBatchResult:
+    batch: int  # sequences decoded together, one runner.decode call a step
+    steps: int  # timed steps (each gives every sequence one token)
+    prompt_tokens: list[int]  # each sequence's prompt: different lengths, so the rows sit at different positions
+    tok_per_s: float  # aggregate: batch * steps / seconds
+    per_seq_tok_s: float  # each sequence's: steps / seconds
+
+
+@dataclass
 class BenchResult:
     device: str
     model: str
@@ -72,6 +82,7 @@ class BenchResult:
     pipeline_s: float | None = None
     pipeline_tokens: int | None = None
     server_decode: list[dict] = field(default_factory=list)  # tools.server_decode reports, when asked for
+    decode_batch: list[DecodeBatchResult] = field(default_factory=list)  # --decode-batch sizes other than 1 alone
     date: str = field(default_factory=lambda: time.strftime("%Y-%m-%d"))
 
     def to_json(self) -> str:
@@ -207,8 +218,53 @@ def time_decode(runner, n: int, prompt_tokens: int = 64, seed: int = 0) -> tuple
     return n / seconds, (hits / total if total else None)
 
 
+def decode_batch_prompts(batch: int, prompt_tokens: int = 64, step: int = 7) -> list[int]:
+    """Prompt lengths of a decode batch's sequences: 64, 71, 78, ... (each row its own position)."""
+    return [prompt_tokens + step * b for b in range(batch)]
+
+
+def decode_batch_kv_tokens(batch: int, n_steps: int, warmup: int = 2) -> int:
+    """KV cells `time_decode_batch` takes for all its sequences together (a runner plans for this)."""
+    return sum(n + warmup + n_steps + 1 for n in decode_batch_prompts(batch))
+
+
+def time_decode_batch(runner, batch: int, n_steps: int, warmup: int = 2, chunk: int = 8192, seed: int = 0
+                      ) -> tuple[float, float]:
+    """Aggregate and per-sequence decode tok/s of `batch` sequences decoded together, one
+    `runner.decode(kvs, tokens)` a step (the runner's own batched step: CUDA graphs per stage where
+    enabled, eager otherwise). Each sequence has its own random prompt, of a different length
+    (`decode_batch_prompts`); each step's argmax comes back to the host (one sync a step, as
+    sampling does) and random tokens are fed, as in `time_decode`. The warm-up steps (a new batch's first step
+    may capture a graph and refill the expert cache) are not timed."""
+    g = torch.Generator().manual_seed(seed)
+    kvs, first = [], []
+    for n in decode_batch_prompts(batch):
+        kv = runner.new_sequence(n + warmup + n_steps + 1)
+        prompt = torch.randint(0, runner.spec.vocab_size, (n,), generator=g)
+        for start in range(0, n, chunk):  # chunk by chunk, as the engine prefills
+            logits = runner.prefill(kv, prompt[start:start + chunk], want_logits=start + chunk >= n)
+        kvs.append(kv)
+        first.append(logits.argmax(-1).view(1))
+    tokens = torch.cat(first).cpu()
+    for _ in range(warmup):
+        tokens = runner.decode(kvs, tokens).argmax(-1).cpu()
+    sync_stages(runner.stages)
+    t0 = time.perf_counter()
+    for _ in range(n_steps):
+        runner.decode(kvs, tokens).argmax(-1).cpu()  # the host waits for each step's tokens, as sampling does
+        # random tokens fed, as `time_decode` does: a synthetic model's greedy chain loops over a few
+        # tokens, which would flatter a partly resident expert cache
+        tokens = torch.randint(0, runner.spec.vocab_size, (batch,), generator=g)
+    sync_stages(runner.stages)
+    seconds = time.perf_counter() - t0
+    return batch * n_steps / seconds, n_steps / seconds
+
+
 def run_bench(runner, model_name: str, prompt_tokens: list[int], decode_tokens: int, runs: int, chunk: int,
-              on_step: Callable[[str], None] = lambda s: None) -> BenchResult:
+              on_step: Callable[[str], None] = lambda s: None, decode_batches: list[int] | None = None
+              ) -> BenchResult:
+    """`decode_batches`: batch sizes for `time_decode_batch` (--decode-tokens steps each, 64 if 0);
+    none, or batch 1 alone, times only the batch-1 decode of `time_decode`."""
     stages: list[Stage] = runner.stages
     bw = measure_h2d(stages[0])
     on_step(f"pinned H2D: {bw:.1f} GB/s" if bw else "pinned H2D: n/a (CPU)")
@@ -248,6 +304,13 @@ def run_bench(runner, model_name: str, prompt_tokens: list[int], decode_tokens: 
             runner.on_stage = None
         busy, overlap, span = busy_and_overlap(timeline.intervals())
     dec, hit = time_decode(runner, decode_tokens) if decode_tokens else (None, None)
+    batched = []
+    for b in decode_batches if decode_batches and decode_batches != [1] else []:
+        steps = decode_tokens or 64
+        total, each = time_decode_batch(runner, b, steps, chunk=chunk)
+        batched.append(DecodeBatchResult(batch=b, steps=steps, prompt_tokens=decode_batch_prompts(b),
+                                         tok_per_s=total, per_seq_tok_s=each))
+        on_step(f"decode batch {b}: {total:,.1f} tok/s in all, {each:,.1f} per sequence")
     cache = stages[0].model.experts.cache
     devices = {s.ctx.device for s in stages if s.ctx.is_cuda}
     peak = sum(torch.cuda.max_memory_reserved(d) for d in devices) / 1e9 if devices else None
@@ -262,7 +325,8 @@ def run_bench(runner, model_name: str, prompt_tokens: list[int], decode_tokens: 
                             expert_bytes=s.arena.nbytes, resident_share=s.plan.resident_share,
                             pass_bytes=s.model.experts.pass_bytes(), plan=s.plan.lines(), busy_s=busy.get(i))
                 for i, s in enumerate(stages)],
-        overlap_s=overlap, pipeline_s=span, pipeline_tokens=longest if overlap is not None else None)
+        overlap_s=overlap, pipeline_s=span, pipeline_tokens=longest if overlap is not None else None,
+        decode_batch=batched)
 
 
 def write_json(result: BenchResult, path: Path) -> None:
