@@ -58,7 +58,7 @@ if has long; then
   STRATA_KV_PREFETCH=0 bench long8 --max-vram 8 --prompt-tokens 32768 --decode-tokens 16 --runs 1
   STRATA_KV_PREFETCH=1 bench long8pf --max-vram 8 --prompt-tokens 32768 --decode-tokens 16 --runs 1
 fi
-has dec40 && bench dec40 --max-vram 40 --prompt-tokens 1024 --decode-tokens 128 --runs 1 --server-decode 1,8
+has dec40 && bench dec40 --max-vram 40 --prompt-tokens 1024 --decode-tokens 128 --runs 1 --server-decode 1,8 --decode-batch 1,8
 if has served; then
   bench served40 --max-vram 40 --prompt-tokens 1024 --decode-tokens 128 --runs 1 --server-decode 1,8
   bench served16 --max-vram 16 --prompt-tokens 1024 --decode-tokens 128 --runs 1 --server-decode 1,8
