@@ -5,6 +5,7 @@ prompt it belongs to while every stage stays in step for the next call."""
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import torch
@@ -128,3 +129,42 @@ def test_a_pack_waits_for_its_first_prompts_chunks_in_flight(loaded):
         outs.append(runner.prefill_many([kv, *others], [long[64:], *shorts]))
         assert not kv.pending and [o.length for o in others] == [5, 9] and kv.length == 114
     assert outs[0].shape == (3, spec.vocab_size) and close(*outs)
+
+
+def test_a_bounded_exchange_never_overwrites_rows_not_yet_read():
+    """Writer and reader on two threads, the reader slow: with two buffers the writer's third
+    send waits until the first rows were taken (on the CPU the copy happens at once, so an
+    overwrite would show as wrong rows)."""
+    from strata_mgpu.kernels.experts import TorchKernels
+    from strata_mgpu.split.exchange import Exchange
+    from strata_mgpu.stage.device import DeviceContext
+
+    cpu = DeviceContext(torch.device("cpu"))
+    ex = Exchange(cpu, cpu, TorchKernels(), TorchKernels(), max_bytes=64 * 4, bounded=True)
+    sent = [torch.full((4, 16), float(i)) for i in range(6)]
+    got = []
+
+    def reader():
+        for _ in sent:
+            time.sleep(0.02)
+            got.append(ex.receive())
+
+    t = threading.Thread(target=reader)
+    t.start()
+    for x in sent:
+        ex.send(x)
+    t.join()
+    assert all(torch.equal(a, b) for a, b in zip(got, sent, strict=True))
+
+
+def test_a_lagging_stage_reads_every_chunk_it_was_sent(loaded):
+    """Stage 1 slowed on the host while stage 0's thread runs ahead through a long prompt's
+    chunks: the result is still the inline run's (before the bound, stage 0 wrote chunk c+2 into
+    chunk c's buffer before stage 1 read it: other logits, another argmax)."""
+    f, spec = loaded
+    split, reference = threaded_split(f, spec), build_split(f, spec, [CPU] * 2, "2")
+    split.on_stage = lambda k, what: time.sleep(0.05) if (k, what) == (1, "end") else None
+    prompt = torch.randint(0, spec.vocab_size, (320,))
+    a = prefill_chunks(split, split.new_sequence(400), prompt)
+    b = prefill_chunks(reference, reference.new_sequence(400), prompt)
+    assert close(a, b)

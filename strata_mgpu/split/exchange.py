@@ -6,10 +6,18 @@ that event and reads the rows into its own device with the same kernel. No cudaM
 driver stages it through the host without P2P, and it would queue on the copy engines behind
 the expert uploads), no host synchronization. Two buffers alternate, so stage k may write chunk
 c+1 while stage k+1 still reads chunk c; a buffer is rewritten only after its reader's event.
+
+An event wait covers only the records already issued on the host. Where the writer and the
+reader queue their work from different threads (`split.workers`), the writer could otherwise run
+a whole round of buffers ahead and wait on a read record not yet issued, that is on nothing, and
+overwrite rows still to be read. So with `bounded=True` a send first takes one of `n_buffers`
+host tokens, and the receive that queued the buffer's read record gives it back: the writer is
+never more than `n_buffers` sends ahead of the reader's host side.
 """
 
 from __future__ import annotations
 
+import threading
 from collections import deque
 
 import torch
@@ -21,7 +29,7 @@ from strata_mgpu.stage.pinned import host_buffer
 
 class Exchange:
     def __init__(self, src: DeviceContext, dst: DeviceContext, src_kernels: TorchKernels, dst_kernels: TorchKernels,
-                 max_bytes: int, n_buffers: int = 2, name: str = "hand-over"):
+                 max_bytes: int, n_buffers: int = 2, name: str = "hand-over", bounded: bool = False):
         self.src, self.dst = src, dst
         self.src_kernels, self.dst_kernels = src_kernels, dst_kernels
         pin = src.is_cuda or dst.is_cuda
@@ -31,6 +39,8 @@ class Exchange:
         self.read = [dst.event(f"{name} from {src.name} buffer {i} read") for i in range(n_buffers)]  # by the reader
         self._next = 0
         self._pending: deque[tuple[int, torch.Size, torch.dtype]] = deque()
+        # writer and reader on two threads: a send waits (host) for a buffer whose read is queued
+        self._free = threading.Semaphore(n_buffers) if bounded else None
         self.bytes_moved = 0
 
     @property
@@ -41,6 +51,8 @@ class Exchange:
         """On the writer's current stream: put x [T, D] into the next buffer."""
         nbytes = x.numel() * x.element_size()
         assert nbytes <= self.max_bytes, f"{nbytes} bytes exceed the exchange's {self.max_bytes}"
+        if self._free is not None:
+            self._free.acquire()  # the reader has queued its read of this buffer's last rows
         b = self._next
         self._next = (b + 1) % len(self.buffers)
         self.src.wait(self.read[b])  # its reader is done
@@ -58,4 +70,6 @@ class Exchange:
         out = torch.empty(shape, dtype=dtype, device=self.dst.device)
         self.dst_kernels.copy_wide(out, self.buffers[b][:out.numel() * out.element_size()])
         self.dst.record(self.read[b])
+        if self._free is not None:
+            self._free.release()
         return out

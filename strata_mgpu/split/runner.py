@@ -29,6 +29,9 @@ from strata_mgpu.split.workers import StageWorkers, wait_all
 from strata_mgpu.stage.stage import Stage, StageOptions
 
 log = logging.getLogger("strata.split")
+# A prompt's chunks queued but not waited for: the stages pipeline across two chunks; more would
+# only delay an abort or an error (each waits behind what is queued) and hold their activations.
+MAX_CHUNKS_AHEAD = 2
 
 
 class SplitError(ValueError):
@@ -71,7 +74,7 @@ class SplitKV:
     """One sequence's KV caches, one per stage (each on its stage's device)."""
 
     parts: list[KVCache]
-    pending: list[Future] = field(default_factory=list)  # its prompt chunks' stage tasks not yet waited for
+    pending: list[list[Future]] = field(default_factory=list)  # its prompt chunks' stage tasks, not waited for
 
     @property
     def nbytes(self) -> int:
@@ -155,11 +158,13 @@ class SplitRunner:
         n = tokens.shape[0]
         self._observe_finished_prompt()
         if not whole_prompt:
-            kv.pending += self._submit(tokens, self._prompt_rows([[Segment(0, n, part)] for part in kv.parts]))
+            kv.pending.append(self._submit(tokens, self._prompt_rows([[Segment(0, n, part)] for part in kv.parts])))
             if not want_logits:
+                while len(kv.pending) > MAX_CHUNKS_AHEAD:  # an abort or an error waits for few chunks
+                    wait_all(kv.pending.pop(0))
                 return None
-            job, kv.pending = kv.pending, []
-            return self._result(job)[0]
+            jobs, kv.pending = kv.pending, []
+            return self._result([f for job in jobs for f in job])[0]
         self.workers.idle()  # the helper works on both stages from this thread: nothing else may be queued
         for k, (busy, helper) in enumerate(zip(self.stages, self.helpers, strict=False)):
             idle = self.stages[(k + 1) % len(self.stages)]
@@ -194,16 +199,10 @@ class SplitRunner:
             x = stage.model.run(stage.model.embed(x) if stage.is_first else x, segments[k])
             return stage.model.logits(torch.cat([x[end - 1:end] for end in ends])) if stage.is_last else x
 
-        job = [f for kv in kvs for f in kv.pending]  # a pack's first prompt may have chunks in flight
+        job = [f for kv in kvs for chunk in kv.pending for f in chunk]  # the pack's first prompt's chunks in flight
         for kv in kvs:
             kv.pending = []
         return self._result(job + self._submit(torch.cat(list(chunks)), work))
-
-    def synchronize(self) -> None:
-        """The host waits until every stage has queued what it was given and its device has run it."""
-        self.workers.idle()
-        for s in self.stages:
-            s.ctx.synchronize()
 
     def _observe_finished_prompt(self) -> None:
         """Feed the last one-chunk prompt's time to the helper policy once it has finished (no
@@ -250,12 +249,12 @@ class SplitRunner:
                     if self.on_stage:  # after the hand-over's wait: the stage's own work starts here
                         self.on_stage(k, "start")
                     x = work(k, stage, x)
-                    if k < last:
-                        self.exchanges[k].send(x)
-                    else:
+                    if k == last:
                         stage.ctx.access(x, "w")
                     if self.on_stage:
                         self.on_stage(k, "end")
+                    if k < last:  # the send last: a task that sent has nothing left that can fail,
+                        self.exchanges[k].send(x)  # so the next stage's task always takes its rows
                     return x if k == last else None
             job.append(self.workers.submit(k, task, job[-1] if job else None, inline=inline))
         return job
@@ -323,8 +322,8 @@ def build_split(f: GGUFFile, spec: ModelSpec, options: list[StageOptions], layer
         measure_link_rate(s.ctx)
     chunk = max(o.chunk_size for o in options)
     max_bytes = chunk * spec.hidden * 4  # fp32 rows at most: bf16 needs half
-    exchanges = [Exchange(a.ctx, b.ctx, a.kernels, b.kernels, max_bytes) for a, b in zip(stages, stages[1:],
-                                                                                         strict=False)]
+    exchanges = [Exchange(a.ctx, b.ctx, a.kernels, b.kernels, max_bytes, bounded=True)  # stages: two threads
+                 for a, b in zip(stages, stages[1:], strict=False)]
     runner = SplitRunner(stages, exchanges)
     if help_policy is not None and help_policy.enabled:
         runner.set_stage_helper(help_policy, chunk)

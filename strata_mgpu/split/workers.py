@@ -45,7 +45,6 @@ class StageWorkers:
         self._pools = [ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"strata-stage{k}",
                                           initializer=_bind_device, initargs=(d,))
                        for k, d in enumerate(self.devices)] if threaded else []
-        self._last: list[Future | None] = [None] * len(self.devices)  # each stage's newest task
 
     def submit(self, k: int, fn: Callable[[], T], after: Future | None, inline: bool = False) -> Future:
         """Queue fn as stage k's next task, to run once `after` (the previous stage's task of the
@@ -57,6 +56,7 @@ class StageWorkers:
             return done_future(fn)
         streams = self._caller_streams()
         grad, inference = torch.is_grad_enabled(), torch.is_inference_mode_enabled()  # thread-local: carried
+        device = self.devices[k]
 
         def task() -> T:
             if after is not None:
@@ -66,21 +66,21 @@ class StageWorkers:
                 stack.enter_context(torch.set_grad_enabled(grad))
                 for s in streams:  # the caller's current streams, so "the caller" means the same here
                     stack.enter_context(torch.cuda.stream(s))
+                if device.type == "cuda":  # each stream above made its device current: the stage's last
+                    stack.enter_context(torch.cuda.device(device))
                 return fn()
 
-        f = self._pools[k].submit(task)
-        self._last[k] = f
-        return f
+        return self._pools[k].submit(task)
 
     def _caller_streams(self) -> list[torch.cuda.Stream]:
         return [torch.cuda.current_stream(d) for d in dict.fromkeys(self.devices) if d.type == "cuda"]
 
     def idle(self) -> None:
-        """Wait until every stage has queued all it was given (their errors stay with their calls)."""
-        for f in self._last:
-            if f is not None:
-                f.exception()  # waits; does not raise
-        self._last = [None] * len(self.devices)
+        """Wait until every stage has queued all it was given (their errors stay with their calls):
+        a no-op through each stage's queue, which runs in order. Holds no finished task (a failed
+        one's traceback would keep its tensors alive)."""
+        for pool in self._pools:
+            pool.submit(lambda: None).result()
 
     def close(self) -> None:
         for pool in self._pools:
