@@ -104,7 +104,7 @@ def main() -> None:
         print(f"allocator on {d}: " + ", ".join(f"{k} {v}" for k, v in delta.items()))
     rows = [e for e in prof.key_averages() if e.key.startswith(BLOCKING)]
     rows.sort(key=lambda e: -e.cpu_time_total)
-    print("host calls that may wait for the device (count, total ms, max ms):")
+    print("host calls that may wait for the device (count, total ms):")
     for e in rows[:15]:
         print(f"  {e.key:32s} {e.count:6d} {e.cpu_time_total / 1e3:9.1f}")
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20))
