@@ -17,6 +17,7 @@ from strata_mgpu.model.reference import ReferenceModel
 from strata_mgpu.model.spec import spec_from_gguf
 from strata_mgpu.model.synthetic import write_model
 from strata_mgpu.model.weights import load_weights
+from strata_mgpu.stage.device import DeviceContext
 from strata_mgpu.stage.host_kv import KVStaging, TwoTierKV, make_kv_cache, window_bytes
 from strata_mgpu.stage.stage import Stage, StageOptions
 
@@ -56,7 +57,7 @@ def test_two_tier_equals_all_vram_in_bf16(stage, prefetch):
     """Chunks longer than the window, then batched decode of two spilled sequences sharing one
     staging; no host sync per layer on this path, so the side stream races compute for real."""
     max_length, window = 1200, 100
-    staging = KVStaging.for_model(stage.spec, max_length, device=CUDA, dtype=torch.bfloat16, prefetch=prefetch)
+    staging = KVStaging.for_model(stage.spec, max_length, ctx=stage.ctx, dtype=torch.bfloat16, prefetch=prefetch)
     (plain_a, a), (plain_b, b) = caches(stage, window, max_length, staging), caches(stage, window, max_length,
                                                                                     staging)
     g = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
@@ -88,7 +89,7 @@ def test_long_prompt_holds_only_the_window_in_vram(stage, prefetch):
     all-VRAM cache's."""
     spec, n_layers = stage.spec, len(stage.layers)
     max_length, window, n = 7100, 512, 7000
-    staging = KVStaging.for_model(spec, max_length, device=CUDA, dtype=torch.bfloat16, prefetch=prefetch)
+    staging = KVStaging.for_model(spec, max_length, ctx=stage.ctx, dtype=torch.bfloat16, prefetch=prefetch)
     prompt = torch.randint(0, spec.vocab_size, (n,))
     with stage.ctx.on_compute():  # lazy workspaces (cuBLAS, ...) of the first forward are not the KV's
         warm = make_kv_cache(spec, stage.layers, 64, 64, device=CUDA, dtype=torch.bfloat16, staging=None)
@@ -138,7 +139,8 @@ def test_failed_forward_drains_the_side_stream(tmp_path_factory):
     spec = spec_from_gguf(f)
     model = ReferenceModel(spec, load_weights(f, spec, dtype=torch.bfloat16, device=CUDA))
     model.experts = FailingExperts(model.experts)
-    staging = KVStaging.for_model(spec, 800, device=CUDA, dtype=torch.bfloat16, prefetch=True)
+    ctx = DeviceContext(CUDA, 8 * 2**30)  # the model runs on the caller's stream: only the side stream is ctx's
+    staging = KVStaging.for_model(spec, 800, ctx=ctx, dtype=torch.bfloat16, prefetch=True)
     layers, window = range(spec.n_layers), 64
 
     def make(cells):

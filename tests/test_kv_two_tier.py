@@ -13,6 +13,7 @@ from strata_mgpu.model.kv_cache import KVCache
 from strata_mgpu.model.reference import ReferenceModel
 from strata_mgpu.model.spec import spec_from_gguf
 from strata_mgpu.model.weights import load_weights
+from strata_mgpu.stage.device import DeviceContext
 from strata_mgpu.stage.host_kv import Hold, KVStaging, TwoTierKV, make_kv_cache, staging_bytes, window_bytes
 
 MAX_LEN = 96
@@ -26,7 +27,10 @@ def model(tiny_gguf) -> ReferenceModel:
 
 
 def staging(model, prefetch: bool, max_cells: int = MAX_LEN) -> KVStaging:
-    return KVStaging.for_model(model.spec, max_cells, device="cpu", dtype=torch.float32, prefetch=prefetch)
+    """On a CPU context of its own: inside `ordering_twin()` one with twin streams
+    (tests/test_ordering_kv.py reruns these tests there)."""
+    ctx = DeviceContext(torch.device("cpu"))
+    return KVStaging.for_model(model.spec, max_cells, ctx=ctx, dtype=torch.float32, prefetch=prefetch)
 
 
 def two_tier(model, window: int, st: KVStaging, max_length: int = MAX_LEN) -> TwoTierKV:

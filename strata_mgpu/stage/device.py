@@ -7,9 +7,10 @@ stage owns is its streams, so two stages on one card still queue their work inde
 overlap there as they would on two cards. On the CPU the streams are None and every
 "asynchronous" step runs in program order; the same stage code runs on both.
 
-Every stream and event operation of the stage code goes through the context (`event`, `record`,
-`wait`, `wait_stream`, `use`, `current_stream`, `synchronize`), and so does every read or write of
-a buffer that another stream may touch (`label` where it is allocated, `access` where it is used).
+Every stream and event operation of the stage code goes through the context (`new_stream`, `event`,
+`record`, `wait`, `wait_stream`, `use`, `current_stream`, `synchronize`, `synchronize_device`), and
+so does every read or write of a buffer that another stream may touch (`label` where it is
+allocated, `access` where it is used).
 On CUDA these are the torch.cuda calls and `access` is a no-op; on the plain CPU all are no-ops.
 A CPU context made with `twin=` (or inside `streams.ordering_twin()`) gets twin streams instead,
 and every missing wait raises `OrderingError` (`stage/streams.py`).
@@ -118,6 +119,11 @@ class DeviceContext:
 
     # --- streams and events: torch.cuda on CUDA, no-ops on the CPU, checked by the twin ---------
 
+    def new_stream(self, kind: str) -> Stream:
+        """Another stream of this device (None on the plain CPU), for work the stage's own two do not
+        carry (the KV staging's side stream); `kind` names it in the twin's messages."""
+        return self._streams.new_stream(kind)
+
     def event(self, name: str = "") -> Event:
         """A new event (None on the plain CPU); `name` says what it marks, in the twin's messages."""
         return self._streams.event(name)
@@ -148,6 +154,11 @@ class DeviceContext:
     def synchronize(self, stream: Stream = None) -> None:
         """The host waits for `stream` (default: the current one)."""
         self._streams.synchronize(stream)
+
+    def synchronize_device(self) -> None:
+        """The host waits for every stream of the device (torch.cuda.synchronize): work queued on a
+        stream the caller does not know, before memory it may touch is freed."""
+        self._streams.synchronize_device()
 
     def access(self, buffer: torch.Tensor | str | tuple | list, mode: str) -> None:
         """Declare that the current stream reads ('r') or writes ('w') `buffer` (a tensor, meaning

@@ -13,13 +13,20 @@ cells leave the ring through that buffer to the host (a chunk longer than the wi
 of its own rows), so the host always holds a prefix. Host rows are per layer, so a forward that
 fails between layers leaves every layer readable: a retry gives the same result.
 
-Streams (CUDA, prefetch on): uploads into staging and spills out of it run on the staging's side
+Streams (prefetch on): uploads into staging and spills out of it run on the staging's side
 stream. `released[b]` is recorded on the compute stream when side work on buffer b is queued
 (every earlier reader of b was queued there before it); the side stream waits for it. `ready[b]`
 is recorded on the side stream after its last use of b; the compute stream waits for it before
-it reads or overwrites b. Without prefetch there is no side stream: everything runs on the
-caller's stream in program order. On the CPU a "side-stream" copy runs at once, so the same
-bookkeeping (holds, drains) runs there too.
+it reads or overwrites b. An upload on the compute stream (a layer not prefetched) also waits for
+the cache's last spill (`_spilled`); `ready[b]` orders that spill already, since a layer always
+spills through its own buffer. Without prefetch there is no side stream: everything runs on the
+caller's stream in program order.
+
+Every stream and event operation goes through the stage's `DeviceContext`, and every use of a
+staging buffer or of a layer's host rows by either stream is declared there (`ctx.access`): on
+CUDA these are the torch.cuda calls, on the plain CPU no-ops (the side stream is None, so a
+"side-stream" copy runs at once, and the same bookkeeping, holds and drains, runs there too),
+and under the ordering twin (`stage/streams.py`) a missing wait raises `OrderingError`.
 """
 
 from __future__ import annotations
@@ -34,6 +41,7 @@ import torch
 
 from strata_mgpu.model.kv_cache import KVCache
 from strata_mgpu.model.spec import ModelSpec
+from strata_mgpu.stage.device import DeviceContext
 from strata_mgpu.stage.pinned import host_buffer
 
 _owner_ids = itertools.count(1)
@@ -50,39 +58,47 @@ class Hold:
 
 class KVStaging:
     """Device buffers where a spilled sequence's keys and values of one layer are put in position
-    order for attention: k, v [n_buffers, S, Hkv, Dh]. One per stage, shared by its two-tier
-    caches (the forward attends one segment at a time). With prefetch there are two buffers and
-    a side stream: layer i + 1's host prefix uploads into one while layer i attends from the other.
+    order for attention: per buffer, keys and values [2, S, Hkv, Dh], one allocation each so that
+    the ordering twin tells the buffers apart. One per stage, shared by its two-tier caches (the
+    forward attends one segment at a time). With prefetch there are two buffers and a side stream
+    of `ctx`: layer i + 1's host prefix uploads into one while layer i attends from the other.
     """
 
-    def __init__(self, n_kv_heads: int, head_dim: int, max_cells: int, *, device: torch.device | str,
+    def __init__(self, n_kv_heads: int, head_dim: int, max_cells: int, *, ctx: DeviceContext,
                  dtype: torch.dtype, prefetch: bool):
-        self.device = torch.device(device)
-        self.prefetch = prefetch
+        self.ctx, self.device, self.prefetch = ctx, ctx.device, prefetch
         n = 2 if prefetch else 1
-        self.k = torch.zeros(n, max_cells, n_kv_heads, head_dim, device=self.device, dtype=dtype)
-        self.v = torch.zeros_like(self.k)
-        self.side = torch.cuda.Stream(self.device) if prefetch and self.device.type == "cuda" else None
-        self.ready = [torch.cuda.Event() if self.side else None for _ in range(n)]
-        self.released = [torch.cuda.Event() if self.side else None for _ in range(n)]
+        self.buffers = [ctx.label(torch.zeros(2, max_cells, n_kv_heads, head_dim, device=ctx.device, dtype=dtype),
+                                  f"kv staging {b}") for b in range(n)]  # [2, S, Hkv, Dh] each
+        self.side = ctx.new_stream("kv side") if prefetch else None  # None on the plain CPU too
+        self.ready = [ctx.event(f"kv staging {b} ready") if prefetch else None for b in range(n)]
+        self.released = [ctx.event(f"kv staging {b} released") if prefetch else None for b in range(n)]
         self.holds: list[Hold | None] = [None] * n  # per buffer: a prefetch not yet consumed
 
     @classmethod
-    def for_model(cls, spec: ModelSpec, max_cells: int, *, device: torch.device | str, dtype: torch.dtype,
+    def for_model(cls, spec: ModelSpec, max_cells: int, *, ctx: DeviceContext, dtype: torch.dtype,
                   prefetch: bool) -> KVStaging:
-        return cls(spec.n_kv_heads, spec.head_dim, max_cells, device=device, dtype=dtype, prefetch=prefetch)
+        return cls(spec.n_kv_heads, spec.head_dim, max_cells, ctx=ctx, dtype=dtype, prefetch=prefetch)
+
+    def kv(self, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Buffer b's keys and values, [S, Hkv, Dh] each."""
+        return self.buffers[b][0], self.buffers[b][1]
 
     @property
     def max_cells(self) -> int:
-        return self.k.shape[1]
+        return self.buffers[0].shape[1]
 
     @property
     def n_buffers(self) -> int:
-        return self.k.shape[0]
+        return len(self.buffers)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.buffers[0].dtype
 
     @property
     def nbytes(self) -> int:
-        return 2 * self.k.numel() * self.k.element_size()
+        return sum(x.numel() * x.element_size() for x in self.buffers)
 
     def buffer_for(self, layer: int) -> int:
         return layer % self.n_buffers
@@ -90,20 +106,21 @@ class KVStaging:
     @contextlib.contextmanager
     def on_side(self, b: int) -> Iterator[None]:
         """Queue the enclosed copies touching buffer b on the side stream, after every use of b
-        queued so far on the current stream; later users of b wait on `ready[b]`."""
-        if self.side is None:
+        queued so far on the current stream; later users of b wait on `ready[b]`. Without prefetch
+        they stay on the current stream."""
+        if not self.prefetch:
             yield
             return
-        self.released[b].record(torch.cuda.current_stream(self.device))
-        self.side.wait_event(self.released[b])
-        with torch.cuda.stream(self.side):
+        ctx = self.ctx
+        ctx.record(self.released[b])  # on the current stream, after its uses of b so far
+        ctx.wait(self.released[b], self.side)
+        with ctx.use(self.side):
             yield
-        self.ready[b].record(self.side)
+        ctx.record(self.ready[b], self.side)
 
     def wait_side(self, b: int) -> None:
-        """The current stream waits for the side stream's last use of buffer b."""
-        if self.side is not None:
-            torch.cuda.current_stream(self.device).wait_event(self.ready[b])
+        """The current stream waits for the side stream's last use of buffer b (no-op without prefetch)."""
+        self.ctx.wait(self.ready[b])
 
     def take(self, owner: int, layer: int, rows: int, b: int) -> bool:
         """Whether buffer b holds `owner`'s prefetched rows of `layer` (the current stream then waits
@@ -116,16 +133,15 @@ class KVStaging:
     def drain(self, owner: int | None = None) -> None:
         """Wait (host) for everything queued on the side stream; forget `owner`'s holds (every
         hold when None). Before an abort's cleanup, a relayout, or freeing memory it touches."""
-        if self.side is not None:
-            self.side.synchronize()
+        if self.prefetch:  # not self.side: None is also the plain CPU's, and synchronize(None) the current stream
+            self.ctx.synchronize(self.side)
         self.holds = [None if h is None or owner is None or h.owner == owner else h for h in self.holds]
 
 
-def _drain_before_free(staging: KVStaging, owner: int, device: torch.device) -> None:
+def _drain_before_free(staging: KVStaging, owner: int) -> None:
     """A two-tier cache is going: no copy may still run into or out of its host rows."""
     staging.drain(owner)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)  # spills queued on the compute stream (prefetch off)
+    staging.ctx.synchronize_device()  # spills queued on the caller's stream (prefetch off), whichever it was
 
 
 class TwoTierKV:
@@ -146,11 +162,13 @@ class TwoTierKV:
         if staging.max_cells < max_length:
             raise ValueError(f"the staging buffer holds {staging.max_cells} cells, the sequence may reach "
                              f"{max_length}")
-        assert staging.k.dtype == dtype, "staging and cache dtypes differ"
+        assert staging.dtype == dtype, "staging and cache dtypes differ"
         self.window, self.max_length, self.length = window, max_length, 0
-        self.staging = staging
+        self.staging, self.ctx = staging, staging.ctx
         self.device = staging.device
         self.owner = next(_owner_ids)
+        # Declared per layer: a layer's spill and another layer's upload touch disjoint rows.
+        self._host_rows_name = [f"{self.ctx.name} kv {self.owner} host rows of layer {i}" for i in range(n_layers)]
         cap = min(capacity, window)
         self.k = torch.zeros(n_layers, cap, n_kv_heads, head_dim, device=self.device, dtype=dtype)
         self.v = torch.zeros_like(self.k)
@@ -158,7 +176,7 @@ class TwoTierKV:
         self.host_k: torch.Tensor | None = None  # [L, C, Hkv, Dh], allocated at the first spill
         self.host_v: torch.Tensor | None = None
         # This cache's last spill on the side stream: an upload on the compute stream waits for it.
-        self._spilled = torch.cuda.Event() if staging.side is not None else None
+        self._spilled = self.ctx.event(f"kv {self.owner} spilled") if staging.prefetch else None
         self._finalizer: weakref.finalize | None = None
         self.closed = False
 
@@ -219,12 +237,14 @@ class TwoTierKV:
             self.host_rows[layer] = 0  # a failed forward may have spilled rows that are not the sequence's
             return self.k[layer, :end], self.v[layer, :end]
         assert self.capacity == self.window, "reserve() before writing"
-        st = self.staging
+        st, ctx = self.staging, self.ctx
         b = st.buffer_for(layer)
-        k_buf, v_buf = st.k[b], st.v[b]  # [S, Hkv, Dh]
-        if not st.take(self.owner, layer, h, b) and h > 0:  # not prefetched: upload it on this stream
-            if self._spilled is not None:
-                torch.cuda.current_stream(self.device).wait_event(self._spilled)
+        k_buf, v_buf = st.kv(b)  # [S, Hkv, Dh]
+        prefetched = st.take(self.owner, layer, h, b)  # (this stream now waits for the side stream's use of b)
+        ctx.access(st.buffers[b], "w")  # the host rows unless prefetched, the ring's cells, the new rows
+        if not prefetched and h > 0:  # upload it on this stream
+            ctx.wait(self._spilled)
+            ctx.access(self._host_rows_name[layer], "r")
             self._upload(layer, h, k_buf, v_buf)
         for ring, pos in self._ring_spans(h, start):
             k_buf[pos] = self.k[layer, ring]
@@ -234,15 +254,17 @@ class TwoTierKV:
         new_h = max(h, end - self.window)
         if new_h > h:  # the oldest cells leave the window, in position order
             with st.on_side(b):
+                ctx.access(st.buffers[b], "r")
+                ctx.access(self._host_rows_name[layer], "w")
                 self.host_k[layer, h:new_h].copy_(k_buf[h:new_h], non_blocking=True)
                 self.host_v[layer, h:new_h].copy_(v_buf[h:new_h], non_blocking=True)
-                if self._spilled is not None:
-                    self._spilled.record(st.side)
+                ctx.record(self._spilled, st.side)
         for ring, pos in self._ring_spans(max(start, new_h), end):
             rows = slice(pos.start - start, pos.stop - start)
             self.k[layer, ring] = k_new[rows]
             self.v[layer, ring] = v_new[rows]
         self.host_rows[layer] = new_h
+        ctx.access(st.buffers[b], "r")  # attention reads them next, on this stream
         return k_buf[:end], v_buf[:end]
 
     def advance(self, n: int) -> None:
@@ -261,7 +283,9 @@ class TwoTierKV:
         if h == 0 or st.holds[b] is not None:
             return
         with st.on_side(b):  # this cache's spills were queued on the side stream before: in order
-            self._upload(layer, h, st.k[b], st.v[b])
+            self.ctx.access(self._host_rows_name[layer], "r")
+            self.ctx.access(st.buffers[b], "w")
+            self._upload(layer, h, *st.kv(b))
         st.holds[b] = Hold(self.owner, layer, h)
 
     def drain(self) -> None:
@@ -310,15 +334,15 @@ class TwoTierKV:
         cap = min(self.max_length - self.window, max(rows, 2 * old))
         shape = (2, self.n_layers, cap, *self.k.shape[2:])
         elem = self.k.element_size()
-        flat = host_buffer(elem * torch.Size(shape).numel(), pin=self.device.type == "cuda")
+        flat = host_buffer(elem * torch.Size(shape).numel(), pin=self.ctx.is_cuda)
         kv = flat.view(self.k.dtype).view(shape)  # [2, L, C, Hkv, Dh]: keys, then values
         if self.host_k is not None:
-            _drain_before_free(self.staging, self.owner, self.device)
+            _drain_before_free(self.staging, self.owner)
             kv[0, :, :old] = self.host_k
             kv[1, :, :old] = self.host_v
         self.host_k, self.host_v = kv[0], kv[1]
         if self._finalizer is None:
-            self._finalizer = weakref.finalize(self, _drain_before_free, self.staging, self.owner, self.device)
+            self._finalizer = weakref.finalize(self, _drain_before_free, self.staging, self.owner)
             self._finalizer.atexit = False
 
 

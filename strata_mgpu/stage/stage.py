@@ -178,7 +178,7 @@ class Stage(DecoderRunner):
                                  f"planned its KV for")
             if max_length > self.plan.kv_tokens:
                 if self._kv_staging is None:  # one buffer for the planned context, as the plan counted it
-                    self._kv_staging = KVStaging.for_model(self.spec, self.plan_context, device=self.ctx.device,
+                    self._kv_staging = KVStaging.for_model(self.spec, self.plan_context, ctx=self.ctx,
                                                            dtype=self.model.w.dtype, prefetch=self._kv_prefetch)
                 staging = self._kv_staging
             return make_kv_cache(self.spec, self.layers, self.plan.kv_tokens, max_length, device=self.ctx.device,

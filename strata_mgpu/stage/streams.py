@@ -268,6 +268,9 @@ class CudaStreams:
     def synchronize(self, stream: Stream) -> None:
         (stream if stream is not None else torch.cuda.current_stream(self.device)).synchronize()
 
+    def synchronize_device(self) -> None:
+        torch.cuda.synchronize(self.device)
+
     def access(self, buffer, mode: str) -> None:
         pass
 
@@ -302,6 +305,9 @@ class InOrderStreams:
     def synchronize(self, stream: None) -> None:
         pass
 
+    def synchronize_device(self) -> None:
+        pass
+
     def access(self, buffer, mode: str) -> None:
         pass
 
@@ -331,9 +337,12 @@ class TwinStreams:
         self.twin, self.name = twin, name
         self.default = twin.stream(f"{name}.default", self)
         self.current = self.default
+        self.streams = [self.default]  # every stream of this device, for synchronize_device
 
     def new_stream(self, kind: str) -> TwinStream:
-        return self.twin.stream(f"{self.name}.{kind}", self)
+        s = self.twin.stream(f"{self.name}.{kind}", self)
+        self.streams.append(s)
+        return s
 
     def event(self, name: str) -> TwinEvent:
         return self.twin.event(f"{self.name} {name or f'event {len(self.twin.events)}'}")
@@ -355,6 +364,10 @@ class TwinStreams:
 
     def synchronize(self, stream: TwinStream | None) -> None:
         self.twin.synchronize(stream if stream is not None else self.current)
+
+    def synchronize_device(self) -> None:
+        for s in self.streams:
+            self.twin.synchronize(s)
 
     def access(self, buffer, mode: str) -> None:
         where = _where(3)  # the stage code that called DeviceContext.access
