@@ -19,6 +19,10 @@
 #   x2dec   decode on two cards (batch 1 bench, and 1 and 8 requests as the server does) and on one
 #   x2prof  tools/profile_pipeline on two cards, 32K prompt: host vs device timelines, allocator
 #           syncs, host calls that wait for the device
+#   serve40 / x2serve   `strata serve` as a user launches it (one card --max-vram 40; two cards 16,16),
+#           measured over HTTP by tools/serve_probe: prompt tok/s at 1.5K/3K/6K tokens from the
+#           server's timings, decode, 8 streamed chats at once (STRATA_DECODE_GRAPH_BATCH as set)
+#   graphs8 decode at --max-vram 40 with batched graphs off (default) and on (STRATA_DECODE_GRAPH_BATCH=8)
 #   x2final the session's last two-card figures: a 32K prompt in 4K chunks, decode (graphs per stage,
 #           server-shaped 1 and 8), and a 40K prompt on one card at --max-vram 16
 #   x2oom   the 8,8 sweep cells at 6K and 8K with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
@@ -111,6 +115,27 @@ if has x2final; then
   bench long16two4k $X2 --prompt-tokens 32768 --chunk-size 4096 --decode-tokens 0 --runs 2
   bench x2dec_final $X2 --prompt-tokens 1024 --decode-tokens 128 --runs 1 --server-decode 1,8
   bench long40k --devices 0 --max-vram 16 --prompt-tokens 40000 --decode-tokens 32 --runs 1
+fi
+serve_probe() {  # name, serve args...: a server in the background, the probe, then SIGTERM
+  local name=$1; shift
+  local port=$((8100 + RANDOM % 500))
+  python3 -m strata_mgpu serve $MODEL "$@" --port $port > "$OUT/serve_$name.log" 2>&1 &
+  local pid=$!
+  for _ in $(seq 1 300); do
+    curl -sf "http://127.0.0.1:$port/health" > /dev/null 2>&1 && break
+    kill -0 $pid 2> /dev/null || break
+    sleep 1
+  done
+  python3 -m strata_mgpu.tools.serve_probe "http://127.0.0.1:$port" --prompt-tokens 1500,3000,6000 \
+    --max-tokens 128 --chats 8 --json "$OUT/serve_$name.json" 2>&1 | tee "$OUT/probe_$name.log" || status=1
+  kill $pid 2> /dev/null; wait $pid 2> /dev/null || true
+}
+has serve40 && serve_probe one40 --max-vram 40
+has x2serve && serve_probe two16 --devices 0,1 --layer-split auto --max-vram 16,16
+if has graphs8; then
+  bench graphs_off --max-vram 40 --prompt-tokens 1024 --decode-tokens 128 --runs 1 --server-decode 1,8 --decode-batch 1,8
+  STRATA_DECODE_GRAPH_BATCH=8 bench graphs_on --max-vram 40 --prompt-tokens 1024 --decode-tokens 128 --runs 1 \
+    --server-decode 1,8 --decode-batch 1,8
 fi
 # few files come back from the device machine: everything but the summary files in one archive
 (cd "$OUT" && tar czf results.tgz --exclude=results.tgz --exclude=gpu.txt --exclude=gpu_tests.log \
