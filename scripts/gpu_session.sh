@@ -122,7 +122,8 @@ serve_probe() {  # name, serve args...: a server in the background, the probe, t
   python3 -m strata_mgpu serve $MODEL "$@" --port $port > "$OUT/serve_$name.log" 2>&1 &
   local pid=$!
   for _ in $(seq 1 300); do
-    curl -sf "http://127.0.0.1:$port/health" > /dev/null 2>&1 && break
+    python3 -c "import httpx, sys; sys.exit(httpx.get('http://127.0.0.1:$port/health').status_code != 200)" \
+      2> /dev/null && break
     kill -0 $pid 2> /dev/null || break
     sleep 1
   done
