@@ -31,7 +31,7 @@
 # Usage (repo root, .whl carried): STEPS="tests gen b16 b40" bash scripts/gpu_session.sh
 source "$(dirname "$0")/gpu_env.sh"
 STEPS=${STEPS:-"tests gen b16 b40"}
-MODEL=/tmp/q30b.gguf
+MODEL=${MODEL:-/tmp/q30b.gguf}
 has() { [[ " $STEPS " == *" $1 "* ]]; }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
 python3 -c "import torch, cupy; print('torch', torch.__version__, 'cupy', cupy.__version__)" | tee -a "$OUT/gpu.txt"
