@@ -245,8 +245,13 @@ class Stage(DecoderRunner):
             try:
                 self._graph = DecodeGraph(self.model, kvs, inp)
             except RuntimeError as e:  # a capture this torch cannot make: decode eagerly from now on
-                log.warning("CUDA graph capture failed on %s (%s): decoding without graphs", self.ctx.device, e)
-                self._graphs_ok = False
+                if len(kvs) > 1:  # batch 1 has its own record: only the batched captures stop
+                    log.warning("CUDA graph capture of a batch of %d failed on %s (%s): batches above 1 decode "
+                                "without graphs", len(kvs), self.ctx.device, e)
+                    self._graph_batch = 1
+                else:
+                    log.warning("CUDA graph capture failed on %s (%s): decoding without graphs", self.ctx.device, e)
+                    self._graphs_ok = False
                 return None
         return self._graph.step(kvs, inp)
 
