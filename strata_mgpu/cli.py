@@ -150,6 +150,19 @@ def _int_list(value: str) -> list[int]:
     return items
 
 
+def _warn_cpu_budget(placement) -> None:
+    """bench and sweep say so when --max-vram names CPU stages (serve does it with its other warnings)."""
+    from strata_mgpu.engine.build import cpu_budget_warning
+    from strata_mgpu.stage.device import DeviceError
+
+    try:
+        warning = cpu_budget_warning(placement)
+    except DeviceError:
+        return  # a device that does not exist: the build says so, in one line
+    if warning:
+        err.print(f"warning: {warning}")
+
+
 def _placement(devices: str, layer_split: str, max_vram: str | None, dtype: str, cuda_graphs: bool = True,
                prefill_help: bool | None = None, prefill_help_frac: str | None = None,
                resident_experts: int | None = None):
@@ -207,6 +220,7 @@ def bench(model: Path, prompt_tokens: str, decode_tokens: int, runs: int, device
     lengths = _int_list(prompt_tokens)
     placement = _placement(devices, layer_split, max_vram, dtype, cuda_graphs, prefill_help, prefill_help_frac,
                            resident_experts)
+    _warn_cpu_budget(placement)
     served = _int_list(server_decode) if server_decode else []
     batches = decode_batch if decode_batch != [1] else []
     try:  # KV for the longest prompt and the decode runs (the bench's 64-token prompt and warm-up steps; the
@@ -281,6 +295,7 @@ def sweep(model: Path, devices: str, layer_split: str, max_vram: str | None, pro
     share_list = _float_list(shares)
     placement = _placement(devices, layer_split, max_vram, "bf16", prefill_help=True,
                            resident_experts=resident_experts)
+    _warn_cpu_budget(placement)
     try:
         runner = _build(model, placement, max(lengths), kv_tokens=max(lengths) + 1)  # its prompts ask for one more
         result = sw.run_sweep(runner, model.name, lengths, share_list, runs,

@@ -136,6 +136,15 @@ def test_bench_cli_with_two_cpu_stages(tiny_gguf, tmp_path):
     assert result["prefill"][0]["streamed_bytes"] == stage["expert_bytes"] and result["prefill"][0]["compute_s"] > 0
     r = CliRunner().invoke(main, ["bench", str(tiny_gguf), "--devices", "cpu,cpu", "--layer-split", "9"])
     assert r.exit_code == 1 and "must increase" in r.output
+    assert "ignored on the CPU" not in r.output  # no --max-vram given
+
+
+def test_bench_and_sweep_say_max_vram_is_ignored_on_the_cpu(tiny_gguf):
+    for args in (["bench", "--prompt-tokens", "32", "--decode-tokens", "0", "--runs", "1"],
+                 ["sweep", "--prompt-tokens", "32", "--shares", "0.3", "--runs", "1"]):
+        r = CliRunner().invoke(main, [args[0], str(tiny_gguf), "--devices", "cpu,cpu", "--max-vram", "4,4", *args[1:]])
+        assert r.exit_code == 0, r.output
+        assert "warning: --max-vram 4,4 is ignored on the CPU: it caps GPU memory only" in r.output
 
 
 def test_server_on_two_cpu_stages_answers_like_one(tiny_gguf, tmp_path):

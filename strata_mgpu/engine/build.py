@@ -35,6 +35,15 @@ def resolve_devices(placement: Placement) -> list[torch.device]:
     return devices
 
 
+def cpu_budget_warning(placement: Placement) -> str | None:
+    """--max-vram given for stages that run on the CPU, where it caps nothing: what to tell the user."""
+    budgets = [placement.budget(i) for i, d in enumerate(resolve_devices(placement))
+               if d.type == "cpu" and placement.budget(i) is not None]
+    if not budgets:
+        return None
+    return f"--max-vram {','.join(f'{b:g}' for b in budgets)} is ignored on the CPU: it caps GPU memory only"
+
+
 def check_placement(placement: Placement, spec: ModelSpec) -> None:
     """Fail before anything loads: devices that do not exist, a split that does not fit."""
     devices = resolve_devices(placement)

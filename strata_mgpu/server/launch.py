@@ -18,7 +18,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from strata_mgpu import env
 from strata_mgpu.config import ServerConfig
-from strata_mgpu.engine.build import build_runner, check_placement, resolve_devices
+from strata_mgpu.engine.build import build_runner, check_placement, cpu_budget_warning
 from strata_mgpu.engine.engine import Engine
 from strata_mgpu.model.gguf_reader import GGUFFile
 from strata_mgpu.model.spec import ModelSpec, spec_from_gguf
@@ -82,12 +82,9 @@ def config_warnings(config: ServerConfig, spec: ModelSpec) -> list[str]:
     if ctx_size is not None and ctx_size > spec.context_length:
         warnings.append(f"--ctx-size {ctx_size} is more than the model's context of {spec.context_length} tokens: "
                         f"sequences get {spec.context_length}")
-    placement = config.placement
-    cpu_budgets = [placement.budget(i) for i, d in enumerate(resolve_devices(placement))
-                   if d.type == "cpu" and placement.budget(i) is not None]
-    if cpu_budgets:
-        warnings.append(f"--max-vram {','.join(f'{b:g}' for b in cpu_budgets)} is ignored on the CPU: it caps "
-                        f"GPU memory only")
+    cpu_budget = cpu_budget_warning(config.placement)
+    if cpu_budget:
+        warnings.append(cpu_budget)
     return warnings
 
 
