@@ -80,6 +80,11 @@ class SplitKV:
     def nbytes(self) -> int:
         return sum(p.nbytes for p in self.parts)
 
+    def take_pending(self) -> list[Future]:
+        """Its chunks' tasks not yet waited for, handed to the caller who waits for them."""
+        tasks, self.pending = [f for job in self.pending for f in job], []
+        return tasks
+
     @property
     def length(self) -> int:
         return self.parts[0].length
@@ -157,14 +162,14 @@ class SplitRunner:
         whole prompt runs on this thread, the idle stage helping."""
         n = tokens.shape[0]
         self._observe_finished_prompt()
+        rows = self._prompt_rows([[Segment(0, n, part)] for part in kv.parts], [n])
         if not whole_prompt:
-            kv.pending.append(self._submit(tokens, self._prompt_rows([[Segment(0, n, part)] for part in kv.parts])))
+            kv.pending.append(self._submit(tokens, rows))
             if not want_logits:
                 while len(kv.pending) > MAX_CHUNKS_AHEAD:  # an abort or an error waits for few chunks
                     wait_all(kv.pending.pop(0))
                 return None
-            jobs, kv.pending = kv.pending, []
-            return self._result([f for job in jobs for f in job])[0]
+            return self._result(kv.take_pending())[0]
         self.workers.idle()  # the helper works on both stages from this thread: nothing else may be queued
         for k, (busy, helper) in enumerate(zip(self.stages, self.helpers, strict=False)):
             idle = self.stages[(k + 1) % len(self.stages)]
@@ -175,8 +180,7 @@ class SplitRunner:
                 helper.bind_stage_helper(idle.lend(), busy.arena, n_help)
         try:
             self._clock.start(n)
-            job = self._submit(tokens, self._prompt_rows([[Segment(0, n, part)] for part in kv.parts]), inline=True)
-            logits = self._result(job)[0]
+            logits = self._result(self._submit(tokens, rows, inline=True))[0]
             self._clock.stop()
             return logits
         finally:
@@ -194,15 +198,8 @@ class SplitRunner:
         ends = list(itertools.accumulate(c.shape[0] for c in chunks))
         segments = [[Segment(end - c.shape[0], end, kv.parts[k]) for kv, c, end in zip(kvs, chunks, ends, strict=True)]
                     for k in range(len(self.stages))]
-
-        def work(k: int, stage: Stage, x: torch.Tensor) -> torch.Tensor:
-            x = stage.model.run(stage.model.embed(x) if stage.is_first else x, segments[k])
-            return stage.model.logits(torch.cat([x[end - 1:end] for end in ends])) if stage.is_last else x
-
-        job = [f for kv in kvs for chunk in kv.pending for f in chunk]  # the pack's first prompt's chunks in flight
-        for kv in kvs:
-            kv.pending = []
-        return self._result(job + self._submit(torch.cat(list(chunks)), work))
+        in_flight = [f for kv in kvs for f in kv.take_pending()]  # the pack's first prompt's earlier chunks
+        return self._result(in_flight + self._submit(torch.cat(list(chunks)), self._prompt_rows(segments, ends)))
 
     def _observe_finished_prompt(self) -> None:
         """Feed the last one-chunk prompt's time to the helper policy once it has finished (no
@@ -226,11 +223,16 @@ class SplitRunner:
 
         return self._result(self._submit(tokens, rows))
 
-    def _prompt_rows(self, segments: list[list[Segment]]) -> Callable[[int, Stage, torch.Tensor], torch.Tensor]:
-        """Stage k's part of a prompt chunk: embed (first), its layers, the last row's logits (last)."""
+    def _prompt_rows(self, segments: list[list[Segment]], ends: list[int]
+                     ) -> Callable[[int, Stage, torch.Tensor], torch.Tensor]:
+        """Stage k's part of prompt chunks packed as `segments[k]`: embed (first), its layers, and on
+        the last stage the logits of each chunk's last row (`ends`: where each chunk's rows end)."""
         def work(k: int, stage: Stage, x: torch.Tensor) -> torch.Tensor:
             x = stage.model.run(stage.model.embed(x) if stage.is_first else x, segments[k])
-            return stage.model.logits(x[-1:]) if stage.is_last else x
+            if not stage.is_last:
+                return x
+            last_rows = x[ends[0] - 1:ends[0]] if len(ends) == 1 else torch.cat([x[e - 1:e] for e in ends])
+            return stage.model.logits(last_rows)
         return work
 
     def _submit(self, tokens: torch.Tensor, work: Callable[[int, Stage, torch.Tensor], torch.Tensor],

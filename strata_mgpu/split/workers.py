@@ -82,10 +82,6 @@ class StageWorkers:
         for pool in self._pools:
             pool.submit(lambda: None).result()
 
-    def close(self) -> None:
-        for pool in self._pools:
-            pool.shutdown(wait=True)
-
 
 def _bind_device(device: torch.device) -> None:
     if device.type == "cuda":  # CPU stages get threads only in tests of the ordering here
