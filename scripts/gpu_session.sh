@@ -23,6 +23,7 @@
 #           measured over HTTP by tools/serve_probe: prompt tok/s at 1.5K/3K/6K tokens from the
 #           server's timings, decode, 8 streamed chats at once (STRATA_DECODE_GRAPH_BATCH as set)
 #   graphs8 decode at --max-vram 40 with batched graphs off (default) and on (STRATA_DECODE_GRAPH_BATCH=8)
+#   prof40  tools/profile_decode at --max-vram 40 (all resident): batch 1, and batch 8 eager and as a graph
 #   x2final the session's last two-card figures: a 32K prompt in 4K chunks, decode (graphs per stage,
 #           server-shaped 1 and 8), and a 40K prompt on one card at --max-vram 16
 #   x2oom   the 8,8 sweep cells at 6K and 8K with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
@@ -134,9 +135,16 @@ serve_probe() {  # name, serve args...: a server in the background, the probe, t
 has serve40 && serve_probe one40 --max-vram 40
 has x2serve && serve_probe two16 --devices 0,1 --layer-split auto --max-vram 16,16
 if has graphs8; then
-  bench graphs_off --max-vram 40 --prompt-tokens 1024 --decode-tokens 128 --runs 1 --server-decode 1,8 --decode-batch 1,8
+  STRATA_DECODE_GRAPH_BATCH=1 bench graphs_off --max-vram 40 --prompt-tokens 1024 --decode-tokens 128 --runs 1 --server-decode 1,8 --decode-batch 1,8
   STRATA_DECODE_GRAPH_BATCH=8 bench graphs_on --max-vram 40 --prompt-tokens 1024 --decode-tokens 128 --runs 1 \
     --server-decode 1,8 --decode-batch 1,8
+fi
+if has prof40; then
+  python3 -m strata_mgpu.tools.profile_decode $MODEL --max-vram 40 --steps 16 > "$OUT/prof40_b1.log" 2>&1 || status=1
+  python3 -m strata_mgpu.tools.profile_decode $MODEL --max-vram 40 --steps 8 --batch 8 > "$OUT/prof40_b8.log" 2>&1 || status=1
+  STRATA_DECODE_GRAPH_BATCH=8 python3 -m strata_mgpu.tools.profile_decode $MODEL --max-vram 40 --steps 8 --batch 8 \
+    > "$OUT/prof40_b8g.log" 2>&1 || status=1
+  head -3 "$OUT"/prof40_*.log
 fi
 # few files come back from the device machine: everything but the summary files in one archive
 (cd "$OUT" && tar czf results.tgz --exclude=results.tgz --exclude=gpu.txt --exclude=gpu_tests.log \

@@ -40,10 +40,10 @@ STAGE_THREADS = EnvVar("STRATA_STAGE_THREADS", "1",
                        "stage held up by its card's full launch queue does not hold up the others; 0: one "
                        "thread queues every stage in turn")
 
-DECODE_GRAPH_BATCH = EnvVar("STRATA_DECODE_GRAPH_BATCH", "1",
-                            "the largest decode batch replayed as one CUDA graph per stage (larger batches run "
-                            "eagerly); above 1 a batch change costs a capture. Batches above 1 are checked on the "
-                            "CPU only so far, hence the default")
+DECODE_GRAPH_BATCH = EnvVar("STRATA_DECODE_GRAPH_BATCH", "8",
+                            "the largest decode batch replayed as a CUDA graph per stage (larger batches run "
+                            "eagerly); a batch takes the graph of the next power of two (1, 2, 4, 8, ...), its "
+                            "spare rows padded, captured at that size's first use")
 
 ALL = (CACHE_DIR, LOG_LEVEL, PREFILL_HELP, PREFILL_HELP_FRAC, KV_PREFETCH, STAGE_THREADS, DECODE_GRAPH_BATCH)
 
@@ -122,7 +122,7 @@ def default_allocator_config() -> None:
 
 
 def decode_graph_batch() -> int:
-    raw = (DECODE_GRAPH_BATCH.raw() or "1").strip()
+    raw = (DECODE_GRAPH_BATCH.raw() or DECODE_GRAPH_BATCH.default).strip()
     if not raw.isdigit() or not 1 <= int(raw) <= 64:
         raise EnvError(f"{DECODE_GRAPH_BATCH.name}={raw!r}: expected a whole number from 1 to 64")
     return int(raw)

@@ -32,7 +32,7 @@ def test_bad_values_are_one_line_errors(monkeypatch, name, fn, raw, message):
     assert "\n" not in str(e.value)
 
 
-@pytest.mark.parametrize("raw,want", [(None, 1), ("8", 8), (" 16 ", 16)])
+@pytest.mark.parametrize("raw,want", [(None, 8), ("1", 1), (" 16 ", 16)])
 def test_decode_graph_batch_values(monkeypatch, raw, want):
     if raw is None:
         monkeypatch.delenv("STRATA_DECODE_GRAPH_BATCH", raising=False)

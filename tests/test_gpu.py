@@ -83,8 +83,22 @@ def test_fused_norms_equal_twin(ops, rows, n):
     assert torch.equal(got_x, want_x) and rel_err(got, want) <= OPS_TOL, f"seed {seed}"
 
 
-@pytest.mark.parametrize("preset", ["tiny", "30b-a3b"])
-def test_fused_qk_norm_rope_kv_equals_twin(ops, preset):
+def _random_caches(spec, capacities, g, layers=2):
+    from strata_mgpu.model.kv_cache import KVCache
+
+    caches = []
+    for cap in capacities:
+        kv = KVCache(layers, spec.n_kv_heads, spec.head_dim, capacity=cap, max_length=cap, device=CUDA,
+                     dtype=torch.bfloat16)
+        kv.k.copy_(torch.randn(kv.k.shape, device=CUDA, generator=g))
+        kv.v.copy_(torch.randn(kv.v.shape, device=CUDA, generator=g))
+        caches.append(kv)
+    return caches
+
+
+@pytest.mark.parametrize("preset,rows", [("tiny", 1), ("30b-a3b", 1), ("30b-a3b", 3)])
+def test_fused_qk_norm_rope_kv_equals_twin(ops, preset, rows):
+    """B rows, each written into its own cache at its own position (layer 1 of 2)."""
     from types import SimpleNamespace
 
     from strata_mgpu.model.decoder import rope_cos_sin
@@ -95,16 +109,39 @@ def test_fused_qk_norm_rope_kv_equals_twin(ops, preset):
     H, Hkv, Dh, cap = spec.n_heads, spec.n_kv_heads, spec.head_dim, 1024
     w = SimpleNamespace(q_norm=(1 + 0.1 * torch.randn(Dh, device=CUDA, generator=g)).to(torch.bfloat16),
                         k_norm=(1 + 0.1 * torch.randn(Dh, device=CUDA, generator=g)).to(torch.bfloat16))
-    q, k, v = (torch.randn(1, n * Dh, device=CUDA, generator=g).to(torch.bfloat16) for n in (H, Hkv, Hkv))
-    position = torch.randint(0, cap, (1,), device=CUDA, generator=g)
-    cos, sin = rope_cos_sin(position, Dh, spec.rope_base, torch.bfloat16)
+    q, k, v = (torch.randn(rows, n * Dh, device=CUDA, generator=g).to(torch.bfloat16) for n in (H, Hkv, Hkv))
+    positions = torch.randint(0, cap, (rows,), device=CUDA, generator=g)
+    cos, sin = rope_cos_sin(positions, Dh, spec.rope_base, torch.bfloat16)
     outs = []
     for impl in (ops, DecodeOps()):
-        kc, vc = torch.zeros(2, cap, Hkv, Dh, device=CUDA, dtype=torch.bfloat16)
-        outs.append((impl.qk_norm_rope_kv(spec, w, q.clone(), k, v, position, cos, sin, kc, vc), kc, vc))
-    (q_got, k_got, v_got), (q_want, k_want, v_want) = outs
-    assert rel_err(q_got, q_want) <= OPS_TOL and rel_err(k_got, k_want) <= OPS_TOL, f"seed {seed}"
-    assert torch.equal(v_got, v_want) and int(k_got.abs().sum(dim=(1, 2)).count_nonzero()) == 1
+        kvs = _random_caches(spec, [cap] * rows, torch.Generator(device=CUDA).manual_seed(seed))
+        outs.append((impl.qk_norm_rope_kv(spec, w, 1, q.clone(), k, v, positions, cos, sin, kvs), kvs))
+    (q_got, kvs_got), (q_want, kvs_want) = outs
+    assert rel_err(q_got, q_want) <= OPS_TOL, f"seed {seed}"
+    for got, want in zip(kvs_got, kvs_want, strict=True):
+        assert rel_err(got.k, want.k) <= OPS_TOL and torch.equal(got.v, want.v), f"seed {seed}"
+        assert int((got.k != want.k).any(dim=(2, 3)).sum()) <= 1  # one cell of one layer written
+
+
+@pytest.mark.parametrize("preset,capacities", [("tiny", [256]), ("30b-a3b", [1024]),
+                                               ("30b-a3b", [300, 4096, 64, 20000])])
+def test_fused_attention_equals_twin(ops, preset, capacities):
+    """Each row against its own cache up to its own position: across split boundaries, at position
+    0, at a cache's last cell, and with a long cache's wider splits."""
+    from strata_mgpu.model.synthetic import PRESETS
+
+    spec = PRESETS[preset].spec(preset)
+    g, seed = _fresh_generator()
+    kvs = _random_caches(spec, capacities, g)
+    # a random position for the first row; then the first key of the second split, 0, the last cell
+    edges = [None, 64, 0, capacities[-1] - 1]
+    positions = torch.tensor([int(torch.randint(0, cap, (1,), generator=g, device=CUDA)) if edge is None else edge
+                              for cap, edge in zip(capacities, edges, strict=False)], device=CUDA)
+    q = torch.randn(len(capacities), spec.n_heads, spec.head_dim, device=CUDA, generator=g).to(torch.bfloat16)
+    before = ops.paths["attention:cuda"]
+    got, want = ops.attention(1, q, positions, kvs), DecodeOps().attention(1, q, positions, kvs)
+    assert ops.paths["attention:cuda"] == before + 1, ops.path_summary()
+    assert rel_err(got, want) <= OPS_TOL, f"seed {seed}, positions {positions.tolist()}"
 
 
 @pytest.mark.parametrize("rows,renorm", [(1, True), (5, False)])
@@ -219,7 +256,7 @@ def test_graph_replay_equals_the_static_step_run_eagerly(tiny_gguf):
     kv_g, kv_e = stage.new_sequence(300), stage.new_sequence(300)
     a = stage.prefill(kv_g, prompt)
     stage.prefill(kv_e, prompt)
-    keys = set()
+    graphs = set()
     for _ in range(6):
         token = torch.tensor([int(a.argmax())])
         a = stage.decode([kv_g], token)[0]  # graph replay
@@ -228,45 +265,55 @@ def test_graph_replay_equals_the_static_step_run_eagerly(tiny_gguf):
             position = torch.full((1,), kv_e.length, dtype=torch.long, device=CUDA)
             b = stage.model.logits(stage.model.forward_static(token.to(CUDA), position, kv_e))[0]
             kv_e.advance(1)
-        keys.add(stage._graph.key)
+        graphs.add(id(stage._graphs[1]))
         assert rel_err(a, b) <= 1e-3
         assert float(b[a.argmax()]) >= float(b.max()) - 1e-3 * float(b.abs().max())  # same top, or a tie
-    assert len(keys) == 1 and kv_g.length == kv_e.length == 46
+    assert len(graphs) == 1 and kv_g.length == kv_e.length == 46
 
 
 def test_batched_graph_replay_equals_the_static_step_run_eagerly(tiny_gguf):
-    """Three sequences of different lengths decode as one captured step (each row its own cache
-    and position); a sequence leaving the batch makes a new capture. Every step equals the same
-    static step run eagerly on twin caches."""
+    """Three sequences of different lengths decode as one captured step of a 4-row bucket (each row
+    its own cache and position, the fourth a pad row); one sequence leaving and another joining
+    replays the same capture (the caches' table and positions are rewritten, not recaptured); two
+    rows take the 2-row bucket's capture. Every step equals the same static step run eagerly on
+    twin caches."""
     f = GGUFFile(tiny_gguf)
     spec = spec_from_gguf(f)
-    stage = Stage(f, spec, StageOptions(device=CUDA, max_vram_gib=8, graph_batch=3))
-    lengths = (40, 9, 23)
+    stage = Stage(f, spec, StageOptions(device=CUDA, max_vram_gib=8, graph_batch=4))
+    lengths = (40, 9, 23, 15)
     kv_g = [stage.new_sequence(300) for _ in lengths]
     kv_e = [stage.new_sequence(300) for _ in lengths]
-    firsts = []
+    tokens = []
     for n, g, e in zip(lengths, kv_g, kv_e, strict=True):
         prompt = torch.randint(0, spec.vocab_size, (n,))
-        firsts.append(stage.prefill(g, prompt))
+        tokens.append(int(stage.prefill(g, prompt).argmax()))
         stage.prefill(e, prompt)
-    tokens = torch.tensor([int(x.argmax()) for x in firsts])
-    keys = set()
-    for step in range(6):
-        if step == 3:  # the middle sequence leaves: the batch of two gets its own capture
-            kv_g, kv_e, tokens = kv_g[::2], kv_e[::2], tokens[::2]
-        a = stage.decode(kv_g, tokens)  # graph replay [B, V]
-        keys.add(stage._graph.key)
+    rows = [0, 1, 2]
+    captures = []
+    pad_kv = stage.model.new_cache(1, capacity=1)
+    for step in range(8):
+        if step == 3:  # the second sequence leaves, the fourth joins: same bucket, same capture
+            rows = [0, 2, 3]
+        if step == 6:  # two rows: the 2-row bucket
+            rows = [0, 3]
+        g, e = [kv_g[r] for r in rows], [kv_e[r] for r in rows]
+        a = stage.decode(g, torch.tensor([tokens[r] for r in rows]))  # graph replay [B, V]
+        captures.append(id(stage._graphs[4 if len(rows) == 3 else 2]))
         with torch.inference_mode(), stage.ctx.on_compute():
-            for kv in kv_e:
+            for kv in e:
                 kv.reserve(1)
-            positions = torch.tensor([kv.length for kv in kv_e], device=CUDA)
-            b = stage.model.step_static(tokens.to(CUDA), positions, kv_e)
-            for kv in kv_e:
+            pad = 4 - len(rows) if len(rows) == 3 else 0  # the same GEMM shapes as the replay's
+            positions = torch.tensor([kv.length for kv in e] + [0] * pad, device=CUDA)
+            inp = torch.tensor([tokens[r] for r in rows] + [0] * pad, device=CUDA)
+            b = stage.model.step_static(inp, positions, e + [pad_kv] * pad)[:len(rows)]
+            for kv in e:
                 kv.advance(1)
-        assert a.shape == b.shape == (len(kv_g), spec.vocab_size)
-        assert rel_err(a, b) <= 1e-3
-        tokens = a.argmax(-1).cpu()
-    assert len(keys) == 2 and [kv.length for kv in kv_g] == [kv.length for kv in kv_e] == [46, 29]
+        assert a.shape == b.shape == (len(rows), spec.vocab_size)
+        assert rel_err(a, b) <= 1e-3, f"step {step}"
+        for r, t in zip(rows, a.argmax(-1).tolist(), strict=True):
+            tokens[r] = t
+    assert len(set(captures[:6])) == 1 and len(set(captures)) == 2
+    assert [kv.length for kv in kv_g] == [kv.length for kv in kv_e] == [48, 12, 29, 20]
 
 
 def test_split_graph_replays_equal_the_static_steps_run_eagerly(tiny_gguf):
@@ -298,7 +345,7 @@ def test_split_graph_replays_equal_the_static_steps_run_eagerly(tiny_gguf):
                     part.advance(1)
         b = x[0].to(a.device)
         assert rel_err(a, b) <= 1e-3
-    assert all(s._graph is not None for s in split.stages) and kv_g.length == kv_e.length == 46
+    assert all(s._graphs for s in split.stages) and kv_g.length == kv_e.length == 46
 
 
 def test_greedy_decode_gpu_equals_cpu(tiny_gguf):
@@ -365,7 +412,7 @@ def test_two_stages_equal_one_stage(tiny_gguf, graphs):
         token = torch.tensor([int(a.argmax())])
         a, b = single.decode([a_kv], token)[0], split.decode([b_kv], token)[0]
         assert torch.equal(a.cpu(), b.cpu())
-    assert all((s._graph is not None) == graphs for s in [single, *split.stages])
+    assert all(bool(s._graphs) == graphs for s in [single, *split.stages])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])

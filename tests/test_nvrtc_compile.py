@@ -50,6 +50,7 @@ KERNELS = {
     kernels.MOE_FILE: ((), kernels._MOE_EXPRS),
     kernels.COPY_FILE: (("copy_f32_wide",), ()),
     decode_ops.OPS_FILE: (decode_ops.KERNEL_NAMES, ()),
+    decode_ops.ATTN_FILE: ((), decode_ops.ATTN_EXPRS),
 }
 
 

@@ -7,8 +7,9 @@
 //
 //   rms_norm_rows:     x [R, N] -> out [R, N]                 out = rmsnorm(x) * w
 //   add_rms_norm_rows: x [R, N] += y [R, N]; out = rmsnorm(x) * w
-//   qk_norm_rope_kv:   one token's q [H, Dh], k, v [Hkv, Dh] -> q normed and rotated (in place);
-//                      k normed, rotated and v written into the KV cache rows at *position
+//   qk_norm_rope_kv:   B rows, each one token of its own sequence: q [B, H, Dh], k, v [B, Hkv, Dh]
+//                      -> q normed and rotated (into q_out); k normed, rotated and v written into
+//                      row b's KV cache at positions[b]
 //   router_logits:     h [T, D] bf16, router [E, D] fp32 -> logits [T, E] fp32
 //   route_topk:        logits [T, E] -> the A largest softmax probabilities (renormalized over
 //                      the A when `renorm`) and their experts, largest first
@@ -64,13 +65,24 @@ extern "C" __global__ void add_rms_norm_rows(bf16* x, const bf16* __restrict__ y
     norm_row(x + r, y + r, w, n, eps, out + r);
 }
 
-// One warp a head: blocks 0..H-1 are q's heads, H..H+Hkv-1 k's, then v's. Dh <= 256, even.
-// The cache rows of layer i: k_cache, v_cache [capacity, Hkv, Dh]; row *position is written.
-extern "C" __global__ void qk_norm_rope_kv(bf16* q, const bf16* __restrict__ k, const bf16* __restrict__ v,
+// grid (H + 2 Hkv, B), one warp a head: blocks 0..H-1 are q's heads, H..H+Hkv-1 k's, then v's.
+// Dh <= 256, even. Row b of q, k, v starts at b * its row stride (elements; the three may be
+// column blocks of one fused projection). Row b's cache (`table` row b: k base, v base, layer
+// stride in elements, as in decode_attention.cu): layer `layer`'s rows [capacity, Hkv, Dh]; row
+// positions[b] is written. q's result goes to q_out [B, H, Dh].
+extern "C" __global__ void qk_norm_rope_kv(const bf16* q, long long q_stride, const bf16* __restrict__ k,
+                                long long k_stride, const bf16* __restrict__ v, long long v_stride,
                                 const bf16* __restrict__ q_norm, const bf16* __restrict__ k_norm, int H, int Hkv,
-                                int Dh, const long long* __restrict__ position, float base, float eps,
-                                bf16* __restrict__ k_cache, bf16* __restrict__ v_cache) {
-    const int head = blockIdx.x, lane = threadIdx.x;
+                                int Dh, const long long* __restrict__ positions, float base, float eps,
+                                const long long* __restrict__ table, int layer, bf16* __restrict__ q_out) {
+    const int head = blockIdx.x, lane = threadIdx.x, b = blockIdx.y;
+    const long long* position = positions + b;
+    q += b * q_stride;
+    k += b * k_stride;
+    v += b * v_stride;
+    q_out += (long long)b * H * Dh;
+    bf16* k_cache = reinterpret_cast<bf16*>(table[3 * b]) + layer * table[3 * b + 2];
+    bf16* v_cache = reinterpret_cast<bf16*>(table[3 * b + 1]) + layer * table[3 * b + 2];
     const long long row = *position * (long long)Hkv * Dh;
     if (head >= H + Hkv) {  // v: a copy into the cache
         const int hv = head - H - Hkv;
@@ -80,7 +92,7 @@ extern "C" __global__ void qk_norm_rope_kv(bf16* q, const bf16* __restrict__ k, 
     const bool is_q = head < H;
     const bf16* src = is_q ? q + head * Dh : k + (head - H) * Dh;
     const bf16* w = is_q ? q_norm : k_norm;
-    bf16* dst = is_q ? q + head * Dh : k_cache + row + (head - H) * Dh;
+    bf16* dst = is_q ? q_out + head * Dh : k_cache + row + (head - H) * Dh;
     float x[8], nx[8];  // this lane's values: d = lane + 32 * j
     float ss = 0.f;
     const int per = Dh / 32;

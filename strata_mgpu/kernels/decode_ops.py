@@ -1,14 +1,22 @@
-"""The decode step's small ops as fused CUDA kernels (`cuda_src/decode_ops.cu`).
+"""The decode step's small ops as fused CUDA kernels (`cuda_src/decode_ops.cu`,
+`cuda_src/decode_attention.cu`).
 
-`model.reference.DecodeOps` is the twin. Each op here replaces three to ten torch launches:
+`model.decoder.DecodeOps` is the twin. Each op here replaces three to ten torch launches:
 RMSNorm (with the residual add before it), q/k head norms + RoPE + the KV cache write, router
-logits, softmax + top-k + renormalization. A call these kernels do not cover (another dtype, a
-head dim that is not a multiple of 64, more than 512 experts) goes to the twin: counted in
+logits, softmax + top-k + renormalization; and attention of a batch of sequences, each up to its
+own position, in two launches a layer (the twin: SDPA per sequence over its whole cache under a
+mask, a dozen launches a sequence, its cost growing with the capacity). A call these kernels do
+not cover (another dtype, a head dim that is not a multiple of 64, more than 512 experts) goes to
+the twin: counted in
 `paths` ("rms_norm:cuda", "rms_norm:twin", ...; see `kernels.paths`) and warned once with the
 reason. A prompt's many rows route by the twin's GEMM by design ("route:gemm", no warning).
 """
 
 from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -16,6 +24,7 @@ import torch
 from strata_mgpu.kernels import nvrtc
 from strata_mgpu.kernels.paths import PathCounter
 from strata_mgpu.model.decoder import DecodeOps
+from strata_mgpu.model.kv_cache import KVCache
 from strata_mgpu.model.spec import ModelSpec
 from strata_mgpu.model.weights import LayerWeights
 
@@ -26,6 +35,32 @@ ROUTER_WARPS = 8
 MAX_EXPERTS = 512  # route_topk holds 16 values a lane
 MAX_ROUTED_ROWS = 64  # router_logits re-reads the router for every row: a prompt's rows go to the GEMM
 NOT_BF16 = "a tensor is not a contiguous bfloat16 CUDA tensor"
+ATTN_FILE = "decode_attention.cu"
+ATTN_HEAD_DIMS = (64, 128, 256)
+ATTN_EXPRS = tuple(f"{k}<{d}>" for d in ATTN_HEAD_DIMS for k in ("attn_split", "attn_combine"))
+ATTN_WARPS = 8
+ATTN_HEADS_AT_ONCE = 8  # decode_attention.cu's HC
+ATTN_SHARED_BYTES = 46 * 1024  # under the 48 KiB every card gives a block without opting in
+ATTN_MIN_KEYS = 64  # keys a split takes at least; more once a cache passes ATTN_SPLITS of them
+ATTN_SPLITS = 128
+KV_TABLES = 64  # batches whose cache table is kept (a capture replays the table it was given)
+
+
+def attention_shared_bytes(group: int, head_dim: int, keys: int) -> int:
+    """attn_split's shared memory: the queries (room for at least ATTN_HEADS_AT_ONCE heads, which
+    later holds the P @ V sums) and the group's scores for `keys` keys, all fp32."""
+    return 4 * (max(group, ATTN_HEADS_AT_ONCE) * head_dim + group * keys)
+
+
+def attention_split(capacity: int, group: int, head_dim: int) -> int:
+    """Keys one block of attn_split takes for caches of up to `capacity` cells, `group` query heads
+    a KV head: ATTN_MIN_KEYS, or more (in multiples of it) to keep the splits near ATTN_SPLITS,
+    within the shared memory (its scores and the group's queries); 0 where even the least does
+    not fit."""
+    most = (ATTN_SHARED_BYTES - attention_shared_bytes(group, head_dim, 0)) // 4 // group
+    most = most // ATTN_MIN_KEYS * ATTN_MIN_KEYS
+    want = -(-capacity // ATTN_SPLITS // ATTN_MIN_KEYS) * ATTN_MIN_KEYS
+    return 0 if most < ATTN_MIN_KEYS else min(most, max(ATTN_MIN_KEYS, want))
 
 
 class CudaDecodeOps(DecodeOps):
@@ -36,13 +71,15 @@ class CudaDecodeOps(DecodeOps):
         self.device = device
         self.paths = PathCounter() if paths is None else paths
         self._fn = {name: nvrtc.kernel(OPS_FILE, name, (), device) for name in KERNEL_NAMES}
+        self._fn.update({name: nvrtc.kernel(ATTN_FILE, name, ATTN_EXPRS, device) for name in ATTN_EXPRS})
+        self._tables: OrderedDict[tuple, torch.Tensor] = OrderedDict()
 
     def _twin(self, op: str, reason: str) -> None:
         self.paths.fell_back(op, "cuda", reason)
         self.paths.ran(op, "twin")
 
-    def _launch(self, name: str, grid, block: int, *args) -> None:
-        nvrtc.launch(self._fn[name], grid, block, args, self.device)
+    def _launch(self, name: str, grid, block: int, *args, shared_mem: int = 0) -> None:
+        nvrtc.launch(self._fn[name], grid, block, args, self.device, shared_mem=shared_mem)
 
     @staticmethod
     def _ok(*tensors: torch.Tensor) -> bool:
@@ -71,21 +108,79 @@ class CudaDecodeOps(DecodeOps):
                      weight.data_ptr(), np.int32(n), np.float32(eps), out.data_ptr())
         return x, out
 
-    def qk_norm_rope_kv(self, spec: ModelSpec, w: LayerWeights, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                        position: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
-                        v_cache: torch.Tensor) -> torch.Tensor:
-        dh = spec.head_dim
-        if not (self._ok(q, k, v, w.q_norm, w.k_norm, k_cache, v_cache) and dh % 64 == 0 and dh <= 256
-                and q.shape[0] == 1 and position.dtype == torch.int64):
-            self._twin("qk_norm_rope_kv", NOT_BF16 if not self._ok(q, k, v, w.q_norm, w.k_norm, k_cache, v_cache)
-                       else f"head dim {dh} (multiples of 64 up to 256), more than one row, or a position not int64")
-            return super().qk_norm_rope_kv(spec, w, q, k, v, position, cos, sin, k_cache, v_cache)
+    @staticmethod
+    def _rows_ok(t: torch.Tensor) -> bool:
+        """A bf16 CUDA matrix whose rows are contiguous (it may be a column block of a wider one)."""
+        return t.is_cuda and t.dtype == torch.bfloat16 and t.dim() == 2 and t.stride(1) == 1
+
+    def kv_table(self, kvs: Sequence[KVCache]) -> torch.Tensor:
+        """[B, 3] int64 on the device: each cache's keys' and values' addresses and its layer stride
+        in elements, as the kernels read them. Made eagerly and kept: a graph capture (which may not
+        copy from the host) finds the table its warm-up step made; a cache that moves is a new key."""
+        key = tuple((kv.k.data_ptr(), kv.v.data_ptr(), kv.k.stride(0)) for kv in kvs)
+        table = self._tables.get(key)
+        if table is None:
+            if torch.cuda.is_current_stream_capturing():
+                raise RuntimeError("a KV table is made outside a capture: run the step once eagerly first")
+            table = torch.tensor(key, dtype=torch.int64, device=self.device).view(len(kvs), 3)
+            self._tables[key] = table
+            while len(self._tables) > KV_TABLES:
+                self._tables.popitem(last=False)
+        self._tables.move_to_end(key)
+        return table
+
+    def _caches_ok(self, kvs: Sequence[KVCache], kv_heads: int, head_dim: int) -> bool:
+        """Every cache bf16 [layers, capacity, kv_heads, head_dim], keys and values alike."""
+        return all(self._ok(kv.k, kv.v) and kv.k.shape[2:] == (kv_heads, head_dim) and kv.k.shape == kv.v.shape
+                   for kv in kvs)
+
+    def qk_norm_rope_kv(self, spec: ModelSpec, w: LayerWeights, layer: int, q: torch.Tensor, k: torch.Tensor,
+                        v: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                        kvs: Sequence[KVCache], table: torch.Tensor | None = None) -> torch.Tensor:
+        dh, n = spec.head_dim, len(kvs)
+        tensors_ok = (self._ok(w.q_norm, w.k_norm) and self._caches_ok(kvs, spec.n_kv_heads, dh)
+                      and all(self._rows_ok(t) for t in (q, k, v)))
+        if not (tensors_ok and dh % 64 == 0 and dh <= 256 and positions.dtype == torch.int64
+                and positions.is_contiguous() and q.shape[0] == n):
+            self._twin("qk_norm_rope_kv", NOT_BF16 if not tensors_ok
+                       else f"head dim {dh} (multiples of 64 up to 256), or positions not int64")
+            return super().qk_norm_rope_kv(spec, w, layer, q, k, v, positions, cos, sin, kvs, table)
         self.paths.ran("qk_norm_rope_kv", "cuda")
-        self._launch("qk_norm_rope_kv", spec.n_heads + 2 * spec.n_kv_heads, 32, q.data_ptr(), k.data_ptr(),
-                     v.data_ptr(), w.q_norm.data_ptr(), w.k_norm.data_ptr(), np.int32(spec.n_heads),
-                     np.int32(spec.n_kv_heads), np.int32(dh), position.data_ptr(), np.float32(spec.rope_base),
-                     np.float32(spec.rms_eps), k_cache.data_ptr(), v_cache.data_ptr())
-        return q.view(1, spec.n_heads, dh)  # normed and rotated in place
+        q_out = torch.empty(n, spec.n_heads, dh, dtype=q.dtype, device=q.device)
+        self._launch("qk_norm_rope_kv", (spec.n_heads + 2 * spec.n_kv_heads, n), 32,
+                     q.data_ptr(), np.int64(q.stride(0)), k.data_ptr(), np.int64(k.stride(0)), v.data_ptr(),
+                     np.int64(v.stride(0)), w.q_norm.data_ptr(), w.k_norm.data_ptr(), np.int32(spec.n_heads),
+                     np.int32(spec.n_kv_heads), np.int32(dh), positions.data_ptr(), np.float32(spec.rope_base),
+                     np.float32(spec.rms_eps), (self.kv_table(kvs) if table is None else table).data_ptr(),
+                     np.int32(layer), q_out.data_ptr())
+        return q_out
+
+    def attention(self, layer: int, q: torch.Tensor, positions: torch.Tensor, kvs: Sequence[KVCache],
+                  table: torch.Tensor | None = None) -> torch.Tensor:
+        n, h, dh = q.shape
+        hkv = kvs[0].k.shape[2]
+        group = h // hkv if h % hkv == 0 else 0
+        keys = attention_split(max(kv.capacity for kv in kvs), group, dh) if group else 0
+        tensors_ok = self._ok(q) and self._caches_ok(kvs, hkv, dh)
+        if not (tensors_ok and dh in ATTN_HEAD_DIMS and keys and positions.dtype == torch.int64
+                and positions.is_contiguous()):
+            self._twin("attention", NOT_BF16 if not tensors_ok else
+                       f"head dim {dh} (one of {ATTN_HEAD_DIMS}), {h} query heads over {hkv} KV heads, "
+                       "or positions not int64")
+            return super().attention(layer, q, positions, kvs, table)
+        self.paths.ran("attention", "cuda")
+        splits = -(-max(kv.capacity for kv in kvs) // keys)
+        part_o = torch.empty(n, h, splits, dh, dtype=torch.float32, device=q.device)
+        part_ml = torch.empty(n, h, splits, 2, dtype=torch.float32, device=q.device)
+        out = torch.empty_like(q)
+        table = self.kv_table(kvs) if table is None else table
+        self._launch(f"attn_split<{dh}>", (hkv, splits, n), 32 * ATTN_WARPS, q.data_ptr(), table.data_ptr(),
+                     np.int32(layer), positions.data_ptr(), np.int32(h), np.int32(hkv),
+                     np.float32(1 / math.sqrt(dh)), np.int32(keys), np.int32(splits), part_o.data_ptr(),
+                     part_ml.data_ptr(), shared_mem=attention_shared_bytes(group, dh, keys))
+        self._launch(f"attn_combine<{dh}>", (h, n), dh, part_o.data_ptr(), part_ml.data_ptr(),
+                     positions.data_ptr(), np.int32(h), np.int32(keys), np.int32(splits), out.data_ptr())
+        return out
 
     def route(self, h: torch.Tensor, router: torch.Tensor, n_used: int, renormalize: bool
               ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -134,16 +134,32 @@ class DecodeOps:
         x = x + y
         return x, rms_norm(x, weight, eps)
 
-    def qk_norm_rope_kv(self, spec: ModelSpec, w: LayerWeights, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                        position: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
-                        v_cache: torch.Tensor) -> torch.Tensor:
-        """One token's projections q [1, H*Dh], k and v [1, Hkv*Dh]: q and k normed per head and
-        rotated, k and v written at `position` [1] (on the device) of the layer's cache rows
-        [capacity, Hkv, Dh]; returns q [1, H, Dh]."""
-        q, k = qk_norm_rope(spec, w, q, k, cos, sin)
-        k_cache.index_copy_(0, position, k)
-        v_cache.index_copy_(0, position, v.view(1, spec.n_kv_heads, spec.head_dim))
-        return q
+    def qk_norm_rope_kv(self, spec: ModelSpec, w: LayerWeights, layer: int, q: torch.Tensor, k: torch.Tensor,
+                        v: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                        kvs: Sequence[KVCache], table: torch.Tensor | None = None) -> torch.Tensor:
+        """B rows, row b one token of sequence kvs[b]: projections q [B, H*Dh], k and v [B, Hkv*Dh].
+        q and k normed per head and rotated; row b's k and v written at positions[b] (on the device)
+        of layer `layer` of kvs[b]'s cache [capacity, Hkv, Dh]; returns q [B, H, Dh]."""
+        qn, kn = qk_norm_rope(spec, w, q, k, cos, sin)
+        for b, kv in enumerate(kvs):
+            r = slice(b, b + 1)
+            kv.k[layer].index_copy_(0, positions[r], kn[r])
+            kv.v[layer].index_copy_(0, positions[r], v[r].view(1, spec.n_kv_heads, spec.head_dim))
+        return qn
+
+    def kv_table(self, kvs: Sequence[KVCache]) -> torch.Tensor | None:
+        """The caches' addresses as fused kernels read them; these ops read the caches themselves."""
+        return None
+
+    def attention(self, layer: int, q: torch.Tensor, positions: torch.Tensor, kvs: Sequence[KVCache],
+                  table: torch.Tensor | None = None) -> torch.Tensor:
+        """q [B, H, Dh], row b the token at positions[b] of kvs[b], against that cache's cells
+        0..positions[b] of layer `layer` -> [B, H, Dh]. Here: the whole capacity under a mask."""
+        outs = []
+        for b, kv in enumerate(kvs):
+            visible = torch.arange(kv.capacity, device=positions.device) <= positions[b]  # [S]
+            outs.append(masked_attention(q[b:b + 1], kv.k[layer], kv.v[layer], visible))  # [1, H, Dh]
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
 
     def route(self, h: torch.Tensor, router: torch.Tensor, n_used: int, renormalize: bool
               ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -228,27 +244,32 @@ class Decoder:
             seg.kv.advance(seg.n)
         return x
 
-    def step_static(self, inp: torch.Tensor, positions: torch.Tensor, kvs: Sequence[KVCache]) -> torch.Tensor:
+    def step_static(self, inp: torch.Tensor, positions: torch.Tensor, kvs: Sequence[KVCache],
+                    table: torch.Tensor | None = None) -> torch.Tensor:
         """One decode step of B sequences through this decoder's layers with every shape and
         address fixed (see `layers_static`): token ids [B] where this decoder embeds (the first
         stage), else hidden rows [B, D]; -> logits [B, V] where it holds the head (the last
         stage), else the hidden rows [B, D] for the next stage. What a stage's decode graph captures."""
         x = self.embed(inp) if self.w.embed is not None else inp
-        x = self.layers_static(x, positions, kvs)
+        x = self.layers_static(x, positions, kvs, table)
         return self.logits(x) if self.w.output is not None else x
 
     def forward_static(self, token: torch.Tensor, position: torch.Tensor, kv: KVCache) -> torch.Tensor:
         """One token [1] of one sequence at a device-held position [1] -> hidden [1, D]."""
         return self.layers_static(self.embed(token), position, [kv])
 
-    def layers_static(self, x: torch.Tensor, positions: torch.Tensor, kvs: Sequence[KVCache]) -> torch.Tensor:
+    def layers_static(self, x: torch.Tensor, positions: torch.Tensor, kvs: Sequence[KVCache],
+                      table: torch.Tensor | None = None) -> torch.Tensor:
         """Hidden rows x [B, D], row b of sequence kvs[b] at the device-held positions[b] -> [B, D].
+        `table`: the caches' addresses as the fused ops read them (`ops.kv_table`); made here when
+        not given (a captured graph passes its own, rewritten before each replay).
 
-        Attention runs over each cache's whole capacity under a mask, and the new keys and values
-        are written at the positions on the device: every shape and address is fixed, so the step
-        can be captured once as a CUDA graph and replayed while the batch keeps its sequences. The
-        caller advances the caches afterwards. The small ops go through `self.ops` (fused on the
-        GPU: a few launches a layer, the per-sequence ones once per row). Only for caches whose
+        Attention reads each cache up to the positions held on the device (the twin: the whole
+        capacity under a mask), and the new keys and values are written there: every shape and
+        address is fixed, so the step can be captured once as a CUDA graph and replayed while the
+        batch keeps its sequences. The caller advances the caches afterwards. The small ops and
+        attention go through `self.ops` (fused on the GPU: a few launches a layer for the whole
+        batch). Only for caches whose
         every cell sits in `kv.k`/`kv.v` at its position (`kv.graph_capturable`), and for fewer
         rows than make the experts stream (`experts.begin`).
         """
@@ -256,18 +277,17 @@ class Decoder:
         s, ops, layers, n = self.spec, self.ops, self.w.layers, len(kvs)
         assert x.shape[0] == positions.shape[0] == n
         cos, sin = rope_cos_sin(positions, s.head_dim, s.rope_base, self.w.dtype)  # [B, Dh]
-        visible = [torch.arange(kv.capacity, device=positions.device) <= positions[b]  # [S]: keys 0..position
-                   for b, kv in enumerate(kvs)]
+        table = ops.kv_table(kvs) if table is None else table
         h = ops.rms_norm(x, layers[0].attn_norm, s.rms_eps)
         self.experts.begin(n)
         for i, layer in enumerate(layers):
-            q, k, v = h @ layer.wq.T, h @ layer.wk.T, h @ layer.wv.T
-            outs = []
-            for b, kv in enumerate(kvs):  # each row has its own cache and position
-                r = slice(b, b + 1)
-                q_b = ops.qk_norm_rope_kv(s, layer, q[r], k[r], v[r], positions[r], cos[r], sin[r], kv.k[i], kv.v[i])
-                outs.append(masked_attention(q_b, kv.k[i], kv.v[i], visible[b]))  # [1, H, Dh]
-            out = outs[0] if n == 1 else torch.cat(outs)
+            if layer.wqkv is not None:  # one GEMM: [B, (H + 2 Hkv) * Dh], split into column blocks
+                q, k, v = (h @ layer.wqkv.T).split([s.q_dim, s.kv_dim, s.kv_dim], dim=1)
+            else:
+                q, k, v = h @ layer.wq.T, h @ layer.wk.T, h @ layer.wv.T
+            # each row has its own cache and position
+            q = ops.qk_norm_rope_kv(s, layer, i, q, k, v, positions, cos, sin, kvs, table)  # [B, H, Dh]
+            out = ops.attention(i, q, positions, kvs, table)  # [B, H, Dh]
             x, h = ops.add_rms_norm(x, out.reshape(n, s.q_dim) @ layer.wo.T, layer.ffn_norm, s.rms_eps)
             weights, experts = self.route(i, h, layer.router)
             y = self.experts.forward(i, h, weights, experts)

@@ -28,6 +28,9 @@ class LayerWeights:
     gate: torch.Tensor | None = None  # [E, F, D]; None where the experts are streamed
     up: torch.Tensor | None = None  # [E, F, D]
     down: torch.Tensor | None = None  # [E, D, F]
+    # [(H + 2 Hkv) * Dh, D]: the three projections in one matrix (wq, wk, wv are its row blocks),
+    # so that a decode step reads them in one GEMM; None where they were made apart
+    wqkv: torch.Tensor | None = None
 
 
 @dataclass
@@ -64,8 +67,10 @@ def load_weights(f: GGUFFile, spec: ModelSpec, *, dtype: torch.dtype = torch.flo
 
     out_layers = []
     for i in layers if layers is not None else range(spec.n_layers):
+        wqkv = torch.cat([get(T.ATTN_Q, i), get(T.ATTN_K, i), get(T.ATTN_V, i)])
+        wq, wk, wv = wqkv.split([spec.q_dim, spec.kv_dim, spec.kv_dim])
         lw = LayerWeights(
-            attn_norm=get(T.ATTN_NORM, i), wq=get(T.ATTN_Q, i), wk=get(T.ATTN_K, i), wv=get(T.ATTN_V, i),
+            attn_norm=get(T.ATTN_NORM, i), wq=wq, wk=wk, wv=wv, wqkv=wqkv,
             wo=get(T.ATTN_OUT, i), q_norm=get(T.ATTN_Q_NORM, i), k_norm=get(T.ATTN_K_NORM, i),
             ffn_norm=get(T.FFN_NORM, i), router=get(T.FFN_GATE_INP, i, torch.float32))
         if with_experts:

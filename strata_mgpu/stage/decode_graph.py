@@ -1,16 +1,19 @@
 """A stage's decode step of a batch of sequences captured as a CUDA graph and replayed for every
-token while the batch keeps the same sequences.
+token, whichever sequences the batch holds.
 
-At batch 1 a token's work is thousands of small launches; from Python they cost far more than
-the GPU needs to run them. `Decoder.step_static` keeps every shape and address fixed (the KV
-cache's whole capacity under a mask, the position on the device), so one capture serves every
-token until the batch or one of its caches changes (a request joining or leaving the batch
-costs one capture). Only the device path that never synchronizes the
-host can be captured: CUDA kernels, grouped GEMM, experts gathered by address.
+At batch 1 a token's work is hundreds of small launches; from Python they cost far more than the
+GPU needs to run them. `Decoder.step_static` keeps every shape and address fixed: the rows' input,
+their positions and their caches' table (each cache's keys' and values' addresses, read by the
+attention and KV-write kernels) are device buffers the graph owns and the host rewrites before
+each replay. So one capture serves any batch of up to `bucket` rows (the rest padded with a
+dummy sequence at position 0, its outputs dropped) whose caches fit the capacity it was captured
+for: a request joining or leaving the batch costs no capture; a bucket's first use, or a cache
+that outgrows the capture's capacity, costs one.
 
-Each stage of a split captures its own layers (the first from the token id, the last to the
-logits, the others hidden row to hidden row); the hand-over between stages stays outside the
-graphs (the exchange's copy kernel and events, queued between the replays).
+Only the device path that never synchronizes the host can be captured: CUDA kernels, grouped GEMM,
+experts gathered by address. Each stage of a split captures its own layers (the first from the
+token id, the last to the logits, the others hidden row to hidden row); the hand-over between
+stages stays outside the graphs (the exchange's copy kernel and events, queued between replays).
 """
 
 from __future__ import annotations
@@ -23,51 +26,70 @@ from strata_mgpu.model.decoder import Decoder
 from strata_mgpu.model.kv_cache import KVCache
 
 
-def graph_key(kv: KVCache) -> tuple[int, int, int, int]:
-    """What a capture bakes in: the cache object, its keys' and values' addresses, its capacity
-    (a new cache may reuse a freed one's id and keys' address, with its values elsewhere)."""
-    return id(kv), kv.k.data_ptr(), kv.v.data_ptr(), kv.capacity
-
-
-def batch_key(kvs: Sequence[KVCache]) -> tuple[tuple[int, int, int, int], ...]:
-    """A batch's capture key: its caches' keys, in row order."""
-    return tuple(graph_key(kv) for kv in kvs)
+def bucket_for(rows: int, largest: int) -> int:
+    """The graph batch serving `rows` rows: the next power of two, at most `largest` (which itself
+    serves every batch above the last power of two below it)."""
+    bucket = 1
+    while bucket < rows:
+        bucket *= 2
+    return min(bucket, largest)
 
 
 class DecodeGraph:
-    def __init__(self, model: Decoder, kvs: Sequence[KVCache], inp: torch.Tensor):
-        """inp: the first step's input, token ids [B] (first stage) or hidden rows [B, D], row b
-        of sequence kvs[b]. The graph serves this batch of sequences, in this order, until one of
-        their caches is reallocated or the batch changes (`key`)."""
+    def __init__(self, model: Decoder, kvs: Sequence[KVCache], inp: torch.Tensor, bucket: int, pad: KVCache):
+        """kvs: the first step's sequences (at most `bucket`); inp their input, token ids [B]
+        (first stage) or hidden rows [B, D]. Rows past len(kvs) run the dummy sequence `pad` at
+        position 0. Serves later batches of up to `bucket` rows whose caches' capacities are at
+        most this batch's largest (`fits`)."""
+        assert 0 < len(kvs) <= bucket
         device = self.device = model.device
-        self.key = batch_key(kvs)
-        self.inp = inp.to(device).clone()  # the replays' input buffer
-        self.positions = torch.tensor([kv.length for kv in kvs], dtype=torch.long).to(device)  # [B]
+        self.bucket, self.pad = bucket, pad
+        padded = [*kvs, *[pad] * (bucket - len(kvs))]
+        self.capacity = max(kv.capacity for kv in padded)  # the attention's splits cover this much
+        self.inp = torch.zeros((bucket, *inp.shape[1:]), dtype=inp.dtype, device=device)  # the replays' input
+        self.positions = torch.zeros(bucket, dtype=torch.long, device=device)  # [bucket]
+        table = model.ops.kv_table(padded)  # None for the torch ops, which read the caches themselves
+        self.table = None if table is None else table.clone()  # [bucket, 3], the graph's own
+        self._load(kvs, inp)
         with torch.cuda.device(device):  # the capture stream is the current device's: the stage's
             # Warm up outside the capture (lazy initializations may not happen inside it). The
             # warm-up computes the real next step, writing the very KV slots the replays write again.
             side = torch.cuda.Stream(device)
             side.wait_stream(torch.cuda.current_stream(device))
             with torch.cuda.stream(side):
-                model.step_static(self.inp, self.positions, kvs)
+                model.step_static(self.inp, self.positions, padded, self.table)
             torch.cuda.current_stream(device).wait_stream(side)
             self.graph = torch.cuda.CUDAGraph()
             # torch's default capture stream is made once, on whichever device captured first: a
             # stage on another card would be captured on that card's stream. Each capture gets one
             # of its own device's.
             with torch.cuda.graph(self.graph, stream=torch.cuda.Stream(device), capture_error_mode="relaxed"):
-                self.out = model.step_static(self.inp, self.positions, kvs)  # [B, V] logits or [B, D] hidden
+                self.out = model.step_static(self.inp, self.positions, padded, self.table)  # [bucket, V or D]
+
+    def fits(self, kvs: Sequence[KVCache]) -> bool:
+        """Can a replay serve this batch? At most `bucket` rows, none with a larger cache."""
+        return len(kvs) <= self.bucket and all(kv.capacity <= self.capacity for kv in kvs)
+
+    def _load(self, kvs: Sequence[KVCache], inp: torch.Tensor) -> None:
+        """The rows' input, positions and caches into the graph's buffers (pad rows: position 0 of
+        `pad`; their input is whatever the buffer held, finite)."""
+        n = len(kvs)
+        self.inp[:n].copy_(inp.reshape(n, *self.inp.shape[1:]), non_blocking=True)
+        pad = self.bucket - n
+        # pageable sources: copied out before these calls return, so the lists may change after
+        self.positions.copy_(torch.tensor([kv.length for kv in kvs] + [0] * pad, dtype=torch.long),
+                             non_blocking=True)
+        if self.table is not None:
+            rows = [(kv.k.data_ptr(), kv.v.data_ptr(), kv.k.stride(0)) for kv in [*kvs, *[self.pad] * pad]]
+            self.table.copy_(torch.tensor(rows, dtype=torch.long), non_blocking=True)
 
     def step(self, kvs: Sequence[KVCache], inp: torch.Tensor) -> torch.Tensor:
-        """The step's output for `inp` at the caches' next positions; advances the caches."""
-        assert batch_key(kvs) == self.key, "the graph belongs to another batch"
-        self.inp.copy_(inp.reshape(self.inp.shape), non_blocking=True)
-        if len(kvs) == 1:
-            self.positions.fill_(kvs[0].length)
-        else:  # a pageable source: copied out before this returns, so the list may change after
-            self.positions.copy_(torch.tensor([kv.length for kv in kvs], dtype=torch.long), non_blocking=True)
+        """The step's output for `inp` at the caches' next positions [len(kvs), V or D]; advances
+        the caches."""
+        assert self.fits(kvs), "the batch outgrew this graph"
+        self._load(kvs, inp)
         with torch.cuda.device(self.device):
             self.graph.replay()
         for kv in kvs:
             kv.advance(1)
-        return self.out.clone()  # the next replay overwrites the graph's own buffer
+        return self.out[:len(kvs)].clone()  # the next replay overwrites the graph's own buffer

@@ -25,7 +25,7 @@ from strata_mgpu.model.kv_cache import KVCache
 from strata_mgpu.model.runner import DecoderRunner
 from strata_mgpu.model.spec import ModelSpec
 from strata_mgpu.model.weights import load_weights
-from strata_mgpu.stage.decode_graph import DecodeGraph, batch_key
+from strata_mgpu.stage.decode_graph import DecodeGraph, bucket_for
 from strata_mgpu.stage.device import DeviceContext
 from strata_mgpu.stage.expert_cache import ExpertCache
 from strata_mgpu.stage.expert_ring import ExpertRing
@@ -97,11 +97,10 @@ class Stage(DecoderRunner):
         dense = load_weights(f, spec, dtype=dtype, device=self.ctx.device, with_experts=False, layers=layers,
                              embed=self.is_first, head=self.is_last,
                              on_layer=progress("dense weights" + tag, len(layers)))
-        dense_bytes = sum(t.numel() * t.element_size() for lw in dense.layers for t in vars(lw).values()
-                          if isinstance(t, torch.Tensor))
-        dense_bytes += sum(t.numel() * t.element_size() for t in {id(x): x for x in
-                                                                 (dense.embed, dense.output, dense.out_norm)
-                                                                 if x is not None}.values())
+        # bytes of every storage once (wq/wk/wv are views of wqkv; a tied head is the embedding)
+        tensors = [t for lw in dense.layers for t in vars(lw).values() if isinstance(t, torch.Tensor)]
+        tensors += [x for x in (dense.embed, dense.output, dense.out_norm) if x is not None]
+        dense_bytes = sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values())
         self.arena = HostExpertArena(f, spec, layers, pin=self.ctx.is_cuda,
                                      on_layer=progress("experts" + tag, len(layers)))
         kernels = self.kernels = select_kernels(self.ctx.device, prefer_cuda=opts.prefer_cuda_kernels)
@@ -116,7 +115,8 @@ class Stage(DecoderRunner):
         super().__init__(Decoder(spec, dense, experts, ops))
         self._graphs_ok = (opts.cuda_graphs and cache is not None
                            and dtype == torch.bfloat16 and self._decode_never_syncs(kernels, spec))
-        self._graph: DecodeGraph | None = None
+        self._graphs: dict[int, DecodeGraph] = {}  # bucket (rows, a power of two) -> its capture
+        self._pad_kv: KVCache | None = None  # the dummy sequence padding a batch to its bucket
         self._graph_batch = opts.graph_batch or env.decode_graph_batch()
         # KV cells in VRAM for all sequences together (the engine admits within it); a sequence
         # longer than that keeps its older cells in pinned host RAM (`stage.host_kv`)
@@ -237,13 +237,18 @@ class Stage(DecoderRunner):
         return self.model.logits(x) if self.is_last else x
 
     def _graph_step(self, kvs, inp: torch.Tensor) -> torch.Tensor | None:
-        """The step as a graph replay (captured anew for a new batch); None where capture fails."""
+        """The step as a replay of its bucket's graph (captured at the bucket's first use, and
+        again when a cache outgrows the capture); None where capture fails."""
         for kv in kvs:
             kv.reserve(1)
-        if self._graph is None or self._graph.key != batch_key(kvs):
-            self._graph = None  # release the old capture's memory before making a new one
+        bucket = bucket_for(len(kvs), self._graph_batch)
+        graph = self._graphs.get(bucket)
+        if graph is None or not graph.fits(kvs):
+            self._graphs.pop(bucket, None)  # release the old capture's memory before making a new one
+            if self._pad_kv is None:
+                self._pad_kv = self.model.new_cache(1, capacity=1)
             try:
-                self._graph = DecodeGraph(self.model, kvs, inp)
+                graph = self._graphs[bucket] = DecodeGraph(self.model, kvs, inp, bucket, self._pad_kv)
             except RuntimeError as e:  # a capture this torch cannot make: decode eagerly from now on
                 if len(kvs) > 1:  # batch 1 has its own record: only the batched captures stop
                     log.warning("CUDA graph capture of a batch of %d failed on %s (%s): batches above 1 decode "
@@ -253,7 +258,7 @@ class Stage(DecoderRunner):
                     log.warning("CUDA graph capture failed on %s (%s): decoding without graphs", self.ctx.device, e)
                     self._graphs_ok = False
                 return None
-        return self._graph.step(kvs, inp)
+        return graph.step(kvs, inp)
 
     def _decode_never_syncs(self, kernels, spec: ModelSpec) -> bool:
         """Can a decode step run with no host sync (so be captured)? Each layer's experts go through

@@ -1,6 +1,8 @@
 """Profile a few decode steps of a model on the GPU: where does a token's time go?
 
-    python3 -m strata_mgpu.tools.profile_decode MODEL.gguf [--max-vram 16] [--steps 8] > profile.txt
+    python3 -m strata_mgpu.tools.profile_decode MODEL.gguf [--max-vram 16] [--steps 8] [--batch 1] > profile.txt
+
+With --batch B, B sequences step together (replayed as one graph when STRATA_DECODE_GRAPH_BATCH >= B).
 """
 
 from __future__ import annotations
@@ -21,22 +23,25 @@ def main() -> None:
     ap.add_argument("model")
     ap.add_argument("--max-vram", type=float, default=16)
     ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--batch", type=int, default=1, help="sequences decoded together")
     args = ap.parse_args()
     f = GGUFFile(args.model)
     spec = spec_from_gguf(f)
     stage = Stage(f, spec, StageOptions(device=torch.device("cuda", 0), max_vram_gib=args.max_vram, chunk_size=1024))
-    kv = stage.new_sequence(200)
-    tokens = torch.randint(0, spec.vocab_size, (64 + 4 + args.steps, 1))  # random: see tools/bench time_decode
-    stage.prefill(kv, tokens[:64, 0])
+    b = args.batch
+    kvs = [stage.new_sequence(200) for _ in range(b)]
+    tokens = torch.randint(0, spec.vocab_size, (64 + 4 + args.steps, b))  # random: see tools/bench time_decode
+    for j, kv in enumerate(kvs):
+        stage.prefill(kv, tokens[:64, j])
     for i in range(4):
-        int(stage.decode([kv], tokens[64 + i])[0].argmax())
+        stage.decode(kvs, tokens[64 + i]).argmax(-1).tolist()
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for i in range(args.steps):
-            int(stage.decode([kv], tokens[68 + i])[0].argmax())
+            stage.decode(kvs, tokens[68 + i]).argmax(-1).tolist()
     dt = (time.perf_counter() - t0) / args.steps
-    print(f"{1e3 * dt:.1f} ms per token under the profiler ({1 / dt:.1f} tok/s)")
+    print(f"batch {b}: {1e3 * dt:.1f} ms a step under the profiler ({b / dt:.1f} tok/s in all)")
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
     print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=15))
 
