@@ -57,9 +57,10 @@ __device__ __forceinline__ float warp_sum(float v) {
     return v;
 }
 
-// shared: max(G, HC) * DH floats (the query heads, then the P @ V sums) + G * L floats (scores,
-// then probabilities).
-constexpr int HC = 8;  // query heads a thread works on at once
+// shared: max(G, HC) * (DH + 4 TPK) floats (the query heads, then the P @ V sums) + G * L floats
+// (scores, then probabilities).
+constexpr int HC = 8;   // query heads a thread works on at once
+constexpr int TPK = 4;  // threads sharing a key's score
 
 template <int DH>
 __global__ void attn_split(const bf16* __restrict__ q, const long long* __restrict__ table, int layer,
@@ -83,32 +84,42 @@ __global__ void attn_split(const bf16* __restrict__ q, const long long* __restri
     const bf16* kc = reinterpret_cast<const bf16*>(table[3 * b]) + layer * stride + g * DH;
     const bf16* vc = reinterpret_cast<const bf16*>(table[3 * b + 1]) + layer * stride + g * DH;
     const long long row = (long long)Hkv * DH;  // elements from one position to the next
-    float* qs = smem;
-    float* sc = smem + (G > HC ? G : HC) * DH;
-    for (int i = threadIdx.x; i < G * DH; i += blockDim.x) qs[i] = __bfloat162float(q[head0 * DH + i]);
+    constexpr int DPK = DH / TPK, QROW = DH + 4 * TPK;  // a query head's row: its parts 4 floats apart,
+    float* qs = smem;                                    // so the TPK lanes of a key read distinct banks
+    float* sc = smem + (G > HC ? G : HC) * QROW;
+    for (int i = threadIdx.x; i < G * DH; i += blockDim.x) {  // head h's part p at h * QROW + p * (DPK + 4)
+        const int h = i / DH, d = i % DH;
+        qs[h * QROW + (d / DPK) * (DPK + 4) + d % DPK] = __bfloat162float(q[head0 * DH + i]);
+    }
     __syncthreads();
-    // Scores: a thread a key (its row read once, 16 bytes at a time), for HC query heads at a time.
-    for (int jj = threadIdx.x; jj < n; jj += blockDim.x) {
-        const uint4* kr = reinterpret_cast<const uint4*>(kc + (j0 + jj) * row);
+    // Scores: TPK threads a key (adjacent lanes, each DPK of its dims, 16 bytes at a time; the key's
+    // row read once), HC query heads at a time, the parts summed across the key's lanes.
+    for (int base = 0; base < n; base += blockDim.x / TPK) {  // uniform across the block: shuffles below
+        const int jj = base + threadIdx.x / TPK, part = threadIdx.x % TPK;
+        const bool live = jj < n;
+        const uint4* kr = reinterpret_cast<const uint4*>(kc + (j0 + (live ? jj : 0)) * row + part * DPK);
         for (int h0 = 0; h0 < G; h0 += HC) {
             float acc[HC];
 #pragma unroll
             for (int h = 0; h < HC; ++h) acc[h] = 0.f;
-#pragma unroll 4
-            for (int c = 0; c < DH / 8; ++c) {
+#pragma unroll
+            for (int c = 0; c < DPK / 8; ++c) {
                 float f[8];
                 bf16x8(kr[c], f);
 #pragma unroll
                 for (int h = 0; h < HC; ++h)
                     if (h0 + h < G) {
-                        const float* qh = qs + (h0 + h) * DH + 8 * c;  // the same address across the warp
+                        const float* qh = qs + (h0 + h) * QROW + part * (DPK + 4) + 8 * c;
 #pragma unroll
                         for (int e = 0; e < 8; ++e) acc[h] = fmaf(f[e], qh[e], acc[h]);
                     }
             }
 #pragma unroll
-            for (int h = 0; h < HC; ++h)
-                if (h0 + h < G) sc[(h0 + h) * L + jj] = acc[h] * scale;
+            for (int h = 0; h < HC; ++h) {
+#pragma unroll
+                for (int o = 1; o < TPK; o <<= 1) acc[h] += __shfl_xor_sync(0xffffffffu, acc[h], o);
+                if (live && part == 0 && h0 + h < G) sc[(h0 + h) * L + jj] = acc[h] * scale;
+            }
         }
     }
     __syncthreads();

@@ -15,12 +15,6 @@ typedef unsigned char u8;
 // tests/test_nvrtc_compile.py checks against this list.
 #define GGML_CUDA_TYPES(X) X(0) X(1) X(2) X(3) X(6) X(7) X(8) X(10) X(11) X(12) X(13) X(14) X(20) X(23) X(30) X(39)
 
-// A small int (|q| < 2^22) as a float, exactly, without the conversion unit: 1.5 * 2^23 + q is a
-// float whose low mantissa bits are q; subtracting 1.5 * 2^23 leaves q. An I2F issues at a
-// quarter of an FMA's rate or less, and decoding a weight took one: the fused decode kernels'
-// bound at batch 8 (measured on an H200: ~120 us a layer for Q4_K gate/up, the conversions' time).
-__device__ __forceinline__ float i2f(int q) { return __fsub_rn(__int_as_float(0x4B400000 + q), 12582912.0f); }
-
 __device__ __forceinline__ float f16_at(const u8* p) {
     return __half2float(__ushort_as_half((unsigned short)(p[0] | (p[1] << 8))));
 }
@@ -35,8 +29,8 @@ __device__ __forceinline__ void scale_min_k4(int j, const u8* q, float* sc, floa
         s = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
         m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
     }
-    *sc = i2f(s);
-    *mn = i2f(m);
+    *sc = (float)s;
+    *mn = (float)m;
 }
 
 // Byte q (0..15) of the 16-byte little-endian table w0..w3, as a signed value: a codebook in
@@ -48,12 +42,12 @@ __device__ __forceinline__ int table16(unsigned w0, unsigned w1, unsigned w2, un
 
 // IQ4_NL/IQ4_XS codebook: -127 -104 -83 -65 -49 -35 -22 -10 1 13 25 38 53 69 89 113.
 __device__ __forceinline__ float iq4_value(int q) {
-    return i2f(table16(0xBFAD9881u, 0xF6EADDCFu, 0x26190D01u, 0x71594535u, q));
+    return (float)table16(0xBFAD9881u, 0xF6EADDCFu, 0x26190D01u, 0x71594535u, q);
 }
 
 // MXFP4 (E2M1) codebook, doubled: 0 1 2 3 4 6 8 12 0 -1 -2 -3 -4 -6 -8 -12.
 __device__ __forceinline__ float mxfp4_value(int q) {
-    return i2f(table16(0x03020100u, 0x0C080604u, 0xFDFEFF00u, 0xF4F8FAFCu, q));
+    return (float)table16(0x03020100u, 0x0C080604u, 0xFDFEFF00u, 0xF4F8FAFCu, q);
 }
 
 // Weight l (0..31) of a 32-weight run packed as 16 low nibbles then 16 high nibbles.
@@ -96,7 +90,7 @@ template <> __device__ __forceinline__ void sub_block<8>(const u8* b, int, float
     const float d = f16_at(b);
     const signed char* q = reinterpret_cast<const signed char*>(b + 2);
 #pragma unroll
-    for (int l = 0; l < 32; ++l) v[l] = __fmul_rn(d, i2f(q[l]));
+    for (int l = 0; l < 32; ++l) v[l] = __fmul_rn(d, (float)q[l]);
 }
 
 template <> __device__ __forceinline__ void sub_block<12>(const u8* b, int j, float* v) {
@@ -106,7 +100,7 @@ template <> __device__ __forceinline__ void sub_block<12>(const u8* b, int j, fl
     const u8* qs = b + 16 + 32 * (j >> 1);
     const int shift = (j & 1) * 4;
 #pragma unroll
-    for (int l = 0; l < 32; ++l) v[l] = __fsub_rn(__fmul_rn(d, i2f((qs[l] >> shift) & 0xF)), m);
+    for (int l = 0; l < 32; ++l) v[l] = __fsub_rn(__fmul_rn(d, (float)((qs[l] >> shift) & 0xF)), m);
 }
 
 template <> __device__ __forceinline__ void sub_block<13>(const u8* b, int j, float* v) {
@@ -119,7 +113,7 @@ template <> __device__ __forceinline__ void sub_block<13>(const u8* b, int j, fl
 #pragma unroll
     for (int l = 0; l < 32; ++l) {
         const int q = ((qs[l] >> shift) & 0xF) | (((qh[l] >> j) & 1) << 4);
-        v[l] = __fsub_rn(__fmul_rn(d, i2f(q)), m);
+        v[l] = __fsub_rn(__fmul_rn(d, (float)q), m);
     }
 }
 
@@ -131,11 +125,10 @@ template <> __device__ __forceinline__ void sub_block<14>(const u8* b, int j, fl
     const signed char* sc = reinterpret_cast<const signed char*>(b + 192 + 8 * h);
     const float d = f16_at(b + 208);
     const int lo_shift = (g >> 1) * 4, hi_shift = 2 * g;
-    const float ds[2] = {__fmul_rn(d, i2f(sc[2 * g])), __fmul_rn(d, i2f(sc[2 * g + 1]))};
 #pragma unroll
     for (int l = 0; l < 32; ++l) {
         const int q = (((ql[l] >> lo_shift) & 0xF) | (((qh[l] >> hi_shift) & 3) << 4)) - 32;
-        v[l] = __fmul_rn(ds[l >> 4], i2f(q));
+        v[l] = __fmul_rn(__fmul_rn(d, (float)sc[2 * g + (l >> 4)]), (float)q);
     }
 }
 
@@ -148,14 +141,14 @@ template <> __device__ __forceinline__ void sub_block<30>(const u8* b, int, floa
 template <> __device__ __forceinline__ void sub_block<2>(const u8* b, int, float* v) {
     const float d = f16_at(b);
 #pragma unroll
-    for (int l = 0; l < 32; ++l) v[l] = __fmul_rn(d, i2f(nibble(b + 2, l) - 8));
+    for (int l = 0; l < 32; ++l) v[l] = __fmul_rn(d, (float)(nibble(b + 2, l) - 8));
 }
 
 // Q4_1 [d:f16][m:f16][qs:16]: d * q + m
 template <> __device__ __forceinline__ void sub_block<3>(const u8* b, int, float* v) {
     const float d = f16_at(b), m = f16_at(b + 2);
 #pragma unroll
-    for (int l = 0; l < 32; ++l) v[l] = __fadd_rn(__fmul_rn(d, i2f(nibble(b + 4, l))), m);
+    for (int l = 0; l < 32; ++l) v[l] = __fadd_rn(__fmul_rn(d, (float)nibble(b + 4, l)), m);
 }
 
 // Q5_0 [d:f16][qh:u32][qs:16]: d * (q - 16), bit l of qh the 5th bit of weight l
@@ -165,7 +158,7 @@ template <> __device__ __forceinline__ void sub_block<6>(const u8* b, int, float
 #pragma unroll
     for (int l = 0; l < 32; ++l) {
         const int q = nibble(b + 6, l) | (int)((qh >> l) & 1) << 4;  // int: q - 16 may be negative
-        v[l] = __fmul_rn(d, i2f(q - 16));
+        v[l] = __fmul_rn(d, (float)(q - 16));
     }
 }
 
@@ -174,7 +167,7 @@ template <> __device__ __forceinline__ void sub_block<7>(const u8* b, int, float
     const float d = f16_at(b), m = f16_at(b + 2);
     const unsigned qh = b[4] | (b[5] << 8) | (b[6] << 16) | ((unsigned)b[7] << 24);
 #pragma unroll
-    for (int l = 0; l < 32; ++l) v[l] = __fadd_rn(__fmul_rn(d, i2f(nibble(b + 8, l) | (((qh >> l) & 1) << 4))), m);
+    for (int l = 0; l < 32; ++l) v[l] = __fadd_rn(__fmul_rn(d, (float)(nibble(b + 8, l) | (((qh >> l) & 1) << 4))), m);
 }
 
 // Q2_K [scales:16][qs:64][d:f16][dmin:f16]: sub-block j = 4 h + s is bits 2s..2s+1 of qs[32 h + l];
@@ -186,9 +179,9 @@ template <> __device__ __forceinline__ void sub_block<10>(const u8* b, int j, fl
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
         const int sc = b[2 * j + half];
-        const float dl = __fmul_rn(d, i2f(sc & 0xF)), ml = __fmul_rn(dmin, i2f(sc >> 4));
+        const float dl = __fmul_rn(d, (float)(sc & 0xF)), ml = __fmul_rn(dmin, (float)(sc >> 4));
 #pragma unroll
-        for (int l = 16 * half; l < 16 * half + 16; ++l) v[l] = __fsub_rn(__fmul_rn(dl, i2f((qs[l] >> shift) & 3)), ml);
+        for (int l = 16 * half; l < 16 * half + 16; ++l) v[l] = __fsub_rn(__fmul_rn(dl, (float)((qs[l] >> shift) & 3)), ml);
     }
 }
 
@@ -203,11 +196,11 @@ template <> __device__ __forceinline__ void sub_block<11>(const u8* b, int j, fl
     for (int half = 0; half < 2; ++half) {
         const int i = 2 * j + half;
         const int low = i < 8 ? sc[i] & 0xF : sc[i - 8] >> 4, high = (sc[8 + (i & 3)] >> (2 * (i >> 2))) & 3;
-        const float dl = __fmul_rn(d, i2f((low | (high << 4)) - 32));
+        const float dl = __fmul_rn(d, (float)((low | (high << 4)) - 32));
 #pragma unroll
         for (int l = 16 * half; l < 16 * half + 16; ++l) {
             const int q = ((qs[l] >> shift) & 3) - (((b[l] >> j) & 1) ? 0 : 4);
-            v[l] = __fmul_rn(dl, i2f(q));
+            v[l] = __fmul_rn(dl, (float)q);
         }
     }
 }
@@ -223,7 +216,7 @@ template <> __device__ __forceinline__ void sub_block<20>(const u8* b, int, floa
 // scales_l (low) and bits 2j..2j+1 of scales_h (high), minus 32; (d * scale) * codebook[q]
 template <> __device__ __forceinline__ void sub_block<23>(const u8* b, int j, float* v) {
     const int high = ((b[2] | (b[3] << 8)) >> (2 * j)) & 3, low = (b[4 + (j >> 1)] >> (4 * (j & 1))) & 0xF;
-    const float dl = __fmul_rn(f16_at(b), i2f((low | (high << 4)) - 32));
+    const float dl = __fmul_rn(f16_at(b), (float)((low | (high << 4)) - 32));
     const u8* qs = b + 8 + 16 * j;
 #pragma unroll
     for (int l = 0; l < 32; ++l) v[l] = __fmul_rn(dl, iq4_value(nibble(qs, l)));

@@ -23,13 +23,7 @@
 
 typedef unsigned long long u64;
 
-// x rounded to bf16 (to nearest, ties to even) and back, in integer ops: the same value as
-// __bfloat162float(__float2bfloat16_rn(x)) for every finite x, without the conversion unit, whose
-// rate bounded these kernels (one rounding a weight).
-__device__ __forceinline__ float bf16r(float x) {
-    const unsigned u = __float_as_uint(x);
-    return __uint_as_float((u + 0x7FFFu + ((u >> 16) & 1u)) & 0xFFFF0000u);
-}
+__device__ __forceinline__ float bf16r(float x) { return __bfloat162float(__float2bfloat16_rn(x)); }
 
 __device__ __forceinline__ const u8* expert_at(long long e, const long long* slot_of, const long long* host_offset,
                                                u64 slots, long long slot_bytes, u64 arena) {

@@ -40,6 +40,7 @@ ATTN_HEAD_DIMS = (64, 128, 256)
 ATTN_EXPRS = tuple(f"{k}<{d}>" for d in ATTN_HEAD_DIMS for k in ("attn_split", "attn_combine"))
 ATTN_WARPS = 8
 ATTN_HEADS_AT_ONCE = 8  # decode_attention.cu's HC
+ATTN_THREADS_A_KEY = 4  # its TPK
 ATTN_SHARED_BYTES = 46 * 1024  # under the 48 KiB every card gives a block without opting in
 ATTN_MIN_KEYS = 64  # keys a split takes at least; more once a cache passes ATTN_SPLITS of them
 ATTN_SPLITS = 128
@@ -48,8 +49,9 @@ KV_TABLES = 64  # batches whose cache table is kept (a capture replays the table
 
 def attention_shared_bytes(group: int, head_dim: int, keys: int) -> int:
     """attn_split's shared memory: the queries (room for at least ATTN_HEADS_AT_ONCE heads, which
-    later holds the P @ V sums) and the group's scores for `keys` keys, all fp32."""
-    return 4 * (max(group, ATTN_HEADS_AT_ONCE) * head_dim + group * keys)
+    later holds the P @ V sums; each row padded 4 floats a key part) and the group's scores for
+    `keys` keys, all fp32."""
+    return 4 * (max(group, ATTN_HEADS_AT_ONCE) * (head_dim + 4 * ATTN_THREADS_A_KEY) + group * keys)
 
 
 def attention_split(capacity: int, group: int, head_dim: int) -> int:
