@@ -96,7 +96,7 @@ if has x2sweep; then
   done
 fi
 if has x2served; then
-  bench x2served $X2 --prompt-tokens 1024 --decode-tokens 128 --runs 1 --server-decode 1,8
+  bench x2served $X2 --prompt-tokens 1024 --decode-tokens 128 --runs 1 --server-decode 1,8 --decode-batch 1,8
 fi
 if has x2dec; then
   bench x2dec $X2 --prompt-tokens 1024 --decode-tokens 128 --runs 1 --server-decode 1,8
