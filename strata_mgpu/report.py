@@ -101,6 +101,10 @@ def bench_lines(result: BenchResult, chunk_size: int, max_vram: str | None) -> l
             hit += f", {100 * result.decode_hit_rate:.0f}% of picks read from VRAM"
         lines.append(f"decode: {result.decode_tok_per_s:.1f} tok/s ({result.decode_tokens} random tokens, "
                      f"batch 1{hit})")
+        if result.decode_host_ms is not None:
+            step_ms = 1e3 / result.decode_tok_per_s
+            lines.append(f"decode host time: {result.decode_host_ms:.2f} ms of each {step_ms:.2f} ms step queues it "
+                         f"({100 * result.decode_host_ms / step_ms:.0f}%); the rest the host waits for the device")
     for d in result.decode_batch:
         lo, hi = d.prompt_tokens[0], d.prompt_tokens[-1]
         lines.append(f"decode batch {d.batch}: {d.tok_per_s:,.1f} tok/s in all, {d.per_seq_tok_s:,.1f} per sequence "

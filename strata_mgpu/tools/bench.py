@@ -20,6 +20,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -83,6 +84,7 @@ class BenchResult:
     pipeline_tokens: int | None = None
     server_decode: list[dict] = field(default_factory=list)  # tools.server_decode reports, when asked for
     decode_batch: list[DecodeBatchResult] = field(default_factory=list)  # --decode-batch sizes other than 1 alone
+    decode_host_ms: float | None = None  # batch 1: the host's time to queue a step (the rest it waits on the device)
     date: str = field(default_factory=lambda: time.strftime("%Y-%m-%d"))
 
     def to_json(self) -> str:
@@ -193,11 +195,18 @@ def busy_and_overlap(intervals: dict[int, list[tuple[float, float]]]) -> tuple[d
     return busy, overlap, span
 
 
-def time_decode(runner, n: int, prompt_tokens: int = 64, seed: int = 0) -> tuple[float, float | None]:
-    """Decode tok/s at batch 1, one token at a time, and the share of the timed steps' expert picks
-    that were read from VRAM. Each step's logits go to the host (a sync, as sampling does), but
-    the next token fed is random: a synthetic model's greedy chain soon loops over a few tokens,
-    whose experts the cache then holds, which would flatter the figure."""
+class DecodeTiming(NamedTuple):
+    tok_per_s: float
+    hit_rate: float | None  # share of the timed steps' expert picks read from VRAM (None: no expert cache)
+    issue_ms: float  # host time a step takes to be queued (`runner.decode` until it returns, before the sync)
+
+
+def time_decode(runner, n: int, prompt_tokens: int = 64, seed: int = 0) -> DecodeTiming:
+    """Decode tok/s at batch 1, one token at a time, the share of the timed steps' expert picks
+    that were read from VRAM, and the host's time to queue a step (graph replay: its input copies
+    and the launch; eager: every launch). Each step's logits go to the host (a sync, as sampling
+    does), but the next token fed is random: a synthetic model's greedy chain soon loops over a
+    few tokens, whose experts the cache then holds, which would flatter the figure."""
     g = torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, runner.spec.vocab_size, (prompt_tokens + n + 2,), generator=g)
     kv = runner.new_sequence(prompt_tokens + n + 3)  # + the two warm-up steps
@@ -209,13 +218,17 @@ def time_decode(runner, n: int, prompt_tokens: int = 64, seed: int = 0) -> tuple
     sync_stages(runner.stages)
     before = [c.picks.clone() for c in caches]
     t0 = time.perf_counter()
+    issue = 0.0
     for _ in range(n):
-        int(runner.decode([kv], next(steps))[0].argmax())  # the host needs each step's logits
+        t = time.perf_counter()
+        logits = runner.decode([kv], next(steps))
+        issue += time.perf_counter() - t
+        int(logits[0].argmax())  # the host needs each step's logits
     seconds = time.perf_counter() - t0
     picked = [(c.picks - b).cpu() for c, b in zip(caches, before, strict=True)]  # no refill in between
     total = sum(float(p.sum()) for p in picked)
     hits = sum(float((p * (c.slot_of_host >= 0)).sum()) for p, c in zip(picked, caches, strict=True))
-    return n / seconds, (hits / total if total else None)
+    return DecodeTiming(n / seconds, hits / total if total else None, 1e3 * issue / n)
 
 
 def decode_batch_prompts(batch: int, prompt_tokens: int = 64, step: int = 7) -> list[int]:
@@ -303,7 +316,7 @@ def run_bench(runner, model_name: str, prompt_tokens: list[int], decode_tokens: 
         finally:
             runner.on_stage = None
         busy, overlap, span = busy_and_overlap(timeline.intervals())
-    dec, hit = time_decode(runner, decode_tokens) if decode_tokens else (None, None)
+    dec = time_decode(runner, decode_tokens) if decode_tokens else None
     batched = []
     for b in decode_batches if decode_batches and decode_batches != [1] else []:
         steps = decode_tokens or 64
@@ -317,8 +330,10 @@ def run_bench(runner, model_name: str, prompt_tokens: list[int], decode_tokens: 
     peak_live = sum(torch.cuda.max_memory_allocated(d) for d in devices) / 1e9 if devices else None
     return BenchResult(
         device=",".join(str(s.ctx.device) for s in stages), model=model_name, expert_bytes=expert_bytes,
-        link_gb_per_s=bw, prefill=results, decode_tokens=decode_tokens, decode_tok_per_s=dec,
-        decode_resident_share=cache.hit_rate_uniform if cache else None, decode_hit_rate=hit, peak_vram_gb=peak,
+        link_gb_per_s=bw, prefill=results, decode_tokens=decode_tokens,
+        decode_tok_per_s=dec.tok_per_s if dec else None, decode_host_ms=dec.issue_ms if dec else None,
+        decode_resident_share=cache.hit_rate_uniform if cache else None,
+        decode_hit_rate=dec.hit_rate if dec else None, peak_vram_gb=peak,
         peak_vram_allocated_gb=peak_live,
         kernels=stages[0].report.kernels, paths=[s.kernels.path_summary() for s in stages],
         stages=[StageResult(index=i, device=str(s.ctx.device), layers=f"{s.layers.start}-{s.layers.stop - 1}",

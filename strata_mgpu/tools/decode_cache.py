@@ -32,12 +32,12 @@ def main() -> None:
     refill = cache.refill
     cache.refill = lambda *a, **k: 0  # held still: the first K experts of every layer
     for i in range(args.sequences):
-        tps, hit = time_decode(stage, args.tokens, seed=i)
+        tps, hit, _ = time_decode(stage, args.tokens, seed=i)
         print(f"static cache ({cache.per_layer} experts a layer), sequence {i}: {tps:.1f} tok/s, "
               f"{100 * hit:.0f}% of picks from VRAM")
     cache.refill = refill
     for i in range(args.sequences):
-        tps, hit = time_decode(stage, args.tokens, seed=100 + i)
+        tps, hit, _ = time_decode(stage, args.tokens, seed=100 + i)
         print(f"cache following the routing, sequence {i}: {tps:.1f} tok/s, {100 * hit:.0f}% of picks from VRAM, "
               f"{cache.swapped} experts moved so far")
 
