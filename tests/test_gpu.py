@@ -271,13 +271,15 @@ def test_graph_replay_equals_the_static_step_run_eagerly(tiny_gguf):
     assert len(graphs) == 1 and kv_g.length == kv_e.length == 46
 
 
-def test_batched_graph_replay_equals_the_static_step_run_eagerly(tiny_gguf):
+def test_batched_graph_replay_equals_the_static_step_run_eagerly(tmp_path):
     """Three sequences of different lengths decode as one captured step of a 4-row bucket (each row
     its own cache and position, the fourth a pad row); one sequence leaving and another joining
     replays the same capture (the caches' table and positions are rewritten, not recaptured); two
     rows take the 2-row bucket's capture. Every step equals the same static step run eagerly on
-    twin caches."""
-    f = GGUFFile(tiny_gguf)
+    twin caches. (The small preset: 4 rows of the tiny one's would pick all its 8 experts, a
+    batch that streams whole layers and decodes eagerly.)"""
+    write_model(tmp_path / "small.gguf", "small", seed=5)
+    f = GGUFFile(tmp_path / "small.gguf")
     spec = spec_from_gguf(f)
     stage = Stage(f, spec, StageOptions(device=CUDA, max_vram_gib=8, graph_batch=4))
     lengths = (40, 9, 23, 15)

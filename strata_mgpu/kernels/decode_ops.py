@@ -145,7 +145,8 @@ class CudaDecodeOps(DecodeOps):
         if not (tensors_ok and dh % 64 == 0 and dh <= 256 and positions.dtype == torch.int64
                 and positions.is_contiguous() and q.shape[0] == n):
             self._twin("qk_norm_rope_kv", NOT_BF16 if not tensors_ok
-                       else f"head dim {dh} (multiples of 64 up to 256), or positions not int64")
+                       else f"head dim {dh} (multiples of 64 up to 256), positions not int64, or {q.shape[0]} "
+                       f"rows for {n} caches")
             return super().qk_norm_rope_kv(spec, w, layer, q, k, v, positions, cos, sin, kvs, table)
         self.paths.ran("qk_norm_rope_kv", "cuda")
         q_out = torch.empty(n, spec.n_heads, dh, dtype=q.dtype, device=q.device)
@@ -158,20 +159,22 @@ class CudaDecodeOps(DecodeOps):
         return q_out
 
     def attention(self, layer: int, q: torch.Tensor, positions: torch.Tensor, kvs: Sequence[KVCache],
-                  table: torch.Tensor | None = None) -> torch.Tensor:
+                  table: torch.Tensor | None = None, capacity: int | None = None) -> torch.Tensor:
         n, h, dh = q.shape
         hkv = kvs[0].k.shape[2]
         group = h // hkv if h % hkv == 0 else 0
-        keys = attention_split(max(kv.capacity for kv in kvs), group, dh) if group else 0
+        capacity = max(kv.capacity for kv in kvs) if capacity is None else capacity
+        assert all(kv.capacity <= capacity for kv in kvs), "a cache is larger than the capacity asked for"
+        keys = attention_split(capacity, group, dh) if group else 0
         tensors_ok = self._ok(q) and self._caches_ok(kvs, hkv, dh)
         if not (tensors_ok and dh in ATTN_HEAD_DIMS and keys and positions.dtype == torch.int64
                 and positions.is_contiguous()):
             self._twin("attention", NOT_BF16 if not tensors_ok else
                        f"head dim {dh} (one of {ATTN_HEAD_DIMS}), {h} query heads over {hkv} KV heads, "
                        "or positions not int64")
-            return super().attention(layer, q, positions, kvs, table)
+            return super().attention(layer, q, positions, kvs, table, capacity)
         self.paths.ran("attention", "cuda")
-        splits = -(-max(kv.capacity for kv in kvs) // keys)
+        splits = -(-capacity // keys)
         part_o = torch.empty(n, h, splits, dh, dtype=torch.float32, device=q.device)
         part_ml = torch.empty(n, h, splits, 2, dtype=torch.float32, device=q.device)
         out = torch.empty_like(q)

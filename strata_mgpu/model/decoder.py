@@ -152,7 +152,7 @@ class DecodeOps:
         return None
 
     def attention(self, layer: int, q: torch.Tensor, positions: torch.Tensor, kvs: Sequence[KVCache],
-                  table: torch.Tensor | None = None) -> torch.Tensor:
+                  table: torch.Tensor | None = None, capacity: int | None = None) -> torch.Tensor:
         """q [B, H, Dh], row b the token at positions[b] of kvs[b], against that cache's cells
         0..positions[b] of layer `layer` -> [B, H, Dh]. Here: the whole capacity under a mask."""
         outs = []
@@ -245,13 +245,13 @@ class Decoder:
         return x
 
     def step_static(self, inp: torch.Tensor, positions: torch.Tensor, kvs: Sequence[KVCache],
-                    table: torch.Tensor | None = None) -> torch.Tensor:
+                    table: torch.Tensor | None = None, capacity: int | None = None) -> torch.Tensor:
         """One decode step of B sequences through this decoder's layers with every shape and
         address fixed (see `layers_static`): token ids [B] where this decoder embeds (the first
         stage), else hidden rows [B, D]; -> logits [B, V] where it holds the head (the last
         stage), else the hidden rows [B, D] for the next stage. What a stage's decode graph captures."""
         x = self.embed(inp) if self.w.embed is not None else inp
-        x = self.layers_static(x, positions, kvs, table)
+        x = self.layers_static(x, positions, kvs, table, capacity)
         return self.logits(x) if self.w.output is not None else x
 
     def forward_static(self, token: torch.Tensor, position: torch.Tensor, kv: KVCache) -> torch.Tensor:
@@ -259,10 +259,12 @@ class Decoder:
         return self.layers_static(self.embed(token), position, [kv])
 
     def layers_static(self, x: torch.Tensor, positions: torch.Tensor, kvs: Sequence[KVCache],
-                      table: torch.Tensor | None = None) -> torch.Tensor:
+                      table: torch.Tensor | None = None, capacity: int | None = None) -> torch.Tensor:
         """Hidden rows x [B, D], row b of sequence kvs[b] at the device-held positions[b] -> [B, D].
         `table`: the caches' addresses as the fused ops read them (`ops.kv_table`); made here when
-        not given (a captured graph passes its own, rewritten before each replay).
+        not given (a captured graph passes its own, rewritten before each replay). `capacity`: the
+        largest cache the step must serve (a graph's replays may bring larger caches than its
+        capture's; default: the largest of kvs).
 
         Attention reads each cache up to the positions held on the device (the twin: the whole
         capacity under a mask), and the new keys and values are written there: every shape and
@@ -287,7 +289,7 @@ class Decoder:
                 q, k, v = h @ layer.wq.T, h @ layer.wk.T, h @ layer.wv.T
             # each row has its own cache and position
             q = ops.qk_norm_rope_kv(s, layer, i, q, k, v, positions, cos, sin, kvs, table)  # [B, H, Dh]
-            out = ops.attention(i, q, positions, kvs, table)  # [B, H, Dh]
+            out = ops.attention(i, q, positions, kvs, table, capacity)  # [B, H, Dh]
             x, h = ops.add_rms_norm(x, out.reshape(n, s.q_dim) @ layer.wo.T, layer.ffn_norm, s.rms_eps)
             weights, experts = self.route(i, h, layer.router)
             y = self.experts.forward(i, h, weights, experts)

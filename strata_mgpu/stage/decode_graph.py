@@ -7,8 +7,12 @@ their positions and their caches' table (each cache's keys' and values' addresse
 attention and KV-write kernels) are device buffers the graph owns and the host rewrites before
 each replay. So one capture serves any batch of up to `bucket` rows (the rest padded with a
 dummy sequence at position 0, its outputs dropped) whose caches fit the capacity it was captured
-for: a request joining or leaving the batch costs no capture; a bucket's first use, or a cache
-that outgrows the capture's capacity, costs one.
+for (the largest cache's, rounded up to a power of two): a request joining or leaving the batch
+costs no capture; a bucket's first use, or a cache past that capacity, costs one. Pad rows pick
+experts like any row: where some experts are read over the link (not every expert resident) a
+batch gets a graph of its own size instead (`bucket_for(..., pad=False)`). A capture in which an
+op ran its torch twin (which reads the caches by address, not through the table) serves only
+its own batch of sequences (`graph_key`).
 
 Only the device path that never synchronizes the host can be captured: CUDA kernels, grouped GEMM,
 experts gathered by address. Each stage of a split captures its own layers (the first from the
@@ -26,13 +30,24 @@ from strata_mgpu.model.decoder import Decoder
 from strata_mgpu.model.kv_cache import KVCache
 
 
-def bucket_for(rows: int, largest: int) -> int:
+def graph_key(kv: KVCache) -> tuple[int, int, int, int]:
+    """What a capture that read a cache by address bakes in: the cache object, its keys' and
+    values' addresses, its capacity (a new cache may reuse a freed one's id and keys' address)."""
+    return id(kv), kv.k.data_ptr(), kv.v.data_ptr(), kv.capacity
+
+
+def next_pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+def bucket_for(rows: int, largest: int, pad: bool = True) -> int:
     """The graph batch serving `rows` rows: the next power of two, at most `largest` (which itself
-    serves every batch above the last power of two below it)."""
-    bucket = 1
-    while bucket < rows:
-        bucket *= 2
-    return min(bucket, largest)
+    serves every batch above the last power of two below it); `rows` itself without padding."""
+    return min(next_pow2(rows), largest) if pad else rows
+
+
+# ops that read the caches through the table when they run their CUDA kernels
+TABLE_OPS = ("qk_norm_rope_kv", "attention")
 
 
 class DecodeGraph:
@@ -45,7 +60,9 @@ class DecodeGraph:
         device = self.device = model.device
         self.bucket, self.pad = bucket, pad
         padded = [*kvs, *[pad] * (bucket - len(kvs))]
-        self.capacity = max(kv.capacity for kv in padded)  # the attention's splits cover this much
+        self.capacity = next_pow2(max(kv.capacity for kv in padded))  # the attention's splits cover this much
+        paths = getattr(model.ops, "paths", None)
+        twins = [paths[f"{op}:twin"] for op in TABLE_OPS] if paths is not None else None
         self.inp = torch.zeros((bucket, *inp.shape[1:]), dtype=inp.dtype, device=device)  # the replays' input
         self.positions = torch.zeros(bucket, dtype=torch.long, device=device)  # [bucket]
         table = model.ops.kv_table(padded)  # None for the torch ops, which read the caches themselves
@@ -57,17 +74,24 @@ class DecodeGraph:
             side = torch.cuda.Stream(device)
             side.wait_stream(torch.cuda.current_stream(device))
             with torch.cuda.stream(side):
-                model.step_static(self.inp, self.positions, padded, self.table)
+                model.step_static(self.inp, self.positions, padded, self.table, self.capacity)
             torch.cuda.current_stream(device).wait_stream(side)
             self.graph = torch.cuda.CUDAGraph()
             # torch's default capture stream is made once, on whichever device captured first: a
             # stage on another card would be captured on that card's stream. Each capture gets one
             # of its own device's.
             with torch.cuda.graph(self.graph, stream=torch.cuda.Stream(device), capture_error_mode="relaxed"):
-                self.out = model.step_static(self.inp, self.positions, padded, self.table)  # [bucket, V or D]
+                self.out = model.step_static(self.inp, self.positions, padded, self.table,
+                                             self.capacity)  # [bucket, V or D]
+        # a twin read the caches at their addresses of this capture: only this batch may replay it
+        self.only = (None if self.table is not None and twins == [paths[f"{op}:twin"] for op in TABLE_OPS]
+                     else [graph_key(kv) for kv in kvs])
 
     def fits(self, kvs: Sequence[KVCache]) -> bool:
-        """Can a replay serve this batch? At most `bucket` rows, none with a larger cache."""
+        """Can a replay serve this batch? At most `bucket` rows, none with a larger cache (and the
+        very batch it was captured for, where the capture read the caches by address)."""
+        if self.only is not None:
+            return [graph_key(kv) for kv in kvs] == self.only
         return len(kvs) <= self.bucket and all(kv.capacity <= self.capacity for kv in kvs)
 
     def _load(self, kvs: Sequence[KVCache], inp: torch.Tensor) -> None:

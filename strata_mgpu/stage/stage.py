@@ -50,7 +50,7 @@ class StageOptions:
     resident_experts: int | None = None  # force K resident experts a layer (0: residency off); None: the plan's
     prefer_cuda_kernels: bool = True
     dtype: torch.dtype | None = None  # compute dtype; None: bf16 on CUDA, fp32 on the CPU
-    cuda_graphs: bool = True  # replay decode steps as a captured graph (one per batch) where the path allows
+    cuda_graphs: bool = True  # replay decode steps as captured graphs (one per batch size bucket) where possible
     graph_batch: int | None = None  # the largest batch replayed as a graph; None: STRATA_DECODE_GRAPH_BATCH
 
 
@@ -228,7 +228,7 @@ class Stage(DecoderRunner):
         this batch where the path allows (every cache in VRAM, and too few rows to make the experts
         stream); a spilled sequence's KV is assembled eagerly."""
         if (self._graphs_ok and len(kvs) <= self._graph_batch and all(kv.graph_capturable for kv in kvs)
-                and not self.model.experts.should_stream(len(kvs))):
+                and not self.model.experts.should_stream(self._graph_bucket(len(kvs)))):
             out = self._graph_step(kvs, inp)
             if out is not None:
                 return out
@@ -236,27 +236,40 @@ class Stage(DecoderRunner):
         x = self.model.run(x, [Segment(i, i + 1, kv) for i, kv in enumerate(kvs)])
         return self.model.logits(x) if self.is_last else x
 
+    def _graph_bucket(self, rows: int) -> int:
+        """The graph size serving `rows` rows. Pad rows pick experts as real rows do: only where
+        every expert is resident do they cost no reads over the link (and no skew in the cache's
+        pick counts), so elsewhere each batch size gets its own graph."""
+        return bucket_for(rows, self._graph_batch, pad=self.plan.resident_share >= 1)
+
     def _graph_step(self, kvs, inp: torch.Tensor) -> torch.Tensor | None:
         """The step as a replay of its bucket's graph (captured at the bucket's first use, and
         again when a cache outgrows the capture); None where capture fails."""
         for kv in kvs:
             kv.reserve(1)
-        bucket = bucket_for(len(kvs), self._graph_batch)
+        bucket = self._graph_bucket(len(kvs))
         graph = self._graphs.get(bucket)
         if graph is None or not graph.fits(kvs):
-            self._graphs.pop(bucket, None)  # release the old capture's memory before making a new one
+            self._graphs.pop(bucket, None)
+            graph = None  # the old capture's memory goes before a new one is made
             if self._pad_kv is None:
                 self._pad_kv = self.model.new_cache(1, capacity=1)
             try:
                 graph = self._graphs[bucket] = DecodeGraph(self.model, kvs, inp, bucket, self._pad_kv)
+            except torch.OutOfMemoryError:  # no room for this capture now: this step runs eagerly
+                log.warning("no memory to capture a decode graph of %d rows on %s: this step decodes eagerly",
+                            bucket, self.ctx.device)
+                return None
             except RuntimeError as e:  # a capture this torch cannot make: decode eagerly from now on
-                if len(kvs) > 1:  # batch 1 has its own record: only the batched captures stop
+                if bucket > 1:  # batch 1 has its own record: only the batched captures stop
                     log.warning("CUDA graph capture of a batch of %d failed on %s (%s): batches above 1 decode "
-                                "without graphs", len(kvs), self.ctx.device, e)
+                                "without graphs", bucket, self.ctx.device, e)
                     self._graph_batch = 1
+                    self._graphs = {b: g for b, g in self._graphs.items() if b == 1}
                 else:
                     log.warning("CUDA graph capture failed on %s (%s): decoding without graphs", self.ctx.device, e)
                     self._graphs_ok = False
+                    self._graphs = {}
                 return None
         return graph.step(kvs, inp)
 
