@@ -146,6 +146,30 @@ def test_background_thread(loaded):
     assert outs[-1].n_generated == 5
 
 
+class WarmingRunner(DecoderRunner):
+    """The reference runner with a decode-graph warm-up that records its calls."""
+
+    def __init__(self, model):
+        super().__init__(model)
+        self.warmed: list[int] = []
+
+    def warm_decode_graphs(self, context: int) -> list[int]:
+        self.warmed.append(context)
+        return [1, 2, 4, 8]
+
+
+def test_start_captures_the_decode_graphs_first(loaded, cpu_stage, caplog):
+    runner, tok = loaded
+    warming = WarmingRunner(runner.model)
+    engine = Engine(warming, tok, EngineConfig(ctx_size=512))
+    with caplog.at_level("INFO", logger="strata.engine"):
+        engine.start()
+    engine.shutdown()
+    assert warming.warmed == [engine.n_ctx] == [512]
+    assert "decode graphs for batches of 1, 2, 4, 8 rows captured" in caplog.text
+    assert cpu_stage.warm_decode_graphs(512) == []  # no graphs on the CPU: nothing to capture
+
+
 # -- packed prefill ------------------------------------------------------------------------------
 
 class CountingRunner(DecoderRunner):

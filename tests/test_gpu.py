@@ -318,6 +318,37 @@ def test_batched_graph_replay_equals_the_static_step_run_eagerly(tmp_path):
     assert [kv.length for kv in kv_g] == [kv.length for kv in kv_e] == [48, 12, 29, 20]
 
 
+def test_graphs_captured_ahead_serve_the_first_batches(tmp_path):
+    """`warm_decode_graphs` captures every bucket before any request; a batch of three then replays
+    the 4-row capture made ahead (no new capture) and equals the same static step run eagerly."""
+    write_model(tmp_path / "small.gguf", "small", seed=6)
+    f = GGUFFile(tmp_path / "small.gguf")
+    spec = spec_from_gguf(f)
+    stage = Stage(f, spec, StageOptions(device=CUDA, max_vram_gib=8, graph_batch=4))
+    assert stage.warm_decode_graphs(300) == [1, 2, 4]
+    ahead = {b: id(g) for b, g in stage._graphs.items()}
+    kv_g = [stage.new_sequence(300) for _ in range(3)]
+    kv_e = [stage.new_sequence(300) for _ in range(3)]
+    tokens = []
+    for n, g, e in zip((40, 9, 23), kv_g, kv_e, strict=True):
+        prompt = torch.randint(0, spec.vocab_size, (n,))
+        tokens.append(int(stage.prefill(g, prompt).argmax()))
+        stage.prefill(e, prompt)
+    pad_kv = stage.model.new_cache(1, capacity=1)
+    for _ in range(3):
+        a = stage.decode(kv_g, torch.tensor(tokens))
+        with torch.inference_mode(), stage.ctx.on_compute():
+            for kv in kv_e:
+                kv.reserve(1)
+            positions = torch.tensor([kv.length for kv in kv_e] + [0], device=CUDA)
+            b = stage.model.step_static(torch.tensor(tokens + [0], device=CUDA), positions, kv_e + [pad_kv])[:3]
+            for kv in kv_e:
+                kv.advance(1)
+        assert rel_err(a, b) <= 1e-3
+        tokens = a.argmax(-1).tolist()
+    assert {b: id(g) for b, g in stage._graphs.items()} == ahead
+
+
 def test_split_graph_replays_equal_the_static_steps_run_eagerly(tiny_gguf):
     """Each stage of a split captures its own layers (token -> hidden, hidden -> logits) and the
     hand-over runs between the replays: a decode step equals the stages' static steps run eagerly

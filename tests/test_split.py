@@ -113,6 +113,7 @@ def test_engine_greedy_on_split_equals_reference(loaded, tiny_gguf):
     from strata_mgpu.model.runner import load_reference_runner
 
     split = build_split(f, spec, [CPU, CPU], "auto")
+    assert split.warm_decode_graphs(4096) == []  # CPU stages replay no graphs: nothing captured ahead
     prompt = tok.encode("The sea is wide, the sea is deep.")
     (out,) = run_all(Engine(split, tok, EngineConfig(chunk_size=5)),
                      [(prompt, SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))])

@@ -190,7 +190,15 @@ class Engine:
             self._cv.notify()
 
     def start(self) -> None:
+        """Capture the runner's decode graphs (where it has them), then serve from a thread."""
         assert self._thread is None, "engine already started"
+        warm = getattr(self.runner, "warm_decode_graphs", None)
+        if warm is not None:
+            t0 = time.perf_counter()
+            sizes = warm(self.n_ctx)
+            if sizes:
+                log.info("decode graphs for batches of %s rows captured in %.2f s", ", ".join(map(str, sizes)),
+                         time.perf_counter() - t0)
         self._thread = threading.Thread(target=self._loop, name="strata-engine", daemon=True)
         self._thread.start()
 

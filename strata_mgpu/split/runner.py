@@ -147,6 +147,12 @@ class SplitRunner:
         fits = lent.slot_bytes // busy.arena.max_expert_bytes
         return max(0, min(streamed - 1, round(share * streamed), fits))
 
+    def warm_decode_graphs(self, context: int) -> list[int]:
+        """Each stage's decode graphs captured ahead of the first request (`Stage.warm_decode_graphs`);
+        returns the batch sizes every stage has."""
+        sizes = [set(stage.warm_decode_graphs(context)) for stage in self.stages]
+        return sorted(set.intersection(*sizes))
+
     def new_sequence(self, max_length: int) -> SplitKV:
         parts = []
         for s in self.stages:  # each stage's own KV (VRAM, or VRAM and host), made on its own stream

@@ -51,16 +51,17 @@ TABLE_OPS = ("qk_norm_rope_kv", "attention")
 
 
 class DecodeGraph:
-    def __init__(self, model: Decoder, kvs: Sequence[KVCache], inp: torch.Tensor, bucket: int, pad: KVCache):
+    def __init__(self, model: Decoder, kvs: Sequence[KVCache], inp: torch.Tensor, bucket: int, pad: KVCache,
+                 capacity: int = 0):
         """kvs: the first step's sequences (at most `bucket`); inp their input, token ids [B]
         (first stage) or hidden rows [B, D]. Rows past len(kvs) run the dummy sequence `pad` at
         position 0. Serves later batches of up to `bucket` rows whose caches' capacities are at
-        most this batch's largest (`fits`)."""
+        most this batch's largest or `capacity`, rounded up to a power of two (`fits`)."""
         assert 0 < len(kvs) <= bucket
         device = self.device = model.device
         self.bucket, self.pad = bucket, pad
         padded = [*kvs, *[pad] * (bucket - len(kvs))]
-        self.capacity = next_pow2(max(kv.capacity for kv in padded))  # the attention's splits cover this much
+        self.capacity = next_pow2(max(capacity, *(kv.capacity for kv in padded)))  # the attention's splits cover this
         paths = getattr(model.ops, "paths", None)
         twins = [paths[f"{op}:twin"] for op in TABLE_OPS] if paths is not None else None
         self.inp = torch.zeros((bucket, *inp.shape[1:]), dtype=inp.dtype, device=device)  # the replays' input

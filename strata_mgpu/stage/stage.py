@@ -35,6 +35,9 @@ from strata_mgpu.stage.memory_plan import MemoryPlan, plan_stage_memory
 from strata_mgpu.stage.streamed_experts import StreamedExperts
 
 log = logging.getLogger("strata.stage")
+# cells a graph captured ahead of time serves (a longer cache recaptures at its first step): more
+# would make every step's attention launch blocks for cells no short sequence has
+WARM_GRAPH_CELLS = 4096
 GiB = 2**30
 
 
@@ -235,6 +238,41 @@ class Stage(DecoderRunner):
         x = self.model.embed(inp) if self.is_first else inp
         x = self.model.run(x, [Segment(i, i + 1, kv) for i, kv in enumerate(kvs)])
         return self.model.logits(x) if self.is_last else x
+
+    @torch.inference_mode()
+    def warm_decode_graphs(self, context: int) -> list[int]:
+        """Capture this stage's decode graphs before the first request, one for each batch size it
+        replays, for caches of up to min(context, WARM_GRAPH_CELLS) cells: otherwise the first batch
+        of each size waits for its capture (0.1-0.2 s on an H200) inside its first token's time.
+        The captures' own steps run on the dummy sequence; the expert cache's pick counts are put
+        back as they were. Returns the sizes captured; a size whose capture fails is left to its
+        first use."""
+        if not self._graphs_ok:
+            return []
+        sizes = sorted({self._graph_bucket(n) for n in range(1, self._graph_batch + 1)})
+        sizes = [b for b in sizes if not self.model.experts.should_stream(b)]
+        cells = min(context, self.plan.kv_tokens, WARM_GRAPH_CELLS)
+        cache = self.model.experts.cache
+        done = []
+        with self.ctx.on_compute():
+            if self._pad_kv is None:
+                self._pad_kv = self.model.new_cache(1, capacity=1)
+            picks = cache.picks.clone() if cache is not None else None
+            try:
+                for b in sizes:
+                    inp = (torch.zeros(b, dtype=torch.long, device=self.ctx.device) if self.is_first else
+                           torch.zeros(b, self.spec.hidden, dtype=self.model.w.dtype, device=self.ctx.device))
+                    try:
+                        self._graphs[b] = DecodeGraph(self.model, [self._pad_kv] * b, inp, b, self._pad_kv, cells)
+                    except RuntimeError as e:
+                        log.warning("capturing the decode graph of %d rows on %s ahead of time failed (%s): left to "
+                                    "its first use", b, self.ctx.device, e)
+                        break
+                    done.append(b)
+            finally:
+                if picks is not None:
+                    cache.picks.copy_(picks)
+        return done
 
     def _graph_bucket(self, rows: int) -> int:
         """The graph size serving `rows` rows. Pad rows pick experts as real rows do: only where
