@@ -68,6 +68,7 @@ class DecodeGraph:
         self.positions = torch.zeros(bucket, dtype=torch.long, device=device)  # [bucket]
         table = model.ops.kv_table(padded)  # None for the torch ops, which read the caches themselves
         self.table = None if table is None else table.clone()  # [bucket, 3], the graph's own
+        self._table_rows: list[tuple[int, int, int]] = []  # what self.table holds, as the host last wrote it
         self._load(kvs, inp)
         with torch.cuda.device(device):  # the capture stream is the current device's: the stage's
             # Warm up outside the capture (lazy initializations may not happen inside it). The
@@ -102,11 +103,16 @@ class DecodeGraph:
         self.inp[:n].copy_(inp.reshape(n, *self.inp.shape[1:]), non_blocking=True)
         pad = self.bucket - n
         # pageable sources: copied out before these calls return, so the lists may change after
-        self.positions.copy_(torch.tensor([kv.length for kv in kvs] + [0] * pad, dtype=torch.long),
-                             non_blocking=True)
+        if self.bucket == 1:
+            self.positions.fill_(kvs[0].length)  # a kernel: no copy from the host
+        else:
+            self.positions.copy_(torch.tensor([kv.length for kv in kvs] + [0] * pad, dtype=torch.long),
+                                 non_blocking=True)
         if self.table is not None:
             rows = [(kv.k.data_ptr(), kv.v.data_ptr(), kv.k.stride(0)) for kv in [*kvs, *[self.pad] * pad]]
-            self.table.copy_(torch.tensor(rows, dtype=torch.long), non_blocking=True)
+            if rows != self._table_rows:  # only when a sequence joined, left or moved its cache
+                self.table.copy_(torch.tensor(rows, dtype=torch.long), non_blocking=True)
+                self._table_rows = rows
 
     def step(self, kvs: Sequence[KVCache], inp: torch.Tensor) -> torch.Tensor:
         """The step's output for `inp` at the caches' next positions [len(kvs), V or D]; advances
