@@ -23,6 +23,7 @@
 #           measured over HTTP by tools/serve_probe: prompt tok/s at 1.5K/3K/6K tokens from the
 #           server's timings, decode, 8 streamed chats at once (STRATA_DECODE_GRAPH_BATCH as set)
 #   graphs8 decode at --max-vram 40 with batched graphs off (default) and on (STRATA_DECODE_GRAPH_BATCH=8)
+#   dec32k  decode after a 32K-token prompt against after a 1K one (#12: >= 0.8), at --max-vram 40 and 16
 #   prof40  tools/profile_decode at --max-vram 40 (all resident): batch 1, and batch 8 eager and as a graph
 #   x2final the session's last two-card figures: a 32K prompt in 4K chunks, decode (graphs per stage,
 #           server-shaped 1 and 8), and a 40K prompt on one card at --max-vram 16
@@ -138,6 +139,12 @@ if has graphs8; then
   STRATA_DECODE_GRAPH_BATCH=1 bench graphs_off --max-vram 40 --prompt-tokens 1024 --decode-tokens 128 --runs 1 --server-decode 1,8 --decode-batch 1,8
   STRATA_DECODE_GRAPH_BATCH=8 bench graphs_on --max-vram 40 --prompt-tokens 1024 --decode-tokens 128 --runs 1 \
     --server-decode 1,8 --decode-batch 1,8
+fi
+if has dec32k; then
+  for ctx in 1024 32768; do
+    bench dec${ctx}_40 --max-vram 40 --prompt-tokens 1024 --decode-context $ctx --decode-tokens 64 --runs 1
+    bench dec${ctx}_16 --max-vram 16 --prompt-tokens 1024 --decode-context $ctx --decode-tokens 64 --runs 1
+  done
 fi
 if has prof40; then
   python3 -m strata_mgpu.tools.profile_decode $MODEL --max-vram 40 --steps 16 > "$OUT/prof40_b1.log" 2>&1 || status=1

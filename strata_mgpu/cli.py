@@ -206,11 +206,13 @@ def _placement(devices: str, layer_split: str, max_vram: str | None, dtype: str,
               callback=lambda ctx, param, value: list(dict.fromkeys(_int_list(value))),
               help="also decode this many sequences together, one batched step for all, e.g. 1,8: aggregate "
                    "and per-sequence tok/s for each (--decode-tokens steps, 64 if 0); 1 alone: batch-1 decode only")
+@click.option("--decode-context", default=64, show_default=True, type=click.IntRange(min=1),
+              help="tokens of the prompt before the batch-1 decode steps (decode reads that much KV a step)")
 @click.option("--json", "json_out", type=click.Path(dir_okay=False, path_type=Path), default=None)
 def bench(model: Path, prompt_tokens: str, decode_tokens: int, runs: int, devices: str, layer_split: str,
           max_vram: str | None, dtype: str, chunk_size: int, cuda_graphs: bool, prefill_help: bool | None,
           prefill_help_frac: str | None, resident_experts: int | None, server_decode: str | None,
-          decode_batch: list[int], json_out: Path | None) -> None:
+          decode_batch: list[int], decode_context: int, json_out: Path | None) -> None:
     """Prefill tok/s against the PCIe link bound, and decode tok/s (at each --decode-batch size)."""
     from strata_mgpu.env import EnvError
     from strata_mgpu.split.runner import SplitError
@@ -223,13 +225,14 @@ def bench(model: Path, prompt_tokens: str, decode_tokens: int, runs: int, device
     _warn_cpu_budget(placement)
     served = _int_list(server_decode) if server_decode else []
     batches = decode_batch if decode_batch != [1] else []
-    try:  # KV for the longest prompt and the decode runs (the bench's 64-token prompt and warm-up steps; the
+    try:  # KV for the longest prompt and the decode runs (the batch-1 decode's prompt and warm-up steps; the
         # server-shaped run's requests of 32 prompt tokens each, and its warm-up request; the largest decode batch)
-        kv = max(max(lengths) + 1, 64 + decode_tokens + 3, max(served, default=0) * (32 + (decode_tokens or 64)) + 64,
+        kv = max(max(lengths) + 1, decode_context + decode_tokens + 3,
+                 max(served, default=0) * (32 + (decode_tokens or 64)) + 64,
                  max((decode_batch_kv_tokens(b, decode_tokens or 64) for b in batches), default=0))
         runner = _build(model, placement, chunk_size, kv_tokens=kv)
         result = run_bench(runner, model.name, lengths, decode_tokens, runs, chunk_size, on_step=err.print,
-                           decode_batches=batches)
+                           decode_batches=batches, decode_context=decode_context)
         if server_decode:
             from strata_mgpu.model.tokenizer import tokenizer_from_gguf
             from strata_mgpu.tools.server_decode import measure_server_decode

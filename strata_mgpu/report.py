@@ -99,8 +99,8 @@ def bench_lines(result: BenchResult, chunk_size: int, max_vram: str | None) -> l
                if result.decode_resident_share is not None else "")
         if result.decode_hit_rate is not None:
             hit += f", {100 * result.decode_hit_rate:.0f}% of picks read from VRAM"
-        lines.append(f"decode: {result.decode_tok_per_s:.1f} tok/s ({result.decode_tokens} random tokens, "
-                     f"batch 1{hit})")
+        lines.append(f"decode: {result.decode_tok_per_s:.1f} tok/s ({result.decode_tokens} random tokens after a "
+                     f"{result.decode_context:,}-token prompt, batch 1{hit})")
         if result.decode_host_ms is not None:
             step_ms = 1e3 / result.decode_tok_per_s
             lines.append(f"decode host time: {result.decode_host_ms:.2f} ms of each {step_ms:.2f} ms step queues it "

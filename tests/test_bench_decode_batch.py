@@ -67,6 +67,11 @@ def test_bench_cli_decode_batch_json(tiny_gguf, tmp_path):
     r = CliRunner().invoke(main, [*common, "--devices", "cpu", "--json", str(tmp_path / "d.json")])
     assert r.exit_code == 0, r.output  # the default: batch 1 alone, as before
     assert json.loads((tmp_path / "d.json").read_text())["decode_batch"] == [] and "decode batch" not in r.output
+    r = CliRunner().invoke(main, [*common, "--devices", "cpu", "--decode-context", "300", "--chunk-size", "128",
+                                  "--json", str(tmp_path / "c.json")])
+    assert r.exit_code == 0, r.output  # a longer prompt before the decode steps, prefilled in chunks
+    assert json.loads((tmp_path / "c.json").read_text())["decode_context"] == 300
+    assert "after a 300-token prompt" in r.output
 
 
 @pytest.mark.parametrize("value", ["0", "1,x", "", "-2", "2.5"])

@@ -85,6 +85,7 @@ class BenchResult:
     server_decode: list[dict] = field(default_factory=list)  # tools.server_decode reports, when asked for
     decode_batch: list[DecodeBatchResult] = field(default_factory=list)  # --decode-batch sizes other than 1 alone
     decode_host_ms: float | None = None  # batch 1: the host's time to queue a step (the rest it waits on the device)
+    decode_context: int = 64  # batch 1: the prompt's tokens before the timed steps
     date: str = field(default_factory=lambda: time.strftime("%Y-%m-%d"))
 
     def to_json(self) -> str:
@@ -201,7 +202,7 @@ class DecodeTiming(NamedTuple):
     issue_ms: float  # host time a step takes to be queued (`runner.decode` until it returns, before the sync)
 
 
-def time_decode(runner, n: int, prompt_tokens: int = 64, seed: int = 0) -> DecodeTiming:
+def time_decode(runner, n: int, prompt_tokens: int = 64, seed: int = 0, chunk: int = 8192) -> DecodeTiming:
     """Decode tok/s at batch 1, one token at a time, the share of the timed steps' expert picks
     that were read from VRAM, and the host's time to queue a step (graph replay: its input copies
     and the launch; eager: every launch). Each step's logits go to the host (a sync, as sampling
@@ -210,7 +211,9 @@ def time_decode(runner, n: int, prompt_tokens: int = 64, seed: int = 0) -> Decod
     g = torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, runner.spec.vocab_size, (prompt_tokens + n + 2,), generator=g)
     kv = runner.new_sequence(prompt_tokens + n + 3)  # + the two warm-up steps
-    runner.prefill(kv, tokens[:prompt_tokens])
+    for start in range(0, prompt_tokens, chunk):  # chunk by chunk, as the engine prefills
+        runner.prefill(kv, tokens[start:min(start + chunk, prompt_tokens)],
+                       want_logits=start + chunk >= prompt_tokens)
     steps = iter(tokens[prompt_tokens:].view(-1, 1))
     for _ in range(2):  # warm up: kernels, graph capture, the cache's refill at the first step
         int(runner.decode([kv], next(steps))[0].argmax())
@@ -274,10 +277,11 @@ def time_decode_batch(runner, batch: int, n_steps: int, warmup: int = 2, chunk: 
 
 
 def run_bench(runner, model_name: str, prompt_tokens: list[int], decode_tokens: int, runs: int, chunk: int,
-              on_step: Callable[[str], None] = lambda s: None, decode_batches: list[int] | None = None
-              ) -> BenchResult:
+              on_step: Callable[[str], None] = lambda s: None, decode_batches: list[int] | None = None,
+              decode_context: int = 64) -> BenchResult:
     """`decode_batches`: batch sizes for `time_decode_batch` (--decode-tokens steps each, 64 if 0);
-    none, or batch 1 alone, times only the batch-1 decode of `time_decode`."""
+    none, or batch 1 alone, times only the batch-1 decode of `time_decode`, after a prompt of
+    `decode_context` tokens."""
     stages: list[Stage] = runner.stages
     bw = measure_h2d(stages[0])
     on_step(f"pinned H2D: {bw:.1f} GB/s" if bw else "pinned H2D: n/a (CPU)")
@@ -316,7 +320,7 @@ def run_bench(runner, model_name: str, prompt_tokens: list[int], decode_tokens: 
         finally:
             runner.on_stage = None
         busy, overlap, span = busy_and_overlap(timeline.intervals())
-    dec = time_decode(runner, decode_tokens) if decode_tokens else None
+    dec = time_decode(runner, decode_tokens, prompt_tokens=decode_context, chunk=chunk) if decode_tokens else None
     batched = []
     for b in decode_batches if decode_batches and decode_batches != [1] else []:
         steps = decode_tokens or 64
@@ -330,7 +334,7 @@ def run_bench(runner, model_name: str, prompt_tokens: list[int], decode_tokens: 
     peak_live = sum(torch.cuda.max_memory_allocated(d) for d in devices) / 1e9 if devices else None
     return BenchResult(
         device=",".join(str(s.ctx.device) for s in stages), model=model_name, expert_bytes=expert_bytes,
-        link_gb_per_s=bw, prefill=results, decode_tokens=decode_tokens,
+        link_gb_per_s=bw, prefill=results, decode_tokens=decode_tokens, decode_context=decode_context,
         decode_tok_per_s=dec.tok_per_s if dec else None, decode_host_ms=dec.issue_ms if dec else None,
         decode_resident_share=cache.hit_rate_uniform if cache else None,
         decode_hit_rate=dec.hit_rate if dec else None, peak_vram_gb=peak,
