@@ -233,3 +233,32 @@ def test_close_frees_and_refuses_more(model):
     assert kv.host_nbytes == 0 and kv.nbytes == 0 and kv.staging.holds == [None, None]
     with pytest.raises(RuntimeError, match="closed"):
         kv.reserve(1)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("prefetch", [False, True], ids=["plain", "prefetch"])
+def test_host_rows_of_an_ended_sequence_serve_the_next(model, prefetch):
+    """The stage's pool hands a closed (or collected) sequence's host rows to the next one that
+    spills: no new buffer, stale contents never read (its logits equal the all-VRAM cache's)."""
+    st = staging(model, prefetch)
+    first = two_tier(model, 4, st)
+    prompt = tokens(model, 60, 1)
+    for at in range(0, 60, 10):  # its host rows grow four times; each outgrown buffer goes back and is taken again
+        logits(model, prompt[at:at + 10], first)
+    made = st.pool.made
+    assert made == 2 and st.pool.reused >= 2 and st.pool.idle_bytes > 0
+    first.close()
+    for end in ("close", "collected"):
+        seed = int(torch.randint(0, 2**31, ()))
+        prompt = tokens(model, 50, seed)
+        plain = KVCache(len(model.w.layers), model.spec.n_kv_heads, model.spec.head_dim, max_length=MAX_LEN)
+        kv = two_tier(model, 4, st)
+        for at in range(0, 50, 10):
+            want, got = logits(model, prompt[at:at + 10], plain), logits(model, prompt[at:at + 10], kv)
+            assert torch.equal(got, want), f"seed {seed}: chunk at {at} differs"
+        assert st.pool.made == made and st.pool.reused >= 1  # nothing new allocated or pinned
+        if end == "close":
+            kv.close()
+        else:
+            del kv  # the finalizer gives the rows back
+    assert st.pool.idle_bytes > 0 and st.pool.made == made

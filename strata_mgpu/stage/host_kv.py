@@ -42,7 +42,7 @@ import torch
 from strata_mgpu.model.kv_cache import KVCache
 from strata_mgpu.model.spec import ModelSpec
 from strata_mgpu.stage.device import DeviceContext
-from strata_mgpu.stage.pinned import host_buffer
+from strata_mgpu.stage.host_pool import HostBufferPool
 
 _owner_ids = itertools.count(1)
 
@@ -74,6 +74,7 @@ class KVStaging:
         self.ready = [ctx.event(f"kv staging {b} ready") if prefetch else None for b in range(n)]
         self.released = [ctx.event(f"kv staging {b} released") if prefetch else None for b in range(n)]
         self.holds: list[Hold | None] = [None] * n  # per buffer: a prefetch not yet consumed
+        self.pool = HostBufferPool(pin=ctx.is_cuda)  # the caches' host rows, reused from one sequence to the next
 
     @classmethod
     def for_model(cls, spec: ModelSpec, max_cells: int, *, ctx: DeviceContext, dtype: torch.dtype,
@@ -144,6 +145,14 @@ def _drain_before_free(staging: KVStaging, owner: int) -> None:
     staging.ctx.synchronize_device()  # spills queued on the caller's stream (prefetch off), whichever it was
 
 
+def _release_host(staging: KVStaging, owner: int, buffers: list[torch.Tensor]) -> None:
+    """A two-tier cache is closed or collected: once no copy touches its host rows, they go back to
+    the stage's pool for the next sequence."""
+    _drain_before_free(staging, owner)
+    while buffers:
+        staging.pool.give(buffers.pop())
+
+
 class TwoTierKV:
     """One sequence's KV for `n_layers` layers: the last `window` cells in VRAM, the older prefix in
     host RAM (see the module docstring). Same interface as `KVCache` (`reserve`, `write`,
@@ -175,6 +184,7 @@ class TwoTierKV:
         self.host_rows = [0] * n_layers  # per layer: positions [0, h) are on the host
         self.host_k: torch.Tensor | None = None  # [L, C, Hkv, Dh], allocated at the first spill
         self.host_v: torch.Tensor | None = None
+        self._host_buffers: list[torch.Tensor] = []  # the pool's buffer host_k and host_v view (0 or 1)
         # This cache's last spill on the side stream: an upload on the compute stream waits for it.
         self._spilled = self.ctx.event(f"kv {self.owner} spilled") if staging.prefetch else None
         self._finalizer: weakref.finalize | None = None
@@ -328,21 +338,25 @@ class TwoTierKV:
         return spans
 
     def _grow_host(self, rows: int) -> None:
-        """Host rows for at least `rows` positions a layer: doubled, capped at max_length - window; the old
-        rows are copied once every copy touching them has finished."""
+        """Host rows for at least `rows` positions a layer: doubled, capped at max_length - window, from
+        the stage's pool; the old rows are copied once every copy touching them has finished, and
+        their buffer goes back to the pool."""
         old = 0 if self.host_k is None else self.host_k.shape[1]
         cap = min(self.max_length - self.window, max(rows, 2 * old))
         shape = (2, self.n_layers, cap, *self.k.shape[2:])
-        elem = self.k.element_size()
-        flat = host_buffer(elem * torch.Size(shape).numel(), pin=self.ctx.is_cuda)
-        kv = flat.view(self.k.dtype).view(shape)  # [2, L, C, Hkv, Dh]: keys, then values
+        nbytes = self.k.element_size() * torch.Size(shape).numel()
+        flat = self.staging.pool.take(nbytes)
+        kv = flat[:nbytes].view(self.k.dtype).view(shape)  # [2, L, C, Hkv, Dh]: keys, then values
         if self.host_k is not None:
             _drain_before_free(self.staging, self.owner)
-            kv[0, :, :old] = self.host_k
+            kv[0, :, :old] = self.host_k  # host to host: done when this returns
             kv[1, :, :old] = self.host_v
         self.host_k, self.host_v = kv[0], kv[1]
+        while self._host_buffers:
+            self.staging.pool.give(self._host_buffers.pop())
+        self._host_buffers.append(flat)
         if self._finalizer is None:
-            self._finalizer = weakref.finalize(self, _drain_before_free, self.staging, self.owner)
+            self._finalizer = weakref.finalize(self, _release_host, self.staging, self.owner, self._host_buffers)
             self._finalizer.atexit = False
 
 

@@ -1,0 +1,53 @@
+"""Host buffers kept for the next sequence: a spilled sequence's KV rows live in pinned host RAM
+(`stage.host_kv`), gigabytes for a long context, and making such a buffer means zero-filling every
+page and pinning it (`cudaHostRegister` walks them all). A sequence that ends gives its buffers
+back here; the next one that spills takes the smallest one that is large enough.
+
+Sizes are rounded up to GRANULE so that buffers of nearby sizes serve each other. At most `keep`
+idle buffers stay (the largest kept: the next long sequence would need them); the rest are freed.
+A buffer given back must have no copy still running into or out of it (the caller drains first).
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from strata_mgpu.stage.pinned import host_buffer
+
+GRANULE = 16 << 20  # bytes
+
+
+class HostBufferPool:
+    def __init__(self, *, pin: bool, keep: int = 2):
+        self.pin, self.keep = pin, keep
+        self._idle: list[torch.Tensor] = []  # uint8 buffers, no owner
+        self._lock = threading.Lock()  # stage worker threads and a finalizer may give back at once
+        self.made = 0  # buffers allocated (and pinned) so far
+        self.reused = 0  # takes served from the idle ones
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        """uint8 [>= nbytes] host memory (pinned and mapped when `pin`); its contents are undefined
+        where it was used before."""
+        with self._lock:
+            fits = [b for b in self._idle if b.numel() >= nbytes]
+            if fits:
+                best = min(fits, key=torch.Tensor.numel)
+                self._idle = [b for b in self._idle if b is not best]
+                self.reused += 1
+                return best
+            self.made += 1
+        return host_buffer(-(-nbytes // GRANULE) * GRANULE, pin=self.pin)
+
+    def give(self, buf: torch.Tensor) -> None:
+        """`buf` (from `take`) is no longer used by anyone."""
+        with self._lock:
+            self._idle.append(buf)
+            self._idle.sort(key=torch.Tensor.numel, reverse=True)
+            del self._idle[self.keep:]
+
+    @property
+    def idle_bytes(self) -> int:
+        with self._lock:
+            return sum(b.numel() for b in self._idle)
