@@ -2,8 +2,9 @@
 // kernel (dequant.cu) and the fused decode expert kernels (moe_decode.cu).
 // Arithmetic is written with __fmul_rn/__fadd_rn/__fsub_rn so it rounds exactly like the torch
 // twin (strata_mgpu/quant/dequant.py): fp32 products in the same order, no fused multiply-add.
-// Quantized blocks are read byte by byte, so they may start at any byte (MXFP4's are 17 bytes
-// long); F32 and F16 rows are read in words of their own size, which their offsets are multiples of.
+// Quantized blocks may start at any byte (MXFP4's are 17 bytes long, Q6_K's 210): they are read
+// byte by byte, or (Q4_K, Q5_K, Q6_K's 32-byte runs) as aligned words realigned by funnel shifts;
+// F32 and F16 rows are read in words of their own size, which their offsets are multiples of.
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -50,6 +51,35 @@ __device__ __forceinline__ float mxfp4_value(int q) {
     return (float)table16(0x03020100u, 0x0C080604u, 0xFDFEFF00u, 0xF4F8FAFCu, q);
 }
 
+// The 32 bytes at p (any alignment) as 8 little-endian words: read as aligned 4-byte words (9 at
+// most, never past the word holding p[31]) and realigned with funnel shifts: a quarter of the
+// loads of reading them byte by byte. In the fused decode kernels those byte loads from shared
+// memory (two-way bank conflicts) took more of its cycles than all else, by our count.
+__device__ __forceinline__ void load32(const u8* p, unsigned* w) {
+    const unsigned long long a = reinterpret_cast<unsigned long long>(p);
+    const unsigned* q = reinterpret_cast<const unsigned*>(a & ~3ull);
+    const unsigned shift = (unsigned)(a & 3) * 8;
+    unsigned x[9];
+#pragma unroll
+    for (int k = 0; k < 8; ++k) x[k] = q[k];
+    x[8] = shift ? q[8] : 0u;
+#pragma unroll
+    for (int k = 0; k < 8; ++k) w[k] = __funnelshift_r(x[k], x[k + 1], shift);
+}
+
+// Every byte of the words load32 filled shifted right by `shift` (0..7) and masked (8 shifts a
+// run, not one a byte); then byte i (0..31) is one byte permute.
+template <unsigned MASK>
+__device__ __forceinline__ void shift_words(unsigned* w, int shift) {
+#pragma unroll
+    for (int k = 0; k < 8; ++k) w[k] = (w[k] >> shift) & (MASK * 0x01010101u);
+}
+__device__ __forceinline__ int byte_of(const unsigned* w, int i) {
+    return (int)__byte_perm(w[i >> 2], 0u, 0x4440u | (unsigned)(i & 3));  // byte i & 3, zero-extended: one PRMT
+}
+// Byte i as a signed value (__byte_perm reads 3 bits a selector: no sign extension there).
+__device__ __forceinline__ int sbyte_of(const unsigned* w, int i) { return (signed char)(unsigned char)byte_of(w, i); }
+
 // Weight l (0..31) of a 32-weight run packed as 16 low nibbles then 16 high nibbles.
 __device__ __forceinline__ int nibble(const u8* qs, int l) { return l < 16 ? qs[l] & 0xF : qs[l - 16] >> 4; }
 
@@ -88,31 +118,37 @@ template <> __device__ __forceinline__ void sub_block<1>(const u8* b, int, float
 
 template <> __device__ __forceinline__ void sub_block<8>(const u8* b, int, float* v) {
     const float d = f16_at(b);
-    const signed char* q = reinterpret_cast<const signed char*>(b + 2);
+    unsigned q[8];
+    load32(b + 2, q);
 #pragma unroll
-    for (int l = 0; l < 32; ++l) v[l] = __fmul_rn(d, (float)q[l]);
+    for (int l = 0; l < 32; ++l) v[l] = __fmul_rn(d, (float)sbyte_of(q, l));
 }
 
 template <> __device__ __forceinline__ void sub_block<12>(const u8* b, int j, float* v) {
     float sc, mn;
     scale_min_k4(j, b + 4, &sc, &mn);
     const float d = __fmul_rn(f16_at(b), sc), m = __fmul_rn(f16_at(b + 2), mn);
-    const u8* qs = b + 16 + 32 * (j >> 1);
-    const int shift = (j & 1) * 4;
+    unsigned qs[8];
+    load32(b + 16 + 32 * (j >> 1), qs);
+    shift_words<0xF>(qs, (j & 1) * 4);  // each byte now its nibble
 #pragma unroll
-    for (int l = 0; l < 32; ++l) v[l] = __fsub_rn(__fmul_rn(d, (float)((qs[l] >> shift) & 0xF)), m);
+    for (int l = 0; l < 32; ++l) v[l] = __fsub_rn(__fmul_rn(d, (float)byte_of(qs, l)), m);
 }
 
 template <> __device__ __forceinline__ void sub_block<13>(const u8* b, int j, float* v) {
     float sc, mn;
     scale_min_k4(j, b + 4, &sc, &mn);
     const float d = __fmul_rn(f16_at(b), sc), m = __fmul_rn(f16_at(b + 2), mn);
-    const u8* qh = b + 16;
-    const u8* qs = b + 48 + 32 * (j >> 1);
-    const int shift = (j & 1) * 4;
+    unsigned qh[8], qs[8];
+    load32(b + 16, qh);
+    load32(b + 48 + 32 * (j >> 1), qs);
+    shift_words<0xF>(qs, (j & 1) * 4);
+    shift_words<0x1>(qh, j);
+#pragma unroll
+    for (int k = 0; k < 8; ++k) qs[k] |= qh[k] << 4;  // each byte now its 5-bit value
 #pragma unroll
     for (int l = 0; l < 32; ++l) {
-        const int q = ((qs[l] >> shift) & 0xF) | (((qh[l] >> j) & 1) << 4);
+        const int q = byte_of(qs, l);
         v[l] = __fsub_rn(__fmul_rn(d, (float)q), m);
     }
 }
@@ -120,16 +156,18 @@ template <> __device__ __forceinline__ void sub_block<13>(const u8* b, int j, fl
 template <> __device__ __forceinline__ void sub_block<14>(const u8* b, int j, float* v) {
     // j = 4 * half + group; weights half*128 + group*32 + l
     const int h = j >> 2, g = j & 3;
-    const u8* ql = b + 64 * h + ((g & 1) ? 32 : 0);
-    const u8* qh = b + 128 + 32 * h;
+    unsigned ql[8], qh[8];
+    load32(b + 64 * h + ((g & 1) ? 32 : 0), ql);
+    load32(b + 128 + 32 * h, qh);
+    shift_words<0xF>(ql, (g >> 1) * 4);
+    shift_words<0x3>(qh, 2 * g);
+#pragma unroll
+    for (int k = 0; k < 8; ++k) ql[k] |= qh[k] << 4;  // each byte now its 6-bit value
     const signed char* sc = reinterpret_cast<const signed char*>(b + 192 + 8 * h);
     const float d = f16_at(b + 208);
-    const int lo_shift = (g >> 1) * 4, hi_shift = 2 * g;
+    const float ds[2] = {__fmul_rn(d, (float)sc[2 * g]), __fmul_rn(d, (float)sc[2 * g + 1])};  // 16 weights each
 #pragma unroll
-    for (int l = 0; l < 32; ++l) {
-        const int q = (((ql[l] >> lo_shift) & 0xF) | (((qh[l] >> hi_shift) & 3) << 4)) - 32;
-        v[l] = __fmul_rn(__fmul_rn(d, (float)sc[2 * g + (l >> 4)]), (float)q);
-    }
+    for (int l = 0; l < 32; ++l) v[l] = __fmul_rn(ds[l >> 4], (float)(byte_of(ql, l) - 32));
 }
 
 template <> __device__ __forceinline__ void sub_block<30>(const u8* b, int, float* v) {
