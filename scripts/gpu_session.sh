@@ -24,6 +24,8 @@
 #           server's timings, decode, 8 streamed chats at once (STRATA_DECODE_GRAPH_BATCH as set)
 #   graphs8 decode at --max-vram 40 with batched graphs off (default) and on (STRATA_DECODE_GRAPH_BATCH=8)
 #   dec32k  decode after a 32K-token prompt against after a 1K one (#12: >= 0.8), at --max-vram 40 and 16
+#   kbench  tools/bench_kernels: the fused expert kernels, decode attention and a layer's dequant on
+#           synthetic 30b-a3b data (no model file), each checked against its twin; all in VRAM and half on the host
 #   prof40  tools/profile_decode at --max-vram 40 (all resident): batch 1, and batch 8 eager and as a graph
 #   x2final the session's last two-card figures: a 32K prompt in 4K chunks, decode (graphs per stage,
 #           server-shaped 1 and 8), and a 40K prompt on one card at --max-vram 16
@@ -145,6 +147,11 @@ if has dec32k; then
     bench dec${ctx}_40 --max-vram 40 --prompt-tokens 1024 --decode-context $ctx --decode-tokens 64 --runs 1
     bench dec${ctx}_16 --max-vram 16 --prompt-tokens 1024 --decode-context $ctx --decode-tokens 64 --runs 1
   done
+fi
+if has kbench; then
+  python3 -m strata_mgpu.tools.bench_kernels --json "$OUT/kbench.json" 2>&1 | tee "$OUT/kbench.log" || status=1
+  python3 -m strata_mgpu.tools.bench_kernels --host-share 0.5 --contexts 1024 --json "$OUT/kbench_host.json" 2>&1 \
+    | tee "$OUT/kbench_host.log" || status=1
 fi
 if has prof40; then
   python3 -m strata_mgpu.tools.profile_decode $MODEL --max-vram 40 --steps 16 > "$OUT/prof40_b1.log" 2>&1 || status=1

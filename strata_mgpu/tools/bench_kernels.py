@@ -1,0 +1,230 @@
+"""Time decode's kernels on one GPU without a model file: the fused expert kernels on one layer of
+a preset's shapes (experts in VRAM slots, or a share of them read from pinned host memory), decode
+attention at several context lengths, and a whole layer's dequantization (what bounds a prompt
+whose experts are all resident). Each fast path is checked once against its twin on the same
+inputs. A run takes seconds: no 20 GB file to write and load, so a kernel change is measured in
+one short device call.
+
+    python3 -m strata_mgpu.tools.bench_kernels [--preset 30b-a3b] [--batch 1,8] [--iters 100]
+        [--host-share 0] [--contexts 1024,8192,32768] [--json OUT]
+
+The expert bytes are the synthetic writer's (`model.synthetic.make_tensor`: valid blocks, weights
+of the spread a real layer has). The bound printed beside each figure is bytes over the card's
+device-to-device copy bandwidth, measured in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+from dataclasses import asdict, dataclass, field
+from functools import partial
+from types import SimpleNamespace
+
+import numpy as np
+import torch
+from gguf.constants import GGMLQuantizationType as Q
+
+from strata_mgpu.model.synthetic import DEFAULT_DOWN, PRESETS, TensorPlan, make_tensor
+from strata_mgpu.stage.host_arena import ExpertLayout
+
+BF16_TOL = 2e-2  # max|diff| / max|ref|: bf16 results whose sums run in another order
+
+
+@dataclass
+class KernelTiming:
+    what: str
+    batch: int
+    us: float  # median a call
+    bytes: int  # what the call must read (and write)
+    bound_us: float  # bytes at the measured copy bandwidth
+    rel_err: float | None = None  # against the twin, where checked
+
+
+@dataclass
+class KernelReport:
+    device: str
+    preset: str
+    copy_gb_per_s: float
+    timings: list[KernelTiming] = field(default_factory=list)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2)
+
+
+def expert_layer(preset: str, gate_type: Q = Q.Q4_K, seed: int = 0) -> tuple[ExpertLayout, np.ndarray]:
+    """One layer's experts as the arena lays them out: [E, expert_bytes] uint8, each expert its
+    gate rows, up rows, then down rows, in whole blocks (down of the type files pair with gate's)."""
+    spec = PRESETS[preset].spec(preset)
+    down_type = DEFAULT_DOWN.get(gate_type, gate_type)
+    e, d, f = spec.n_experts, spec.hidden, spec.expert_ffn
+    plans = [TensorPlan(f"{k}", (e, f, d), gate_type, std=1 / math.sqrt(d)) for k in ("gate", "up")]
+    plans.append(TensorPlan("down", (e, d, f), down_type, std=1 / math.sqrt(f)))
+    gate, up, down = (make_tensor(p, seed).reshape(e, -1) for p in plans)
+    lay = ExpertLayout(gate_type=gate_type, down_type=down_type, gate_bytes=gate.shape[1], down_bytes=down.shape[1],
+                       gate_weights=f * d, down_weights=d * f)
+    return lay, np.concatenate([gate, up, down], axis=1)
+
+
+class SyntheticCache:
+    """What the expert kernels read of an `ExpertCache`, for one layer: experts whose `resident`
+    flag is set in VRAM slots (slot e holds expert e), the rest in the host arena."""
+
+    def __init__(self, arena: np.ndarray, resident: torch.Tensor, device: torch.device, pin: bool):
+        from strata_mgpu.stage.pinned import host_buffer
+
+        e, nbytes = arena.shape
+        host = host_buffer(arena.size, pin=pin)
+        host.numpy()[:] = arena.reshape(-1)
+        self.arena = SimpleNamespace(buffer=host)
+        self.buffer = torch.from_numpy(arena.reshape(-1)).to(device)  # every expert has a slot; unused ones idle
+        self.slot_bytes = nbytes
+        self.slot_of = torch.where(resident, torch.arange(e), -1).view(1, e).to(device)
+        self.host_offset = (torch.arange(e, dtype=torch.int64) * nbytes).view(1, e).to(device)
+
+    def addresses(self, i: int, picks: torch.Tensor) -> torch.Tensor:
+        slot = self.slot_of[i, picks]
+        host = self.arena.buffer.data_ptr() + self.host_offset[i, picks]
+        return torch.where(slot >= 0, self.buffer.data_ptr() + slot * self.slot_bytes, host)
+
+    def source(self, i: int, e: int) -> torch.Tensor:
+        at = int(self.host_offset[i, e])
+        if int(self.slot_of[i, e]) >= 0:
+            return self.buffer[at:at + self.slot_bytes]
+        return self.arena.buffer[at:at + self.slot_bytes]
+
+
+def random_routing(batch: int, n_experts: int, n_used: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights [B, A] fp32 summing to 1, experts [B, A], distinct within a row)."""
+    experts = torch.stack([torch.randperm(n_experts, generator=g)[:n_used] for _ in range(batch)])
+    weights = torch.softmax(torch.randn(batch, n_used, generator=g), dim=-1)
+    return weights, experts
+
+
+def time_us(fn, iters: int) -> float:
+    """Median microseconds a call, each call between two CUDA events."""
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(1e3 * a.elapsed_time(b))
+    return statistics.median(times)
+
+
+def copy_bandwidth(device: torch.device, nbytes: int = 1 << 30) -> float:
+    """Device-to-device copy GB/s (bytes read + written)."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    us = time_us(lambda: dst.copy_(src), 10)
+    return 2 * nbytes / us / 1e3
+
+
+def rel_err(a: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((a.float() - ref.float()).abs().max() / ref.float().abs().max())
+
+
+def run(preset: str, batches: list[int], contexts: list[int], iters: int, host_share: float,
+        device: torch.device) -> KernelReport:
+    from strata_mgpu.kernels.decode_ops import CudaDecodeOps
+    from strata_mgpu.kernels.experts import CudaKernels, TorchKernels
+    from strata_mgpu.model.decoder import DecodeOps
+    from strata_mgpu.model.kv_cache import KVCache
+
+    spec = PRESETS[preset].spec(preset)
+    g = torch.Generator().manual_seed(0)
+    lay, arena = expert_layer(preset)
+    e, a, d, f = spec.n_experts, spec.n_experts_used, spec.hidden, spec.expert_ffn
+    resident = torch.rand(e, generator=g) >= host_share
+    cache = SyntheticCache(arena, resident, device, pin=True)
+    kernels = CudaKernels(device, use_grouped_mm=True)
+    report = KernelReport(device=torch.cuda.get_device_name(device), preset=preset,
+                          copy_gb_per_s=copy_bandwidth(device))
+    def bound(nbytes: int) -> float:  # microseconds to move nbytes at the copy's rate (its reads and writes)
+        return nbytes / report.copy_gb_per_s / 1e3
+
+    for b in batches:
+        weights, experts = random_routing(b, e, a, g)
+        weights, experts = weights.to(device), experts.to(device)
+        h = torch.randn(b, d, generator=g).to(device, torch.bfloat16)
+        w_gu = torch.empty(b * a, 2 * f, d, dtype=torch.bfloat16, device=device)
+        w_d = torch.empty(b * a, d, f, dtype=torch.bfloat16, device=device)
+        got = kernels.moe_gathered(cache, 0, lay, h, weights, experts, w_gu, w_d)
+        want = TorchKernels.moe_gathered(kernels, cache, 0, lay, h, weights, experts, w_gu, w_d)  # gather + GEMMs
+        n_unique = int(torch.unique(experts).numel())
+        us = time_us(partial(kernels.moe_gathered, cache, 0, lay, h, weights, experts, w_gu, w_d), iters)
+        nbytes = n_unique * lay.expert_bytes
+        report.timings.append(KernelTiming(f"fused experts ({100 * (1 - host_share):.0f}% in VRAM)", b, us, nbytes,
+                                           bound(nbytes), rel_err(got, want)))
+    ops, twin = CudaDecodeOps(device), DecodeOps()
+    for n in contexts:
+        for b in batches:
+            kvs = []
+            for _ in range(b):
+                kv = KVCache(1, spec.n_kv_heads, spec.head_dim, capacity=n, max_length=n, device=device,
+                             dtype=torch.bfloat16)
+                kv.k.normal_()
+                kv.v.normal_()
+                kvs.append(kv)
+            positions = torch.full((b,), n - 1, dtype=torch.long, device=device)
+            q = torch.randn(b, spec.n_heads, spec.head_dim, device=device, dtype=torch.bfloat16)
+            err = rel_err(ops.attention(0, q, positions, kvs), twin.attention(0, q, positions, kvs))
+            us = time_us(partial(ops.attention, 0, q, positions, kvs), iters)
+            nbytes = b * 2 * n * spec.kv_dim * 2
+            report.timings.append(KernelTiming(f"attention at {n:,} keys", b, us, nbytes, bound(nbytes), err))
+    addresses = cache.addresses(0, torch.arange(e, device=device))
+    w_gu = torch.empty(e, 2 * f, d, dtype=torch.bfloat16, device=device)
+    w_d = torch.empty(e, d, f, dtype=torch.bfloat16, device=device)
+    us = time_us(partial(kernels._dequant_by_address, addresses, lay, e, w_gu, w_d), max(5, iters // 10))
+    nbytes = e * lay.expert_bytes + 2 * (w_gu.numel() + w_d.numel())
+    report.timings.append(KernelTiming("dequantize a whole layer to bf16", e, us, nbytes, bound(nbytes)))
+    return report
+
+
+def print_report(r: KernelReport) -> None:
+    print(f"{r.device}, {r.preset} shapes; device copy {r.copy_gb_per_s:,.0f} GB/s")
+    print(f"{'kernel':<44} {'rows':>5} {'us':>9} {'MB':>8} {'bound us':>9} {'of bound':>9} {'rel err':>9}")
+    for t in r.timings:
+        err = "" if t.rel_err is None else f"{t.rel_err:.1e}"
+        print(f"{t.what:<44} {t.batch:>5} {t.us:>9.1f} {t.bytes / 1e6:>8.1f} {t.bound_us:>9.1f} "
+              f"{t.bound_us / t.us:>9.2f} {err:>9}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--preset", default="30b-a3b", choices=sorted(PRESETS))
+    ap.add_argument("--batch", default="1,8", help="decode rows, comma-separated")
+    ap.add_argument("--contexts", default="1024,8192,32768", help="attention key counts, comma-separated")
+    ap.add_argument("--iters", type=int, default=100)
+    ap.add_argument("--host-share", type=float, default=0.0, help="share of experts read from pinned host memory")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("bench_kernels needs a CUDA device")
+    if not 0 <= args.host_share <= 1:
+        sys.exit(f"--host-share {args.host_share}: expected 0 to 1")
+    try:
+        batches = [int(x) for x in args.batch.split(",")]
+        contexts = [int(x) for x in args.contexts.split(",")]
+    except ValueError:
+        sys.exit("--batch and --contexts take comma-separated whole numbers")
+    report = run(args.preset, batches, contexts, args.iters, args.host_share, torch.device("cuda", 0))
+    print_report(report)
+    bad = [t for t in report.timings if t.rel_err is not None and not t.rel_err <= BF16_TOL]
+    if args.json:
+        with open(args.json, "w") as fh:
+            fh.write(report.to_json())
+    if bad:
+        sys.exit(f"{len(bad)} kernel(s) differ from their twin by more than {BF16_TOL}: "
+                 + ", ".join(f"{t.what} x{t.batch} ({t.rel_err:.2e})" for t in bad))
+
+
+if __name__ == "__main__":
+    main()
