@@ -243,10 +243,10 @@ class Stage(DecoderRunner):
     def warm_decode_graphs(self, context: int) -> list[int]:
         """Capture this stage's decode graphs before the first request, one for each batch size it
         replays, for caches of up to min(context, WARM_GRAPH_CELLS) cells: otherwise the first batch
-        of each size waits for its capture (0.1-0.2 s on an H200) inside its first token's time.
-        The captures' own steps run on the dummy sequence; the expert cache's pick counts are put
-        back as they were. Returns the sizes captured; a size whose capture fails is left to its
-        first use."""
+        of each size waits for its capture (a warm-up step, then every launch of the step recorded)
+        inside its first token's time. The captures' own steps run on the dummy sequence; the
+        expert cache's pick counts are put back as they were. Returns the sizes captured; a size
+        whose capture fails is left to its first use."""
         if not self._graphs_ok:
             return []
         sizes = sorted({self._graph_bucket(n) for n in range(1, self._graph_batch + 1)})
