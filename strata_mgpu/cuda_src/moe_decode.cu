@@ -52,24 +52,31 @@ __device__ const u8* stage_bytes(const u8* src, long long n, u8* tile) {
     return dst;
 }
 
-// A vector of n_sub * 32 values into shared memory as fp32, sub-block j at v + 33 * j: lanes
-// reading "their" sub-block's l-th value then hit 32 different banks.
-__device__ __forceinline__ void stage_vector(const __nv_bfloat16* src, int n, float* v) {
-    for (int i = threadIdx.x; i < n; i += blockDim.x) v[(i >> 5) * 33 + (i & 31)] = __bfloat162float(src[i]);
+// A bf16 vector of n_sub * 32 values into shared memory as it is (two values a word), sub-block j
+// at word VWORDS * j: lanes reading "their" sub-block's k-th word then hit 32 different banks (17
+// is odd), and each load brings two values.
+constexpr int VWORDS = 17;
+__device__ __forceinline__ void stage_vector(const __nv_bfloat16* src, int n, unsigned* v) {
+    const unsigned* s = reinterpret_cast<const unsigned*>(src);  // n even, src 4-byte aligned
+    for (int i = threadIdx.x; i < n / 2; i += blockDim.x) v[(i >> 4) * VWORDS + (i & 15)] = s[i];
 }
 
 // One row of n_sub 32-weight sub-blocks (GGML blocks from `row`) dotted with the staged vector v;
 // every lane gets the warp's sum. Weights are rounded to bf16 first, as the twin's dequant does.
 template <int TYPE>
-__device__ __forceinline__ float row_dot(const u8* row, int n_sub, const float* v) {
+__device__ __forceinline__ float row_dot(const u8* row, int n_sub, const unsigned* v) {
     constexpr int PER = Fmt<TYPE>::QK / 32;
     float acc = 0.f;
     for (int j = threadIdx.x & 31; j < n_sub; j += 32) {
         float w[32];
         sub_block<TYPE>(row + (j / PER) * Fmt<TYPE>::BYTES, j % PER, w);
-        const float* vj = v + 33 * j;
+        const unsigned* vj = v + VWORDS * j;
 #pragma unroll
-        for (int l = 0; l < 32; ++l) acc = fmaf(bf16r(w[l]), vj[l], acc);
+        for (int k = 0; k < 16; ++k) {
+            const unsigned pair = vj[k];  // values 2k (low half) and 2k + 1 (high half)
+            acc = fmaf(bf16r(w[2 * k]), __uint_as_float(pair << 16), acc);
+            acc = fmaf(bf16r(w[2 * k + 1]), __uint_as_float(pair & 0xFFFF0000u), acc);
+        }
     }
 #pragma unroll
     for (int o = 16; o; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
@@ -78,7 +85,7 @@ __device__ __forceinline__ float row_dot(const u8* row, int n_sub, const float* 
 
 __host__ __device__ constexpr long long tile_room(long long bytes) { return ((bytes + 15) & ~15ll) + 16; }
 
-// grid (ceil(F / rows), P), rows <= warps a block; shared: 2 * tile_room(rows * row_bytes) + 33 * D / 32 * 4.
+// grid (ceil(F / rows), P), rows <= warps a block; shared: 2 * tile_room(rows * row_bytes) + D / 32 * VWORDS * 4.
 template <int TYPE>
 __global__ void moe_gate_up(const __nv_bfloat16* __restrict__ x, const long long* __restrict__ picks, int A,
                             const long long* __restrict__ slot_of, const long long* __restrict__ host_offset,
@@ -91,7 +98,7 @@ __global__ void moe_gate_up(const __nv_bfloat16* __restrict__ x, const long long
     const u8* expert = expert_at(picks[p], slot_of, host_offset, slots, slot_bytes, arena);
     const u8* gate = stage_bytes(expert + f0 * row_bytes, n * row_bytes, smem);
     const u8* up = stage_bytes(expert + (F + f0) * row_bytes, n * row_bytes, smem + room);
-    float* v = reinterpret_cast<float*>(smem + 2 * room);
+    unsigned* v = reinterpret_cast<unsigned*>(smem + 2 * room);
     stage_vector(x + (long long)t * D, D, v);
     __syncthreads();
     if (warp < n) {
@@ -101,7 +108,10 @@ __global__ void moe_gate_up(const __nv_bfloat16* __restrict__ x, const long long
     }
 }
 
-// grid (ceil(D / rows), T), rows <= warps a block; shared: A * tile_room(rows * row_bytes) + 33 * F / 32 * 4.
+// grid (ceil(D / rows), T); shared: A * tile_room(rows * row_bytes) + A * F / 32 * VWORDS * 4 + rows * A * 4.
+// Every pick's tile and vector are staged at once; the block's warps then take the rows x picks
+// dots in turn (no barrier between picks), and each row's weighted sum runs over the picks in
+// order, as the twin's does.
 template <int TYPE>
 __global__ void moe_down(const __nv_bfloat16* __restrict__ act, const long long* __restrict__ picks,
                          const float* __restrict__ weights, int A, const long long* __restrict__ slot_of,
@@ -110,28 +120,31 @@ __global__ void moe_down(const __nv_bfloat16* __restrict__ act, const long long*
                          __nv_bfloat16* __restrict__ out) {
     extern __shared__ __align__(16) u8 smem[];
     const int t = blockIdx.y, d0 = blockIdx.x * rows, n = min(rows, D - d0);
-    const int warp = threadIdx.x >> 5;
+    const int warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
     const long long room = tile_room(rows * row_bytes);
-    float* v = reinterpret_cast<float*>(smem + A * room);
-    for (int a = 0; a < A; ++a) {  // every pick's tile in flight at once
+    const int vwords = F / 32 * VWORDS;
+    unsigned* v = reinterpret_cast<unsigned*>(smem + A * room);
+    float* partial = reinterpret_cast<float*>(v + A * vwords);  // [rows, A]
+    for (int a = 0; a < A; ++a) {  // every pick's tile and vector in flight at once
         const u8* w = expert_at(picks[t * A + a], slot_of, host_offset, slots, slot_bytes, arena);
         stage_bytes(w + down_offset + d0 * row_bytes, n * row_bytes, smem + a * room);
+        stage_vector(act + ((long long)t * A + a) * F, F, v + a * vwords);
     }
-    float acc = 0.f;
-    for (int a = 0; a < A; ++a) {
-        const long long p = (long long)t * A + a;
-        __syncthreads();  // the tiles are in (a = 0); nobody reads the previous pick's vector any more
-        stage_vector(act + p * F, F, v);
-        __syncthreads();
-        if (warp < n) {
-            const u64 w = reinterpret_cast<u64>(expert_at(picks[p], slot_of, host_offset, slots, slot_bytes, arena))
-                          + down_offset + d0 * row_bytes;
-            const u8* row = smem + a * room + (w & 15) + warp * row_bytes;
-            const float y = bf16r(row_dot<TYPE>(row, F / 32, v));
-            acc = fmaf(bf16r(weights[p]), y, acc);
-        }
+    __syncthreads();
+    for (int k = warp; k < n * A; k += warps) {  // dot k: row k / A, pick k % A
+        const int r = k / A, a = k % A;
+        const u64 w = reinterpret_cast<u64>(expert_at(picks[t * A + a], slot_of, host_offset, slots, slot_bytes, arena))
+                      + down_offset + d0 * row_bytes;  // where stage_bytes put it: at its address mod 16
+        const u8* row = smem + a * room + (w & 15) + r * row_bytes;
+        const float y = bf16r(row_dot<TYPE>(row, F / 32, v + a * vwords));
+        if ((threadIdx.x & 31) == 0) partial[r * A + a] = y;
     }
-    if (warp < n && (threadIdx.x & 31) == 0) out[(long long)t * D + d0 + warp] = __float2bfloat16_rn(acc);
+    __syncthreads();
+    for (int r = threadIdx.x; r < n; r += blockDim.x) {
+        float acc = 0.f;
+        for (int a = 0; a < A; ++a) acc = fmaf(bf16r(weights[(long long)t * A + a]), partial[r * A + a], acc);
+        out[(long long)t * D + d0 + r] = __float2bfloat16_rn(acc);
+    }
 }
 
 #define MOE_INSTANTIATE(TYPE)                                                                             \

@@ -214,7 +214,8 @@ class CudaKernels(TorchKernels):
         ffn = lay.gate_weights // hidden
         gate_row, down_row = lay.gate_bytes // ffn, lay.down_bytes // hidden
         rows_gu = min(((MOE_SHARED_BYTES - _vector_bytes(hidden)) // 2 - 32) // gate_row, MOE_THREADS // 32)
-        rows_down = min(((MOE_SHARED_BYTES - _vector_bytes(ffn)) // n_used - 32) // down_row, MOE_THREADS // 32)
+        rows_down = max((r for r in range(1, MOE_THREADS // 32 + 1)
+                         if _down_shared(r, down_row, ffn, n_used) <= MOE_SHARED_BYTES), default=0)
         if rows_gu < 1 or rows_down < 1:
             return None
         return MoePlan(ffn=ffn, gate_row=gate_row, down_row=down_row, rows_gu=rows_gu, rows_down=rows_down)
@@ -248,7 +249,7 @@ class CudaKernels(TorchKernels):
                             (act.data_ptr(), picks.data_ptr(), weights.data_ptr(), np.int32(a), *table, np.int32(d),
                              np.int32(f), np.int64(plan.down_row), np.int64(lay.down_offset), np.int32(plan.rows_down),
                              out.data_ptr()), self.device,
-                            shared_mem=a * _tile_room(plan.rows_down * plan.down_row) + _vector_bytes(f))
+                            shared_mem=_down_shared(plan.rows_down, plan.down_row, f, a))
         return out
 
     def copy_wide(self, dst: torch.Tensor, src: torch.Tensor) -> None:
@@ -322,8 +323,15 @@ def _tile_room(nbytes: int) -> int:
 
 
 def _vector_bytes(n: int) -> int:
-    """Shared memory for a staged vector of n values (fp32, 33 floats a 32-value sub-block)."""
-    return 33 * n // 32 * 4
+    """Shared memory for a staged vector of n bf16 values (moe_decode.cu's stage_vector: 17 words a
+    32-value sub-block)."""
+    return n // 32 * 17 * 4
+
+
+def _down_shared(rows: int, down_row: int, ffn: int, n_used: int) -> int:
+    """moe_down's shared memory: each pick's tile of `rows` rows and its vector, and the rows x
+    picks partial sums."""
+    return n_used * (_tile_room(rows * down_row) + _vector_bytes(ffn)) + 4 * rows * n_used
 
 
 def _grouped_mm_works(device: torch.device) -> bool:
