@@ -214,6 +214,38 @@ def test_stage_bf16_matches_reference_on_shared_routing(model):
         assert rel_err(b.cpu(), a) <= BF16_TOL
 
 
+def test_short_prompts_gather_where_every_expert_is_resident(model):
+    """All experts resident: a 40-token prompt (fewer picks than GATHER_PICKS_RESIDENT) runs the
+    fused gather kernels, not a whole-layer pass, and matches the reference on shared routing."""
+    from strata_mgpu.stage.streamed_experts import GATHER_PICKS_RESIDENT
+
+    f, spec = model
+    ref = load_reference_runner(f, spec)
+    stage = Stage(f, spec, StageOptions(device=CUDA, max_vram_gib=8, cuda_graphs=False))
+    experts = stage.model.experts
+    assert experts.cache.per_layer == spec.n_experts and experts.gather_picks == GATHER_PICKS_RESIDENT
+    picked: dict[int, torch.Tensor] = {}
+    stage_route = stage.model.route
+
+    def recording(i, h, router):
+        weights, chosen = stage_route(i, h, router)
+        picked[i] = chosen.cpu()
+        return weights, chosen
+
+    def forced(i, h, router):
+        probs = torch.softmax(h.float() @ router.float().T, dim=-1)
+        weights = probs.gather(1, picked[i])
+        return weights / weights.sum(-1, keepdim=True), picked[i]
+
+    stage.model.route, ref.model.route = recording, forced
+    prompt = torch.randint(0, spec.vocab_size, (40,))
+    before = stage.kernels.paths["moe_gathered:fused"]
+    b = stage.model.logits(stage.model.forward(prompt.to(CUDA), [_seg(stage.new_sequence(64), 40)]))
+    assert stage.kernels.paths["moe_gathered:fused"] == before + spec.n_layers and not experts.streaming
+    a = ref.model.logits(ref.model.forward(prompt, [_seg(ref.new_sequence(64), 40)]))
+    assert rel_err(b.cpu(), a) <= BF16_TOL
+
+
 def test_stage_fp32_agrees_on_top1_everywhere(model):
     f, spec = model
     ref = load_reference_runner(f, spec)
