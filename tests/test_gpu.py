@@ -178,16 +178,9 @@ def model(request, tmp_path_factory):
     return f, spec_from_gguf(f)
 
 
-def test_stage_bf16_matches_reference_on_shared_routing(model):
-    """bf16 compute against the fp32 reference, with the reference made to pick the experts the
-    bf16 stage picked. Top-k routing is discontinuous: where two router scores lie within bf16
-    rounding, bf16 takes the other expert, that row moves by O(1), and attention carries it on to
-    later rows (seen on the small preset: median row error 7e-2 with free routing, on the CPU's
-    bf16 twins as much as on the GPU). Sharing the routing leaves only bf16 arithmetic to bound;
-    fp32 compute with free routing (next test) must agree everywhere."""
-    f, spec = model
-    ref = load_reference_runner(f, spec)
-    stage = Stage(f, spec, StageOptions(device=CUDA, max_vram_gib=8, cuda_graphs=False))  # the hooks sync
+def _share_routing(stage, ref) -> None:
+    """From now on the reference picks, in each layer, the experts the stage just picked there
+    (weights from its own router over them): only arithmetic differences remain to bound."""
     picked: dict[int, torch.Tensor] = {}
     stage_route = stage.model.route
 
@@ -202,6 +195,19 @@ def test_stage_bf16_matches_reference_on_shared_routing(model):
         return weights / weights.sum(-1, keepdim=True), picked[i]
 
     stage.model.route, ref.model.route = recording, forced
+
+
+def test_stage_bf16_matches_reference_on_shared_routing(model):
+    """bf16 compute against the fp32 reference, with the reference made to pick the experts the
+    bf16 stage picked. Top-k routing is discontinuous: where two router scores lie within bf16
+    rounding, bf16 takes the other expert, that row moves by O(1), and attention carries it on to
+    later rows (seen on the small preset: median row error 7e-2 with free routing, on the CPU's
+    bf16 twins as much as on the GPU). Sharing the routing leaves only bf16 arithmetic to bound;
+    fp32 compute with free routing (next test) must agree everywhere."""
+    f, spec = model
+    ref = load_reference_runner(f, spec)
+    stage = Stage(f, spec, StageOptions(device=CUDA, max_vram_gib=8, cuda_graphs=False))  # the hooks sync
+    _share_routing(stage, ref)
     prompt = torch.randint(0, spec.vocab_size, (256,))
     kv_r, kv_s = ref.new_sequence(300), stage.new_sequence(300)
     b = stage.model.logits(stage.model.forward(prompt.to(CUDA), [_seg(kv_s, 256)]))
@@ -212,6 +218,25 @@ def test_stage_bf16_matches_reference_on_shared_routing(model):
         b = stage.decode([kv_s], token)
         a = ref.decode([kv_r], token)
         assert rel_err(b.cpu(), a) <= BF16_TOL
+
+
+def test_short_prompts_gather_where_every_expert_is_resident(model):
+    """All experts resident: a 40-token prompt (fewer picks than GATHER_PICKS_RESIDENT) runs the
+    fused gather kernels, not a whole-layer pass, and matches the reference on shared routing."""
+    from strata_mgpu.stage.streamed_experts import GATHER_PICKS_RESIDENT
+
+    f, spec = model
+    ref = load_reference_runner(f, spec)
+    stage = Stage(f, spec, StageOptions(device=CUDA, max_vram_gib=8, cuda_graphs=False))
+    experts = stage.model.experts
+    assert experts.cache.per_layer == spec.n_experts and experts.gather_picks == GATHER_PICKS_RESIDENT
+    _share_routing(stage, ref)
+    prompt = torch.randint(0, spec.vocab_size, (40,))
+    before = stage.kernels.paths["moe_gathered:fused"]
+    b = stage.model.logits(stage.model.forward(prompt.to(CUDA), [_seg(stage.new_sequence(64), 40)]))
+    assert stage.kernels.paths["moe_gathered:fused"] == before + spec.n_layers and not experts.streaming
+    a = ref.model.logits(ref.model.forward(prompt, [_seg(ref.new_sequence(64), 40)]))
+    assert rel_err(b.cpu(), a) <= BF16_TOL
 
 
 def test_stage_fp32_agrees_on_top1_everywhere(model):

@@ -298,12 +298,12 @@ class Stage(DecoderRunner):
                 log.warning("no memory to capture a decode graph of %d rows on %s: this step decodes eagerly",
                             bucket, self.ctx.device)
                 return None
-            except RuntimeError as e:  # a capture this torch cannot make: decode eagerly from now on
-                if bucket > 1:  # batch 1 has its own record: only the batched captures stop
-                    log.warning("CUDA graph capture of a batch of %d failed on %s (%s): batches above 1 decode "
-                                "without graphs", bucket, self.ctx.device, e)
-                    self._graph_batch = 1
-                    self._graphs = {b: g for b, g in self._graphs.items() if b == 1}
+            except RuntimeError as e:  # a capture this torch cannot make: no graphs this large from now on
+                if bucket > 1:  # the smaller sizes keep theirs
+                    self._graph_batch = max(1, bucket - 1 if bucket & (bucket - 1) else bucket // 2)
+                    log.warning("CUDA graph capture of a batch of %d failed on %s (%s): batches above %d decode "
+                                "without graphs", bucket, self.ctx.device, e, self._graph_batch)
+                    self._graphs = {b: g for b, g in self._graphs.items() if b <= self._graph_batch}
                 else:
                     log.warning("CUDA graph capture failed on %s (%s): decoding without graphs", self.ctx.device, e)
                     self._graphs_ok = False

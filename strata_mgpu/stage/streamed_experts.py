@@ -4,16 +4,18 @@ pinned host arena. The `ExpertBackend` of a stage.
 Shape legend: T = token rows, D = hidden, E = experts, A = experts per token, M = T * A routed
 rows, F = expert width.
 
-Two ways through a layer, picked per forward by how many rows it has:
-- a prompt pass (rows x A >= E): every expert of the layer is computed once. Those resident in
+Two ways through a layer, picked per forward by how many picks (rows x A) it has
+(`gather_pick_limit`):
+- a prompt pass (picks >= E): every expert of the layer is computed once. Those resident in
   VRAM (the expert cache's slots) are read in place; only the others go up through the ring, one
   layer or more ahead of compute, packed into a slot. Both are dequantized to bf16 into the
   workspace and computed as one grouped GEMM pair over the rows sorted by expert
   (`expert_parts.compute_part`). With a helper bound, the helper takes the last of each layer's
   streamed experts; where nothing streams there is nothing to help.
-- gather (decode): only the experts the rows picked, each read where it lives, a VRAM cache slot
-  or the mapped pinned arena (no host sync). On CUDA two fused kernels compute them straight from
-  their quantized bytes (`cuda_src/moe_decode.cu`); the twin dequantizes them into the workspace.
+- gather (decode, and short prompts where every expert is resident): only the experts the rows
+  picked, each read where it lives, a VRAM cache slot or the mapped pinned arena (no host sync).
+  On CUDA two fused kernels compute them straight from their quantized bytes
+  (`cuda_src/moe_decode.cu`); the twin dequantizes them into the workspace.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from strata_mgpu.kernels.experts import TorchKernels
+from strata_mgpu.kernels.experts import CudaKernels, TorchKernels
 from strata_mgpu.model.spec import ModelSpec
 from strata_mgpu.stage.device import DeviceContext
 from strata_mgpu.stage.expert_cache import ExpertCache
@@ -33,6 +35,20 @@ from strata_mgpu.stage.host_arena import HostExpertArena
 
 if TYPE_CHECKING:  # the helper is bound from outside, by the split runner (split/ builds on stage/)
     from strata_mgpu.split.peer_prefill import PeerPrefill
+
+# Where every expert is resident, a pass of fewer picks than this gathers. The fused kernels cost a
+# few microseconds a pick (one H200, 30B-A3B shapes: 243 us a layer for the 64 picks of batch 8); a
+# whole-layer pass first dequantizes all E experts (2.85 ms a layer for its 128), so gathering wins
+# up to ~750 picks. Kept below that.
+GATHER_PICKS_RESIDENT = 512
+
+
+def gather_pick_limit(n_experts: int, all_resident: bool, fused: bool) -> int:
+    """Picks (rows x experts a row) from which a pass computes whole layers. Where some experts
+    stream: E, since a pass that touches most of them is cheaper streamed in order. Where every
+    expert is resident and the fused kernels serve every layer (the gather then needs no
+    workspace; the twin's holds E experts): GATHER_PICKS_RESIDENT, where that is more."""
+    return max(n_experts, GATHER_PICKS_RESIDENT) if all_resident and fused else n_experts
 
 
 class StreamedExperts:
@@ -54,6 +70,9 @@ class StreamedExperts:
         self.streaming = False
         self.helper: PeerPrefill | None = None  # bound for one-chunk prompts by the split runner
         self.streamed_bytes = 0  # bytes this stage's passes uploaded (the helper's share excluded)
+        fused = isinstance(kernels, CudaKernels) and all(
+            kernels.moe_fused(arena.layouts[layer], D, spec.n_experts_used) is not None for layer in layers)
+        self.gather_picks = gather_pick_limit(E, cache is not None and cache.per_layer >= E, fused)
         # bench only: passes compute from whatever the ring slots hold, uploading nothing, so the
         # compute of a pass can be timed apart from its stream. The answers are wrong meanwhile.
         self.skip_uploads = False
@@ -79,8 +98,8 @@ class StreamedExperts:
         return self.streamed_per_layer() * sum(self.arena.layouts[layer].expert_bytes for layer in self.layers)
 
     def should_stream(self, n_rows: int) -> bool:
-        """Whole layers when the rows will touch most experts anyway (or there is no cache)."""
-        return self.cache is None or n_rows * self.spec.n_experts_used >= self.spec.n_experts
+        """Whole layers when the rows' picks reach `gather_picks` (or there is no cache)."""
+        return self.cache is None or n_rows * self.spec.n_experts_used >= self.gather_picks
 
     @property
     def helped(self) -> bool:

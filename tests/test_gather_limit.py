@@ -1,0 +1,33 @@
+"""Which way a pass takes through a stage's experts (stage.streamed_experts.gather_pick_limit):
+whole layers from E picks where experts stream; gathered further where all are resident and the
+fused kernels need no workspace."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from strata_mgpu.model.gguf_reader import GGUFFile
+from strata_mgpu.model.spec import spec_from_gguf
+from strata_mgpu.stage.stage import Stage, StageOptions
+from strata_mgpu.stage.streamed_experts import GATHER_PICKS_RESIDENT, gather_pick_limit
+
+
+@pytest.mark.parametrize("all_resident,fused,want", [(False, False, 128), (False, True, 128), (True, False, 128),
+                                                     (True, True, GATHER_PICKS_RESIDENT)])
+def test_limit(all_resident, fused, want):
+    assert gather_pick_limit(128, all_resident, fused) == want
+
+
+def test_more_experts_than_the_resident_limit_keep_their_count():
+    assert gather_pick_limit(4 * GATHER_PICKS_RESIDENT, True, True) == 4 * GATHER_PICKS_RESIDENT
+
+
+def test_a_cpu_stage_streams_from_e_picks(tiny_gguf):
+    """The twin's gather dequantizes into a workspace of E experts: no more picks than that."""
+    f = GGUFFile(tiny_gguf)
+    spec = spec_from_gguf(f)
+    experts = Stage(f, spec, StageOptions(device=torch.device("cpu"))).model.experts
+    assert experts.gather_picks == spec.n_experts
+    rows = spec.n_experts // spec.n_experts_used
+    assert not experts.should_stream(rows - 1) and experts.should_stream(rows)
