@@ -49,11 +49,13 @@ def test_plans_of_real_layouts_fit_shared_memory():
                            (Q.Q2_K, Q.Q3_K), (Q.Q3_K, Q.Q4_K), (Q.IQ4_XS, Q.IQ4_NL), (Q.MXFP4, Q.MXFP4),
                            (Q.Q4_0, Q.Q8_0), (Q.Q4_1, Q.Q5_1), (Q.Q5_0, Q.Q6_K)):
             plan = k.moe_fused(layout(gate, down, d, f), d, 8)
+            if plan is None and d == 4096 and down in (Q.F16, Q.BF16):
+                continue  # eight 1,536-value vectors and eight 3 KB rows: over 48 KiB (the twin runs)
             assert plan is not None and plan.ffn == f
             assert 2 * K._tile_room(plan.rows_gu * plan.gate_row) + K._vector_bytes(d) <= SHARED_LIMIT
-            assert 8 * K._tile_room(plan.rows_down * plan.down_row) + K._vector_bytes(f) <= SHARED_LIMIT
+            assert K._down_shared(plan.rows_down, plan.down_row, f, 8) <= SHARED_LIMIT
             assert 1 <= plan.rows_gu <= K.MOE_THREADS // 32 and 1 <= plan.rows_down <= K.MOE_THREADS // 32
-    assert k.moe_fused(layout(Q.Q4_K, Q.Q6_K, 2048, 768), 2048, 8) == K.MoePlan(768, 1152, 630, 8, 8)
+    assert k.moe_fused(layout(Q.Q4_K, Q.Q6_K, 2048, 768), 2048, 8) == K.MoePlan(768, 1152, 630, 8, 6)
     assert k.moe_fused(layout(Q.F32, Q.F32, 4096, 1536), 4096, 8) is None  # a row tile over shared memory
 
 
@@ -86,6 +88,6 @@ def test_launches_match_the_kernel_signatures(monkeypatch):
     assert out.shape == (t, d) and out.dtype == torch.bfloat16
     (gu_fn, gu_grid, gu_block, gu_args, gu_smem), (dn_fn, dn_grid, dn_block, dn_args, dn_smem) = launches
     assert gu_fn == "moe_gate_up<12>" and gu_grid == (f // 8, t * a) and len(gu_args) == kernel_params("moe_gate_up")
-    assert dn_fn == "moe_down<14>" and dn_grid == (d // 8, t) and len(dn_args) == kernel_params("moe_down")
+    assert dn_fn == "moe_down<14>" and dn_grid == (-(-d // 6), t) and len(dn_args) == kernel_params("moe_down")
     assert gu_block == dn_block == K.MOE_THREADS and max(gu_smem, dn_smem) <= SHARED_LIMIT
     assert gu_args[3] == cache.slot_of.data_ptr() + 8 * 2 * e  # layer 2's row of the table

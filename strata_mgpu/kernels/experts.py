@@ -298,7 +298,8 @@ class CudaKernels(TorchKernels):
         fn = nvrtc.kernel(DEQUANT_FILE, f"dequant_bf16<{int(ggml_type)}>", _DEQUANT_EXPRS, self.device)
         n_sub = groups * weights_per_group // 32
         block = 256
-        grid = min((n_sub + block - 1) // block, 65535 * 8)
+        assert groups <= 65535, "one run a grid row: at most 65,535 runs a launch"
+        grid = (min(-(-(weights_per_group // 32) // block), 65535), groups)
         table = addresses.data_ptr() if addresses is not None else 0
         nvrtc.launch(fn, grid, block, (np.uint64(src_ptr), out.data_ptr(), np.int64(n_sub),
                                               np.int64(weights_per_group // 32), np.int64(group_stride),
