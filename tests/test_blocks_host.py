@@ -93,16 +93,18 @@ def host_decoders(tmp_path_factory):
     return so
 
 
+@pytest.mark.parametrize("offset", [0, 1, 2, 3])  # the runs read as aligned words: every misalignment
 @pytest.mark.parametrize("ggml_type", CUDA_DEQUANT_TYPES, ids=lambda t: t.name)
-def test_cuda_block_decoders_on_the_host_equal_the_twin(host_decoders, ggml_type):
+def test_cuda_block_decoders_on_the_host_equal_the_twin(host_decoders, ggml_type, offset):
     fmt = block_format(ggml_type)
     seed = fresh_seed()
     n_weights = 256 * 24
     blocks = raw_blocks(ggml_type, n_weights // fmt.block_size, np.random.default_rng(seed))
     out = np.full(n_weights, np.nan, dtype=np.float32)
-    # at an odd address with room after: runs are read as aligned words, up to 3 bytes around them
+    # at `offset` past an aligned address, with room after: runs are read as aligned words, up to 3
+    # bytes around them
     room = np.zeros(blocks.nbytes + 8, dtype=np.uint8)
-    room[1:1 + blocks.nbytes] = blocks.view(np.uint8).reshape(-1)
-    assert host_decoders.decode(int(ggml_type), room.ctypes.data + 1, n_weights // 32, out.ctypes.data) == 0
+    room[offset:offset + blocks.nbytes] = blocks.view(np.uint8).reshape(-1)
+    assert host_decoders.decode(int(ggml_type), room.ctypes.data + offset, n_weights // 32, out.ctypes.data) == 0
     want = dequantize_rows(torch.from_numpy(blocks.reshape(1, -1)), ggml_type, n_weights).numpy()
     assert_same_bits(out.reshape(-1, 256), want.reshape(-1, 256), f"{ggml_type.name}, seed {seed}")

@@ -26,3 +26,11 @@ def test_at_most_keep_buffers_stay_idle_the_largest_ones():
         pool.give(b)
     assert pool.idle_bytes == 5 * GRANULE  # the 1-granule buffer was freed
     assert pool.take(GRANULE).numel() == 2 * GRANULE
+
+
+def test_idle_buffers_too_small_are_let_go_before_more_is_pinned():
+    pool = HostBufferPool(pin=False, keep=2)
+    pool.give(pool.take(GRANULE))
+    assert pool.idle_bytes == GRANULE
+    pool.take(2 * GRANULE)
+    assert pool.idle_bytes == 0 and pool.made == 2 and pool.reused == 0

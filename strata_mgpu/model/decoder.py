@@ -262,9 +262,9 @@ class Decoder:
                       table: torch.Tensor | None = None, capacity: int | None = None) -> torch.Tensor:
         """Hidden rows x [B, D], row b of sequence kvs[b] at the device-held positions[b] -> [B, D].
         `table`: the caches' addresses as the fused ops read them (`ops.kv_table`); made here when
-        not given (a captured graph passes its own, rewritten before each replay). `capacity`: the
-        largest cache the step must serve (a graph's replays may bring larger caches than its
-        capture's; default: the largest of kvs).
+        not given (a captured graph passes its own, rewritten before each replay). `capacity`: cells
+        the attention must cover, above every position it will read (a graph's replays may bring
+        other caches than its capture's; default: the largest cache of kvs).
 
         Attention reads each cache up to the positions held on the device (the twin: the whole
         capacity under a mask), and the new keys and values are written there: every shape and

@@ -7,8 +7,9 @@ their positions and their caches' table (each cache's keys' and values' addresse
 attention and KV-write kernels) are device buffers the graph owns and the host rewrites before
 each replay. So one capture serves any batch of up to `bucket` rows (the rest padded with a
 dummy sequence at position 0, its outputs dropped) whose caches fit the capacity it was captured
-for (the largest cache's, rounded up to a power of two): a request joining or leaving the batch
-costs no capture; a bucket's first use, or a cache past that capacity, costs one. Pad rows pick
+for, in cells read (a sequence's length, whatever its cache's size; the largest rounded up to a
+power of two): a request joining or leaving the batch costs no capture; a bucket's first use, or
+a sequence growing past that many cells, costs one. Pad rows pick
 experts like any row: where some experts are read over the link (not every expert resident) a
 batch gets a graph of its own size instead (`bucket_for(..., pad=False)`). A capture in which an
 op ran its torch twin (which reads the caches by address, not through the table) serves only
@@ -55,13 +56,14 @@ class DecodeGraph:
                  capacity: int = 0):
         """kvs: the first step's sequences (at most `bucket`); inp their input, token ids [B]
         (first stage) or hidden rows [B, D]. Rows past len(kvs) run the dummy sequence `pad` at
-        position 0. Serves later batches of up to `bucket` rows whose caches' capacities are at
-        most this batch's largest or `capacity`, rounded up to a power of two (`fits`)."""
+        position 0. Serves later batches of up to `bucket` rows whose next positions are below this
+        batch's largest next position or `capacity`, rounded up to a power of two (`fits`)."""
         assert 0 < len(kvs) <= bucket
         device = self.device = model.device
         self.bucket, self.pad = bucket, pad
         padded = [*kvs, *[pad] * (bucket - len(kvs))]
-        self.capacity = next_pow2(max(capacity, *(kv.capacity for kv in padded)))  # the attention's splits cover this
+        # cells the attention's splits cover: every position a replay may read
+        self.capacity = next_pow2(max(capacity, *(kv.length + 1 for kv in padded)))
         paths = getattr(model.ops, "paths", None)
         twins = [paths[f"{op}:twin"] for op in TABLE_OPS] if paths is not None else None
         self.inp = torch.zeros((bucket, *inp.shape[1:]), dtype=inp.dtype, device=device)  # the replays' input
@@ -90,11 +92,12 @@ class DecodeGraph:
                      else [graph_key(kv) for kv in kvs])
 
     def fits(self, kvs: Sequence[KVCache]) -> bool:
-        """Can a replay serve this batch? At most `bucket` rows, none with a larger cache (and the
-        very batch it was captured for, where the capture read the caches by address)."""
+        """Can a replay serve this batch? At most `bucket` rows, none whose next position the
+        capture's attention does not cover (and the very batch it was captured for, where the
+        capture read the caches by address)."""
         if self.only is not None:
             return [graph_key(kv) for kv in kvs] == self.only
-        return len(kvs) <= self.bucket and all(kv.capacity <= self.capacity for kv in kvs)
+        return len(kvs) <= self.bucket and all(kv.length < self.capacity for kv in kvs)
 
     def _load(self, kvs: Sequence[KVCache], inp: torch.Tensor) -> None:
         """The rows' input, positions and caches into the graph's buffers (pad rows: position 0 of

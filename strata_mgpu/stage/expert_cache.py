@@ -48,7 +48,7 @@ class ExpertCache:
         self.lookups = self.hits = 0  # counted by the torch twin path
         self.picks = torch.zeros(len(layers), E, dtype=torch.float32, device=ctx.device)  # [L, E], decayed
         self.swapped = 0  # experts moved into VRAM by refills
-        self._ones = torch.ones(arena.spec.n_experts_used, dtype=self.picks.dtype, device=ctx.device)
+        self._one = torch.ones(1, dtype=self.picks.dtype, device=ctx.device)  # a pick's count, viewed as many
 
     @property
     def n_slots(self) -> int:
@@ -83,9 +83,8 @@ class ExpertCache:
     def observe(self, i: int, experts: torch.Tensor) -> None:
         """Count local layer i's picks [T, A] (a device op; never synchronizes)."""
         flat = experts.reshape(-1)
-        if self._ones.numel() < flat.numel():  # grown at a prompt, never inside a decode graph's capture
-            self._ones = torch.ones(flat.numel(), dtype=self.picks.dtype, device=flat.device)
-        self.picks[i].index_add_(0, flat, self._ones[:flat.numel()])  # one launch
+        # one tensor for every call, never replaced: a captured decode graph reads it at its address
+        self.picks[i].index_add_(0, flat, self._one.expand(flat.numel()))  # one launch
 
     def refill(self, margin: float = 1.5, max_share: float = 0.125) -> int:
         """Swap in experts picked more than `margin` times as often as the resident ones they

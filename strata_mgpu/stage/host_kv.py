@@ -343,10 +343,11 @@ class TwoTierKV:
         their buffer goes back to the pool."""
         old = 0 if self.host_k is None else self.host_k.shape[1]
         cap = min(self.max_length - self.window, max(rows, 2 * old))
+        row_bytes = 2 * self.n_layers * self.k[0, 0].numel() * self.k.element_size()  # a position, keys and values
+        flat = self.staging.pool.take(cap * row_bytes)
+        cap = min(self.max_length - self.window, flat.numel() // row_bytes)  # all the rows the buffer holds
         shape = (2, self.n_layers, cap, *self.k.shape[2:])
-        nbytes = self.k.element_size() * torch.Size(shape).numel()
-        flat = self.staging.pool.take(nbytes)
-        kv = flat[:nbytes].view(self.k.dtype).view(shape)  # [2, L, C, Hkv, Dh]: keys, then values
+        kv = flat[:cap * row_bytes].view(self.k.dtype).view(shape)  # [2, L, C, Hkv, Dh]: keys, then values
         if self.host_k is not None:
             _drain_before_free(self.staging, self.owner)
             kv[0, :, :old] = self.host_k  # host to host: done when this returns

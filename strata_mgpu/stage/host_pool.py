@@ -4,7 +4,9 @@ page and pinning it (`cudaHostRegister` walks them all). A sequence that ends gi
 back here; the next one that spills takes the smallest one that is large enough.
 
 Sizes are rounded up to GRANULE so that buffers of nearby sizes serve each other. At most `keep`
-idle buffers stay (the largest kept: the next long sequence would need them); the rest are freed.
+idle buffers stay (the largest kept: the next long sequence would need them); the rest are freed,
+and all of them before a new buffer is pinned when none is large enough (no more pinned memory
+held than the sequences need, beside the one being made).
 A buffer given back must have no copy still running into or out of it (the caller drains first).
 """
 
@@ -20,8 +22,8 @@ GRANULE = 16 << 20  # bytes
 
 
 class HostBufferPool:
-    def __init__(self, *, pin: bool, keep: int = 2):
-        self.pin, self.keep = pin, keep
+    def __init__(self, *, pin: bool, keep: int = 2, granule: int = GRANULE):
+        self.pin, self.keep, self.granule = pin, keep, granule
         self._idle: list[torch.Tensor] = []  # uint8 buffers, no owner
         self._lock = threading.Lock()  # stage worker threads and a finalizer may give back at once
         self.made = 0  # buffers allocated (and pinned) so far
@@ -37,8 +39,9 @@ class HostBufferPool:
                 self._idle = [b for b in self._idle if b is not best]
                 self.reused += 1
                 return best
+            self._idle = []  # too small for this one: unpinned before more is pinned
             self.made += 1
-        return host_buffer(-(-nbytes // GRANULE) * GRANULE, pin=self.pin)
+        return host_buffer(-(-nbytes // self.granule) * self.granule, pin=self.pin)
 
     def give(self, buf: torch.Tensor) -> None:
         """`buf` (from `take`) is no longer used by anyone."""

@@ -35,8 +35,8 @@ from strata_mgpu.stage.memory_plan import MemoryPlan, plan_stage_memory
 from strata_mgpu.stage.streamed_experts import StreamedExperts
 
 log = logging.getLogger("strata.stage")
-# cells a graph captured ahead of time serves (a longer cache recaptures at its first step): more
-# would make every step's attention launch blocks for cells no short sequence has
+# cells a decode graph covers at least (a sequence past them recaptures its batch's graph, at twice
+# as many): more would make every step's attention launch blocks for cells no short sequence has
 WARM_GRAPH_CELLS = 4096
 GiB = 2**30
 
@@ -263,11 +263,14 @@ class Stage(DecoderRunner):
                     inp = (torch.zeros(b, dtype=torch.long, device=self.ctx.device) if self.is_first else
                            torch.zeros(b, self.spec.hidden, dtype=self.model.w.dtype, device=self.ctx.device))
                     try:
-                        self._graphs[b] = DecodeGraph(self.model, [self._pad_kv] * b, inp, b, self._pad_kv, cells)
+                        graph = DecodeGraph(self.model, [self._pad_kv] * b, inp, b, self._pad_kv, cells)
                     except RuntimeError as e:
                         log.warning("capturing the decode graph of %d rows on %s ahead of time failed (%s): left to "
                                     "its first use", b, self.ctx.device, e)
                         break
+                    if graph.only is not None:  # an op ran its twin: the graph serves the dummy batch alone
+                        break
+                    self._graphs[b] = graph
                     done.append(b)
             finally:
                 if picks is not None:
@@ -293,7 +296,9 @@ class Stage(DecoderRunner):
             if self._pad_kv is None:
                 self._pad_kv = self.model.new_cache(1, capacity=1)
             try:
-                graph = self._graphs[bucket] = DecodeGraph(self.model, kvs, inp, bucket, self._pad_kv)
+                # at least as many cells as a graph captured ahead covers: no recapture below that
+                cells = min(WARM_GRAPH_CELLS, max(kv.capacity for kv in kvs))
+                graph = self._graphs[bucket] = DecodeGraph(self.model, kvs, inp, bucket, self._pad_kv, cells)
             except torch.OutOfMemoryError:  # no room for this capture now: this step runs eagerly
                 log.warning("no memory to capture a decode graph of %d rows on %s: this step decodes eagerly",
                             bucket, self.ctx.device)

@@ -70,7 +70,7 @@ class StreamedExperts:
         self.streaming = False
         self.helper: PeerPrefill | None = None  # bound for one-chunk prompts by the split runner
         self.streamed_bytes = 0  # bytes this stage's passes uploaded (the helper's share excluded)
-        fused = isinstance(kernels, CudaKernels) and all(
+        fused = dtype == torch.bfloat16 and isinstance(kernels, CudaKernels) and all(
             kernels.moe_fused(arena.layouts[layer], D, spec.n_experts_used) is not None for layer in layers)
         self.gather_picks = gather_pick_limit(E, cache is not None and cache.per_layer >= E, fused)
         # bench only: passes compute from whatever the ring slots hold, uploading nothing, so the
