@@ -42,8 +42,9 @@ STAGE_THREADS = EnvVar("STRATA_STAGE_THREADS", "1",
 
 DECODE_GRAPH_BATCH = EnvVar("STRATA_DECODE_GRAPH_BATCH", "8",
                             "the largest decode batch replayed as a CUDA graph per stage (larger batches run "
-                            "eagerly); a batch takes the graph of the next power of two (1, 2, 4, 8, ...), its "
-                            "spare rows padded, captured at that size's first use")
+                            "eagerly); where every expert is resident a batch takes the graph of the next power of "
+                            "two (1, 2, 4, 8, ...), its spare rows padded, elsewhere the graph of its own size; "
+                            "graphs are captured when the engine starts, or at a size's first use")
 
 ALL = (CACHE_DIR, LOG_LEVEL, PREFILL_HELP, PREFILL_HELP_FRAC, KV_PREFETCH, STAGE_THREADS, DECODE_GRAPH_BATCH)
 

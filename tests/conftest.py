@@ -19,6 +19,17 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture
+def set_env(monkeypatch):
+    """set_env(name, raw): the variable set to raw, or unset where raw is None (for this test)."""
+    def set_or_unset(name: str, raw: str | None) -> None:
+        if raw is None:
+            monkeypatch.delenv(name, raising=False)
+        else:
+            monkeypatch.setenv(name, raw)
+    return set_or_unset
+
+
 @pytest.fixture(scope="session")
 def tiny_gguf(tmp_path_factory) -> Path:
     """The tiny preset: Q4_K gate/up, Q6_K down, Q8_0 dense weights."""

@@ -1,4 +1,4 @@
-"""STRATA_STAGE_THREADS (0 or 1, default 1), STRATA_DECODE_GRAPH_BATCH (1..64, default 1) and the
+"""STRATA_STAGE_THREADS (0 or 1, default 1), STRATA_DECODE_GRAPH_BATCH (1..64, default 8) and the
 allocator default: typed values, one-line EnvErrors, listed in env.ALL, and the split's threads
 following the variable."""
 
@@ -11,11 +11,8 @@ from strata_mgpu import env
 
 
 @pytest.mark.parametrize("raw,want", [(None, True), ("", True), ("0", False), ("1", True)])
-def test_stage_threads_values(monkeypatch, raw, want):
-    if raw is None:
-        monkeypatch.delenv("STRATA_STAGE_THREADS", raising=False)
-    else:
-        monkeypatch.setenv("STRATA_STAGE_THREADS", raw)
+def test_stage_threads_values(set_env, raw, want):
+    set_env("STRATA_STAGE_THREADS", raw)
     assert env.stage_threads() is want
 
 
@@ -33,11 +30,8 @@ def test_bad_values_are_one_line_errors(monkeypatch, name, fn, raw, message):
 
 
 @pytest.mark.parametrize("raw,want", [(None, 8), ("1", 1), (" 16 ", 16)])
-def test_decode_graph_batch_values(monkeypatch, raw, want):
-    if raw is None:
-        monkeypatch.delenv("STRATA_DECODE_GRAPH_BATCH", raising=False)
-    else:
-        monkeypatch.setenv("STRATA_DECODE_GRAPH_BATCH", raw)
+def test_decode_graph_batch_values(set_env, raw, want):
+    set_env("STRATA_DECODE_GRAPH_BATCH", raw)
     assert env.decode_graph_batch() == want
 
 

@@ -8,11 +8,8 @@ from strata_mgpu import env
 
 
 @pytest.mark.parametrize("raw,want", [(None, True), ("", True), ("0", False), ("1", True), (" 1 ", True)])
-def test_kv_prefetch_values(monkeypatch, raw, want):
-    if raw is None:
-        monkeypatch.delenv("STRATA_KV_PREFETCH", raising=False)
-    else:
-        monkeypatch.setenv("STRATA_KV_PREFETCH", raw)
+def test_kv_prefetch_values(set_env, raw, want):
+    set_env("STRATA_KV_PREFETCH", raw)
     assert env.kv_prefetch() is want
 
 

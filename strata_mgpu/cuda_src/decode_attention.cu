@@ -17,9 +17,9 @@
 // masked cache) rounds the same way up to the order of the sums.
 #include <cuda_bf16.h>
 
-typedef __nv_bfloat16 bf16;
+#include "warp.cuh"
 
-#define NEG_INF_F __int_as_float(0xff800000)
+typedef __nv_bfloat16 bf16;
 
 __device__ __forceinline__ void bf16x8(const uint4 w, float* f) {
     const unsigned u[4] = {w.x, w.y, w.z, w.w};
@@ -43,18 +43,6 @@ __device__ __forceinline__ void load_bf16(const bf16* p, float* f) {
         const unsigned w = *reinterpret_cast<const unsigned*>(p);
         f[0] = __uint_as_float(w << 16), f[1] = __uint_as_float(w & 0xffff0000u);
     }
-}
-
-__device__ __forceinline__ float warp_max(float v) {
-#pragma unroll
-    for (int o = 16; o; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
-    return v;
-}
-
-__device__ __forceinline__ float warp_sum(float v) {
-#pragma unroll
-    for (int o = 16; o; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    return v;
 }
 
 // shared: max(G, HC) * (DH + 4 TPK) floats (the query heads, then the P @ V sums) + G * L floats

@@ -15,17 +15,11 @@
 //                      the A when `renorm`) and their experts, largest first
 #include <cuda_bf16.h>
 
+#include "warp.cuh"
+
 typedef __nv_bfloat16 bf16;
 
-#define NEG_INF_F __int_as_float(0xff800000)  // -inf (NVRTC has no math.h for INFINITY)
-
 __device__ __forceinline__ float bf16r(float x) { return __bfloat162float(__float2bfloat16_rn(x)); }
-
-__device__ __forceinline__ float warp_sum(float v) {
-#pragma unroll
-    for (int o = 16; o; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    return v;
-}
 
 // Sum over the block (blockDim.x a multiple of 32, at most 1024); every thread gets it.
 __device__ float block_sum(float v) {
@@ -159,8 +153,7 @@ extern "C" __global__ void route_topk(const float* __restrict__ logits, int E, i
         p[j] = e < E ? l[e] : NEG_INF_F;
         m = fmaxf(m, p[j]);
     }
-#pragma unroll
-    for (int o = 16; o; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+    m = warp_max(m);
     float s = 0.f;
 #pragma unroll
     for (int j = 0; j < 16; ++j) {

@@ -3,7 +3,7 @@
 // Arithmetic is written with __fmul_rn/__fadd_rn/__fsub_rn so it rounds exactly like the torch
 // twin (strata_mgpu/quant/dequant.py): fp32 products in the same order, no fused multiply-add.
 // Quantized blocks may start at any byte (MXFP4's are 17 bytes long, Q6_K's 210): they are read
-// byte by byte, or (Q4_K, Q5_K, Q6_K's 32-byte runs) as aligned words realigned by funnel shifts;
+// byte by byte, or (the 32-byte runs of Q8_0, Q4_K, Q5_K, Q6_K) as aligned words realigned by funnel shifts;
 // F32 and F16 rows are read in words of their own size, which their offsets are multiples of.
 #pragma once
 #include <cuda_bf16.h>

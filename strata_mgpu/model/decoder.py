@@ -271,9 +271,8 @@ class Decoder:
         address is fixed, so the step can be captured once as a CUDA graph and replayed while the
         batch keeps its sequences. The caller advances the caches afterwards. The small ops and
         attention go through `self.ops` (fused on the GPU: a few launches a layer for the whole
-        batch). Only for caches whose
-        every cell sits in `kv.k`/`kv.v` at its position (`kv.graph_capturable`), and for fewer
-        rows than make the experts stream (`experts.begin`).
+        batch). Only for caches whose every cell sits in `kv.k`/`kv.v` at its position
+        (`kv.graph_capturable`), and for fewer rows than make the experts stream (`experts.begin`).
         """
         assert all(kv.graph_capturable for kv in kvs), "a cache keeps cells outside kv.k/kv.v: decode it with run()"
         s, ops, layers, n = self.spec, self.ops, self.w.layers, len(kvs)

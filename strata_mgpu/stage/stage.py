@@ -118,7 +118,7 @@ class Stage(DecoderRunner):
         super().__init__(Decoder(spec, dense, experts, ops))
         self._graphs_ok = (opts.cuda_graphs and cache is not None
                            and dtype == torch.bfloat16 and self._decode_never_syncs(kernels, spec))
-        self._graphs: dict[int, DecodeGraph] = {}  # bucket (rows, a power of two) -> its capture
+        self._graphs: dict[int, DecodeGraph] = {}  # graph rows (`_graph_bucket`) -> its capture
         self._pad_kv: KVCache | None = None  # the dummy sequence padding a batch to its bucket
         self._graph_batch = opts.graph_batch or env.decode_graph_batch()
         # KV cells in VRAM for all sequences together (the engine admits within it); a sequence
@@ -242,7 +242,7 @@ class Stage(DecoderRunner):
     @torch.inference_mode()
     def warm_decode_graphs(self, context: int) -> list[int]:
         """Capture this stage's decode graphs before the first request, one for each batch size it
-        replays, for caches of up to min(context, WARM_GRAPH_CELLS) cells: otherwise the first batch
+        replays, covering min(context, WARM_GRAPH_CELLS) cells: otherwise the first batch
         of each size waits for its capture (a warm-up step, then every launch of the step recorded)
         inside its first token's time. The captures' own steps run on the dummy sequence; the
         expert cache's pick counts are put back as they were. Returns the sizes captured; a size
@@ -255,15 +255,14 @@ class Stage(DecoderRunner):
         cache = self.model.experts.cache
         done = []
         with self.ctx.on_compute():
-            if self._pad_kv is None:
-                self._pad_kv = self.model.new_cache(1, capacity=1)
+            pad = self._pad()
             picks = cache.picks.clone() if cache is not None else None
             try:
                 for b in sizes:
                     inp = (torch.zeros(b, dtype=torch.long, device=self.ctx.device) if self.is_first else
                            torch.zeros(b, self.spec.hidden, dtype=self.model.w.dtype, device=self.ctx.device))
                     try:
-                        graph = DecodeGraph(self.model, [self._pad_kv] * b, inp, b, self._pad_kv, cells)
+                        graph = DecodeGraph(self.model, [pad] * b, inp, b, pad, cells)
                     except RuntimeError as e:
                         log.warning("capturing the decode graph of %d rows on %s ahead of time failed (%s): left to "
                                     "its first use", b, self.ctx.device, e)
@@ -277,6 +276,12 @@ class Stage(DecoderRunner):
                     cache.picks.copy_(picks)
         return done
 
+    def _pad(self) -> KVCache:
+        """The dummy sequence padding a batch to its graph's rows (made at its first use)."""
+        if self._pad_kv is None:
+            self._pad_kv = self.model.new_cache(1, capacity=1)
+        return self._pad_kv
+
     def _graph_bucket(self, rows: int) -> int:
         """The graph size serving `rows` rows. Pad rows pick experts as real rows do: only where
         every expert is resident do they cost no reads over the link (and no skew in the cache's
@@ -285,7 +290,7 @@ class Stage(DecoderRunner):
 
     def _graph_step(self, kvs, inp: torch.Tensor) -> torch.Tensor | None:
         """The step as a replay of its bucket's graph (captured at the bucket's first use, and
-        again when a cache outgrows the capture); None where capture fails."""
+        again when a sequence grows past the cells it covers); None where capture fails."""
         for kv in kvs:
             kv.reserve(1)
         bucket = self._graph_bucket(len(kvs))
@@ -293,12 +298,10 @@ class Stage(DecoderRunner):
         if graph is None or not graph.fits(kvs):
             self._graphs.pop(bucket, None)
             graph = None  # the old capture's memory goes before a new one is made
-            if self._pad_kv is None:
-                self._pad_kv = self.model.new_cache(1, capacity=1)
             try:
                 # at least as many cells as a graph captured ahead covers: no recapture below that
                 cells = min(WARM_GRAPH_CELLS, max(kv.capacity for kv in kvs))
-                graph = self._graphs[bucket] = DecodeGraph(self.model, kvs, inp, bucket, self._pad_kv, cells)
+                graph = self._graphs[bucket] = DecodeGraph(self.model, kvs, inp, bucket, self._pad(), cells)
             except torch.OutOfMemoryError:  # no room for this capture now: this step runs eagerly
                 log.warning("no memory to capture a decode graph of %d rows on %s: this step decodes eagerly",
                             bucket, self.ctx.device)

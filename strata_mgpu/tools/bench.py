@@ -114,11 +114,15 @@ def measure_h2d(stage: Stage, repeats: int = 5) -> float | None:
     return src.numel() / statistics.median(times[1:]) / 1e9
 
 
-def prefill_chunks(runner, prompt: torch.Tensor, chunk: int) -> None:
-    kv = runner.new_sequence(prompt.numel() + 1)
+def prefill_chunks(runner, prompt: torch.Tensor, chunk: int, kv=None) -> torch.Tensor:
+    """`prompt` into `kv` (a new sequence just long enough if None) chunk by chunk, as the engine
+    prefills: no host sync between chunks; the last chunk's logits."""
+    kv = runner.new_sequence(prompt.numel() + 1) if kv is None else kv
     whole = prompt.numel() <= chunk
-    for start in range(0, prompt.numel(), chunk):  # no host sync between chunks; only the last one's logits
-        runner.prefill(kv, prompt[start:start + chunk], whole_prompt=whole, want_logits=start + chunk >= prompt.numel())
+    for start in range(0, prompt.numel(), chunk):
+        logits = runner.prefill(kv, prompt[start:start + chunk], whole_prompt=whole,
+                                want_logits=start + chunk >= prompt.numel())
+    return logits
 
 
 def time_compute(runner, tokens: int, runs: int, chunk: int) -> list[float]:
@@ -211,9 +215,7 @@ def time_decode(runner, n: int, prompt_tokens: int = 64, seed: int = 0, chunk: i
     g = torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, runner.spec.vocab_size, (prompt_tokens + n + 2,), generator=g)
     kv = runner.new_sequence(prompt_tokens + n + 3)  # + the two warm-up steps
-    for start in range(0, prompt_tokens, chunk):  # chunk by chunk, as the engine prefills
-        runner.prefill(kv, tokens[start:min(start + chunk, prompt_tokens)],
-                       want_logits=start + chunk >= prompt_tokens)
+    prefill_chunks(runner, tokens[:prompt_tokens], chunk, kv)
     steps = iter(tokens[prompt_tokens:].view(-1, 1))
     for _ in range(2):  # warm up: kernels, graph capture, the cache's refill at the first step
         int(runner.decode([kv], next(steps))[0].argmax())
@@ -256,9 +258,7 @@ def time_decode_batch(runner, batch: int, n_steps: int, warmup: int = 2, chunk: 
     kvs, first = [], []
     for n in decode_batch_prompts(batch):
         kv = runner.new_sequence(n + warmup + n_steps + 1)
-        prompt = torch.randint(0, runner.spec.vocab_size, (n,), generator=g)
-        for start in range(0, n, chunk):  # chunk by chunk, as the engine prefills
-            logits = runner.prefill(kv, prompt[start:start + chunk], want_logits=start + chunk >= n)
+        logits = prefill_chunks(runner, torch.randint(0, runner.spec.vocab_size, (n,), generator=g), chunk, kv)
         kvs.append(kv)
         first.append(logits.argmax(-1).view(1))
     tokens = torch.cat(first).cpu()

@@ -1,0 +1,25 @@
+"""The expert cache's pick counts (stage.expert_cache.ExpertCache.observe): exact, and kept by one
+tensor that never changes address, since a captured decode graph reads its operands at the
+addresses they had at capture (a replaced buffer would be freed under the graph)."""
+
+from __future__ import annotations
+
+import torch
+
+from strata_mgpu.model.gguf_reader import GGUFFile
+from strata_mgpu.model.spec import spec_from_gguf
+from strata_mgpu.stage.stage import Stage, StageOptions
+
+
+def test_counts_are_exact_and_their_operand_never_moves(tiny_gguf):
+    f = GGUFFile(tiny_gguf)
+    spec = spec_from_gguf(f)
+    cache = Stage(f, spec, StageOptions(device=torch.device("cpu"))).model.experts.cache
+    one = cache._one.data_ptr()
+    g = torch.Generator().manual_seed(0)
+    before = cache.picks.clone()
+    for rows in (1, 300, 2):  # a decode row, a prompt, a batch
+        experts = torch.randint(0, spec.n_experts, (rows, spec.n_experts_used), generator=g)
+        cache.observe(1, experts)
+        before[1] += torch.bincount(experts.reshape(-1), minlength=spec.n_experts).float()
+        assert torch.equal(cache.picks, before) and cache._one.data_ptr() == one
