@@ -9,13 +9,14 @@ import pytest
 import torch
 from gguf.constants import GGMLQuantizationType
 
-from strata_mgpu.kernels.experts import TorchKernels
+from strata_mgpu.kernels.experts import Q8_WORDS, TorchKernels
 from strata_mgpu.model.gguf_reader import GGUFFile
 from strata_mgpu.model.spec import spec_from_gguf
 from strata_mgpu.model.synthetic import write_model
 from strata_mgpu.quant.formats import CUDA_DEQUANT_TYPES, FUSED_DECODE_TYPES, block_format
 from strata_mgpu.stage.expert_cache import ExpertCache
 from strata_mgpu.stage.stage import Stage, StageOptions
+from tests.test_q8_dot import quantize_words
 from tests.test_quant import fresh_seed, raw_blocks
 
 pytestmark = pytest.mark.gpu
@@ -107,6 +108,19 @@ def test_fused_decode_and_gather_of_every_type_equal_twin(kernels, tmp_path_fact
     for got_w, want_w in zip(outs[0], outs[1], strict=True):
         ok, at = same_bf16_bits(got_w.view(-1), want_w.view(-1))
         assert ok, f"seed {seed}: gather differs first at {at}"
+
+
+def test_quantize_q8_writes_the_twins_integers(kernels):
+    """The integer kernels' input: quantize_q8's words equal the twin's quantization bit for bit
+    (the same integers, scales and half sums), an all-zero run included."""
+    seed = fresh_seed()
+    g = torch.Generator(device=CUDA).manual_seed(seed)
+    x = torch.randn(5, 2048, device=CUDA, generator=g) * torch.logspace(-3, 2, 5, device=CUDA)[:, None]
+    x = x.bfloat16()
+    x[1, :32] = 0
+    got = kernels._quantize_q8(x).cpu().numpy().view(np.uint32).reshape(-1, Q8_WORDS)
+    want, _, _ = quantize_words(x.cpu().reshape(-1))
+    assert np.array_equal(got[:, :11], want[:, :11]), f"seed {seed}"
 
 
 def _paths_of(stage) -> dict[str, int]:

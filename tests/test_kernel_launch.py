@@ -52,10 +52,14 @@ def test_plans_of_real_layouts_fit_shared_memory():
             if plan is None and d == 4096 and down in (Q.F16, Q.BF16):
                 continue  # eight 1,536-value vectors and eight 3 KB rows: over 48 KiB (the twin runs)
             assert plan is not None and plan.ffn == f
-            assert 2 * K._tile_room(plan.rows_gu * plan.gate_row) + K._vector_bytes(d) <= SHARED_LIMIT
-            assert K._down_shared(plan.rows_down, plan.down_row, f, 8) <= SHARED_LIMIT
+            assert plan.gate_up_shared == 2 * K._tile_room(plan.rows_gu * plan.gate_row) + K._vector_bytes(d, gate)
+            assert plan.down_shared == K._down_shared(plan.rows_down, plan.down_row, f, 8, down)
+            assert max(plan.gate_up_shared, plan.down_shared) <= SHARED_LIMIT
+            assert (plan.q8_gate_up, plan.q8_down) == (gate in K.Q8_DOT_TYPES, down in K.Q8_DOT_TYPES)
             assert 1 <= plan.rows_gu <= K.MOE_THREADS // 32 and 1 <= plan.rows_down <= K.MOE_THREADS // 32
-    assert k.moe_fused(layout(Q.Q4_K, Q.Q6_K, 2048, 768), 2048, 8) == K.MoePlan(768, 1152, 630, 8, 6)
+    plan = k.moe_fused(layout(Q.Q4_K, Q.Q6_K, 2048, 768), 2048, 8)
+    # 7 down rows a block: the quantized vectors take less shared memory than bf16 ones
+    assert plan[:5] == (768, 1152, 630, 8, 7) and plan.q8_gate_up and plan.q8_down
     assert k.moe_fused(layout(Q.F32, Q.F32, 4096, 1536), 4096, 8) is None  # a row tile over shared memory
 
 
@@ -86,8 +90,13 @@ def test_launches_match_the_kernel_signatures(monkeypatch):
     experts = torch.randint(0, e, (t, a))
     out = fake_kernels().moe_gathered(cache, 2, lay, h, torch.rand(t, a), experts, None, None)
     assert out.shape == (t, d) and out.dtype == torch.bfloat16
-    (gu_fn, gu_grid, gu_block, gu_args, gu_smem), (dn_fn, dn_grid, dn_block, dn_args, dn_smem) = launches
+    (q1_fn, q1_grid, _, q1_args, _), (gu_fn, gu_grid, gu_block, gu_args, gu_smem), \
+        (q2_fn, q2_grid, _, q2_args, _), (dn_fn, dn_grid, dn_block, dn_args, dn_smem) = launches
+    # Q4_K and Q6_K dot integers: h, then the activations, quantized first (a warp a 32-value run)
+    assert q1_fn == q2_fn == "quantize_q8" and len(q1_args) == len(q2_args) == kernel_params("quantize_q8")
+    assert (q1_grid, q1_args[1]) == (-(-t * d // 32 // 8), t * d // 32) and q2_args[1] == t * a * f // 32
+    assert gu_args[1] == q1_args[2] and dn_args[1] == q2_args[2]  # each kernel reads its quantized input
     assert gu_fn == "moe_gate_up<12>" and gu_grid == (f // 8, t * a) and len(gu_args) == kernel_params("moe_gate_up")
-    assert dn_fn == "moe_down<14>" and dn_grid == (-(-d // 6), t) and len(dn_args) == kernel_params("moe_down")
+    assert dn_fn == "moe_down<14>" and dn_grid == (-(-d // 7), t) and len(dn_args) == kernel_params("moe_down")
     assert gu_block == dn_block == K.MOE_THREADS and max(gu_smem, dn_smem) <= SHARED_LIMIT
-    assert gu_args[3] == cache.slot_of.data_ptr() + 8 * 2 * e  # layer 2's row of the table
+    assert gu_args[4] == cache.slot_of.data_ptr() + 8 * 2 * e  # layer 2's row of the table

@@ -47,7 +47,7 @@ CUDA_INCLUDE = _cuda_include()
 # file -> (names looked up as they are, template name expressions)
 KERNELS = {
     kernels.DEQUANT_FILE: ((), kernels._DEQUANT_EXPRS),
-    kernels.MOE_FILE: ((), kernels._MOE_EXPRS),
+    kernels.MOE_FILE: (kernels.MOE_NAMES, kernels._MOE_EXPRS),
     kernels.COPY_FILE: (("copy_f32_wide",), ()),
     decode_ops.OPS_FILE: (decode_ops.KERNEL_NAMES, ()),
     decode_ops.ATTN_FILE: ((), decode_ops.ATTN_EXPRS),

@@ -51,21 +51,23 @@ __device__ __forceinline__ float mxfp4_value(int q) {
     return (float)table16(0x03020100u, 0x0C080604u, 0xFDFEFF00u, 0xF4F8FAFCu, q);
 }
 
-// The 32 bytes at p (any alignment) as 8 little-endian words: read as aligned 4-byte words (9 at
-// most, never past the word holding p[31]) and realigned with funnel shifts: a quarter of the
-// loads of reading them byte by byte. In the fused decode kernels those byte loads from shared
+// The 4N bytes at p (any alignment) as N little-endian words: read as aligned 4-byte words (N + 1
+// at most, never past the word holding p[4N - 1]) and realigned with funnel shifts: a quarter of
+// the loads of reading them byte by byte. In the fused decode kernels those byte loads from shared
 // memory (two-way bank conflicts) took more of its cycles than all else, by our count.
-__device__ __forceinline__ void load32(const u8* p, unsigned* w) {
+template <int N>
+__device__ __forceinline__ void load_words(const u8* p, unsigned* w) {
     const unsigned long long a = reinterpret_cast<unsigned long long>(p);
     const unsigned* q = reinterpret_cast<const unsigned*>(a & ~3ull);
     const unsigned shift = (unsigned)(a & 3) * 8;
-    unsigned x[9];
+    unsigned x[N + 1];
 #pragma unroll
-    for (int k = 0; k < 8; ++k) x[k] = q[k];
-    x[8] = shift ? q[8] : 0u;
+    for (int k = 0; k < N; ++k) x[k] = q[k];
+    x[N] = shift ? q[N] : 0u;
 #pragma unroll
-    for (int k = 0; k < 8; ++k) w[k] = __funnelshift_r(x[k], x[k + 1], shift);
+    for (int k = 0; k < N; ++k) w[k] = __funnelshift_r(x[k], x[k + 1], shift);
 }
+__device__ __forceinline__ void load32(const u8* p, unsigned* w) { load_words<8>(p, w); }  // a 32-byte run
 
 // Every byte of the words load32 filled shifted right by `shift` (0..7) and masked (8 shifts a
 // run, not one a byte); then byte i (0..31) is one byte permute.

@@ -8,9 +8,14 @@
 // Shapes: T tokens, A picks a token, P = T * A picks (pick p = t * A + a), D hidden, F expert width.
 //   moe_gate_up: x [T, D] bf16, picks [P] expert ids -> act [P, F] bf16 = silu(x Wg^T) * (x Wu^T)
 //   moe_down:    act [P, F] bf16, weights [P] fp32 -> out [T, D] bf16 = sum_a w_a (act_a Wd^T)
-// Rounding follows the torch twin (weights dequantized to bf16; GEMM outputs, SiLU and the product
-// rounded to bf16; routing weights cast to bf16; an fp32 sum over the picks): only the order of
-// the fp32 sums inside a dot product differs.
+// Rounding follows the torch twin (GEMM outputs, SiLU and the product rounded to bf16; routing
+// weights cast to bf16; an fp32 sum over the picks). The dots themselves take one of two paths:
+//   integer (Q8Dot<TYPE>::ok, q8_dot.cuh: Q4_0, Q8_0, Q4_K, Q5_K, Q6_K): the kernel's input is
+//     quantized to 8 bits first (quantize_q8, below: x into xq [T, D / 32] sub-blocks, act into
+//     aq [P, F / 32]) and each weight stays an integer; the twin does the same quantization.
+//   float (the other types): weights rounded to bf16, as the twin's dequant does, times the bf16
+//     input in fp32.
+// Either way only the order and rounding of the fp32 sums inside a dot product differ from the twin.
 //
 // Expert e's bytes: slots + slot_of[e] * slot_bytes when slot_of[e] >= 0, else arena +
 // host_offset[e] (the layer's rows of the cache's tables). An expert is [gate | up | down], each
@@ -20,6 +25,8 @@
 // reads of mapped host memory leave as whole, coalesced PCIe requests and many are in flight at
 // once; then each warp takes one row, its lanes one 32-weight sub-block at a time.
 #include "ggml_blocks.cuh"
+#include "q8_dot.cuh"
+#include "warp.cuh"
 
 typedef unsigned long long u64;
 
@@ -118,14 +125,88 @@ __device__ __forceinline__ void row_dot_pair(const u8* row0, const u8* row1, int
     *dot1 = acc1;
 }
 
+// Activations as 8-bit integers, Q8_WORDS words a 32-value sub-block (q8_dot.cuh says the
+// layout): one warp a sub-block. x [n_sub * 32] bf16 -> out [n_sub * Q8_WORDS] words.
+extern "C" __global__ void quantize_q8(const __nv_bfloat16* __restrict__ x, long long n_sub,
+                                       unsigned* __restrict__ out) {
+    const long long j = (long long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    if (j >= n_sub) return;  // whole warps: the shuffles below see all 32 lanes
+    const int lane = threadIdx.x & 31;
+    const float v = __bfloat162float(x[32 * j + lane]);
+    const float amax = warp_max(fabsf(v));
+    const float d = amax / 127.f;  // IEEE division, as the twin's
+    const int q = amax > 0.f ? __float2int_rn(v / d) : 0;
+    unsigned w = (unsigned)(q & 0xFF) << (8 * (lane & 3));  // four lanes' bytes make a word
+    w |= __shfl_xor_sync(0xffffffffu, w, 1);
+    w |= __shfl_xor_sync(0xffffffffu, w, 2);
+    int half = q;  // the sum over this lane's 16-value half
+#pragma unroll
+    for (int o = 1; o < 16; o <<= 1) half += __shfl_xor_sync(0xffffffffu, half, o);
+    unsigned* dst = out + Q8_WORDS * j;
+    if ((lane & 3) == 0) dst[lane >> 2] = w;
+    if (lane == 0) dst[8] = __float_as_uint(d), dst[9] = (unsigned)half;
+    if (lane == 16) dst[10] = (unsigned)half;
+    if (lane == 1) dst[11] = 0u;
+}
+
+// n_sub quantized sub-blocks (Q8_WORDS words each, 16-byte aligned) into shared memory as they are.
+__device__ __forceinline__ void stage_q8(const unsigned* src, int n_sub, unsigned* v) {
+    const uint4* s = reinterpret_cast<const uint4*>(src);
+    uint4* d = reinterpret_cast<uint4*>(v);
+    for (int i = threadIdx.x; i < n_sub * (Q8_WORDS / 4); i += blockDim.x) d[i] = s[i];
+}
+
+// A staged sub-block's words into registers: three 16-byte loads (conflict-free at a 48-byte stride).
+__device__ __forceinline__ void q8_words(const unsigned* v, unsigned* x) {
+    const uint4* p = reinterpret_cast<const uint4*>(v);
+#pragma unroll
+    for (int k = 0; k < 3; ++k) {
+        const uint4 w = p[k];
+        x[4 * k] = w.x, x[4 * k + 1] = w.y, x[4 * k + 2] = w.z, x[4 * k + 3] = w.w;
+    }
+}
+
+// row_dot and row_dot_pair on the integer path: v holds n_sub quantized sub-blocks.
+template <int TYPE>
+__device__ __forceinline__ float row_dot_q8(const u8* row, int n_sub, const unsigned* v) {
+    constexpr int PER = Fmt<TYPE>::QK / 32;
+    float acc = 0.f;
+    for (int j = threadIdx.x & 31; j < n_sub; j += 32) {
+        unsigned x[Q8_WORDS];
+        q8_words(v + Q8_WORDS * j, x);
+        acc += q8_dot<TYPE>(row + (j / PER) * Fmt<TYPE>::BYTES, j % PER, x);
+    }
+    return warp_sum(acc);
+}
+
+template <int TYPE>
+__device__ __forceinline__ void row_dot_pair_q8(const u8* row0, const u8* row1, int n_sub, const unsigned* v,
+                                                float* dot0, float* dot1) {
+    constexpr int PER = Fmt<TYPE>::QK / 32;
+    float acc0 = 0.f, acc1 = 0.f;
+    for (int j = threadIdx.x & 31; j < n_sub; j += 32) {
+        unsigned x[Q8_WORDS];
+        q8_words(v + Q8_WORDS * j, x);
+        acc0 += q8_dot<TYPE>(row0 + (j / PER) * Fmt<TYPE>::BYTES, j % PER, x);
+        acc1 += q8_dot<TYPE>(row1 + (j / PER) * Fmt<TYPE>::BYTES, j % PER, x);
+    }
+    *dot0 = warp_sum(acc0);
+    *dot1 = warp_sum(acc1);
+}
+
+// Shared words of a staged vector of n values: quantized, or bf16 pairs at VWORDS a sub-block.
+template <int TYPE>
+__host__ __device__ constexpr int vector_words(int n) { return n / 32 * (Q8Dot<TYPE>::ok ? Q8_WORDS : VWORDS); }
+
 __host__ __device__ constexpr long long tile_room(long long bytes) { return ((bytes + 15) & ~15ll) + 16; }
 
-// grid (ceil(F / rows), P), rows <= warps a block; shared: 2 * tile_room(rows * row_bytes) + D / 32 * VWORDS * 4.
+// grid (ceil(F / rows), P), rows <= warps a block; shared: 2 * tile_room(rows * row_bytes) +
+// 4 * vector_words<TYPE>(D). xq: x quantized (integer path; the float path reads x).
 template <int TYPE>
-__global__ void moe_gate_up(const __nv_bfloat16* __restrict__ x, const long long* __restrict__ picks, int A,
-                            const long long* __restrict__ slot_of, const long long* __restrict__ host_offset,
-                            u64 slots, long long slot_bytes, u64 arena, int D, int F, long long row_bytes,
-                            int rows, __nv_bfloat16* __restrict__ act) {
+__global__ void moe_gate_up(const __nv_bfloat16* __restrict__ x, const unsigned* __restrict__ xq,
+                            const long long* __restrict__ picks, int A, const long long* __restrict__ slot_of,
+                            const long long* __restrict__ host_offset, u64 slots, long long slot_bytes, u64 arena,
+                            int D, int F, long long row_bytes, int rows, __nv_bfloat16* __restrict__ act) {
     extern __shared__ __align__(16) u8 smem[];
     const int p = blockIdx.y, t = p / A, f0 = blockIdx.x * rows, n = min(rows, F - f0);
     const int warp = threadIdx.x >> 5;
@@ -134,38 +215,44 @@ __global__ void moe_gate_up(const __nv_bfloat16* __restrict__ x, const long long
     const u8* gate = stage_bytes(expert + f0 * row_bytes, n * row_bytes, smem);
     const u8* up = stage_bytes(expert + (F + f0) * row_bytes, n * row_bytes, smem + room);
     unsigned* v = reinterpret_cast<unsigned*>(smem + 2 * room);
-    stage_vector(x + (long long)t * D, D, v);
+    if constexpr (Q8Dot<TYPE>::ok) stage_q8(xq + (long long)t * vector_words<TYPE>(D), D / 32, v);
+    else stage_vector(x + (long long)t * D, D, v);
     __syncthreads();
     if (warp < n) {
         float g, u;
-        row_dot_pair<TYPE>(gate + warp * row_bytes, up + warp * row_bytes, D / 32, v, &g, &u);
+        if constexpr (Q8Dot<TYPE>::ok)
+            row_dot_pair_q8<TYPE>(gate + warp * row_bytes, up + warp * row_bytes, D / 32, v, &g, &u);
+        else
+            row_dot_pair<TYPE>(gate + warp * row_bytes, up + warp * row_bytes, D / 32, v, &g, &u);
         g = bf16r(g);
         u = bf16r(u);
         if ((threadIdx.x & 31) == 0) act[(long long)p * F + f0 + warp] = __float2bfloat16_rn(bf16r(g / (1.f + expf(-g))) * u);
     }
 }
 
-// grid (ceil(D / rows), T); shared: A * tile_room(rows * row_bytes) + A * F / 32 * VWORDS * 4 + rows * A * 4.
+// grid (ceil(D / rows), T); shared: A * tile_room(rows * row_bytes) + 4 * A * vector_words<TYPE>(F) +
+// rows * A * 4. aq: act quantized (integer path; the float path reads act).
 // Every pick's tile and vector are staged at once; the block's warps then take the rows x picks
 // dots in turn (no barrier between picks), and each row's weighted sum runs over the picks in
 // order, as the twin's does.
 template <int TYPE>
-__global__ void moe_down(const __nv_bfloat16* __restrict__ act, const long long* __restrict__ picks,
-                         const float* __restrict__ weights, int A, const long long* __restrict__ slot_of,
-                         const long long* __restrict__ host_offset, u64 slots, long long slot_bytes, u64 arena,
-                         int D, int F, long long row_bytes, long long down_offset, int rows,
-                         __nv_bfloat16* __restrict__ out) {
+__global__ void moe_down(const __nv_bfloat16* __restrict__ act, const unsigned* __restrict__ aq,
+                         const long long* __restrict__ picks, const float* __restrict__ weights, int A,
+                         const long long* __restrict__ slot_of, const long long* __restrict__ host_offset, u64 slots,
+                         long long slot_bytes, u64 arena, int D, int F, long long row_bytes, long long down_offset,
+                         int rows, __nv_bfloat16* __restrict__ out) {
     extern __shared__ __align__(16) u8 smem[];
     const int t = blockIdx.y, d0 = blockIdx.x * rows, n = min(rows, D - d0);
     const int warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
     const long long room = tile_room(rows * row_bytes);
-    const int vwords = F / 32 * VWORDS;
+    const int vwords = vector_words<TYPE>(F);
     unsigned* v = reinterpret_cast<unsigned*>(smem + A * room);
     float* partial = reinterpret_cast<float*>(v + A * vwords);  // [rows, A]
     for (int a = 0; a < A; ++a) {  // every pick's tile and vector in flight at once
         const u8* w = expert_at(picks[t * A + a], slot_of, host_offset, slots, slot_bytes, arena);
         stage_bytes(w + down_offset + d0 * row_bytes, n * row_bytes, smem + a * room);
-        stage_vector(act + ((long long)t * A + a) * F, F, v + a * vwords);
+        if constexpr (Q8Dot<TYPE>::ok) stage_q8(aq + ((long long)t * A + a) * vwords, F / 32, v + a * vwords);
+        else stage_vector(act + ((long long)t * A + a) * F, F, v + a * vwords);
     }
     __syncthreads();
     for (int k = warp; k < n * A; k += warps) {  // dot k: row k / A, pick k % A
@@ -173,7 +260,10 @@ __global__ void moe_down(const __nv_bfloat16* __restrict__ act, const long long*
         const u64 w = reinterpret_cast<u64>(expert_at(picks[t * A + a], slot_of, host_offset, slots, slot_bytes, arena))
                       + down_offset + d0 * row_bytes;  // where stage_bytes put it: at its address mod 16
         const u8* row = smem + a * room + (w & 15) + r * row_bytes;
-        const float y = bf16r(row_dot<TYPE>(row, F / 32, v + a * vwords));
+        float y;
+        if constexpr (Q8Dot<TYPE>::ok) y = row_dot_q8<TYPE>(row, F / 32, v + a * vwords);
+        else y = row_dot<TYPE>(row, F / 32, v + a * vwords);
+        y = bf16r(y);
         if ((threadIdx.x & 31) == 0) partial[r * A + a] = y;
     }
     __syncthreads();
@@ -185,10 +275,10 @@ __global__ void moe_down(const __nv_bfloat16* __restrict__ act, const long long*
 }
 
 #define MOE_INSTANTIATE(TYPE)                                                                             \
-    template __global__ void moe_gate_up<TYPE>(const __nv_bfloat16*, const long long*, int, const long long*, \
-                                               const long long*, u64, long long, u64, int, int, long long, int,  \
-                                               __nv_bfloat16*);                                              \
-    template __global__ void moe_down<TYPE>(const __nv_bfloat16*, const long long*, const float*, int,           \
-                                            const long long*, const long long*, u64, long long, u64, int, int,   \
-                                            long long, long long, int, __nv_bfloat16*);
+    template __global__ void moe_gate_up<TYPE>(const __nv_bfloat16*, const unsigned*, const long long*, int,    \
+                                               const long long*, const long long*, u64, long long, u64, int, int, \
+                                               long long, int, __nv_bfloat16*);                               \
+    template __global__ void moe_down<TYPE>(const __nv_bfloat16*, const unsigned*, const long long*, const float*, \
+                                            int, const long long*, const long long*, u64, long long, u64, int,   \
+                                            int, long long, long long, int, __nv_bfloat16*);
 GGML_CUDA_TYPES(MOE_INSTANTIATE)

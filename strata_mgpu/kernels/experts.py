@@ -39,6 +39,12 @@ MOE_FILE = "moe_decode.cu"
 # Which types have which kernel: quant/formats.py's table (CUDA_DEQUANT_TYPES is re-exported here).
 _DEQUANT_EXPRS = tuple(f"dequant_bf16<{int(t)}>" for t in CUDA_DEQUANT_TYPES)
 _MOE_EXPRS = tuple(f"{k}<{int(t)}>" for t in FUSED_DECODE_TYPES for k in ("moe_gate_up", "moe_down"))
+# Types whose fused kernels dot integers against 8-bit activations (cuda_src/q8_dot.cuh's
+# Q8_DOT_TYPES): their input is quantized first, and the twin quantizes it the same way.
+Q8_DOT_TYPES = frozenset({Q.Q4_0, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K})
+Q8_WORDS = 12  # words (int32) of one quantized 32-value sub-block: 32 int8, the scale, two half sums, a pad
+Q8_THREADS = 256  # quantize_q8: a warp a sub-block
+MOE_NAMES = ("quantize_q8",)  # moe_decode.cu's plain (extern "C") kernels
 MOE_THREADS = 256  # 8 warps: a block's tile has at most 8 rows, one a warp
 MOE_SHARED_BYTES = 46 * 1024  # under the 48 KiB every card gives a block without opting in
 CUDA_ATTR_HOST_POINTER_FOR_REGISTERED_MEM = 91  # cudaDevAttrCanUseHostPointerForRegisteredMem
@@ -53,6 +59,10 @@ class MoePlan(NamedTuple):
     down_row: int  # bytes of one down row of F weights
     rows_gu: int  # rows a block of moe_gate_up stages (one a warp)
     rows_down: int  # rows a block of moe_down stages, for each of the A picks
+    gate_up_shared: int  # bytes of shared memory a block of each takes
+    down_shared: int
+    q8_gate_up: bool  # the kernel dots integers: its input is quantized first (quantize_q8)
+    q8_down: bool
 
 
 class TorchKernels:
@@ -120,6 +130,8 @@ class TorchKernels:
         [T, A] -> [T, D]. The twin dequantizes the M = T * A picks into the workspace (w_gate_up
         [>= M, 2F, D], w_down [>= M, D, F]) and runs the grouped GEMM pair, one row a group."""
         self.paths.ran("moe_gathered", "twin")
+        if h.dtype == torch.bfloat16 and {lay.gate_type, lay.down_type} & Q8_DOT_TYPES:
+            return self._moe_picks_q8(cache, i, lay, h, weights, experts)
         t, a = experts.shape
         flat = experts.reshape(-1)  # [M]: row r * A + k is token r's k-th pick
         m = flat.numel()
@@ -127,6 +139,29 @@ class TorchKernels:
         offs = torch.arange(1, m + 1, dtype=torch.int32, device=h.device)
         y = self.grouped_mlp(h.repeat_interleave(a, dim=0), offs, w_gate_up[:m], w_down[:m])  # [M, D]
         return torch.bmm(weights.to(y.dtype).unsqueeze(1), y.view(t, a, -1)).squeeze(1)  # as routing.combine
+
+    def _moe_picks_q8(self, cache: ExpertCache, i: int, lay: ExpertLayout, h: torch.Tensor, weights: torch.Tensor,
+                      experts: torch.Tensor) -> torch.Tensor:
+        """moe_gathered's twin where a side dots integers (Q8_DOT_TYPES): that side's input
+        quantized to 8 bits a value (q8_values) times its weights dequantized in fp32; a float
+        side as the grouped twin (bf16 weights). Outputs rounded as the kernels round them. One
+        pick at a time: tests and a GPU without the kernels only (CPU stages compute in fp32)."""
+        d = h.shape[1]
+        f = lay.gate_weights // d
+        q8_in, q8_act = lay.gate_type in Q8_DOT_TYPES, lay.down_type in Q8_DOT_TYPES
+        xs = q8_values(h) if q8_in else h.float()  # [T, D]
+        out = torch.zeros(h.shape, dtype=torch.float32, device=h.device)
+        for t, row in enumerate(experts.tolist()):
+            for a, e in enumerate(row):
+                src = cache.source(i, e)
+                gu = dequantize_rows(src[:2 * lay.gate_bytes].reshape(2 * f, -1), lay.gate_type, d).to(h.device)
+                wd = dequantize_rows(src[lay.down_offset:lay.down_offset + lay.down_bytes].reshape(d, -1),
+                                     lay.down_type, f).to(h.device)
+                y = _bf16r((gu if q8_in else _bf16r(gu)) @ xs[t])  # [2F]: gate, then up
+                act = (_bf16r(F.silu(y[:f])) * y[f:]).bfloat16()  # [F]
+                down = _bf16r((wd if q8_act else _bf16r(wd)) @ (q8_values(act[None])[0] if q8_act else act.float()))
+                out[t] += _bf16r(weights[t, a].float()) * down  # the picks in order, as the kernel sums
+        return out.bfloat16()
 
     def grouped_mlp(self, x: torch.Tensor, offs: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor
                     ) -> torch.Tensor:
@@ -213,12 +248,16 @@ class CudaKernels(TorchKernels):
             return None
         ffn = lay.gate_weights // hidden
         gate_row, down_row = lay.gate_bytes // ffn, lay.down_bytes // hidden
-        rows_gu = min(((MOE_SHARED_BYTES - _vector_bytes(hidden)) // 2 - 32) // gate_row, MOE_THREADS // 32)
+        gate_vector = _vector_bytes(hidden, lay.gate_type)
+        rows_gu = min(((MOE_SHARED_BYTES - gate_vector) // 2 - 32) // gate_row, MOE_THREADS // 32)
         rows_down = max((r for r in range(1, MOE_THREADS // 32 + 1)
-                         if _down_shared(r, down_row, ffn, n_used) <= MOE_SHARED_BYTES), default=0)
+                         if _down_shared(r, down_row, ffn, n_used, lay.down_type) <= MOE_SHARED_BYTES), default=0)
         if rows_gu < 1 or rows_down < 1:
             return None
-        return MoePlan(ffn=ffn, gate_row=gate_row, down_row=down_row, rows_gu=rows_gu, rows_down=rows_down)
+        return MoePlan(ffn=ffn, gate_row=gate_row, down_row=down_row, rows_gu=rows_gu, rows_down=rows_down,
+                       gate_up_shared=2 * _tile_room(rows_gu * gate_row) + gate_vector,
+                       down_shared=_down_shared(rows_down, down_row, ffn, n_used, lay.down_type),
+                       q8_gate_up=lay.gate_type in Q8_DOT_TYPES, q8_down=lay.down_type in Q8_DOT_TYPES)
 
     def moe_gathered(self, cache: ExpertCache, i: int, lay: ExpertLayout, h: torch.Tensor, weights: torch.Tensor,
                      experts: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
@@ -239,17 +278,28 @@ class CudaKernels(TorchKernels):
                  np.int64(cache.slot_bytes), np.uint64(cache.arena.buffer.data_ptr()))
         act = torch.empty(t * a, f, dtype=torch.bfloat16, device=h.device)
         out = torch.empty(t, d, dtype=torch.bfloat16, device=h.device)
+        hq = self._quantize_q8(h) if plan.q8_gate_up else h
         fn = nvrtc.kernel(MOE_FILE, f"moe_gate_up<{int(lay.gate_type)}>", _MOE_EXPRS, self.device)
         nvrtc.launch(fn, (-(-f // plan.rows_gu), t * a), MOE_THREADS,
-                            (h.data_ptr(), picks.data_ptr(), np.int32(a), *table, np.int32(d), np.int32(f),
-                             np.int64(plan.gate_row), np.int32(plan.rows_gu), act.data_ptr()), self.device,
-                            shared_mem=2 * _tile_room(plan.rows_gu * plan.gate_row) + _vector_bytes(d))
+                     (h.data_ptr(), hq.data_ptr(), picks.data_ptr(), np.int32(a), *table, np.int32(d), np.int32(f),
+                      np.int64(plan.gate_row), np.int32(plan.rows_gu), act.data_ptr()), self.device,
+                     shared_mem=plan.gate_up_shared)
+        aq = self._quantize_q8(act) if plan.q8_down else act
         fn = nvrtc.kernel(MOE_FILE, f"moe_down<{int(lay.down_type)}>", _MOE_EXPRS, self.device)
         nvrtc.launch(fn, (-(-d // plan.rows_down), t), MOE_THREADS,
-                            (act.data_ptr(), picks.data_ptr(), weights.data_ptr(), np.int32(a), *table, np.int32(d),
-                             np.int32(f), np.int64(plan.down_row), np.int64(lay.down_offset), np.int32(plan.rows_down),
-                             out.data_ptr()), self.device,
-                            shared_mem=_down_shared(plan.rows_down, plan.down_row, f, a))
+                     (act.data_ptr(), aq.data_ptr(), picks.data_ptr(), weights.data_ptr(), np.int32(a), *table,
+                      np.int32(d), np.int32(f), np.int64(plan.down_row), np.int64(lay.down_offset),
+                      np.int32(plan.rows_down), out.data_ptr()), self.device, shared_mem=plan.down_shared)
+        return out
+
+    def _quantize_q8(self, x: torch.Tensor) -> torch.Tensor:
+        """x [R, n] bf16 -> [R, n / 32 * Q8_WORDS] int32: 8-bit values and a scale a 32-value
+        sub-block (`quantize_q8`, cuda_src/q8_dot.cuh's layout), what the integer kernels read."""
+        n_sub = x.numel() // 32
+        out = torch.empty(x.shape[0], x.shape[1] // 32 * Q8_WORDS, dtype=torch.int32, device=x.device)
+        fn = nvrtc.kernel(MOE_FILE, MOE_NAMES[0], _MOE_EXPRS, self.device)
+        warps = Q8_THREADS // 32
+        nvrtc.launch(fn, -(-n_sub // warps), Q8_THREADS, (x.data_ptr(), np.int64(n_sub), out.data_ptr()), self.device)
         return out
 
     def copy_wide(self, dst: torch.Tensor, src: torch.Tensor) -> None:
@@ -318,21 +368,37 @@ class CudaKernels(TorchKernels):
         return torch._grouped_mm(act, w_down.transpose(1, 2), offs=offs)  # [M, D]
 
 
+def q8_values(x: torch.Tensor) -> torch.Tensor:
+    """What the integer kernels multiply for x [R, n] (n a multiple of 32): each run of 32 values
+    quantized to integers q in [-127, 127] with the scale dx = max|x| / 127 (fp32), q = x / dx
+    rounded to nearest even (quantize_q8's), returned as fp32 q * dx."""
+    runs = x.float().reshape(-1, 32)
+    dx = runs.abs().amax(1, keepdim=True) / 127
+    q = torch.where(dx > 0, torch.round(runs / torch.where(dx > 0, dx, 1.0)), 0.0)
+    return (q * dx).reshape(x.shape)
+
+
+def _bf16r(x: torch.Tensor) -> torch.Tensor:
+    """x rounded to bf16, kept in fp32 (the kernels' bf16r)."""
+    return x.bfloat16().float()
+
+
 def _tile_room(nbytes: int) -> int:
     """Shared memory for a staged tile of `nbytes` (moe_decode.cu's tile_room)."""
     return (nbytes + 15) // 16 * 16 + 16
 
 
-def _vector_bytes(n: int) -> int:
-    """Shared memory for a staged vector of n bf16 values (moe_decode.cu's stage_vector: 17 words a
-    32-value sub-block)."""
-    return n // 32 * 17 * 4
+def _vector_bytes(n: int, ggml_type: GGMLQuantizationType) -> int:
+    """Shared memory for a staged vector of n values that weights of `ggml_type` multiply
+    (moe_decode.cu's vector_words): Q8_WORDS words a 32-value sub-block quantized, else 17 (bf16
+    pairs, the odd stride keeping lanes on distinct banks)."""
+    return n // 32 * (Q8_WORDS if ggml_type in Q8_DOT_TYPES else 17) * 4
 
 
-def _down_shared(rows: int, down_row: int, ffn: int, n_used: int) -> int:
+def _down_shared(rows: int, down_row: int, ffn: int, n_used: int, down_type: GGMLQuantizationType) -> int:
     """moe_down's shared memory: each pick's tile of `rows` rows and its vector, and the rows x
     picks partial sums."""
-    return n_used * (_tile_room(rows * down_row) + _vector_bytes(ffn)) + 4 * rows * n_used
+    return n_used * (_tile_room(rows * down_row) + _vector_bytes(ffn, down_type)) + 4 * rows * n_used
 
 
 def _grouped_mm_works(device: torch.device) -> bool:

@@ -1,0 +1,117 @@
+// Dot products of GGML sub-blocks with activations quantized to 8 bits, 32 values a scale: the
+// integer path of decode's fused expert kernels (moe_decode.cu), after llama.cpp's q8_1 idea.
+//
+// Dequantizing each weight to a float, rounding it to bf16 and multiplying in fp32 costs about a
+// dozen instructions a weight, two of them conversions at a quarter of the fp32 rate: on an H200
+// that made the fused kernels ALU-bound at a fifth of the memory's speed. Here a sub-block's
+// quantized values stay integers, four multiply-adds an instruction (__dp4a) against the 8-bit
+// activations, and the block's scales come in once per 16 or 32 weights:
+//
+//     sum_l w_l x_l = dx * sum_halves (scale_h * sum_l q_l xq_l - offset_h * sum_l xq_l)
+//
+// for w_l = scale_h * q_l - offset_h (every type here has that form, a scale and an offset for
+// each 16-weight half of a sub-block, mostly the same for both halves) and x_l = dx * xq_l.
+//
+// A quantized sub-block of activations (`quantize_q8` writes them, Q8_WORDS words each, 48 bytes:
+// a warp's 16-byte shared-memory loads at that stride hit distinct banks):
+//   words 0-7  xq_0..xq_31, signed bytes, little-endian (value l is byte l % 4 of word l / 4)
+//   word 8     dx, fp32 bits: max|x| / 127 (0 for an all-zero run, whose xq are all 0)
+//   words 9-10 sum of xq over values 0-15, over values 16-31 (int32)
+//   word 11    unused
+// xq_l = round-to-nearest-even(x_l / dx): the torch twin (kernels/experts.py, q8_values) computes
+// the same integers, so the two differ only in the order and rounding of the fp32 sums.
+#pragma once
+#include "ggml_blocks.cuh"
+
+constexpr int Q8_WORDS = 12;
+
+// Which types have an integer dot (the others run moe_decode.cu's float path); kernels/experts.py's
+// Q8_DOT_TYPES must list the same ids (tests/test_q8_host.py checks).
+template <int TYPE> struct Q8Dot { static constexpr bool ok = false; };
+#define Q8_DOT_TYPES(X) X(2) X(8) X(12) X(13) X(14)
+#define Q8_DOT_OK(T) \
+    template <> struct Q8Dot<T> { static constexpr bool ok = true; };
+Q8_DOT_TYPES(Q8_DOT_OK)
+
+__device__ __forceinline__ int dot4x4(const unsigned* q, const unsigned* x) {  // 16 byte pairs
+    int s = 0;
+#pragma unroll
+    for (int k = 0; k < 4; ++k) s = __dp4a((int)q[k], (int)x[k], s);
+    return s;
+}
+
+// The halves' (scale, offset) applied to their integer sums: dx * sum_h (scale_h * isum_h - offset_h * xsum_h).
+__device__ __forceinline__ float scaled(float dx, float s0, float o0, int i0, float s1, float o1, int i1,
+                                        const unsigned* x) {
+    const float h0 = __fsub_rn(__fmul_rn(s0, (float)i0), __fmul_rn(o0, (float)(int)x[9]));
+    const float h1 = __fsub_rn(__fmul_rn(s1, (float)i1), __fmul_rn(o1, (float)(int)x[10]));
+    return __fmul_rn(dx, __fadd_rn(h0, h1));
+}
+
+// Sub-block j of the block at b dotted with the activations x (Q8_WORDS words, as above).
+template <int TYPE>
+__device__ __forceinline__ float q8_dot(const u8* b, int j, const unsigned* x);
+
+// Q8_0 [d:f16][qs:int8 x32]: w = d * q
+template <> __device__ __forceinline__ float q8_dot<8>(const u8* b, int, const unsigned* x) {
+    const float d = f16_at(b);
+    unsigned q[8];
+    load32(b + 2, q);
+    return scaled(__uint_as_float(x[8]), d, 0.f, dot4x4(q, x), d, 0.f, dot4x4(q + 4, x + 4), x);
+}
+
+// Q4_0 [d:f16][qs:16]: w = d * q - 8 d; values 0-15 the low nibbles, 16-31 the high ones
+template <> __device__ __forceinline__ float q8_dot<2>(const u8* b, int, const unsigned* x) {
+    const float d = f16_at(b), o = __fmul_rn(d, 8.f);
+    unsigned w[4], lo[4], hi[4];
+    load_words<4>(b + 2, w);
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+        lo[k] = w[k] & 0x0F0F0F0Fu;
+        hi[k] = (w[k] >> 4) & 0x0F0F0F0Fu;
+    }
+    return scaled(__uint_as_float(x[8]), d, o, dot4x4(lo, x), d, o, dot4x4(hi, x + 4), x);
+}
+
+// Q4_K: w = (d * sc) * q - (dmin * m), as sub_block<12>
+template <> __device__ __forceinline__ float q8_dot<12>(const u8* b, int j, const unsigned* x) {
+    float sc, mn;
+    scale_min_k4(j, b + 4, &sc, &mn);
+    const float d = __fmul_rn(f16_at(b), sc), m = __fmul_rn(f16_at(b + 2), mn);
+    unsigned qs[8];
+    load32(b + 16 + 32 * (j >> 1), qs);
+    shift_words<0xF>(qs, (j & 1) * 4);
+    return scaled(__uint_as_float(x[8]), d, m, dot4x4(qs, x), d, m, dot4x4(qs + 4, x + 4), x);
+}
+
+// Q5_K: as Q4_K with a fifth bit from qh, as sub_block<13>
+template <> __device__ __forceinline__ float q8_dot<13>(const u8* b, int j, const unsigned* x) {
+    float sc, mn;
+    scale_min_k4(j, b + 4, &sc, &mn);
+    const float d = __fmul_rn(f16_at(b), sc), m = __fmul_rn(f16_at(b + 2), mn);
+    unsigned qh[8], qs[8];
+    load32(b + 16, qh);
+    load32(b + 48 + 32 * (j >> 1), qs);
+    shift_words<0xF>(qs, (j & 1) * 4);
+    shift_words<0x1>(qh, j);
+#pragma unroll
+    for (int k = 0; k < 8; ++k) qs[k] |= qh[k] << 4;
+    return scaled(__uint_as_float(x[8]), d, m, dot4x4(qs, x), d, m, dot4x4(qs + 4, x + 4), x);
+}
+
+// Q6_K: w = (d * sc_h) * q - 32 (d * sc_h), a scale for each 16-weight half, as sub_block<14>
+template <> __device__ __forceinline__ float q8_dot<14>(const u8* b, int j, const unsigned* x) {
+    const int h = j >> 2, g = j & 3;
+    unsigned ql[8], qh[8];
+    load32(b + 64 * h + ((g & 1) ? 32 : 0), ql);
+    load32(b + 128 + 32 * h, qh);
+    shift_words<0xF>(ql, (g >> 1) * 4);
+    shift_words<0x3>(qh, 2 * g);
+#pragma unroll
+    for (int k = 0; k < 8; ++k) ql[k] |= qh[k] << 4;
+    const signed char* sc = reinterpret_cast<const signed char*>(b + 192 + 8 * h);
+    const float d = f16_at(b + 208);
+    const float s0 = __fmul_rn(d, (float)sc[2 * g]), s1 = __fmul_rn(d, (float)sc[2 * g + 1]);
+    return scaled(__uint_as_float(x[8]), s0, __fmul_rn(s0, 32.f), dot4x4(ql, x), s1, __fmul_rn(s1, 32.f),
+                  dot4x4(ql + 4, x + 4), x);
+}
