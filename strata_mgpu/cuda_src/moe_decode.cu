@@ -29,6 +29,7 @@
 #include "warp.cuh"
 
 typedef unsigned long long u64;
+constexpr int MAX_PICKS = 64;  // experts a token (A) moe_down takes; kernels/experts.py checks
 
 __device__ __forceinline__ float bf16r(float x) { return __bfloat162float(__float2bfloat16_rn(x)); }
 
@@ -38,9 +39,28 @@ __device__ __forceinline__ const u8* expert_at(long long e, const long long* slo
     return reinterpret_cast<const u8*>(s >= 0 ? slots + (u64)(s * slot_bytes) : arena + (u64)host_offset[e]);
 }
 
+// 16 bytes from global (or mapped host) memory into shared memory without passing through
+// registers (cp.async, sm_80 on): a thread issues all its copies before any arrives, so a block's
+// whole tile is in flight at once. copies_done() waits for the thread's own; a barrier after it
+// publishes them to the block.
+__device__ __forceinline__ void copy16(void* dst, const void* src) {
+#if __CUDA_ARCH__ >= 800
+    const unsigned s = (unsigned)__cvta_generic_to_shared(dst);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(src) : "memory");
+#else
+    *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(src);
+#endif
+}
+__device__ __forceinline__ void copies_done() {
+#if __CUDA_ARCH__ >= 800
+    asm volatile("cp.async.wait_all;\n" ::: "memory");
+#endif
+}
+
 // Copies n bytes at src into shared memory `tile` (16-byte aligned, room for n + 15 bytes) so
 // that src[0] lands at tile + src % 16 (the return value): the 16-byte-aligned middle moves in
-// 16-byte loads and stores, the ragged ends byte by byte. The block's threads share the work.
+// 16-byte asynchronous copies, the ragged ends byte by byte. The block's threads share the work;
+// call copies_done() and __syncthreads() before reading the tile.
 __device__ const u8* stage_bytes(const u8* src, long long n, u8* tile) {
     const u64 a = reinterpret_cast<u64>(src), end = a + n;
     const u64 lo = (a + 15) & ~15ull, hi = end & ~15ull;
@@ -52,8 +72,7 @@ __device__ const u8* stage_bytes(const u8* src, long long n, u8* tile) {
     const long long head = (long long)(lo - a), body = (long long)(hi - lo) / 16, tail = (long long)(end - hi);
     const uint4* s4 = reinterpret_cast<const uint4*>(lo);
     uint4* d4 = reinterpret_cast<uint4*>(dst + head);  // 16-byte aligned: tile + 16 * (a % 16 != 0)
-#pragma unroll 4
-    for (long long i = threadIdx.x; i < body; i += blockDim.x) d4[i] = s4[i];
+    for (long long i = threadIdx.x; i < body; i += blockDim.x) copy16(d4 + i, s4 + i);
     for (long long i = threadIdx.x; i < head; i += blockDim.x) dst[i] = src[i];
     for (long long i = threadIdx.x; i < tail; i += blockDim.x) dst[head + 16 * body + i] = src[head + 16 * body + i];
     return dst;
@@ -153,7 +172,7 @@ extern "C" __global__ void quantize_q8(const __nv_bfloat16* __restrict__ x, long
 __device__ __forceinline__ void stage_q8(const unsigned* src, int n_sub, unsigned* v) {
     const uint4* s = reinterpret_cast<const uint4*>(src);
     uint4* d = reinterpret_cast<uint4*>(v);
-    for (int i = threadIdx.x; i < n_sub * (Q8_WORDS / 4); i += blockDim.x) d[i] = s[i];
+    for (int i = threadIdx.x; i < n_sub * (Q8_WORDS / 4); i += blockDim.x) copy16(d + i, s + i);
 }
 
 // A staged sub-block's words into registers: three 16-byte loads (conflict-free at a 48-byte stride).
@@ -217,6 +236,7 @@ __global__ void moe_gate_up(const __nv_bfloat16* __restrict__ x, const unsigned*
     unsigned* v = reinterpret_cast<unsigned*>(smem + 2 * room);
     if constexpr (Q8Dot<TYPE>::ok) stage_q8(xq + (long long)t * vector_words<TYPE>(D), D / 32, v);
     else stage_vector(x + (long long)t * D, D, v);
+    copies_done();
     __syncthreads();
     if (warp < n) {
         float g, u;
@@ -248,18 +268,21 @@ __global__ void moe_down(const __nv_bfloat16* __restrict__ act, const unsigned* 
     const int vwords = vector_words<TYPE>(F);
     unsigned* v = reinterpret_cast<unsigned*>(smem + A * room);
     float* partial = reinterpret_cast<float*>(v + A * vwords);  // [rows, A]
+    __shared__ u64 tile_src[MAX_PICKS];  // each pick's first row of the tile: looked up at once, not pick by pick
+    if (threadIdx.x < A)
+        tile_src[threadIdx.x] = reinterpret_cast<u64>(expert_at(picks[t * A + threadIdx.x], slot_of, host_offset, slots,
+                                                                slot_bytes, arena)) + down_offset + d0 * row_bytes;
+    __syncthreads();
     for (int a = 0; a < A; ++a) {  // every pick's tile and vector in flight at once
-        const u8* w = expert_at(picks[t * A + a], slot_of, host_offset, slots, slot_bytes, arena);
-        stage_bytes(w + down_offset + d0 * row_bytes, n * row_bytes, smem + a * room);
+        stage_bytes(reinterpret_cast<const u8*>(tile_src[a]), n * row_bytes, smem + a * room);
         if constexpr (Q8Dot<TYPE>::ok) stage_q8(aq + ((long long)t * A + a) * vwords, F / 32, v + a * vwords);
         else stage_vector(act + ((long long)t * A + a) * F, F, v + a * vwords);
     }
+    copies_done();
     __syncthreads();
     for (int k = warp; k < n * A; k += warps) {  // dot k: row k / A, pick k % A
         const int r = k / A, a = k % A;
-        const u64 w = reinterpret_cast<u64>(expert_at(picks[t * A + a], slot_of, host_offset, slots, slot_bytes, arena))
-                      + down_offset + d0 * row_bytes;  // where stage_bytes put it: at its address mod 16
-        const u8* row = smem + a * room + (w & 15) + r * row_bytes;
+        const u8* row = smem + a * room + (tile_src[a] & 15) + r * row_bytes;  // where stage_bytes put it
         float y;
         if constexpr (Q8Dot<TYPE>::ok) y = row_dot_q8<TYPE>(row, F / 32, v + a * vwords);
         else y = row_dot<TYPE>(row, F / 32, v + a * vwords);

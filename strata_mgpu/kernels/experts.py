@@ -47,6 +47,7 @@ Q8_THREADS = 256  # quantize_q8: a warp a sub-block
 MOE_NAMES = ("quantize_q8",)  # moe_decode.cu's plain (extern "C") kernels
 MOE_THREADS = 256  # 8 warps: a block's tile has at most 8 rows, one a warp
 MOE_SHARED_BYTES = 46 * 1024  # under the 48 KiB every card gives a block without opting in
+MOE_MAX_PICKS = 64  # moe_down's MAX_PICKS: experts a token it takes (its static shared table: 512 bytes)
 CUDA_ATTR_HOST_POINTER_FOR_REGISTERED_MEM = 91  # cudaDevAttrCanUseHostPointerForRegisteredMem
 NO_HOST_POINTERS = "this device cannot read registered host memory at its host address"
 
@@ -244,7 +245,7 @@ class CudaKernels(TorchKernels):
         """How the fused decode kernels run this layout, or None where they do not apply (a type
         without a kernel, tiles too big for shared memory)."""
         if not (self.host_pointers and block_format(lay.gate_type).fused_decode
-                and block_format(lay.down_type).fused_decode):
+                and block_format(lay.down_type).fused_decode and n_used <= MOE_MAX_PICKS):
             return None
         ffn = lay.gate_weights // hidden
         gate_row, down_row = lay.gate_bytes // ffn, lay.down_bytes // hidden
@@ -267,7 +268,7 @@ class CudaKernels(TorchKernels):
         d = h.shape[1]
         plan = self.moe_fused(lay, d, a) if h.dtype == torch.bfloat16 else None
         if plan is None:
-            self.paths.fell_back("moe_gathered", "fused", self._not_fused_reason(lay, h))
+            self.paths.fell_back("moe_gathered", "fused", self._not_fused_reason(lay, h, a))
             return super().moe_gathered(cache, i, lay, h, weights, experts, w_gate_up, w_down)
         self.paths.ran("moe_gathered", "fused")
         f = plan.ffn
@@ -328,7 +329,7 @@ class CudaKernels(TorchKernels):
             return f"{ggml_type.name} has no CUDA dequant"
         return "" if out.dtype == torch.bfloat16 else f"the output is {out.dtype}; the kernel writes bfloat16"
 
-    def _not_fused_reason(self, lay: ExpertLayout, h: torch.Tensor) -> str:
+    def _not_fused_reason(self, lay: ExpertLayout, h: torch.Tensor, n_used: int) -> str:
         """Why decode's fused kernels do not take this layout and input."""
         if h.dtype != torch.bfloat16:
             return f"activations are {h.dtype}; the kernels take bfloat16"
@@ -337,6 +338,8 @@ class CudaKernels(TorchKernels):
         for t in (lay.gate_type, lay.down_type):
             if not block_format(t).fused_decode:
                 return f"{t.name} has no fused decode kernel"
+        if n_used > MOE_MAX_PICKS:
+            return f"{n_used} experts a token (the kernels take at most {MOE_MAX_PICKS})"
         return f"a row tile of {lay.gate_type.name}/{lay.down_type.name} experts does not fit shared memory"
 
     def _launch_dequant(self, ggml_type: GGMLQuantizationType, src_ptr: int, addresses: torch.Tensor | None,
