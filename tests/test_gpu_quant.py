@@ -16,6 +16,7 @@ from strata_mgpu.model.synthetic import write_model
 from strata_mgpu.quant.formats import CUDA_DEQUANT_TYPES, FUSED_DECODE_TYPES, block_format
 from strata_mgpu.stage.expert_cache import ExpertCache
 from strata_mgpu.stage.stage import Stage, StageOptions
+from strata_mgpu.stage.streamed_experts import GATHER_PICKS_RESIDENT
 from tests.test_q8_dot import quantize_words
 from tests.test_quant import fresh_seed, raw_blocks
 
@@ -138,17 +139,22 @@ FAST_PATHS = {"dequant:cuda", "dequant_addressed:cuda", "gather_experts:cuda", "
 
 
 def test_bf16_stage_runs_only_fast_paths(tiny_gguf):
-    """On a card with mapped host memory and torch._grouped_mm, a bf16 stage's prefill and eager
-    decode take no fallback: the counters name only CUDA paths."""
+    """On a card with mapped host memory and torch._grouped_mm, a bf16 stage's prefill (a short one
+    that gathers, a long one over whole layers) and eager decode take no fallback: the counters
+    name only CUDA paths."""
     f = GGUFFile(tiny_gguf)
     spec = spec_from_gguf(f)
     stage = Stage(f, spec, StageOptions(device=CUDA, max_vram_gib=8, cuda_graphs=False))
+    long_prompt = GATHER_PICKS_RESIDENT // spec.n_experts_used + 8  # past the gather limit: whole layers
+    stage.prefill(stage.new_sequence(long_prompt), torch.randint(0, spec.vocab_size, (long_prompt,)))
+    whole_layers = _paths_of(stage)
+    assert whole_layers.get("moe_gathered:fused", 0) == 0 and whole_layers.get("grouped_mlp:grouped_mm", 0) > 0
     kv = stage.new_sequence(128)
-    logits = stage.prefill(kv, torch.randint(0, spec.vocab_size, (40,)))
+    logits = stage.prefill(kv, torch.randint(0, spec.vocab_size, (40,)))  # 80 picks: gathered
     for _ in range(3):
         logits = stage.decode([kv], torch.tensor([int(logits.argmax())]))[0]
     counts = _paths_of(stage)
-    assert counts.get("dequant_addressed:cuda", 0) > 0 and counts.get("moe_gathered:fused", 0) == 3 * spec.n_layers
+    assert counts.get("moe_gathered:fused", 0) == 4 * spec.n_layers
     assert set(k for k, n in counts.items() if n) <= FAST_PATHS, stage.kernels.path_summary()
 
 
