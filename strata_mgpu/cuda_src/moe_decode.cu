@@ -59,9 +59,11 @@ __device__ __forceinline__ void copies_done() {
 
 // Copies n bytes at src into shared memory `tile` (16-byte aligned, room for n + 15 bytes) so
 // that src[0] lands at tile + src % 16 (the return value): the 16-byte-aligned middle moves in
-// 16-byte asynchronous copies, the ragged ends byte by byte. The block's threads share the work;
-// call copies_done() and __syncthreads() before reading the tile.
-__device__ const u8* stage_bytes(const u8* src, long long n, u8* tile) {
+// 16-byte copies, the ragged ends byte by byte. The block's threads share the work; call
+// copies_done() and __syncthreads() before reading the tile. `in_vram`: src is device memory, read
+// by asynchronous copies; mapped host memory is read by plain 16-byte loads (on an H200 cp.async
+// from host memory took 1.6 times as long: fewer PCIe reads in flight).
+__device__ const u8* stage_bytes(const u8* src, long long n, u8* tile, bool in_vram) {
     const u64 a = reinterpret_cast<u64>(src), end = a + n;
     const u64 lo = (a + 15) & ~15ull, hi = end & ~15ull;
     u8* dst = tile + (a & 15);
@@ -72,7 +74,11 @@ __device__ const u8* stage_bytes(const u8* src, long long n, u8* tile) {
     const long long head = (long long)(lo - a), body = (long long)(hi - lo) / 16, tail = (long long)(end - hi);
     const uint4* s4 = reinterpret_cast<const uint4*>(lo);
     uint4* d4 = reinterpret_cast<uint4*>(dst + head);  // 16-byte aligned: tile + 16 * (a % 16 != 0)
-    for (long long i = threadIdx.x; i < body; i += blockDim.x) copy16(d4 + i, s4 + i);
+    if (in_vram)
+        for (long long i = threadIdx.x; i < body; i += blockDim.x) copy16(d4 + i, s4 + i);
+    else
+#pragma unroll 4
+        for (long long i = threadIdx.x; i < body; i += blockDim.x) d4[i] = s4[i];
     for (long long i = threadIdx.x; i < head; i += blockDim.x) dst[i] = src[i];
     for (long long i = threadIdx.x; i < tail; i += blockDim.x) dst[head + 16 * body + i] = src[head + 16 * body + i];
     return dst;
@@ -230,9 +236,11 @@ __global__ void moe_gate_up(const __nv_bfloat16* __restrict__ x, const unsigned*
     const int p = blockIdx.y, t = p / A, f0 = blockIdx.x * rows, n = min(rows, F - f0);
     const int warp = threadIdx.x >> 5;
     const long long room = tile_room(rows * row_bytes);
-    const u8* expert = expert_at(picks[p], slot_of, host_offset, slots, slot_bytes, arena);
-    const u8* gate = stage_bytes(expert + f0 * row_bytes, n * row_bytes, smem);
-    const u8* up = stage_bytes(expert + (F + f0) * row_bytes, n * row_bytes, smem + room);
+    const long long e = picks[p];
+    const bool in_vram = slot_of[e] >= 0;
+    const u8* expert = expert_at(e, slot_of, host_offset, slots, slot_bytes, arena);
+    const u8* gate = stage_bytes(expert + f0 * row_bytes, n * row_bytes, smem, in_vram);
+    const u8* up = stage_bytes(expert + (F + f0) * row_bytes, n * row_bytes, smem + room, in_vram);
     unsigned* v = reinterpret_cast<unsigned*>(smem + 2 * room);
     if constexpr (Q8Dot<TYPE>::ok) stage_q8(xq + (long long)t * vector_words<TYPE>(D), D / 32, v);
     else stage_vector(x + (long long)t * D, D, v);
@@ -269,12 +277,16 @@ __global__ void moe_down(const __nv_bfloat16* __restrict__ act, const unsigned* 
     unsigned* v = reinterpret_cast<unsigned*>(smem + A * room);
     float* partial = reinterpret_cast<float*>(v + A * vwords);  // [rows, A]
     __shared__ u64 tile_src[MAX_PICKS];  // each pick's first row of the tile: looked up at once, not pick by pick
-    if (threadIdx.x < A)
-        tile_src[threadIdx.x] = reinterpret_cast<u64>(expert_at(picks[t * A + threadIdx.x], slot_of, host_offset, slots,
-                                                                slot_bytes, arena)) + down_offset + d0 * row_bytes;
+    __shared__ bool tile_in_vram[MAX_PICKS];
+    if (threadIdx.x < A) {
+        const long long e = picks[t * A + threadIdx.x];
+        tile_in_vram[threadIdx.x] = slot_of[e] >= 0;
+        tile_src[threadIdx.x] = reinterpret_cast<u64>(expert_at(e, slot_of, host_offset, slots, slot_bytes, arena))
+                                + down_offset + d0 * row_bytes;
+    }
     __syncthreads();
     for (int a = 0; a < A; ++a) {  // every pick's tile and vector in flight at once
-        stage_bytes(reinterpret_cast<const u8*>(tile_src[a]), n * row_bytes, smem + a * room);
+        stage_bytes(reinterpret_cast<const u8*>(tile_src[a]), n * row_bytes, smem + a * room, tile_in_vram[a]);
         if constexpr (Q8Dot<TYPE>::ok) stage_q8(aq + ((long long)t * A + a) * vwords, F / 32, v + a * vwords);
         else stage_vector(act + ((long long)t * A + a) * F, F, v + a * vwords);
     }

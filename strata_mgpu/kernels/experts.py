@@ -47,7 +47,7 @@ Q8_THREADS = 256  # quantize_q8: a warp a sub-block
 MOE_NAMES = ("quantize_q8",)  # moe_decode.cu's plain (extern "C") kernels
 MOE_THREADS = 256  # 8 warps: a block's tile has at most 8 rows, one a warp
 MOE_SHARED_BYTES = 46 * 1024  # under the 48 KiB every card gives a block without opting in
-MOE_MAX_PICKS = 64  # moe_down's MAX_PICKS: experts a token it takes (its static shared table: 512 bytes)
+MOE_MAX_PICKS = 64  # moe_down's MAX_PICKS: experts a token it takes (its static shared tables: 576 bytes)
 CUDA_ATTR_HOST_POINTER_FOR_REGISTERED_MEM = 91  # cudaDevAttrCanUseHostPointerForRegisteredMem
 NO_HOST_POINTERS = "this device cannot read registered host memory at its host address"
 
