@@ -130,11 +130,26 @@ def test_fused_attention_equals_twin(ops, preset, capacities):
     0, at a cache's last cell, and with a long cache's wider splits."""
     from strata_mgpu.model.synthetic import PRESETS
 
-    spec = PRESETS[preset].spec(preset)
+    _check_attention(ops, PRESETS[preset].spec(preset), capacities)
+
+
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(24, 2, 64), (20, 1, 128), (32, 2, 256), (3, 3, 128)])
+def test_fused_attention_of_any_group_and_head_dim_equals_twin(ops, heads, kv_heads, head_dim):
+    """Groups past a block's 8 query heads (12 = 8 + 4, 20 = 8 + 8 + 4, 16 = 8 + 8), of one head,
+    every head dim."""
+    from types import SimpleNamespace
+
+    spec = SimpleNamespace(n_heads=heads, n_kv_heads=kv_heads, head_dim=head_dim)
+    _check_attention(ops, spec, [300, 4096, 64, 9000])
+
+
+def _check_attention(ops, spec, capacities):
+    from strata_mgpu.kernels.decode_ops import attention_split
+
     g, seed = _fresh_generator()
     kvs = _random_caches(spec, capacities, g)
     # a random position for the first row; then the first key of the second split, 0, the last cell
-    edges = [None, 64, 0, capacities[-1] - 1]
+    edges = [None, attention_split(max(capacities)), 0, capacities[-1] - 1]
     positions = torch.tensor([int(torch.randint(0, cap, (1,), generator=g, device=CUDA)) if edge is None else edge
                               for cap, edge in zip(capacities, edges, strict=False)], device=CUDA)
     q = torch.randn(len(capacities), spec.n_heads, spec.head_dim, device=CUDA, generator=g).to(torch.bfloat16)

@@ -38,31 +38,20 @@ NOT_BF16 = "a tensor is not a contiguous bfloat16 CUDA tensor"
 ATTN_FILE = "decode_attention.cu"
 ATTN_HEAD_DIMS = (64, 128, 256)
 ATTN_EXPRS = tuple(f"{k}<{d}>" for d in ATTN_HEAD_DIMS for k in ("attn_split", "attn_combine"))
-ATTN_WARPS = 8
-ATTN_HEADS_AT_ONCE = 8  # decode_attention.cu's HC
-ATTN_THREADS_A_KEY = 4  # its TPK
-ATTN_SHARED_BYTES = 46 * 1024  # under the 48 KiB every card gives a block without opting in
-ATTN_MIN_KEYS = 64  # keys a split takes at least; more once a cache passes ATTN_SPLITS of them
+ATTN_WARPS = 2  # decode_attention.cu's WARPS: warps of attn_split, each streaming its own tiles of keys
+ATTN_HEADS_AT_ONCE = 8  # its HC: query heads a block of attn_split takes; a wider group spans blocks
+ATTN_COMBINE_GROUPS = 8  # its CG: attn_combine's threads are head_dim / 4 dims x this many groups of splits
+ATTN_MIN_KEYS = 32  # keys a split takes at least (4 tiles: 2 a warp); more once a cache passes ATTN_SPLITS of them
 ATTN_SPLITS = 128
+ATTN_MIN_CAPABILITY = (8, 0)  # mma.sync on bf16 and cp.async
 KV_TABLES = 64  # batches whose cache table is kept (a capture replays the table it was given)
 
 
-def attention_shared_bytes(group: int, head_dim: int, keys: int) -> int:
-    """attn_split's shared memory: the queries (room for at least ATTN_HEADS_AT_ONCE heads, which
-    later holds the P @ V sums; each row padded 4 floats a key part) and the group's scores for
-    `keys` keys, all fp32."""
-    return 4 * (max(group, ATTN_HEADS_AT_ONCE) * (head_dim + 4 * ATTN_THREADS_A_KEY) + group * keys)
-
-
-def attention_split(capacity: int, group: int, head_dim: int) -> int:
-    """Keys one block of attn_split takes for caches of up to `capacity` cells, `group` query heads
-    a KV head: ATTN_MIN_KEYS, or more (in multiples of it) to keep the splits near ATTN_SPLITS,
-    within the shared memory (its scores and the group's queries); 0 where even the least does
-    not fit."""
-    most = (ATTN_SHARED_BYTES - attention_shared_bytes(group, head_dim, 0)) // 4 // group
-    most = most // ATTN_MIN_KEYS * ATTN_MIN_KEYS
-    want = -(-capacity // ATTN_SPLITS // ATTN_MIN_KEYS) * ATTN_MIN_KEYS
-    return 0 if most < ATTN_MIN_KEYS else min(most, max(ATTN_MIN_KEYS, want))
+def attention_split(capacity: int) -> int:
+    """Keys one block of attn_split takes for caches of up to `capacity` cells: ATTN_MIN_KEYS, or
+    more (in multiples of it) to keep the splits at most ATTN_SPLITS. A block's shared memory (its
+    warps' rings of tiles) does not grow with its keys or its group, so every width fits."""
+    return max(ATTN_MIN_KEYS, -(-capacity // ATTN_SPLITS // ATTN_MIN_KEYS) * ATTN_MIN_KEYS)
 
 
 class CudaDecodeOps(DecodeOps):
@@ -74,6 +63,8 @@ class CudaDecodeOps(DecodeOps):
         self.paths = PathCounter() if paths is None else paths
         self._fn = {name: nvrtc.kernel(OPS_FILE, name, (), device) for name in KERNEL_NAMES}
         self._fn.update({name: nvrtc.kernel(ATTN_FILE, name, ATTN_EXPRS, device) for name in ATTN_EXPRS})
+        # older cards load decode_attention.cu (its kernels trap there) but run the twin
+        self._attention_arch_ok = torch.cuda.get_device_capability(device) >= ATTN_MIN_CAPABILITY
         self._tables: OrderedDict[tuple, torch.Tensor] = OrderedDict()
 
     def _twin(self, op: str, reason: str) -> None:
@@ -162,29 +153,32 @@ class CudaDecodeOps(DecodeOps):
                   table: torch.Tensor | None = None, capacity: int | None = None) -> torch.Tensor:
         n, h, dh = q.shape
         hkv = kvs[0].k.shape[2]
-        group = h // hkv if h % hkv == 0 else 0
         # cells the splits cover: every cache's, or what a graph's replays may read (their positions)
         capacity = max(kv.capacity for kv in kvs) if capacity is None else capacity
-        keys = attention_split(capacity, group, dh) if group else 0
         tensors_ok = self._ok(q) and self._caches_ok(kvs, hkv, dh)
-        if not (tensors_ok and dh in ATTN_HEAD_DIMS and keys and positions.dtype == torch.int64
-                and positions.is_contiguous()):
+        aligned = all(t.data_ptr() % 16 == 0 for t in (q, *(c for kv in kvs for c in (kv.k, kv.v))))  # 16-byte copies
+        if not (tensors_ok and self._attention_arch_ok and dh in ATTN_HEAD_DIMS and h % hkv == 0 and aligned
+                and positions.dtype == torch.int64 and positions.is_contiguous()):
             self._twin("attention", NOT_BF16 if not tensors_ok else
+                       f"compute capability below {ATTN_MIN_CAPABILITY}" if not self._attention_arch_ok else
                        f"head dim {dh} (one of {ATTN_HEAD_DIMS}), {h} query heads over {hkv} KV heads, "
-                       "or positions not int64")
+                       "q or a cache not 16-byte aligned, or positions not int64")
             return super().attention(layer, q, positions, kvs, table, capacity)
         self.paths.ran("attention", "cuda")
+        keys = attention_split(capacity)
         splits = -(-capacity // keys)
         part_o = torch.empty(n, h, splits, dh, dtype=torch.float32, device=q.device)
         part_ml = torch.empty(n, h, splits, 2, dtype=torch.float32, device=q.device)
         out = torch.empty_like(q)
         table = self.kv_table(kvs) if table is None else table
-        self._launch(f"attn_split<{dh}>", (hkv, splits, n), 32 * ATTN_WARPS, q.data_ptr(), table.data_ptr(),
-                     np.int32(layer), positions.data_ptr(), np.int32(h), np.int32(hkv),
+        chunks = -(-(h // hkv) // ATTN_HEADS_AT_ONCE)  # blocks a KV head's group of query heads takes
+        self._launch(f"attn_split<{dh}>", (hkv * chunks, splits, n), 32 * ATTN_WARPS, q.data_ptr(),
+                     table.data_ptr(), np.int32(layer), positions.data_ptr(), np.int32(h), np.int32(hkv),
                      np.float32(1 / math.sqrt(dh)), np.int32(keys), np.int32(splits), part_o.data_ptr(),
-                     part_ml.data_ptr(), shared_mem=attention_shared_bytes(group, dh, keys))
-        self._launch(f"attn_combine<{dh}>", (h, n), dh, part_o.data_ptr(), part_ml.data_ptr(),
-                     positions.data_ptr(), np.int32(h), np.int32(keys), np.int32(splits), out.data_ptr())
+                     part_ml.data_ptr())
+        self._launch(f"attn_combine<{dh}>", (h, n), dh // 4 * ATTN_COMBINE_GROUPS, part_o.data_ptr(),
+                     part_ml.data_ptr(), positions.data_ptr(), np.int32(h), np.int32(keys), np.int32(splits),
+                     out.data_ptr())
         return out
 
     def route(self, h: torch.Tensor, router: torch.Tensor, n_used: int, renormalize: bool
