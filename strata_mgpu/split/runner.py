@@ -248,11 +248,23 @@ class SplitRunner:
         the others) to what it hands on; the last task's result is the output (the logits)."""
         last = len(self.stages) - 1
         job: list[Future] = []
+        # Device tokens (a decode step's, drawn by the sampler on the caller's stream) are ready when
+        # the caller's stream gets here: stage 0 waits for that point, since on its own card
+        # `tokens.to` copies nothing and would read them unordered (two stages on one card read
+        # half-drawn ids and failed an index assert in the embedding).
+        tokens_ready = None
+        if tokens.is_cuda:
+            tokens_ready = torch.cuda.Event()
+            tokens_ready.record(torch.cuda.current_stream(tokens.device))
         for k, stage in enumerate(self.stages):
             def task(k: int = k, stage: Stage = stage) -> torch.Tensor | None:
                 # Stage k waits only for its inputs (tokens are copied on its own stream; hidden rows
                 # come through the exchange's events); only the logits go back to the caller's stream.
                 with stage.ctx.on_compute(after_caller=False, join_caller=k == last):
+                    if k == 0 and tokens_ready is not None:
+                        stream = torch.cuda.current_stream(stage.ctx.device)
+                        stream.wait_event(tokens_ready)
+                        tokens.record_stream(stream)  # not reused by the caller's stream before read here
                     x = tokens.to(stage.ctx.device) if k == 0 else self.exchanges[k - 1].receive()
                     if self.on_stage:  # after the hand-over's wait: the stage's own work starts here
                         self.on_stage(k, "start")
