@@ -12,6 +12,7 @@ from __future__ import annotations
 import ctypes
 import shutil
 import subprocess
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -75,20 +76,25 @@ extern "C" int decode(int type, const u8* src, long long n_sub, float* out) {
 """
 
 
-@pytest.fixture(scope="module")
-def host_decoders(tmp_path_factory):
+def build_host_lib(d: Path, harness: str, shim: str = SHIM) -> ctypes.CDLL:
+    """`harness` (C++ including headers of cuda_src/) built in folder d as a shared library for the
+    host, `shim` standing in for the CUDA headers; the test is skipped where g++ is missing."""
     if shutil.which("g++") is None:
         pytest.skip("g++ not found")
-    d = tmp_path_factory.mktemp("blocks")
-    (d / "cuda_fp16.h").write_text(SHIM)
+    (d / "cuda_fp16.h").write_text(shim)
     (d / "cuda_bf16.h").write_text('#pragma once\n#include "cuda_fp16.h"\n')
-    (d / "harness.cpp").write_text(HARNESS)
-    lib = d / "blocks.so"
+    (d / "harness.cpp").write_text(harness)
+    lib = d / "harness.so"
     r = subprocess.run(["g++", "-std=c++17", "-O1", "-ffp-contract=off", "-fno-fast-math", "-shared", "-fPIC",
                         "-Wno-unknown-pragmas", f"-I{d}", f"-I{nvrtc.CUDA_SRC}", str(d / "harness.cpp"),
                         "-o", str(lib)], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
-    so = ctypes.CDLL(str(lib))
+    return ctypes.CDLL(str(lib))
+
+
+@pytest.fixture(scope="module")
+def host_decoders(tmp_path_factory):
+    so = build_host_lib(tmp_path_factory.mktemp("blocks"), HARNESS)
     so.decode.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_longlong, ctypes.c_void_p]
     return so
 

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import ctypes
 import re
-import shutil
-import subprocess
 
 import numpy as np
 import pytest
@@ -24,7 +22,7 @@ from strata_mgpu.model.synthetic import PRESETS
 from strata_mgpu.quant.dequant import dequantize_rows
 from strata_mgpu.quant.formats import block_format
 from strata_mgpu.tools.bench_kernels import SyntheticCache, expert_layer, random_routing
-from tests.test_blocks_host import SHIM
+from tests.test_blocks_host import SHIM, build_host_lib
 from tests.test_quant import fresh_seed, raw_blocks
 
 DP4A_SHIM = r"""
@@ -51,18 +49,7 @@ extern "C" int dots(int type, const u8* src, const unsigned* xq, long long n_sub
 
 @pytest.fixture(scope="module")
 def host_dots(tmp_path_factory):
-    if shutil.which("g++") is None:
-        pytest.skip("g++ not found")
-    d = tmp_path_factory.mktemp("q8")
-    (d / "cuda_fp16.h").write_text(SHIM + DP4A_SHIM)
-    (d / "cuda_bf16.h").write_text('#pragma once\n#include "cuda_fp16.h"\n')
-    (d / "harness.cpp").write_text(HARNESS)
-    lib = d / "dots.so"
-    r = subprocess.run(["g++", "-std=c++17", "-O1", "-ffp-contract=off", "-fno-fast-math", "-shared", "-fPIC",
-                        "-Wno-unknown-pragmas", f"-I{d}", f"-I{nvrtc.CUDA_SRC}", str(d / "harness.cpp"),
-                        "-o", str(lib)], capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr
-    so = ctypes.CDLL(str(lib))
+    so = build_host_lib(tmp_path_factory.mktemp("q8"), HARNESS, SHIM + DP4A_SHIM)
     so.dots.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_longlong, ctypes.c_void_p]
     return so
 

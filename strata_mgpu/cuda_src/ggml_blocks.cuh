@@ -85,6 +85,33 @@ __device__ __forceinline__ int sbyte_of(const unsigned* w, int i) { return (sign
 // Weight l (0..31) of a 32-weight run packed as 16 low nibbles then 16 high nibbles.
 __device__ __forceinline__ int nibble(const u8* qs, int l) { return l < 16 ? qs[l] & 0xF : qs[l - 16] >> 4; }
 
+// Sub-block j's 32 quantized values of a K-quant block at b, one a byte, as 8 words: Q4_K's
+// nibbles, Q5_K's 5-bit values, Q6_K's 6-bit values (before their -32). The decoders below and
+// the integer dots (q8_dot.cuh) share them.
+__device__ __forceinline__ void q4k_values(const u8* b, int j, unsigned* qs) {
+    load32(b + 16 + 32 * (j >> 1), qs);
+    shift_words<0xF>(qs, (j & 1) * 4);  // each byte now its nibble
+}
+__device__ __forceinline__ void q5k_values(const u8* b, int j, unsigned* qs) {
+    unsigned qh[8];
+    load32(b + 16, qh);
+    load32(b + 48 + 32 * (j >> 1), qs);
+    shift_words<0xF>(qs, (j & 1) * 4);
+    shift_words<0x1>(qh, j);
+#pragma unroll
+    for (int k = 0; k < 8; ++k) qs[k] |= qh[k] << 4;  // each byte now its 5-bit value
+}
+__device__ __forceinline__ void q6k_values(const u8* b, int j, unsigned* ql) {
+    const int h = j >> 2, g = j & 3;  // j = 4 * half + group; weights half*128 + group*32 + l
+    unsigned qh[8];
+    load32(b + 64 * h + ((g & 1) ? 32 : 0), ql);
+    load32(b + 128 + 32 * h, qh);
+    shift_words<0xF>(ql, (g >> 1) * 4);
+    shift_words<0x3>(qh, 2 * g);
+#pragma unroll
+    for (int k = 0; k < 8; ++k) ql[k] |= qh[k] << 4;  // each byte now its 6-bit value
+}
+
 template <int TYPE> struct Fmt;
 template <> struct Fmt<0> { static const int QK = 32, BYTES = 128; };   // F32, taken 32 at a time
 template <> struct Fmt<1> { static const int QK = 32, BYTES = 64; };    // F16, taken 32 at a time
@@ -131,8 +158,7 @@ template <> __device__ __forceinline__ void sub_block<12>(const u8* b, int j, fl
     scale_min_k4(j, b + 4, &sc, &mn);
     const float d = __fmul_rn(f16_at(b), sc), m = __fmul_rn(f16_at(b + 2), mn);
     unsigned qs[8];
-    load32(b + 16 + 32 * (j >> 1), qs);
-    shift_words<0xF>(qs, (j & 1) * 4);  // each byte now its nibble
+    q4k_values(b, j, qs);
 #pragma unroll
     for (int l = 0; l < 32; ++l) v[l] = __fsub_rn(__fmul_rn(d, (float)byte_of(qs, l)), m);
 }
@@ -141,13 +167,8 @@ template <> __device__ __forceinline__ void sub_block<13>(const u8* b, int j, fl
     float sc, mn;
     scale_min_k4(j, b + 4, &sc, &mn);
     const float d = __fmul_rn(f16_at(b), sc), m = __fmul_rn(f16_at(b + 2), mn);
-    unsigned qh[8], qs[8];
-    load32(b + 16, qh);
-    load32(b + 48 + 32 * (j >> 1), qs);
-    shift_words<0xF>(qs, (j & 1) * 4);
-    shift_words<0x1>(qh, j);
-#pragma unroll
-    for (int k = 0; k < 8; ++k) qs[k] |= qh[k] << 4;  // each byte now its 5-bit value
+    unsigned qs[8];
+    q5k_values(b, j, qs);
 #pragma unroll
     for (int l = 0; l < 32; ++l) {
         const int q = byte_of(qs, l);
@@ -156,15 +177,9 @@ template <> __device__ __forceinline__ void sub_block<13>(const u8* b, int j, fl
 }
 
 template <> __device__ __forceinline__ void sub_block<14>(const u8* b, int j, float* v) {
-    // j = 4 * half + group; weights half*128 + group*32 + l
     const int h = j >> 2, g = j & 3;
-    unsigned ql[8], qh[8];
-    load32(b + 64 * h + ((g & 1) ? 32 : 0), ql);
-    load32(b + 128 + 32 * h, qh);
-    shift_words<0xF>(ql, (g >> 1) * 4);
-    shift_words<0x3>(qh, 2 * g);
-#pragma unroll
-    for (int k = 0; k < 8; ++k) ql[k] |= qh[k] << 4;  // each byte now its 6-bit value
+    unsigned ql[8];
+    q6k_values(b, j, ql);
     const signed char* sc = reinterpret_cast<const signed char*>(b + 192 + 8 * h);
     const float d = f16_at(b + 208);
     const float ds[2] = {__fmul_rn(d, (float)sc[2 * g]), __fmul_rn(d, (float)sc[2 * g + 1])};  // 16 weights each

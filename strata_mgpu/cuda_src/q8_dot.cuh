@@ -79,8 +79,7 @@ template <> __device__ __forceinline__ float q8_dot<12>(const u8* b, int j, cons
     scale_min_k4(j, b + 4, &sc, &mn);
     const float d = __fmul_rn(f16_at(b), sc), m = __fmul_rn(f16_at(b + 2), mn);
     unsigned qs[8];
-    load32(b + 16 + 32 * (j >> 1), qs);
-    shift_words<0xF>(qs, (j & 1) * 4);
+    q4k_values(b, j, qs);
     return scaled(__uint_as_float(x[8]), d, m, dot4x4(qs, x), d, m, dot4x4(qs + 4, x + 4), x);
 }
 
@@ -89,26 +88,16 @@ template <> __device__ __forceinline__ float q8_dot<13>(const u8* b, int j, cons
     float sc, mn;
     scale_min_k4(j, b + 4, &sc, &mn);
     const float d = __fmul_rn(f16_at(b), sc), m = __fmul_rn(f16_at(b + 2), mn);
-    unsigned qh[8], qs[8];
-    load32(b + 16, qh);
-    load32(b + 48 + 32 * (j >> 1), qs);
-    shift_words<0xF>(qs, (j & 1) * 4);
-    shift_words<0x1>(qh, j);
-#pragma unroll
-    for (int k = 0; k < 8; ++k) qs[k] |= qh[k] << 4;
+    unsigned qs[8];
+    q5k_values(b, j, qs);
     return scaled(__uint_as_float(x[8]), d, m, dot4x4(qs, x), d, m, dot4x4(qs + 4, x + 4), x);
 }
 
 // Q6_K: w = (d * sc_h) * q - 32 (d * sc_h), a scale for each 16-weight half, as sub_block<14>
 template <> __device__ __forceinline__ float q8_dot<14>(const u8* b, int j, const unsigned* x) {
     const int h = j >> 2, g = j & 3;
-    unsigned ql[8], qh[8];
-    load32(b + 64 * h + ((g & 1) ? 32 : 0), ql);
-    load32(b + 128 + 32 * h, qh);
-    shift_words<0xF>(ql, (g >> 1) * 4);
-    shift_words<0x3>(qh, 2 * g);
-#pragma unroll
-    for (int k = 0; k < 8; ++k) ql[k] |= qh[k] << 4;
+    unsigned ql[8];
+    q6k_values(b, j, ql);
     const signed char* sc = reinterpret_cast<const signed char*>(b + 192 + 8 * h);
     const float d = f16_at(b + 208);
     const float s0 = __fmul_rn(d, (float)sc[2 * g]), s1 = __fmul_rn(d, (float)sc[2 * g + 1]);
