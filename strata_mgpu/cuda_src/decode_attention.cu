@@ -8,7 +8,8 @@
 //
 //   attn_split<DH>:  grid (Hkv * C, S, B), 32 * WARPS threads, C = ceil(G / HC). Block (g * C + c, s, b)
 //                    takes query heads [c * HC, min((c + 1) * HC, G)) of KV head g's G = H / Hkv and the
-//                    keys [s * L, min((s + 1) * L, pos + 1)), in tiles of TK keys, tile i to warp
+//                    keys [s * W, min((s + 1) * W, pos + 1)) (W = row_split_keys: the row's own
+//                    keys over all S splits, at most L), in tiles of TK keys, tile i to warp
 //                    i % WARPS. Each warp streams its tiles' keys and values into its own ring of
 //                    shared memory (cp.async, NS tiles in flight, no block barrier in the loop), scores a
 //                    tile on the tensor cores (bf16 products, fp32 sums), keeps a running max and sum
@@ -100,6 +101,17 @@ __device__ __forceinline__ void mma_bf16(float (&c)[4], unsigned a0, unsigned a2
 #endif
 }
 
+// Keys each split of a row at `pos` takes: its pos + 1 keys spread over all S splits, in multiples
+// of SPLIT_GRANULE (whole tiles for every warp), at most the launch's L (the plan for the capacity,
+// S * L cells). A row much shorter than the capacity still fills the card: a graph captured for
+// 64K cells gives a 32K-token row 128 splits of 288 keys, not 64 of 512 (half the blocks idle, the
+// others twice as long). attn_combine finds the same splits from the same numbers.
+constexpr int SPLIT_GRANULE = 32;
+__device__ __forceinline__ int row_split_keys(long long pos, int L, int S) {
+    const long long per = (pos + S) / S;  // ceil((pos + 1) / S)
+    return (int)min((long long)L, (per + SPLIT_GRANULE - 1) / SPLIT_GRANULE * SPLIT_GRANULE);
+}
+
 template <int DH>
 __global__ void __launch_bounds__(32 * WARPS)
     attn_split(const bf16* __restrict__ q, const long long* __restrict__ table, int layer,
@@ -120,8 +132,9 @@ __global__ void __launch_bounds__(32 * WARPS)
     const int hc = min(HC, G - c * HC);  // heads of this block
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, r = lane >> 2, t = lane & 3;
     const long long pos = positions[b];
-    const long long j0 = (long long)s * L;
-    const int n = (int)min((long long)L, pos + 1 - j0);  // keys in this split
+    const int W = row_split_keys(pos, L, S);
+    const long long j0 = (long long)s * W;
+    const int n = (int)min((long long)W, pos + 1 - j0);  // keys in this split
     const long long head0 = (long long)b * H + (long long)g * G + c * HC;  // the block's first query head
     if (n <= 0) {
         for (int h = threadIdx.x; h < hc; h += blockDim.x) {
@@ -275,7 +288,7 @@ __global__ void __launch_bounds__(DH / 4 * CG, 1)  // 1: ptxas then keeps the CU
     __shared__ float pl[CG], wm[WN];
     const int h = blockIdx.x, b = blockIdx.y, d4 = threadIdx.x % R, sg = threadIdx.x / R;
     const long long head = (long long)b * H + h;
-    const int used = (int)min((long long)S, positions[b] / L + 1);
+    const int used = (int)min((long long)S, positions[b] / row_split_keys(positions[b], L, S) + 1);
     const float2* ml = reinterpret_cast<const float2*>(part_ml + head * S * 2);  // (m, l) of each split
     float m = NEG_INF_F;
     for (int i = threadIdx.x; i < used; i += blockDim.x) m = fmaxf(m, ml[i].x);

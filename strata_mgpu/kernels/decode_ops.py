@@ -41,7 +41,10 @@ ATTN_EXPRS = tuple(f"{k}<{d}>" for d in ATTN_HEAD_DIMS for k in ("attn_split", "
 ATTN_WARPS = 2  # decode_attention.cu's WARPS: warps of attn_split, each streaming its own tiles of keys
 ATTN_HEADS_AT_ONCE = 8  # its HC: query heads a block of attn_split takes; a wider group spans blocks
 ATTN_COMBINE_GROUPS = 8  # its CG: attn_combine's threads are head_dim / 4 dims x this many groups of splits
-ATTN_MIN_KEYS = 32  # keys a split takes at least (4 tiles: 2 a warp); more once a cache passes ATTN_SPLITS of them
+# keys a split takes at least (4 tiles: 2 a warp; decode_attention.cu's SPLIT_GRANULE); more once a
+# cache passes ATTN_SPLITS of them. A row shorter than the capacity spreads its own keys over the
+# splits (row_split_keys there).
+ATTN_MIN_KEYS = 32
 ATTN_SPLITS = 128
 ATTN_MIN_CAPABILITY = (8, 0)  # mma.sync on bf16 and cp.async
 KV_TABLES = 64  # batches whose cache table is kept (a capture replays the table it was given)
