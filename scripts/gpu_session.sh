@@ -9,6 +9,8 @@
 #   dec40   decode at --max-vram 40 (all resident): bench batch 1, then 1 and 8 requests as the server does
 #   served  decode through the engine as the server does (sampling on), 1 and 8 requests, at 40 and 16
 #   split   two stages on one card, --max-vram 8,8 (total 16) and 20,20 (all resident)
+#   splitdec decode on two stages of one card, all resident (--max-vram 20,20): batch 1 and 8, and 1
+#           and 8 requests as the server does (against dec40's one stage)
 #   sweep   the helper's share sweep on two stages of one card
 # On two GPUs (the nvidia-h200-x2 kind; the hand-over still goes through mapped host memory):
 #   topo    nvidia-smi's and strata's topology reports
@@ -75,6 +77,8 @@ if has split; then
   bench split16 --devices 0,0 --max-vram 8,8 --prompt-tokens 2048,4096 --decode-tokens 32 --runs 3
   bench split40 --devices 0,0 --max-vram 20,20 --prompt-tokens 2048,4096 --decode-tokens 32 --runs 3
 fi
+has splitdec && bench splitdec --devices 0,0 --max-vram 20,20 --prompt-tokens 1024 --decode-tokens 128 --runs 1 \
+  --server-decode 1,8 --decode-batch 1,8
 if has sweep; then
   python3 -m strata_mgpu sweep $MODEL --devices 0,0 --max-vram 8,8 --prompt-tokens 1024,2048,4096,8192 \
     --shares 0,0.3,0.45 --runs 2 --json "$OUT/sweep.json" 2>&1 | tee "$OUT/sweep.log" | tail -20
