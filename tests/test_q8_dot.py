@@ -112,7 +112,7 @@ def test_q8_values_round_each_run_to_its_own_scale():
     assert torch.allclose(ints, ints.round(), atol=1e-4)  # integer multiples of the scale
 
 
-def test_the_q8_twin_stays_near_the_bf16_twin():
+def test_the_q8_twin_stays_near_the_grouped_twin():
     """The twin of the integer kernels (bf16 input: quantized activations, fp32 weights) against the
     grouped twin on the same picks (fp32 input: no quantization): close, as 8-bit activations are,
     and not equal, so the integer path really ran."""
@@ -125,8 +125,12 @@ def test_the_q8_twin_stays_near_the_bf16_twin():
     m = 4 * spec.n_experts_used
     w_gu = torch.empty(m, 2 * spec.expert_ffn, spec.hidden)
     w_d = torch.empty(m, spec.hidden, spec.expert_ffn)
-    q8 = TorchKernels().moe_gathered(cache, 0, lay, h, weights, experts, w_gu, w_d)
+    q8 = TorchKernels().moe_fused_reference(cache, 0, lay, h, weights, experts, w_gu, w_d)
     ref = TorchKernels().moe_gathered(cache, 0, lay, h.float(), weights, experts, w_gu, w_d)
     assert q8.dtype == torch.bfloat16 and q8.shape == ref.shape
     err = float((q8.float() - ref).abs().max() / ref.abs().max())
     assert 0 < err < 3e-2, err
+    # where the kernels do not run, bf16 input takes the grouped twin (no 8-bit rounding), not the reference
+    fallback = TorchKernels().moe_gathered(cache, 0, lay, h, weights, experts, w_gu.bfloat16(), w_d.bfloat16())
+    assert not torch.equal(fallback, q8)
+    assert float((fallback.float() - ref).abs().max() / ref.abs().max()) < 2e-2

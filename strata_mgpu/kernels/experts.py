@@ -131,8 +131,6 @@ class TorchKernels:
         [T, A] -> [T, D]. The twin dequantizes the M = T * A picks into the workspace (w_gate_up
         [>= M, 2F, D], w_down [>= M, D, F]) and runs the grouped GEMM pair, one row a group."""
         self.paths.ran("moe_gathered", "twin")
-        if h.dtype == torch.bfloat16 and {lay.gate_type, lay.down_type} & Q8_DOT_TYPES:
-            return self._moe_picks_q8(cache, i, lay, h, weights, experts)
         t, a = experts.shape
         flat = experts.reshape(-1)  # [M]: row r * A + k is token r's k-th pick
         m = flat.numel()
@@ -141,12 +139,24 @@ class TorchKernels:
         y = self.grouped_mlp(h.repeat_interleave(a, dim=0), offs, w_gate_up[:m], w_down[:m])  # [M, D]
         return torch.bmm(weights.to(y.dtype).unsqueeze(1), y.view(t, a, -1)).squeeze(1)  # as routing.combine
 
+    def moe_fused_reference(self, cache: ExpertCache, i: int, lay: ExpertLayout, h: torch.Tensor,
+                            weights: torch.Tensor, experts: torch.Tensor, w_gate_up: torch.Tensor,
+                            w_down: torch.Tensor) -> torch.Tensor:
+        """The twin of CudaKernels' fused decode kernels (`moe_decode.cu`), what tests and
+        tools.bench_kernels hold them to. With bf16 input and an integer side (Q8_DOT_TYPES) the
+        kernels quantize that side's input to 8 bits: so does this (`_moe_picks_q8`). Otherwise it
+        is `moe_gathered`, the path a stage takes where the kernels do not run (the CPU, a GPU
+        without them): bf16 weights in grouped GEMMs, fast, without the 8-bit rounding."""
+        if h.dtype == torch.bfloat16 and {lay.gate_type, lay.down_type} & Q8_DOT_TYPES:
+            return self._moe_picks_q8(cache, i, lay, h, weights, experts)
+        return TorchKernels.moe_gathered(self, cache, i, lay, h, weights, experts, w_gate_up, w_down)
+
     def _moe_picks_q8(self, cache: ExpertCache, i: int, lay: ExpertLayout, h: torch.Tensor, weights: torch.Tensor,
                       experts: torch.Tensor) -> torch.Tensor:
-        """moe_gathered's twin where a side dots integers (Q8_DOT_TYPES): that side's input
+        """The fused kernels' twin where a side dots integers (Q8_DOT_TYPES): that side's input
         quantized to 8 bits a value (q8_values) times its weights dequantized in fp32; a float
         side as the grouped twin (bf16 weights). Outputs rounded as the kernels round them. One
-        pick at a time: tests and a GPU without the kernels only (CPU stages compute in fp32)."""
+        pick at a time (a reference, not a fallback)."""
         d = h.shape[1]
         f = lay.gate_weights // d
         q8_in, q8_act = lay.gate_type in Q8_DOT_TYPES, lay.down_type in Q8_DOT_TYPES

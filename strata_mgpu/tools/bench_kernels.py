@@ -166,7 +166,7 @@ def run(preset: str, batches: list[int], contexts: list[int], iters: int, host_s
         w_gu = torch.empty(b * a, 2 * f, d, dtype=torch.bfloat16, device=device)
         w_d = torch.empty(b * a, d, f, dtype=torch.bfloat16, device=device)
         got = kernels.moe_gathered(cache, 0, lay, h, weights, experts, w_gu, w_d)
-        want = TorchKernels().moe_gathered(cache, 0, lay, h, weights, experts, w_gu, w_d)  # the torch twin
+        want = TorchKernels().moe_fused_reference(cache, 0, lay, h, weights, experts, w_gu, w_d)  # the twin
         n_unique = int(torch.unique(experts).numel())
         us = time_us(partial(kernels.moe_gathered, cache, 0, lay, h, weights, experts, w_gu, w_d), iters)
         nbytes = n_unique * lay.expert_bytes
