@@ -446,3 +446,17 @@ def test_stop_matcher_across_pieces(pieces, stops, emitted, stopped):
     if not hit:
         out += m.flush()
     assert (out, hit) == (emitted, stopped)
+
+
+def test_a_queued_requests_wait_is_its_queue_time_not_its_prompt_time(loaded):
+    """timings.queue_ms counts submission to the first prompt chunk (here: the whole first request,
+    with one slot); prompt_ms starts there. Both end up in the final output's timings."""
+    runner, tok = loaded
+    engine = Engine(runner, tok, EngineConfig(max_running=1))
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    first, second = run_all(engine, [(tok.encode("first prompt"), params), (tok.encode("second"), params)])
+    t1, t2 = first[-1].timings, second[-1].timings
+    assert t1 is not None and t2 is not None
+    assert 0 <= t1.queue_ms < t2.queue_ms and t1.prompt_ms > 0 and t2.prompt_ms > 0
+    assert t2.queue_ms >= t1.prompt_ms + t1.predicted_ms * 0.9  # it waited for the first to finish
+    assert t2.as_dict()["queue_ms"] == t2.queue_ms

@@ -18,6 +18,9 @@ def test_probe_reads_timings_and_streams_chats(tiny_gguf, tmp_path):
         assert [p.prompt_tokens for p in result.prompts] == [40, 90]
         assert all(p.prompt_per_second > 0 and p.predicted_per_second > 0 for p in result.prompts)
         assert len(result.chats) == 3 and all(c.tokens == 6 and c.ttft_s > 0 for c in result.chats)
+        # the server's side of each first token, from the last chunk's timings
+        assert all(c.prompt_ms > 0 and c.queue_ms >= 0 for c in result.chats)
+        assert all(c.ttft_s * 1e3 >= c.prompt_ms for c in result.chats)
         assert result.chats_tok_per_s and result.chats_tok_per_s > 0
         assert len(lines) == 3 and "3 chats at once" in lines[-1]
         out = tmp_path / "probe.json"

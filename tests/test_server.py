@@ -50,6 +50,7 @@ def test_chat_completion(client):
     assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
     timings = r.model_extra["timings"]
     assert timings["prompt_n"] == r.usage.prompt_tokens and timings["prompt_per_second"] > 0
+    assert timings["queue_ms"] >= 0  # submitted -> first prompt chunk: the wait prompt_ms leaves out
 
 
 def test_text_completion(client):

@@ -54,16 +54,19 @@ class ContextOverflow(ValueError):
 
 @dataclass
 class Timings:
-    """llama.cpp's `timings` fields."""
+    """llama.cpp's `timings` fields, and `queue_ms`: from the request's submission to its first prompt
+    chunk's launch (admission and the steps before it), which prompt_ms does not count. A client's
+    time to first token is queue_ms + prompt_ms + the HTTP around them."""
 
     prompt_n: int = 0
     prompt_ms: float = 0.0
     predicted_n: int = 0
     predicted_ms: float = 0.0
+    queue_ms: float = 0.0
 
     def as_dict(self) -> dict[str, float]:
         return {
-            "prompt_n": self.prompt_n, "prompt_ms": self.prompt_ms,
+            "queue_ms": self.queue_ms, "prompt_n": self.prompt_n, "prompt_ms": self.prompt_ms,
             "prompt_per_token_ms": self.prompt_ms / self.prompt_n if self.prompt_n else 0.0,
             "prompt_per_second": 1e3 * self.prompt_n / self.prompt_ms if self.prompt_ms else 0.0,
             "predicted_n": self.predicted_n, "predicted_ms": self.predicted_ms,
@@ -367,6 +370,7 @@ class Engine:
             if req.kv is None:
                 req.kv = self.runner.new_sequence(req.kv_tokens)  # never more than admission counted
                 req.t_first_chunk = time.perf_counter()
+                req.timings.queue_ms = 1e3 * (req.t_first_chunk - req.t_submit)
         t0 = time.perf_counter()
         chunks = [torch.tensor(chunk, dtype=torch.long) for _, chunk in pack]
         if len(pack) == 1:
@@ -470,9 +474,9 @@ class Engine:
             log.info("%s: prompt %d tok, queued %.1f ms, finish %s before it started", req.id, len(req.prompt),
                      1e3 * (end - req.t_submit), reason)
         else:
-            log.info("%s: prompt %d tok %.1f ms (%.1f tok/s), decode %d tok %.1f ms (%.1f tok/s), finish %s",
-                     req.id, t.prompt_n, t.prompt_ms, t.as_dict()["prompt_per_second"], t.predicted_n,
-                     t.predicted_ms, t.as_dict()["predicted_per_second"], reason)
+            log.info("%s: queued %.1f ms, prompt %d tok %.1f ms (%.1f tok/s), decode %d tok %.1f ms (%.1f tok/s), "
+                     "finish %s", req.id, t.queue_ms, t.prompt_n, t.prompt_ms, t.as_dict()["prompt_per_second"],
+                     t.predicted_n, t.predicted_ms, t.as_dict()["predicted_per_second"], reason)
         if notify:
             out = self._output(req, text + tail, [token] if token is not None else [])
             out.finished, out.finish_reason, out.error, out.timings = True, reason, error, req.timings

@@ -42,6 +42,8 @@ class ChatRun:
     ttft_s: float  # client-side: request sent -> first streamed token
     tok_per_s: float  # (tokens - 1) / (last token - first token)
     tokens: int
+    queue_ms: float = 0.0  # server-side (the last chunk's timings): submitted -> first prompt chunk launched
+    prompt_ms: float = 0.0  # server-side: first chunk launched -> first token on the host
 
 
 @dataclass
@@ -91,6 +93,7 @@ class Probe:
         start.wait()
         t0 = time.perf_counter()
         arrivals: list[float] = []
+        timings: dict = {}
         with self.client.stream("POST", "/v1/completions", json=body) as r:
             r.raise_for_status()
             for line in r.iter_lines():
@@ -99,12 +102,14 @@ class Probe:
                 chunk = json.loads(line[6:])
                 if any(c.get("text") for c in chunk.get("choices", [])):
                     arrivals.append(time.perf_counter())
+                timings = chunk.get("timings") or timings  # the last chunk carries them
         stamps.extend(arrivals)
         if not arrivals:
             raise RuntimeError("a streamed request returned no text")
         span = arrivals[-1] - arrivals[0]
         return ChatRun(ttft_s=arrivals[0] - t0, tok_per_s=(len(arrivals) - 1) / span if span > 0 else 0.0,
-                       tokens=len(arrivals))
+                       tokens=len(arrivals), queue_ms=float(timings.get("queue_ms", 0.0)),
+                       prompt_ms=float(timings.get("prompt_ms", 0.0)))
 
     def chats(self, n: int, n_prompt: int, max_tokens: int) -> tuple[list[ChatRun], float]:
         """n streamed requests sent at once; each one's figures, and all tokens over their span."""
@@ -142,7 +147,9 @@ def run_probe(url: str, prompt_tokens: list[int], max_tokens: int, chats: int, c
         ttft = [c.ttft_s for c in result.chats]
         say(f"{chats} chats at once: {result.chats_tok_per_s:,.1f} tok/s in all, "
             f"{min(c.tok_per_s for c in result.chats):,.1f}-{max(c.tok_per_s for c in result.chats):,.1f} each, "
-            f"first token {1e3 * statistics.mean(ttft):,.0f} ms mean, {1e3 * max(ttft):,.0f} ms max")
+            f"first token {1e3 * statistics.mean(ttft):,.0f} ms mean, {1e3 * max(ttft):,.0f} ms max (server: "
+            f"queued {statistics.mean(c.queue_ms for c in result.chats):,.0f} ms, prompt "
+            f"{statistics.mean(c.prompt_ms for c in result.chats):,.0f} ms mean; each chat's in the JSON)")
     return result
 
 
