@@ -262,9 +262,12 @@ class SplitRunner:
                 # come through the exchange's events); only the logits go back to the caller's stream.
                 with stage.ctx.on_compute(after_caller=False, join_caller=k == last):
                     if k == 0 and tokens_ready is not None:
-                        stream = torch.cuda.current_stream(stage.ctx.device)
-                        stream.wait_event(tokens_ready)
-                        tokens.record_stream(stream)  # not reused by the caller's stream before read here
+                        if stage.ctx.is_cuda:
+                            stream = torch.cuda.current_stream(stage.ctx.device)
+                            stream.wait_event(tokens_ready)
+                            tokens.record_stream(stream)  # not reused by the caller's stream before read here
+                        else:  # a first stage on the CPU (`--devices cpu,0`) copies them once they are drawn
+                            tokens_ready.synchronize()
                     x = tokens.to(stage.ctx.device) if k == 0 else self.exchanges[k - 1].receive()
                     if self.on_stage:  # after the hand-over's wait: the stage's own work starts here
                         self.on_stage(k, "start")
