@@ -152,12 +152,9 @@ __device__ __forceinline__ void row_dot_pair(const u8* row0, const u8* row1, int
 
 // Activations as 8-bit integers, Q8_WORDS words a 32-value sub-block (q8_dot.cuh says the
 // layout): one warp a sub-block. x [n_sub * 32] bf16 -> out [n_sub * Q8_WORDS] words.
-extern "C" __global__ void quantize_q8(const __nv_bfloat16* __restrict__ x, long long n_sub,
-                                       unsigned* __restrict__ out) {
-    const long long j = (long long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
-    if (j >= n_sub) return;  // whole warps: the shuffles below see all 32 lanes
+// One warp: the 32 values v (lane l holding value l) quantized into dst's Q8_WORDS words.
+__device__ __forceinline__ void quantize_run(float v, unsigned* dst) {
     const int lane = threadIdx.x & 31;
-    const float v = __bfloat162float(x[32 * j + lane]);
     const float amax = warp_max(fabsf(v));
     const float d = amax / 127.f;  // IEEE division, as the twin's
     const int q = amax > 0.f ? __float2int_rn(v / d) : 0;
@@ -167,11 +164,17 @@ extern "C" __global__ void quantize_q8(const __nv_bfloat16* __restrict__ x, long
     int half = q;  // the sum over this lane's 16-value half
 #pragma unroll
     for (int o = 1; o < 16; o <<= 1) half += __shfl_xor_sync(0xffffffffu, half, o);
-    unsigned* dst = out + Q8_WORDS * j;
     if ((lane & 3) == 0) dst[lane >> 2] = w;
     if (lane == 0) dst[8] = __float_as_uint(d), dst[9] = (unsigned)half;
     if (lane == 16) dst[10] = (unsigned)half;
     if (lane == 1) dst[11] = 0u;
+}
+
+extern "C" __global__ void quantize_q8(const __nv_bfloat16* __restrict__ x, long long n_sub,
+                                       unsigned* __restrict__ out) {
+    const long long j = (long long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    if (j >= n_sub) return;  // whole warps: the shuffles in quantize_run see all 32 lanes
+    quantize_run(__bfloat162float(x[32 * j + (threadIdx.x & 31)]), out + Q8_WORDS * j);
 }
 
 // n_sub quantized sub-blocks (Q8_WORDS words each, 16-byte aligned) into shared memory as they are.
@@ -227,11 +230,16 @@ __host__ __device__ constexpr long long tile_room(long long bytes) { return ((by
 
 // grid (ceil(F / rows), P), rows <= warps a block; shared: 2 * tile_room(rows * row_bytes) +
 // 4 * vector_words<TYPE>(D). xq: x quantized (integer path; the float path reads x).
+// aq (optional, for an integer moe_down; rows divides 32): act quantized here too, saving the
+// quantize_q8 launch between the two kernels. The 32 / rows blocks of a 32-row run count
+// themselves in `runs_done` [P, F / 32] (zero between launches: the last one resets it); the last
+// to finish reads the run back (from L2: written by other blocks) and quantizes it.
 template <int TYPE>
 __global__ void moe_gate_up(const __nv_bfloat16* __restrict__ x, const unsigned* __restrict__ xq,
                             const long long* __restrict__ picks, int A, const long long* __restrict__ slot_of,
                             const long long* __restrict__ host_offset, u64 slots, long long slot_bytes, u64 arena,
-                            int D, int F, long long row_bytes, int rows, __nv_bfloat16* __restrict__ act) {
+                            int D, int F, long long row_bytes, int rows, __nv_bfloat16* __restrict__ act,
+                            unsigned* __restrict__ aq, int* __restrict__ runs_done) {
     extern __shared__ __align__(16) u8 smem[];
     const int p = blockIdx.y, t = p / A, f0 = blockIdx.x * rows, n = min(rows, F - f0);
     const int warp = threadIdx.x >> 5;
@@ -255,6 +263,22 @@ __global__ void moe_gate_up(const __nv_bfloat16* __restrict__ x, const unsigned*
         g = bf16r(g);
         u = bf16r(u);
         if ((threadIdx.x & 31) == 0) act[(long long)p * F + f0 + warp] = __float2bfloat16_rn(bf16r(g / (1.f + expf(-g))) * u);
+    }
+    if (aq == nullptr) return;
+    __shared__ bool last;
+    __threadfence();  // this block's act values are visible device-wide before it counts itself
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        int* done = runs_done + (long long)p * (F / 32) + f0 / 32;
+        last = atomicAdd(done, 1) == 32 / rows - 1;
+        if (last) *done = 0;  // ready for the next launch
+    }
+    __syncthreads();
+    if (last && warp == 0) {
+        __threadfence();
+        const long long run = (long long)p * F + (f0 / 32) * 32;
+        const unsigned short bits = __ldcg(reinterpret_cast<const unsigned short*>(act + run) + (threadIdx.x & 31));
+        quantize_run(__uint_as_float((unsigned)bits << 16), aq + (run / 32) * Q8_WORDS);
     }
 }
 
@@ -312,7 +336,7 @@ __global__ void moe_down(const __nv_bfloat16* __restrict__ act, const unsigned* 
 #define MOE_INSTANTIATE(TYPE)                                                                             \
     template __global__ void moe_gate_up<TYPE>(const __nv_bfloat16*, const unsigned*, const long long*, int,    \
                                                const long long*, const long long*, u64, long long, u64, int, int, \
-                                               long long, int, __nv_bfloat16*);                               \
+                                               long long, int, __nv_bfloat16*, unsigned*, int*);              \
     template __global__ void moe_down<TYPE>(const __nv_bfloat16*, const unsigned*, const long long*, const float*, \
                                             int, const long long*, const long long*, u64, long long, u64, int,   \
                                             int, long long, long long, int, __nv_bfloat16*);
