@@ -124,3 +124,27 @@ def test_act_is_quantized_apart_where_a_tile_does_not_divide_a_run(monkeypatch):
                    torch.randint(0, e, (t, a)), None, None)
     assert [fn for fn, _ in launches] == ["quantize_q8", "moe_gate_up<14>", "quantize_q8", "moe_down<14>"]
     assert launches[1][1][-2:] == (0, 0) and launches[3][1][1] == launches[2][1][2]
+
+
+def test_routing_is_one_launch_that_matches_its_signature(monkeypatch):
+    """route_rows computes the logits and (its last block a row) the top-k: one launch, its
+    arguments those of the kernel in decode_ops.cu, the rows' counters the ops' own."""
+    from strata_mgpu.kernels import decode_ops as DO
+    from strata_mgpu.kernels.paths import PathCounter
+
+    ops = DO.CudaDecodeOps.__new__(DO.CudaDecodeOps)  # no CuPy, no device: only the launch arithmetic
+    ops.device, ops.paths = torch.device("cpu"), PathCounter()
+    ops.rows_done = torch.zeros(DO.MAX_ROUTED_ROWS, dtype=torch.int32)
+    launches = []
+    monkeypatch.setattr(DO.CudaDecodeOps, "_ok", staticmethod(lambda *t: True))
+    monkeypatch.setattr(ops, "_launch", lambda name, grid, block, *args, shared_mem=0:
+                        launches.append((name, grid, block, args)))
+    t, e, d, a = 3, 128, 2048, 8
+    weights, experts = ops.route(torch.zeros(t, d, dtype=torch.bfloat16), torch.zeros(e, d), a, True)
+    assert weights.shape == experts.shape == (t, a) and experts.dtype == torch.int64
+    [(name, grid, block, args)] = launches
+    src = nvrtc.cuda_source(DO.OPS_FILE)
+    sig = re.search(r"__global__ void route_rows\((.*?)\)\s*{", src, re.S)
+    assert name == "route_rows" and sig and len(args) == sig.group(1).count(",") + 1
+    assert grid == (-(-e // DO.ROUTER_WARPS), t) and block == 32 * DO.ROUTER_WARPS
+    assert args[-1] == ops.rows_done.data_ptr() and args[5:7] == (a, 1)

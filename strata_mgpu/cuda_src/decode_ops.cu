@@ -10,9 +10,9 @@
 //   qk_norm_rope_kv:   B rows, each one token of its own sequence: q [B, H, Dh], k, v [B, Hkv, Dh]
 //                      -> q normed and rotated (into q_out); k normed, rotated and v written into
 //                      row b's KV cache at positions[b]
-//   router_logits:     h [T, D] bf16, router [E, D] fp32 -> logits [T, E] fp32
-//   route_topk:        logits [T, E] -> the A largest softmax probabilities (renormalized over
-//                      the A when `renorm`) and their experts, largest first
+//   route_rows:        h [T, D] bf16, router [E, D] fp32 -> logits [T, E] fp32, then (by the
+//                      last block of each row) the A largest softmax probabilities (renormalized
+//                      over the A when `renorm`) and their experts, largest first
 #include <cuda_bf16.h>
 
 #include "warp.cuh"
@@ -127,30 +127,17 @@ extern "C" __global__ void qk_norm_rope_kv(const bf16* q, long long q_stride, co
         if (j < per) dst[lane + 32 * j] = __float2bfloat16_rn(out[j]);
 }
 
-// grid (ceil(E / warps), T): one warp an expert.
-extern "C" __global__ void router_logits(const bf16* __restrict__ h, const float* __restrict__ router, int D, int E,
-                              float* __restrict__ logits) {
-    const int t = blockIdx.y, e = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5), lane = threadIdx.x & 31;
-    if (e >= E) return;
-    const bf16* x = h + (long long)t * D;
-    const float* r = router + (long long)e * D;
-    float acc = 0.f;
-    for (int i = lane; i < D; i += 32) acc = fmaf(__bfloat162float(x[i]), r[i], acc);
-    acc = warp_sum(acc);
-    if (lane == 0) logits[(long long)t * E + e] = acc;
-}
-
-// One warp a row; E <= 512 (16 values a lane), A <= E.
-extern "C" __global__ void route_topk(const float* __restrict__ logits, int E, int A, int renorm, float* __restrict__ weights,
-                           long long* __restrict__ experts) {
-    const int t = blockIdx.x, lane = threadIdx.x;
-    const float* l = logits + (long long)t * E;
+// Row t's top A of its E logits (one warp; E <= 512: 16 values a lane; A <= min(32, E)). The
+// logits are read from L2 (__ldcg): other blocks of route_rows wrote them.
+__device__ void topk_row(const float* l, int t, int E, int A, int renorm, float* __restrict__ weights,
+                         long long* __restrict__ experts) {
+    const int lane = threadIdx.x & 31;
     float p[16];
     float m = NEG_INF_F;
 #pragma unroll
     for (int j = 0; j < 16; ++j) {
         const int e = lane + 32 * j;
-        p[j] = e < E ? l[e] : NEG_INF_F;
+        p[j] = e < E ? __ldcg(l + e) : NEG_INF_F;
         m = fmaxf(m, p[j]);
     }
     m = warp_max(m);
@@ -193,4 +180,33 @@ extern "C" __global__ void route_topk(const float* __restrict__ logits, int E, i
             if (lane + 32 * j == best_e) p[j] = -1.f;  // taken
     }
     if (lane < A) weights[(long long)t * A + lane] = renorm ? picked / picked_sum : picked;
+}
+
+// grid (ceil(E / warps), T): one warp an expert's logit. The blocks of a row count themselves in
+// rows_done[t] (zero between launches: the last resets it); the last one picks the row's experts
+// (topk_row): one launch a layer for routing, not two.
+extern "C" __global__ void route_rows(const bf16* __restrict__ h, const float* __restrict__ router, int D, int E,
+                                      float* __restrict__ logits, int A, int renorm, float* __restrict__ weights,
+                                      long long* __restrict__ experts, int* __restrict__ rows_done) {
+    const int t = blockIdx.y, e = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5), lane = threadIdx.x & 31;
+    if (e < E) {
+        const bf16* x = h + (long long)t * D;
+        const float* r = router + (long long)e * D;
+        float acc = 0.f;
+        for (int i = lane; i < D; i += 32) acc = fmaf(__bfloat162float(x[i]), r[i], acc);
+        acc = warp_sum(acc);
+        if (lane == 0) logits[(long long)t * E + e] = acc;
+    }
+    __shared__ bool last;
+    __threadfence();  // this block's logits are visible device-wide before it counts itself
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        last = atomicAdd(rows_done + t, 1) == (int)gridDim.x - 1;
+        if (last) rows_done[t] = 0;  // ready for the next launch
+    }
+    __syncthreads();
+    if (last && threadIdx.x < 32) {
+        __threadfence();
+        topk_row(logits + (long long)t * E, t, E, A, renorm, weights, experts);
+    }
 }

@@ -29,11 +29,11 @@ from strata_mgpu.model.spec import ModelSpec
 from strata_mgpu.model.weights import LayerWeights
 
 OPS_FILE = "decode_ops.cu"
-KERNEL_NAMES = ("rms_norm_rows", "add_rms_norm_rows", "qk_norm_rope_kv", "router_logits", "route_topk")
+KERNEL_NAMES = ("rms_norm_rows", "add_rms_norm_rows", "qk_norm_rope_kv", "route_rows")
 NORM_THREADS = 256
 ROUTER_WARPS = 8
-MAX_EXPERTS = 512  # route_topk holds 16 values a lane
-MAX_ROUTED_ROWS = 64  # router_logits re-reads the router for every row: a prompt's rows go to the GEMM
+MAX_EXPERTS = 512  # route_rows' top-k holds 16 values a lane
+MAX_ROUTED_ROWS = 64  # route_rows re-reads the router for every row: a prompt's rows go to the GEMM
 NOT_BF16 = "a tensor is not a contiguous bfloat16 CUDA tensor"
 ATTN_FILE = "decode_attention.cu"
 ATTN_HEAD_DIMS = (64, 128, 256)
@@ -69,6 +69,9 @@ class CudaDecodeOps(DecodeOps):
         # older cards load decode_attention.cu (its kernels trap there) but run the twin
         self._attention_arch_ok = torch.cuda.get_device_capability(device) >= ATTN_MIN_CAPABILITY
         self._tables: OrderedDict[tuple, torch.Tensor] = OrderedDict()
+        # route_rows' counters of finished blocks a row: zero between launches (each row's last
+        # block resets its own), made here, never inside a graph capture
+        self.rows_done = torch.zeros(MAX_ROUTED_ROWS, dtype=torch.int32, device=device)
 
     def _twin(self, op: str, reason: str) -> None:
         self.paths.fell_back(op, "cuda", reason)
@@ -200,8 +203,7 @@ class CudaDecodeOps(DecodeOps):
         logits = torch.empty(t, e, dtype=torch.float32, device=h.device)
         weights = torch.empty(t, n_used, dtype=torch.float32, device=h.device)
         experts = torch.empty(t, n_used, dtype=torch.int64, device=h.device)
-        self._launch("router_logits", (-(-e // ROUTER_WARPS), t), 32 * ROUTER_WARPS, h.data_ptr(), router.data_ptr(),
-                     np.int32(d), np.int32(e), logits.data_ptr())
-        self._launch("route_topk", t, 32, logits.data_ptr(), np.int32(e), np.int32(n_used), np.int32(renormalize),
-                     weights.data_ptr(), experts.data_ptr())
+        self._launch("route_rows", (-(-e // ROUTER_WARPS), t), 32 * ROUTER_WARPS, h.data_ptr(), router.data_ptr(),
+                     np.int32(d), np.int32(e), logits.data_ptr(), np.int32(n_used), np.int32(renormalize),
+                     weights.data_ptr(), experts.data_ptr(), self.rows_done.data_ptr())
         return weights, experts
