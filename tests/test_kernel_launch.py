@@ -148,3 +148,46 @@ def test_routing_is_one_launch_that_matches_its_signature(monkeypatch):
     assert name == "route_rows" and sig and len(args) == sig.group(1).count(",") + 1
     assert grid == (-(-e // DO.ROUTER_WARPS), t) and block == 32 * DO.ROUTER_WARPS
     assert args[-1] == ops.rows_done.data_ptr() and args[5:7] == (a, 1)
+
+
+def test_the_moe_input_is_one_launch_that_matches_its_signature(monkeypatch):
+    """moe_input_rows: the residual add and norm (into new tensors: other blocks still read x),
+    the routing and h quantized, one launch; its blocks as wide as add_rms_norm_rows' so that h
+    sums in the same order."""
+    from strata_mgpu.kernels import decode_ops as DO
+    from strata_mgpu.kernels.paths import PathCounter
+
+    assert DO.NORM_THREADS == 32 * DO.ROUTER_WARPS
+    ops = DO.CudaDecodeOps.__new__(DO.CudaDecodeOps)
+    ops.device, ops.paths = torch.device("cpu"), PathCounter()
+    ops.rows_done = torch.zeros(DO.MAX_ROUTED_ROWS, dtype=torch.int32)
+    launches = []
+    monkeypatch.setattr(DO.CudaDecodeOps, "_ok", staticmethod(lambda *t: True))
+    monkeypatch.setattr(ops, "_launch", lambda name, grid, block, *args, shared_mem=0:
+                        launches.append((name, grid, block, args, shared_mem)))
+    t, e, d, a = 2, 128, 2048, 8
+    x, y = torch.zeros(t, d, dtype=torch.bfloat16), torch.zeros(t, d, dtype=torch.bfloat16)
+    x_out, h, weights, experts, hq = ops.moe_input(x, y, torch.ones(d, dtype=torch.bfloat16), 1e-6,
+                                                   torch.zeros(e, d), a, False)
+    assert x_out.data_ptr() != x.data_ptr() and h.shape == x.shape and weights.shape == experts.shape == (t, a)
+    assert hq is not None and hq.shape == (t, d // 32 * K.Q8_WORDS) and hq.dtype == torch.int32
+    [(name, grid, block, args, smem)] = launches
+    src = nvrtc.cuda_source(DO.OPS_FILE)
+    sig = re.search(r"__global__ void moe_input_rows\((.*?)\)\s*{", src, re.S)
+    assert name == "moe_input_rows" and sig and len(args) == sig.group(1).count(",") + 1
+    assert grid == (-(-e // DO.ROUTER_WARPS), t) and block == DO.NORM_THREADS and smem == 4 * d
+    assert args[-4:] == (ops.rows_done.data_ptr(), x_out.data_ptr(), h.data_ptr(), hq.data_ptr())
+
+
+def test_the_twin_moe_input_is_add_rms_norm_then_route():
+    from strata_mgpu.model.decoder import DecodeOps
+
+    g = torch.Generator().manual_seed(5)
+    x, y = torch.randn(3, 64, generator=g), torch.randn(3, 64, generator=g)
+    w, router = torch.rand(64, generator=g), torch.randn(16, 64, generator=g)
+    ops = DecodeOps()
+    x2, h, weights, experts, hq = ops.moe_input(x, y, w, 1e-6, router, 4, True)
+    x_want, h_want = ops.add_rms_norm(x, y, w, 1e-6)
+    w_want, e_want = ops.route(h_want, router, 4, True)
+    assert hq is None and torch.equal(x2, x_want) and torch.equal(h, h_want)
+    assert torch.equal(weights, w_want) and torch.equal(experts, e_want)

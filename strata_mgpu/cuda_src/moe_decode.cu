@@ -26,6 +26,7 @@
 // once; then each warp takes one row, its lanes one 32-weight sub-block at a time.
 #include "ggml_blocks.cuh"
 #include "q8_dot.cuh"
+#include "q8_quantize.cuh"
 #include "warp.cuh"
 
 typedef unsigned long long u64;
@@ -152,24 +153,6 @@ __device__ __forceinline__ void row_dot_pair(const u8* row0, const u8* row1, int
 
 // Activations as 8-bit integers, Q8_WORDS words a 32-value sub-block (q8_dot.cuh says the
 // layout): one warp a sub-block. x [n_sub * 32] bf16 -> out [n_sub * Q8_WORDS] words.
-// One warp: the 32 values v (lane l holding value l) quantized into dst's Q8_WORDS words.
-__device__ __forceinline__ void quantize_run(float v, unsigned* dst) {
-    const int lane = threadIdx.x & 31;
-    const float amax = warp_max(fabsf(v));
-    const float d = amax / 127.f;  // IEEE division, as the twin's
-    const int q = amax > 0.f ? __float2int_rn(v / d) : 0;
-    unsigned w = (unsigned)(q & 0xFF) << (8 * (lane & 3));  // four lanes' bytes make a word
-    w |= __shfl_xor_sync(0xffffffffu, w, 1);
-    w |= __shfl_xor_sync(0xffffffffu, w, 2);
-    int half = q;  // the sum over this lane's 16-value half
-#pragma unroll
-    for (int o = 1; o < 16; o <<= 1) half += __shfl_xor_sync(0xffffffffu, half, o);
-    if ((lane & 3) == 0) dst[lane >> 2] = w;
-    if (lane == 0) dst[8] = __float_as_uint(d), dst[9] = (unsigned)half;
-    if (lane == 16) dst[10] = (unsigned)half;
-    if (lane == 1) dst[11] = 0u;
-}
-
 extern "C" __global__ void quantize_q8(const __nv_bfloat16* __restrict__ x, long long n_sub,
                                        unsigned* __restrict__ out) {
     const long long j = (long long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);

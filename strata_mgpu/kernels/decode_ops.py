@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from strata_mgpu.kernels import nvrtc
+from strata_mgpu.kernels.experts import Q8_WORDS
 from strata_mgpu.kernels.paths import PathCounter
 from strata_mgpu.model.decoder import DecodeOps
 from strata_mgpu.model.kv_cache import KVCache
@@ -29,7 +30,8 @@ from strata_mgpu.model.spec import ModelSpec
 from strata_mgpu.model.weights import LayerWeights
 
 OPS_FILE = "decode_ops.cu"
-KERNEL_NAMES = ("rms_norm_rows", "add_rms_norm_rows", "qk_norm_rope_kv", "route_rows")
+KERNEL_NAMES = ("rms_norm_rows", "add_rms_norm_rows", "qk_norm_rope_kv", "route_rows", "moe_input_rows")
+MOE_INPUT_SHARED_BYTES = 46 * 1024  # moe_input_rows keeps a row of D fp32 in shared memory: D <= 11,776
 NORM_THREADS = 256
 ROUTER_WARPS = 8
 MAX_EXPERTS = 512  # route_rows' top-k holds 16 values a lane
@@ -186,6 +188,30 @@ class CudaDecodeOps(DecodeOps):
                      part_ml.data_ptr(), positions.data_ptr(), np.int32(h), np.int32(keys), np.int32(splits),
                      out.data_ptr())
         return out
+
+    def moe_input(self, x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor, eps: float, router: torch.Tensor,
+                  n_used: int, renormalize: bool
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """add_rms_norm + route + the experts' quantized input in one launch (`moe_input_rows`),
+        where add_rms_norm and route would each take their fused kernel; else those two."""
+        t, d = x.shape
+        e = router.shape[0]
+        if not (self._ok(x, y, weight) and router.dtype == torch.float32 and router.is_contiguous()
+                and e <= MAX_EXPERTS and n_used <= min(32, e) and t <= MAX_ROUTED_ROWS and d % 32 == 0
+                and 4 * d <= MOE_INPUT_SHARED_BYTES):
+            return super().moe_input(x, y, weight, eps, router, n_used, renormalize)
+        self.paths.ran("moe_input", "cuda")
+        x_out, h = torch.empty_like(x), torch.empty_like(x)
+        hq = torch.empty(t, d // 32 * Q8_WORDS, dtype=torch.int32, device=x.device)
+        logits = torch.empty(t, e, dtype=torch.float32, device=x.device)
+        weights = torch.empty(t, n_used, dtype=torch.float32, device=x.device)
+        experts = torch.empty(t, n_used, dtype=torch.int64, device=x.device)
+        self._launch("moe_input_rows", (-(-e // ROUTER_WARPS), t), 32 * ROUTER_WARPS, x.data_ptr(), y.data_ptr(),
+                     weight.data_ptr(), np.int32(d), np.float32(eps), router.data_ptr(), np.int32(e),
+                     logits.data_ptr(), np.int32(n_used), np.int32(renormalize), weights.data_ptr(),
+                     experts.data_ptr(), self.rows_done.data_ptr(), x_out.data_ptr(), h.data_ptr(), hq.data_ptr(),
+                     shared_mem=4 * d)
+        return x_out, h, weights, experts, hq
 
     def route(self, h: torch.Tensor, router: torch.Tensor, n_used: int, renormalize: bool
               ) -> tuple[torch.Tensor, torch.Tensor]:
