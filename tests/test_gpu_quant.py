@@ -9,7 +9,7 @@ import pytest
 import torch
 from gguf.constants import GGMLQuantizationType
 
-from strata_mgpu.kernels.experts import Q8_WORDS, TorchKernels
+from strata_mgpu.kernels.experts import Q8_DOT_TYPES, Q8_WORDS, TorchKernels
 from strata_mgpu.model.gguf_reader import GGUFFile
 from strata_mgpu.model.spec import spec_from_gguf
 from strata_mgpu.model.synthetic import write_model
@@ -97,6 +97,10 @@ def test_fused_decode_and_gather_of_every_type_equal_twin(kernels, tmp_path_fact
     torch.cuda.synchronize()
     assert torch.isfinite(got).all() and got.shape == (rows, D)
     assert rel_err(got, want) <= FUSED_TOL, f"seed {seed}"
+    assert not kernels.runs_done.any()  # each 32-row run's last block set its counter back
+    if types[0] in Q8_DOT_TYPES:  # h quantized ahead (as moe_input_rows does) changes nothing
+        hq = kernels._quantize_q8(h)
+        assert torch.equal(kernels.moe_gathered(cache, 1, lay, h, weights, experts, w_gu, w_d, hq=hq), got)
 
     picks = experts.reshape(-1)
     outs = []

@@ -71,8 +71,9 @@ class CudaDecodeOps(DecodeOps):
         # older cards load decode_attention.cu (its kernels trap there) but run the twin
         self._attention_arch_ok = torch.cuda.get_device_capability(device) >= ATTN_MIN_CAPABILITY
         self._tables: OrderedDict[tuple, torch.Tensor] = OrderedDict()
-        # route_rows' counters of finished blocks a row: zero between launches (each row's last
-        # block resets its own), made here, never inside a graph capture
+        # route_rows' and moe_input_rows' counters of finished blocks a row: zero between launches
+        # (each row's last block resets its own), made here, never inside a graph capture; one
+        # stream at a time uses them (the ops are a stage's, on its compute stream)
         self.rows_done = torch.zeros(MAX_ROUTED_ROWS, dtype=torch.int32, device=device)
 
     def _twin(self, op: str, reason: str) -> None:
@@ -194,12 +195,13 @@ class CudaDecodeOps(DecodeOps):
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """add_rms_norm + route + the experts' quantized input in one launch (`moe_input_rows`),
         where add_rms_norm and route would each take their fused kernel; else those two."""
-        t, d = x.shape
         e = router.shape[0]
-        if not (self._ok(x, y, weight) and router.dtype == torch.float32 and router.is_contiguous()
-                and e <= MAX_EXPERTS and n_used <= min(32, e) and t <= MAX_ROUTED_ROWS and d % 32 == 0
-                and 4 * d <= MOE_INPUT_SHARED_BYTES):
+        if not (x.dim() == 2 and x.shape == y.shape and weight.numel() == x.shape[1] == router.shape[1]
+                and self._ok(x, y, weight) and router.dtype == torch.float32 and router.is_contiguous()
+                and e <= MAX_EXPERTS and n_used <= min(32, e) and x.shape[0] <= MAX_ROUTED_ROWS
+                and x.shape[1] % 32 == 0 and 4 * x.shape[1] <= MOE_INPUT_SHARED_BYTES):
             return super().moe_input(x, y, weight, eps, router, n_used, renormalize)
+        t, d = x.shape
         self.paths.ran("moe_input", "cuda")
         x_out, h = torch.empty_like(x), torch.empty_like(x)
         hq = torch.empty(t, d // 32 * Q8_WORDS, dtype=torch.int32, device=x.device)

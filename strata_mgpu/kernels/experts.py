@@ -210,7 +210,8 @@ class CudaKernels(TorchKernels):
         # (pytorch/pytorch#186620): it works, but a step that uses it cannot be captured.
         self.grouped_mm_sync_free = use_grouped_mm and torch.cuda.get_device_capability(device) >= (9, 0)
         # moe_gate_up's counters of finished 32-row runs: zero between launches (each run's last
-        # block resets its own), made here, never inside a graph capture
+        # block resets its own), made here, never inside a graph capture. They assume what holds
+        # today: a kernel set (one a stage) launches on one stream at a time.
         self.runs_done = torch.zeros(RUN_COUNTERS, dtype=torch.int32, device=device)
         cupy = nvrtc.require_cupy()
         # Can kernels read registered host memory at its host address (UVA)? Decode relies on it.

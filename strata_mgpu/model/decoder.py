@@ -320,7 +320,7 @@ class Decoder:
     def _routes_itself(self) -> bool:
         """Is `route` this class's own (so the decode step may route inside `ops.moe_input`)? Tests
         replace it on an instance to record or force the routing: then every layer calls it."""
-        return getattr(self.route, "__func__", None) is Decoder.route
+        return "route" not in vars(self) and type(self).route is _OWN_ROUTE
 
     def route(self, i: int, h: torch.Tensor, router: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer i's routing: (weights [T, A] fp32, experts [T, A])."""
@@ -347,3 +347,6 @@ class Decoder:
     def prefill(self, tokens: torch.Tensor, kv: KVCache) -> torch.Tensor:
         """All-position logits [T, V] of one sequence's new tokens."""
         return self.logits(self.forward(tokens, [Segment(0, tokens.shape[0], kv)]))
+
+
+_OWN_ROUTE = Decoder.route  # what `Decoder._routes_itself` compares with, however the class is patched later
