@@ -7,6 +7,8 @@ from __future__ import annotations
 import re
 from types import SimpleNamespace
 
+import numpy as np
+import pytest
 import torch
 from gguf.constants import GGMLQuantizationType as Q
 
@@ -191,3 +193,48 @@ def test_the_twin_moe_input_is_add_rms_norm_then_route():
     w_want, e_want = ops.route(h_want, router, 4, True)
     assert hq is None and torch.equal(x2, x_want) and torch.equal(h, h_want)
     assert torch.equal(weights, w_want) and torch.equal(experts, e_want)
+
+
+def test_dense_projection_launches_take_at_most_what_shared_memory_holds(monkeypatch):
+    """dense_q8: x quantized once, then one launch every few rows (8, or fewer for a wide x), each
+    with the kernel's arguments; types without an integer dot are refused in one line."""
+    from strata_mgpu.kernels import dense
+
+    launches = []
+    monkeypatch.setattr(nvrtc, "kernel", lambda file, expr, exprs, device: expr)
+    monkeypatch.setattr(nvrtc, "launch", lambda fn, grid, block, args, device, shared_mem=0:
+                        launches.append((fn, grid, block, args, shared_mem)))
+    k = fake_kernels()
+    src = nvrtc.cuda_source(dense.DENSE_FILE)
+    n_params = re.search(r"__global__ void dense_q8\((.*?)\)\s*{", src, re.S).group(1).count(",") + 1
+    for t, kdim, n, per in ((1, 2048, 5120, 8), (11, 2048, 5120, 8), (8, 4096, 2048, 7)):
+        launches.clear()
+        raw = torch.zeros(n, block_format(Q.Q8_0).row_bytes(kdim), dtype=torch.uint8)
+        out = dense.dense_q8(k, torch.zeros(t, kdim, dtype=torch.bfloat16), raw, Q.Q8_0)
+        assert out.shape == (t, n) and dense.rows_a_launch(kdim) == per
+        quantize, *runs = launches
+        assert quantize[0] == "quantize_q8" and len(runs) == -(-t // per)
+        assert all(fn == "dense_q8<8>" and len(args) == n_params and grid == -(-n // 8)
+                   for fn, grid, _, args, _ in runs)
+        assert [args[1] for *_, args, _ in runs] == [min(per, t - i) for i in range(0, t, per)]
+        assert all(smem <= dense.DENSE_SHARED_BYTES for *_, smem in runs)
+    raw = torch.zeros(4, block_format(Q.IQ4_XS).row_bytes(256), dtype=torch.uint8)
+    with pytest.raises(ValueError, match="dense_q8 takes"):
+        dense.dense_q8(k, torch.zeros(1, 256, dtype=torch.bfloat16), raw, Q.IQ4_XS)
+
+
+def test_the_dense_twin_is_the_quantized_input_times_the_weights():
+    """dense_reference against a float64 product of the same quantized input and dequantized rows."""
+    from strata_mgpu.kernels import dense
+    from strata_mgpu.kernels.experts import q8_values
+    from strata_mgpu.quant.dequant import dequantize_rows
+    from tests.test_quant import raw_blocks
+
+    rng = np.random.default_rng(3)
+    kdim, n = 512, 24
+    raw = torch.from_numpy(raw_blocks(Q.Q4_K, n * kdim // 256, rng).view(np.uint8).reshape(n, -1).copy())
+    x = torch.from_numpy(rng.standard_normal((3, kdim)).astype(np.float32)).bfloat16()
+    got = dense.dense_reference(x, raw, Q.Q4_K)
+    want = q8_values(x).double() @ dequantize_rows(raw, Q.Q4_K, kdim).double().T
+    assert got.dtype == torch.bfloat16 and got.shape == (3, n)
+    assert torch.allclose(got.double(), want, rtol=1e-2, atol=1e-2 * float(want.abs().max()))

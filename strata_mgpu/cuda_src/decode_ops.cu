@@ -185,21 +185,11 @@ __device__ void topk_row(const float* l, int t, int E, int A, int renorm, float*
     if (lane < A) weights[(long long)t * A + lane] = renorm ? picked / picked_sum : picked;
 }
 
-// grid (ceil(E / warps), T): one warp an expert's logit. The blocks of a row count themselves in
-// rows_done[t] (zero between launches: the last resets it); the last one picks the row's experts
-// (topk_row): one launch a layer for routing, not two.
-extern "C" __global__ void route_rows(const bf16* __restrict__ h, const float* __restrict__ router, int D, int E,
-                                      float* __restrict__ logits, int A, int renorm, float* __restrict__ weights,
-                                      long long* __restrict__ experts, int* __restrict__ rows_done) {
-    const int t = blockIdx.y, e = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5), lane = threadIdx.x & 31;
-    if (e < E) {
-        const bf16* x = h + (long long)t * D;
-        const float* r = router + (long long)e * D;
-        float acc = 0.f;
-        for (int i = lane; i < D; i += 32) acc = fmaf(__bfloat162float(x[i]), r[i], acc);
-        acc = warp_sum(acc);
-        if (lane == 0) logits[(long long)t * E + e] = acc;
-    }
+// Called by every thread of a block of row t once its logits are written: the row's blocks count
+// themselves in rows_done[t] (zero between launches: the last resets it), and the last one's first
+// warp picks the row's experts (topk_row) from all the blocks' logits.
+__device__ void pick_when_last(const float* logits, int t, int E, int A, int renorm, float* __restrict__ weights,
+                               long long* __restrict__ experts, int* __restrict__ rows_done) {
     __shared__ bool last;
     __threadfence();  // this block's logits are visible device-wide before it counts itself
     __syncthreads();
@@ -212,6 +202,23 @@ extern "C" __global__ void route_rows(const bf16* __restrict__ h, const float* _
         __threadfence();
         topk_row(logits + (long long)t * E, t, E, A, renorm, weights, experts);
     }
+}
+
+// grid (ceil(E / warps), T): one warp an expert's logit, then the row's last block picks its
+// experts (pick_when_last): one launch a layer for routing, not two.
+extern "C" __global__ void route_rows(const bf16* __restrict__ h, const float* __restrict__ router, int D, int E,
+                                      float* __restrict__ logits, int A, int renorm, float* __restrict__ weights,
+                                      long long* __restrict__ experts, int* __restrict__ rows_done) {
+    const int t = blockIdx.y, e = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5), lane = threadIdx.x & 31;
+    if (e < E) {
+        const bf16* x = h + (long long)t * D;
+        const float* r = router + (long long)e * D;
+        float acc = 0.f;
+        for (int i = lane; i < D; i += 32) acc = fmaf(__bfloat162float(x[i]), r[i], acc);
+        acc = warp_sum(acc);
+        if (lane == 0) logits[(long long)t * E + e] = acc;
+    }
+    pick_when_last(logits, t, E, A, renorm, weights, experts, rows_done);
 }
 
 // grid (ceil(E / warps), T), 32 * warps = NORM_THREADS threads (so the norm sums in
@@ -257,16 +264,5 @@ extern "C" __global__ void moe_input_rows(const bf16* __restrict__ x, const bf16
     if (hq != nullptr)
         for (int j = blockIdx.x * warps + warp; j < D / 32; j += gridDim.x * warps)
             quantize_run(hs[32 * j + lane], hq + (r / 32 + j) * Q8_WORDS);
-    __shared__ bool last;
-    __threadfence();  // this block's logits are visible device-wide before it counts itself
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        last = atomicAdd(rows_done + t, 1) == (int)gridDim.x - 1;
-        if (last) rows_done[t] = 0;  // ready for the next launch
-    }
-    __syncthreads();
-    if (last && threadIdx.x < 32) {
-        __threadfence();
-        topk_row(logits + (long long)t * E, t, E, A, renorm, weights, experts);
-    }
+    pick_when_last(logits, t, E, A, renorm, weights, experts, rows_done);
 }

@@ -167,16 +167,6 @@ __device__ __forceinline__ void stage_q8(const unsigned* src, int n_sub, unsigne
     for (int i = threadIdx.x; i < n_sub * (Q8_WORDS / 4); i += blockDim.x) copy16(d + i, s + i);
 }
 
-// A staged sub-block's words into registers: three 16-byte loads (conflict-free at a 48-byte stride).
-__device__ __forceinline__ void q8_words(const unsigned* v, unsigned* x) {
-    const uint4* p = reinterpret_cast<const uint4*>(v);
-#pragma unroll
-    for (int k = 0; k < 3; ++k) {
-        const uint4 w = p[k];
-        x[4 * k] = w.x, x[4 * k + 1] = w.y, x[4 * k + 2] = w.z, x[4 * k + 3] = w.w;
-    }
-}
-
 // row_dot and row_dot_pair on the integer path: v holds n_sub quantized sub-blocks.
 template <int TYPE>
 __device__ __forceinline__ float row_dot_q8(const u8* row, int n_sub, const unsigned* v) {

@@ -1,6 +1,8 @@
-// Activations quantized to 8 bits, 32 values a scale, by one warp: the layout q8_dot.cuh reads.
-// Shared by moe_decode.cu (quantize_q8, and moe_gate_up's act) and decode_ops.cu (moe_input_rows,
-// the experts' input). The torch twin is kernels/experts.py's q8_values.
+// Activations quantized to 8 bits, 32 values a scale, by one warp: the layout q8_dot.cuh reads; and
+// a quantized run read back into registers. Device code only (q8_dot.cuh itself also builds on the
+// host, for its test). Shared by moe_decode.cu (quantize_q8, moe_gate_up's act), decode_ops.cu
+// (moe_input_rows, the experts' input) and dense_decode.cu. The torch twin is kernels/experts.py's
+// q8_values.
 #pragma once
 #include "q8_dot.cuh"
 #include "warp.cuh"
@@ -23,3 +25,12 @@ __device__ __forceinline__ void quantize_run(float v, unsigned* dst) {
     if (lane == 1) dst[11] = 0u;
 }
 
+// A staged sub-block's words into registers: three 16-byte loads (conflict-free at a 48-byte stride).
+__device__ __forceinline__ void q8_words(const unsigned* v, unsigned* x) {
+    const uint4* p = reinterpret_cast<const uint4*>(v);
+#pragma unroll
+    for (int k = 0; k < 3; ++k) {
+        const uint4 w = p[k];
+        x[4 * k] = w.x, x[4 * k + 1] = w.y, x[4 * k + 2] = w.z, x[4 * k + 3] = w.w;
+    }
+}
