@@ -206,6 +206,7 @@ def test_dense_projection_launches_take_at_most_what_shared_memory_holds(monkeyp
                         launches.append((fn, grid, block, args, shared_mem)))
     k = fake_kernels()
     src = nvrtc.cuda_source(dense.DENSE_FILE)
+    assert f"constexpr int DENSE_MAX_ROWS = {dense.DENSE_MAX_ROWS};" in src
     n_params = re.search(r"__global__ void dense_q8\((.*?)\)\s*{", src, re.S).group(1).count(",") + 1
     for t, kdim, n, per in ((1, 2048, 5120, 8), (11, 2048, 5120, 8), (8, 4096, 2048, 7)):
         launches.clear()
@@ -221,6 +222,12 @@ def test_dense_projection_launches_take_at_most_what_shared_memory_holds(monkeyp
     raw = torch.zeros(4, block_format(Q.IQ4_XS).row_bytes(256), dtype=torch.uint8)
     with pytest.raises(ValueError, match="dense_q8 takes"):
         dense.dense_q8(k, torch.zeros(1, 256, dtype=torch.bfloat16), raw, Q.IQ4_XS)
+    with pytest.raises(ValueError, match="dense_q8 takes"):  # not whole blocks, not a ZeroDivisionError
+        dense.dense_q8(k, torch.zeros(1, 16, dtype=torch.bfloat16), torch.zeros(4, 17, dtype=torch.uint8), Q.Q8_0)
+    launches.clear()
+    raw = torch.zeros(64, block_format(Q.Q8_0).row_bytes(256), dtype=torch.uint8)
+    assert dense.dense_q8(k, torch.zeros(0, 256, dtype=torch.bfloat16), raw, Q.Q8_0).shape == (0, 64)
+    assert not launches  # no rows: no launch
 
 
 def test_the_dense_twin_is_the_quantized_input_times_the_weights():

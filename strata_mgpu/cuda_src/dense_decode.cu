@@ -35,13 +35,14 @@ __global__ void dense_q8(const unsigned* __restrict__ xq, int T, int K, const u8
 #pragma unroll
     for (int t = 0; t < DENSE_MAX_ROWS; ++t) acc[t] = 0.f;
     for (int j = lane; j < n_sub; j += 32) {
-        const u8* b = row + (j / PER) * Fmt<TYPE>::BYTES;
+        Q8Sub u;  // the sub-block's weights unpacked once, dotted with every row of x
+        q8_unpack<TYPE>(row + (j / PER) * Fmt<TYPE>::BYTES, j % PER, &u);
 #pragma unroll
         for (int t = 0; t < DENSE_MAX_ROWS; ++t)
             if (t < T) {
                 unsigned x[Q8_WORDS];
                 q8_words(xs + t * words + Q8_WORDS * j, x);
-                acc[t] += q8_dot<TYPE>(b, j % PER, x);
+                acc[t] += u.dot(x);
             }
     }
 #pragma unroll

@@ -38,7 +38,9 @@ def dense_reference(x: torch.Tensor, raw: torch.Tensor, ggml_type: GGMLQuantizat
 
 def rows_a_launch(k: int) -> int:
     """Rows of x whose quantized copies fit the kernel's shared memory for a K-wide x (at most
-    DENSE_MAX_ROWS); 0 where not one does."""
+    DENSE_MAX_ROWS); 0 where not one does, or K is not whole 32-value runs."""
+    if k < 32 or k % 32:
+        return 0
     return min(DENSE_MAX_ROWS, DENSE_SHARED_BYTES // (k // 32 * Q8_WORDS * 4))
 
 
@@ -55,8 +57,10 @@ def dense_q8(kernels: CudaKernels, x: torch.Tensor, raw: torch.Tensor, ggml_type
         raise ValueError(f"dense_q8 takes {', '.join(sorted(q.name for q in Q8_DOT_TYPES))} rows of K = {k}; "
                          f"got {ggml_type.name} rows of {row_bytes} bytes")
     assert x.dtype == torch.bfloat16 and x.is_contiguous() and raw.is_contiguous() and raw.dtype == torch.uint8
-    xq = kernels._quantize_q8(x)  # [T, K / 32 * Q8_WORDS]
     out = torch.empty(t, n, dtype=torch.bfloat16, device=x.device)
+    if t == 0 or n == 0:
+        return out  # nothing to launch (a grid of no blocks is an error)
+    xq = kernels._quantize_q8(x)  # [T, K / 32 * Q8_WORDS]
     fn = nvrtc.kernel(DENSE_FILE, f"dense_q8<{int(ggml_type)}>", DENSE_EXPRS, kernels.device)
     warps = DENSE_THREADS // 32
     for t0 in range(0, t, per_launch):
