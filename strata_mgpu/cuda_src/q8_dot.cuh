@@ -26,7 +26,7 @@
 constexpr int Q8_WORDS = 12;
 
 // Which types have an integer dot (the others run moe_decode.cu's float path); kernels/experts.py's
-// Q8_DOT_TYPES must list the same ids (tests/test_q8_host.py checks).
+// Q8_DOT_TYPES must list the same ids (tests/test_q8_dot.py checks).
 template <int TYPE> struct Q8Dot { static constexpr bool ok = false; };
 #define Q8_DOT_TYPES(X) X(2) X(8) X(12) X(13) X(14)
 #define Q8_DOT_OK(T) \
@@ -75,9 +75,8 @@ template <> __device__ __forceinline__ float q8_dot<2>(const u8* b, int, const u
 
 // Q4_K: w = (d * sc) * q - (dmin * m), as sub_block<12>
 template <> __device__ __forceinline__ float q8_dot<12>(const u8* b, int j, const unsigned* x) {
-    float sc, mn;
-    scale_min_k4(j, b + 4, &sc, &mn);
-    const float d = __fmul_rn(f16_at(b), sc), m = __fmul_rn(f16_at(b + 2), mn);
+    float d, m;
+    k4_scale_min(b, j, &d, &m);
     unsigned qs[8];
     q4k_values(b, j, qs);
     return scaled(__uint_as_float(x[8]), d, m, dot4x4(qs, x), d, m, dot4x4(qs + 4, x + 4), x);
@@ -85,9 +84,8 @@ template <> __device__ __forceinline__ float q8_dot<12>(const u8* b, int j, cons
 
 // Q5_K: as Q4_K with a fifth bit from qh, as sub_block<13>
 template <> __device__ __forceinline__ float q8_dot<13>(const u8* b, int j, const unsigned* x) {
-    float sc, mn;
-    scale_min_k4(j, b + 4, &sc, &mn);
-    const float d = __fmul_rn(f16_at(b), sc), m = __fmul_rn(f16_at(b + 2), mn);
+    float d, m;
+    k4_scale_min(b, j, &d, &m);
     unsigned qs[8];
     q5k_values(b, j, qs);
     return scaled(__uint_as_float(x[8]), d, m, dot4x4(qs, x), d, m, dot4x4(qs + 4, x + 4), x);
