@@ -85,6 +85,14 @@ __device__ __forceinline__ int sbyte_of(const unsigned* w, int i) { return (sign
 // Weight l (0..31) of a 32-weight run packed as 16 low nibbles then 16 high nibbles.
 __device__ __forceinline__ int nibble(const u8* qs, int l) { return l < 16 ? qs[l] & 0xF : qs[l - 16] >> 4; }
 
+// Q4_K/Q5_K sub-block j's weights are d * q - m: d = block d * its scale, m = block dmin * its min.
+__device__ __forceinline__ void k4_scale_min(const u8* b, int j, float* d, float* m) {
+    float sc, mn;
+    scale_min_k4(j, b + 4, &sc, &mn);
+    *d = __fmul_rn(f16_at(b), sc);
+    *m = __fmul_rn(f16_at(b + 2), mn);
+}
+
 // Sub-block j's 32 quantized values of a K-quant block at b, one a byte, as 8 words: Q4_K's
 // nibbles, Q5_K's 5-bit values, Q6_K's 6-bit values (before their -32). The decoders below and
 // the integer dots (q8_dot.cuh) share them.
@@ -154,9 +162,8 @@ template <> __device__ __forceinline__ void sub_block<8>(const u8* b, int, float
 }
 
 template <> __device__ __forceinline__ void sub_block<12>(const u8* b, int j, float* v) {
-    float sc, mn;
-    scale_min_k4(j, b + 4, &sc, &mn);
-    const float d = __fmul_rn(f16_at(b), sc), m = __fmul_rn(f16_at(b + 2), mn);
+    float d, m;
+    k4_scale_min(b, j, &d, &m);
     unsigned qs[8];
     q4k_values(b, j, qs);
 #pragma unroll
@@ -164,9 +171,8 @@ template <> __device__ __forceinline__ void sub_block<12>(const u8* b, int j, fl
 }
 
 template <> __device__ __forceinline__ void sub_block<13>(const u8* b, int j, float* v) {
-    float sc, mn;
-    scale_min_k4(j, b + 4, &sc, &mn);
-    const float d = __fmul_rn(f16_at(b), sc), m = __fmul_rn(f16_at(b + 2), mn);
+    float d, m;
+    k4_scale_min(b, j, &d, &m);
     unsigned qs[8];
     q5k_values(b, j, qs);
 #pragma unroll

@@ -111,9 +111,7 @@ __device__ __forceinline__ float row_dot(const u8* row, int n_sub, const unsigne
             acc = fmaf(bf16r(w[2 * k + 1]), __uint_as_float(pair & 0xFFFF0000u), acc);
         }
     }
-#pragma unroll
-    for (int o = 16; o; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
-    return acc;
+    return warp_sum(acc);
 }
 
 // Two rows (gate's and up's) dotted with the same staged vector: its words read once into
@@ -142,13 +140,8 @@ __device__ __forceinline__ void row_dot_pair(const u8* row0, const u8* row1, int
             acc1 = fmaf(bf16r(w[2 * k + 1]), __uint_as_float(pairs[k] & 0xFFFF0000u), acc1);
         }
     }
-#pragma unroll
-    for (int o = 16; o; o >>= 1) {
-        acc0 += __shfl_xor_sync(0xffffffffu, acc0, o);
-        acc1 += __shfl_xor_sync(0xffffffffu, acc1, o);
-    }
-    *dot0 = acc0;
-    *dot1 = acc1;
+    *dot0 = warp_sum(acc0);
+    *dot1 = warp_sum(acc1);
 }
 
 // Activations as 8-bit integers, Q8_WORDS words a 32-value sub-block (q8_dot.cuh says the

@@ -26,7 +26,7 @@
 constexpr int Q8_WORDS = 12;
 
 // Which types have an integer dot (the others run moe_decode.cu's float path); kernels/experts.py's
-// Q8_DOT_TYPES must list the same ids (tests/test_q8_host.py checks).
+// Q8_DOT_TYPES must list the same ids (tests/test_q8_dot.py checks).
 template <int TYPE> struct Q8Dot { static constexpr bool ok = false; };
 #define Q8_DOT_TYPES(X) X(2) X(8) X(12) X(13) X(14)
 #define Q8_DOT_OK(T) \
@@ -91,19 +91,17 @@ template <> __device__ __forceinline__ void q8_unpack<2>(const u8* b, int, Q8Sub
 
 // Q4_K: w = (d * sc) * q - (dmin * m), as sub_block<12>
 template <> __device__ __forceinline__ void q8_unpack<12>(const u8* b, int j, Q8Sub* u) {
-    float sc, mn;
-    scale_min_k4(j, b + 4, &sc, &mn);
-    u->s0 = u->s1 = __fmul_rn(f16_at(b), sc);
-    u->o0 = u->o1 = __fmul_rn(f16_at(b + 2), mn);
+    k4_scale_min(b, j, &u->s0, &u->o0);
+    u->s1 = u->s0;
+    u->o1 = u->o0;
     q4k_values(b, j, u->q);
 }
 
 // Q5_K: as Q4_K with a fifth bit from qh, as sub_block<13>
 template <> __device__ __forceinline__ void q8_unpack<13>(const u8* b, int j, Q8Sub* u) {
-    float sc, mn;
-    scale_min_k4(j, b + 4, &sc, &mn);
-    u->s0 = u->s1 = __fmul_rn(f16_at(b), sc);
-    u->o0 = u->o1 = __fmul_rn(f16_at(b + 2), mn);
+    k4_scale_min(b, j, &u->s0, &u->o0);
+    u->s1 = u->s0;
+    u->o1 = u->o0;
     q5k_values(b, j, u->q);
 }
 
