@@ -98,7 +98,6 @@ def test_fused_decode_and_gather_of_every_type_equal_twin(kernels, tmp_path_fact
     torch.cuda.synchronize()
     assert torch.isfinite(got).all() and got.shape == (rows, D)
     assert rel_err(got, want) <= FUSED_TOL, f"seed {seed}"
-    assert not kernels.runs_done.any()  # each 32-row run's last block set its counter back
     if types[0] in Q8_DOT_TYPES:  # h quantized ahead (as moe_input_rows does) changes nothing
         hq = kernels._quantize_q8(h)
         assert torch.equal(kernels.moe_gathered(cache, 1, lay, h, weights, experts, w_gu, w_d, hq=hq), got)

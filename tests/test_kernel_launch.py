@@ -33,7 +33,6 @@ def fake_kernels() -> K.CudaKernels:
     k = K.CudaKernels.__new__(K.CudaKernels)  # no CuPy, no device: only the launch arithmetic is used
     K.TorchKernels.__init__(k)
     k.host_pointers, k.device = True, torch.device("cpu")
-    k.runs_done = torch.zeros(K.RUN_COUNTERS, dtype=torch.int32)
     return k
 
 
@@ -91,41 +90,18 @@ def test_launches_match_the_kernel_signatures(monkeypatch):
                             arena=SimpleNamespace(buffer=torch.zeros(16, dtype=torch.uint8)))
     h = torch.zeros(t, d, dtype=torch.bfloat16)
     experts = torch.randint(0, e, (t, a))
-    k = fake_kernels()
-    out = k.moe_gathered(cache, 2, lay, h, torch.rand(t, a), experts, None, None)
+    out = fake_kernels().moe_gathered(cache, 2, lay, h, torch.rand(t, a), experts, None, None)
     assert out.shape == (t, d) and out.dtype == torch.bfloat16
     (q1_fn, q1_grid, _, q1_args, _), (gu_fn, gu_grid, gu_block, gu_args, gu_smem), \
-        (dn_fn, dn_grid, dn_block, dn_args, dn_smem) = launches
-    # Q4_K and Q6_K dot integers: h quantized first (a warp a 32-value run); the activations by
-    # moe_gate_up itself (8 rows a block divide a 32-row run), counting runs in the kernels' counters
-    assert q1_fn == "quantize_q8" and len(q1_args) == kernel_params("quantize_q8")
-    assert (q1_grid, q1_args[1]) == (-(-t * d // 32 // 8), t * d // 32) and gu_args[1] == q1_args[2]
-    assert gu_args[-1] == k.runs_done.data_ptr() and gu_args[-2] == dn_args[1] != 0
+        (q2_fn, q2_grid, _, q2_args, _), (dn_fn, dn_grid, dn_block, dn_args, dn_smem) = launches
+    # Q4_K and Q6_K dot integers: h, then the activations, quantized first (a warp a 32-value run)
+    assert q1_fn == q2_fn == "quantize_q8" and len(q1_args) == len(q2_args) == kernel_params("quantize_q8")
+    assert (q1_grid, q1_args[1]) == (-(-t * d // 32 // 8), t * d // 32) and q2_args[1] == t * a * f // 32
+    assert gu_args[1] == q1_args[2] and dn_args[1] == q2_args[2]  # each kernel reads its quantized input
     assert gu_fn == "moe_gate_up<12>" and gu_grid == (f // 8, t * a) and len(gu_args) == kernel_params("moe_gate_up")
     assert dn_fn == "moe_down<14>" and dn_grid == (-(-d // 7), t) and len(dn_args) == kernel_params("moe_down")
     assert gu_block == dn_block == K.MOE_THREADS and max(gu_smem, dn_smem) <= SHARED_LIMIT
     assert gu_args[4] == cache.slot_of.data_ptr() + 8 * 2 * e  # layer 2's row of the table
-
-
-def test_act_is_quantized_apart_where_a_tile_does_not_divide_a_run(monkeypatch):
-    """Qwen3-235B-shaped Q6_K gate/up rows (3,360 bytes) leave room for 6 rows a block, which do
-    not tile a 32-row run: quantize_q8 runs between the kernels, and moe_gate_up gets no counters."""
-    launches = []
-    monkeypatch.setattr(nvrtc, "kernel", lambda file, expr, exprs, device: expr)
-    monkeypatch.setattr(nvrtc, "launch", lambda fn, grid, block, args, device, shared_mem=0:
-                        launches.append((fn, args)))
-    d, f, e, a, t = 4096, 1536, 128, 8, 1
-    lay = layout(Q.Q6_K, Q.Q6_K, d, f)
-    k = fake_kernels()
-    assert k.moe_fused(lay, d, a).rows_gu == 6
-    cache = SimpleNamespace(slot_of=torch.full((1, e), -1, dtype=torch.int64),
-                            host_offset=torch.zeros(1, e, dtype=torch.int64),
-                            buffer=torch.zeros(16, dtype=torch.uint8), slot_bytes=lay.expert_bytes,
-                            arena=SimpleNamespace(buffer=torch.zeros(16, dtype=torch.uint8)))
-    k.moe_gathered(cache, 0, lay, torch.zeros(t, d, dtype=torch.bfloat16), torch.rand(t, a),
-                   torch.randint(0, e, (t, a)), None, None)
-    assert [fn for fn, _ in launches] == ["quantize_q8", "moe_gate_up<14>", "quantize_q8", "moe_down<14>"]
-    assert launches[1][1][-2:] == (0, 0) and launches[3][1][1] == launches[2][1][2]
 
 
 def test_routing_is_one_launch_that_matches_its_signature(monkeypatch):

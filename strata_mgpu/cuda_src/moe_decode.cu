@@ -196,16 +196,11 @@ __host__ __device__ constexpr long long tile_room(long long bytes) { return ((by
 
 // grid (ceil(F / rows), P), rows <= warps a block; shared: 2 * tile_room(rows * row_bytes) +
 // 4 * vector_words<TYPE>(D). xq: x quantized (integer path; the float path reads x).
-// aq (optional, for an integer moe_down; rows divides 32): act quantized here too, saving the
-// quantize_q8 launch between the two kernels. The 32 / rows blocks of a 32-row run count
-// themselves in `runs_done` [P, F / 32] (zero between launches: the last one resets it); the last
-// to finish reads the run back (from L2: written by other blocks) and quantizes it.
 template <int TYPE>
 __global__ void moe_gate_up(const __nv_bfloat16* __restrict__ x, const unsigned* __restrict__ xq,
                             const long long* __restrict__ picks, int A, const long long* __restrict__ slot_of,
                             const long long* __restrict__ host_offset, u64 slots, long long slot_bytes, u64 arena,
-                            int D, int F, long long row_bytes, int rows, __nv_bfloat16* __restrict__ act,
-                            unsigned* __restrict__ aq, int* __restrict__ runs_done) {
+                            int D, int F, long long row_bytes, int rows, __nv_bfloat16* __restrict__ act) {
     extern __shared__ __align__(16) u8 smem[];
     const int p = blockIdx.y, t = p / A, f0 = blockIdx.x * rows, n = min(rows, F - f0);
     const int warp = threadIdx.x >> 5;
@@ -229,22 +224,6 @@ __global__ void moe_gate_up(const __nv_bfloat16* __restrict__ x, const unsigned*
         g = bf16r(g);
         u = bf16r(u);
         if ((threadIdx.x & 31) == 0) act[(long long)p * F + f0 + warp] = __float2bfloat16_rn(bf16r(g / (1.f + expf(-g))) * u);
-    }
-    if (aq == nullptr) return;
-    __shared__ bool last;
-    __threadfence();  // this block's act values are visible device-wide before it counts itself
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        int* done = runs_done + (long long)p * (F / 32) + f0 / 32;
-        last = atomicAdd(done, 1) == 32 / rows - 1;
-        if (last) *done = 0;  // ready for the next launch
-    }
-    __syncthreads();
-    if (last && warp == 0) {
-        __threadfence();
-        const long long run = (long long)p * F + (f0 / 32) * 32;
-        const unsigned short bits = __ldcg(reinterpret_cast<const unsigned short*>(act + run) + (threadIdx.x & 31));
-        quantize_run(__uint_as_float((unsigned)bits << 16), aq + (run / 32) * Q8_WORDS);
     }
 }
 
@@ -302,7 +281,7 @@ __global__ void moe_down(const __nv_bfloat16* __restrict__ act, const unsigned* 
 #define MOE_INSTANTIATE(TYPE)                                                                             \
     template __global__ void moe_gate_up<TYPE>(const __nv_bfloat16*, const unsigned*, const long long*, int,    \
                                                const long long*, const long long*, u64, long long, u64, int, int, \
-                                               long long, int, __nv_bfloat16*, unsigned*, int*);              \
+                                               long long, int, __nv_bfloat16*);                               \
     template __global__ void moe_down<TYPE>(const __nv_bfloat16*, const unsigned*, const long long*, const float*, \
                                             int, const long long*, const long long*, u64, long long, u64, int,   \
                                             int, long long, long long, int, __nv_bfloat16*);

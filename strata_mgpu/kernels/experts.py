@@ -45,9 +45,6 @@ Q8_DOT_TYPES = frozenset({Q.Q4_0, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K})
 Q8_WORDS = 12  # words (int32) of one quantized 32-value sub-block: 32 int8, the scale, two half sums, a pad
 Q8_THREADS = 256  # quantize_q8: a warp a sub-block
 MOE_NAMES = ("quantize_q8",)  # moe_decode.cu's plain (extern "C") kernels
-# moe_gate_up quantizes act for an integer moe_down itself where its row tile divides a 32-row run
-# and the runs' counters (P * F / 32 of them, zero between launches) fit this many.
-RUN_COUNTERS = 512 * 64
 MOE_THREADS = 256  # 8 warps: a block's tile has at most 8 rows, one a warp
 MOE_SHARED_BYTES = 46 * 1024  # under the 48 KiB every card gives a block without opting in
 MOE_MAX_PICKS = 64  # moe_down's MAX_PICKS: experts a token it takes (its static shared tables: 576 bytes)
@@ -209,10 +206,6 @@ class CudaKernels(TorchKernels):
         # Below sm_90 torch._grouped_mm is a per-group loop that copies the offsets to the host
         # (pytorch/pytorch#186620): it works, but a step that uses it cannot be captured.
         self.grouped_mm_sync_free = use_grouped_mm and torch.cuda.get_device_capability(device) >= (9, 0)
-        # moe_gate_up's counters of finished 32-row runs: zero between launches (each run's last
-        # block resets its own), made here, never inside a graph capture. They assume what holds
-        # today: a kernel set (one a stage) launches on one stream at a time.
-        self.runs_done = torch.zeros(RUN_COUNTERS, dtype=torch.int32, device=device)
         cupy = nvrtc.require_cupy()
         # Can kernels read registered host memory at its host address (UVA)? Decode relies on it.
         self.host_pointers = cupy.cuda.runtime.deviceGetAttribute(
@@ -283,7 +276,7 @@ class CudaKernels(TorchKernels):
                      experts: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
                      hq: torch.Tensor | None = None) -> torch.Tensor:
         """Two launches (`moe_decode.cu`) straight from the experts' quantized bytes: no workspace,
-        no host sync (and up to two quantize_q8 launches, where hq and moe_gate_up do not)."""
+        no host sync (and up to two quantize_q8 launches: h's where hq is not given, act's)."""
         t, a = experts.shape
         d = h.shape[1]
         plan = self.moe_fused(lay, d, a) if h.dtype == torch.bfloat16 else None
@@ -303,18 +296,12 @@ class CudaKernels(TorchKernels):
             hq = h
         elif hq is None or hq.shape != (t, d // 32 * Q8_WORDS) or hq.dtype != torch.int32:
             hq = self._quantize_q8(h)
-        # act quantized by moe_gate_up itself where it can (one launch fewer), else by quantize_q8
-        fused_aq = plan.q8_down and 32 % plan.rows_gu == 0 and t * a * (f // 32) <= self.runs_done.numel()
-        aq = torch.empty(t * a, f // 32 * Q8_WORDS, dtype=torch.int32, device=h.device) if fused_aq else None
-        aq_args = (np.uint64(aq.data_ptr()), np.uint64(self.runs_done.data_ptr())) if aq is not None else \
-            (np.uint64(0), np.uint64(0))
         fn = nvrtc.kernel(MOE_FILE, f"moe_gate_up<{int(lay.gate_type)}>", _MOE_EXPRS, self.device)
         nvrtc.launch(fn, (-(-f // plan.rows_gu), t * a), MOE_THREADS,
                      (h.data_ptr(), hq.data_ptr(), picks.data_ptr(), np.int32(a), *table, np.int32(d), np.int32(f),
-                      np.int64(plan.gate_row), np.int32(plan.rows_gu), act.data_ptr(), *aq_args),
-                     self.device, shared_mem=plan.gate_up_shared)
-        if aq is None:
-            aq = self._quantize_q8(act) if plan.q8_down else act
+                      np.int64(plan.gate_row), np.int32(plan.rows_gu), act.data_ptr()), self.device,
+                     shared_mem=plan.gate_up_shared)
+        aq = self._quantize_q8(act) if plan.q8_down else act
         fn = nvrtc.kernel(MOE_FILE, f"moe_down<{int(lay.down_type)}>", _MOE_EXPRS, self.device)
         nvrtc.launch(fn, (-(-d // plan.rows_down), t), MOE_THREADS,
                      (act.data_ptr(), aq.data_ptr(), picks.data_ptr(), weights.data_ptr(), np.int32(a), *table,
