@@ -55,3 +55,14 @@ def test_without_a_gpu_it_says_so_in_one_line():
     if torch.cuda.is_available():
         return  # the GPU session runs it for real
     assert r.returncode == 1 and r.stderr.strip() == "bench_kernels needs a CUDA device"
+
+
+def test_the_dense_rows_it_times_are_valid_q8_0_and_read_as_the_twin_reads_them():
+    from strata_mgpu.quant.dequant import dequantize_rows
+    from strata_mgpu.tools.bench_kernels import _dequant_q8_0, q8_0_rows
+
+    raw = q8_0_rows(16, 512, torch.device("cpu"))
+    assert raw.shape == (16, block_format(Q.Q8_0).row_bytes(512)) and raw.dtype == torch.uint8
+    want = dequantize_rows(raw, Q.Q8_0, 512)
+    assert torch.isfinite(want).all() and 0.3 < float(want.std()) * 512 ** 0.5 < 1.0  # unit-ish outputs
+    assert torch.equal(_dequant_q8_0(raw, 512), want.bfloat16())

@@ -16,6 +16,7 @@ from strata_mgpu.model.runner import load_reference_runner
 from strata_mgpu.model.spec import spec_from_gguf
 from strata_mgpu.model.synthetic import write_model
 from strata_mgpu.stage.stage import Stage, StageOptions
+from tests.test_q8_dot import quantize_words
 
 pytestmark = pytest.mark.gpu
 CUDA = torch.device("cuda", 0)
@@ -169,6 +170,31 @@ def test_fused_route_equals_twin(ops, rows, renorm):
     w_want, e_want = DecodeOps().route(h, router, A, renorm)
     assert torch.equal(e_got, e_want), f"seed {seed}"  # both largest first
     assert torch.allclose(w_got, w_want, rtol=1e-4, atol=1e-6), f"seed {seed}"
+
+
+@pytest.mark.parametrize("rows", [1, 5])
+def test_fused_moe_input_equals_its_parts(ops, rows):
+    """moe_input_rows against the CUDA ops it replaces: the residual sum and h bit for bit (blocks of
+    add_rms_norm_rows' width: the same sums), the same experts and weights as route_rows, and h's
+    quantization equal to the twin's; x itself is left as it was."""
+    g, seed = _fresh_generator()
+    E, D, A = 128, 2048, 8
+    x = torch.randn(rows, D, device=CUDA, generator=g).to(torch.bfloat16)
+    y = torch.randn(rows, D, device=CUDA, generator=g).to(torch.bfloat16)
+    w = (torch.rand(D, device=CUDA, generator=g) + 0.5).to(torch.bfloat16)
+    router = torch.randn(E, D, device=CUDA, generator=g) / 16
+    x0 = x.clone()
+    before = ops.paths["moe_input:cuda"]
+    x_got, h_got, w_got, e_got, hq = ops.moe_input(x, y, w, 1e-6, router, A, True)
+    assert ops.paths["moe_input:cuda"] == before + 1 and torch.equal(x, x0), f"seed {seed}"
+    x_want, h_want = ops.add_rms_norm(x.clone(), y, w, 1e-6)
+    w_want, e_want = ops.route(h_want, router, A, True)
+    assert torch.equal(x_got, x_want) and torch.equal(h_got, h_want), f"seed {seed}"
+    assert torch.equal(e_got, e_want) and torch.equal(w_got, w_want), f"seed {seed}"
+    want, _, _ = quantize_words(h_want.cpu().reshape(-1))
+    got = hq.cpu().numpy().view(np.uint32).reshape(-1, want.shape[1])
+    assert np.array_equal(got[:, :11], want[:, :11]), f"seed {seed}"
+    assert not ops.rows_done.any()  # every row's last block set its counter back
 
 
 @pytest.mark.parametrize("rows", [1, 37, 1024])

@@ -9,7 +9,8 @@ import pytest
 import torch
 from gguf.constants import GGMLQuantizationType
 
-from strata_mgpu.kernels.experts import Q8_WORDS, TorchKernels
+from strata_mgpu.kernels.dense import dense_q8, dense_reference
+from strata_mgpu.kernels.experts import Q8_DOT_TYPES, Q8_WORDS, TorchKernels
 from strata_mgpu.model.gguf_reader import GGUFFile
 from strata_mgpu.model.spec import spec_from_gguf
 from strata_mgpu.model.synthetic import write_model
@@ -97,6 +98,9 @@ def test_fused_decode_and_gather_of_every_type_equal_twin(kernels, tmp_path_fact
     torch.cuda.synchronize()
     assert torch.isfinite(got).all() and got.shape == (rows, D)
     assert rel_err(got, want) <= FUSED_TOL, f"seed {seed}"
+    if types[0] in Q8_DOT_TYPES:  # h quantized ahead (as moe_input_rows does) changes nothing
+        hq = kernels._quantize_q8(h)
+        assert torch.equal(kernels.moe_gathered(cache, 1, lay, h, weights, experts, w_gu, w_d, hq=hq), got)
 
     picks = experts.reshape(-1)
     outs = []
@@ -124,6 +128,24 @@ def test_quantize_q8_writes_the_twins_integers(kernels):
     assert np.array_equal(got[:, :11], want[:, :11]), f"seed {seed}"
 
 
+@pytest.mark.parametrize("rows", [1, 9])  # 9: two launches
+@pytest.mark.parametrize("ggml_type", sorted(Q8_DOT_TYPES), ids=lambda t: t.name)
+def test_dense_projection_from_blocks_equals_twin(kernels, ggml_type, rows):
+    """dense_q8 (a decode projection straight from its blocks) against dense_reference."""
+    seed = fresh_seed()
+    rng = np.random.default_rng(seed)
+    fmt = block_format(ggml_type)
+    k, n = 2048, 96
+    raw = raw_blocks(ggml_type, n * k // fmt.block_size, rng).view(np.uint8).reshape(n, -1)
+    raw = torch.from_numpy(raw.copy()).to(CUDA)
+    x = torch.from_numpy(rng.standard_normal((rows, k)).astype(np.float32)).to(CUDA).bfloat16()
+    got = dense_q8(kernels, x, raw, ggml_type)
+    want = dense_reference(x, raw, ggml_type)
+    torch.cuda.synchronize()
+    assert got.shape == (rows, n) and torch.isfinite(got).all()
+    assert rel_err(got, want) <= FUSED_TOL, f"{ggml_type.name}, seed {seed}"
+
+
 def _paths_of(stage) -> dict[str, int]:
     """The stage's kernel-set counts and its decode ops' (one counter where the stage shares it)."""
     counts = dict(stage.kernels.paths)
@@ -135,7 +157,7 @@ def _paths_of(stage) -> dict[str, int]:
 
 FAST_PATHS = {"dequant:cuda", "dequant_addressed:cuda", "gather_experts:cuda", "moe_gathered:fused",
               "grouped_mlp:grouped_mm", "copy_wide:copy_f32_wide", "rms_norm:cuda", "add_rms_norm:cuda",
-              "qk_norm_rope_kv:cuda", "route:cuda", "route:gemm"}
+              "qk_norm_rope_kv:cuda", "route:cuda", "route:gemm", "moe_input:cuda", "dense:q8"}
 
 
 def test_bf16_stage_runs_only_fast_paths(tiny_gguf):

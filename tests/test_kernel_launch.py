@@ -7,6 +7,8 @@ from __future__ import annotations
 import re
 from types import SimpleNamespace
 
+import numpy as np
+import pytest
 import torch
 from gguf.constants import GGMLQuantizationType as Q
 
@@ -100,3 +102,122 @@ def test_launches_match_the_kernel_signatures(monkeypatch):
     assert dn_fn == "moe_down<14>" and dn_grid == (-(-d // 7), t) and len(dn_args) == kernel_params("moe_down")
     assert gu_block == dn_block == K.MOE_THREADS and max(gu_smem, dn_smem) <= SHARED_LIMIT
     assert gu_args[4] == cache.slot_of.data_ptr() + 8 * 2 * e  # layer 2's row of the table
+
+
+def test_routing_is_one_launch_that_matches_its_signature(monkeypatch):
+    """route_rows computes the logits and (its last block a row) the top-k: one launch, its
+    arguments those of the kernel in decode_ops.cu, the rows' counters the ops' own."""
+    from strata_mgpu.kernels import decode_ops as DO
+    from strata_mgpu.kernels.paths import PathCounter
+
+    ops = DO.CudaDecodeOps.__new__(DO.CudaDecodeOps)  # no CuPy, no device: only the launch arithmetic
+    ops.device, ops.paths = torch.device("cpu"), PathCounter()
+    ops.rows_done = torch.zeros(DO.MAX_ROUTED_ROWS, dtype=torch.int32)
+    launches = []
+    monkeypatch.setattr(DO.CudaDecodeOps, "_ok", staticmethod(lambda *t: True))
+    monkeypatch.setattr(ops, "_launch", lambda name, grid, block, *args, shared_mem=0:
+                        launches.append((name, grid, block, args)))
+    t, e, d, a = 3, 128, 2048, 8
+    weights, experts = ops.route(torch.zeros(t, d, dtype=torch.bfloat16), torch.zeros(e, d), a, True)
+    assert weights.shape == experts.shape == (t, a) and experts.dtype == torch.int64
+    [(name, grid, block, args)] = launches
+    src = nvrtc.cuda_source(DO.OPS_FILE)
+    sig = re.search(r"__global__ void route_rows\((.*?)\)\s*{", src, re.S)
+    assert name == "route_rows" and sig and len(args) == sig.group(1).count(",") + 1
+    assert grid == (-(-e // DO.ROUTER_WARPS), t) and block == 32 * DO.ROUTER_WARPS
+    assert args[-1] == ops.rows_done.data_ptr() and args[5:7] == (a, 1)
+
+
+def test_the_moe_input_is_one_launch_that_matches_its_signature(monkeypatch):
+    """moe_input_rows: the residual add and norm (into new tensors: other blocks still read x),
+    the routing and h quantized, one launch; its blocks as wide as add_rms_norm_rows' so that h
+    sums in the same order."""
+    from strata_mgpu.kernels import decode_ops as DO
+    from strata_mgpu.kernels.paths import PathCounter
+
+    assert DO.NORM_THREADS == 32 * DO.ROUTER_WARPS
+    ops = DO.CudaDecodeOps.__new__(DO.CudaDecodeOps)
+    ops.device, ops.paths = torch.device("cpu"), PathCounter()
+    ops.rows_done = torch.zeros(DO.MAX_ROUTED_ROWS, dtype=torch.int32)
+    launches = []
+    monkeypatch.setattr(DO.CudaDecodeOps, "_ok", staticmethod(lambda *t: True))
+    monkeypatch.setattr(ops, "_launch", lambda name, grid, block, *args, shared_mem=0:
+                        launches.append((name, grid, block, args, shared_mem)))
+    t, e, d, a = 2, 128, 2048, 8
+    x, y = torch.zeros(t, d, dtype=torch.bfloat16), torch.zeros(t, d, dtype=torch.bfloat16)
+    x_out, h, weights, experts, hq = ops.moe_input(x, y, torch.ones(d, dtype=torch.bfloat16), 1e-6,
+                                                   torch.zeros(e, d), a, False)
+    assert x_out.data_ptr() != x.data_ptr() and h.shape == x.shape and weights.shape == experts.shape == (t, a)
+    assert hq is not None and hq.shape == (t, d // 32 * K.Q8_WORDS) and hq.dtype == torch.int32
+    [(name, grid, block, args, smem)] = launches
+    src = nvrtc.cuda_source(DO.OPS_FILE)
+    sig = re.search(r"__global__ void moe_input_rows\((.*?)\)\s*{", src, re.S)
+    assert name == "moe_input_rows" and sig and len(args) == sig.group(1).count(",") + 1
+    assert grid == (-(-e // DO.ROUTER_WARPS), t) and block == DO.NORM_THREADS and smem == 4 * d
+    assert args[-4:] == (ops.rows_done.data_ptr(), x_out.data_ptr(), h.data_ptr(), hq.data_ptr())
+
+
+def test_the_twin_moe_input_is_add_rms_norm_then_route():
+    from strata_mgpu.model.decoder import DecodeOps
+
+    g = torch.Generator().manual_seed(5)
+    x, y = torch.randn(3, 64, generator=g), torch.randn(3, 64, generator=g)
+    w, router = torch.rand(64, generator=g), torch.randn(16, 64, generator=g)
+    ops = DecodeOps()
+    x2, h, weights, experts, hq = ops.moe_input(x, y, w, 1e-6, router, 4, True)
+    x_want, h_want = ops.add_rms_norm(x, y, w, 1e-6)
+    w_want, e_want = ops.route(h_want, router, 4, True)
+    assert hq is None and torch.equal(x2, x_want) and torch.equal(h, h_want)
+    assert torch.equal(weights, w_want) and torch.equal(experts, e_want)
+
+
+def test_dense_projection_launches_take_at_most_what_shared_memory_holds(monkeypatch):
+    """dense_q8: x quantized once, then one launch every few rows (8, or fewer for a wide x), each
+    with the kernel's arguments; types without an integer dot are refused in one line."""
+    from strata_mgpu.kernels import dense
+
+    launches = []
+    monkeypatch.setattr(nvrtc, "kernel", lambda file, expr, exprs, device: expr)
+    monkeypatch.setattr(nvrtc, "launch", lambda fn, grid, block, args, device, shared_mem=0:
+                        launches.append((fn, grid, block, args, shared_mem)))
+    k = fake_kernels()
+    src = nvrtc.cuda_source(dense.DENSE_FILE)
+    assert f"constexpr int DENSE_MAX_ROWS = {dense.DENSE_MAX_ROWS};" in src
+    n_params = re.search(r"__global__ void dense_q8\((.*?)\)\s*{", src, re.S).group(1).count(",") + 1
+    for t, kdim, n, per in ((1, 2048, 5120, 8), (11, 2048, 5120, 8), (8, 4096, 2048, 7)):
+        launches.clear()
+        raw = torch.zeros(n, block_format(Q.Q8_0).row_bytes(kdim), dtype=torch.uint8)
+        out = dense.dense_q8(k, torch.zeros(t, kdim, dtype=torch.bfloat16), raw, Q.Q8_0)
+        assert out.shape == (t, n) and dense.rows_a_launch(kdim) == per
+        quantize, *runs = launches
+        assert quantize[0] == "quantize_q8" and len(runs) == -(-t // per)
+        assert all(fn == "dense_q8<8>" and len(args) == n_params and grid == -(-n // 8)
+                   for fn, grid, _, args, _ in runs)
+        assert [args[1] for *_, args, _ in runs] == [min(per, t - i) for i in range(0, t, per)]
+        assert all(smem <= dense.DENSE_SHARED_BYTES for *_, smem in runs)
+    raw = torch.zeros(4, block_format(Q.IQ4_XS).row_bytes(256), dtype=torch.uint8)
+    with pytest.raises(ValueError, match="dense_q8 takes"):
+        dense.dense_q8(k, torch.zeros(1, 256, dtype=torch.bfloat16), raw, Q.IQ4_XS)
+    with pytest.raises(ValueError, match="dense_q8 takes"):  # not whole blocks, not a ZeroDivisionError
+        dense.dense_q8(k, torch.zeros(1, 16, dtype=torch.bfloat16), torch.zeros(4, 17, dtype=torch.uint8), Q.Q8_0)
+    launches.clear()
+    raw = torch.zeros(64, block_format(Q.Q8_0).row_bytes(256), dtype=torch.uint8)
+    assert dense.dense_q8(k, torch.zeros(0, 256, dtype=torch.bfloat16), raw, Q.Q8_0).shape == (0, 64)
+    assert not launches  # no rows: no launch
+
+
+def test_the_dense_twin_is_the_quantized_input_times_the_weights():
+    """dense_reference against a float64 product of the same quantized input and dequantized rows."""
+    from strata_mgpu.kernels import dense
+    from strata_mgpu.kernels.experts import q8_values
+    from strata_mgpu.quant.dequant import dequantize_rows
+    from tests.test_quant import raw_blocks
+
+    rng = np.random.default_rng(3)
+    kdim, n = 512, 24
+    raw = torch.from_numpy(raw_blocks(Q.Q4_K, n * kdim // 256, rng).view(np.uint8).reshape(n, -1).copy())
+    x = torch.from_numpy(rng.standard_normal((3, kdim)).astype(np.float32)).bfloat16()
+    got = dense.dense_reference(x, raw, Q.Q4_K)
+    want = q8_values(x).double() @ dequantize_rows(raw, Q.Q4_K, kdim).double().T
+    assert got.dtype == torch.bfloat16 and got.shape == (3, n)
+    assert torch.allclose(got.double(), want, rtol=1e-2, atol=1e-2 * float(want.abs().max()))

@@ -132,3 +132,29 @@ def test_batched_static_decode_step_equals_forward(models):
             kv.advance(1)
         assert b.shape == a.shape and rel_err(b, a) <= 1e-5
         tokens = a.argmax(-1)
+
+
+@torch.no_grad()
+def test_a_replaced_route_is_called_by_the_static_step(models):
+    """The static step routes inside `ops.moe_input` only while `route` is the decoder's own: a
+    route replaced on the instance (tests record or force the routing so) is called for every
+    layer, and its picks are the ones used."""
+    ours, _ = models
+    kv = ours.new_cache(64, capacity=32)
+    ours.prefill(torch.randint(0, ours.spec.vocab_size, (5,)), kv)
+    calls = []
+    own = ours.route
+
+    def recording(i, h, router):
+        calls.append(i)
+        return own(i, h, router)
+
+    assert ours._routes_itself
+    ours.route = recording
+    try:
+        assert not ours._routes_itself
+        kv.reserve(1)
+        ours.forward_static(torch.tensor([1]), torch.tensor([kv.length]), kv)
+    finally:
+        del ours.route
+    assert calls == list(range(ours.spec.n_layers)) and ours._routes_itself

@@ -10,11 +10,14 @@
 //   qk_norm_rope_kv:   B rows, each one token of its own sequence: q [B, H, Dh], k, v [B, Hkv, Dh]
 //                      -> q normed and rotated (into q_out); k normed, rotated and v written into
 //                      row b's KV cache at positions[b]
-//   router_logits:     h [T, D] bf16, router [E, D] fp32 -> logits [T, E] fp32
-//   route_topk:        logits [T, E] -> the A largest softmax probabilities (renormalized over
-//                      the A when `renorm`) and their experts, largest first
+//   route_rows:        h [T, D] bf16, router [E, D] fp32 -> logits [T, E] fp32, then (by the
+//                      last block of each row) the A largest softmax probabilities (renormalized
+//                      over the A when `renorm`) and their experts, largest first
+//   moe_input_rows:    the MoE block's input in one launch: add_rms_norm_rows (into x_out, not in
+//                      place) + route_rows + h quantized for the integer experts (q8_quantize.cuh)
 #include <cuda_bf16.h>
 
+#include "q8_quantize.cuh"
 #include "warp.cuh"
 
 typedef __nv_bfloat16 bf16;
@@ -127,30 +130,17 @@ extern "C" __global__ void qk_norm_rope_kv(const bf16* q, long long q_stride, co
         if (j < per) dst[lane + 32 * j] = __float2bfloat16_rn(out[j]);
 }
 
-// grid (ceil(E / warps), T): one warp an expert.
-extern "C" __global__ void router_logits(const bf16* __restrict__ h, const float* __restrict__ router, int D, int E,
-                              float* __restrict__ logits) {
-    const int t = blockIdx.y, e = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5), lane = threadIdx.x & 31;
-    if (e >= E) return;
-    const bf16* x = h + (long long)t * D;
-    const float* r = router + (long long)e * D;
-    float acc = 0.f;
-    for (int i = lane; i < D; i += 32) acc = fmaf(__bfloat162float(x[i]), r[i], acc);
-    acc = warp_sum(acc);
-    if (lane == 0) logits[(long long)t * E + e] = acc;
-}
-
-// One warp a row; E <= 512 (16 values a lane), A <= E.
-extern "C" __global__ void route_topk(const float* __restrict__ logits, int E, int A, int renorm, float* __restrict__ weights,
-                           long long* __restrict__ experts) {
-    const int t = blockIdx.x, lane = threadIdx.x;
-    const float* l = logits + (long long)t * E;
+// Row t's top A of its E logits (one warp; E <= 512: 16 values a lane; A <= min(32, E)). The
+// logits are read from L2 (__ldcg): other blocks of route_rows wrote them.
+__device__ void topk_row(const float* l, int t, int E, int A, int renorm, float* __restrict__ weights,
+                         long long* __restrict__ experts) {
+    const int lane = threadIdx.x & 31;
     float p[16];
     float m = NEG_INF_F;
 #pragma unroll
     for (int j = 0; j < 16; ++j) {
         const int e = lane + 32 * j;
-        p[j] = e < E ? l[e] : NEG_INF_F;
+        p[j] = e < E ? __ldcg(l + e) : NEG_INF_F;
         m = fmaxf(m, p[j]);
     }
     m = warp_max(m);
@@ -193,4 +183,86 @@ extern "C" __global__ void route_topk(const float* __restrict__ logits, int E, i
             if (lane + 32 * j == best_e) p[j] = -1.f;  // taken
     }
     if (lane < A) weights[(long long)t * A + lane] = renorm ? picked / picked_sum : picked;
+}
+
+// Called by every thread of a block of row t once its logits are written: the row's blocks count
+// themselves in rows_done[t] (zero between launches: the last resets it), and the last one's first
+// warp picks the row's experts (topk_row) from all the blocks' logits.
+__device__ void pick_when_last(const float* logits, int t, int E, int A, int renorm, float* __restrict__ weights,
+                               long long* __restrict__ experts, int* __restrict__ rows_done) {
+    __shared__ bool last;
+    __threadfence();  // this block's logits are visible device-wide before it counts itself
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        last = atomicAdd(rows_done + t, 1) == (int)gridDim.x - 1;
+        if (last) rows_done[t] = 0;  // ready for the next launch
+    }
+    __syncthreads();
+    if (last && threadIdx.x < 32) {
+        __threadfence();
+        topk_row(logits + (long long)t * E, t, E, A, renorm, weights, experts);
+    }
+}
+
+// grid (ceil(E / warps), T): one warp an expert's logit, then the row's last block picks its
+// experts (pick_when_last): one launch a layer for routing, not two.
+extern "C" __global__ void route_rows(const bf16* __restrict__ h, const float* __restrict__ router, int D, int E,
+                                      float* __restrict__ logits, int A, int renorm, float* __restrict__ weights,
+                                      long long* __restrict__ experts, int* __restrict__ rows_done) {
+    const int t = blockIdx.y, e = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5), lane = threadIdx.x & 31;
+    if (e < E) {
+        const bf16* x = h + (long long)t * D;
+        const float* r = router + (long long)e * D;
+        float acc = 0.f;
+        for (int i = lane; i < D; i += 32) acc = fmaf(__bfloat162float(x[i]), r[i], acc);
+        acc = warp_sum(acc);
+        if (lane == 0) logits[(long long)t * E + e] = acc;
+    }
+    pick_when_last(logits, t, E, A, renorm, weights, experts, rows_done);
+}
+
+// grid (ceil(E / warps), T), 32 * warps = NORM_THREADS threads (so the norm sums in
+// add_rms_norm_rows' order and h equals its h); shared: D floats. Every block computes row t's
+// x + y and its norm h into shared memory (2 D bf16 read, cheap beside the router's E D fp32); block
+// 0 writes x_out and h; each warp takes one expert's logit, then the first D / 32 warps of the grid
+// quantize one 32-value run of h each into hq [T, D / 32 * Q8_WORDS] (when hq is given), and the
+// row's last block picks its experts as route_rows does. x is read, never written: other blocks
+// may still be reading it.
+extern "C" __global__ void moe_input_rows(const bf16* __restrict__ x, const bf16* __restrict__ y,
+                                          const bf16* __restrict__ w, int D, float eps,
+                                          const float* __restrict__ router, int E, float* __restrict__ logits, int A,
+                                          int renorm, float* __restrict__ weights, long long* __restrict__ experts,
+                                          int* __restrict__ rows_done, bf16* __restrict__ x_out,
+                                          bf16* __restrict__ h_out, unsigned* __restrict__ hq) {
+    extern __shared__ float hs[];  // [D]: x + y, then h
+    const int t = blockIdx.y, warp = threadIdx.x >> 5, warps = blockDim.x >> 5, lane = threadIdx.x & 31;
+    const long long r = (long long)t * D;
+    float ss = 0.f;
+    for (int i = threadIdx.x; i < D; i += blockDim.x) {
+        const float v = bf16r(__bfloat162float(x[r + i]) + __bfloat162float(y[r + i]));  // the twin's bf16 add
+        hs[i] = v;
+        ss += v * v;
+    }
+    const float rstd = rsqrtf(block_sum(ss) / D + eps);
+    for (int i = threadIdx.x; i < D; i += blockDim.x) {  // each thread re-reads only what it wrote
+        const float hv = bf16r(bf16r(hs[i] * rstd) * __bfloat162float(w[i]));
+        if (blockIdx.x == 0) {
+            x_out[r + i] = __float2bfloat16_rn(hs[i]);
+            h_out[r + i] = __float2bfloat16_rn(hv);
+        }
+        hs[i] = hv;
+    }
+    __syncthreads();
+    const int e = blockIdx.x * warps + warp;
+    if (e < E) {
+        const float* re = router + (long long)e * D;
+        float acc = 0.f;
+        for (int i = lane; i < D; i += 32) acc = fmaf(hs[i], re[i], acc);
+        acc = warp_sum(acc);
+        if (lane == 0) logits[(long long)t * E + e] = acc;
+    }
+    if (hq != nullptr)
+        for (int j = blockIdx.x * warps + warp; j < D / 32; j += gridDim.x * warps)
+            quantize_run(hs[32 * j + lane], hq + (r / 32 + j) * Q8_WORDS);
+    pick_when_last(logits, t, E, A, renorm, weights, experts, rows_done);
 }

@@ -26,6 +26,7 @@
 // once; then each warp takes one row, its lanes one 32-weight sub-block at a time.
 #include "ggml_blocks.cuh"
 #include "q8_dot.cuh"
+#include "q8_quantize.cuh"
 #include "warp.cuh"
 
 typedef unsigned long long u64;
@@ -148,23 +149,8 @@ __device__ __forceinline__ void row_dot_pair(const u8* row0, const u8* row1, int
 extern "C" __global__ void quantize_q8(const __nv_bfloat16* __restrict__ x, long long n_sub,
                                        unsigned* __restrict__ out) {
     const long long j = (long long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
-    if (j >= n_sub) return;  // whole warps: the shuffles below see all 32 lanes
-    const int lane = threadIdx.x & 31;
-    const float v = __bfloat162float(x[32 * j + lane]);
-    const float amax = warp_max(fabsf(v));
-    const float d = amax / 127.f;  // IEEE division, as the twin's
-    const int q = amax > 0.f ? __float2int_rn(v / d) : 0;
-    unsigned w = (unsigned)(q & 0xFF) << (8 * (lane & 3));  // four lanes' bytes make a word
-    w |= __shfl_xor_sync(0xffffffffu, w, 1);
-    w |= __shfl_xor_sync(0xffffffffu, w, 2);
-    int half = q;  // the sum over this lane's 16-value half
-#pragma unroll
-    for (int o = 1; o < 16; o <<= 1) half += __shfl_xor_sync(0xffffffffu, half, o);
-    unsigned* dst = out + Q8_WORDS * j;
-    if ((lane & 3) == 0) dst[lane >> 2] = w;
-    if (lane == 0) dst[8] = __float_as_uint(d), dst[9] = (unsigned)half;
-    if (lane == 16) dst[10] = (unsigned)half;
-    if (lane == 1) dst[11] = 0u;
+    if (j >= n_sub) return;  // whole warps: the shuffles in quantize_run see all 32 lanes
+    quantize_run(__bfloat162float(x[32 * j + (threadIdx.x & 31)]), out + Q8_WORDS * j);
 }
 
 // n_sub quantized sub-blocks (Q8_WORDS words each, 16-byte aligned) into shared memory as they are.
@@ -172,16 +158,6 @@ __device__ __forceinline__ void stage_q8(const unsigned* src, int n_sub, unsigne
     const uint4* s = reinterpret_cast<const uint4*>(src);
     uint4* d = reinterpret_cast<uint4*>(v);
     for (int i = threadIdx.x; i < n_sub * (Q8_WORDS / 4); i += blockDim.x) copy16(d + i, s + i);
-}
-
-// A staged sub-block's words into registers: three 16-byte loads (conflict-free at a 48-byte stride).
-__device__ __forceinline__ void q8_words(const unsigned* v, unsigned* x) {
-    const uint4* p = reinterpret_cast<const uint4*>(v);
-#pragma unroll
-    for (int k = 0; k < 3; ++k) {
-        const uint4 w = p[k];
-        x[4 * k] = w.x, x[4 * k + 1] = w.y, x[4 * k + 2] = w.z, x[4 * k + 3] = w.w;
-    }
 }
 
 // row_dot and row_dot_pair on the integer path: v holds n_sub quantized sub-blocks.

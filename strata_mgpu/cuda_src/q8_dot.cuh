@@ -40,65 +40,79 @@ __device__ __forceinline__ int dot4x4(const unsigned* q, const unsigned* x) {  /
     return s;
 }
 
-// The halves' (scale, offset) applied to their integer sums: dx * sum_h (scale_h * isum_h - offset_h * xsum_h).
-__device__ __forceinline__ float scaled(float dx, float s0, float o0, int i0, float s1, float o1, int i1,
-                                        const unsigned* x) {
-    const float h0 = __fsub_rn(__fmul_rn(s0, (float)i0), __fmul_rn(o0, (float)(int)x[9]));
-    const float h1 = __fsub_rn(__fmul_rn(s1, (float)i1), __fmul_rn(o1, (float)(int)x[10]));
-    return __fmul_rn(dx, __fadd_rn(h0, h1));
-}
+// A sub-block unpacked: its 32 integers q (8 words of signed bytes) and, for each 16-weight half,
+// the scale and offset that make its weights w = scale * q - offset. Unpacked once, it can be
+// dotted with several quantized vectors (dense_decode.cu: every row of x).
+struct Q8Sub {
+    unsigned q[8];
+    float s0, o0, s1, o1;
+
+    // dx * sum_h (scale_h * isum_h - offset_h * xsum_h) with the activations x (Q8_WORDS words).
+    __device__ __forceinline__ float dot(const unsigned* x) const {
+        const float h0 = __fsub_rn(__fmul_rn(s0, (float)dot4x4(q, x)), __fmul_rn(o0, (float)(int)x[9]));
+        const float h1 = __fsub_rn(__fmul_rn(s1, (float)dot4x4(q + 4, x + 4)), __fmul_rn(o1, (float)(int)x[10]));
+        return __fmul_rn(__uint_as_float(x[8]), __fadd_rn(h0, h1));
+    }
+};
+
+// Sub-block j of the block at b unpacked.
+template <int TYPE>
+__device__ __forceinline__ void q8_unpack(const u8* b, int j, Q8Sub* u);
 
 // Sub-block j of the block at b dotted with the activations x (Q8_WORDS words, as above).
 template <int TYPE>
-__device__ __forceinline__ float q8_dot(const u8* b, int j, const unsigned* x);
+__device__ __forceinline__ float q8_dot(const u8* b, int j, const unsigned* x) {
+    Q8Sub u;
+    q8_unpack<TYPE>(b, j, &u);
+    return u.dot(x);
+}
 
 // Q8_0 [d:f16][qs:int8 x32]: w = d * q
-template <> __device__ __forceinline__ float q8_dot<8>(const u8* b, int, const unsigned* x) {
+template <> __device__ __forceinline__ void q8_unpack<8>(const u8* b, int, Q8Sub* u) {
     const float d = f16_at(b);
-    unsigned q[8];
-    load32(b + 2, q);
-    return scaled(__uint_as_float(x[8]), d, 0.f, dot4x4(q, x), d, 0.f, dot4x4(q + 4, x + 4), x);
+    load32(b + 2, u->q);
+    u->s0 = u->s1 = d;
+    u->o0 = u->o1 = 0.f;
 }
 
 // Q4_0 [d:f16][qs:16]: w = d * q - 8 d; values 0-15 the low nibbles, 16-31 the high ones
-template <> __device__ __forceinline__ float q8_dot<2>(const u8* b, int, const unsigned* x) {
-    const float d = f16_at(b), o = __fmul_rn(d, 8.f);
-    unsigned w[4], lo[4], hi[4];
+template <> __device__ __forceinline__ void q8_unpack<2>(const u8* b, int, Q8Sub* u) {
+    const float d = f16_at(b);
+    unsigned w[4];
     load_words<4>(b + 2, w);
 #pragma unroll
     for (int k = 0; k < 4; ++k) {
-        lo[k] = w[k] & 0x0F0F0F0Fu;
-        hi[k] = (w[k] >> 4) & 0x0F0F0F0Fu;
+        u->q[k] = w[k] & 0x0F0F0F0Fu;
+        u->q[4 + k] = (w[k] >> 4) & 0x0F0F0F0Fu;
     }
-    return scaled(__uint_as_float(x[8]), d, o, dot4x4(lo, x), d, o, dot4x4(hi, x + 4), x);
+    u->s0 = u->s1 = d;
+    u->o0 = u->o1 = __fmul_rn(d, 8.f);
 }
 
 // Q4_K: w = (d * sc) * q - (dmin * m), as sub_block<12>
-template <> __device__ __forceinline__ float q8_dot<12>(const u8* b, int j, const unsigned* x) {
-    float d, m;
-    k4_scale_min(b, j, &d, &m);
-    unsigned qs[8];
-    q4k_values(b, j, qs);
-    return scaled(__uint_as_float(x[8]), d, m, dot4x4(qs, x), d, m, dot4x4(qs + 4, x + 4), x);
+template <> __device__ __forceinline__ void q8_unpack<12>(const u8* b, int j, Q8Sub* u) {
+    k4_scale_min(b, j, &u->s0, &u->o0);
+    u->s1 = u->s0;
+    u->o1 = u->o0;
+    q4k_values(b, j, u->q);
 }
 
 // Q5_K: as Q4_K with a fifth bit from qh, as sub_block<13>
-template <> __device__ __forceinline__ float q8_dot<13>(const u8* b, int j, const unsigned* x) {
-    float d, m;
-    k4_scale_min(b, j, &d, &m);
-    unsigned qs[8];
-    q5k_values(b, j, qs);
-    return scaled(__uint_as_float(x[8]), d, m, dot4x4(qs, x), d, m, dot4x4(qs + 4, x + 4), x);
+template <> __device__ __forceinline__ void q8_unpack<13>(const u8* b, int j, Q8Sub* u) {
+    k4_scale_min(b, j, &u->s0, &u->o0);
+    u->s1 = u->s0;
+    u->o1 = u->o0;
+    q5k_values(b, j, u->q);
 }
 
 // Q6_K: w = (d * sc_h) * q - 32 (d * sc_h), a scale for each 16-weight half, as sub_block<14>
-template <> __device__ __forceinline__ float q8_dot<14>(const u8* b, int j, const unsigned* x) {
+template <> __device__ __forceinline__ void q8_unpack<14>(const u8* b, int j, Q8Sub* u) {
     const int h = j >> 2, g = j & 3;
-    unsigned ql[8];
-    q6k_values(b, j, ql);
+    q6k_values(b, j, u->q);
     const signed char* sc = reinterpret_cast<const signed char*>(b + 192 + 8 * h);
     const float d = f16_at(b + 208);
-    const float s0 = __fmul_rn(d, (float)sc[2 * g]), s1 = __fmul_rn(d, (float)sc[2 * g + 1]);
-    return scaled(__uint_as_float(x[8]), s0, __fmul_rn(s0, 32.f), dot4x4(ql, x), s1, __fmul_rn(s1, 32.f),
-                  dot4x4(ql + 4, x + 4), x);
+    u->s0 = __fmul_rn(d, (float)sc[2 * g]);
+    u->s1 = __fmul_rn(d, (float)sc[2 * g + 1]);
+    u->o0 = __fmul_rn(u->s0, 32.f);
+    u->o1 = __fmul_rn(u->s1, 32.f);
 }

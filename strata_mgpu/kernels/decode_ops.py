@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from strata_mgpu.kernels import nvrtc
+from strata_mgpu.kernels.experts import Q8_WORDS
 from strata_mgpu.kernels.paths import PathCounter
 from strata_mgpu.model.decoder import DecodeOps
 from strata_mgpu.model.kv_cache import KVCache
@@ -29,11 +30,12 @@ from strata_mgpu.model.spec import ModelSpec
 from strata_mgpu.model.weights import LayerWeights
 
 OPS_FILE = "decode_ops.cu"
-KERNEL_NAMES = ("rms_norm_rows", "add_rms_norm_rows", "qk_norm_rope_kv", "router_logits", "route_topk")
+KERNEL_NAMES = ("rms_norm_rows", "add_rms_norm_rows", "qk_norm_rope_kv", "route_rows", "moe_input_rows")
+MOE_INPUT_SHARED_BYTES = 46 * 1024  # moe_input_rows keeps a row of D fp32 in shared memory: D <= 11,776
 NORM_THREADS = 256
 ROUTER_WARPS = 8
-MAX_EXPERTS = 512  # route_topk holds 16 values a lane
-MAX_ROUTED_ROWS = 64  # router_logits re-reads the router for every row: a prompt's rows go to the GEMM
+MAX_EXPERTS = 512  # route_rows' top-k holds 16 values a lane
+MAX_ROUTED_ROWS = 64  # route_rows re-reads the router for every row: a prompt's rows go to the GEMM
 NOT_BF16 = "a tensor is not a contiguous bfloat16 CUDA tensor"
 ATTN_FILE = "decode_attention.cu"
 ATTN_HEAD_DIMS = (64, 128, 256)
@@ -69,6 +71,10 @@ class CudaDecodeOps(DecodeOps):
         # older cards load decode_attention.cu (its kernels trap there) but run the twin
         self._attention_arch_ok = torch.cuda.get_device_capability(device) >= ATTN_MIN_CAPABILITY
         self._tables: OrderedDict[tuple, torch.Tensor] = OrderedDict()
+        # route_rows' and moe_input_rows' counters of finished blocks a row: zero between launches
+        # (each row's last block resets its own), made here, never inside a graph capture; one
+        # stream at a time uses them (the ops are a stage's, on its compute stream)
+        self.rows_done = torch.zeros(MAX_ROUTED_ROWS, dtype=torch.int32, device=device)
 
     def _twin(self, op: str, reason: str) -> None:
         self.paths.fell_back(op, "cuda", reason)
@@ -184,6 +190,31 @@ class CudaDecodeOps(DecodeOps):
                      out.data_ptr())
         return out
 
+    def moe_input(self, x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor, eps: float, router: torch.Tensor,
+                  n_used: int, renormalize: bool
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """add_rms_norm + route + the experts' quantized input in one launch (`moe_input_rows`),
+        where add_rms_norm and route would each take their fused kernel; else those two."""
+        e = router.shape[0]
+        if not (x.dim() == 2 and x.shape == y.shape and weight.numel() == x.shape[1] == router.shape[1]
+                and self._ok(x, y, weight) and router.dtype == torch.float32 and router.is_contiguous()
+                and e <= MAX_EXPERTS and n_used <= min(32, e) and x.shape[0] <= MAX_ROUTED_ROWS
+                and x.shape[1] % 32 == 0 and 4 * x.shape[1] <= MOE_INPUT_SHARED_BYTES):
+            return super().moe_input(x, y, weight, eps, router, n_used, renormalize)
+        t, d = x.shape
+        self.paths.ran("moe_input", "cuda")
+        x_out, h = torch.empty_like(x), torch.empty_like(x)
+        hq = torch.empty(t, d // 32 * Q8_WORDS, dtype=torch.int32, device=x.device)
+        logits = torch.empty(t, e, dtype=torch.float32, device=x.device)
+        weights = torch.empty(t, n_used, dtype=torch.float32, device=x.device)
+        experts = torch.empty(t, n_used, dtype=torch.int64, device=x.device)
+        self._launch("moe_input_rows", (-(-e // ROUTER_WARPS), t), 32 * ROUTER_WARPS, x.data_ptr(), y.data_ptr(),
+                     weight.data_ptr(), np.int32(d), np.float32(eps), router.data_ptr(), np.int32(e),
+                     logits.data_ptr(), np.int32(n_used), np.int32(renormalize), weights.data_ptr(),
+                     experts.data_ptr(), self.rows_done.data_ptr(), x_out.data_ptr(), h.data_ptr(), hq.data_ptr(),
+                     shared_mem=4 * d)
+        return x_out, h, weights, experts, hq
+
     def route(self, h: torch.Tensor, router: torch.Tensor, n_used: int, renormalize: bool
               ) -> tuple[torch.Tensor, torch.Tensor]:
         e, d = router.shape
@@ -200,8 +231,7 @@ class CudaDecodeOps(DecodeOps):
         logits = torch.empty(t, e, dtype=torch.float32, device=h.device)
         weights = torch.empty(t, n_used, dtype=torch.float32, device=h.device)
         experts = torch.empty(t, n_used, dtype=torch.int64, device=h.device)
-        self._launch("router_logits", (-(-e // ROUTER_WARPS), t), 32 * ROUTER_WARPS, h.data_ptr(), router.data_ptr(),
-                     np.int32(d), np.int32(e), logits.data_ptr())
-        self._launch("route_topk", t, 32, logits.data_ptr(), np.int32(e), np.int32(n_used), np.int32(renormalize),
-                     weights.data_ptr(), experts.data_ptr())
+        self._launch("route_rows", (-(-e // ROUTER_WARPS), t), 32 * ROUTER_WARPS, h.data_ptr(), router.data_ptr(),
+                     np.int32(d), np.int32(e), logits.data_ptr(), np.int32(n_used), np.int32(renormalize),
+                     weights.data_ptr(), experts.data_ptr(), self.rows_done.data_ptr())
         return weights, experts

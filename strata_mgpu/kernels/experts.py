@@ -125,10 +125,12 @@ class TorchKernels:
             self.dequant_experts(cache.source(i, e), lay, 1, w_gate_up[g:g + 1], w_down[g:g + 1])
 
     def moe_gathered(self, cache: ExpertCache, i: int, lay: ExpertLayout, h: torch.Tensor, weights: torch.Tensor,
-                     experts: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
+                     experts: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
+                     hq: torch.Tensor | None = None) -> torch.Tensor:
         """Decode's routed experts of local layer i: every row's picks read where they live (a cache
         slot or the host arena), computed and combined. h [T, D], weights [T, A] fp32, experts
-        [T, A] -> [T, D]. The twin dequantizes the M = T * A picks into the workspace (w_gate_up
+        [T, A] -> [T, D]; hq: h already quantized (`quantize_q8`'s layout) for the integer kernels,
+        or None. The twin dequantizes the M = T * A picks into the workspace (w_gate_up
         [>= M, 2F, D], w_down [>= M, D, F]) and runs the grouped GEMM pair, one row a group."""
         self.paths.ran("moe_gathered", "twin")
         t, a = experts.shape
@@ -271,9 +273,10 @@ class CudaKernels(TorchKernels):
                        q8_gate_up=lay.gate_type in Q8_DOT_TYPES, q8_down=lay.down_type in Q8_DOT_TYPES)
 
     def moe_gathered(self, cache: ExpertCache, i: int, lay: ExpertLayout, h: torch.Tensor, weights: torch.Tensor,
-                     experts: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
+                     experts: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
+                     hq: torch.Tensor | None = None) -> torch.Tensor:
         """Two launches (`moe_decode.cu`) straight from the experts' quantized bytes: no workspace,
-        no host sync."""
+        no host sync (and up to two quantize_q8 launches: h's where hq is not given, act's)."""
         t, a = experts.shape
         d = h.shape[1]
         plan = self.moe_fused(lay, d, a) if h.dtype == torch.bfloat16 else None
@@ -289,7 +292,10 @@ class CudaKernels(TorchKernels):
                  np.int64(cache.slot_bytes), np.uint64(cache.arena.buffer.data_ptr()))
         act = torch.empty(t * a, f, dtype=torch.bfloat16, device=h.device)
         out = torch.empty(t, d, dtype=torch.bfloat16, device=h.device)
-        hq = self._quantize_q8(h) if plan.q8_gate_up else h
+        if not plan.q8_gate_up:
+            hq = h
+        elif hq is None or hq.shape != (t, d // 32 * Q8_WORDS) or hq.dtype != torch.int32:
+            hq = self._quantize_q8(h)
         fn = nvrtc.kernel(MOE_FILE, f"moe_gate_up<{int(lay.gate_type)}>", _MOE_EXPRS, self.device)
         nvrtc.launch(fn, (-(-f // plan.rows_gu), t * a), MOE_THREADS,
                      (h.data_ptr(), hq.data_ptr(), picks.data_ptr(), np.int32(a), *table, np.int32(d), np.int32(f),

@@ -165,6 +165,16 @@ class DecodeOps:
               ) -> tuple[torch.Tensor, torch.Tensor]:
         return route(h, router, n_used, renormalize)
 
+    def moe_input(self, x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor, eps: float, router: torch.Tensor,
+                  n_used: int, renormalize: bool
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """The MoE block's input from the residual x and the attention's output y: (x + y, h =
+        rms_norm(x + y), h's routing weights [T, A] and experts [T, A], and h quantized for integer
+        expert kernels or None). The twin: add_rms_norm, then route; nothing quantized."""
+        x, h = self.add_rms_norm(x, y, weight, eps)
+        weights, experts = self.route(h, router, n_used, renormalize)
+        return x, h, weights, experts, None
+
 
 class ExpertBackend(Protocol):
     """Computes a layer's routed experts for the rows routed to them."""
@@ -173,8 +183,10 @@ class ExpertBackend(Protocol):
         """A forward over n_rows token rows starts (a streaming backend starts its uploads)."""
         ...
 
-    def forward(self, layer: int, h: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
-        """h [T, D], router weights [T, A] fp32, expert ids [T, A] -> weighted expert outputs [T, D]."""
+    def forward(self, layer: int, h: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
+                hq: torch.Tensor | None = None) -> torch.Tensor:
+        """h [T, D], router weights [T, A] fp32, expert ids [T, A] -> weighted expert outputs [T, D].
+        hq: h already quantized for integer expert kernels (`DecodeOps.moe_input`), or None."""
         ...
 
 
@@ -289,14 +301,26 @@ class Decoder:
             # each row has its own cache and position
             q = ops.qk_norm_rope_kv(s, layer, i, q, k, v, positions, cos, sin, kvs, table)  # [B, H, Dh]
             out = ops.attention(i, q, positions, kvs, table, capacity)  # [B, H, Dh]
-            x, h = ops.add_rms_norm(x, out.reshape(n, s.q_dim) @ layer.wo.T, layer.ffn_norm, s.rms_eps)
-            weights, experts = self.route(i, h, layer.router)
-            y = self.experts.forward(i, h, weights, experts)
+            attended = out.reshape(n, s.q_dim) @ layer.wo.T
+            if self._routes_itself:  # norm, routing and the experts' quantized input: one launch on the GPU
+                x, h, weights, experts, hq = ops.moe_input(x, attended, layer.ffn_norm, s.rms_eps, layer.router,
+                                                           s.n_experts_used, s.norm_topk_prob)
+            else:
+                x, h = ops.add_rms_norm(x, attended, layer.ffn_norm, s.rms_eps)
+                (weights, experts), hq = self.route(i, h, layer.router), None
+            y = (self.experts.forward(i, h, weights, experts) if hq is None else
+                 self.experts.forward(i, h, weights, experts, hq=hq))
             if i + 1 < len(layers):
                 x, h = ops.add_rms_norm(x, y, layers[i + 1].attn_norm, s.rms_eps)
             else:
                 x = x + y
         return x
+
+    @property
+    def _routes_itself(self) -> bool:
+        """Is `route` this class's own (so the decode step may route inside `ops.moe_input`)? Tests
+        replace it on an instance to record or force the routing: then every layer calls it."""
+        return "route" not in vars(self) and type(self).route is _OWN_ROUTE
 
     def route(self, i: int, h: torch.Tensor, router: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer i's routing: (weights [T, A] fp32, experts [T, A])."""
@@ -323,3 +347,6 @@ class Decoder:
     def prefill(self, tokens: torch.Tensor, kv: KVCache) -> torch.Tensor:
         """All-position logits [T, V] of one sequence's new tokens."""
         return self.logits(self.forward(tokens, [Segment(0, tokens.shape[0], kv)]))
+
+
+_OWN_ROUTE = Decoder.route  # what `Decoder._routes_itself` compares with, however the class is patched later

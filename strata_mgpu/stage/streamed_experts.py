@@ -137,7 +137,8 @@ class StreamedExperts:
             self.helper.abort()
         self._feed = self._tables = None
 
-    def forward(self, i: int, h: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+    def forward(self, i: int, h: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
+                hq: torch.Tensor | None = None) -> torch.Tensor:
         layer = self.layers[i]
         lay = self.arena.layouts[layer]
         if self.cache is not None:
@@ -145,7 +146,8 @@ class StreamedExperts:
         if not self.streaming:
             assert self.cache is not None
             self.ctx.access((self.w_gate_up, self.w_down), "w")
-            return self.kernels.moe_gathered(self.cache, i, lay, h, weights, experts, self.w_gate_up, self.w_down)
+            return self.kernels.moe_gathered(self.cache, i, lay, h, weights, experts, self.w_gate_up, self.w_down,
+                                             hq=hq)
         helper = self.helper if self.helped else None
         if helper is not None:  # hand the helper its inputs first: it works while we do
             helper.publish(h, weights, experts)

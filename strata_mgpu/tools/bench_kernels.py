@@ -1,6 +1,7 @@
 """Time decode's kernels on one GPU without a model file: the fused expert kernels on one layer of
 a preset's shapes (experts in VRAM slots, or a share of them read from pinned host memory), decode
-attention at several context lengths, and a whole layer's dequantization (what bounds a prompt
+attention at several context lengths, the dense projections (q/k/v and the head: the bf16 GEMM
+against `dense_q8` on Q8_0 blocks), and a whole layer's dequantization (what bounds a prompt
 whose experts are all resident). Each fast path is checked once against its twin on the same
 inputs. A run takes seconds: no 20 GB file to write and load, so a kernel change is measured in
 one short device call.
@@ -104,6 +105,23 @@ def random_routing(batch: int, n_experts: int, n_used: int, g: torch.Generator) 
     return weights, experts
 
 
+def q8_0_rows(n: int, k: int, device: torch.device) -> torch.Tensor:
+    """n rows of k weights in valid Q8_0 blocks, made on the device (a 151,936-row head is 330 MB):
+    random int8 values, each block's scale 1 / (127 sqrt(k)) as fp16 (unit-variance outputs)."""
+    blocks = torch.randint(-127, 128, (n, k // 32, 34), dtype=torch.int8, device=device).view(torch.uint8)
+    scale = torch.tensor([1 / (127 * math.sqrt(k))], dtype=torch.float16).view(torch.uint8)  # 2 bytes
+    blocks[:, :, :2] = scale.to(device)
+    return blocks.reshape(n, -1)
+
+
+def _dequant_q8_0(raw: torch.Tensor, k: int) -> torch.Tensor:
+    """Q8_0 rows [N, row_bytes] -> [N, K] bf16, on the device (no host round trip for a big head)."""
+    blocks = raw.reshape(raw.shape[0], k // 32, 34)
+    scale = blocks[:, :, :2].contiguous().view(torch.float16).float()  # [N, K / 32, 1]
+    q = blocks[:, :, 2:].contiguous().view(torch.int8).float()  # [N, K / 32, 32]
+    return (q * scale).reshape(raw.shape[0], k).bfloat16()
+
+
 def time_us(fn, iters: int) -> float:
     """Microseconds a call of `fn`'s launches on the device: captured once as a CUDA graph (as
     decode runs them) and replayed `iters` times back to back between two events, so the host's
@@ -188,6 +206,24 @@ def run(preset: str, batches: list[int], contexts: list[int], iters: int, host_s
             us = time_us(partial(ops.attention, 0, q, positions, kvs), iters)
             nbytes = b * 2 * n * spec.kv_dim * 2
             report.timings.append(KernelTiming(f"attention at {n:,} keys", b, us, nbytes, bound(nbytes), err))
+    from strata_mgpu.kernels.dense import dense_q8, dense_reference
+
+    # decode's dense projections: the bf16 GEMM they take today against dense_q8 on the file's Q8_0
+    kv_rows = (spec.n_heads + 2 * spec.n_kv_heads) * spec.head_dim
+    for what, n_rows, check in (("q/k/v projection", kv_rows, True), ("output head", spec.vocab_size, False)):
+        raw = q8_0_rows(n_rows, d, device)
+        w_bf16 = _dequant_q8_0(raw, d)  # [N, K] bf16: the weights as the decoder holds them today
+        for b in batches:
+            h = torch.randn(b, d, generator=g).to(device, torch.bfloat16)
+            us = time_us(partial(torch.matmul, h, w_bf16.T), iters)
+            nbytes = 2 * n_rows * d
+            report.timings.append(KernelTiming(f"{what}, bf16 weights (torch GEMM)", b, us, nbytes, bound(nbytes)))
+            err = rel_err(dense_q8(kernels, h, raw, Q.Q8_0), dense_reference(h, raw, Q.Q8_0)) if check else None
+            us = time_us(partial(dense_q8, kernels, h, raw, Q.Q8_0), iters)
+            nbytes = raw.numel()
+            report.timings.append(KernelTiming(f"{what}, from Q8_0 blocks (dense_q8)", b, us, nbytes, bound(nbytes),
+                                               err))
+        del raw, w_bf16
     addresses = cache.addresses(0, torch.arange(e, device=device))
     w_gu = torch.empty(e, 2 * f, d, dtype=torch.bfloat16, device=device)
     w_d = torch.empty(e, d, f, dtype=torch.bfloat16, device=device)
