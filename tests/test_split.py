@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import threading
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -10,13 +12,14 @@ from click.testing import CliRunner
 
 from strata_mgpu.cli import main
 from strata_mgpu.config import EngineConfig
-from strata_mgpu.engine.engine import Engine
+from strata_mgpu.engine.engine import Engine, RequestOutput
 from strata_mgpu.engine.sampler import SamplingParams
 from strata_mgpu.model.gguf_reader import GGUFFile
 from strata_mgpu.model.spec import spec_from_gguf
 from strata_mgpu.model.tokenizer import tokenizer_from_gguf
 from strata_mgpu.split.runner import SplitError, build_split, plan_layers
 from strata_mgpu.stage.stage import Stage, StageOptions
+from strata_mgpu.tools.server_decode import bench_prompts
 from tests.test_engine import greedy_chain, run_all
 
 CPU = StageOptions(device=torch.device("cpu"), chunk_size=64)
@@ -118,6 +121,49 @@ def test_engine_greedy_on_split_equals_reference(loaded, tiny_gguf):
     (out,) = run_all(Engine(split, tok, EngineConfig(chunk_size=5)),
                      [(prompt, SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))])
     assert [t for o in out for t in o.token_ids] == greedy_chain(load_reference_runner(f, spec), prompt, 10)
+
+
+SERVED, SERVED_TOKENS = 6, 48  # requests served together, tokens each
+
+
+def served_ids(runner, tok, config: EngineConfig) -> list[list[int]]:
+    """The token ids of SERVED requests decoded together on the engine's own thread, its decode graphs
+    captured first (`Engine.start`), as `strata bench --server-decode` sends them: corpus prompts, each
+    request seeded, EOS ignored; half of them top-p, the last greedy. All are submitted before the
+    engine starts, so every run batches them alike. Each must end at its length, with no error."""
+    params = [SamplingParams(max_tokens=SERVED_TOKENS, temperature=0.8, top_p=0.9 if i % 2 else 1.0, seed=i,
+                             ignore_eos=True) for i in range(SERVED - 1)]
+    params.append(SamplingParams(max_tokens=SERVED_TOKENS, temperature=0, ignore_eos=True))
+    outs: list[list[RequestOutput]] = [[] for _ in params]
+    finished = threading.Semaphore(0)
+
+    def collect(out: list[RequestOutput]) -> Callable[[RequestOutput], None]:
+        def on_output(o: RequestOutput) -> None:  # on the engine's thread
+            out.append(o)
+            if o.finished:
+                finished.release()
+        return on_output
+
+    engine = Engine(runner, tok, config)
+    for prompt, p, out in zip(bench_prompts(tok, SERVED, 16), params, outs, strict=True):
+        engine.submit(prompt, p, collect(out))
+    engine.start()
+    try:
+        assert all(finished.acquire(timeout=120) for _ in outs), "the engine did not finish"
+    finally:
+        engine.shutdown()
+    for out in outs:
+        assert (out[-1].finish_reason, out[-1].n_generated) == ("length", SERVED_TOKENS), out[-1].error
+    return [[t for o in out for t in o.token_ids] for out in outs]
+
+
+def test_server_shaped_sampled_decode_on_a_split_equals_one_stage(loaded):
+    """The flow of the GPU race test (tests/test_gpu_split_engine.py) on CPU stages, where the split
+    is bit-exact: sampled requests decoded together on the engine's thread draw one stage's tokens."""
+    f, spec = loaded
+    tok, config = tokenizer_from_gguf(f), EngineConfig(ctx_size=256, chunk_size=64)
+    want = served_ids(Stage(f, spec, CPU), tok, config)
+    assert served_ids(build_split(f, spec, [CPU, CPU], "2"), tok, config) == want
 
 
 def test_bench_cli_with_two_cpu_stages(tiny_gguf, tmp_path):
