@@ -154,7 +154,8 @@ if has dec32k; then
 fi
 if has kbench; then
   python3 -m strata_mgpu.tools.bench_kernels --json "$OUT/kbench.json" 2>&1 | tee "$OUT/kbench.log" || status=1
-  python3 -m strata_mgpu.tools.bench_kernels --host-share 0.5 --contexts 1024 --json "$OUT/kbench_host.json" 2>&1 \
+  python3 -m strata_mgpu.tools.bench_kernels --host-share 0.5 --contexts 1024 --expert-rows 16 \
+    --json "$OUT/kbench_host.json" 2>&1 \
     | tee "$OUT/kbench_host.log" || status=1
 fi
 if has prof40; then

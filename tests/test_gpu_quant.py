@@ -1,6 +1,7 @@
 """GPU checks of every served block format (marker `gpu`; skipped without CUDA): the CUDA dequant
 bit-exact against the torch twin on random blocks, decode's fused expert kernels and the address
-gather against the twin for every type on both sides of an expert, and the path counters."""
+gather against the twin for every type on both sides of an expert, the grouped expert kernels
+against the pick-by-pick ones, and the path counters."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import pytest
 import torch
 from gguf.constants import GGMLQuantizationType
 
+from strata_mgpu.kernels import experts as K
 from strata_mgpu.kernels.dense import dense_q8, dense_reference
 from strata_mgpu.kernels.experts import Q8_DOT_TYPES, Q8_WORDS, TorchKernels
 from strata_mgpu.model.gguf_reader import GGUFFile
@@ -67,6 +69,34 @@ def test_cuda_dequant_is_bit_exact_with_the_twin(kernels, ggml_type):
 FUSED_PAIRS = [(t, FUSED_DECODE_TYPES[(i + 5) % len(FUSED_DECODE_TYPES)]) for i, t in enumerate(FUSED_DECODE_TYPES)]
 
 
+def expert_case(tmp_path_factory, types: tuple, seed: int):
+    """A tiny model with experts of `types` (gate/up, down) on the GPU: its spec, an expert cache
+    holding experts 0-2 of each layer in VRAM slots (the rest read from the mapped host arena), and
+    layer 1's layout."""
+    path = tmp_path_factory.mktemp("experts") / "m.gguf"
+    write_model(path, "tiny", expert_type=types[0], down_type=types[1], seed=seed)
+    f = GGUFFile(path)
+    spec = spec_from_gguf(f)
+    stage = Stage(f, spec, StageOptions(device=CUDA, max_vram_gib=8))
+    cache = ExpertCache(stage.ctx, stage.arena, range(spec.n_layers), n_slots=3 * spec.n_layers)
+    lay = stage.arena.layouts[1]
+    assert (lay.gate_type, lay.down_type) == types
+    return spec, cache, lay
+
+
+def random_pass(spec, rows: int, n_experts: int, seed: int):
+    """A gathered pass of `rows` rows: h [rows, D] bf16, routing weights and distinct picks among
+    the first n_experts experts [rows, A], and the twin's workspace for its picks."""
+    A, D, F = spec.n_experts_used, spec.hidden, spec.expert_ffn
+    g = torch.Generator(device=CUDA).manual_seed(seed)
+    h = torch.randn(rows, D, device=CUDA, dtype=torch.bfloat16, generator=g)
+    experts = torch.stack([torch.randperm(n_experts, device=CUDA, generator=g)[:A] for _ in range(rows)])
+    weights = torch.softmax(torch.randn(rows, A, device=CUDA, generator=g), -1)
+    w_gu = torch.empty(rows * A, 2 * F, D, dtype=torch.bfloat16, device=CUDA)
+    w_d = torch.empty(rows * A, D, F, dtype=torch.bfloat16, device=CUDA)
+    return h, weights, experts, w_gu, w_d
+
+
 @pytest.mark.parametrize("rows", [1, 3])
 @pytest.mark.parametrize("types", FUSED_PAIRS, ids=lambda t: f"{t[0].name}-{t[1].name}")
 def test_fused_decode_and_gather_of_every_type_equal_twin(kernels, tmp_path_factory, types, rows):
@@ -74,29 +104,17 @@ def test_fused_decode_and_gather_of_every_type_equal_twin(kernels, tmp_path_fact
     gather (prefill with resident experts, decode's fallback) bit-exact against the twin's gather;
     picks read from cache slots and from the mapped host arena."""
     seed = int(np.random.SeedSequence().entropy % 2**31)
-    path = tmp_path_factory.mktemp("fused") / "m.gguf"
-    write_model(path, "tiny", expert_type=types[0], down_type=types[1], seed=seed)
-    f = GGUFFile(path)
-    spec = spec_from_gguf(f)
-    stage = Stage(f, spec, StageOptions(device=CUDA, max_vram_gib=8))
-    cache = ExpertCache(stage.ctx, stage.arena, range(spec.n_layers), n_slots=3 * spec.n_layers)  # 0-2 resident
-    lay = stage.arena.layouts[1]
-    assert (lay.gate_type, lay.down_type) == types
+    spec, cache, lay = expert_case(tmp_path_factory, types, seed)
     assert kernels.moe_fused(lay, spec.hidden, spec.n_experts_used) is not None
-    E, A, D, F = spec.n_experts, spec.n_experts_used, spec.hidden, spec.expert_ffn
-    g = torch.Generator(device=CUDA).manual_seed(seed)
-    h = torch.randn(rows, D, device=CUDA, dtype=torch.bfloat16, generator=g)
-    experts = torch.stack([torch.randperm(E, device=CUDA, generator=g)[:A] for _ in range(rows)])
+    E = spec.n_experts
+    h, weights, experts, w_gu, w_d = random_pass(spec, rows, E, seed)
     experts[0, :2] = torch.tensor([0, E - 1])  # one resident pick and one from the host for sure
-    weights = torch.softmax(torch.randn(rows, A, device=CUDA, generator=g), -1)
-    w_gu = torch.empty(rows * A, 2 * F, D, dtype=torch.bfloat16, device=CUDA)
-    w_d = torch.empty(rows * A, D, F, dtype=torch.bfloat16, device=CUDA)
     before = kernels.paths["moe_gathered:fused"]
     got = kernels.moe_gathered(cache, 1, lay, h, weights, experts, w_gu, w_d)
     assert kernels.paths["moe_gathered:fused"] == before + 1
     want = TorchKernels().moe_fused_reference(cache, 1, lay, h, weights, experts, w_gu, w_d)
     torch.cuda.synchronize()
-    assert torch.isfinite(got).all() and got.shape == (rows, D)
+    assert torch.isfinite(got).all() and got.shape == (rows, spec.hidden)
     assert rel_err(got, want) <= FUSED_TOL, f"seed {seed}"
     if types[0] in Q8_DOT_TYPES:  # h quantized ahead (as moe_input_rows does) changes nothing
         hq = kernels._quantize_q8(h)
@@ -113,6 +131,32 @@ def test_fused_decode_and_gather_of_every_type_equal_twin(kernels, tmp_path_fact
     for got_w, want_w in zip(outs[0], outs[1], strict=True):
         ok, at = same_bf16_bits(got_w.view(-1), want_w.view(-1))
         assert ok, f"seed {seed}: gather differs first at {at}"
+
+
+Q8 = GGMLQuantizationType
+GROUPED_PAIRS = [(Q8.Q4_K, Q8.Q6_K), (Q8.Q8_0, Q8.Q4_0), (Q8.Q5_K, Q8.Q8_0), (Q8.Q6_K, Q8.Q5_K), (Q8.Q4_0, Q8.Q4_K)]
+
+
+@pytest.mark.parametrize("types", GROUPED_PAIRS, ids=lambda t: f"{t[0].name}-{t[1].name}")
+def test_grouped_experts_equal_pick_by_pick(kernels, tmp_path_factory, monkeypatch, types):
+    """A gathered pass of many picks expert by expert (moe_grouped.cu) equals decode's
+    pick-by-pick kernels bit for bit (same dots in the same order), and so the twin within
+    FUSED_TOL: picks read from cache slots and from the mapped host arena, an expert no row picked,
+    experts picked more often than a block holds vectors at once."""
+    seed = fresh_seed()
+    spec, cache, lay = expert_case(tmp_path_factory, types, seed)
+    rows = -(-K.GROUPED_MIN_PICKS // spec.n_experts_used) + 13
+    h, weights, experts, w_gu, w_d = random_pass(spec, rows, spec.n_experts - 1, seed)  # the last expert: no pick
+    before = kernels.paths["moe_gathered:grouped"]
+    got = kernels.moe_gathered(cache, 1, lay, h, weights, experts, w_gu, w_d)
+    assert kernels.paths["moe_gathered:grouped"] == before + 1
+    monkeypatch.setattr(K, "GROUPED_MIN_PICKS", 10**9)  # the same call, pick by pick
+    by_pick = kernels.moe_gathered(cache, 1, lay, h, weights, experts, w_gu, w_d)
+    want = TorchKernels().moe_fused_reference(cache, 1, lay, h, weights, experts, w_gu, w_d)
+    torch.cuda.synchronize()
+    ok, at = same_bf16_bits(got.view(-1), by_pick.view(-1))
+    assert ok, f"seed {seed}: grouped differs from pick by pick first at {at}"
+    assert rel_err(got, want) <= FUSED_TOL, f"seed {seed}"
 
 
 def test_quantize_q8_writes_the_twins_integers(kernels):
@@ -156,8 +200,8 @@ def _paths_of(stage) -> dict[str, int]:
 
 
 FAST_PATHS = {"dequant:cuda", "dequant_addressed:cuda", "gather_experts:cuda", "moe_gathered:fused",
-              "grouped_mlp:grouped_mm", "copy_wide:copy_f32_wide", "rms_norm:cuda", "add_rms_norm:cuda",
-              "qk_norm_rope_kv:cuda", "route:cuda", "route:gemm", "moe_input:cuda", "dense:q8"}
+              "moe_gathered:grouped", "grouped_mlp:grouped_mm", "copy_wide:copy_f32_wide", "rms_norm:cuda",
+              "add_rms_norm:cuda", "qk_norm_rope_kv:cuda", "route:cuda", "route:gemm", "moe_input:cuda", "dense:q8"}
 
 
 def test_bf16_stage_runs_only_fast_paths(tiny_gguf):

@@ -36,8 +36,9 @@ def fake_kernels() -> K.CudaKernels:
     return k
 
 
-def kernel_params(name: str) -> int:
-    src = nvrtc.cuda_source(K.MOE_FILE)
+def kernel_params(name: str, file: str = K.MOE_FILE) -> int:
+    """Parameters of kernel `name` in cuda_src/`file`, counted from its signature."""
+    src = nvrtc.cuda_source(file)
     sig = re.search(rf"__global__ void {name}\((.*?)\)\s*{{", src, re.S)
     assert sig, name
     return sig.group(1).count(",") + 1

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from strata_mgpu.kernels import decode_ops, dense, nvrtc
+from strata_mgpu.kernels import decode_ops, dense, moe_grouped, nvrtc
 from strata_mgpu.kernels import experts as kernels
 from strata_mgpu.quant import formats
 
@@ -50,6 +50,7 @@ KERNELS = {
     kernels.MOE_FILE: (kernels.MOE_NAMES, kernels._MOE_EXPRS),
     kernels.COPY_FILE: (("copy_f32_wide",), ()),
     dense.DENSE_FILE: ((), dense.DENSE_EXPRS),
+    moe_grouped.GROUPED_FILE: (moe_grouped.GROUPED_NAMES, moe_grouped.grouped_exprs(kernels.Q8_DOT_TYPES)),
     decode_ops.OPS_FILE: (decode_ops.KERNEL_NAMES, ()),
     decode_ops.ATTN_FILE: ((), decode_ops.ATTN_EXPRS),
 }

@@ -12,9 +12,7 @@
 // bf16; the two differ in the order and rounding of the fp32 sums only.
 #include <cuda_bf16.h>
 
-#include "q8_dot.cuh"
-#include "q8_quantize.cuh"
-#include "warp.cuh"
+#include "q8_rows.cuh"
 
 constexpr int DENSE_MAX_ROWS = 8;  // rows of x a launch takes (kernels/dense.py splits more)
 
@@ -26,31 +24,16 @@ __global__ void dense_q8(const unsigned* __restrict__ xq, int T, int K, const u8
     for (int i = threadIdx.x; i < T * words / 4; i += blockDim.x)
         reinterpret_cast<uint4*>(xs)[i] = reinterpret_cast<const uint4*>(xq)[i];
     __syncthreads();
-    constexpr int PER = Fmt<TYPE>::QK / 32;
     const int warps = blockDim.x >> 5, lane = threadIdx.x & 31;
     const int n = blockIdx.x * warps + (threadIdx.x >> 5);
     if (n >= N) return;  // whole warps, after the block's last barrier
     const u8* row = w + (long long)n * row_bytes;
-    float acc[DENSE_MAX_ROWS];
-#pragma unroll
-    for (int t = 0; t < DENSE_MAX_ROWS; ++t) acc[t] = 0.f;
-    for (int j = lane; j < n_sub; j += 32) {
-        Q8Sub u;  // the sub-block's weights unpacked once, dotted with every row of x
-        q8_unpack<TYPE>(row + (j / PER) * Fmt<TYPE>::BYTES, j % PER, &u);
+    float dots[1][DENSE_MAX_ROWS];  // the row's sub-blocks unpacked once, dotted with every row of x
+    q8_row_dots<TYPE, 1, DENSE_MAX_ROWS>(&row, n_sub, xs, words, T, dots);
+    if (lane == 0)
 #pragma unroll
         for (int t = 0; t < DENSE_MAX_ROWS; ++t)
-            if (t < T) {
-                unsigned x[Q8_WORDS];
-                q8_words(xs + t * words + Q8_WORDS * j, x);
-                acc[t] += u.dot(x);
-            }
-    }
-#pragma unroll
-    for (int t = 0; t < DENSE_MAX_ROWS; ++t)
-        if (t < T) {
-            const float v = warp_sum(acc[t]);
-            if (lane == 0) out[(long long)t * N + n] = __float2bfloat16_rn(v);
-        }
+            if (t < T) out[(long long)t * N + n] = __float2bfloat16_rn(dots[0][t]);
 }
 
 #define DENSE_INSTANTIATE(TYPE)                                                                        \

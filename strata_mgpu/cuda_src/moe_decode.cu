@@ -17,28 +17,18 @@
 //     input in fp32.
 // Either way only the order and rounding of the fp32 sums inside a dot product differ from the twin.
 //
-// Expert e's bytes: slots + slot_of[e] * slot_bytes when slot_of[e] >= 0, else arena +
-// host_offset[e] (the layer's rows of the cache's tables). An expert is [gate | up | down], each
-// matrix row-major in whole blocks: gate and up F rows of D weights, down D rows of F weights.
+// Where an expert's bytes are, and how they are laid out: moe_common.cuh.
 //
 // Each block stages a tile of rows (contiguous bytes) into shared memory with 16-byte loads, so
 // reads of mapped host memory leave as whole, coalesced PCIe requests and many are in flight at
 // once; then each warp takes one row, its lanes one 32-weight sub-block at a time.
 #include "ggml_blocks.cuh"
+#include "moe_common.cuh"
 #include "q8_dot.cuh"
 #include "q8_quantize.cuh"
 #include "warp.cuh"
 
-typedef unsigned long long u64;
 constexpr int MAX_PICKS = 64;  // experts a token (A) moe_down takes; kernels/experts.py checks
-
-__device__ __forceinline__ float bf16r(float x) { return __bfloat162float(__float2bfloat16_rn(x)); }
-
-__device__ __forceinline__ const u8* expert_at(long long e, const long long* slot_of, const long long* host_offset,
-                                               u64 slots, long long slot_bytes, u64 arena) {
-    const long long s = slot_of[e];
-    return reinterpret_cast<const u8*>(s >= 0 ? slots + (u64)(s * slot_bytes) : arena + (u64)host_offset[e]);
-}
 
 // 16 bytes from global (or mapped host) memory into shared memory without passing through
 // registers (cp.async, sm_80 on): a thread issues all its copies before any arrives, so a block's

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from gguf.constants import GGMLQuantizationType
 
 from strata_mgpu.kernels import nvrtc
+from strata_mgpu.kernels.moe_grouped import GROUPED_FILE, GROUPED_MIN_PICKS, grouped_exprs, moe_grouped, vectors_a_batch
 from strata_mgpu.kernels.paths import PathCounter, warn_once
 from strata_mgpu.quant.dequant import dequantize_rows
 from strata_mgpu.quant.formats import CUDA_DEQUANT_TYPES, FUSED_DECODE_TYPES, block_format
@@ -47,6 +48,7 @@ Q8_THREADS = 256  # quantize_q8: a warp a sub-block
 MOE_NAMES = ("quantize_q8",)  # moe_decode.cu's plain (extern "C") kernels
 MOE_THREADS = 256  # 8 warps: a block's tile has at most 8 rows, one a warp
 MOE_SHARED_BYTES = 46 * 1024  # under the 48 KiB every card gives a block without opting in
+MAX_EXPERTS = 4096  # experts a layer the grouped kernels' expert table covers
 MOE_MAX_PICKS = 64  # moe_down's MAX_PICKS: experts a token it takes (its static shared tables: 576 bytes)
 CUDA_ATTR_HOST_POINTER_FOR_REGISTERED_MEM = 91  # cudaDevAttrCanUseHostPointerForRegisteredMem
 NO_HOST_POINTERS = "this device cannot read registered host memory at its host address"
@@ -214,6 +216,11 @@ class CudaKernels(TorchKernels):
             nvrtc.kernel(DEQUANT_FILE, expr, _DEQUANT_EXPRS, device)
         for expr in _MOE_EXPRS:
             nvrtc.kernel(MOE_FILE, expr, _MOE_EXPRS, device)
+        for expr in grouped_exprs(Q8_DOT_TYPES):
+            nvrtc.kernel(GROUPED_FILE, expr, grouped_exprs(Q8_DOT_TYPES), device)
+        # 0..MAX_EXPERTS, made once here: the grouped kernels' expert bounds slice it (no tensor made
+        # inside a graph capture)
+        self._expert_ids = torch.arange(MAX_EXPERTS + 1, device=device)
         nvrtc.kernel(COPY_FILE, "copy_f32_wide", (), device)
 
     def dequant(self, src: torch.Tensor, ggml_type: GGMLQuantizationType, groups: int, weights_per_group: int,
@@ -283,10 +290,15 @@ class CudaKernels(TorchKernels):
         if plan is None:
             self.paths.fell_back("moe_gathered", "fused", self._not_fused_reason(lay, h, a))
             return super().moe_gathered(cache, i, lay, h, weights, experts, w_gate_up, w_down)
-        self.paths.ran("moe_gathered", "fused")
-        f = plan.ffn
         h, picks, weights = h.contiguous(), experts.reshape(-1).contiguous(), weights.float().contiguous()
         n_experts = cache.slot_of.shape[1]
+        if self._goes_grouped(plan, lay, t * a, d, n_experts):
+            self.paths.ran("moe_gathered", "grouped")
+            hq = hq if hq is not None and hq.shape == (t, d // 32 * Q8_WORDS) and hq.dtype == torch.int32 else \
+                self._quantize_q8(h)
+            return moe_grouped(self, cache, i, lay, h, hq, weights, experts)
+        self.paths.ran("moe_gathered", "fused")
+        f = plan.ffn
         table = (np.uint64(cache.slot_of.data_ptr() + 8 * i * n_experts),
                  np.uint64(cache.host_offset.data_ptr() + 8 * i * n_experts), np.uint64(cache.buffer.data_ptr()),
                  np.int64(cache.slot_bytes), np.uint64(cache.arena.buffer.data_ptr()))
@@ -308,6 +320,17 @@ class CudaKernels(TorchKernels):
                       np.int32(d), np.int32(f), np.int64(plan.down_row), np.int64(lay.down_offset),
                       np.int32(plan.rows_down), out.data_ptr()), self.device, shared_mem=plan.down_shared)
         return out
+
+    @staticmethod
+    def _goes_grouped(plan: MoePlan, lay: ExpertLayout, n_picks: int, hidden: int, n_experts: int) -> bool:
+        """Expert by expert (`kernels.moe_grouped`) rather than pick by pick: both sides integer,
+        enough picks that experts repeat (GROUPED_MIN_PICKS), and the vectors fit a block."""
+        return (plan.q8_gate_up and plan.q8_down and n_picks >= GROUPED_MIN_PICKS and n_experts <= MAX_EXPERTS
+                and vectors_a_batch(hidden, Q8_WORDS) > 0 and vectors_a_batch(plan.ffn, Q8_WORDS) > 0)
+
+    def expert_ids(self, n: int) -> torch.Tensor:
+        """0..n-1 on the device (a view: nothing allocated, so a graph capture may call it)."""
+        return self._expert_ids[:n]
 
     def _quantize_q8(self, x: torch.Tensor) -> torch.Tensor:
         """x [R, n] bf16 -> [R, n / 32 * Q8_WORDS] int32: 8-bit values and a scale a 32-value

@@ -14,8 +14,9 @@ Two ways through a layer, picked per forward by how many picks (rows x A) it has
   streamed experts; where nothing streams there is nothing to help.
 - gather (decode, and short prompts where every expert is resident): only the experts the rows
   picked, each read where it lives, a VRAM cache slot or the mapped pinned arena (no host sync).
-  On CUDA two fused kernels compute them straight from their quantized bytes
-  (`cuda_src/moe_decode.cu`); the twin dequantizes them into the workspace.
+  On CUDA fused kernels compute them straight from their quantized bytes: pick by pick for a
+  decode step (`cuda_src/moe_decode.cu`), expert by expert once a pass has enough picks that
+  experts repeat (`cuda_src/moe_grouped.cu`); the twin dequantizes them into the workspace.
 """
 
 from __future__ import annotations
@@ -36,11 +37,11 @@ from strata_mgpu.stage.host_arena import HostExpertArena
 if TYPE_CHECKING:  # the helper is bound from outside, by the split runner (split/ builds on stage/)
     from strata_mgpu.split.peer_prefill import PeerPrefill
 
-# Where every expert is resident, a pass of fewer picks than this gathers. The fused kernels cost a
-# few microseconds a pick (one H200, 30B-A3B shapes: 243 us a layer for the 64 picks of batch 8); a
-# whole-layer pass first dequantizes all E experts (2.85 ms a layer for its 128), so gathering wins
-# up to ~750 picks. Kept below that.
-GATHER_PICKS_RESIDENT = 512
+# Where every expert is resident, a pass of fewer picks than this gathers. One H200, 30B-A3B shapes
+# (tools.bench_kernels): a whole-layer pass first dequantizes all E experts (0.76 ms a layer for its
+# 128) and then runs the grouped GEMMs; a gathered pass of 128 rows (1,024 picks) takes 0.80 ms a
+# layer expert by expert (`kernels.moe_grouped`), 64 rows 0.52 ms. Gathering wins up to about there.
+GATHER_PICKS_RESIDENT = 1024
 
 
 def gather_pick_limit(n_experts: int, all_resident: bool, fused: bool) -> int:

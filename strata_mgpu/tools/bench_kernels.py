@@ -1,5 +1,6 @@
 """Time decode's kernels on one GPU without a model file: the fused expert kernels on one layer of
-a preset's shapes (experts in VRAM slots, or a share of them read from pinned host memory), decode
+a preset's shapes (experts in VRAM slots, or a share of them read from pinned host memory; for
+wider gathered passes, pick by pick against expert by expert, `kernels.moe_grouped`), decode
 attention at several context lengths, the dense projections (q/k/v and the head: the bf16 GEMM
 against `dense_q8` on Q8_0 blocks), and a whole layer's dequantization (what bounds a prompt
 whose experts are all resident). Each fast path is checked once against its twin on the same
@@ -7,7 +8,7 @@ inputs. A run takes seconds: no 20 GB file to write and load, so a kernel change
 one short device call.
 
     python3 -m strata_mgpu.tools.bench_kernels [--preset 30b-a3b] [--batch 1,8] [--iters 100]
-        [--host-share 0] [--contexts 1024,8192,32768] [--json OUT]
+        [--host-share 0] [--contexts 1024,8192,32768] [--expert-rows 8,16,...,512] [--json OUT]
 
 The expert bytes are the synthetic writer's (`model.synthetic.make_tensor`: valid blocks, weights
 of the spread a real layer has). The bound printed beside each figure is bytes over the card's
@@ -17,6 +18,7 @@ device-to-device copy bandwidth, measured in the same run.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import statistics
@@ -33,6 +35,7 @@ from strata_mgpu.model.synthetic import DEFAULT_DOWN, PRESETS, TensorPlan, make_
 from strata_mgpu.stage.host_arena import ExpertLayout
 
 BF16_TOL = 2e-2  # max|diff| / max|ref|: bf16 results whose sums run in another order
+TWIN_ROWS = 8  # rows up to which the experts are checked against the twin (it loops on the host)
 
 
 @dataclass
@@ -158,8 +161,21 @@ def rel_err(a: torch.Tensor, ref: torch.Tensor) -> float:
     return float((a.float() - ref.float()).abs().max() / ref.float().abs().max())
 
 
+@contextlib.contextmanager
+def grouped_from(picks: int):
+    """Gathered passes go expert by expert from `picks` picks on (kernels.moe_grouped's
+    GROUPED_MIN_PICKS, as CudaKernels reads it), for the block's duration."""
+    from strata_mgpu.kernels import experts
+
+    was, experts.GROUPED_MIN_PICKS = experts.GROUPED_MIN_PICKS, picks
+    try:
+        yield
+    finally:
+        experts.GROUPED_MIN_PICKS = was
+
+
 def run(preset: str, batches: list[int], contexts: list[int], iters: int, host_share: float,
-        device: torch.device) -> KernelReport:
+        device: torch.device, expert_rows: tuple[int, ...] = ()) -> KernelReport:
     from strata_mgpu.kernels.decode_ops import CudaDecodeOps
     from strata_mgpu.kernels.experts import CudaKernels, TorchKernels
     from strata_mgpu.model.decoder import DecodeOps
@@ -177,19 +193,32 @@ def run(preset: str, batches: list[int], contexts: list[int], iters: int, host_s
     def bound(nbytes: int) -> float:  # microseconds to move nbytes at the copy's rate (its reads and writes)
         return nbytes / report.copy_gb_per_s / 1e3
 
-    for b in batches:
+    where = f"{100 * (1 - host_share):.0f}% in VRAM"
+    for b in sorted(set(batches) | set(expert_rows)):
         weights, experts = random_routing(b, e, a, g)
         weights, experts = weights.to(device), experts.to(device)
         h = torch.randn(b, d, generator=g).to(device, torch.bfloat16)
-        w_gu = torch.empty(b * a, 2 * f, d, dtype=torch.bfloat16, device=device)
-        w_d = torch.empty(b * a, d, f, dtype=torch.bfloat16, device=device)
-        got = kernels.moe_gathered(cache, 0, lay, h, weights, experts, w_gu, w_d)
-        want = TorchKernels().moe_fused_reference(cache, 0, lay, h, weights, experts, w_gu, w_d)  # the twin
-        n_unique = int(torch.unique(experts).numel())
-        us = time_us(partial(kernels.moe_gathered, cache, 0, lay, h, weights, experts, w_gu, w_d), iters)
-        nbytes = n_unique * lay.expert_bytes
-        report.timings.append(KernelTiming(f"fused experts ({100 * (1 - host_share):.0f}% in VRAM)", b, us, nbytes,
-                                           bound(nbytes), rel_err(got, want)))
+        # the workspace only the twin uses (the kernels read the blocks): for the rows it checks
+        w_gu = torch.empty(b * a if b <= TWIN_ROWS else 0, 2 * f, d, dtype=torch.bfloat16, device=device)
+        w_d = torch.empty(b * a if b <= TWIN_ROWS else 0, d, f, dtype=torch.bfloat16, device=device)
+        nbytes = int(torch.unique(experts).numel()) * lay.expert_bytes
+        with grouped_from(10**9):  # decode's kernels, pick by pick
+            by_pick = kernels.moe_gathered(cache, 0, lay, h, weights, experts, w_gu, w_d)
+            us = time_us(partial(kernels.moe_gathered, cache, 0, lay, h, weights, experts, w_gu, w_d), iters)
+        err = None
+        if b <= TWIN_ROWS:  # the twin goes pick by pick on the host: only for a few rows
+            err = rel_err(by_pick, TorchKernels().moe_fused_reference(cache, 0, lay, h, weights, experts, w_gu, w_d))
+        if b in batches:
+            report.timings.append(KernelTiming(f"fused experts ({where})", b, us, nbytes, bound(nbytes), err))
+        if b in expert_rows:
+            report.timings.append(KernelTiming(f"experts pick by pick ({where})", b, us, nbytes, bound(nbytes), err))
+            with grouped_from(0):  # expert by expert, held to the pick-by-pick kernels (bit for bit)
+                before = kernels.paths["moe_gathered:grouped"]
+                grouped = kernels.moe_gathered(cache, 0, lay, h, weights, experts, w_gu, w_d)
+                if kernels.paths["moe_gathered:grouped"] > before:
+                    us = time_us(partial(kernels.moe_gathered, cache, 0, lay, h, weights, experts, w_gu, w_d), iters)
+                    report.timings.append(KernelTiming(f"experts by expert ({where})", b, us, nbytes, bound(nbytes),
+                                                       rel_err(grouped, by_pick)))
     ops, twin = CudaDecodeOps(device), DecodeOps()
     for n in contexts:
         for b in batches:
@@ -247,6 +276,8 @@ def main() -> None:
     ap.add_argument("--preset", default="30b-a3b", choices=sorted(PRESETS))
     ap.add_argument("--batch", default="1,8", help="decode rows, comma-separated")
     ap.add_argument("--contexts", default="1024,8192,32768", help="attention key counts, comma-separated")
+    ap.add_argument("--expert-rows", default="8,16,32,64,128,256,512",
+                    help="rows of a gathered pass whose experts are timed pick by pick and expert by expert")
     ap.add_argument("--iters", type=int, default=100)
     ap.add_argument("--host-share", type=float, default=0.0, help="share of experts read from pinned host memory")
     ap.add_argument("--json", default=None)
@@ -258,9 +289,10 @@ def main() -> None:
     try:
         batches = [int(x) for x in args.batch.split(",")]
         contexts = [int(x) for x in args.contexts.split(",")]
+        expert_rows = tuple(int(x) for x in args.expert_rows.split(",") if x)
     except ValueError:
-        sys.exit("--batch and --contexts take comma-separated whole numbers")
-    report = run(args.preset, batches, contexts, args.iters, args.host_share, torch.device("cuda", 0))
+        sys.exit("--batch, --contexts and --expert-rows take comma-separated whole numbers")
+    report = run(args.preset, batches, contexts, args.iters, args.host_share, torch.device("cuda", 0), expert_rows)
     print_report(report)
     bad = [t for t in report.timings if t.rel_err is not None and not t.rel_err <= BF16_TOL]
     if args.json:

@@ -1,0 +1,95 @@
+"""A gathered pass's routed experts expert by expert (`cuda_src/moe_grouped.cu`): what
+`CudaKernels.moe_gathered` runs instead of decode's pick-by-pick kernels once a pass has enough
+picks that most experts are picked several times (a short prompt, a wide decode batch).
+
+Decode's kernels read an expert's rows once for every pick of it. A 16-token prompt of 30B-A3B
+has 128 picks on about 100 experts, 128 tokens about 8 picks an expert: here each expert's rows are
+read and unpacked once, and dotted with the vectors of all its picks. Same integer dots, same
+order, same rounding as decode's kernels, so the output is theirs bit for bit; the twin is the
+same (`TorchKernels.moe_fused_reference`).
+
+Launches: the picks sorted by expert (torch.sort, searchsorted: no host sync, capturable), x and
+act quantized (`quantize_q8`), gate/up, down, combine.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from strata_mgpu.kernels import nvrtc
+
+if TYPE_CHECKING:
+    from strata_mgpu.kernels.experts import CudaKernels, ExpertLayout
+    from strata_mgpu.stage.expert_cache import ExpertCache
+
+GROUPED_FILE = "moe_grouped.cu"
+GROUPED_NAMES = ("moe_group_combine",)  # its plain (extern "C") kernels
+GROUP_VECTORS = 8  # moe_grouped.cu's GROUP_VECTORS: picks' vectors a block holds at once, at most
+GROUP_THREADS = 256  # 8 warps, a warp a weight row
+GROUP_SHARED_BYTES = 46 * 1024  # the staged vectors, under what every card gives a block
+COMBINE_THREADS = 256
+# Picks from which a gathered pass goes expert by expert (below it, decode's pick-by-pick kernels:
+# fewer launches, and few experts are picked twice). One H200, 30B-A3B shapes (A = 8), us a layer
+# pick by pick / expert by expert (tools.bench_kernels): 8 rows 128 / 179, 16 rows 234 / 267,
+# 32 rows 438 / 387, 64 rows 851 / 522, 128 rows 1,675 / 805, 512 rows 6,691 / 2,543.
+GROUPED_MIN_PICKS = 256
+
+
+def grouped_exprs(types: frozenset) -> tuple[str, ...]:
+    """The templated kernels to compile, for the integer types `types`."""
+    return tuple(f"{k}<{int(t)}>" for t in sorted(types) for k in ("moe_group_gate_up", "moe_group_down"))
+
+
+def vectors_a_batch(width: int, q8_words: int) -> int:
+    """Picks' quantized vectors of `width` values a block stages at once (0: not one fits)."""
+    return min(GROUP_VECTORS, GROUP_SHARED_BYTES // (width // 32 * q8_words * 4))
+
+
+def picks_by_expert(picks: torch.Tensor, expert_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """picks [P] expert ids -> (order [P]: pick ids sorted by expert, stable; starts [E + 1]:
+    expert e's picks are order[starts[e]:starts[e + 1]]), on the picks' device, no host sync.
+    expert_ids: arange(E + 1) on that device."""
+    ranked, order = torch.sort(picks, stable=True)
+    return order, torch.searchsorted(ranked, expert_ids)
+
+
+def moe_grouped(kernels: CudaKernels, cache: ExpertCache, i: int, lay: ExpertLayout, h: torch.Tensor,
+                hq: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+    """Local layer i's routed experts for h [T, D] bf16 (hq: h quantized), weights [T, A] fp32,
+    experts [T, A] -> [T, D] bf16. Both of the layout's types must be integer ones (Q8_DOT_TYPES)."""
+    from strata_mgpu.kernels.experts import Q8_DOT_TYPES, Q8_WORDS
+
+    t, a = experts.shape
+    d = h.shape[1]
+    f = lay.gate_weights // d
+    n_experts = cache.slot_of.shape[1]
+    nv_gu, nv_down = vectors_a_batch(d, Q8_WORDS), vectors_a_batch(f, Q8_WORDS)
+    assert lay.gate_type in Q8_DOT_TYPES and lay.down_type in Q8_DOT_TYPES and nv_gu > 0 and nv_down > 0
+    order, starts = picks_by_expert(experts.reshape(-1), kernels.expert_ids(n_experts + 1))
+    table = (np.uint64(cache.slot_of.data_ptr() + 8 * i * n_experts),
+             np.uint64(cache.host_offset.data_ptr() + 8 * i * n_experts), np.uint64(cache.buffer.data_ptr()),
+             np.int64(cache.slot_bytes), np.uint64(cache.arena.buffer.data_ptr()))
+    exprs = grouped_exprs(Q8_DOT_TYPES)
+    warps = GROUP_THREADS // 32
+    act = torch.empty(t * a, f, dtype=torch.bfloat16, device=h.device)
+    fn = nvrtc.kernel(GROUPED_FILE, f"moe_group_gate_up<{int(lay.gate_type)}>", exprs, kernels.device)
+    nvrtc.launch(fn, (-(-f // warps), n_experts), GROUP_THREADS,
+                 (hq.data_ptr(), order.data_ptr(), starts.data_ptr(), np.int32(a), np.int32(nv_gu), *table,
+                  np.int32(d), np.int32(f), np.int64(lay.gate_bytes // f), act.data_ptr()), kernels.device,
+                 shared_mem=nv_gu * (d // 32) * Q8_WORDS * 4)
+    aq = kernels._quantize_q8(act)
+    y = torch.empty(t * a, d, dtype=torch.float32, device=h.device)
+    fn = nvrtc.kernel(GROUPED_FILE, f"moe_group_down<{int(lay.down_type)}>", exprs, kernels.device)
+    nvrtc.launch(fn, (-(-d // warps), n_experts), GROUP_THREADS,
+                 (aq.data_ptr(), order.data_ptr(), starts.data_ptr(), np.int32(nv_down), *table, np.int32(d),
+                  np.int32(f), np.int64(lay.down_bytes // d), np.int64(lay.down_offset), y.data_ptr()),
+                 kernels.device, shared_mem=nv_down * (f // 32) * Q8_WORDS * 4)
+    out = torch.empty(t, d, dtype=torch.bfloat16, device=h.device)
+    fn = nvrtc.kernel(GROUPED_FILE, GROUPED_NAMES[0], exprs, kernels.device)
+    nvrtc.launch(fn, -(-t * d // COMBINE_THREADS), COMBINE_THREADS,
+                 (y.data_ptr(), weights.data_ptr(), np.int32(a), np.int64(t * d), np.int32(d), out.data_ptr()),
+                 kernels.device)
+    return out
