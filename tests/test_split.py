@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import threading
 from collections.abc import Callable
+from dataclasses import replace
 
 import pytest
 import torch
@@ -77,6 +78,20 @@ def test_split_equals_single_stage_bit_for_bit(loaded, layer_split, n_stages):
         assert torch.equal(a, b)
         a = a[0]
     assert all(x.bytes_moved > 0 for x in split.exchanges)
+
+
+def test_a_stage_takes_rows_of_another_dtype_in_its_own(loaded):
+    """`--devices cpu,0`: the CPU stage computes in fp32 and the card's in bf16; the second stage
+    takes the first's fp32 rows in bf16 (its GEMMs refused mixed dtypes on the first prompt). Two
+    CPU stages stand in: fp32, then bf16, prefill and decode as the bf16 stage alone would."""
+    f, spec = loaded
+    split = build_split(f, spec, [CPU, replace(CPU, dtype=torch.bfloat16)], "2")
+    assert [s.model.w.dtype for s in split.stages] == [torch.float32, torch.bfloat16]
+    kv = split.new_sequence(64)
+    logits = split.prefill(kv, torch.randint(0, spec.vocab_size, (20,)))
+    for _ in range(2):
+        logits = split.decode([kv], logits.argmax(-1).reshape(1))[0]
+    assert torch.isfinite(logits.float()).all() and kv.length == 22
 
 
 def test_split_packs_short_prompts_like_one_stage(loaded):

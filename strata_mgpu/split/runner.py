@@ -269,6 +269,8 @@ class SplitRunner:
                         else:  # a first stage on the CPU (`--devices cpu,0`) copies them once they are drawn
                             tokens_ready.synchronize()
                     x = tokens.to(stage.ctx.device) if k == 0 else self.exchanges[k - 1].receive()
+                    if k > 0 and x.dtype != stage.model.w.dtype:  # a CPU stage (fp32) before a bf16 one
+                        x = x.to(stage.model.w.dtype)
                     if self.on_stage:  # after the hand-over's wait: the stage's own work starts here
                         self.on_stage(k, "start")
                     x = work(k, stage, x)
