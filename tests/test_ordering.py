@@ -11,7 +11,14 @@ import torch
 
 from strata_mgpu.stage.device import DeviceContext, DeviceError
 from strata_mgpu.stage.schedules import build_graph, first_race, replay, run_schedule
-from strata_mgpu.stage.streams import OrderingError, OrderingTwin, TwinStreams, active_twin, ordering_twin
+from strata_mgpu.stage.streams import (
+    InOrderStreams,
+    OrderingError,
+    OrderingTwin,
+    TwinStreams,
+    active_twin,
+    ordering_twin,
+)
 
 CPU = torch.device("cpu")
 
@@ -214,3 +221,18 @@ def _access_unchecked(twin: OrderingTwin, s, name: str, mode: str, trace_only: b
         twin.trace.append(("access", s.index, (name, mode)))
     else:
         twin.access(s, name, mode, "here")
+
+
+def test_a_cpu_context_waits_for_a_cards_event_on_the_host():
+    """Hand-overs between a CPU stage and a card's (`--devices cpu,0`): the card's read or write
+    event, waited for on the CPU, is a host wait; the CPU's own events are none."""
+    class CardEvent:
+        waited = False
+
+        def synchronize(self) -> None:
+            self.waited = True
+
+    streams, event = InOrderStreams(), CardEvent()
+    streams.wait(None, None)  # the CPU's own (None) events: nothing to wait for
+    streams.wait(event, None)
+    assert event.waited

@@ -296,8 +296,11 @@ class InOrderStreams:
     def record(self, event: None, stream: None) -> None:
         pass
 
-    def wait(self, event: None, stream: None) -> None:
-        pass
+    def wait(self, event: torch.cuda.Event | None, stream: None) -> None:
+        """A card's event (a stage there hands rows to or takes them from this CPU stage, `--devices
+        cpu,0`): the host waits for it, the CPU's program order being its only stream."""
+        if event is not None:
+            event.synchronize()
 
     def wait_stream(self, source: None, waiter: None) -> None:
         pass
