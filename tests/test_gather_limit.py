@@ -10,13 +10,14 @@ import torch
 from strata_mgpu.model.gguf_reader import GGUFFile
 from strata_mgpu.model.spec import spec_from_gguf
 from strata_mgpu.stage.stage import Stage, StageOptions
-from strata_mgpu.stage.streamed_experts import GATHER_PICKS_RESIDENT, gather_pick_limit
+from strata_mgpu.stage.streamed_experts import GATHER_PICKS_BY_PICK, GATHER_PICKS_RESIDENT, gather_pick_limit
 
 
-@pytest.mark.parametrize("all_resident,fused,want", [(False, False, 128), (False, True, 128), (True, False, 128),
-                                                     (True, True, GATHER_PICKS_RESIDENT)])
-def test_limit(all_resident, fused, want):
-    assert gather_pick_limit(128, all_resident, fused) == want
+@pytest.mark.parametrize("all_resident,fused,grouped,want", [
+    (False, False, False, 128), (False, True, True, 128), (True, False, False, 128),
+    (True, True, False, GATHER_PICKS_BY_PICK), (True, True, True, GATHER_PICKS_RESIDENT)])
+def test_limit(all_resident, fused, grouped, want):
+    assert gather_pick_limit(128, all_resident, fused, grouped) == want
 
 
 def test_more_experts_than_the_resident_limit_keep_their_count():

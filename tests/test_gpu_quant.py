@@ -19,7 +19,6 @@ from strata_mgpu.model.synthetic import write_model
 from strata_mgpu.quant.formats import CUDA_DEQUANT_TYPES, FUSED_DECODE_TYPES, block_format
 from strata_mgpu.stage.expert_cache import ExpertCache
 from strata_mgpu.stage.stage import Stage, StageOptions
-from strata_mgpu.stage.streamed_experts import GATHER_PICKS_RESIDENT
 from tests.test_q8_dot import quantize_words
 from tests.test_quant import fresh_seed, raw_blocks
 
@@ -159,6 +158,31 @@ def test_grouped_experts_equal_pick_by_pick(kernels, tmp_path_factory, monkeypat
     assert rel_err(got, want) <= FUSED_TOL, f"seed {seed}"
 
 
+@pytest.mark.parametrize("rows", [40, 131])
+def test_grouped_experts_equal_pick_by_pick_at_30b_shapes(kernels, monkeypatch, rows):
+    """The same at 30B-A3B's shapes (D 2048: each lane sums two sub-blocks of a gate row, the order
+    the shared inner loop must keep; F 768; 128 experts, some picked past a batch of vectors),
+    on the synthetic layer tools.bench_kernels times."""
+    from strata_mgpu.tools.bench_kernels import SyntheticCache, expert_layer, random_routing
+
+    lay, arena = expert_layer("30b-a3b")
+    n_experts, d = arena.shape[0], 2048
+    cache = SyntheticCache(arena, torch.ones(n_experts, dtype=torch.bool), CUDA, pin=True)
+    g = torch.Generator().manual_seed(fresh_seed())
+    weights, experts = random_routing(rows, n_experts, 8, g)
+    weights, experts = weights.to(CUDA), experts.to(CUDA)
+    h = torch.randn(rows, d, generator=g).to(CUDA, torch.bfloat16)
+    none = torch.empty(0, device=CUDA)  # the kernels read the blocks: no workspace
+    before = kernels.paths["moe_gathered:grouped"]
+    got = kernels.moe_gathered(cache, 0, lay, h, weights, experts, none, none)
+    assert kernels.paths["moe_gathered:grouped"] == before + 1
+    monkeypatch.setattr(K, "GROUPED_MIN_PICKS", 10**9)
+    by_pick = kernels.moe_gathered(cache, 0, lay, h, weights, experts, none, none)
+    torch.cuda.synchronize()
+    ok, at = same_bf16_bits(got.view(-1), by_pick.view(-1))
+    assert ok and got.abs().max() > 0, f"grouped differs from pick by pick first at {at}"
+
+
 def test_quantize_q8_writes_the_twins_integers(kernels):
     """The integer kernels' input: quantize_q8's words equal the twin's quantization bit for bit
     (the same integers, scales and half sums), an all-zero run included."""
@@ -211,7 +235,7 @@ def test_bf16_stage_runs_only_fast_paths(tiny_gguf):
     f = GGUFFile(tiny_gguf)
     spec = spec_from_gguf(f)
     stage = Stage(f, spec, StageOptions(device=CUDA, max_vram_gib=8, cuda_graphs=False))
-    long_prompt = GATHER_PICKS_RESIDENT // spec.n_experts_used + 8  # past the gather limit: whole layers
+    long_prompt = stage.model.experts.gather_picks // spec.n_experts_used + 8  # past the gather limit: whole layers
     stage.prefill(stage.new_sequence(long_prompt), torch.randint(0, spec.vocab_size, (long_prompt,)))
     whole_layers = _paths_of(stage)
     assert whole_layers.get("moe_gathered:fused", 0) == 0 and whole_layers.get("grouped_mlp:grouped_mm", 0) > 0

@@ -39,7 +39,7 @@ def test_vectors_a_batch_fit_shared_memory():
     assert G.vectors_a_batch(2048, K.Q8_WORDS) == 8 and G.vectors_a_batch(4096, K.Q8_WORDS) == 7
 
 
-def _gathered(monkeypatch, lay, t: int, a: int, d: int, e: int = 128):
+def _gathered(monkeypatch, lay, t: int, a: int, d: int, e: int = 128, resident: int = 128):
     launches = []
     monkeypatch.setattr(nvrtc, "kernel", lambda file, expr, exprs, device: (file, expr))
     monkeypatch.setattr(nvrtc, "launch", lambda fn, grid, block, args, device, shared_mem=0:
@@ -49,7 +49,7 @@ def _gathered(monkeypatch, lay, t: int, a: int, d: int, e: int = 128):
     cache = SimpleNamespace(slot_of=torch.full((2, e), -1, dtype=torch.int64),
                             host_offset=torch.zeros(2, e, dtype=torch.int64),
                             buffer=torch.zeros(16, dtype=torch.uint8), slot_bytes=lay.expert_bytes,
-                            arena=SimpleNamespace(buffer=torch.zeros(16, dtype=torch.uint8)))
+                            arena=SimpleNamespace(buffer=torch.zeros(16, dtype=torch.uint8)), per_layer=resident)
     out = k.moe_gathered(cache, 1, lay, torch.zeros(t, d, dtype=torch.bfloat16), torch.rand(t, a),
                          torch.randint(0, e, (t, a)), None, None)
     assert out.shape == (t, d) and out.dtype == torch.bfloat16
@@ -84,3 +84,10 @@ def test_few_picks_or_a_float_side_stay_pick_by_pick(monkeypatch):
     assert k.paths["moe_gathered:fused"] == 1 and "moe_gate_up<12>" in [fn[1] for fn, *_ in launches]
     k, _, launches = _gathered(monkeypatch, layout(Q.Q4_K, Q.F16, d, f), 64, a, d)  # float down: no grouped kernel
     assert k.paths["moe_gathered:fused"] == 1 and k.paths["moe_gathered:grouped"] == 0
+    k, _, launches = _gathered(monkeypatch, layout(Q.Q4_K, Q.Q6_K, d, f), 64, a, d, resident=100)  # some on the host
+    assert k.paths["moe_gathered:fused"] == 1 and k.paths["moe_gathered:grouped"] == 0
+
+
+def test_the_kernels_and_their_launcher_agree_on_the_vectors_a_batch():
+    src = nvrtc.cuda_source(G.GROUPED_FILE)
+    assert f"constexpr int GROUP_VECTORS = {G.GROUP_VECTORS};" in src

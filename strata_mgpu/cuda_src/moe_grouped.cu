@@ -5,7 +5,8 @@
 // for a prompt of tens of rows, whose 8 picks a token land on most of the layer's experts several
 // times each (30B-A3B, 16 tokens: 128 picks of ~100 experts; 128 tokens: ~8 picks an expert).
 // Here a block owns one expert's rows and dots each of them with the vectors of every pick of that
-// expert: each weight is read and unpacked once a prompt, whatever the number of picks on it.
+// expert: each weight is read and unpacked once a batch of up to GROUP_VECTORS picks (once a pass
+// where an expert has no more picks than that), not once a pick.
 //
 // Shapes: T tokens, A picks a token, P = T * A picks (pick p = t * A + a), E experts, D hidden,
 // F expert width. The picks sorted by expert: order [P] (pick ids), starts [E + 1] (expert e's

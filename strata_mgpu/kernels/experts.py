@@ -218,8 +218,8 @@ class CudaKernels(TorchKernels):
             nvrtc.kernel(MOE_FILE, expr, _MOE_EXPRS, device)
         for expr in grouped_exprs(Q8_DOT_TYPES):
             nvrtc.kernel(GROUPED_FILE, expr, grouped_exprs(Q8_DOT_TYPES), device)
-        # 0..MAX_EXPERTS, made once here: the grouped kernels' expert bounds slice it (no tensor made
-        # inside a graph capture)
+        # 0..MAX_EXPERTS, made once here: the grouped kernels' expert bounds slice it (one launch
+        # a layer fewer)
         self._expert_ids = torch.arange(MAX_EXPERTS + 1, device=device)
         nvrtc.kernel(COPY_FILE, "copy_f32_wide", (), device)
 
@@ -292,7 +292,7 @@ class CudaKernels(TorchKernels):
             return super().moe_gathered(cache, i, lay, h, weights, experts, w_gate_up, w_down)
         h, picks, weights = h.contiguous(), experts.reshape(-1).contiguous(), weights.float().contiguous()
         n_experts = cache.slot_of.shape[1]
-        if self._goes_grouped(plan, lay, t * a, d, n_experts):
+        if self._goes_grouped(plan, cache, t * a, d):
             self.paths.ran("moe_gathered", "grouped")
             hq = hq if hq is not None and hq.shape == (t, d // 32 * Q8_WORDS) and hq.dtype == torch.int32 else \
                 self._quantize_q8(h)
@@ -322,14 +322,22 @@ class CudaKernels(TorchKernels):
         return out
 
     @staticmethod
-    def _goes_grouped(plan: MoePlan, lay: ExpertLayout, n_picks: int, hidden: int, n_experts: int) -> bool:
-        """Expert by expert (`kernels.moe_grouped`) rather than pick by pick: both sides integer,
-        enough picks that experts repeat (GROUPED_MIN_PICKS), and the vectors fit a block."""
-        return (plan.q8_gate_up and plan.q8_down and n_picks >= GROUPED_MIN_PICKS and n_experts <= MAX_EXPERTS
-                and vectors_a_batch(hidden, Q8_WORDS) > 0 and vectors_a_batch(plan.ffn, Q8_WORDS) > 0)
+    def grouped_serves(plan: MoePlan, hidden: int) -> bool:
+        """Can the grouped kernels (`kernels.moe_grouped`) take a layout the fused ones plan: both
+        sides integer, and a block's vectors fit its shared memory."""
+        return (plan.q8_gate_up and plan.q8_down and vectors_a_batch(hidden, Q8_WORDS) > 0
+                and vectors_a_batch(plan.ffn, Q8_WORDS) > 0)
+
+    def _goes_grouped(self, plan: MoePlan, cache: ExpertCache, n_picks: int, hidden: int) -> bool:
+        """Expert by expert rather than pick by pick: enough picks that experts repeat
+        (GROUPED_MIN_PICKS), every expert of the layer in VRAM (the grouped kernels read rows with
+        narrow loads, no place for mapped host memory), and a layout they take."""
+        n_experts = cache.slot_of.shape[1]
+        return (n_picks >= GROUPED_MIN_PICKS and n_experts <= MAX_EXPERTS and cache.per_layer >= n_experts
+                and self.grouped_serves(plan, hidden))
 
     def expert_ids(self, n: int) -> torch.Tensor:
-        """0..n-1 on the device (a view: nothing allocated, so a graph capture may call it)."""
+        """0..n-1 on the device (a view of one made at start)."""
         return self._expert_ids[:n]
 
     def _quantize_q8(self, x: torch.Tensor) -> torch.Tensor:

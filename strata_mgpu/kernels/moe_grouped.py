@@ -4,9 +4,10 @@ picks that most experts are picked several times (a short prompt, a wide decode 
 
 Decode's kernels read an expert's rows once for every pick of it. A 16-token prompt of 30B-A3B
 has 128 picks on about 100 experts, 128 tokens about 8 picks an expert: here each expert's rows are
-read and unpacked once, and dotted with the vectors of all its picks. Same integer dots, same
-order, same rounding as decode's kernels, so the output is theirs bit for bit; the twin is the
-same (`TorchKernels.moe_fused_reference`).
+read and unpacked once a batch of up to GROUP_VECTORS of its picks, and dotted with each of their
+vectors. Same integer dots, same order, same rounding as decode's kernels, so the output is theirs
+bit for bit; the twin is the same (`TorchKernels.moe_fused_reference`). Only where every expert is
+resident: the rows are read with narrow loads, no way to read mapped host memory.
 
 Launches: the picks sorted by expert (torch.sort, searchsorted: no host sync, capturable), x and
 act quantized (`quantize_q8`), gate/up, down, combine.

@@ -37,19 +37,25 @@ from strata_mgpu.stage.host_arena import HostExpertArena
 if TYPE_CHECKING:  # the helper is bound from outside, by the split runner (split/ builds on stage/)
     from strata_mgpu.split.peer_prefill import PeerPrefill
 
-# Where every expert is resident, a pass of fewer picks than this gathers. One H200, 30B-A3B shapes
+# Where every expert is resident, a pass of fewer picks than these gathers. One H200, 30B-A3B shapes
 # (tools.bench_kernels): a whole-layer pass first dequantizes all E experts (0.76 ms a layer for its
 # 128) and then runs the grouped GEMMs; a gathered pass of 128 rows (1,024 picks) takes 0.80 ms a
-# layer expert by expert (`kernels.moe_grouped`), 64 rows 0.52 ms. Gathering wins up to about there.
+# layer expert by expert (`kernels.moe_grouped`), 64 rows 0.52 ms, but pick by pick (types without
+# the grouped kernels) 1.67 and 0.85 ms: gathering wins up to about 1,024 picks expert by expert,
+# 512 pick by pick.
 GATHER_PICKS_RESIDENT = 1024
+GATHER_PICKS_BY_PICK = 512
 
 
-def gather_pick_limit(n_experts: int, all_resident: bool, fused: bool) -> int:
+def gather_pick_limit(n_experts: int, all_resident: bool, fused: bool, grouped: bool = False) -> int:
     """Picks (rows x experts a row) from which a pass computes whole layers. Where some experts
     stream: E, since a pass that touches most of them is cheaper streamed in order. Where every
     expert is resident and the fused kernels serve every layer (the gather then needs no
-    workspace; the twin's holds E experts): GATHER_PICKS_RESIDENT, where that is more."""
-    return max(n_experts, GATHER_PICKS_RESIDENT) if all_resident and fused else n_experts
+    workspace; the twin's holds E experts): GATHER_PICKS_RESIDENT where the grouped kernels serve
+    every layer too, else GATHER_PICKS_BY_PICK, where that is more than E."""
+    if not (all_resident and fused):
+        return n_experts
+    return max(n_experts, GATHER_PICKS_RESIDENT if grouped else GATHER_PICKS_BY_PICK)
 
 
 class StreamedExperts:
@@ -71,9 +77,11 @@ class StreamedExperts:
         self.streaming = False
         self.helper: PeerPrefill | None = None  # bound for one-chunk prompts by the split runner
         self.streamed_bytes = 0  # bytes this stage's passes uploaded (the helper's share excluded)
-        fused = dtype == torch.bfloat16 and isinstance(kernels, CudaKernels) and all(
-            kernels.moe_fused(arena.layouts[layer], D, spec.n_experts_used) is not None for layer in layers)
-        self.gather_picks = gather_pick_limit(E, cache is not None and cache.per_layer >= E, fused)
+        plans = [kernels.moe_fused(arena.layouts[layer], D, spec.n_experts_used) if isinstance(kernels, CudaKernels)
+                 else None for layer in layers]
+        fused = dtype == torch.bfloat16 and all(plan is not None for plan in plans)
+        grouped = fused and all(CudaKernels.grouped_serves(plan, D) for plan in plans)
+        self.gather_picks = gather_pick_limit(E, cache is not None and cache.per_layer >= E, fused, grouped)
         # bench only: passes compute from whatever the ring slots hold, uploading nothing, so the
         # compute of a pass can be timed apart from its stream. The answers are wrong meanwhile.
         self.skip_uploads = False
