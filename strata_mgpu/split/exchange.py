@@ -57,6 +57,7 @@ class Exchange:
         self._next = (b + 1) % len(self.buffers)
         self.src.wait(self.read[b])  # its reader is done
         self.src.access(self.buffers[b], "w")
+        self.src.access(x, "r")
         self.src_kernels.copy_wide(self.buffers[b][:nbytes], x.contiguous())
         self.src.record(self.sent[b])
         self._pending.append((b, x.shape, x.dtype))
@@ -68,6 +69,7 @@ class Exchange:
         self.dst.wait(self.sent[b])
         self.dst.access(self.buffers[b], "r")
         out = torch.empty(shape, dtype=dtype, device=self.dst.device)
+        self.dst.access(out, "w")
         self.dst_kernels.copy_wide(out, self.buffers[b][:out.numel() * out.element_size()])
         self.dst.record(self.read[b])
         if self._free is not None:
