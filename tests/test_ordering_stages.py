@@ -51,7 +51,9 @@ RERUN = {
                           True),
     "helper_streamed_only": (lambda t, g, tmp: helper_tests.test_helper_takes_only_streamed_experts(t, 3), True),
     "failed_pass": (lambda t, g, tmp: stage_tests.test_a_pass_that_fails_partway_gives_the_ring_back(g), True),
-    "failed_helped_pass": (lambda t, g, tmp: helper_tests.test_a_failed_helped_pass_gives_both_rings_back(t), True),
+    "failed_helped_pass": (lambda t, g, tmp: helper_tests.test_a_failed_helped_pass_gives_both_rings_back(t, 3), True),
+    "failed_after_hand_over": (lambda t, g, tmp: helper_tests.test_a_failed_helped_pass_gives_both_rings_back(t, 2),
+                               True),
 }
 
 

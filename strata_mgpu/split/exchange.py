@@ -75,3 +75,14 @@ class Exchange:
         if self._free is not None:
             self._free.release()
         return out
+
+    def drop_pending(self) -> int:
+        """Forget the rows sent but not received (their reader's pass failed), so that the next
+        receive reads the next send's rows, not these. The buffers stay safe to rewrite: their next
+        writer is the same stream, and no reader of these rows is left. Returns how many."""
+        dropped = len(self._pending)
+        self._pending.clear()
+        if self._free is not None:
+            for _ in range(dropped):
+                self._free.release()  # the tokens their receives would have given back
+        return dropped

@@ -67,11 +67,15 @@ class PeerPrefill:
         self._feed = self._tables = None
 
     def abort(self) -> None:
-        """The busy stage's pass failed: give the lent ring back (on the helper's stream)."""
+        """The busy stage's pass failed: give the lent ring back (on the helper's stream), and drop
+        the hand-overs sent but not received (a layer's sums sent before the busy stage's own rows
+        failed), or the next prompt would read them as its first layer's."""
         if self._feed is not None and self.lent is not None:
             with self.lent.ctx.on_compute(after_caller=False, join_caller=False):
                 self._feed.abort()
         self._feed = self._tables = None
+        self.to_helper.drop_pending()
+        self.from_helper.drop_pending()
 
     def unbind(self) -> None:
         self.lent = self.arena = self._feed = self._tables = None
