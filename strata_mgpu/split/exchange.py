@@ -57,6 +57,7 @@ class Exchange:
         self._next = (b + 1) % len(self.buffers)
         self.src.wait(self.read[b])  # its reader is done
         self.src.access(self.buffers[b], "w")
+        self.src.access(x, "r")
         self.src_kernels.copy_wide(self.buffers[b][:nbytes], x.contiguous())
         self.src.record(self.sent[b])
         self._pending.append((b, x.shape, x.dtype))
@@ -68,8 +69,20 @@ class Exchange:
         self.dst.wait(self.sent[b])
         self.dst.access(self.buffers[b], "r")
         out = torch.empty(shape, dtype=dtype, device=self.dst.device)
+        self.dst.access(out, "w")
         self.dst_kernels.copy_wide(out, self.buffers[b][:out.numel() * out.element_size()])
         self.dst.record(self.read[b])
         if self._free is not None:
             self._free.release()
         return out
+
+    def drop_pending(self) -> int:
+        """Forget the rows sent but not received (their reader's pass failed), so that the next
+        receive reads the next send's rows, not these. The buffers stay safe to rewrite: their next
+        writer is the same stream, and no reader of these rows is left. Returns how many."""
+        dropped = len(self._pending)
+        self._pending.clear()
+        if self._free is not None:
+            for _ in range(dropped):
+                self._free.release()  # the tokens their receives would have given back
+        return dropped

@@ -8,7 +8,8 @@ overlap there as they would on two cards. On the CPU the streams are None and ev
 "asynchronous" step runs in program order; the same stage code runs on both.
 
 Every stream and event operation of the stage code goes through the context (`new_stream`, `event`,
-`record`, `wait`, `wait_stream`, `use`, `current_stream`, `synchronize`, `synchronize_device`), and
+`record`, `wait`, `wait_stream`, `use`, `current_stream`, `synchronize`, `synchronize_device`,
+`record_stream`), and
 so does every read or write of a buffer that another stream may touch (`label` where it is
 allocated, `access` where it is used).
 On CUDA these are the torch.cuda calls and `access` is a no-op; on the plain CPU all are no-ops.
@@ -159,6 +160,12 @@ class DeviceContext:
         """The host waits for every stream of the device (torch.cuda.synchronize): work queued on a
         stream the caller does not know, before memory it may touch is freed."""
         self._streams.synchronize_device()
+
+    def record_stream(self, tensors: torch.Tensor | tuple | list, stream: Stream = None) -> None:
+        """The caching allocator does not reuse `tensors`' memory, once they are freed, before the work
+        queued on `stream` (default: the current one) by then is done (torch's `record_stream`): for a
+        tensor allocated on one stream and used on another. No-op on the CPU."""
+        self._streams.record_stream(list(tensors) if isinstance(tensors, (tuple, list)) else [tensors], stream)
 
     def access(self, buffer: torch.Tensor | str | tuple | list, mode: str) -> None:
         """Declare that the current stream reads ('r') or writes ('w') `buffer` (a tensor, meaning

@@ -1,5 +1,6 @@
-"""Which experts of a layer a device computes in one prompt pass, where each is read, and the one
-function that computes them: the busy stage's part and its helper's part alike.
+"""Which experts of a layer a device computes in one prompt pass, where each is read, and the
+functions that compute them: the busy stage's part and its helper's part alike (`compute_part`:
+`load_part`, the experts into the workspace, then `part_rows`, the rows routed to them).
 
 Shape legend: T = token rows, D = hidden, E = experts, A = picks per token, M = T * A routed
 rows, n = experts in the part, F = expert width.
@@ -104,20 +105,27 @@ class PartTables:
         return out
 
 
-def compute_part(ctx: DeviceContext, kernels: TorchKernels, tables: PartTables, i: int, lay: ExpertLayout,
-                 h: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, w_gate_up: torch.Tensor,
-                 w_down: torch.Tensor, release: Callable[[], None], whole_layer: bool) -> torch.Tensor:
-    """Local layer i's part: dequantize its n experts into the workspace (w_gate_up [>= n, 2F, D],
-    w_down [>= n, D, F]), call `release` (the dequant was the ring slot's only reader), then the
-    grouped GEMM pair over the rows routed to them. h [T, D], weights [T, A] fp32, experts [T, A]
-    -> the weighted sum over the part's picks [T, D]; picks outside the part count zero."""
+def load_part(ctx: DeviceContext, kernels: TorchKernels, tables: PartTables, i: int, lay: ExpertLayout,
+              w_gate_up: torch.Tensor, w_down: torch.Tensor, release: Callable[[], None]) -> None:
+    """Dequantize local layer i's part's n experts into the workspace (w_gate_up [>= n, 2F, D],
+    w_down [>= n, D, F]), then call `release` (the dequant was the ring slot's only reader). Needs
+    no activations: the helper queues it before its inputs have arrived."""
+    n = tables.parts[i].n
+    if n > 0:
+        ctx.access((w_gate_up, w_down), "w")  # the workspace (its own or lent): declared for the ordering twin
+        kernels.dequant_addressed(tables.addresses[i, :n], lambda: tables.sources(i), lay, n, w_gate_up, w_down)
+    release()
+
+
+def part_rows(ctx: DeviceContext, kernels: TorchKernels, tables: PartTables, i: int, h: torch.Tensor,
+              weights: torch.Tensor, experts: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
+              whole_layer: bool) -> torch.Tensor:
+    """The grouped GEMM pair over the rows routed to local layer i's part, its experts loaded
+    (`load_part`). h [T, D], weights [T, A] fp32, experts [T, A] -> the weighted sum over the part's
+    picks [T, D]; picks outside the part count zero."""
     n = tables.parts[i].n
     if n == 0:
-        release()
         return torch.zeros_like(h)
-    ctx.access((w_gate_up, w_down), "w")  # the workspace (its own or lent): declared for the ordering twin
-    kernels.dequant_addressed(tables.addresses[i, :n], lambda: tables.sources(i), lay, n, w_gate_up, w_down)
-    release()
     local = tables.local_of[i][experts]  # [T, A]: the part's experts become 0..n-1, the rest n
     order, offs = group_rows(local, n + 1)  # the part's rows sort first
     ctx.access((w_gate_up, w_down), "r")
@@ -125,3 +133,11 @@ def compute_part(ctx: DeviceContext, kernels: TorchKernels, tables: PartTables, 
     if whole_layer:
         return combine(y, order, weights)
     return masked_combine(y, order, weights, local < n)
+
+
+def compute_part(ctx: DeviceContext, kernels: TorchKernels, tables: PartTables, i: int, lay: ExpertLayout,
+                 h: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, w_gate_up: torch.Tensor,
+                 w_down: torch.Tensor, release: Callable[[], None], whole_layer: bool) -> torch.Tensor:
+    """Local layer i's part: its experts loaded (`load_part`), then its rows (`part_rows`)."""
+    load_part(ctx, kernels, tables, i, lay, w_gate_up, w_down, release)
+    return part_rows(ctx, kernels, tables, i, h, weights, experts, w_gate_up, w_down, whole_layer)

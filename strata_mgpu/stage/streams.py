@@ -271,6 +271,11 @@ class CudaStreams:
     def synchronize_device(self) -> None:
         torch.cuda.synchronize(self.device)
 
+    def record_stream(self, tensors: list[torch.Tensor], stream: Stream) -> None:
+        s = stream if stream is not None else torch.cuda.current_stream(self.device)
+        for t in tensors:
+            t.record_stream(s)
+
     def access(self, buffer, mode: str) -> None:
         pass
 
@@ -309,6 +314,9 @@ class InOrderStreams:
         pass
 
     def synchronize_device(self) -> None:
+        pass
+
+    def record_stream(self, tensors: list[torch.Tensor], stream: None) -> None:
         pass
 
     def access(self, buffer, mode: str) -> None:
@@ -371,6 +379,9 @@ class TwinStreams:
     def synchronize_device(self) -> None:
         for s in self.streams:
             self.twin.synchronize(s)
+
+    def record_stream(self, tensors: list[torch.Tensor], stream: TwinStream | None) -> None:
+        pass  # CPU memory has no allocator stream, and the twin keeps every tensor it checked alive
 
     def access(self, buffer, mode: str) -> None:
         where = _where(3)  # the stage code that called DeviceContext.access
