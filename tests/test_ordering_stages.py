@@ -20,6 +20,7 @@ from strata_mgpu.stage.streams import OrderingError, ordering_twin
 from tests import test_peer_prefill as helper_tests
 from tests import test_split as split_tests
 from tests import test_stage as stage_tests
+from tests import test_static_rows as static_tests
 
 CPU = StageOptions(device=torch.device("cpu"), chunk_size=64)
 WHOLE_PROMPT = StageOptions(device=torch.device("cpu"), chunk_size=256)  # the helper's buffers hold one chunk
@@ -52,6 +53,8 @@ RERUN = {
     "helper_streamed_only": (lambda t, g, tmp: helper_tests.test_helper_takes_only_streamed_experts(t, 3), True),
     "failed_pass": (lambda t, g, tmp: stage_tests.test_a_pass_that_fails_partway_gives_the_ring_back(g), True),
     "failed_helped_pass": (lambda t, g, tmp: helper_tests.test_a_failed_helped_pass_gives_both_rings_back(t), True),
+    "static_rows_split": (lambda t, g, tmp: static_tests.test_a_split_reaches_the_static_path_on_each_stage(
+        static_tests.write_wide(tmp / "wide.gguf")), True),
 }
 
 
