@@ -42,6 +42,8 @@ RERUN = {
     "split_bitwise_2": (lambda t, g, tmp: split_tests.test_split_equals_single_stage_bit_for_bit(t, "2", 2), True),
     "split_bitwise_3": (lambda t, g, tmp: split_tests.test_split_equals_single_stage_bit_for_bit(t, "1,3", 3), True),
     "split_engine_greedy": (lambda t, g, tmp: split_tests.test_engine_greedy_on_split_equals_reference(t, g), True),
+    "static_rows_split": (lambda t, g, tmp: static_tests.test_a_split_reaches_the_static_path_on_each_stage(
+        static_tests.write_wide(tmp / "wide.gguf")), True),
     "helped_2_stages": (lambda t, g, tmp: helper_tests.test_helped_equals_unhelped_and_repeats(t, 2, 0.4), True),
     "helped_most_experts": (lambda t, g, tmp: helper_tests.test_helped_equals_unhelped_and_repeats(t, 2, 0.75), True),
     "helped_3_stages": (lambda t, g, tmp: helper_tests.test_helped_equals_unhelped_and_repeats(t, 3, 0.3), True),
@@ -53,8 +55,6 @@ RERUN = {
     "helper_streamed_only": (lambda t, g, tmp: helper_tests.test_helper_takes_only_streamed_experts(t, 3), True),
     "failed_pass": (lambda t, g, tmp: stage_tests.test_a_pass_that_fails_partway_gives_the_ring_back(g), True),
     "failed_helped_pass": (lambda t, g, tmp: helper_tests.test_a_failed_helped_pass_gives_both_rings_back(t), True),
-    "static_rows_split": (lambda t, g, tmp: static_tests.test_a_split_reaches_the_static_path_on_each_stage(
-        static_tests.write_wide(tmp / "wide.gguf")), True),
 }
 
 
