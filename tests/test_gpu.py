@@ -280,6 +280,56 @@ def test_short_prompts_gather_where_every_expert_is_resident(model):
     assert rel_err(b.cpu(), a) <= BF16_TOL
 
 
+def test_short_forwards_through_the_fused_ops_equal_runs_path(model):
+    """Decoder.static_rows on a CUDA stage: a prompt, a chunk after a prefix and a short prompt
+    packed beside it go through layers_static, several rows to one cache (CudaDecodeOps'
+    qk_norm_rope_kv and attention reading each row's cache up to its own position). Every row's
+    logits against run's path on the same stage, the static path made to take run's picks (bf16
+    routing flips would move rows by O(1); see the test above)."""
+    from strata_mgpu.model.decoder import Segment
+
+    f, spec = model
+    stage = Stage(f, spec, StageOptions(device=CUDA, max_vram_gib=8, cuda_graphs=False))
+    dec = stage.model
+    assert dec.static_rows and not dec.experts.should_stream(40)
+    own, picked = dec.route, {}
+
+    def recording(i, h, router):
+        weights, experts = own(i, h, router)
+        picked[i] = experts
+        return weights, experts
+
+    def forced(i, h, router):
+        probs = torch.softmax(h.float() @ router.float().T, dim=-1)
+        weights = probs.gather(1, picked[i])
+        return weights / weights.sum(-1, keepdim=True), picked[i]
+
+    def both(chunks, caches_run, caches_static):
+        ends = [sum(c.shape[0] for c in chunks[:k + 1]) for k in range(len(chunks))]
+        tokens = torch.cat(chunks).to(CUDA)
+        out = []
+        for static, caches, route in ((False, caches_run, recording), (True, caches_static, forced)):
+            dec.static_rows, dec.route = static, route
+            segments = [Segment(e - c.shape[0], e, kv) for c, e, kv in zip(chunks, ends, caches, strict=True)]
+            attention = stage.kernels.paths["attention:cuda"]
+            out.append(dec.logits(dec.forward(tokens, segments)).float().cpu())
+            assert stage.kernels.paths["attention:cuda"] - attention == (spec.n_layers if static else 0)
+        return out
+
+    dec.route = recording
+    try:
+        g = torch.Generator().manual_seed(5)
+        prompt, other = torch.randint(0, spec.vocab_size, (40,), generator=g), torch.randint(0, spec.vocab_size, (9,))
+        kv_a, kv_b = stage.new_sequence(64), stage.new_sequence(64)
+        a, b = both([prompt[:25]], [kv_a], [kv_b])  # from empty caches
+        assert rel_err(b, a) <= BF16_TOL
+        a, b = both([prompt[25:], other], [kv_a, stage.new_sequence(64)], [kv_b, stage.new_sequence(64)])
+        assert rel_err(b, a) <= BF16_TOL  # a chunk after a prefix (caches that differ in bf16), one packed beside
+    finally:
+        del dec.route
+        dec.static_rows = True
+
+
 def test_stage_fp32_agrees_on_top1_everywhere(model):
     f, spec = model
     ref = load_reference_runner(f, spec)

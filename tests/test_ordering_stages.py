@@ -20,6 +20,7 @@ from strata_mgpu.stage.streams import OrderingError, ordering_twin
 from tests import test_peer_prefill as helper_tests
 from tests import test_split as split_tests
 from tests import test_stage as stage_tests
+from tests import test_static_rows as static_tests
 
 CPU = StageOptions(device=torch.device("cpu"), chunk_size=64)
 WHOLE_PROMPT = StageOptions(device=torch.device("cpu"), chunk_size=256)  # the helper's buffers hold one chunk
@@ -41,6 +42,8 @@ RERUN = {
     "split_bitwise_2": (lambda t, g, tmp: split_tests.test_split_equals_single_stage_bit_for_bit(t, "2", 2), True),
     "split_bitwise_3": (lambda t, g, tmp: split_tests.test_split_equals_single_stage_bit_for_bit(t, "1,3", 3), True),
     "split_engine_greedy": (lambda t, g, tmp: split_tests.test_engine_greedy_on_split_equals_reference(t, g), True),
+    "static_rows_split": (lambda t, g, tmp: static_tests.test_a_split_reaches_the_static_path_on_each_stage(
+        static_tests.write_wide(tmp / "wide.gguf")), True),
     "helped_2_stages": (lambda t, g, tmp: helper_tests.test_helped_equals_unhelped_and_repeats(t, 2, 0.4), True),
     "helped_most_experts": (lambda t, g, tmp: helper_tests.test_helped_equals_unhelped_and_repeats(t, 2, 0.75), True),
     "helped_3_stages": (lambda t, g, tmp: helper_tests.test_helped_equals_unhelped_and_repeats(t, 3, 0.3), True),

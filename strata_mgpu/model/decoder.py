@@ -190,14 +190,28 @@ class ExpertBackend(Protocol):
         ...
 
 
+# Cells the static path may read again: `layers_static` attends row by row, so each of a segment's
+# rows past its first reads the sequence's cache once more (run's SDPA reads it about once). Past
+# this many (rows x cells, e.g. 64 rows after 4K cells), a forward takes run's path. 30B-A3B:
+# 2 KiB of keys and values a cell and layer, so at most ~25 GB of extra reads over 48 layers (~5 ms on
+# an H200) against the ~20 ms of host time a 16-row prompt saves there.
+STATIC_REREAD_CELLS = 1 << 18
+
+
 class Decoder:
-    """The decoder forward over dense weights (any dtype, any device) and an expert backend."""
+    """The decoder forward over dense weights (any dtype, any device) and an expert backend.
+
+    `static_rows`: forwards of few rows take the static decode step's ops (`layers_static`) where
+    they may (`_takes_static`). Off by default (the fp32 reference keeps `run`'s path); a GPU stage
+    whose `ops` are the fused ones turns it on, since there `run`'s ~30 launches a layer, not the
+    GPU, bound a short prompt and the fused ops take ~11."""
 
     def __init__(self, spec: ModelSpec, weights: ModelWeights, experts: ExpertBackend, ops: DecodeOps | None = None):
         self.spec = spec
         self.w = weights
         self.experts = experts
         self.ops = ops or DecodeOps()
+        self.static_rows = False
 
     @property
     def device(self) -> torch.device:
@@ -217,17 +231,50 @@ class Decoder:
         return self.w.embed[tokens]  # [T, D]
 
     def run(self, x: torch.Tensor, segments: Sequence[Segment]) -> torch.Tensor:
-        """This decoder's layers over hidden rows x [T, D] -> [T, D].
+        """This decoder's layers over hidden rows x [T, D] -> [T, D] (x may be overwritten).
 
         Each segment's rows continue its sequence at `kv.length`; caches advance afterwards.
+        With `static_rows` on, a forward that may goes through `layers_static` (`_takes_static`).
         A cache with part of its keys elsewhere (`stage.host_kv`) has `prefetch(layer)`, called one
         layer ahead of its attention, and `drain()`, called if the forward fails.
         """
-        s = self.spec
         for seg in segments:
             seg.kv.reserve(seg.n)
         positions = torch.cat([torch.arange(seg.kv.length, seg.kv.length + seg.n, device=x.device)
                                for seg in segments])  # [T]
+        if self._takes_static(x.shape[0], segments):
+            # row r of a segment: its sequence's cache at position kv.length + r. qk_norm_rope_kv
+            # writes every row's keys and values before attention reads any cache, each row up to
+            # its own position: causal within a segment as SDPA's mask is.
+            kvs = [seg.kv for seg in segments for _ in range(seg.n)]  # [T], a segment's cache repeated
+            cells = max(seg.kv.length + seg.n for seg in segments)  # what attention reads, at most
+            x = self.layers_static(x, positions, kvs, capacity=cells)
+        else:
+            x = self._run_eager(x, segments, positions)
+        for seg in segments:
+            seg.kv.advance(seg.n)
+        return x
+
+    def _takes_static(self, n_rows: int, segments: Sequence[Segment]) -> bool:
+        """May (and should) this forward, its caches reserved, go through `layers_static`? Where
+        `static_rows` is on; every cache holds each of its cells, the new ones included, in
+        `kv.k`/`kv.v` at its own position (`graph_capturable`, and the new rows within the
+        capacity: a two-tier cache that has spilled, or whose rows would leave its VRAM window,
+        keeps run's path and its prefetch); the experts would not stream for these rows (a pass
+        that streams needs `run`'s ring and helper); and the rows' repeated reads of their caches
+        stay within STATIC_REREAD_CELLS."""
+        if not self.static_rows:
+            return False
+        if not all(seg.kv.graph_capturable and seg.kv.length + seg.n <= seg.kv.capacity for seg in segments):
+            return False
+        should_stream = getattr(self.experts, "should_stream", None)  # the reference's experts never stream
+        if should_stream is not None and should_stream(n_rows):
+            return False
+        return sum((seg.n - 1) * (seg.kv.length + seg.n) for seg in segments) <= STATIC_REREAD_CELLS
+
+    def _run_eager(self, x: torch.Tensor, segments: Sequence[Segment], positions: torch.Tensor) -> torch.Tensor:
+        """`run`'s own path: torch ops over all rows, attention (SDPA) a segment at a time."""
+        s = self.spec
         cos, sin = rope_cos_sin(positions, s.head_dim, s.rope_base, self.w.dtype)
         ahead = [seg.kv for seg in segments if hasattr(seg.kv, "prefetch")]
         try:
@@ -252,8 +299,6 @@ class Decoder:
             if abort is not None:
                 abort()
             raise
-        for seg in segments:
-            seg.kv.advance(seg.n)
         return x
 
     def step_static(self, inp: torch.Tensor, positions: torch.Tensor, kvs: Sequence[KVCache],
@@ -285,6 +330,8 @@ class Decoder:
         attention go through `self.ops` (fused on the GPU: a few launches a layer for the whole
         batch). Only for caches whose every cell sits in `kv.k`/`kv.v` at its position
         (`kv.graph_capturable`), and for fewer rows than make the experts stream (`experts.begin`).
+        Rows may share a cache at different positions (a prompt's rows, from `run`): every row's keys
+        and values are written (`ops.qk_norm_rope_kv`) before any row attends (`ops.attention`).
         """
         assert all(kv.graph_capturable for kv in kvs), "a cache keeps cells outside kv.k/kv.v: decode it with run()"
         s, ops, layers, n = self.spec, self.ops, self.w.layers, len(kvs)

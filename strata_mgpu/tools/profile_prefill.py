@@ -4,7 +4,8 @@ streams? (With every expert resident a prompt is compute-bound: docs/BENCHMARKS.
     python3 -m strata_mgpu.tools.profile_prefill MODEL.gguf [--max-vram 40] [--tokens 2048] > profile.txt
 
 Prints the prompt's wall time, then the CUDA kernels by their own time (dequantization,
-grouped GEMMs, attention, routing) and the host's side by CPU time.
+grouped GEMMs, attention, routing) and the host's side by CPU time. `--no-static-rows` keeps a
+short prompt on `Decoder.run`'s eager ops, to compare with the fused ops it takes by default.
 """
 
 from __future__ import annotations
@@ -26,12 +27,15 @@ def main() -> None:
     ap.add_argument("--max-vram", type=float, default=40)
     ap.add_argument("--tokens", type=int, default=2048)
     ap.add_argument("--resident-experts", type=int, default=None, help="force K resident a layer (0: none)")
+    ap.add_argument("--no-static-rows", action="store_true",
+                    help="short prompts through run's eager ops, not the decode step's fused ones (static_rows)")
     args = ap.parse_args()
     f = GGUFFile(args.model)
     spec = spec_from_gguf(f)
     stage = Stage(f, spec, StageOptions(device=torch.device("cuda", 0), max_vram_gib=args.max_vram,
                                         chunk_size=args.tokens, kv_tokens=args.tokens + 1,
                                         resident_experts=args.resident_experts))
+    stage.model.static_rows &= not args.no_static_rows
     prompt = torch.randint(0, spec.vocab_size, (args.tokens,))
     for _ in range(2):  # warm-up: kernels, allocator
         stage.prefill(stage.new_sequence(args.tokens + 1), prompt)
@@ -42,7 +46,8 @@ def main() -> None:
         torch.cuda.synchronize()
         dt = time.perf_counter() - t0
     print(f"{args.tokens} tokens in {1e3 * dt:.1f} ms under the profiler ({args.tokens / dt:,.0f} tok/s), "
-          f"{stage.plan.resident_per_layer}/{spec.n_experts} experts a layer resident")
+          f"{stage.plan.resident_per_layer}/{spec.n_experts} experts a layer resident, static rows "
+          f"{'on' if stage.model.static_rows else 'off'}")
     print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=25))
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15))
 
