@@ -17,6 +17,7 @@
 #   x2      one-chunk prefill 1K-8K and decode on two cards, --max-vram 16,16: help off and auto
 #   x2long  a 32K-token prompt on one card (16) and on two (16,16): tok/s and the stages' overlap
 #   x2sweep the share sweep on two cards with residency forced off, and at --max-vram 8,8
+#   x2sweep3 the same, residency off only, at 1K / 4K / 8K and shares 0 / 0.3 / 0.45 (a few minutes)
 #   x2served decode through the engine as the server does on two cards, 1 and 8 requests
 #   x2dec   decode on two cards (batch 1 bench, and 1 and 8 requests as the server does) and on one
 #   x2prof  tools/profile_pipeline on two cards, 32K prompt: host vs device timelines, allocator
@@ -101,6 +102,11 @@ if has x2sweep; then
     python3 -m strata_mgpu sweep $MODEL --devices 0,1 --max-vram $budget --prompt-tokens 1024,2048,3072,4096,6144,8192 \
       --shares 0,0.2,0.3,0.4,0.45,0.5 --runs 2 --json "$OUT/$name.json" 2>&1 | tee "$OUT/$name.log" | tail -24 || status=1
   done
+fi
+if has x2sweep3; then
+  python3 -m strata_mgpu sweep $MODEL --devices 0,1 --max-vram 16,16 --resident-experts 0 \
+    --prompt-tokens 1024,4096,8192 --shares 0,0.3,0.45 --runs 2 --json "$OUT/sweep_x2_3.json" 2>&1 \
+    | tee "$OUT/sweep_x2_3.log" | tail -24 || status=1
 fi
 if has x2served; then
   bench x2served $X2 --prompt-tokens 1024 --decode-tokens 128 --runs 1 --server-decode 1,8 --decode-batch 1,8

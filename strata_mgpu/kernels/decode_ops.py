@@ -124,7 +124,11 @@ class CudaDecodeOps(DecodeOps):
         if table is None:
             if torch.cuda.is_current_stream_capturing():
                 raise RuntimeError("a KV table is made outside a capture: run the step once eagerly first")
-            table = torch.tensor(key, dtype=torch.int64, device=self.device).view(len(kvs), 3)
+            # from pinned memory without a host wait: a prompt through the fused ops (`Decoder.static_rows`)
+            # makes a table for its new cache, and a pageable copy would wait for the work queued before it
+            host = torch.tensor(key, dtype=torch.int64)
+            host = host.pin_memory() if self.device.type == "cuda" else host
+            table = host.to(self.device, non_blocking=True).view(len(kvs), 3)
             self._tables[key] = table
             while len(self._tables) > KV_TABLES:
                 self._tables.popitem(last=False)
