@@ -6,6 +6,7 @@
 #   b16off  bench at --max-vram 16 with residency forced off (the figures before the VRAM plan)
 #   long    a 32K-token prompt: at --max-vram 16 (its KV in VRAM) and at 8 (KV spilled to host RAM,
 #           STRATA_KV_PREFETCH=0 and 1)
+#   short   prompts of 1-512 tokens at --max-vram 40 (all resident: the static rows and grouped experts' range)
 #   dec40   decode at --max-vram 40 (all resident): bench batch 1, then 1 and 8 requests as the server does
 #   served  decode through the engine as the server does (sampling on), 1 and 8 requests, at 40 and 16
 #   split   two stages on one card, --max-vram 8,8 (total 16) and 20,20 (all resident)
@@ -69,6 +70,7 @@ if has long; then
   STRATA_KV_PREFETCH=0 bench long8 --max-vram 8 --prompt-tokens 32768 --decode-tokens 16 --runs 1
   STRATA_KV_PREFETCH=1 bench long8pf --max-vram 8 --prompt-tokens 32768 --decode-tokens 16 --runs 1
 fi
+has short && bench short40 --max-vram 40 --prompt-tokens 1,16,64,128,512 --decode-tokens 0 --runs 5
 has dec40 && bench dec40 --max-vram 40 --prompt-tokens 1024 --decode-tokens 128 --runs 1 --server-decode 1,8 --decode-batch 1,8
 if has served; then
   bench served40 --max-vram 40 --prompt-tokens 1024 --decode-tokens 128 --runs 1 --server-decode 1,8
