@@ -68,16 +68,17 @@ def test_cuda_dequant_is_bit_exact_with_the_twin(kernels, ggml_type):
 FUSED_PAIRS = [(t, FUSED_DECODE_TYPES[(i + 5) % len(FUSED_DECODE_TYPES)]) for i, t in enumerate(FUSED_DECODE_TYPES)]
 
 
-def expert_case(tmp_path_factory, types: tuple, seed: int):
+def expert_case(tmp_path_factory, types: tuple, seed: int, resident: int | None = 3):
     """A tiny model with experts of `types` (gate/up, down) on the GPU: its spec, an expert cache
-    holding experts 0-2 of each layer in VRAM slots (the rest read from the mapped host arena), and
-    layer 1's layout."""
+    holding experts 0..resident-1 of each layer in VRAM slots (the rest read from the mapped host
+    arena; None: all resident), and layer 1's layout."""
     path = tmp_path_factory.mktemp("experts") / "m.gguf"
     write_model(path, "tiny", expert_type=types[0], down_type=types[1], seed=seed)
     f = GGUFFile(path)
     spec = spec_from_gguf(f)
     stage = Stage(f, spec, StageOptions(device=CUDA, max_vram_gib=8))
-    cache = ExpertCache(stage.ctx, stage.arena, range(spec.n_layers), n_slots=3 * spec.n_layers)
+    per_layer = spec.n_experts if resident is None else resident
+    cache = ExpertCache(stage.ctx, stage.arena, range(spec.n_layers), n_slots=per_layer * spec.n_layers)
     lay = stage.arena.layouts[1]
     assert (lay.gate_type, lay.down_type) == types
     return spec, cache, lay
@@ -140,10 +141,10 @@ GROUPED_PAIRS = [(Q8.Q4_K, Q8.Q6_K), (Q8.Q8_0, Q8.Q4_0), (Q8.Q5_K, Q8.Q8_0), (Q8
 def test_grouped_experts_equal_pick_by_pick(kernels, tmp_path_factory, monkeypatch, types):
     """A gathered pass of many picks expert by expert (moe_grouped.cu) equals decode's
     pick-by-pick kernels bit for bit (same dots in the same order), and so the twin within
-    FUSED_TOL: picks read from cache slots and from the mapped host arena, an expert no row picked,
-    experts picked more often than a block holds vectors at once."""
+    FUSED_TOL: an expert no row picked, experts picked more often than a block holds vectors at
+    once. Every expert resident (the grouped kernels run only so)."""
     seed = fresh_seed()
-    spec, cache, lay = expert_case(tmp_path_factory, types, seed)
+    spec, cache, lay = expert_case(tmp_path_factory, types, seed, resident=None)
     rows = -(-K.GROUPED_MIN_PICKS // spec.n_experts_used) + 13
     h, weights, experts, w_gu, w_d = random_pass(spec, rows, spec.n_experts - 1, seed)  # the last expert: no pick
     before = kernels.paths["moe_gathered:grouped"]
@@ -225,7 +226,8 @@ def _paths_of(stage) -> dict[str, int]:
 
 FAST_PATHS = {"dequant:cuda", "dequant_addressed:cuda", "gather_experts:cuda", "moe_gathered:fused",
               "moe_gathered:grouped", "grouped_mlp:grouped_mm", "copy_wide:copy_f32_wide", "rms_norm:cuda",
-              "add_rms_norm:cuda", "qk_norm_rope_kv:cuda", "route:cuda", "route:gemm", "moe_input:cuda", "dense:q8"}
+              "add_rms_norm:cuda", "qk_norm_rope_kv:cuda", "route:cuda", "route:gemm", "moe_input:cuda", "dense:q8",
+              "attention:cuda"}
 
 
 def test_bf16_stage_runs_only_fast_paths(tiny_gguf):

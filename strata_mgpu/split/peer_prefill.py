@@ -13,16 +13,10 @@ Per layer of A (shape legend: T tokens, A picks per token, D hidden, E experts, 
 2. B streams its n experts of the layer (the last n of those A would stream: resident experts
    stay with A, computed in place) from A's pinned arena over B's own link into B's ring, two
    layers ahead, dequantizes them into B's workspace, computes its rows with the grouped GEMM,
-   weights them and sends back their sum per token [T, D]. The same `load_part` and
-   `part_rows` as A's `compute_part`.
+   weights them and sends back their sum per token [T, D]. The same `compute_part` as A's.
 3. A computes the rows of its own experts meanwhile and adds B's sums.
 Events order every hand-over; the host never waits. Output is repeatable (fixed summation
 order) and equals unhelped output within rounding (the two partial sums round separately).
-
-The hand-over copies run on side streams (`SideCopies`), not in line with compute: A's compute
-stream goes on to its own rows once h and the routing are written, and waits for B's sums only
-just before the add; B dequantizes its experts while h and the routing are on their way, waits
-for them only before its rows, and goes on to the next layer's experts while its sums go back.
 """
 
 from __future__ import annotations
@@ -30,8 +24,7 @@ from __future__ import annotations
 import torch
 
 from strata_mgpu.split.exchange import Exchange
-from strata_mgpu.split.side_copies import SideCopies
-from strata_mgpu.stage.expert_parts import LayerPart, PartTables, load_part, part_rows
+from strata_mgpu.stage.expert_parts import LayerPart, PartTables, compute_part
 from strata_mgpu.stage.expert_ring import LayerFeed
 from strata_mgpu.stage.host_arena import HostExpertArena
 from strata_mgpu.stage.stage import LentBuffers
@@ -45,8 +38,6 @@ class PeerPrefill:
     def __init__(self, to_helper: Exchange, from_helper: Exchange):
         self.to_helper = to_helper  # busy stage -> helper: h, experts, weights
         self.from_helper = from_helper  # helper -> busy stage: weighted sums per token
-        self.busy_copies = SideCopies(to_helper.src, "hand-over")  # beside the busy stage's compute
-        self.helper_copies = SideCopies(to_helper.dst, "helper hand-over")  # beside the helper's compute
         self.lent: LentBuffers | None = None
         self.arena: HostExpertArena | None = None
         self.n_experts = 0  # the helper takes the last n streamed experts of every layer
@@ -93,9 +84,10 @@ class PeerPrefill:
         self.streamed_bytes += feed.bytes
 
     def publish(self, h: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> None:
-        """From the busy stage's stream: the layer's MoE input and routing, to the helper, copied on
-        its side stream once written there; the busy stage's stream goes on at once."""
-        self.busy_copies.send(self.to_helper, (h, experts, weights))  # the order run_layer receives them in
+        """On the busy stage's stream: the layer's MoE input and routing, to the helper."""
+        self.to_helper.send(h)
+        self.to_helper.send(experts)
+        self.to_helper.send(weights)
 
     def run_layer(self, i: int) -> None:
         """Queue the helper's work for local layer i on the helper's stream."""
@@ -103,19 +95,14 @@ class PeerPrefill:
         assert lent is not None and arena is not None and feed is not None and tables is not None
         lay = arena.layouts[tables.parts[i].layer]
         with lent.ctx.on_compute(after_caller=False, join_caller=False):
-            inputs = self.helper_copies.fetch(self.to_helper, MESSAGES_PER_LAYER)  # on the side stream
+            h = self.to_helper.receive()
+            experts = self.to_helper.receive()
+            weights = self.to_helper.receive()
             feed.acquire(i)
-            load_part(lent.ctx, lent.kernels, tables, i, lay, lent.w_gate_up, lent.w_down,
-                      release=lambda: feed.release(i))  # while h and the routing are on their way
-            self.helper_copies.wait(inputs)
-            h, experts, weights = inputs  # [T, D], [T, A], [T, A]
-            y = part_rows(lent.ctx, lent.kernels, tables, i, h, weights, experts, lent.w_gate_up, lent.w_down,
-                          whole_layer=False)  # [T, D]
-            self.helper_copies.send(self.from_helper, (y,))
+            y = compute_part(lent.ctx, lent.kernels, tables, i, lay, h, weights, experts, lent.w_gate_up,
+                             lent.w_down, release=lambda: feed.release(i), whole_layer=False)
+            self.from_helper.send(y)
 
     def collect(self) -> torch.Tensor:
-        """On the busy stage's stream: the helper's weighted sums for the layer [T, D], read on its
-        side stream; the busy stage's stream waits for that read only here, before its add."""
-        sums = self.busy_copies.fetch(self.from_helper, 1)
-        self.busy_copies.wait(sums)
-        return sums[0]
+        """On the busy stage's stream: the helper's weighted sums for the layer [T, D]."""
+        return self.from_helper.receive()

@@ -11,11 +11,9 @@ Per layer of the busy stage (the helper takes the share s of its E experts, T pr
                      T * (to_helper + back) / mapped + s * expert * T)  the helper's: in, rows, out
 
 A layer takes the largest of the three (uploads run two layers ahead, so links and compute
-overlap). In the sweep the defaults were fitted to, every hand-over copy was a kernel on a compute
-stream and waited in line with compute ("in line"); `overlapped=True` models the busy stage's two
-copies (publish h, read the sums) leaving its compute stream, so only the helper's side of the
-chain still carries them. The code now runs them on side streams (`split/side_copies.py`); the
-default stays the fitted one until a sweep measures that. The
+overlap). Today every hand-over copy is a kernel on a compute stream and waits in line with
+compute ("in line"); `overlapped=True` models the busy stage's two copies (publish h, read the
+sums) leaving its compute stream, so only the helper's side of the chain still carries them. The
 hand-over's bytes also cross the links: mapped-memory reads by copy kernels take link time at
 `mapped` bytes/s, well below DMA's rate.
 
