@@ -360,6 +360,27 @@ def test_max_vram_is_never_exceeded(model):
     assert torch.cuda.max_memory_reserved(CUDA) <= budget * 2**30
 
 
+def test_server_shaped_decode_within_a_tight_budget(model):
+    """Eight sampled requests decoded together as the server runs them (graphs captured at the
+    engine's start, one per batch size where experts are only partly resident), on a stage whose
+    budget its plan fills: every request finishes, none with an out-of-memory error, and the card
+    holds no more than the budget. (On the H200 at --max-vram 16 the 30B-A3B run failed this way:
+    a graph capture ran out of memory, then a request ended with an error.)"""
+    import gc
+
+    from strata_mgpu.model.tokenizer import tokenizer_from_gguf
+    from strata_mgpu.tools.server_decode import measure_server_decode
+
+    f, spec = model
+    budget = 1.0
+    gc.collect()  # stages of earlier tests must not count against this device's cap
+    stage = Stage(f, spec, StageOptions(device=CUDA, max_vram_gib=budget, chunk_size=1024, kv_tokens=2048))
+    torch.cuda.reset_peak_memory_stats(CUDA)
+    report = measure_server_decode(stage, tokenizer_from_gguf(f), 8, 64)  # raises if a request fails
+    assert report.n_requests == 8 and report.n_generated == 8 * 64
+    assert torch.cuda.max_memory_reserved(CUDA) <= budget * 2**30
+
+
 def test_graph_replay_equals_the_static_step_run_eagerly(tiny_gguf):
     """The captured graph replays the static step's own kernels: the same logits as running
     `forward_static` eagerly on a twin cache. (Against the other decode path, `run`, bf16 results
