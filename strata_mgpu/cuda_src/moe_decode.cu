@@ -24,8 +24,8 @@
 // once; then each warp takes one row, its lanes one 32-weight sub-block at a time.
 #include "ggml_blocks.cuh"
 #include "moe_common.cuh"
-#include "q8_dot.cuh"
 #include "q8_quantize.cuh"
+#include "q8_rows.cuh"
 #include "warp.cuh"
 
 constexpr int MAX_PICKS = 64;  // experts a token (A) moe_down takes; kernels/experts.py checks
@@ -150,34 +150,6 @@ __device__ __forceinline__ void stage_q8(const unsigned* src, int n_sub, unsigne
     for (int i = threadIdx.x; i < n_sub * (Q8_WORDS / 4); i += blockDim.x) copy16(d + i, s + i);
 }
 
-// row_dot and row_dot_pair on the integer path: v holds n_sub quantized sub-blocks.
-template <int TYPE>
-__device__ __forceinline__ float row_dot_q8(const u8* row, int n_sub, const unsigned* v) {
-    constexpr int PER = Fmt<TYPE>::QK / 32;
-    float acc = 0.f;
-    for (int j = threadIdx.x & 31; j < n_sub; j += 32) {
-        unsigned x[Q8_WORDS];
-        q8_words(v + Q8_WORDS * j, x);
-        acc += q8_dot<TYPE>(row + (j / PER) * Fmt<TYPE>::BYTES, j % PER, x);
-    }
-    return warp_sum(acc);
-}
-
-template <int TYPE>
-__device__ __forceinline__ void row_dot_pair_q8(const u8* row0, const u8* row1, int n_sub, const unsigned* v,
-                                                float* dot0, float* dot1) {
-    constexpr int PER = Fmt<TYPE>::QK / 32;
-    float acc0 = 0.f, acc1 = 0.f;
-    for (int j = threadIdx.x & 31; j < n_sub; j += 32) {
-        unsigned x[Q8_WORDS];
-        q8_words(v + Q8_WORDS * j, x);
-        acc0 += q8_dot<TYPE>(row0 + (j / PER) * Fmt<TYPE>::BYTES, j % PER, x);
-        acc1 += q8_dot<TYPE>(row1 + (j / PER) * Fmt<TYPE>::BYTES, j % PER, x);
-    }
-    *dot0 = warp_sum(acc0);
-    *dot1 = warp_sum(acc1);
-}
-
 // Shared words of a staged vector of n values: quantized, or bf16 pairs at VWORDS a sub-block.
 template <int TYPE>
 __host__ __device__ constexpr int vector_words(int n) { return n / 32 * (Q8Dot<TYPE>::ok ? Q8_WORDS : VWORDS); }
@@ -207,9 +179,12 @@ __global__ void moe_gate_up(const __nv_bfloat16* __restrict__ x, const unsigned*
     __syncthreads();
     if (warp < n) {
         float g, u;
-        if constexpr (Q8Dot<TYPE>::ok)
-            row_dot_pair_q8<TYPE>(gate + warp * row_bytes, up + warp * row_bytes, D / 32, v, &g, &u);
-        else
+        if constexpr (Q8Dot<TYPE>::ok) {  // the integer path: q8_rows.cuh's dots, one vector
+            const u8* rows[2] = {gate + warp * row_bytes, up + warp * row_bytes};
+            float dots[2][1];
+            q8_row_dots<TYPE, 2, 1>(rows, D / 32, v, 0, 1, dots);
+            g = dots[0][0], u = dots[1][0];
+        } else
             row_dot_pair<TYPE>(gate + warp * row_bytes, up + warp * row_bytes, D / 32, v, &g, &u);
         g = bf16r(g);
         u = bf16r(u);
@@ -255,8 +230,11 @@ __global__ void moe_down(const __nv_bfloat16* __restrict__ act, const unsigned* 
         const int r = k / A, a = k % A;
         const u8* row = smem + a * room + (tile_src[a] & 15) + r * row_bytes;  // where stage_bytes put it
         float y;
-        if constexpr (Q8Dot<TYPE>::ok) y = row_dot_q8<TYPE>(row, F / 32, v + a * vwords);
-        else y = row_dot<TYPE>(row, F / 32, v + a * vwords);
+        if constexpr (Q8Dot<TYPE>::ok) {
+            float dots[1][1];
+            q8_row_dots<TYPE, 1, 1>(&row, F / 32, v + a * vwords, 0, 1, dots);
+            y = dots[0][0];
+        } else y = row_dot<TYPE>(row, F / 32, v + a * vwords);
         y = bf16r(y);
         if ((threadIdx.x & 31) == 0) partial[r * A + a] = y;
     }

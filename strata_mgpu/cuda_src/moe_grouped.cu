@@ -15,8 +15,8 @@
 //   moe_group_down:    aq [P, F / 32 * Q8_WORDS] (act quantized) -> y [P, D] fp32, each value
 //                      rounded to bf16 (moe_down's per-pick partial sums)
 //   moe_group_combine: y, weights [P] fp32 -> out [T, D] bf16 = sum_a bf16(w_a) y_a, a in order
-// Integer types only (q8_dot.cuh's Q8_DOT_TYPES). Every dot runs in the order of moe_decode.cu's
-// integer path (each lane's sub-blocks j, j + 32, ..., then the warp's sum) and rounds alike, so
+// Integer types only (q8_dot.cuh's Q8_DOT_TYPES). Every dot is moe_decode.cu's integer one (the
+// same inner loop, q8_rows.cuh, over more vectors) and rounds alike, so
 // the results equal that path's bit for bit (tests/test_gpu_quant.py checks), and the torch twin
 // (kernels/experts.py, moe_fused_reference) holds both.
 //

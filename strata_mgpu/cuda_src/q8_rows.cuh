@@ -1,10 +1,10 @@
-// Rows of GGML blocks dotted with several quantized vectors at once: the inner loop of the kernels
-// that multiply a few rows of x by weights as the file stores them (dense_decode.cu's dense_q8,
-// moe_grouped.cu's experts). One warp; lane l takes sub-blocks l, l + 32, ... of each row, unpacks
+// Rows of GGML blocks dotted with several quantized vectors at once: the integer inner loop of the
+// kernels that multiply rows of x by weights as the file stores them (dense_decode.cu's dense_q8,
+// moe_grouped.cu's experts, and moe_decode.cu's with one vector). One warp; lane l takes sub-blocks l, l + 32, ... of each row, unpacks
 // each once (q8_unpack) and dots it with every vector (Q8Sub::dot), so a weight is read and
 // unpacked once however many vectors there are, and each vector's words are loaded once for all
-// R rows. The sums run in the order of moe_decode.cu's row dots (a lane's sub-blocks in turn,
-// then the warp's sum), so the results equal theirs bit for bit.
+// R rows. Each sum runs over a lane's sub-blocks in turn, then the warp's sum, whatever R and N:
+// so the grouped kernels equal decode's pick-by-pick ones bit for bit.
 #pragma once
 #include "q8_dot.cuh"
 #include "q8_quantize.cuh"
