@@ -127,11 +127,11 @@ class FailingExperts:
     def begin(self, n_rows):
         self.inner.begin(n_rows)
 
-    def forward(self, layer, h, weights, experts):
+    def forward(self, layer, h, weights, experts, hq=None):
         if layer == self.fail_layer:
             self.fail_layer = None
             raise RuntimeError("injected failure")
-        return self.inner.forward(layer, h, weights, experts)
+        return self.inner.forward(layer, h, weights, experts, hq=hq)
 
 
 @torch.no_grad()

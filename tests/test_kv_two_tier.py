@@ -109,12 +109,12 @@ class FailingExperts:
     def begin(self, n_rows: int) -> None:
         self.inner.begin(n_rows)
 
-    def forward(self, layer, h, weights, experts):
+    def forward(self, layer, h, weights, experts, hq=None):
         if layer == self.fail_layer:
             self.fail_layer = None
             self.holds_at_failure = list(self.st.holds)
             raise RuntimeError("injected failure")
-        return self.inner.forward(layer, h, weights, experts)
+        return self.inner.forward(layer, h, weights, experts, hq=hq)
 
 
 @torch.no_grad()

@@ -292,22 +292,20 @@ class CudaKernels(TorchKernels):
             return super().moe_gathered(cache, i, lay, h, weights, experts, w_gate_up, w_down)
         h, picks, weights = h.contiguous(), experts.reshape(-1).contiguous(), weights.float().contiguous()
         n_experts = cache.slot_of.shape[1]
-        if self._goes_grouped(plan, cache, t * a, d):
-            self.paths.ran("moe_gathered", "grouped")
-            hq = hq if hq is not None and hq.shape == (t, d // 32 * Q8_WORDS) and hq.dtype == torch.int32 else \
-                self._quantize_q8(h)
-            return moe_grouped(self, cache, i, lay, h, hq, weights, experts)
-        self.paths.ran("moe_gathered", "fused")
-        f = plan.ffn
+        # layer i's rows of the cache's tables, and its base addresses: where each expert's bytes are
         table = (np.uint64(cache.slot_of.data_ptr() + 8 * i * n_experts),
                  np.uint64(cache.host_offset.data_ptr() + 8 * i * n_experts), np.uint64(cache.buffer.data_ptr()),
                  np.int64(cache.slot_bytes), np.uint64(cache.arena.buffer.data_ptr()))
+        if not (hq is not None and hq.shape == (t, d // 32 * Q8_WORDS) and hq.dtype == torch.int32):
+            hq = self._quantize_q8(h) if plan.q8_gate_up else None
+        if self._goes_grouped(plan, cache, t * a, d):
+            self.paths.ran("moe_gathered", "grouped")
+            return moe_grouped(self, table, n_experts, lay, hq, weights, experts)
+        self.paths.ran("moe_gathered", "fused")
+        f = plan.ffn
         act = torch.empty(t * a, f, dtype=torch.bfloat16, device=h.device)
         out = torch.empty(t, d, dtype=torch.bfloat16, device=h.device)
-        if not plan.q8_gate_up:
-            hq = h
-        elif hq is None or hq.shape != (t, d // 32 * Q8_WORDS) or hq.dtype != torch.int32:
-            hq = self._quantize_q8(h)
+        hq = hq if plan.q8_gate_up else h  # the float kernels read h itself
         fn = nvrtc.kernel(MOE_FILE, f"moe_gate_up<{int(lay.gate_type)}>", _MOE_EXPRS, self.device)
         nvrtc.launch(fn, (-(-f // plan.rows_gu), t * a), MOE_THREADS,
                      (h.data_ptr(), hq.data_ptr(), picks.data_ptr(), np.int32(a), *table, np.int32(d), np.int32(f),

@@ -24,7 +24,6 @@ from strata_mgpu.kernels import nvrtc
 
 if TYPE_CHECKING:
     from strata_mgpu.kernels.experts import CudaKernels, ExpertLayout
-    from strata_mgpu.stage.expert_cache import ExpertCache
 
 GROUPED_FILE = "moe_grouped.cu"
 GROUPED_NAMES = ("moe_group_combine",)  # its plain (extern "C") kernels
@@ -57,38 +56,36 @@ def picks_by_expert(picks: torch.Tensor, expert_ids: torch.Tensor) -> tuple[torc
     return order, torch.searchsorted(ranked, expert_ids)
 
 
-def moe_grouped(kernels: CudaKernels, cache: ExpertCache, i: int, lay: ExpertLayout, h: torch.Tensor,
-                hq: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
-    """Local layer i's routed experts for h [T, D] bf16 (hq: h quantized), weights [T, A] fp32,
-    experts [T, A] -> [T, D] bf16. Both of the layout's types must be integer ones (Q8_DOT_TYPES)."""
+def moe_grouped(kernels: CudaKernels, table: tuple, n_experts: int, lay: ExpertLayout, hq: torch.Tensor,
+                weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+    """A layer's routed experts for hq (h [T, D] bf16 quantized, `quantize_q8`), weights [T, A]
+    fp32, experts [T, A] -> [T, D] bf16. table: the layer's expert table as moe_decode.cu's kernels
+    take it (slot_of and host_offset rows of its n_experts, slots, slot_bytes, arena). Both of the
+    layout's types must be integer ones (Q8_DOT_TYPES)."""
     from strata_mgpu.kernels.experts import Q8_DOT_TYPES, Q8_WORDS
 
     t, a = experts.shape
-    d = h.shape[1]
+    d = hq.shape[1] // Q8_WORDS * 32
     f = lay.gate_weights // d
-    n_experts = cache.slot_of.shape[1]
     nv_gu, nv_down = vectors_a_batch(d, Q8_WORDS), vectors_a_batch(f, Q8_WORDS)
     assert lay.gate_type in Q8_DOT_TYPES and lay.down_type in Q8_DOT_TYPES and nv_gu > 0 and nv_down > 0
     order, starts = picks_by_expert(experts.reshape(-1), kernels.expert_ids(n_experts + 1))
-    table = (np.uint64(cache.slot_of.data_ptr() + 8 * i * n_experts),
-             np.uint64(cache.host_offset.data_ptr() + 8 * i * n_experts), np.uint64(cache.buffer.data_ptr()),
-             np.int64(cache.slot_bytes), np.uint64(cache.arena.buffer.data_ptr()))
     exprs = grouped_exprs(Q8_DOT_TYPES)
     warps = GROUP_THREADS // 32
-    act = torch.empty(t * a, f, dtype=torch.bfloat16, device=h.device)
+    act = torch.empty(t * a, f, dtype=torch.bfloat16, device=hq.device)
     fn = nvrtc.kernel(GROUPED_FILE, f"moe_group_gate_up<{int(lay.gate_type)}>", exprs, kernels.device)
     nvrtc.launch(fn, (-(-f // warps), n_experts), GROUP_THREADS,
                  (hq.data_ptr(), order.data_ptr(), starts.data_ptr(), np.int32(a), np.int32(nv_gu), *table,
                   np.int32(d), np.int32(f), np.int64(lay.gate_bytes // f), act.data_ptr()), kernels.device,
                  shared_mem=nv_gu * (d // 32) * Q8_WORDS * 4)
     aq = kernels._quantize_q8(act)
-    y = torch.empty(t * a, d, dtype=torch.float32, device=h.device)
+    y = torch.empty(t * a, d, dtype=torch.float32, device=hq.device)
     fn = nvrtc.kernel(GROUPED_FILE, f"moe_group_down<{int(lay.down_type)}>", exprs, kernels.device)
     nvrtc.launch(fn, (-(-d // warps), n_experts), GROUP_THREADS,
                  (aq.data_ptr(), order.data_ptr(), starts.data_ptr(), np.int32(nv_down), *table, np.int32(d),
                   np.int32(f), np.int64(lay.down_bytes // d), np.int64(lay.down_offset), y.data_ptr()),
                  kernels.device, shared_mem=nv_down * (f // 32) * Q8_WORDS * 4)
-    out = torch.empty(t, d, dtype=torch.bfloat16, device=h.device)
+    out = torch.empty(t, d, dtype=torch.bfloat16, device=hq.device)
     fn = nvrtc.kernel(GROUPED_FILE, GROUPED_NAMES[0], exprs, kernels.device)
     nvrtc.launch(fn, -(-t * d // COMBINE_THREADS), COMBINE_THREADS,
                  (y.data_ptr(), weights.data_ptr(), np.int32(a), np.int64(t * d), np.int32(d), out.data_ptr()),

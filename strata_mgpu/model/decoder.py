@@ -355,8 +355,7 @@ class Decoder:
             else:
                 x, h = ops.add_rms_norm(x, attended, layer.ffn_norm, s.rms_eps)
                 (weights, experts), hq = self.route(i, h, layer.router), None
-            y = (self.experts.forward(i, h, weights, experts) if hq is None else
-                 self.experts.forward(i, h, weights, experts, hq=hq))
+            y = self.experts.forward(i, h, weights, experts, hq=hq)
             if i + 1 < len(layers):
                 x, h = ops.add_rms_norm(x, y, layers[i + 1].attn_norm, s.rms_eps)
             else:

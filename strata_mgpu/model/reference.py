@@ -34,8 +34,9 @@ class DenseExperts:
     def begin(self, n_rows: int) -> None:
         pass
 
-    def forward(self, layer: int, h: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
-        return moe_reference(h, self.layers[layer], weights, experts)
+    def forward(self, layer: int, h: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
+                hq: torch.Tensor | None = None) -> torch.Tensor:
+        return moe_reference(h, self.layers[layer], weights, experts)  # in h's own precision: hq unused
 
 
 class ReferenceModel(Decoder):
