@@ -28,6 +28,10 @@
 #           server's timings, decode, 8 streamed chats at once (STRATA_DECODE_GRAPH_BATCH as set)
 #   graphs8 decode at --max-vram 40 with batched graphs off (default) and on (STRATA_DECODE_GRAPH_BATCH=8)
 #   dec32k  decode after a 32K-token prompt against after a 1K one (#12: >= 0.8), at --max-vram 40 and 16
+#   oom16   scripts/oom_probe.py around dec40's bench at --max-vram 16: what holds the memory when the
+#           server-shaped requests run out of it (oom_*.txt)
+#   tol     scripts/tol_probe.py: the fused expert kernels' error against their twin over 200 random
+#           passes per type pair (what FUSED_TOL in tests/test_gpu_quant.py is set from)
 #   kbench  tools/bench_kernels: the fused expert kernels, decode attention and a layer's dequant on
 #           synthetic 30b-a3b data (no model file), each checked against its twin; all in VRAM and half on the host
 #   prof40  tools/profile_decode at --max-vram 40 (all resident): batch 1, and batch 8 eager and as a graph
@@ -72,6 +76,12 @@ if has long; then
 fi
 has short && bench short40 --max-vram 40 --prompt-tokens 1,16,64,128,512 --decode-tokens 0 --runs 5
 has dec40 && bench dec40 --max-vram 40 --prompt-tokens 1024 --decode-tokens 128 --runs 1 --server-decode 1,8 --decode-batch 1,8
+has tol && { python3 scripts/tol_probe.py 200 2>&1 | tee "$OUT/tol.log" || status=1; }
+if has oom16; then
+  python3 scripts/oom_probe.py "$OUT/oom16" -- bench $MODEL --max-vram 16 --prompt-tokens 1024 --decode-tokens 128 \
+    --runs 1 --server-decode 1,8 --decode-batch 1,8 > "$OUT/oom16.log" 2>&1 || status=1
+  tail -5 "$OUT/oom16.log"; head -30 "$OUT"/oom16/oom_1.txt 2>/dev/null || true
+fi
 if has served; then
   bench served40 --max-vram 40 --prompt-tokens 1024 --decode-tokens 128 --runs 1 --server-decode 1,8
   bench served16 --max-vram 16 --prompt-tokens 1024 --decode-tokens 128 --runs 1 --server-decode 1,8

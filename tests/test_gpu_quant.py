@@ -24,7 +24,11 @@ from tests.test_quant import fresh_seed, raw_blocks
 
 pytestmark = pytest.mark.gpu
 CUDA = torch.device("cuda", 0)
-FUSED_TOL = 1e-2  # max|diff| / max|ref|: same bf16 weights and roundings, fp32 sums in another order
+# max|diff| / max|ref|: same bf16 weights and roundings, fp32 sums in another order. Most passes
+# are bit-exact; a rounding that lands the other way at a bf16 intermediate moves a few outputs
+# by an ulp or two: over 200 random passes per type pair and row count (scripts/tol_probe.py, one
+# H200) the largest was 1.17e-2 (Q8_0 gate/up with Q6_K down), the 99th percentile 7.7e-3.
+FUSED_TOL = 2e-2
 
 
 def rel_err(a: torch.Tensor, ref: torch.Tensor) -> float:

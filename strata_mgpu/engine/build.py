@@ -80,7 +80,8 @@ def preview_plans(f: GGUFFile, spec: ModelSpec, placement: Placement, chunk_size
                                  n_layers=len(layers), expert_bytes=largest, dense=dense,
                                  budget=int(budget * GiB) if budget else None, elem=elem,
                                  resident_per_layer=placement.resident_experts, where=f"stage on {name}",
-                                 staging_buffers=2 if env.kv_prefetch() else 1)
+                                 staging_buffers=2 if env.kv_prefetch() else 1,
+                                 decode_rows=env.decode_graph_batch(), head=layers.stop == spec.n_layers)
         out.append((name, layers, plan))
     return out
 

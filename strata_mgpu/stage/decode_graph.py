@@ -51,13 +51,31 @@ def bucket_for(rows: int, largest: int, pad: bool = True) -> int:
 TABLE_OPS = ("qk_norm_rope_kv", "attention")
 
 
+class GraphCapture:
+    """What a stage's decode graphs share: one stream to warm up and capture on, one memory pool.
+
+    A stream per capture cost 32 MiB each on the H200, the cuBLAS workspace torch keeps for every
+    stream a GEMM ran on (ten of them held 320 MiB when `--max-vram 16` ran out of memory), and a
+    pool per graph keeps every bucket's temporaries at once. Sharing the pool is safe here: a
+    replay's temporaries are dead when it ends, every input lives outside the pool, and each
+    replay's output is copied out (`DecodeGraph.step`) before another graph can replay over it.
+    """
+
+    def __init__(self, device: torch.device):
+        # torch's default capture stream is made once, on whichever device captured first: a stage
+        # on another card would be captured on that card's stream. Each stage gets its own device's.
+        self.stream = torch.cuda.Stream(device)
+        self.pool = torch.cuda.graph_pool_handle()
+
+
 class DecodeGraph:
     def __init__(self, model: Decoder, kvs: Sequence[KVCache], inp: torch.Tensor, bucket: int, pad: KVCache,
-                 capacity: int = 0):
+                 capacity: int = 0, *, capture: GraphCapture | None = None):
         """kvs: the first step's sequences (at most `bucket`); inp their input, token ids [B]
         (first stage) or hidden rows [B, D]. Rows past len(kvs) run the dummy sequence `pad` at
         position 0. Serves later batches of up to `bucket` rows whose next positions are below this
-        batch's largest next position or `capacity`, rounded up to a power of two (`fits`)."""
+        batch's largest next position or `capacity`, rounded up to a power of two (`fits`).
+        capture: the stream and memory pool the stage's graphs share (a new pair where None)."""
         assert 0 < len(kvs) <= bucket
         device = self.device = model.device
         self.bucket, self.pad = bucket, pad
@@ -72,19 +90,18 @@ class DecodeGraph:
         self.table = None if table is None else table.clone()  # [bucket, 3], the graph's own
         self._table_rows: list[tuple[int, int, int]] = []  # what self.table holds, as the host last wrote it
         self._load(kvs, inp)
+        capture = capture or GraphCapture(device)
         with torch.cuda.device(device):  # the capture stream is the current device's: the stage's
-            # Warm up outside the capture (lazy initializations may not happen inside it). The
-            # warm-up computes the real next step, writing the very KV slots the replays write again.
-            side = torch.cuda.Stream(device)
+            # Warm up outside the capture (lazy initializations may not happen inside it), on the
+            # stream that then captures (cuBLAS keeps a workspace per stream). The warm-up computes
+            # the real next step, writing the very KV slots the replays write again.
+            side = capture.stream
             side.wait_stream(torch.cuda.current_stream(device))
             with torch.cuda.stream(side):
                 model.step_static(self.inp, self.positions, padded, self.table, self.capacity)
             torch.cuda.current_stream(device).wait_stream(side)
             self.graph = torch.cuda.CUDAGraph()
-            # torch's default capture stream is made once, on whichever device captured first: a
-            # stage on another card would be captured on that card's stream. Each capture gets one
-            # of its own device's.
-            with torch.cuda.graph(self.graph, stream=torch.cuda.Stream(device), capture_error_mode="relaxed"):
+            with torch.cuda.graph(self.graph, pool=capture.pool, stream=side, capture_error_mode="relaxed"):
                 self.out = model.step_static(self.inp, self.positions, padded, self.table,
                                              self.capacity)  # [bucket, V or D]
         # a twin read the caches at their addresses of this capture: only this batch may replay it

@@ -2,12 +2,13 @@
 
 A stage's `--max-vram` is one pool. Fixed lines come first: the dense weights, one layer's experts
 as bf16 (the prefill GEMMs' operands), one chunk's activation peak, the KV cells the engine must
-hold, and a slack for the caching allocator's rounding. What is left holds experts resident in
-VRAM (the same `K` per layer: decode reads them in place, prefill computes them in place) and the
-expert ring, which only needs room for the experts that are not resident: two slots of
-(E - K) experts. K is the largest count whose lines all fit; with K = E nothing streams and the
-ring is gone. The plan never exceeds the budget (a property test checks it for any shapes and
-budgets); where even K = 0 does not fit, `plan_memory` raises a one-line `PlanError`.
+hold, decode's graphs and GEMM workspaces, and a slack for the caching allocator's rounding. What
+is left holds experts resident in VRAM (the same `K` per layer: decode reads them in place,
+prefill computes them in place) and the expert ring, which only needs room for the experts that
+are not resident: two slots of (E - K) experts. K is the largest count whose lines all fit; with
+K = E nothing streams and the ring is gone. The plan never exceeds the budget (a property test
+checks it for any shapes and budgets); where even K = 0 does not fit, `plan_memory` raises a
+one-line `PlanError`.
 
 Shape legend: L = the stage's layers, E = experts a layer, K = resident experts a layer,
 A = experts used per token, T = chunk tokens, S = context tokens.
@@ -22,6 +23,11 @@ from strata_mgpu.model.spec import ModelSpec
 
 GiB = 2**30
 ALLOCATOR_SLACK = 0.03  # of the budget: the caching allocator rounds blocks and keeps some cached
+# cuBLAS's workspace, which torch keeps for every stream a GEMM runs on (32 MiB on Hopper; less on
+# older cards): the stage's compute stream, the graphs' capture stream, and the default stream
+GEMM_WORKSPACE = 32 * 2**20
+GEMM_STREAMS = 3
+DECODE_SPLITS = 128  # the attention's most splits a row (`kernels.decode_ops.ATTN_SPLITS`)
 
 
 class PlanError(ValueError):
@@ -39,6 +45,7 @@ class MemoryPlan:
     kv: int  # the KV cells the engine may fill, for every sequence together
     kv_tokens: int
     kv_staging: int  # where a sequence may outgrow kv_tokens: the buffer its host prefix is uploaded into
+    decode: int  # decode graphs' shared pool (one step of the largest graph batch) and GEMM workspaces
     slack: int  # allocator rounding and cached blocks
     n_layers: int  # L
     n_experts: int  # E
@@ -69,7 +76,7 @@ class MemoryPlan:
 
     @property
     def fixed(self) -> int:
-        return self.dense + self.workspace + self.activations + self.kv + self.kv_staging + self.slack
+        return self.dense + self.workspace + self.activations + self.kv + self.kv_staging + self.decode + self.slack
 
     @property
     def total(self) -> int:
@@ -79,7 +86,8 @@ class MemoryPlan:
         """(what, bytes) in the order they are placed; the budget and what is left last."""
         out = [("dense weights", self.dense), ("expert workspace (bf16, one layer)", self.workspace),
                ("activations (one chunk)", self.activations), (f"KV cache ({self.kv_tokens:,} tokens)", self.kv),
-               ("KV staging (host prefix uploads)", self.kv_staging), ("allocator slack", self.slack),
+               ("KV staging (host prefix uploads)", self.kv_staging),
+               ("decode graphs and GEMM workspaces", self.decode), ("allocator slack", self.slack),
                (f"expert ring ({self.ring_slots} x {self.streamed_per_layer} experts)", self.ring),
                (f"resident experts ({self.resident_per_layer}/{self.n_experts} a layer)", self.resident)]
         if self.budget is not None:
@@ -109,6 +117,17 @@ def activation_bytes(spec: ModelSpec, tokens: int, context: int, elem: int = 2) 
     moe = m * (3 * spec.hidden + 4 * spec.expert_ffn) * elem + m * 8 * 4 + tokens * spec.n_experts * 4
     attention = 2 * context * spec.n_heads * spec.head_dim * elem + tokens * spec.q_dim * elem * 2
     return int(1.25 * (rows + max(moe, attention)))
+
+
+def decode_bytes(spec: ModelSpec, rows: int, *, head: bool, elem: int = 2) -> int:
+    """What decode holds beyond the KV: cuBLAS's workspaces, and the graphs' shared pool, which
+    keeps one step's temporaries for the largest graph batch of `rows` rows (attention's split
+    partials in fp32, the rows' activations, logits in the compute dtype and in fp32 where the
+    stage holds the head). A quarter more, as for the activations."""
+    per_row = (spec.n_heads * DECODE_SPLITS * (spec.head_dim + 2) * 4
+               + (spec.hidden * 8 + spec.q_dim * 3 + spec.kv_dim * 2) * elem
+               + spec.n_experts * 4 * 2 + (spec.vocab_size * (elem + 4) if head else 0))
+    return GEMM_STREAMS * GEMM_WORKSPACE + int(1.25 * rows * per_row)
 
 
 def dense_bytes(spec: ModelSpec, n_layers: int, *, embed: bool, head: bool, elem: int = 2) -> int:
@@ -149,12 +168,13 @@ def kv_bytes(spec: ModelSpec, n_layers: int, tokens: int, elem: int = 2) -> int:
 def plan_memory(spec: ModelSpec, *, n_layers: int, expert_bytes: int, dense: int, budget: int | None,
                 chunk_tokens: int, kv_tokens: int, ring_slots: int = 2, elem: int = 2,
                 resident_per_layer: int | None = None, where: str = "the stage", context: int | None = None,
-                staging_buffers: int = 1) -> MemoryPlan:
+                staging_buffers: int = 1, decode_rows: int = 8, head: bool = True) -> MemoryPlan:
     """Place the fixed lines, then as many resident experts a layer as the rest holds.
 
     `kv_tokens` KV cells stay in VRAM; a sequence longer than that (up to `context` tokens) keeps
     its older cells in host RAM and uploads them, a layer at a time, into `staging_buffers`
-    buffers of `context` cells (`stage.host_kv`). `resident_per_layer` forces K (0: stream
+    buffers of `context` cells (`stage.host_kv`). `decode_rows`: the largest batch decoded as one
+    graph; `head`: the stage holds the output head. `resident_per_layer` forces K (0: stream
     everything, for measurements); it must still fit. Without a budget (CPU) K defaults to a
     quarter of E, so both read paths stay exercised.
     """
@@ -164,6 +184,7 @@ def plan_memory(spec: ModelSpec, *, n_layers: int, expert_bytes: int, dense: int
     fixed = dict(dense=dense, workspace=workspace_bytes(spec, elem),
                  activations=activation_bytes(spec, min(chunk_tokens, context), context, elem),
                  kv=kv_bytes(spec, n_layers, kv_tokens, elem), kv_tokens=kv_tokens, kv_staging=staging,
+                 decode=decode_bytes(spec, decode_rows, head=head, elem=elem) if budget is not None else 0,
                  slack=int(ALLOCATOR_SLACK * budget) if budget is not None else 0)
 
     def plan(k: int) -> MemoryPlan:

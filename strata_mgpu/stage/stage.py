@@ -25,7 +25,7 @@ from strata_mgpu.model.kv_cache import KVCache
 from strata_mgpu.model.runner import DecoderRunner
 from strata_mgpu.model.spec import ModelSpec
 from strata_mgpu.model.weights import load_weights
-from strata_mgpu.stage.decode_graph import DecodeGraph, bucket_for
+from strata_mgpu.stage.decode_graph import DecodeGraph, GraphCapture, bucket_for
 from strata_mgpu.stage.device import DeviceContext
 from strata_mgpu.stage.expert_cache import ExpertCache
 from strata_mgpu.stage.expert_ring import ExpertRing
@@ -126,6 +126,7 @@ class Stage(DecoderRunner):
                            and dtype == torch.bfloat16 and self._decode_never_syncs(kernels, spec))
         self._graphs: dict[int, DecodeGraph] = {}  # graph rows (`_graph_bucket`) -> its capture
         self._pad_kv: KVCache | None = None  # the dummy sequence padding a batch to its bucket
+        self._capture: GraphCapture | None = None  # the stream and pool the graphs share (at the first capture)
         self._graph_batch = opts.graph_batch or env.decode_graph_batch()
         # KV cells in VRAM for all sequences together (the engine admits within it); a sequence
         # longer than that keeps its older cells in pinned host RAM (`stage.host_kv`)
@@ -165,7 +166,8 @@ class Stage(DecoderRunner):
                                  expert_bytes=self.arena.max_expert_bytes, dense=dense_bytes, budget=budget,
                                  ring_slots=opts.ring_slots, elem=torch.empty((), dtype=dtype).element_size(),
                                  resident_per_layer=resident, where=f"stage on {self.ctx.device}",
-                                 staging_buffers=2 if env.kv_prefetch() else 1)
+                                 staging_buffers=2 if env.kv_prefetch() else 1,
+                                 decode_rows=opts.graph_batch or env.decode_graph_batch(), head=self.is_last)
 
     @property
     def max_context(self) -> int:
@@ -235,7 +237,21 @@ class Stage(DecoderRunner):
         inp [B] where the stage embeds (the first), else hidden rows [B, D]; -> logits [B, V] where
         it holds the head (the last), else hidden rows [B, D]. Replays the stage's CUDA graph for
         this batch where the path allows (every cache in VRAM, and too few rows to make the experts
-        stream); a spilled sequence's KV is assembled eagerly."""
+        stream); a spilled sequence's KV is assembled eagerly. Where the budget runs out in the
+        step, the captured graphs' memory goes and the step runs once more (the caches advance only
+        when a step completes, so a step cut short is simply redone)."""
+        try:
+            return self._decode_rows(kvs, inp)
+        except torch.OutOfMemoryError:
+            if not self._graphs:
+                raise
+            log.warning("out of memory in a decode step on %s: dropping the %d captured decode graphs and running "
+                        "the step again", self.ctx.device, len(self._graphs))
+            self._graphs.clear()
+            torch.cuda.empty_cache()
+            return self._decode_rows(kvs, inp)
+
+    def _decode_rows(self, kvs, inp: torch.Tensor) -> torch.Tensor:
         if (self._graphs_ok and len(kvs) <= self._graph_batch and all(kv.graph_capturable for kv in kvs)
                 and not self.model.experts.should_stream(self._graph_bucket(len(kvs)))):
             out = self._graph_step(kvs, inp)
@@ -268,7 +284,8 @@ class Stage(DecoderRunner):
                     inp = (torch.zeros(b, dtype=torch.long, device=self.ctx.device) if self.is_first else
                            torch.zeros(b, self.spec.hidden, dtype=self.model.w.dtype, device=self.ctx.device))
                     try:
-                        graph = DecodeGraph(self.model, [pad] * b, inp, b, pad, cells)
+                        graph = DecodeGraph(self.model, [pad] * b, inp, b, pad, cells,
+                                            capture=self._graph_capture())
                     except RuntimeError as e:
                         log.warning("capturing the decode graph of %d rows on %s ahead of time failed (%s): left to "
                                     "its first use", b, self.ctx.device, e)
@@ -287,6 +304,11 @@ class Stage(DecoderRunner):
         if self._pad_kv is None:
             self._pad_kv = self.model.new_cache(1, capacity=1)
         return self._pad_kv
+
+    def _graph_capture(self) -> GraphCapture:
+        if self._capture is None:
+            self._capture = GraphCapture(self.ctx.device)
+        return self._capture
 
     def _graph_bucket(self, rows: int) -> int:
         """The graph size serving `rows` rows. Pad rows pick experts as real rows do: only where
@@ -307,7 +329,8 @@ class Stage(DecoderRunner):
             try:
                 # at least as many cells as a graph captured ahead covers: no recapture below that
                 cells = min(WARM_GRAPH_CELLS, max(kv.capacity for kv in kvs))
-                graph = self._graphs[bucket] = DecodeGraph(self.model, kvs, inp, bucket, self._pad(), cells)
+                graph = self._graphs[bucket] = DecodeGraph(self.model, kvs, inp, bucket, self._pad(), cells,
+                                                           capture=self._graph_capture())
             except torch.OutOfMemoryError:  # no room for this capture now: this step runs eagerly
                 log.warning("no memory to capture a decode graph of %d rows on %s: this step decodes eagerly",
                             bucket, self.ctx.device)
