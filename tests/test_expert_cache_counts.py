@@ -23,3 +23,26 @@ def test_counts_are_exact_and_their_operand_never_moves(tiny_gguf):
         cache.observe(1, experts)
         before[1] += torch.bincount(experts.reshape(-1), minlength=spec.n_experts).float()
         assert torch.equal(cache.picks, before) and cache._one.data_ptr() == one
+
+
+def test_tally_counts_each_pick_where_it_was_read_across_refills(tiny_gguf):
+    """`tally`: picks read from VRAM and all picks since the cache was made, each counted under
+    the residency of its time, though `refill` moves experts and halves the counts between."""
+    f = GGUFFile(tiny_gguf)
+    spec = spec_from_gguf(f)
+    cache = Stage(f, spec, StageOptions(device=torch.device("cpu"))).model.experts.cache
+    assert 0 < cache.per_layer < spec.n_experts
+    g = torch.Generator().manual_seed(1)
+    vram = total = 0.0
+    for _ in range(4):
+        for layer in range(spec.n_layers):
+            hot = spec.n_experts - 1 - layer % 2  # not resident at first: refills bring it in
+            experts = torch.randint(0, spec.n_experts, (20, spec.n_experts_used), generator=g)
+            experts[:, 0] = hot
+            resident = cache.slot_of_host[layer] >= 0
+            vram += float(resident[experts].sum())
+            total += experts.numel()
+            cache.observe(layer, experts)
+        assert cache.tally() == (vram, total)
+        cache.refill()
+    assert cache.swapped > 0  # residency did change between tallies

@@ -48,6 +48,10 @@ class ExpertCache:
         self.lookups = self.hits = 0  # counted by the torch twin path
         self.picks = torch.zeros(len(layers), E, dtype=torch.float32, device=ctx.device)  # [L, E], decayed
         self.swapped = 0  # experts moved into VRAM by refills
+        # picks read from VRAM and all picks, counted up to the last `tally` (the host's copy of
+        # `picks` then, to take the next tally's new picks from)
+        self.vram_picks = self.all_picks = 0.0
+        self._tallied = torch.zeros(len(layers), E)
         self._one = torch.ones(1, dtype=self.picks.dtype, device=ctx.device)  # a pick's count, viewed as many
 
     @property
@@ -86,6 +90,19 @@ class ExpertCache:
         # one tensor for every call, never replaced: a captured decode graph reads it at its address
         self.picks[i].index_add_(0, flat, self._one.expand(flat.numel()))  # one launch
 
+    def tally(self, picks: torch.Tensor | None = None) -> tuple[float, float]:
+        """Add the picks counted since the last tally to (vram_picks, all_picks), each read where
+        it was resident at the time (residency changes only in `refill`, which tallies first), and
+        return them. picks: `self.picks` on the host, where the caller has it (else one sync)."""
+        if picks is None:
+            with self.ctx.on_compute():  # after the forwards that counted them
+                picks = self.picks.to("cpu", copy=True)  # a copy on the CPU too: `picks` changes in place
+        new = picks - self._tallied  # [L, E]
+        self.vram_picks += float((new * (self.slot_of_host >= 0)).sum())
+        self.all_picks += float(new.sum())
+        self._tallied = picks
+        return self.vram_picks, self.all_picks
+
     def refill(self, margin: float = 1.5, max_share: float = 0.125) -> int:
         """Swap in experts picked more than `margin` times as often as the resident ones they
         replace, at most `max_share` of each layer's slots (at least one); then halve the counts.
@@ -93,7 +110,8 @@ class ExpertCache:
         with them). One host sync. Returns the number of experts moved."""
         if self.per_layer == 0 or self.per_layer == self.arena.spec.n_experts:
             return 0
-        picks = self.picks.cpu()
+        picks = self.picks.to("cpu", copy=True)
+        self.tally(picks)
         budget = max(1, int(max_share * self.per_layer))
         moved = 0
         resident = self.slot_of_host >= 0
@@ -119,4 +137,5 @@ class ExpertCache:
             self.slot_of.copy_(self.slot_of_host)  # in place: captured graphs read the same table
             self.swapped += moved
         self.picks.mul_(0.5)
+        self._tallied = picks * 0.5  # the same halving, exact in floats
         return moved

@@ -13,7 +13,7 @@ from __future__ import annotations
 import itertools
 import threading
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from importlib import resources
 
 from strata_mgpu.config import EngineConfig
@@ -46,6 +46,10 @@ class ServerDecodeReport:
     mean_ttft_s: float
     max_ttft_s: float
     requests: tuple[RequestDecode, ...]
+    # share of the run's expert picks (its prompts' included) read from VRAM; None: no expert cache.
+    # The bench's decode feeds random tokens, the server its prompts and sampled ones: where not
+    # every expert is resident the two hit rates, and so the two speeds, can differ.
+    hit_rate: float | None = None
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -54,9 +58,10 @@ class ServerDecodeReport:
         per = [r.decode_tok_per_s for r in self.requests if r.decode_tok_per_s is not None]
         steady = f"{self.steady_tok_per_s:.1f}" if self.steady_tok_per_s is not None else "n/a"
         each = f"{min(per):.1f}-{max(per):.1f}" if per else "n/a"
+        hits = f", {100 * self.hit_rate:.0f}% of picks read from VRAM" if self.hit_rate is not None else ""
         return (f"server decode, {self.n_requests} request(s) x {self.max_tokens} tokens: {steady} tok/s in all "
                 f"while all decode ({self.aggregate_tok_per_s:.1f} over the whole run), {each} tok/s each, "
-                f"time to first token {1e3 * self.mean_ttft_s:.0f} ms mean, {1e3 * self.max_ttft_s:.0f} ms max")
+                f"time to first token {1e3 * self.mean_ttft_s:.0f} ms mean, {1e3 * self.max_ttft_s:.0f} ms max{hits}")
 
 
 @dataclass
@@ -91,17 +96,24 @@ def measure_server_decode(runner: ModelRunner, tokenizer: Tokenizer, n_requests:
         raise ValueError("n_requests, max_tokens and prompt_tokens must be at least 1")
     config = config or EngineConfig(max_running=n_requests)
     engine = Engine(runner, tokenizer, config)
+    caches = [s.model.experts.cache for s in getattr(runner, "stages", [])
+              if getattr(getattr(s.model, "experts", None), "cache", None) is not None]
     engine.start()
     try:
         if warmup_tokens:
             _run(engine, bench_prompts(tokenizer, 1, prompt_tokens), warmup_tokens, temperature, seed, timeout_s)
         prompts = bench_prompts(tokenizer, n_requests, prompt_tokens)
+        before = [c.tally() for c in caches]  # the engine idles: no pass runs while these read
         t0 = time.perf_counter()
         tracks = _run(engine, prompts, max_tokens, temperature, seed, timeout_s)
         t_end = time.perf_counter()
     finally:
         engine.shutdown()
-    return _report(tracks, t0, t_end, max_tokens, prompt_tokens, config.max_running)
+    after = [c.tally() for c in caches]
+    vram = sum(a[0] - b[0] for a, b in zip(after, before, strict=True))
+    picks = sum(a[1] - b[1] for a, b in zip(after, before, strict=True))
+    report = _report(tracks, t0, t_end, max_tokens, prompt_tokens, config.max_running)
+    return replace(report, hit_rate=vram / picks if picks else None)
 
 
 def _run(engine: Engine, prompts: list[list[int]], max_tokens: int, temperature: float, seed: int,
