@@ -12,6 +12,8 @@
 #   split   two stages on one card, --max-vram 8,8 (total 16) and 20,20 (all resident)
 #   splitdec decode on two stages of one card, all resident (--max-vram 20,20): batch 1 and 8, and 1
 #           and 8 requests as the server does (against dec40's one stage)
+#   splitlong a 32K-token prompt on two stages of one card (--max-vram 16,16) in 8K and 4K chunks: the
+#           stages' busy-together time against the shorter stage's busy time (#12: >= 0.75)
 #   sweep   the helper's share sweep on two stages of one card
 # On two GPUs (the nvidia-h200-x2 kind; the hand-over still goes through mapped host memory):
 #   topo    nvidia-smi's and strata's topology reports
@@ -26,6 +28,8 @@
 #   serve40 / x2serve   `strata serve` as a user launches it (one card --max-vram 40; two cards 16,16),
 #           measured over HTTP by tools/serve_probe: prompt tok/s at 1.5K/3K/6K tokens from the
 #           server's timings, decode, 8 streamed chats at once (STRATA_DECODE_GRAPH_BATCH as set)
+#   serve16long `strata serve --max-vram 16` (one card, the model's whole context): prompts of 32,000 and
+#           40,000 tokens over HTTP (KV beyond the plan's VRAM cells in host RAM), then 8 chats
 #   graphs8 decode at --max-vram 40 with batched graphs off (default) and on (STRATA_DECODE_GRAPH_BATCH=8)
 #   dec32k  decode after a 32K-token prompt against after a 1K one (#12: >= 0.8), at --max-vram 40 and 16
 #   oom16   scripts/oom_probe.py around dec40's bench at --max-vram 16: what holds the memory when the
@@ -92,6 +96,12 @@ if has split; then
 fi
 has splitdec && bench splitdec --devices 0,0 --max-vram 20,20 --prompt-tokens 1024 --decode-tokens 128 --runs 1 \
   --server-decode 1,8 --decode-batch 1,8
+if has splitlong; then
+  bench splitlong8k --devices 0,0 --layer-split 24 --max-vram 16,16 --prompt-tokens 32768 --chunk-size 8192 \
+    --decode-tokens 0 --runs 2
+  bench splitlong4k --devices 0,0 --layer-split 24 --max-vram 16,16 --prompt-tokens 32768 --chunk-size 4096 \
+    --decode-tokens 0 --runs 2
+fi
 if has sweep; then
   python3 -m strata_mgpu sweep $MODEL --devices 0,0 --max-vram 8,8 --prompt-tokens 1024,2048,4096,8192 \
     --shares 0,0.3,0.45 --runs 2 --json "$OUT/sweep.json" 2>&1 | tee "$OUT/sweep.log" | tail -20
@@ -144,6 +154,7 @@ if has x2final; then
 fi
 serve_probe() {  # name, serve args...: a server in the background, the probe, then SIGTERM
   local name=$1; shift
+  local probe_args=${PROBE_ARGS:-"--prompt-tokens 1500,3000,6000 --max-tokens 128 --chats 8"}
   local port=$((8100 + RANDOM % 500))
   python3 -m strata_mgpu serve $MODEL "$@" --port $port > "$OUT/serve_$name.log" 2>&1 &
   local pid=$!
@@ -153,12 +164,13 @@ serve_probe() {  # name, serve args...: a server in the background, the probe, t
     kill -0 $pid 2> /dev/null || break
     sleep 1
   done
-  python3 -m strata_mgpu.tools.serve_probe "http://127.0.0.1:$port" --prompt-tokens 1500,3000,6000 \
-    --max-tokens 128 --chats 8 --json "$OUT/serve_$name.json" 2>&1 | tee "$OUT/probe_$name.log" || status=1
+  python3 -m strata_mgpu.tools.serve_probe "http://127.0.0.1:$port" $probe_args \
+    --json "$OUT/serve_$name.json" 2>&1 | tee "$OUT/probe_$name.log" || status=1
   kill $pid 2> /dev/null; wait $pid 2> /dev/null || true
 }
 has serve40 && serve_probe one40 --max-vram 40
 has x2serve && serve_probe two16 --devices 0,1 --layer-split auto --max-vram 16,16
+has serve16long && PROBE_ARGS="--prompt-tokens 32000,40000 --max-tokens 64 --chats 8" serve_probe one16long --max-vram 16
 if has graphs8; then
   STRATA_DECODE_GRAPH_BATCH=1 bench graphs_off --max-vram 40 --prompt-tokens 1024 --decode-tokens 128 --runs 1 --server-decode 1,8 --decode-batch 1,8
   STRATA_DECODE_GRAPH_BATCH=8 bench graphs_on --max-vram 40 --prompt-tokens 1024 --decode-tokens 128 --runs 1 \
