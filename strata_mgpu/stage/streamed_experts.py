@@ -110,11 +110,6 @@ class StreamedExperts:
         """Whole layers when the rows' picks reach `gather_picks` (or there is no cache)."""
         return self.cache is None or n_rows * self.spec.n_experts_used >= self.gather_picks
 
-    def uploads(self, n_rows: int) -> bool:
-        """Would a pass of n_rows stream experts over the link (the ring, and the helper's share)?
-        Not where every expert is resident: its whole-layer passes read them all in place."""
-        return self.should_stream(n_rows) and self.streamed_per_layer() > 0
-
     @property
     def helped(self) -> bool:
         return self.streaming and self.helper is not None and self.helper.bound
