@@ -28,8 +28,8 @@
 #   serve40 / x2serve   `strata serve` as a user launches it (one card --max-vram 40; two cards 16,16),
 #           measured over HTTP by tools/serve_probe: prompt tok/s at 1.5K/3K/6K tokens from the
 #           server's timings, decode, 8 streamed chats at once (STRATA_DECODE_GRAPH_BATCH as set)
-#   serve16long `strata serve --max-vram 16` (one card, the model's whole context): prompts of 32,000 and
-#           40,000 tokens over HTTP (KV beyond the plan's VRAM cells in host RAM), then 8 chats
+#   serve16long `strata serve --max-vram 16` (one card, the model's whole context): prompts of 1,000,
+#           32,000 and 40,000 tokens over HTTP (decode after each on one plan), then 8 chats
 #   graphs8 decode at --max-vram 40 with batched graphs off (default) and on (STRATA_DECODE_GRAPH_BATCH=8)
 #   dec32k  decode after a 32K-token prompt against after a 1K one (#12: >= 0.8), at --max-vram 40 and 16
 #   oom16   scripts/oom_probe.py around dec40's bench at --max-vram 16: what holds the memory when the
@@ -78,7 +78,7 @@ if has long; then
   STRATA_KV_PREFETCH=0 bench long8 --max-vram 8 --prompt-tokens 32768 --decode-tokens 16 --runs 1
   STRATA_KV_PREFETCH=1 bench long8pf --max-vram 8 --prompt-tokens 32768 --decode-tokens 16 --runs 1
 fi
-has short && bench short40 --max-vram 40 --prompt-tokens 1,16,64,128,512 --decode-tokens 0 --runs 5
+has short && bench short40 --max-vram 40 --prompt-tokens 1,16,64,128,160,192,256,512 --decode-tokens 0 --runs 5
 has dec40 && bench dec40 --max-vram 40 --prompt-tokens 1024 --decode-tokens 128 --runs 1 --server-decode 1,8 --decode-batch 1,8
 has tol && { python3 scripts/tol_probe.py 200 2>&1 | tee "$OUT/tol.log" || status=1; }
 if has oom16; then
@@ -170,7 +170,7 @@ serve_probe() {  # name, serve args...: a server in the background, the probe, t
 }
 has serve40 && serve_probe one40 --max-vram 40
 has x2serve && serve_probe two16 --devices 0,1 --layer-split auto --max-vram 16,16
-has serve16long && PROBE_ARGS="--prompt-tokens 32000,40000 --max-tokens 64 --chats 8" serve_probe one16long --max-vram 16
+has serve16long && PROBE_ARGS="--prompt-tokens 1000,32000,40000 --max-tokens 64 --chats 8" serve_probe one16long --max-vram 16
 if has graphs8; then
   STRATA_DECODE_GRAPH_BATCH=1 bench graphs_off --max-vram 40 --prompt-tokens 1024 --decode-tokens 128 --runs 1 --server-decode 1,8 --decode-batch 1,8
   STRATA_DECODE_GRAPH_BATCH=8 bench graphs_on --max-vram 40 --prompt-tokens 1024 --decode-tokens 128 --runs 1 \

@@ -42,8 +42,12 @@ if TYPE_CHECKING:  # the helper is bound from outside, by the split runner (spli
 # 128) and then runs the grouped GEMMs; a gathered pass of 128 rows (1,024 picks) takes 0.80 ms a
 # layer expert by expert (`kernels.moe_grouped`), 64 rows 0.52 ms, but pick by pick (types without
 # the grouped kernels) 1.67 and 0.85 ms: gathering wins up to about 1,024 picks expert by expert,
-# 512 pick by pick.
-GATHER_PICKS_RESIDENT = 1024
+# 512 pick by pick, by the kernels alone. Past that the whole-layer pass takes `run`'s eager path,
+# ~30 launches a layer and attention a segment at a time, where a gathered one takes the fused
+# static ops (`Decoder._takes_static`): the 8 chats' pack of 7 short prompts (135 rows, 1,080
+# picks) took 120 ms that way where one 128-row prompt took 74 gathered. So gathering goes on to
+# 1,536 picks (192 rows of 30B-A3B), where the grouped kernels cost ~0.3 ms a layer more.
+GATHER_PICKS_RESIDENT = 1536
 GATHER_PICKS_BY_PICK = 512
 
 
