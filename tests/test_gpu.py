@@ -322,12 +322,17 @@ def test_short_forwards_through_the_fused_ops_equal_runs_path(model):
     dec.route = recording
     try:
         g = torch.Generator().manual_seed(5)
-        prompt, other = torch.randint(0, spec.vocab_size, (40,), generator=g), torch.randint(0, spec.vocab_size, (9,))
+        prompt = torch.randint(0, spec.vocab_size, (40,), generator=g)
+        other = torch.randint(0, spec.vocab_size, (9,), generator=g)
         kv_a, kv_b = stage.new_sequence(64), stage.new_sequence(64)
         a, b = both([prompt[:25]], [kv_a], [kv_b])  # from empty caches
         assert rel_err(b, a) <= BF16_TOL
+        # the same prefix in both caches (each path's own bf16 roundings of it compound with the
+        # chunk's: 2.1e-2 in one H200 run), so only the chunk's arithmetic differs
+        kv_b.k.copy_(kv_a.k)
+        kv_b.v.copy_(kv_a.v)
         a, b = both([prompt[25:], other], [kv_a, stage.new_sequence(64)], [kv_b, stage.new_sequence(64)])
-        assert rel_err(b, a) <= BF16_TOL  # a chunk after a prefix (caches that differ in bf16), one packed beside
+        assert rel_err(b, a) <= BF16_TOL  # a chunk after a prefix, one packed beside
     finally:
         del dec.route
         dec.static_rows = True
@@ -622,13 +627,15 @@ def test_resident_experts_in_place_equal_all_streamed(tiny_gguf, dtype):
     spec = spec_from_gguf(f)
     # long enough to pass whole layers at every k: with all resident a shorter prompt gathers through
     # the integer kernels instead (other roundings, and on the tiny model a near-tied pick flips)
-    prompt = torch.randint(0, spec.vocab_size, (600,))
+    from strata_mgpu.stage.streamed_experts import GATHER_PICKS_RESIDENT
+
+    prompt = torch.randint(0, spec.vocab_size, (GATHER_PICKS_RESIDENT // spec.n_experts_used + 8,))
     outs = {}
     for k in (0, 3, spec.n_experts):
         stage = Stage(f, spec, StageOptions(device=CUDA, max_vram_gib=4, dtype=dtype, resident_experts=k,
                                             cuda_graphs=False))
         assert stage.model.experts.should_stream(prompt.numel())
-        outs[k] = stage.prefill(stage.new_sequence(700), prompt).cpu()
+        outs[k] = stage.prefill(stage.new_sequence(prompt.numel() + 100), prompt).cpu()
         experts = stage.model.experts
         assert (experts.ring.uploaded_bytes if experts.ring else 0) == experts.pass_bytes()
         assert experts.pass_bytes() == stage.arena.nbytes * (spec.n_experts - k) // spec.n_experts
