@@ -70,7 +70,8 @@ def main() -> None:
     report = measure_server_decode(stage, tokenizer_from_gguf(f), 8, 8, prompt_tokens=20)
     print(report.summary())
     for r in report.requests:
-        print(f"  {r.request_id}: first token {1e3 * r.ttft_s:.1f} ms")
+        print(f"  {r.request_id}: first token {1e3 * r.ttft_s:.1f} ms (queued {r.queue_ms:.1f}, prompt "
+              f"{r.prompt_ms:.1f})")
 
 
 if __name__ == "__main__":

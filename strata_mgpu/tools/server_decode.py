@@ -31,6 +31,8 @@ class RequestDecode:
     ttft_s: float  # submit -> first token on the host
     decode_s: float  # first token -> last token on the host
     decode_tok_per_s: float | None  # (n_generated - 1) / decode_s; None with one token
+    queue_ms: float = 0.0  # the engine's timings: submit -> its first prompt chunk launched
+    prompt_ms: float = 0.0  # that launch -> the first token on the host
 
 
 @dataclass(frozen=True)
@@ -59,6 +61,9 @@ class ServerDecodeReport:
         steady = f"{self.steady_tok_per_s:.1f}" if self.steady_tok_per_s is not None else "n/a"
         each = f"{min(per):.1f}-{max(per):.1f}" if per else "n/a"
         hits = f", {100 * self.hit_rate:.0f}% of picks read from VRAM" if self.hit_rate is not None else ""
+        n = len(self.requests)
+        hits += (f" (engine: queued {sum(r.queue_ms for r in self.requests) / n:.0f} ms, prompt "
+                 f"{sum(r.prompt_ms for r in self.requests) / n:.0f} ms mean)") if n else ""
         return (f"server decode, {self.n_requests} request(s) x {self.max_tokens} tokens: {steady} tok/s in all "
                 f"while all decode ({self.aggregate_tok_per_s:.1f} over the whole run), {each} tok/s each, "
                 f"time to first token {1e3 * self.mean_ttft_s:.0f} ms mean, {1e3 * self.max_ttft_s:.0f} ms max{hits}")
@@ -161,9 +166,12 @@ def _report(tracks: dict[str, _Track], t0: float, t_end: float, max_tokens: int,
         finishes.append(t.arrivals[-1][0])
         decode_s = t_last - t_first
         n = t.last.n_generated
+        timings = t.last.timings
         requests.append(RequestDecode(request_id=rid, n_prompt_tokens=t.n_prompt, n_generated=n,
                                       ttft_s=t_first - t.t_submit, decode_s=decode_s,
-                                      decode_tok_per_s=(n - 1) / decode_s if n > 1 and decode_s > 0 else None))
+                                      decode_tok_per_s=(n - 1) / decode_s if n > 1 and decode_s > 0 else None,
+                                      queue_ms=timings.queue_ms if timings else 0.0,
+                                      prompt_ms=timings.prompt_ms if timings else 0.0))
     n_generated = sum(r.n_generated for r in requests)
     window_start, window_end = max(firsts), min(finishes)
     in_window = sum(n for t in tracks.values() for at, n in t.arrivals if window_start < at <= window_end)
