@@ -148,3 +148,44 @@ def test_server_decode_measurement_on_a_stage(stage_and_tok):
                                    config=EngineConfig(ctx_size=256, max_running=4))
     assert report.n_generated == 4 * 24 and all(r.decode_tok_per_s for r in report.requests)
     print(report.summary())
+
+
+def test_a_whole_context_prompt_through_the_server_with_its_kv_mostly_in_host_ram(tmp_path):
+    """#12 at the `small` preset's scale: a stage that keeps 1,024 KV cells in VRAM serves, through
+    the HTTP app, a prompt of nearly the model's whole context (8,192): its older KV in pinned host
+    RAM, uploaded ahead of each attention layer. 200 with every token; then a prompt past the
+    context is a 400 naming the limit, and a short request still runs."""
+    import gc
+
+    from fastapi.testclient import TestClient
+
+    from strata_mgpu.model.synthetic import write_model
+    from strata_mgpu.server.app import ServerState, create_app
+
+    path = tmp_path / "small.gguf"
+    write_model(path, "small", seed=2)
+    f = GGUFFile(path)
+    spec = spec_from_gguf(f)
+    gc.collect()
+    base = torch.cuda.memory_reserved(CUDA)  # other tests' stages in this process
+    torch.cuda.reset_peak_memory_stats(CUDA)
+    stage = Stage(f, spec, StageOptions(device=CUDA, max_vram_gib=2, kv_tokens=1024, context=spec.context_length,
+                                        chunk_size=2048))
+    assert stage.plan.kv_tokens == 1024 and stage.max_context == spec.context_length
+    engine = Engine(stage, tokenizer_from_gguf(f), EngineConfig(ctx_size=spec.context_length, chunk_size=2048))
+    engine.start()
+    try:
+        client = TestClient(create_app(ServerState(model_name="m", engine=engine)), raise_server_exceptions=False)
+        g = torch.Generator().manual_seed(3)
+        prompt = torch.randint(10, spec.vocab_size, (spec.context_length - 40,), generator=g).tolist()
+        r = client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 16, "ignore_eos": True})
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"] == {"prompt_tokens": len(prompt), "completion_tokens": 16,
+                                     "total_tokens": len(prompt) + 16}
+        r = client.post("/v1/completions", json={"prompt": prompt + prompt[:100], "max_tokens": 16})
+        assert r.status_code == 400 and "context" in r.json()["error"]["message"]
+        r = client.post("/v1/completions", json={"prompt": prompt[:20], "max_tokens": 4, "ignore_eos": True})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+    finally:
+        engine.shutdown()
+    assert torch.cuda.max_memory_reserved(CUDA) - base <= 2 * 2**30
