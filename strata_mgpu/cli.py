@@ -351,6 +351,9 @@ def topo() -> None:
               help="prompt tokens per prefill step")
 @click.option("--max-running", default=16, show_default=True, type=click.IntRange(min=1),
               help="sequences decoded together")
+@click.option("--arrival-gap-ms", default=2.0, show_default=True, type=click.FloatRange(0, 100),
+              help="an idle server's first request waits while more arrive at most this far apart (up to 8 "
+                   "gaps), so a burst's prompts run as one prefill; 0: start at once")
 @click.option("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
 @click.option("--alias", default=None, help="model name clients use (default: the file name)")
 @devices_option
@@ -359,6 +362,7 @@ def topo() -> None:
 @dtype_option
 @help_options
 def serve(model: Path | None, host: str, port: int, ctx_size: int | None, chunk_size: int, max_running: int,
+          arrival_gap_ms: float,
           api_key: str | None, alias: str | None, devices: str, layer_split: str, max_vram: str | None,
           dtype: str, prefill_help: bool | None, prefill_help_frac: str | None) -> None:
     """OpenAI-compatible server. With no MODEL, serves a small built-in demo model.
@@ -381,7 +385,8 @@ def serve(model: Path | None, host: str, port: int, ctx_size: int | None, chunk_
             model = launch.demo_model_path()
             alias = alias or launch.DEMO_NAME
         config = ServerConfig(model_path=model, host=host, port=port, api_key=api_key, alias=alias,
-                              engine=EngineConfig(ctx_size=ctx_size, chunk_size=chunk_size, max_running=max_running),
+                              engine=EngineConfig(ctx_size=ctx_size, chunk_size=chunk_size, max_running=max_running,
+                                                  arrival_gap_ms=arrival_gap_ms),
                               placement=_placement(devices, layer_split, max_vram, dtype,
                                                    prefill_help=prefill_help, prefill_help_frac=prefill_help_frac))
         status = launch.serve(config)

@@ -12,6 +12,9 @@ class EngineConfig:
     ctx_size: int | None = None  # tokens per sequence; None: the model's context length
     chunk_size: int = 8192  # prompt tokens per prefill call
     max_running: int = 16  # sequences decoded together in one batch
+    # An idle engine's first arrival waits while more come in at most this far apart (at most
+    # ARRIVAL_WINDOW_TURNS of them), so a burst packs into one prefill: 0 turns it off
+    arrival_gap_ms: float = 2.0
 
     def __post_init__(self) -> None:
         if self.ctx_size is not None and self.ctx_size < 1:
@@ -20,6 +23,8 @@ class EngineConfig:
             raise ValueError(f"chunk size must be positive, got {self.chunk_size}")
         if self.max_running < 1:
             raise ValueError(f"max running must be positive, got {self.max_running}")
+        if not 0 <= self.arrival_gap_ms <= 100:
+            raise ValueError(f"arrival gap {self.arrival_gap_ms} ms: expected 0 to 100")
 
     def n_ctx(self, model_context: int) -> int:
         return min(self.ctx_size, model_context) if self.ctx_size else model_context

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass, field
 
 import pytest
@@ -236,6 +237,41 @@ def test_arrivals_together_get_their_first_token_together(loaded):
     engine.step()  # ... landed
     assert all(out for out in outs)
     assert engine.runner.calls == [("prefill_many", [3, 4, 5, 6, 7, 8])]
+
+
+@pytest.mark.parametrize("gap_ms", [0.0, 50.0])
+def test_an_idle_engine_gathers_a_burst_of_arrivals_into_one_prefill(loaded, gap_ms):
+    """Requests arriving a few ms apart at an idle engine (the engine on its thread, as served):
+    with an arrival gap they pack into one prefill; with none the first starts alone at once."""
+    runner, tok = loaded
+    counting = CountingRunner(runner.model)
+    engine = Engine(counting, tok, EngineConfig(arrival_gap_ms=gap_ms))
+    engine.start()
+    outs: list[list[RequestOutput]] = [[] for _ in range(4)]
+    done = threading.Semaphore(0)
+
+    def on(out: list[RequestOutput]):
+        def append(o: RequestOutput) -> None:
+            out.append(o)
+            if o.finished:
+                done.release()
+        return append
+
+    try:
+        for i, out in enumerate(outs):
+            engine.submit([7 + i] * 5, SamplingParams(max_tokens=2, temperature=0, ignore_eos=True), on(out))
+            time.sleep(0.01 if gap_ms else 0.2)  # within the gap; without one, long after the first started
+        for _ in outs:
+            assert done.acquire(timeout=30)
+    finally:
+        engine.shutdown()
+    prefills = [call for call in counting.calls if call[0].startswith("prefill")]
+    assert prefills == ([("prefill_many", [5, 5, 5, 5])] if gap_ms else [("prefill", [5])] * 4)
+
+
+def test_arrival_gap_is_checked():
+    with pytest.raises(ValueError, match="arrival gap"):
+        EngineConfig(arrival_gap_ms=-1)
 
 
 # -- the pipelined step, on a scripted runner ----------------------------------------------------

@@ -41,6 +41,7 @@ from strata_mgpu.model.tokenizer import IncrementalDetokenizer, Tokenizer
 
 log = logging.getLogger("strata.engine")
 T = TypeVar("T")
+ARRIVAL_WINDOW_TURNS = 8  # an idle engine's wait for a burst: at most this many arrival gaps
 
 
 class ContextOverflow(ValueError):
@@ -233,12 +234,32 @@ class Engine:
     def _loop(self) -> None:
         while True:
             with self._cv:
+                idle = False
                 while (not self._stop and not self._waiting and not self._running and not self._aborts
                        and self._in_flight is None):
+                    idle = True
                     self._cv.wait()
                 if self._stop:
                     return
+                if idle and not self._running:
+                    self._gather_arrivals()
             self.step()
+
+    def _gather_arrivals(self) -> None:
+        """An idle engine woken by an arrival: wait while more requests come in, each within
+        `arrival_gap_ms` of the last (at most ARRIVAL_WINDOW_TURNS gaps), so a burst of short
+        prompts packs into one prefill. On the H200, 8 chats sent at once reached the engine a
+        few ms apart: the first ran alone (50 ms) while the other 7 queued behind it and then
+        packed (103 ms), first tokens 149 ms mean. A lone request pays one gap. Holds _cv."""
+        gap = self.config.arrival_gap_ms / 1e3
+        seen = len(self._waiting)
+        for _ in range(ARRIVAL_WINDOW_TURNS):
+            if gap <= 0 or self._stop or len(self._waiting) >= self.config.max_running:
+                return
+            self._cv.wait(gap)
+            if len(self._waiting) == seen:
+                return
+            seen = len(self._waiting)
 
     def step(self) -> None:
         """Launch this step's forwards, then land the previous step's tokens while they run."""
