@@ -194,3 +194,34 @@ def test_a_pass_that_fails_partway_gives_the_ring_back(tiny_gguf):
     again = stage.prefill(stage.new_sequence(64), prompt)
     fresh = Stage(f, spec, StageOptions(device=CPU, resident_experts=1))
     assert torch.equal(again, fresh.prefill(fresh.new_sequence(64), prompt))
+
+
+def test_a_decode_step_out_of_memory_after_the_caches_advanced_is_redone_from_their_lengths(tiny_gguf):
+    """`Stage.decode_rows`' retry (graphs dropped, the step run again) starts from the lengths the
+    caches had: an out-of-memory error in the head, after `run` advanced them, must not leave the
+    token's KV written twice (one cell on). Same logits as a step that never failed."""
+    f = GGUFFile(tiny_gguf)
+    spec = spec_from_gguf(f)
+    stage = Stage(f, spec, StageOptions(device=torch.device("cpu")))
+    prompt = torch.randint(0, spec.vocab_size, (6,), generator=torch.Generator().manual_seed(4))
+    kv_ok, kv_oom = stage.new_sequence(16), stage.new_sequence(16)
+    stage.prefill(kv_ok, prompt)
+    stage.prefill(kv_oom, prompt)
+    want = stage.decode([kv_ok], torch.tensor([5]))
+    own_logits, failures = stage.model.logits, [1]
+
+    def logits_once_out_of_memory(x):
+        if failures:
+            failures.pop()
+            raise torch.OutOfMemoryError("CUDA out of memory (test)")
+        return own_logits(x)
+
+    stage.model.logits = logits_once_out_of_memory
+    stage._graphs = {1: object()}  # something to drop: the retry only runs where graphs held memory
+    try:
+        got = stage.decode([kv_oom], torch.tensor([5]))
+    finally:
+        del stage.model.logits
+    assert not failures and not stage._graphs
+    assert kv_oom.length == kv_ok.length == 7
+    torch.testing.assert_close(got, want)

@@ -243,6 +243,8 @@ class Engine:
                     return
                 if idle and not self._running:
                     self._gather_arrivals()
+                    if self._stop:
+                        return
             self.step()
 
     def _gather_arrivals(self) -> None:

@@ -141,6 +141,7 @@ class DecodeGraph:
         self._load(kvs, inp)
         with torch.cuda.device(self.device):
             self.graph.replay()
-        for kv in kvs:
+        out = self.out[:len(kvs)].clone()  # the next replay overwrites the graph's own buffer
+        for kv in kvs:  # only once nothing of the step can fail (a step redone must find them as they were)
             kv.advance(1)
-        return self.out[:len(kvs)].clone()  # the next replay overwrites the graph's own buffer
+        return out

@@ -210,7 +210,7 @@ def plan_memory(spec: ModelSpec, *, n_layers: int, expert_bytes: int, dense: int
     if room < 0:
         need = plan(0)
         raise PlanError(f"{where}: a {budget / GiB:.2f} GiB budget cannot hold "
-                        + ", ".join(f"{what} {n / GiB:.2f}" for what, n in need.lines()[:6] if n)
+                        + ", ".join(f"{what} {n / GiB:.2f}" for what, n in need.lines()[:7] if n)
                         + f" GiB (needs {need.total / GiB:.2f} GiB; raise --max-vram or lower --ctx-size)")
     k = E - 1 if per_k <= 0 else min(E - 1, room // per_k)
     fits = plan(int(k))

@@ -38,6 +38,9 @@ log = logging.getLogger("strata.stage")
 # cells a decode graph covers at least (a sequence past them recaptures its batch's graph, at twice
 # as many): more would make every step's attention launch blocks for cells no short sequence has
 WARM_GRAPH_CELLS = 4096
+# steps a batch size decodes eagerly after its capture ran out of memory, before capturing again
+# (each try costs a warm-up step, a device sync and an empty_cache)
+CAPTURE_RETRY_STEPS = 256
 GiB = 2**30
 
 
@@ -127,6 +130,8 @@ class Stage(DecoderRunner):
         self._graphs: dict[int, DecodeGraph] = {}  # graph rows (`_graph_bucket`) -> its capture
         self._pad_kv: KVCache | None = None  # the dummy sequence padding a batch to its bucket
         self._capture: GraphCapture | None = None  # the stream and pool the graphs share (at the first capture)
+        # bucket -> decode steps until its capture is tried again, after one ran out of memory
+        self._capture_failed: dict[int, int] = {}
         self._graph_batch = opts.graph_batch or env.decode_graph_batch()
         # KV cells in VRAM for all sequences together (the engine admits within it); a sequence
         # longer than that keeps its older cells in pinned host RAM (`stage.host_kv`)
@@ -238,8 +243,10 @@ class Stage(DecoderRunner):
         it holds the head (the last), else hidden rows [B, D]. Replays the stage's CUDA graph for
         this batch where the path allows (every cache in VRAM, and too few rows to make the experts
         stream); a spilled sequence's KV is assembled eagerly. Where the budget runs out in the
-        step, the captured graphs' memory goes and the step runs once more (the caches advance only
-        when a step completes, so a step cut short is simply redone)."""
+        step, the captured graphs' memory goes and the step runs once more, from the caches'
+        lengths before it (a step cut short after they advanced would else be written one cell on;
+        its KV cells are simply rewritten)."""
+        lengths = [kv.length for kv in kvs]
         try:
             return self._decode_rows(kvs, inp)
         except torch.OutOfMemoryError:
@@ -247,9 +254,13 @@ class Stage(DecoderRunner):
                 raise
             log.warning("out of memory in a decode step on %s: dropping the %d captured decode graphs and running "
                         "the step again", self.ctx.device, len(self._graphs))
-            self._graphs.clear()
-            torch.cuda.empty_cache()
-            return self._decode_rows(kvs, inp)
+        # outside the except block: its traceback would keep the failed step's frames (a graph) alive
+        for kv, n in zip(kvs, lengths, strict=True):
+            kv.length = n
+        self._graphs.clear()
+        self._capture_failed.clear()
+        torch.cuda.empty_cache()
+        return self._decode_rows(kvs, inp)
 
     def _decode_rows(self, kvs, inp: torch.Tensor) -> torch.Tensor:
         if (self._graphs_ok and len(kvs) <= self._graph_batch and all(kv.graph_capturable for kv in kvs)
@@ -308,6 +319,10 @@ class Stage(DecoderRunner):
     def _graph_capture(self) -> GraphCapture:
         if self._capture is None:
             self._capture = GraphCapture(self.ctx.device)
+        elif not self._graphs:
+            # a pool whose every graph is gone may not be captured into again (torch frees it at the
+            # next empty_cache only if all its blocks are free): a new one, on the same stream
+            self._capture.pool = torch.cuda.graph_pool_handle()
         return self._capture
 
     def _graph_bucket(self, rows: int) -> int:
@@ -326,14 +341,18 @@ class Stage(DecoderRunner):
         if graph is None or not graph.fits(kvs):
             self._graphs.pop(bucket, None)
             graph = None  # the old capture's memory goes before a new one is made
+            if self._capture_failed.get(bucket, 0) > 0:  # out of memory lately: eager, no capture tried
+                self._capture_failed[bucket] -= 1
+                return None
             try:
                 # at least as many cells as a graph captured ahead covers: no recapture below that
                 cells = min(WARM_GRAPH_CELLS, max(kv.capacity for kv in kvs))
                 graph = self._graphs[bucket] = DecodeGraph(self.model, kvs, inp, bucket, self._pad(), cells,
                                                            capture=self._graph_capture())
-            except torch.OutOfMemoryError:  # no room for this capture now: this step runs eagerly
-                log.warning("no memory to capture a decode graph of %d rows on %s: this step decodes eagerly",
-                            bucket, self.ctx.device)
+            except torch.OutOfMemoryError:  # no room for this capture now: eager for a while
+                self._capture_failed[bucket] = CAPTURE_RETRY_STEPS
+                log.warning("no memory to capture a decode graph of %d rows on %s: such batches decode eagerly for "
+                            "the next %d steps", bucket, self.ctx.device, CAPTURE_RETRY_STEPS)
                 return None
             except RuntimeError as e:  # a capture this torch cannot make: no graphs this large from now on
                 if bucket > 1:  # the smaller sizes keep theirs
