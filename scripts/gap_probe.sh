@@ -20,7 +20,7 @@ for gap in ${GAPS:-2 10}; do
       2> /dev/null && break
     sleep 1
   done
-  for run in 1 2 3; do
+  for run in 1 2; do
     python3 -m strata_mgpu.tools.serve_probe "http://127.0.0.1:$port" --prompt-tokens 100 --max-tokens 32 \
       --chats 8 2>&1 | grep chats | sed "s/^/gap $gap ms, run $run: /" | tee -a "$OUT/gap_$gap.log"
   done
