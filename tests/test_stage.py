@@ -225,3 +225,25 @@ def test_a_decode_step_out_of_memory_after_the_caches_advanced_is_redone_from_th
     assert not failures and not stage._graphs
     assert kv_oom.length == kv_ok.length == 7
     torch.testing.assert_close(got, want)
+
+
+def test_a_batch_size_whose_capture_ran_out_of_memory_decodes_eagerly_for_a_while(tiny_gguf, monkeypatch):
+    """After a capture runs out of memory its batch size decodes eagerly for CAPTURE_RETRY_STEPS
+    steps without trying again (each try costs a warm-up step, a sync and an empty_cache), then
+    tries once more. Captures are stood in for on the CPU."""
+    from strata_mgpu.stage import stage as stage_module
+
+    f = GGUFFile(tiny_gguf)
+    stage = Stage(f, spec_from_gguf(f), StageOptions(device=torch.device("cpu")))
+    tries = []
+
+    def capture_out_of_memory(*args, **kwargs):
+        tries.append(1)
+        raise torch.OutOfMemoryError("CUDA out of memory (test)")
+
+    monkeypatch.setattr(stage_module, "DecodeGraph", capture_out_of_memory)
+    monkeypatch.setattr(stage_module, "CAPTURE_RETRY_STEPS", 3)
+    monkeypatch.setattr(stage, "_graph_capture", lambda: None)
+    kv = stage.new_sequence(16)
+    assert [stage._graph_step([kv], torch.tensor([1])) for _ in range(5)] == [None] * 5
+    assert len(tries) == 2  # the first step, then again after 3 eager ones
