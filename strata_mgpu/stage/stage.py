@@ -35,8 +35,9 @@ from strata_mgpu.stage.memory_plan import MemoryPlan, plan_stage_memory
 from strata_mgpu.stage.streamed_experts import StreamedExperts
 
 log = logging.getLogger("strata.stage")
-# cells a decode graph covers at least (a sequence past them recaptures its batch's graph, at twice
-# as many): more would make every step's attention launch blocks for cells no short sequence has
+# cells a decode graph covers at least, where its caches hold that many (a sequence past them
+# recaptures its batch's graph, at twice as many): more would make every step's attention launch
+# blocks for cells no short sequence has
 WARM_GRAPH_CELLS = 4096
 # steps a batch size decodes eagerly after its capture ran out of memory, before capturing again
 # (each try costs a warm-up step, a device sync and an empty_cache)
