@@ -41,6 +41,8 @@
 #   prof40  tools/profile_decode at --max-vram 40 (all resident): batch 1, and batch 8 eager and as a graph
 #   x2final the session's last two-card figures: a 32K prompt in 4K chunks, decode (graphs per stage,
 #           server-shaped 1 and 8), and a 40K prompt on one card at --max-vram 16
+#   x2helperprof tools/profile_helper on two cards, residency off, 8K and 2K one-chunk prompts at
+#           shares 0 and 0.45: each card's streams busy / idle, hand-over copies, uploads (#13)
 #   x2oom   the 8,8 sweep cells at 6K and 8K with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 # Results under $OUT: gpu.txt, gpu_tests.log and results.tgz (every bench_*/sweep_* log and JSON:
 # the device tool brings back few files). A failing GPU test fails the run.
@@ -141,6 +143,12 @@ if has x2prof; then  # STRATA_STAGE_THREADS=0 gives the one-thread figures to co
   python3 -m strata_mgpu.tools.profile_pipeline $MODEL --devices 0,1 --max-vram 16,16 --tokens 32768 --chunk 8192 \
     > "$OUT/pipeline.log" 2>&1 || status=1
   head -24 "$OUT/pipeline.log"
+fi
+if has x2helperprof; then
+  for n in 8192 2048; do
+    python3 -m strata_mgpu.tools.profile_helper $MODEL --devices 0,1 --max-vram 16,16 --resident-experts 0 \
+      --tokens $n --shares 0,0.45 2>&1 | grep -v "^USDT\|^$" | tee "$OUT/helperprof_$n.log" || status=1
+  done
 fi
 if has x2oom; then  # the sweep cell that ran out of memory at 8,8 (fragmentation?), with expandable segments
   PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True python3 -m strata_mgpu sweep $MODEL --devices 0,1 --max-vram 8,8 \

@@ -1,0 +1,156 @@
+"""Where a helped one-chunk prompt's time goes on each card: the PeerPrefill helper's diagnosis.
+
+    python3 -m strata_mgpu.tools.profile_helper MODEL.gguf --devices 0,1 --max-vram 16,16 \\
+        --resident-experts 0 --tokens 8192 --shares 0,0.45 [--trace-dir DIR]
+
+For each share (0: help off), one one-chunk prompt runs under torch's profiler (CUDA activity)
+after a warm-up; the kernels and copies of its Chrome trace are summed per device and stream:
+how long each stream was busy within the prompt, the idle gaps inside its busy span (a stream
+waiting on an event: the busy stage for its helper's sums, the helper for its inputs or its
+uploads), the hand-over copy kernels (`copy_f32_wide`), dequantization, GEMMs and host-to-device
+copies (the expert stream). On two cards the help-off row shows the busy stage link-bound; a
+helped row whose busy stage's compute stream idles while its upload stream does not is waiting
+for the helper. `--trace-dir` keeps each trace (chrome://tracing, Perfetto).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+# kernel-name fragments -> the category they are summed under (first match wins)
+CATEGORIES = (("copy_f32_wide", "hand-over copies"), ("dequant", "dequantize"), ("gemm", "GEMM"),
+              ("grouped", "GEMM"), ("cutlass", "GEMM"), ("sm90_", "GEMM"), ("attn", "attention"),
+              ("flash", "attention"))
+
+
+@dataclass
+class StreamUse:
+    """One stream's GPU work within a window: its intervals merged, and what they ran."""
+
+    device: int
+    stream: int
+    intervals: list[tuple[float, float]] = field(default_factory=list)  # (start, end) us, merged
+    by_category: dict[str, float] = field(default_factory=lambda: defaultdict(float))  # us
+    h2d_bytes: int = 0
+
+    @property
+    def busy_us(self) -> float:
+        return sum(b - a for a, b in self.intervals)
+
+    @property
+    def span_us(self) -> float:
+        return self.intervals[-1][1] - self.intervals[0][0] if self.intervals else 0.0
+
+    @property
+    def gaps(self) -> list[float]:
+        """Idle stretches between consecutive intervals (us), inside the busy span."""
+        return [b[0] - a[1] for a, b in zip(self.intervals, self.intervals[1:], strict=False)]
+
+
+def category(name: str, cat: str) -> str:
+    if cat == "gpu_memcpy":
+        return "host-to-device copies" if "HtoD" in name else "other copies"
+    lower = name.lower()
+    return next((label for fragment, label in CATEGORIES if fragment in lower), "other kernels")
+
+
+def stream_use(trace: dict) -> list[StreamUse]:
+    """Chrome-trace events of kind kernel / gpu_memcpy / gpu_memset -> per (device, stream) use,
+    ordered by device then stream."""
+    raw: dict[tuple[int, int], list[tuple[float, float, str, str, dict]]] = defaultdict(list)
+    for ev in trace.get("traceEvents", []):
+        if ev.get("ph") != "X" or ev.get("cat") not in ("kernel", "gpu_memcpy", "gpu_memset"):
+            continue
+        args = ev.get("args", {})
+        key = (int(args.get("device", 0)), int(args.get("stream", 0)))
+        start = float(ev["ts"])
+        raw[key].append((start, start + float(ev.get("dur", 0.0)), ev.get("name", ""), ev["cat"], args))
+    out = []
+    for (device, stream), events in sorted(raw.items()):
+        use = StreamUse(device, stream)
+        for start, end, name, cat, args in sorted(events):
+            use.by_category[category(name, cat)] += end - start
+            if cat == "gpu_memcpy" and "HtoD" in name:
+                use.h2d_bytes += int(args.get("bytes", 0))
+            if use.intervals and start <= use.intervals[-1][1]:
+                use.intervals[-1] = (use.intervals[-1][0], max(use.intervals[-1][1], end))
+            else:
+                use.intervals.append((start, end))
+        out.append(use)
+    return out
+
+
+def describe(uses: list[StreamUse]) -> list[str]:
+    lines = []
+    for u in uses:
+        gaps = u.gaps
+        kinds = sorted(u.by_category.items(), key=lambda kv: -kv[1])
+        parts = ", ".join(f"{what} {us / 1e3:.1f}" for what, us in kinds)
+        h2d = f", {u.h2d_bytes / 1e9:.2f} GB up" if u.h2d_bytes else ""
+        lines.append(f"  cuda:{u.device} stream {u.stream}: busy {u.busy_us / 1e3:.1f} ms of a "
+                     f"{u.span_us / 1e3:.1f} ms span, idle gaps {sum(gaps) / 1e3:.1f} ms "
+                     f"(largest {max(gaps, default=0) / 1e3:.2f}){h2d}; ms by kind: {parts}")
+    return lines
+
+
+def main() -> None:
+    from strata_mgpu.config import Placement
+    from strata_mgpu.engine.build import build_runner
+    from strata_mgpu.env import default_allocator_config
+    from strata_mgpu.model.gguf_reader import GGUFFile
+    from strata_mgpu.model.spec import spec_from_gguf
+    from strata_mgpu.split.help_rule import HelpPolicy
+    from strata_mgpu.tools.bench import sync_stages
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("model")
+    ap.add_argument("--devices", default="0,1")
+    ap.add_argument("--max-vram", default="16,16", help="GiB a stage, one value or one per device")
+    ap.add_argument("--layer-split", default="auto")
+    ap.add_argument("--resident-experts", type=int, default=None, help="force K resident a layer (0: none)")
+    ap.add_argument("--tokens", type=int, default=8192)
+    ap.add_argument("--shares", default="0,0.45", help="the helper's shares to profile (0: help off)")
+    ap.add_argument("--trace-dir", type=Path, default=None, help="keep each share's Chrome trace here")
+    args = ap.parse_args()
+    default_allocator_config()
+    f = GGUFFile(args.model)
+    spec = spec_from_gguf(f)
+    budgets = tuple(float(x) for x in args.max_vram.split(","))
+    placement = Placement(devices=tuple(args.devices.split(",")), layer_split=args.layer_split,
+                          max_vram_gib=budgets, resident_experts=args.resident_experts)
+    runner = build_runner(f, spec, placement, args.tokens, kv_tokens=args.tokens + 1)
+    if not getattr(runner, "helpers", None):
+        raise SystemExit("the helper needs two or more stages (--devices 0,1 or 0,0)")
+    stages = runner.stages
+    prompt = torch.randint(0, spec.vocab_size, (args.tokens,), generator=torch.Generator().manual_seed(0))
+    trace_dir = args.trace_dir or Path(tempfile.mkdtemp(prefix="strata-helper-"))
+    trace_dir.mkdir(parents=True, exist_ok=True)
+    for share in (float(s) for s in args.shares.split(",")):
+        runner.policy = HelpPolicy(enabled=share > 0, fixed_share=share if share > 0 else None)
+        runner.prefill(runner.new_sequence(args.tokens + 1), prompt, whole_prompt=True)  # warm-up
+        kv = runner.new_sequence(args.tokens + 1)
+        sync_stages(stages)
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            t0 = time.perf_counter()
+            runner.prefill(kv, prompt, whole_prompt=True)
+            sync_stages(stages)
+            seconds = time.perf_counter() - t0
+        path = trace_dir / f"helper_share_{share:g}.json"
+        prof.export_chrome_trace(str(path))
+        uses = stream_use(json.loads(path.read_text()))
+        print(f"share {share:g}: {args.tokens:,} tokens in {1e3 * seconds:.1f} ms "
+              f"({args.tokens / seconds:,.0f} tok/s, under the profiler); trace {path}")
+        print("\n".join(describe(uses)), flush=True)
+
+
+if __name__ == "__main__":
+    main()

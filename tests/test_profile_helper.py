@@ -1,0 +1,46 @@
+"""tools.profile_helper's trace summary on a hand-made Chrome trace (the profiling itself needs CUDA)."""
+
+from __future__ import annotations
+
+import pytest
+
+from strata_mgpu.tools.profile_helper import describe, stream_use
+
+
+def kernel(name: str, ts: float, dur: float, device: int = 0, stream: int = 7, cat: str = "kernel", **args) -> dict:
+    return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "args": {"device": device, "stream": stream,
+                                                                                 **args}}
+
+
+def test_streams_busy_time_gaps_and_categories():
+    trace = {"traceEvents": [
+        kernel("void copy_f32_wide(...)", 0, 10),
+        kernel("dequant_bf16<12>", 5, 20),  # overlaps the copy: merged into one busy stretch 0-25
+        kernel("sm90_xmma_gemm_bf16", 40, 30),  # a 15 us gap before it
+        kernel("Memcpy HtoD (Pinned -> Device)", 0, 50, stream=13, cat="gpu_memcpy", bytes=2_000_000),
+        kernel("attn_split<128>", 0, 8, device=1, stream=7),
+        {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 99, "args": {}},  # host: ignored
+        {"ph": "i", "cat": "kernel", "name": "marker", "ts": 3, "args": {}},  # not a duration event
+    ]}
+    uses = stream_use(trace)
+    assert [(u.device, u.stream) for u in uses] == [(0, 7), (0, 13), (1, 7)]
+    compute, upload, other = uses
+    assert compute.intervals == [(0, 25), (40, 70)]
+    assert compute.busy_us == 55 and compute.span_us == 70 and compute.gaps == [15]
+    assert dict(compute.by_category) == {"hand-over copies": 10, "dequantize": 20, "GEMM": 30}
+    assert upload.h2d_bytes == 2_000_000 and dict(upload.by_category) == {"host-to-device copies": 50}
+    assert dict(other.by_category) == {"attention": 8}
+    lines = describe(uses)
+    assert len(lines) == 3 and "idle gaps 0.0 ms (largest 0.01)" in lines[0] and "0.00 GB up" in lines[1]
+
+
+def test_an_empty_trace_has_no_streams():
+    assert stream_use({"traceEvents": []}) == []
+    assert describe([]) == []
+
+
+@pytest.mark.parametrize("name, cat, want", [("Memcpy DtoH (Device -> Pinned)", "gpu_memcpy", "other copies"),
+                                             ("elementwise_kernel", "kernel", "other kernels")])
+def test_other_work_is_named_as_such(name, cat, want):
+    (use,) = stream_use({"traceEvents": [kernel(name, 0, 1, cat=cat)]})
+    assert dict(use.by_category) == {want: 1}
