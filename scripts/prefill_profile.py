@@ -5,8 +5,10 @@
 Writes a model of 30B-A3B's layer shapes with 16 experts a layer (the host's work a layer is the
 same as with 128, and it writes in seconds), builds one stage with every expert resident, and
 times: one 20-token prompt, one 140-token prompt, a pack of 7 x 20 tokens (`prefill_many`), each
-synchronized; cProfile of the pack (host functions by own time); then 8 requests of 20 prompt
-tokens through the engine (`tools.server_decode`), their times to first token. A diagnosis tool.
+synchronized; cProfile of the pack (host functions by own time); the engine's first-token path
+for 8 prompts piece by piece (new sequences, the pack, sampling and landing the tokens); then 8
+requests of 20 prompt tokens through the engine (`tools.server_decode`), their times to first
+token. A diagnosis tool.
 """
 
 from __future__ import annotations
@@ -67,6 +69,20 @@ def main() -> None:
     pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(30)
     (out / "pack_profile.txt").write_text(text.getvalue())
     print("\n".join(text.getvalue().splitlines()[:45]), flush=True)
+    # the engine's first-token path for a burst of 8, piece by piece (its prompt_ms is their sum)
+    from strata_mgpu.engine.device_sampler import BatchSampler
+    from strata_mgpu.engine.sampler import SamplingParams
+    from strata_mgpu.engine.step_tokens import StepTokens
+
+    sampler = BatchSampler()
+    chunks8 = [toks[20 * i:20 * (i + 1)] for i in range(8)]
+    held: dict[str, object] = {}
+    timed("8 new sequences", lambda: held.__setitem__("kvs", [stage.new_sequence(150) for _ in range(8)]))
+    timed("a pack of 8 x 20 tokens", lambda: held.__setitem__(
+        "logits", stage.prefill_many([stage.new_sequence(150) for _ in range(8)], chunks8)))
+    states = [sampler.open(SamplingParams(max_tokens=8, temperature=0.8, seed=i)) for i in range(8)]
+    timed("sampling 8 rows and landing their tokens", lambda: StepTokens.send(
+        list(range(8)), sampler.sample(held["logits"], states), 0, 0.0).wait())
     report = measure_server_decode(stage, tokenizer_from_gguf(f), 8, 8, prompt_tokens=20)
     print(report.summary())
     for r in report.requests:
