@@ -29,6 +29,18 @@ def second_gpu() -> torch.device:
     return torch.device("cuda", 1 if torch.cuda.device_count() > 1 else 0)
 
 
+def stage_on_its_own_budget(f: GGUFFile, spec, budget_gib: float, **options) -> tuple[Stage, int]:
+    """A CUDA stage whose plan fills `budget_gib`, built after earlier tests' stages are collected,
+    and the bytes reserved before it (what they left: a stage still alive raises the device's cap)
+    with the peak reset: the stage's own peak is `torch.cuda.max_memory_reserved() - base`."""
+    import gc
+
+    gc.collect()
+    base = torch.cuda.memory_reserved(CUDA)
+    torch.cuda.reset_peak_memory_stats(CUDA)
+    return Stage(f, spec, StageOptions(device=CUDA, max_vram_gib=budget_gib, **options)), base
+
+
 def rel_err(a: torch.Tensor, ref: torch.Tensor) -> float:
     return float((a.float() - ref.float()).abs().max() / ref.float().abs().max())
 
@@ -350,14 +362,9 @@ def test_stage_fp32_agrees_on_top1_everywhere(model):
 
 
 def test_max_vram_is_never_exceeded(model):
-    import gc
-
     f, spec = model
     budget = 1.0
-    gc.collect()  # stages of earlier tests must not count against this device's cap
-    base = torch.cuda.memory_reserved(CUDA)  # what earlier tests left (a stage still alive raises the cap)
-    torch.cuda.reset_peak_memory_stats(CUDA)
-    stage = Stage(f, spec, StageOptions(device=CUDA, max_vram_gib=budget, chunk_size=1024, kv_tokens=2048))
+    stage, base = stage_on_its_own_budget(f, spec, budget, chunk_size=1024, kv_tokens=2048)
     kv = stage.new_sequence(1100)
     stage.prefill(kv, torch.randint(0, spec.vocab_size, (1024,)))
     for _ in range(8):
@@ -372,17 +379,12 @@ def test_server_shaped_decode_within_a_tight_budget(model):
     budget its plan fills: every request finishes, none with an out-of-memory error, and the card
     holds no more than the budget. (On the H200 at --max-vram 16 the 30B-A3B run failed this way:
     a graph capture ran out of memory, then a request ended with an error.)"""
-    import gc
-
     from strata_mgpu.model.tokenizer import tokenizer_from_gguf
     from strata_mgpu.tools.server_decode import measure_server_decode
 
     f, spec = model
     budget = 1.0
-    gc.collect()  # stages of earlier tests must not count against this device's cap
-    base = torch.cuda.memory_reserved(CUDA)  # what earlier tests left (a stage still alive raises the cap)
-    torch.cuda.reset_peak_memory_stats(CUDA)
-    stage = Stage(f, spec, StageOptions(device=CUDA, max_vram_gib=budget, chunk_size=1024, kv_tokens=2048))
+    stage, base = stage_on_its_own_budget(f, spec, budget, chunk_size=1024, kv_tokens=2048)
     report = measure_server_decode(stage, tokenizer_from_gguf(f), 8, 64)  # raises if a request fails
     assert report.n_requests == 8 and report.n_generated == 8 * 64
     assert torch.cuda.max_memory_reserved(CUDA) - base <= budget * 2**30

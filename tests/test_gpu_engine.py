@@ -16,6 +16,7 @@ from strata_mgpu.model.spec import spec_from_gguf
 from strata_mgpu.model.tokenizer import tokenizer_from_gguf
 from strata_mgpu.stage.stage import Stage, StageOptions
 from strata_mgpu.tools.server_decode import measure_server_decode
+from tests.test_gpu import stage_on_its_own_budget
 
 pytestmark = pytest.mark.gpu
 CUDA = torch.device("cuda", 0)
@@ -155,8 +156,6 @@ def test_a_whole_context_prompt_through_the_server_with_its_kv_mostly_in_host_ra
     the HTTP app, a prompt of nearly the model's whole context (8,192): its older KV in pinned host
     RAM, uploaded ahead of each attention layer. 200 with every token; then a prompt past the
     context is a 400 naming the limit, and a short request still runs."""
-    import gc
-
     from fastapi.testclient import TestClient
 
     from strata_mgpu.model.synthetic import write_model
@@ -166,11 +165,7 @@ def test_a_whole_context_prompt_through_the_server_with_its_kv_mostly_in_host_ra
     write_model(path, "small", seed=2)
     f = GGUFFile(path)
     spec = spec_from_gguf(f)
-    gc.collect()
-    base = torch.cuda.memory_reserved(CUDA)  # other tests' stages in this process
-    torch.cuda.reset_peak_memory_stats(CUDA)
-    stage = Stage(f, spec, StageOptions(device=CUDA, max_vram_gib=2, kv_tokens=1024, context=spec.context_length,
-                                        chunk_size=2048))
+    stage, base = stage_on_its_own_budget(f, spec, 2, kv_tokens=1024, context=spec.context_length, chunk_size=2048)
     assert stage.plan.kv_tokens == 1024 and stage.max_context == spec.context_length
     engine = Engine(stage, tokenizer_from_gguf(f), EngineConfig(ctx_size=spec.context_length, chunk_size=2048))
     engine.start()

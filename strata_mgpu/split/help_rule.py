@@ -40,6 +40,11 @@ class HelpPolicy:
             raise ValueError(f"help mode {self.mode!r}: auto or rule")
 
     @classmethod
+    def fixed(cls, share: float) -> HelpPolicy:
+        """The helper at `share` of each busy stage's streamed experts; 0: no helper (measurements)."""
+        return cls(enabled=share > 0, fixed_share=share if share > 0 else None)
+
+    @classmethod
     def resolve(cls, flag: bool | None, frac: float | str | None) -> HelpPolicy:
         """CLI flags win over the environment, which wins over the defaults (raises EnvError)."""
         enabled = env.prefill_help() if flag is None else flag

@@ -70,12 +70,12 @@ class GraphCapture:
 
 class DecodeGraph:
     def __init__(self, model: Decoder, kvs: Sequence[KVCache], inp: torch.Tensor, bucket: int, pad: KVCache,
-                 capacity: int = 0, *, capture: GraphCapture | None = None):
+                 capacity: int, *, capture: GraphCapture):
         """kvs: the first step's sequences (at most `bucket`); inp their input, token ids [B]
         (first stage) or hidden rows [B, D]. Rows past len(kvs) run the dummy sequence `pad` at
         position 0. Serves later batches of up to `bucket` rows whose next positions are below this
         batch's largest next position or `capacity`, rounded up to a power of two (`fits`).
-        capture: the stream and memory pool the stage's graphs share (a new pair where None)."""
+        capture: the stream and memory pool the stage's graphs share."""
         assert 0 < len(kvs) <= bucket
         device = self.device = model.device
         self.bucket, self.pad = bucket, pad
@@ -90,7 +90,6 @@ class DecodeGraph:
         self.table = None if table is None else table.clone()  # [bucket, 3], the graph's own
         self._table_rows: list[tuple[int, int, int]] = []  # what self.table holds, as the host last wrote it
         self._load(kvs, inp)
-        capture = capture or GraphCapture(device)
         with torch.cuda.device(device):  # the capture stream is the current device's: the stage's
             # Warm up outside the capture (lazy initializations may not happen inside it), on the
             # stream that then captures (cuBLAS keeps a workspace per stream). The warm-up computes

@@ -19,6 +19,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from strata_mgpu.kernels.decode_ops import ATTN_SPLITS
 from strata_mgpu.model.spec import ModelSpec
 
 GiB = 2**30
@@ -27,7 +28,6 @@ ALLOCATOR_SLACK = 0.03  # of the budget: the caching allocator rounds blocks and
 # older cards): the stage's compute stream, the graphs' capture stream, and the default stream
 GEMM_WORKSPACE = 32 * 2**20
 GEMM_STREAMS = 3
-DECODE_SPLITS = 128  # the attention's most splits a row (`kernels.decode_ops.ATTN_SPLITS`)
 
 
 class PlanError(ValueError):
@@ -124,7 +124,7 @@ def decode_bytes(spec: ModelSpec, rows: int, *, head: bool, elem: int = 2) -> in
     keeps one step's temporaries for the largest graph batch of `rows` rows (attention's split
     partials in fp32, the rows' activations, logits in the compute dtype and in fp32 where the
     stage holds the head). A quarter more, as for the activations."""
-    per_row = (spec.n_heads * DECODE_SPLITS * (spec.head_dim + 2) * 4
+    per_row = (spec.n_heads * ATTN_SPLITS * (spec.head_dim + 2) * 4
                + (spec.hidden * 8 + spec.q_dim * 3 + spec.kv_dim * 2) * elem
                + spec.n_experts * 4 * 2 + (spec.vocab_size * (elem + 4) if head else 0))
     return GEMM_STREAMS * GEMM_WORKSPACE + int(1.25 * rows * per_row)

@@ -111,6 +111,7 @@ class Stage(DecoderRunner):
         self.arena = HostExpertArena(f, spec, layers, pin=self.ctx.is_cuda,
                                      on_layer=progress("experts" + tag, len(layers)))
         kernels = self.kernels = select_kernels(self.ctx.device, prefer_cuda=opts.prefer_cuda_kernels)
+        self._graph_batch = opts.graph_batch or env.decode_graph_batch()  # the plan keeps its graphs' room
         self.plan = self._plan(spec, opts, layers, dense_bytes, dtype)
         self.plan_context = max(opts.context or 0, self.plan.kv_tokens)  # the longest sequence planned for
         ring = ExpertRing(self.ctx, self.plan.ring_slot_bytes, opts.ring_slots) if self.plan.ring else None
@@ -133,7 +134,6 @@ class Stage(DecoderRunner):
         self._capture: GraphCapture | None = None  # the stream and pool the graphs share (at the first capture)
         # bucket -> decode steps until its capture is tried again, after one ran out of memory
         self._capture_failed: dict[int, int] = {}
-        self._graph_batch = opts.graph_batch or env.decode_graph_batch()
         # KV cells in VRAM for all sequences together (the engine admits within it); a sequence
         # longer than that keeps its older cells in pinned host RAM (`stage.host_kv`)
         self.kv_token_budget = self.plan.kv_tokens
@@ -173,7 +173,7 @@ class Stage(DecoderRunner):
                                  ring_slots=opts.ring_slots, elem=torch.empty((), dtype=dtype).element_size(),
                                  resident_per_layer=resident, where=f"stage on {self.ctx.device}",
                                  staging_buffers=2 if env.kv_prefetch() else 1,
-                                 decode_rows=opts.graph_batch or env.decode_graph_batch(), head=self.is_last)
+                                 decode_rows=self._graph_batch, head=self.is_last)
 
     @property
     def max_context(self) -> int:

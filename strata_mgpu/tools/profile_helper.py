@@ -135,7 +135,7 @@ def main() -> None:
     trace_dir = args.trace_dir or Path(tempfile.mkdtemp(prefix="strata-helper-"))
     trace_dir.mkdir(parents=True, exist_ok=True)
     for share in (float(s) for s in args.shares.split(",")):
-        runner.policy = HelpPolicy(enabled=share > 0, fixed_share=share if share > 0 else None)
+        runner.policy = HelpPolicy.fixed(share)
         runner.prefill(runner.new_sequence(args.tokens + 1), prompt, whole_prompt=True)  # warm-up
         kv = runner.new_sequence(args.tokens + 1)
         sync_stages(stages)

@@ -104,7 +104,7 @@ def sweep(time_prompt: TimePrompt, lengths: list[int], shares: list[float], runs
     cells, autos = [], []
     for n in lengths:
         for share in shares:
-            policy = HelpPolicy(enabled=share > 0, fixed_share=share if share > 0 else None)
+            policy = HelpPolicy.fixed(share)
             times = [time_prompt(n, policy) for _ in range(runs)]
             cells.append(SweepCell(tokens=n, share=share, tok_per_s=n / statistics.median(times), runs_s=times))
             on_cell(cells[-1])
