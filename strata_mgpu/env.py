@@ -30,6 +30,9 @@ PREFILL_HELP = EnvVar("STRATA_PREFILL_HELP", "1",
 PREFILL_HELP_FRAC = EnvVar("STRATA_PREFILL_HELP_FRAC", None,
                            "the helper's share of each layer's experts: auto (the rate model, default), rule "
                            "(min(0.45, 0.5 - T/16384), off below 0.3) or a fixed share 0 < f < 1")
+HELP_HALVES = EnvVar("STRATA_HELP_HALVES", "2048",
+                     "a helped one-chunk prompt of at least this many tokens runs each layer in two halves of "
+                     "rows, so the busy stage works on one half while the other's hand-over is in flight; 0: never")
 
 KV_PREFETCH = EnvVar("STRATA_KV_PREFETCH", "1",
                      "1 uploads the next attention layer's host KV prefix on a side stream while the current "
@@ -46,7 +49,8 @@ DECODE_GRAPH_BATCH = EnvVar("STRATA_DECODE_GRAPH_BATCH", "8",
                             "two (1, 2, 4, 8, ...), its spare rows padded, elsewhere the graph of its own size; "
                             "graphs are captured when the engine starts, or at a size's first use")
 
-ALL = (CACHE_DIR, LOG_LEVEL, PREFILL_HELP, PREFILL_HELP_FRAC, KV_PREFETCH, STAGE_THREADS, DECODE_GRAPH_BATCH)
+ALL = (CACHE_DIR, LOG_LEVEL, PREFILL_HELP, PREFILL_HELP_FRAC, HELP_HALVES, KV_PREFETCH, STAGE_THREADS,
+       DECODE_GRAPH_BATCH)
 
 
 def cache_dir() -> Path:
@@ -92,6 +96,14 @@ def prefill_help_frac() -> float | str | None:
     """None when unset (the policy's default, auto)."""
     raw = PREFILL_HELP_FRAC.raw()
     return None if raw is None else parse_help_frac(raw, PREFILL_HELP_FRAC.name)
+
+
+def help_halves() -> int:
+    """Tokens from which a helped prompt runs in two halves (0: never)."""
+    raw = (HELP_HALVES.raw() or HELP_HALVES.default).strip()
+    if not raw.isdigit():
+        raise EnvError(f"{HELP_HALVES.name}={raw!r}: expected a whole number of tokens (0: never)")
+    return int(raw)
 
 
 def _zero_or_one(var: EnvVar) -> bool:

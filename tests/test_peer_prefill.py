@@ -68,10 +68,27 @@ def helped_and_not(runner, prompt: torch.Tensor, share: float) -> list[torch.Ten
     return out
 
 
-@pytest.mark.parametrize("n_stages, share", [(2, 0.4), (2, 0.75), (3, 0.3)])
-def test_helped_equals_unhelped_and_repeats(tiny, n_stages, share):
+def count_hand_overs(runner) -> list[bool]:
+    """Spy on every helper's hand-overs: the list fills with each one's `first` flag."""
+    firsts: list[bool] = []
+    for helper in runner.helpers:
+        def spy(i, first, beside=False, run_rows=helper.run_rows):
+            firsts.append(first)
+            return run_rows(i, first, beside)
+        helper.run_rows = spy
+    return firsts
+
+
+@pytest.mark.parametrize("n_stages, share, halves", [(2, 0.4, False), (2, 0.75, False), (3, 0.3, False),
+                                                     (2, 0.4, True), (3, 0.3, True)])
+def test_helped_equals_unhelped_and_repeats(tiny, n_stages, share, halves):
+    """Helped (all rows at once, or in two halves of rows) equals help-off up to the rounding of
+    the two partial sums, and repeats bit for bit."""
     f, spec = tiny
     runner = build_split(f, spec, [CPU] * n_stages, "auto", help_policy=HelpPolicy())
+    for helper in runner.helpers:
+        helper.halves_from = 100 if halves else 0
+    firsts = count_hand_overs(runner)
     # A fixed prompt: with a fresh one, now and then a near-tied expert pick flips under the helped
     # pass's other summation order and moves the later layers by O(1) (1e-5 cannot hold then).
     prompt = torch.randint(0, spec.vocab_size, (150,), generator=torch.Generator().manual_seed(n_stages * 100 + 7))
@@ -79,6 +96,21 @@ def test_helped_equals_unhelped_and_repeats(tiny, n_stages, share):
     assert torch.equal(on, again)  # repeatable, run after run
     assert float((on - off).abs().max() / off.abs().max()) <= 1e-5  # fp32: two partial sums
     assert all(h.to_helper.bytes_moved > 0 and h.from_helper.bytes_moved > 0 for h in runner.helpers)
+    # two helped prompts of spec.n_layers layers: one hand-over a layer, or two (each half's)
+    per_layer = [True, False] if halves else [True]
+    assert firsts == per_layer * (2 * spec.n_layers)
+
+
+def test_halves_only_from_their_length(tiny):
+    """A helped prompt shorter than `halves_from` hands each layer over once; one as long, twice."""
+    f, spec = tiny
+    runner = build_split(f, spec, [CPU, CPU], "auto", help_policy=HelpPolicy(fixed_share=0.4))
+    runner.helpers[0].halves_from = runner.helpers[1].halves_from = 120
+    firsts = count_hand_overs(runner)
+    for n, per_layer in ((119, [True]), (120, [True, False])):
+        firsts.clear()
+        runner.prefill(runner.new_sequence(256), torch.randint(0, spec.vocab_size, (n,)), whole_prompt=True)
+        assert firsts == per_layer * spec.n_layers
 
 
 def test_helper_engages_only_for_one_chunk_prompts(tiny):
@@ -103,14 +135,14 @@ def test_helper_holds_only_lent_buffers(tiny):
     runner = build_split(f, spec, [CPU, CPU], "auto", help_policy=HelpPolicy(fixed_share=0.4))
     seen = []
     helper = runner.helpers[0]
-    run_layer = helper.run_layer
+    run_rows = helper.run_rows
 
-    def spy(i):
+    def spy(i, first, beside=False):
         seen.append((helper.lent.ring, helper.lent.w_gate_up, helper.lent.w_down))
         assert not any(isinstance(v, torch.Tensor) for v in vars(helper).values())
-        return run_layer(i)
+        return run_rows(i, first, beside)
 
-    helper.run_layer = spy
+    helper.run_rows = spy
     runner.prefill(runner.new_sequence(256), torch.randint(0, spec.vocab_size, (100,)), whole_prompt=True)
     idle = runner.stages[1].model.experts
     assert seen and all(r is idle.ring and g is idle.w_gate_up and d is idle.w_down for r, g, d in seen)

@@ -284,6 +284,8 @@ class Decoder:
             for kv in ahead:
                 kv.prefetch(0)
             self.experts.begin(x.shape[0])
+            if self._in_halves(x.shape[0], segments):
+                return self._layers_in_halves(x, segments[0], cos, sin)
             for i, layer in enumerate(self.w.layers):
                 q, k, v = self._qkv(layer, rms_norm(x, layer.attn_norm, s.rms_eps), cos, sin)
                 for kv in ahead:  # layer i+1's keys arrive while layer i attends and runs its experts
@@ -303,6 +305,39 @@ class Decoder:
                 abort()
             raise
         return x
+
+    def _in_halves(self, n_rows: int, segments: Sequence[Segment]) -> bool:
+        """Does this pass (its experts begun) run in two halves of rows? Where the expert backend
+        asks for it (a helped pass: `StreamedExperts.in_halves`), over one sequence whose cache
+        holds every cell in VRAM (a `KVCache`: a two-tier cache has its own write and prefetch)."""
+        in_halves = getattr(self.experts, "in_halves", None)
+        return (in_halves is not None and len(segments) == 1 and isinstance(segments[0].kv, KVCache)
+                and n_rows >= 2 and in_halves(n_rows))
+
+    def _layers_in_halves(self, x: torch.Tensor, seg: Segment, cos: torch.Tensor, sin: torch.Tensor
+                          ) -> torch.Tensor:
+        """`_run_eager`'s layers over one sequence's rows x [T, D] in two halves, each layer's halves
+        in order (the second attends over the first's keys, as causal attention over all rows
+        would). Each half's routed experts start (`experts.start`: handed to the helper, this
+        stage's part computed) and finish (the helper's sums added) at the next layer, so between
+        a half's hand-over and its sums the stream has the other half's attention and expert rows
+        to run. The same ops as the whole-rows loop, on half the rows at a time."""
+        s = self.spec
+        cut = x.shape[0] // 2
+        halves = (slice(0, cut), slice(cut, x.shape[0]))
+        xs = [x[r] for r in halves]
+        pending: list[torch.Tensor | None] = [None, None]  # a half's own partial sums, the helper's to add
+        for i, layer in enumerate(self.w.layers):
+            for j, rows in enumerate(halves):
+                xj = xs[j] if pending[j] is None else xs[j] + self.experts.finish(pending[j])
+                q, k, v = self._qkv(layer, rms_norm(xj, layer.attn_norm, s.rms_eps), cos[rows], sin[rows])
+                k_all, v_all = seg.kv.write(i, k, v, at=rows.start)
+                xj = xj + causal_attention(q, k_all, v_all).reshape(-1, s.q_dim) @ layer.wo.T
+                h = rms_norm(xj, layer.ffn_norm, s.rms_eps)
+                weights, experts = self.route(i, h, layer.router)
+                pending[j] = self.experts.start(i, h, weights, experts, first=j == 0)
+                xs[j] = xj
+        return torch.cat([xs[j] + self.experts.finish(pending[j]) for j in range(2)])
 
     def step_static(self, inp: torch.Tensor, positions: torch.Tensor, kvs: Sequence[KVCache],
                     table: torch.Tensor | None = None, capacity: int | None = None) -> torch.Tensor:

@@ -49,12 +49,15 @@ class KVCache:
         v[:, :self.length] = self.v[:, :self.length]
         self.k, self.v = k, v
 
-    def write(self, layer: int, k_new: torch.Tensor, v_new: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store [T, Hkv, Dh] keys/values after the cached ones; return all of them [length+T, Hkv, Dh]."""
-        end = self.length + k_new.shape[0]
+    def write(self, layer: int, k_new: torch.Tensor, v_new: torch.Tensor, at: int = 0
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store [T, Hkv, Dh] keys/values `at` rows past the cached ones (a forward's later rows,
+        its earlier ones written first); return all of them up to the new ones [length+at+T, Hkv, Dh]."""
+        start = self.length + at
+        end = start + k_new.shape[0]
         assert end <= self.capacity, "reserve() before writing"
-        self.k[layer, self.length:end] = k_new
-        self.v[layer, self.length:end] = v_new
+        self.k[layer, start:end] = k_new
+        self.v[layer, start:end] = v_new
         return self.k[layer, :end], self.v[layer, :end]
 
     def advance(self, n: int) -> None:

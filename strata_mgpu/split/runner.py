@@ -118,9 +118,12 @@ class SplitRunner:
         """The longest sequence every stage planned for (its KV staging included)."""
         return min(s.max_context for s in self.stages)
 
-    def set_stage_helper(self, policy: HelpPolicy, max_rows: int) -> None:
+    def set_stage_helper(self, policy: HelpPolicy, max_rows: int, halves_from: int | None = None) -> None:
         """Give each stage's prompt path the next stage's helper (the last stage gets the
-        first's), with host buffers for prompts of up to `max_rows` tokens."""
+        first's), with host buffers for prompts of up to `max_rows` tokens; helped prompts of
+        `halves_from` tokens or more run in two halves (None: `STRATA_HELP_HALVES`, 0: never)."""
+        if halves_from is None:
+            halves_from = env.help_halves()
         n = len(self.stages)
         self.helpers = []
         for k, busy in enumerate(self.stages):
@@ -130,7 +133,7 @@ class SplitRunner:
             helper = PeerPrefill(Exchange(busy.ctx, idle.ctx, busy.kernels, idle.kernels, max_bytes,
                                           n_buffers=2 * MESSAGES_PER_LAYER, name="helper input"),
                                  Exchange(idle.ctx, busy.ctx, idle.kernels, busy.kernels, max_bytes,
-                                          name="helper output"))
+                                          name="helper output"), halves_from=halves_from)
             busy.model.experts.helper = helper
             self.helpers.append(helper)
         self.policy = policy

@@ -11,7 +11,10 @@ Two ways through a layer, picked per forward by how many picks (rows x A) it has
   layer or more ahead of compute, packed into a slot. Both are dequantized to bf16 into the
   workspace and computed as one grouped GEMM pair over the rows sorted by expert
   (`expert_parts.compute_part`). With a helper bound, the helper takes the last of each layer's
-  streamed experts; where nothing streams there is nothing to help.
+  streamed experts; where nothing streams there is nothing to help. A helped pass of the
+  helper's `halves_from` rows or more runs each layer in two halves of rows (`in_halves`,
+  `start` / `finish`): the layer's experts load once and each half hands over on its own, so the
+  decoder can queue one half's work while the other half's hand-over is in flight.
 - gather (decode, and short prompts where every expert is resident): only the experts the rows
   picked, each read where it lives, a VRAM cache slot or the mapped pinned arena (no host sync).
   On CUDA fused kernels compute them straight from their quantized bytes: pick by pick for a
@@ -30,7 +33,7 @@ from strata_mgpu.kernels.experts import CudaKernels, TorchKernels
 from strata_mgpu.model.spec import ModelSpec
 from strata_mgpu.stage.device import DeviceContext
 from strata_mgpu.stage.expert_cache import ExpertCache
-from strata_mgpu.stage.expert_parts import LayerPart, PartTables, compute_part, split_layer
+from strata_mgpu.stage.expert_parts import LayerPart, PartTables, compute_part, load_part, part_rows, split_layer
 from strata_mgpu.stage.expert_ring import ExpertRing, LayerFeed
 from strata_mgpu.stage.host_arena import HostExpertArena
 
@@ -163,11 +166,41 @@ class StreamedExperts:
                                              hq=hq)
         helper = self.helper if self.helped else None
         if helper is not None:  # hand the helper its inputs first: it works while we do
-            helper.publish(h, weights, experts)
-            helper.run_layer(i)
+            helper.hand_over(i, h, weights, experts)
         feed, tables = self._feed, self._tables
         assert feed is not None and tables is not None
         feed.acquire(i)
         y = compute_part(self.ctx, self.kernels, tables, i, lay, h, weights, experts, self.w_gate_up, self.w_down,
                          release=lambda: feed.release(i), whole_layer=helper is None)
         return y if helper is None else y + helper.collect()
+
+    def in_halves(self, n_rows: int) -> bool:
+        """Should a pass of n_rows (begun) run its layers in two halves of rows (`start`/`finish`)?
+        Where a helper is bound and the pass has its `halves_from` rows or more."""
+        return self.helped and 0 < self.helper.halves_from <= n_rows
+
+    def start(self, i: int, h: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, first: bool
+              ) -> torch.Tensor:
+        """One half of a helped layer's rows (h [t, D], weights and experts [t, A]): hand them to the
+        helper (the copies beside compute), then compute this stage's part of them. `first`: the
+        layer's first half, which loads the layer's experts (both halves' rows read them from the
+        workspace). Returns this stage's partial sums [t, D]; `finish` adds the helper's."""
+        helper = self.helper
+        assert self.helped and helper is not None
+        lay = self.arena.layouts[self.layers[i]]
+        if self.cache is not None:
+            self.cache.observe(i, experts)
+        helper.hand_over(i, h, weights, experts, first, beside=True)
+        feed, tables = self._feed, self._tables
+        assert feed is not None and tables is not None
+        if first:
+            feed.acquire(i)
+            load_part(self.ctx, self.kernels, tables, i, lay, self.w_gate_up, self.w_down,
+                      release=lambda: feed.release(i))
+        return part_rows(self.ctx, self.kernels, tables, i, h, weights, experts, self.w_gate_up, self.w_down,
+                         whole_layer=False)
+
+    def finish(self, own: torch.Tensor) -> torch.Tensor:
+        """A half's expert outputs [t, D]: this stage's partial sums (`start`) plus the helper's, which
+        arrive in the order the halves were started."""
+        return own + self.helper.collect()
