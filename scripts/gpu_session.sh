@@ -43,6 +43,12 @@
 #           server-shaped 1 and 8), and a 40K prompt on one card at --max-vram 16
 #   x2helperprof tools/profile_helper on two cards, residency off, 8K and 2K one-chunk prompts at
 #           shares 0 and 0.45: each card's streams busy / idle, hand-over copies, uploads (#13)
+#   x2halves the share sweep on two cards, residency off, 1K-8K, helped prompts in two halves of rows
+#           (STRATA_HELP_HALVES=1) against all rows at once (=0); then tools/profile_helper at 8K in halves
+#   x2hostprof tools/profile_helper on two cards, residency off, share 0.45 at 8K and 1K, all rows at once
+#           and in two halves: the cards' streams and the host's CUDA calls (what waits for the device)
+#   x2hostpy tools/profile_helper --host: the host's Python time (cProfile) of a 1K prompt on two cards,
+#           help off and share 0.45 in all rows at once and in halves
 #   x2oom   the 8,8 sweep cells at 6K and 8K with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 # Results under $OUT: gpu.txt, gpu_tests.log and results.tgz (every bench_*/sweep_* log and JSON:
 # the device tool brings back few files). A failing GPU test fails the run.
@@ -149,6 +155,26 @@ if has x2helperprof; then
     python3 -m strata_mgpu.tools.profile_helper $MODEL --devices 0,1 --max-vram 16,16 --resident-experts 0 \
       --tokens $n --shares 0,0.45 2>&1 | grep -v "^USDT\|^$" | tee "$OUT/helperprof_$n.log" || status=1
   done
+fi
+if has x2halves; then
+  for halves in 0 1; do
+    STRATA_HELP_HALVES=$halves python3 -m strata_mgpu sweep $MODEL --devices 0,1 --max-vram 16,16 --resident-experts 0 \
+      --prompt-tokens 1024,2048,4096,6144,8192 --shares 0,0.2,0.3,0.45 --runs 3 --json "$OUT/sweep_halves$halves.json" \
+      2>&1 | tee "$OUT/sweep_halves$halves.log" | tail -12 || status=1
+  done
+  STRATA_HELP_HALVES=1 python3 -m strata_mgpu.tools.profile_helper $MODEL --devices 0,1 --max-vram 16,16 \
+    --resident-experts 0 --tokens 8192 --shares 0.45 2>&1 | grep -v "^USDT\|^$" | tee "$OUT/helperprof_halves.log" \
+    || status=1
+fi
+if has x2hostprof; then
+  for n in 8192 1024; do
+    python3 -m strata_mgpu.tools.profile_helper $MODEL --devices 0,1 --max-vram 16,16 --resident-experts 0 \
+      --tokens $n --shares 0,0.45 --halves 0,1 2>&1 | grep -v "^USDT\|^$\|warn" | tee "$OUT/hostprof_$n.log" || status=1
+  done
+fi
+if has x2hostpy; then
+  python3 -m strata_mgpu.tools.profile_helper $MODEL --devices 0,1 --max-vram 16,16 --resident-experts 0 \
+    --tokens 1024 --shares 0,0.45 --halves 0,1 --host 2>&1 | grep -v "^USDT" | tee "$OUT/hostpy_1024.log" || status=1
 fi
 if has x2oom; then  # the sweep cell that ran out of memory at 8,8 (fragmentation?), with expandable segments
   PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True python3 -m strata_mgpu sweep $MODEL --devices 0,1 --max-vram 8,8 \

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from strata_mgpu.tools.profile_helper import describe, stream_use
+from strata_mgpu.tools.profile_helper import describe, describe_host, host_use, stream_use
 
 
 def kernel(name: str, ts: float, dur: float, device: int = 0, stream: int = 7, cat: str = "kernel", **args) -> dict:
@@ -44,3 +44,21 @@ def test_an_empty_trace_has_no_streams():
 def test_other_work_is_named_as_such(name, cat, want):
     (use,) = stream_use({"traceEvents": [kernel(name, 0, 1, cat=cat)]})
     assert dict(use.by_category) == {want: 1}
+
+
+def test_host_calls_and_when_the_host_ran_out_of_work():
+    api = lambda name, ts, dur, cat="cuda_runtime": {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur}  # noqa: E731
+    trace = {"traceEvents": [
+        api("cudaLaunchKernel", 100, 5), api("cudaLaunchKernel", 110, 5), api("cuLaunchKernel", 120, 4, "cuda_driver"),
+        api("cudaFree", 130, 300), api("cudaStreamWaitEvent", 440, 2), api("cudaDeviceSynchronize", 442, 400),
+        kernel("gemm", 105, 400), kernel("Memcpy HtoD", 200, 700, stream=13, cat="gpu_memcpy"),
+        {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 999, "args": {}},  # not an API call
+    ]}
+    use = host_use(trace)
+    assert use.calls["cudaLaunchKernel"] == (2, 10) and use.calls["cuLaunchKernel"] == (1, 4)
+    assert use.waiting == {"cudaFree": (1, 300), "cudaDeviceSynchronize": (1, 400)}
+    assert use.last_call_end_us == 342 and use.last_gpu_end_us == 800  # from the first event, at 100
+    first, second = describe_host(use)
+    assert "last CUDA call at 0.3 ms" in first and "finished at 0.8 ms" in first
+    assert second == "  host calls that can wait for the device: cudaDeviceSynchronize 1 x 0.4 ms, cudaFree 1 x 0.3 ms"
+    assert describe_host(host_use({"traceEvents": []}))[1].endswith("none")

@@ -10,7 +10,10 @@ waiting on an event: the busy stage for its helper's sums, the helper for its in
 uploads), the hand-over copy kernels (`copy_f32_wide`), dequantization, GEMMs and host-to-device
 copies (the expert stream). On two cards the help-off row shows the busy stage link-bound; a
 helped row whose busy stage's compute stream idles while its upload stream does not is waiting
-for the helper. `--trace-dir` keeps each trace (chrome://tracing, Perfetto).
+for the helper. The host's side: its CUDA API calls by name (count, time), those that can wait for the
+device (allocations, frees, mappings, synchronizations) apart, and when it queued its last call
+against when the cards finished: a host that ends queuing just before the cards end bound them.
+`--trace-dir` keeps each trace (chrome://tracing, Perfetto).
 """
 
 from __future__ import annotations
@@ -89,6 +92,57 @@ def stream_use(trace: dict) -> list[StreamUse]:
     return out
 
 
+# CUDA API calls that can hold the host until the device has caught up
+WAITING_CALLS = ("Synchronize", "Free", "Malloc", "MemMap", "MemUnmap", "MemCreate", "MemRelease", "MemSetAccess",
+                 "MemAddressFree", "Query")
+
+
+@dataclass
+class HostUse:
+    """The host's CUDA API calls within a trace, and when it queued its last one."""
+
+    calls: dict[str, tuple[int, float]]  # name -> (count, total us)
+    last_call_end_us: float  # the last call that queues work (not a sync), from the trace's first GPU or API event
+    last_gpu_end_us: float
+
+    @property
+    def waiting(self) -> dict[str, tuple[int, float]]:
+        return {k: v for k, v in self.calls.items() if any(w in k for w in WAITING_CALLS)}
+
+
+def host_use(trace: dict) -> HostUse:
+    api: list[tuple[float, float, str]] = []
+    gpu_end = []
+    for ev in trace.get("traceEvents", []):
+        if ev.get("ph") != "X":
+            continue
+        start, dur = float(ev.get("ts", 0.0)), float(ev.get("dur", 0.0))
+        if ev.get("cat") in ("cuda_runtime", "cuda_driver"):
+            api.append((start, start + dur, ev.get("name", "")))
+        elif ev.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"):
+            gpu_end.append((start, start + dur))
+    origin = min([a for a, _, _ in api] + [a for a, _ in gpu_end], default=0.0)
+    queued = [b for _, b, name in api if not any(w in name for w in WAITING_CALLS)]  # a final sync is no work
+    calls: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
+    for a, b, name in api:
+        calls[name][0] += 1
+        calls[name][1] += b - a
+    return HostUse({k: (int(v[0]), v[1]) for k, v in calls.items()}, max(queued, default=origin) - origin,
+                   max((b for _, b in gpu_end), default=origin) - origin)
+
+
+def describe_host(use: HostUse, top: int = 6) -> list[str]:
+    busiest = sorted(use.calls.items(), key=lambda kv: -kv[1][1])[:top]
+    lines = [f"  host: queued its last CUDA call at {use.last_call_end_us / 1e3:.1f} ms, the cards finished at "
+             f"{use.last_gpu_end_us / 1e3:.1f} ms; calls by time: "
+             + ", ".join(f"{k} {n} x {us / 1e3:.1f} ms" for k, (n, us) in busiest)]
+    waiting = use.waiting
+    lines.append("  host calls that can wait for the device: "
+                 + (", ".join(f"{k} {n} x {us / 1e3:.1f} ms" for k, (n, us) in sorted(waiting.items()))
+                    if waiting else "none"))
+    return lines
+
+
 def describe(uses: list[StreamUse]) -> list[str]:
     lines = []
     for u in uses:
@@ -100,6 +154,28 @@ def describe(uses: list[StreamUse]) -> list[str]:
                      f"{u.span_us / 1e3:.1f} ms span, idle gaps {sum(gaps) / 1e3:.1f} ms "
                      f"(largest {max(gaps, default=0) / 1e3:.2f}){h2d}; ms by kind: {parts}")
     return lines
+
+
+def host_profile(runner, kv, prompt: torch.Tensor, top: int = 30) -> str:
+    """One whole-prompt prefill under cProfile (the cards synchronized after it): the host's
+    functions by their own time, and the prompt's wall time."""
+    import cProfile
+    import io
+    import pstats
+
+    from strata_mgpu.tools.bench import sync_stages
+
+    prof = cProfile.Profile()
+    t0 = time.perf_counter()
+    prof.enable()
+    runner.prefill(kv, prompt, whole_prompt=True)
+    prof.disable()
+    queued = time.perf_counter() - t0
+    sync_stages(runner.stages)
+    seconds = time.perf_counter() - t0
+    out = io.StringIO()
+    pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(top)
+    return f"  queued in {1e3 * queued:.1f} ms, done in {1e3 * seconds:.1f} ms (under cProfile)\n" + out.getvalue()
 
 
 def main() -> None:
@@ -119,6 +195,12 @@ def main() -> None:
     ap.add_argument("--resident-experts", type=int, default=None, help="force K resident a layer (0: none)")
     ap.add_argument("--tokens", type=int, default=8192)
     ap.add_argument("--shares", default="0,0.45", help="the helper's shares to profile (0: help off)")
+    ap.add_argument("--halves", default=None,
+                    help="halves_from values to profile each share with, e.g. 0,1 (0: all rows at once, 1: two "
+                         "halves); default: STRATA_HELP_HALVES")
+    ap.add_argument("--host", action="store_true",
+                    help="instead of the device trace: the host's Python time of one prompt a share (cProfile), "
+                         "the functions with the most time of their own")
     ap.add_argument("--trace-dir", type=Path, default=None, help="keep each share's Chrome trace here")
     args = ap.parse_args()
     default_allocator_config()
@@ -134,22 +216,32 @@ def main() -> None:
     prompt = torch.randint(0, spec.vocab_size, (args.tokens,), generator=torch.Generator().manual_seed(0))
     trace_dir = args.trace_dir or Path(tempfile.mkdtemp(prefix="strata-helper-"))
     trace_dir.mkdir(parents=True, exist_ok=True)
+    halves_values = [None] if args.halves is None else [int(x) for x in args.halves.split(",")]
     for share in (float(s) for s in args.shares.split(",")):
-        runner.policy = HelpPolicy.fixed(share)
-        runner.prefill(runner.new_sequence(args.tokens + 1), prompt, whole_prompt=True)  # warm-up
-        kv = runner.new_sequence(args.tokens + 1)
-        sync_stages(stages)
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            t0 = time.perf_counter()
-            runner.prefill(kv, prompt, whole_prompt=True)
+        for halves in halves_values:
+            if halves is not None:
+                for helper in runner.helpers:
+                    helper.halves_from = halves
+            runner.policy = HelpPolicy.fixed(share)
+            runner.prefill(runner.new_sequence(args.tokens + 1), prompt, whole_prompt=True)  # warm-up
+            kv = runner.new_sequence(args.tokens + 1)
             sync_stages(stages)
-            seconds = time.perf_counter() - t0
-        path = trace_dir / f"helper_share_{share:g}.json"
-        prof.export_chrome_trace(str(path))
-        uses = stream_use(json.loads(path.read_text()))
-        print(f"share {share:g}: {args.tokens:,} tokens in {1e3 * seconds:.1f} ms "
-              f"({args.tokens / seconds:,.0f} tok/s, under the profiler); trace {path}")
-        print("\n".join(describe(uses)), flush=True)
+            label = f"share {share:g}" + ("" if halves is None else f", halves_from {halves}")
+            if args.host:
+                print(f"{label}: {args.tokens:,} tokens, host time (cProfile)\n{host_profile(runner, kv, prompt)}",
+                      flush=True)
+                continue
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                t0 = time.perf_counter()
+                runner.prefill(kv, prompt, whole_prompt=True)
+                sync_stages(stages)
+                seconds = time.perf_counter() - t0
+            path = trace_dir / f"helper_share_{share:g}_halves_{halves}.json"
+            prof.export_chrome_trace(str(path))
+            trace = json.loads(path.read_text())
+            print(f"{label}: {args.tokens:,} tokens in {1e3 * seconds:.1f} ms "
+                  f"({args.tokens / seconds:,.0f} tok/s, under the profiler); trace {path}")
+            print("\n".join(describe(stream_use(trace)) + describe_host(host_use(trace))), flush=True)
 
 
 if __name__ == "__main__":
