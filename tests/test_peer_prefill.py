@@ -72,9 +72,9 @@ def count_hand_overs(runner) -> list[bool]:
     """Spy on every helper's hand-overs: the list fills with each one's `first` flag."""
     firsts: list[bool] = []
     for helper in runner.helpers:
-        def spy(i, first, beside=False, run_rows=helper.run_rows):
+        def spy(i, first, run_rows=helper.run_rows):
             firsts.append(first)
-            return run_rows(i, first, beside)
+            return run_rows(i, first)
         helper.run_rows = spy
     return firsts
 
@@ -137,10 +137,10 @@ def test_helper_holds_only_lent_buffers(tiny):
     helper = runner.helpers[0]
     run_rows = helper.run_rows
 
-    def spy(i, first, beside=False):
+    def spy(i, first):
         seen.append((helper.lent.ring, helper.lent.w_gate_up, helper.lent.w_down))
         assert not any(isinstance(v, torch.Tensor) for v in vars(helper).values())
-        return run_rows(i, first, beside)
+        return run_rows(i, first)
 
     helper.run_rows = spy
     runner.prefill(runner.new_sequence(256), torch.randint(0, spec.vocab_size, (100,)), whole_prompt=True)

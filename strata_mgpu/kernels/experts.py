@@ -80,9 +80,8 @@ class TorchKernels:
         """The paths the ops ran, e.g. 'copy_wide:copy_f32_wide 24, dequant:cuda 96'."""
         return self.paths.summary()
 
-    def copy_wide(self, dst: torch.Tensor, src: torch.Tensor, max_blocks: int = 4096) -> None:
-        """Copy src's bytes into dst (same byte count; either side may be mapped host memory).
-        `max_blocks`: the CUDA kernel's grid at most (a copy beside compute takes few SMs)."""
+    def copy_wide(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """Copy src's bytes into dst (same byte count; either side may be mapped host memory)."""
         assert dst.numel() * dst.element_size() == src.numel() * src.element_size()
         self.paths.ran("copy_wide", "copy_engine")
         dst.view(torch.uint8).view(-1).copy_(src.contiguous().view(torch.uint8).view(-1), non_blocking=True)
@@ -349,10 +348,9 @@ class CudaKernels(TorchKernels):
         nvrtc.launch(fn, -(-n_sub // warps), Q8_THREADS, (x.data_ptr(), np.int64(n_sub), out.data_ptr()), self.device)
         return out
 
-    def copy_wide(self, dst: torch.Tensor, src: torch.Tensor, max_blocks: int = 4096) -> None:
+    def copy_wide(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         """`copy_f32_wide`: 16-byte loads and stores by a kernel, so a hand-over through mapped
-        host memory never waits behind the copy engines' expert uploads; at most `max_blocks`
-        blocks of 256 threads (grid-stride)."""
+        host memory never waits behind the copy engines' expert uploads."""
         nbytes = src.numel() * src.element_size()
         assert dst.numel() * dst.element_size() == nbytes and src.is_contiguous() and dst.is_contiguous()
         if not self.host_pointers or nbytes % 16 or src.data_ptr() % 16 or dst.data_ptr() % 16:
@@ -362,7 +360,7 @@ class CudaKernels(TorchKernels):
         self.paths.ran("copy_wide", "copy_f32_wide")
         fn = nvrtc.kernel(COPY_FILE, "copy_f32_wide", (), self.device)
         n4 = nbytes // 16
-        nvrtc.launch(fn, max(1, min((n4 + 255) // 256, max_blocks)), 256,
+        nvrtc.launch(fn, min((n4 + 255) // 256, 4096), 256,
                             (np.uint64(src.data_ptr()), np.uint64(dst.data_ptr()), np.int64(n4)), self.device)
 
     @staticmethod

@@ -47,9 +47,8 @@ class Exchange:
     def max_bytes(self) -> int:
         return self.buffers[0].numel()
 
-    def send(self, x: torch.Tensor, max_blocks: int = 4096) -> None:
-        """On the writer's current stream: put x [T, D] into the next buffer (a copy kernel of at
-        most `max_blocks` blocks)."""
+    def send(self, x: torch.Tensor) -> None:
+        """On the writer's current stream: put x [T, D] into the next buffer."""
         nbytes = x.numel() * x.element_size()
         assert nbytes <= self.max_bytes, f"{nbytes} bytes exceed the exchange's {self.max_bytes}"
         if self._free is not None:
@@ -59,20 +58,19 @@ class Exchange:
         self.src.wait(self.read[b])  # its reader is done
         self.src.access(self.buffers[b], "w")
         self.src.access(x, "r")
-        self.src_kernels.copy_wide(self.buffers[b][:nbytes], x.contiguous(), max_blocks)
+        self.src_kernels.copy_wide(self.buffers[b][:nbytes], x.contiguous())
         self.src.record(self.sent[b])
         self._pending.append((b, x.shape, x.dtype))
         self.bytes_moved += nbytes
 
-    def receive(self, max_blocks: int = 4096) -> torch.Tensor:
-        """On the reader's current stream: the oldest rows sent, on the reader's device (a copy
-        kernel of at most `max_blocks` blocks)."""
+    def receive(self) -> torch.Tensor:
+        """On the reader's current stream: the oldest rows sent, on the reader's device."""
         b, shape, dtype = self._pending.popleft()
         self.dst.wait(self.sent[b])
         self.dst.access(self.buffers[b], "r")
         out = torch.empty(shape, dtype=dtype, device=self.dst.device)
         self.dst.access(out, "w")
-        self.dst_kernels.copy_wide(out, self.buffers[b][:out.numel() * out.element_size()], max_blocks)
+        self.dst_kernels.copy_wide(out, self.buffers[b][:out.numel() * out.element_size()])
         self.dst.record(self.read[b])
         if self._free is not None:
             self._free.release()

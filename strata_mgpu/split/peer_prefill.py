@@ -19,20 +19,15 @@ A prompt of `halves_from` tokens or more runs its rows in two halves (`Decoder._
 both sides load a layer's experts once and compute each half's rows on their own, and A queues
 half 2's attention and own rows between handing half 1 over and adding its sums, so the helper's
 round trip for one half (h out, its rows, the sums back) runs while A works on the other half
-instead of A waiting for it at every layer. There the copies leave the compute streams too
-(`beside`: `SideCopies`, one side stream a direction on each card): A's stream goes on once h and
-the routing are written and waits for the sums, fetched at once on its side stream, only before
-the add; B dequantizes its experts while its inputs are on their way.
+instead of A waiting for it at every layer. Off by default: on two H200s the helped layer is
+bound by the host's launches, which halves double (docs/MULTI_GPU.md).
 """
 
 from __future__ import annotations
 
-from collections import deque
-
 import torch
 
 from strata_mgpu.split.exchange import Exchange
-from strata_mgpu.split.side_copies import Fetched, SideCopies
 from strata_mgpu.stage.expert_parts import LayerPart, PartTables, load_part, part_rows
 from strata_mgpu.stage.expert_ring import LayerFeed
 from strata_mgpu.stage.host_arena import HostExpertArena
@@ -48,12 +43,6 @@ class PeerPrefill:
         self.to_helper = to_helper  # busy stage -> helper: h, experts, weights
         self.from_helper = from_helper  # helper -> busy stage: weighted sums per token
         self.halves_from = halves_from  # a helped pass of this many rows runs them in two halves (0: never)
-        # hand-overs `beside` compute: a side stream for each direction on each card
-        self.busy_out = SideCopies(to_helper.src, "hand-over out")
-        self.busy_in = SideCopies(to_helper.src, "hand-over in")
-        self.helper_in = SideCopies(to_helper.dst, "helper hand-over in")
-        self.helper_out = SideCopies(to_helper.dst, "helper hand-over out")
-        self._sums: deque[Fetched] = deque()  # the helper's sums fetched beside, not yet collected
         self.lent: LentBuffers | None = None
         self.arena: HostExpertArena | None = None
         self.n_experts = 0  # the helper takes the last n streamed experts of every layer
@@ -81,7 +70,6 @@ class PeerPrefill:
             with self.lent.ctx.on_compute(after_caller=False, join_caller=False):
                 self._feed.abort()
         self._feed = self._tables = None
-        self._sums.clear()
         self.to_helper.drop_pending()
         self.from_helper.drop_pending()
 
@@ -100,47 +88,32 @@ class PeerPrefill:
                                       lambda i: feed.slot_of[i].buffer if i in feed.slot_of else None)
         self.streamed_bytes += feed.bytes
 
-    def hand_over(self, i: int, h: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, first: bool = True,
-                  beside: bool = False) -> None:
+    def hand_over(self, i: int, h: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, first: bool = True
+                  ) -> None:
         """From the busy stage's stream: local layer i's MoE input h [t, D] and routing (weights,
         experts [t, A]) to the helper, and the helper's work on them queued on its stream
         (`run_rows`); `collect` gives its sums. All the layer's rows or a half of them (`first`:
-        the layer's first hand-over, which loads its experts). `beside`: the copies on side streams,
-        the sums fetched on the busy stage's side stream at once."""
-        if beside:
-            self.busy_out.send(self.to_helper, (h, experts, weights))  # the order run_rows receives them in
-        else:
-            for x in (h, experts, weights):
-                self.to_helper.send(x)
-        self.run_rows(i, first, beside)
-        if beside:
-            self._sums.append(self.busy_in.fetch(self.from_helper, 1))
+        the layer's first hand-over, which loads its experts)."""
+        for x in (h, experts, weights):  # the order run_rows receives them in
+            self.to_helper.send(x)
+        self.run_rows(i, first)
 
-    def run_rows(self, i: int, first: bool, beside: bool = False) -> None:
+    def run_rows(self, i: int, first: bool) -> None:
         """Queue the helper's work for one hand-over of local layer i on the helper's stream;
-        `first`: the layer's first, which loads its experts into the workspace (beside: while its
-        inputs are on their way)."""
+        `first`: the layer's first, which loads its experts into the workspace."""
         lent, arena, feed, tables = self.lent, self.arena, self._feed, self._tables
         assert lent is not None and arena is not None and feed is not None and tables is not None
         with lent.ctx.on_compute(after_caller=False, join_caller=False):
-            inputs = self.helper_in.fetch(self.to_helper, MESSAGES_PER_LAYER) if beside else None
-            h, experts, weights = (None,) * 3 if beside else (self.to_helper.receive() for _ in range(3))
+            h, experts, weights = (self.to_helper.receive() for _ in range(MESSAGES_PER_LAYER))
             if first:
                 feed.acquire(i)
                 load_part(lent.ctx, lent.kernels, tables, i, arena.layouts[tables.parts[i].layer], lent.w_gate_up,
                           lent.w_down, release=lambda: feed.release(i))
-            if inputs is not None:
-                h, experts, weights = self.helper_in.wait(inputs)
             y = part_rows(lent.ctx, lent.kernels, tables, i, h, weights, experts, lent.w_gate_up, lent.w_down,
                           whole_layer=False)
-            if beside:
-                self.helper_out.send(self.from_helper, (y,))
-            else:
-                self.from_helper.send(y)
+            self.from_helper.send(y)
 
     def collect(self) -> torch.Tensor:
         """On the busy stage's stream: the helper's weighted sums [t, D] for the oldest hand-over not
-        yet collected (read here, or, beside, waited for here: fetched on the side stream)."""
-        if self._sums:
-            return self.busy_in.wait(self._sums.popleft())[0]
+        yet collected."""
         return self.from_helper.receive()

@@ -182,7 +182,7 @@ class StreamedExperts:
     def start(self, i: int, h: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, first: bool
               ) -> torch.Tensor:
         """One half of a helped layer's rows (h [t, D], weights and experts [t, A]): hand them to the
-        helper (the copies beside compute), then compute this stage's part of them. `first`: the
+        helper, then compute this stage's part of them. `first`: the
         layer's first half, which loads the layer's experts (both halves' rows read them from the
         workspace). Returns this stage's partial sums [t, D]; `finish` adds the helper's."""
         helper = self.helper
@@ -190,7 +190,7 @@ class StreamedExperts:
         lay = self.arena.layouts[self.layers[i]]
         if self.cache is not None:
             self.cache.observe(i, experts)
-        helper.hand_over(i, h, weights, experts, first, beside=True)
+        helper.hand_over(i, h, weights, experts, first)
         feed, tables = self._feed, self._tables
         assert feed is not None and tables is not None
         if first:
