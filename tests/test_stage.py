@@ -7,7 +7,7 @@ import torch
 from gguf.constants import GGMLQuantizationType as Q
 
 from strata_mgpu.kernels.experts import TorchKernels
-from strata_mgpu.kernels.routing import combine, group_rows
+from strata_mgpu.kernels.routing import combine, group_rows, masked_combine
 from strata_mgpu.model.gguf_reader import GGUFFile
 from strata_mgpu.model.runner import load_reference_runner
 from strata_mgpu.model.spec import spec_from_gguf
@@ -84,11 +84,29 @@ def test_group_rows_and_combine():
     order, offs = group_rows(experts, E)
     flat = experts.reshape(-1)[order]
     assert torch.equal(flat, flat.sort().values)  # sorted by expert
+    assert torch.equal(order, torch.argsort(experts.reshape(-1), stable=True))  # stable: rows in order within one
+    assert offs.dtype == torch.int32
     counts = torch.bincount(experts.reshape(-1), minlength=E)
     assert offs.tolist() == counts.cumsum(0).tolist()
     rows = torch.randn(T * A, D)  # an output per (token, pick)
     got = combine(rows[order], order, weights)
     ref = (rows.view(T, A, D) * weights[..., None]).sum(1)
+    assert torch.allclose(got, ref, atol=1e-6)
+
+
+def test_masked_combine_counts_only_its_picks():
+    """A part's rows past its groups hold anything (here NaN, as memory a grouped GEMM left
+    unwritten may): they count zero, and the part's picks are weighted as `combine` weights them."""
+    T, A, E, D = 29, 4, 8, 16
+    experts = torch.stack([torch.randperm(E)[:A] for _ in range(T)])
+    weights = torch.rand(T, A)
+    mine = experts < 3  # a part of experts 0..2
+    order, _ = group_rows(torch.where(mine, experts, 3), 4)
+    rows = torch.randn(T * A, D)
+    y_sorted = rows[order].clone()
+    y_sorted[~mine.reshape(-1)[order]] = float("nan")
+    got = masked_combine(y_sorted, order, weights, mine)
+    ref = (rows.view(T, A, D) * (weights * mine)[..., None]).sum(1)
     assert torch.allclose(got, ref, atol=1e-6)
 
 

@@ -7,15 +7,20 @@ from __future__ import annotations
 
 import torch
 
+_GROUP_IDS: dict[tuple[torch.device, int], torch.Tensor] = {}  # (device, G) -> arange(G), made once
+
 
 def group_rows(experts: torch.Tensor, n_groups: int) -> tuple[torch.Tensor, torch.Tensor]:
     """experts [T, A] group ids -> (order [M]: routed rows sorted by group, offs [G] int32 row ends).
-    Stable, and no host synchronization."""
+    Stable, and no host synchronization. Two ops (a sort and a search), since a helped prompt's
+    layers are bound by the host's launches."""
     flat = experts.reshape(-1)
-    order = torch.argsort(flat, stable=True)
-    counts = torch.zeros(n_groups, dtype=torch.int64, device=flat.device)
-    counts.scatter_add_(0, flat, torch.ones_like(flat))
-    return order, counts.cumsum(0).to(torch.int32)
+    key = (flat.device, n_groups)
+    ids = _GROUP_IDS.get(key)
+    if ids is None:
+        ids = _GROUP_IDS[key] = torch.arange(n_groups, dtype=flat.dtype, device=flat.device)
+    ordered, order = torch.sort(flat, stable=True)
+    return order, torch.searchsorted(ordered, ids, right=True, out_int32=True)  # rows with a group <= g
 
 
 def combine(y_sorted: torch.Tensor, order: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -32,6 +37,5 @@ def masked_combine(y_sorted: torch.Tensor, order: torch.Tensor, weights: torch.T
     """`combine` over only the picks in `mine` [T, A]; the other picks' rows may hold anything
     (a grouped GEMM given fewer groups leaves them unwritten)."""
     keep = mine.reshape(-1)[order]  # [M], in sorted order
-    zero = torch.zeros((), dtype=y_sorted.dtype, device=y_sorted.device)
-    y = torch.where(keep[:, None], y_sorted, zero)
-    return combine(y, order, torch.where(mine, weights, torch.zeros((), dtype=weights.dtype, device=weights.device)))
+    y = torch.where(keep[:, None], y_sorted, 0.0)  # a scalar zero: no tensor (and no launch) made for it
+    return combine(y, order, torch.where(mine, weights, 0.0))
