@@ -49,6 +49,8 @@
 #           and in two halves: the cards' streams and the host's CUDA calls (what waits for the device)
 #   x2hostpy tools/profile_helper --host: the host's Python time (cProfile) of a 1K prompt on two cards,
 #           help off and share 0.45 in all rows at once and in halves
+#   x2cells #13's loose ends: two cards, residency off, 1K and 2K at shares 0.45 / 0.47 / 0.5 (--runs 5, the rate
+#           model's outlier cell); then two stages of one card (--devices 0,0 --max-vram 8,8) at 1K / 4K / 8K
 #   x2oom   the 8,8 sweep cells at 6K and 8K with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 # Results under $OUT: gpu.txt, gpu_tests.log and results.tgz (every bench_*/sweep_* log and JSON:
 # the device tool brings back few files). A failing GPU test fails the run.
@@ -175,6 +177,12 @@ fi
 if has x2hostpy; then
   python3 -m strata_mgpu.tools.profile_helper $MODEL --devices 0,1 --max-vram 16,16 --resident-experts 0 \
     --tokens 1024 --shares 0,0.45 --halves 0,1 --host 2>&1 | grep -v "^USDT" | tee "$OUT/hostpy_1024.log" || status=1
+fi
+if has x2cells; then
+  python3 -m strata_mgpu sweep $MODEL --devices 0,1 --max-vram 16,16 --resident-experts 0 --prompt-tokens 1024,2048 \
+    --shares 0,0.45,0.47,0.5 --runs 5 --json "$OUT/sweep_cells.json" 2>&1 | tee "$OUT/sweep_cells.log" | tail -12 || status=1
+  python3 -m strata_mgpu sweep $MODEL --devices 0,0 --max-vram 8,8 --prompt-tokens 1024,4096,8192 \
+    --shares 0,0.3,0.45 --runs 2 --json "$OUT/sweep_onecard.json" 2>&1 | tee "$OUT/sweep_onecard.log" | tail -12 || status=1
 fi
 if has x2oom; then  # the sweep cell that ran out of memory at 8,8 (fragmentation?), with expandable segments
   PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True python3 -m strata_mgpu sweep $MODEL --devices 0,1 --max-vram 8,8 \
