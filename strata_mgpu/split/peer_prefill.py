@@ -13,8 +13,12 @@ Per layer of A (shape legend: T tokens, A picks per token, D hidden, E experts, 
 2. B streams its n experts of the layer (the last n of those A would stream: resident experts
    stay with A, computed in place) from A's pinned arena over B's own link into B's ring, two
    layers ahead, dequantizes them into B's workspace, computes its rows with the grouped GEMM,
-   weights them and sends back their sum per token [T, D]. The same `compute_part` as A's.
+   weights them and sends back their sum per token [T, D]. The same `load_part` and
+   `part_rows` as A's `compute_part`.
 3. A computes the rows of its own experts meanwhile and adds B's sums.
+Events order every hand-over; the host never waits. Output is repeatable (fixed summation
+order) and equals unhelped output within rounding (the two partial sums round separately).
+
 A prompt of `halves_from` tokens or more runs its rows in two halves (`Decoder._layers_in_halves`):
 both sides load a layer's experts once and compute each half's rows on their own, and A queues
 half 2's attention and own rows between handing half 1 over and adding its sums, so the helper's
