@@ -16,6 +16,7 @@ from strata_mgpu.model.runner import load_reference_runner
 from strata_mgpu.model.spec import spec_from_gguf
 from strata_mgpu.model.synthetic import write_model
 from strata_mgpu.stage.stage import Stage, StageOptions
+from tests.test_peer_prefill import count_hand_overs
 from tests.test_q8_dot import quantize_words
 
 pytestmark = pytest.mark.gpu
@@ -645,6 +646,7 @@ def test_helper_on_two_stages(tiny_gguf, dtype, halves):
         force = _routing_recorded_then_forced(runner)
         runner.prefill(runner.new_sequence(400), prompt, whole_prompt=True)
         force()
+    firsts = count_hand_overs(runner)
     outs = []
     for policy in (HelpPolicy(enabled=False), HelpPolicy(fixed_share=0.4), HelpPolicy(fixed_share=0.4)):
         runner.policy = policy
@@ -653,6 +655,7 @@ def test_helper_on_two_stages(tiny_gguf, dtype, halves):
     assert torch.equal(on, again)
     assert rel_err(on, off) <= (1e-5 if dtype == torch.float32 else BF16_TOL)
     assert all(h.to_helper.bytes_moved > 0 for h in runner.helpers)
+    assert firsts == ([True, False] if halves else [True]) * (2 * spec.n_layers)  # two helped prompts
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])

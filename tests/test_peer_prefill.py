@@ -113,6 +113,43 @@ def test_halves_only_from_their_length(tiny):
         assert firsts == per_layer * spec.n_layers
 
 
+def test_last_help_says_what_each_helper_took(tiny):
+    """`SplitRunner.last_help`: per busy stage, the streamed experts a layer its helper took in
+    the last whole prompt (what bench's one-chunk bound reads)."""
+    f, spec = tiny
+    runner = build_split(f, spec, [CPU, CPU], "auto", help_policy=HelpPolicy(fixed_share=0.4))
+    prompt = torch.randint(0, spec.vocab_size, (50,))
+    runner.prefill(runner.new_sequence(64), prompt, whole_prompt=True)
+    a, b = runner.stages
+    assert runner.last_help == [runner.helper_experts(a, b, 0.4), runner.helper_experts(b, a, 0.4)]
+    assert min(runner.last_help) > 0
+    runner.policy = HelpPolicy(enabled=False)
+    runner.prefill(runner.new_sequence(64), prompt, whole_prompt=True)
+    assert runner.last_help == [0, 0]
+
+
+def test_bench_bound_of_a_one_chunk_prompt_follows_the_help(tiny, monkeypatch):
+    """bench's one-chunk bound on a split: the stages' streamed bytes one after the other; helped
+    on one device, the hand-over's bytes cross the same link on top."""
+    from strata_mgpu.split import rate_model
+    from strata_mgpu.tools.bench import split_one_chunk_bound
+
+    f, spec = tiny
+    monkeypatch.setattr(rate_model, "link_rate", lambda ctx: 50e9)  # CPU stages have no link to probe
+    runner = build_split(f, spec, [CPU, CPU], "auto", help_policy=HelpPolicy(fixed_share=0.4))
+    runner.policy = HelpPolicy(enabled=False)
+    n = 50
+    prompt = torch.randint(0, spec.vocab_size, (n,))
+    runner.prefill(runner.new_sequence(64), prompt, whole_prompt=True)
+    off = split_one_chunk_bound(runner, n)
+    assert off == pytest.approx(sum(s.model.experts.pass_bytes() for s in runner.stages) / 50e9)
+    runner.policy = HelpPolicy(fixed_share=0.4)
+    runner.prefill(runner.new_sequence(64), prompt, whole_prompt=True)
+    assert min(runner.last_help) > 0
+    handover = sum(len(s.layers) * n * (2 * spec.hidden * 4 + spec.n_experts_used * 12) for s in runner.stages)
+    assert split_one_chunk_bound(runner, n) == pytest.approx(off + handover / 50e9)  # fp32 rows each way
+
+
 def test_helper_engages_only_for_one_chunk_prompts(tiny):
     f, spec = tiny
     tok = tokenizer_from_gguf(f)

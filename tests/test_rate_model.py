@@ -19,6 +19,7 @@ from strata_mgpu.split.rate_model import (
     link_bounds,
     link_rate,
     measure_link_rate,
+    one_chunk_link_bound,
     stage_seconds,
 )
 from strata_mgpu.stage.device import DeviceContext
@@ -105,6 +106,32 @@ def test_link_bounds():
     assert off8 == off and helped < helped8 < off  # the hand-over's bytes load both links
     for tokens, row in H200_SECONDS.items():  # bounds are bounds
         assert sum(link_bounds(x, tokens)[1] for x in H200_LOADS) < min(row)
+
+
+def test_one_chunk_link_bound():
+    """The stages one after the other: their bytes over their links less what a later stage's
+    rings took in early; helped across cards, each stage's larger link load; on one card both
+    loads over the one link."""
+    a, b = H200_LOADS
+    each = [24 * 391.6e6 / 55.4e9, 24 * 391.6e6 / 55.3e9]
+    assert one_chunk_link_bound([(a, 0.0, True, 0), (b, 0.0, True, 0)], 8192) == pytest.approx(sum(each))
+    ring = 2 * 391.6e6  # two layers' slots
+    early = one_chunk_link_bound([(a, 0.0, True, 0), (b, 0.0, True, ring)], 8192)
+    assert early == pytest.approx(sum(each) - ring / 55.3e9)
+    half = one_chunk_link_bound([(a, 0.5, True, 0), (b, 0.5, True, 0)], 0)
+    assert half == pytest.approx(sum(each) / 2, rel=1e-3)
+    assert one_chunk_link_bound([(a, 0.5, True, 0), (b, 0.5, True, ring)], 0) == pytest.approx(
+        (0.5 * 24 * 391.6e6 + 0.5 * 24 * 391.6e6 - ring) / 55.3e9)  # the later stage's sides both fill early
+    at_8k = one_chunk_link_bound([(a, 0.5, True, 0), (b, 0.5, True, 0)], 8192)
+    assert half < at_8k < sum(each)  # the hand-over's bytes, read in and back, cost link time
+    busy_side = 24 * (0.5 * 391.6e6 + 8192 * a.back_bytes) / a.link_busy
+    helper_side = 24 * (0.5 * 391.6e6 + 8192 * a.to_helper_bytes) / a.link_helper
+    assert one_chunk_link_bound([(a, 0.5, True, 0)], 8192) == pytest.approx(max(busy_side, helper_side))
+    one_card = one_chunk_link_bound([(a, 0.5, False, 0)], 8192)  # the helper's bytes take the same link
+    assert one_card == pytest.approx(24 * (391.6e6 + 8192 * (a.back_bytes + a.to_helper_bytes)) / a.link_busy)
+    for tokens, row in H200_SECONDS.items():  # bounds are bounds, at every measured share
+        for share, seconds in zip(SHARES, row, strict=True):
+            assert one_chunk_link_bound([(a, share, True, 0), (b, share, True, ring)], tokens) < seconds
 
 
 def test_observe_converges_on_each_term():

@@ -101,6 +101,8 @@ class SplitRunner:
         self.on_stage: Callable[[int, str], None] | None = None  # timing hook: (stage, 'start'|'end')
         self.helpers: list[PeerPrefill] = []
         self.policy = HelpPolicy(enabled=False)
+        # the last whole prompt: per busy stage, how many of a layer's streamed experts its helper took
+        self.last_help: list[int] = []
         self._clock = PromptClock(stages[-1].ctx)  # times one-chunk prompts for the policy's rates
         self.kv_token_budget = min(s.kv_token_budget for s in stages)  # every stage holds every sequence's KV
         threaded = env.stage_threads() and all(s.ctx.is_cuda for s in stages)  # CPU work runs as it is queued
@@ -180,11 +182,12 @@ class SplitRunner:
                 return None
             return self._result(kv.take_pending())[0]
         self.workers.idle()  # the helper works on both stages from this thread: nothing else may be queued
+        self.last_help = [0] * len(self.stages)
         for k, (busy, helper) in enumerate(zip(self.stages, self.helpers, strict=False)):
             idle = self.stages[(k + 1) % len(self.stages)]
             share = self.policy.share(n, across_cards=idle.ctx.device != busy.ctx.device,
                                       load=stage_load(busy, idle))
-            n_help = self.helper_experts(busy, idle, share)
+            n_help = self.last_help[k] = self.helper_experts(busy, idle, share)
             if n_help > 0:
                 helper.bind_stage_helper(idle.lend(), busy.arena, n_help)
         try:

@@ -2,8 +2,10 @@
 
 Measures pinned host-to-device bandwidth first (the bound's denominator), then for each prompt
 length: prefill tok/s, achieved expert GB/s (every non-resident expert byte crosses a link once
-per chunk), and the bound: the larger of the link bound (streamed bytes / measured bandwidth)
-and the compute of the same passes timed without their uploads; the all-streamed link bound too,
+per chunk), and the bound: the larger of the link bound (streamed bytes / measured bandwidth:
+the busiest link's where chunks pipeline across stages; for a one-chunk prompt on a split, the
+stages one after the other, each with the share its helper took: `split_one_chunk_bound`) and
+the compute of the same passes timed without their uploads; the all-streamed link bound too,
 so figures from before residency compare. Then decode tok/s, and with `decode_batches` the same
 at each batch size B: B sequences decoded together, aggregate and per-sequence tok/s.
 Prompts longer than the chunk size run chunk by chunk, as the engine runs them; with several
@@ -34,7 +36,8 @@ class PrefillResult:
     tok_per_s: float
     expert_gb_per_s: float  # expert bytes that crossed the links per second
     streamed_bytes: int  # expert bytes the prompt streamed (non-resident experts, every chunk)
-    link_bound_s: float | None  # chunks x the busiest link's streamed bytes / measured bandwidth
+    link_bound_s: float | None  # chunks x the busiest link's streamed bytes / measured bandwidth; one chunk on
+    # a split: the stages one after the other, each helped or not (`split_one_chunk_bound`)
     compute_s: float | None  # the same passes timed without their uploads (median)
     bound_s: float | None  # the larger of the two: what the prompt cannot beat
     ratio_to_bound: float | None  # bound_s / seconds: 1.0 is as fast as the bound allows
@@ -276,6 +279,29 @@ def time_decode_batch(runner, batch: int, n_steps: int, warmup: int = 2, chunk: 
     return batch * n_steps / seconds, n_steps / seconds
 
 
+def split_one_chunk_bound(runner, tokens: int) -> float | None:
+    """The link bound of the split's last one-chunk prompt of `tokens` (`rate_model.one_chunk_link_bound`),
+    with the share each busy stage's helper took then (`SplitRunner.last_help`); None where a
+    stage's link was never probed."""
+    from strata_mgpu.split.rate_model import one_chunk_link_bound, stage_load
+
+    stages: list[Stage] = runner.stages
+    parts = []
+    for k, busy in enumerate(stages):
+        idle = stages[(k + 1) % len(stages)]
+        load = stage_load(busy, idle)
+        if load.link_busy is None or load.link_helper is None:
+            return None
+        streamed = busy.model.experts.streamed_per_layer()
+        helped = runner.last_help[k] if k < len(runner.last_help) else 0
+        ring = busy.model.experts.ring
+        # a later stage on a card of its own fills its ring while the earlier ones run
+        early = k > 0 and all(s.ctx.device != busy.ctx.device for s in stages[:k])
+        preload = ring.slot_bytes * len(ring.slots) if early and ring is not None else 0
+        parts.append((load, helped / streamed if streamed else 0.0, idle.ctx.device != busy.ctx.device, preload))
+    return one_chunk_link_bound(parts, tokens)
+
+
 def run_bench(runner, model_name: str, prompt_tokens: list[int], decode_tokens: int, runs: int, chunk: int,
               on_step: Callable[[str], None] = lambda s: None, decode_batches: list[int] | None = None,
               decode_context: int = 64) -> BenchResult:
@@ -300,7 +326,9 @@ def run_bench(runner, model_name: str, prompt_tokens: list[int], decode_tokens: 
         times = time_prefill(runner, n, runs, chunk)
         med = statistics.median(times)
         passes = -(-n // chunk)  # every chunk streams every non-resident expert once
-        link = passes * max(per_link.values()) / (bw * 1e9) if bw else None
+        link = passes * max(per_link.values()) / (bw * 1e9) if bw else None  # chunks pipeline: the busiest link
+        if bw and passes == 1 and len(stages) > 1:  # one chunk: the stages one after the other, helped or not
+            link = split_one_chunk_bound(runner, n)
         compute = statistics.median(time_compute(runner, n, runs, chunk))
         bound = max(link, compute) if link is not None and compute is not None else None
         results.append(PrefillResult(
