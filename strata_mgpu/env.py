@@ -103,7 +103,7 @@ def help_halves() -> int:
     """Tokens from which a helped prompt runs in two halves (0: never, the default: on two H200s halves
     beat all rows at once only at 6-8K and share 0.45, by 7%, and lost up to 24% at 1-4K)."""
     raw = (HELP_HALVES.raw() or HELP_HALVES.default).strip()
-    if not raw.isdigit():
+    if not raw.isdecimal() or not raw.isascii():
         raise EnvError(f"{HELP_HALVES.name}={raw!r}: expected a whole number of tokens (0: never)")
     return int(raw)
 
@@ -138,6 +138,6 @@ def default_allocator_config() -> None:
 
 def decode_graph_batch() -> int:
     raw = (DECODE_GRAPH_BATCH.raw() or DECODE_GRAPH_BATCH.default).strip()
-    if not raw.isdigit() or not 1 <= int(raw) <= 64:
+    if not (raw.isdecimal() and raw.isascii()) or not 1 <= int(raw) <= 64:
         raise EnvError(f"{DECODE_GRAPH_BATCH.name}={raw!r}: expected a whole number from 1 to 64")
     return int(raw)

@@ -23,6 +23,8 @@ def test_stage_threads_values(set_env, raw, want):
     ("STRATA_DECODE_GRAPH_BATCH", env.decode_graph_batch, "8.5", "from 1 to 64"),
     ("STRATA_HELP_HALVES", env.help_halves, "4k", "whole number of tokens"),
     ("STRATA_HELP_HALVES", env.help_halves, "-1", "whole number of tokens"),
+    ("STRATA_HELP_HALVES", env.help_halves, "\u00b2", "whole number of tokens"),  # a digit to isdigit, not to int
+    ("STRATA_DECODE_GRAPH_BATCH", env.decode_graph_batch, "\u00b2", "from 1 to 64"),
 ])
 def test_bad_values_are_one_line_errors(monkeypatch, name, fn, raw, message):
     monkeypatch.setenv(name, raw)

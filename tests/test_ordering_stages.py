@@ -111,12 +111,14 @@ def helped_prefill(tiny, layer_split: str = "auto", prompts: int = 1) -> None:
 
 
 def helped_prefill_in_halves(tiny) -> None:
-    """A helped prompt in two halves of rows."""
+    """A helped prompt in two halves of rows (checked: two hand-overs a layer)."""
     f, spec = tiny
     runner = build_split(f, spec, [WHOLE_PROMPT] * 2, "auto", help_policy=HelpPolicy(fixed_share=0.4))
     for helper in runner.helpers:
         helper.halves_from = 1
+    firsts = helper_tests.count_hand_overs(runner)
     runner.prefill(runner.new_sequence(256), torch.randint(0, spec.vocab_size, (100,)), whole_prompt=True)
+    assert firsts == [True, False] * spec.n_layers
 
 
 # (the wait's event, the run that needs it, what the twin must say)
@@ -161,7 +163,7 @@ def test_each_needed_wait_dropped_is_caught(monkeypatch, tiny, event_name, run, 
 
 
 def test_helper_input_read_waits_are_implied_today(monkeypatch, tiny):
-    """The busy stage collects layer i's sums before it sends layer i + 2's inputs, and the helper
+    """(All rows at once.) The busy stage collects layer i's sums before it sends layer i + 2's inputs, and the helper
     reads those inputs before sending the sums: the helper's exchanges are ordered without their
     'read' waits (kept, so that a change of that flow stays safe). Dropped, nothing races."""
     dropped = drop_waits(monkeypatch, "cpu1 helper input from cpu0 buffer 0 read")

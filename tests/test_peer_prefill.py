@@ -101,6 +101,64 @@ def test_helped_equals_unhelped_and_repeats(tiny, n_stages, share, halves):
     assert firsts == per_layer * (2 * spec.n_layers)
 
 
+@pytest.mark.parametrize("n, prefix", [(5, 0), (101, 0), (151, 37), (9, 37)])
+def test_halves_of_odd_lengths_and_after_a_prefix(tiny, n, prefix):
+    """Two halves of unequal length, and a prompt that continues a cached prefix: helped in halves
+    equals help-off (fp32, the two partial sums apart), and the caches hold the same keys."""
+    f, spec = tiny
+    runner = build_split(f, spec, [CPU, CPU], "auto", help_policy=HelpPolicy(fixed_share=0.4))
+    for helper in runner.helpers:
+        helper.halves_from = 1
+    firsts = count_hand_overs(runner)
+    g = torch.Generator().manual_seed(n + prefix)
+    head, prompt = (torch.randint(0, spec.vocab_size, (k,), generator=g) for k in (prefix, n))
+    outs, caches = [], []
+    for policy in (HelpPolicy(enabled=False), HelpPolicy(fixed_share=0.4)):
+        kv = runner.new_sequence(256)
+        if prefix:
+            runner.policy = HelpPolicy(enabled=False)
+            runner.prefill(kv, head, whole_prompt=True)
+        runner.policy = policy
+        firsts.clear()
+        outs.append(runner.prefill(kv, prompt, whole_prompt=True))
+        caches.append(kv)
+    assert firsts == [True, False] * spec.n_layers  # the helped one, in halves
+    off, on = outs
+    assert float((on - off).abs().max() / off.abs().max()) <= 1e-5
+    for a, b in zip(caches[0].parts, caches[1].parts, strict=True):
+        assert a.length == b.length == prefix + n
+        assert torch.allclose(a.k[:, :a.length], b.k[:, :b.length], rtol=1e-4, atol=1e-4)
+
+
+def test_a_failed_pass_in_halves_leaves_nothing_behind(tiny):
+    """A pass that fails in a layer's second half, with hand-overs of earlier halves still to be
+    collected: the next helped prompt equals help-off, and no hand-over is left pending."""
+    f, spec = tiny
+    runner = build_split(f, spec, [CPU, CPU], "auto", help_policy=HelpPolicy(fixed_share=0.4))
+    for helper in runner.helpers:
+        helper.halves_from = 1
+    prompt = torch.randint(0, spec.vocab_size, (60,), generator=torch.Generator().manual_seed(3))
+    runner.policy = HelpPolicy(enabled=False)
+    off = runner.prefill(runner.new_sequence(128), prompt, whole_prompt=True)
+    experts = runner.stages[0].model.experts
+    start, calls = experts.start, []
+
+    def failing(i, h, weights, picks, first):
+        calls.append(i)
+        if len(calls) == 4:  # layer 1's second half: layer 1's first half not collected yet
+            raise RuntimeError("injected")
+        return start(i, h, weights, picks, first)
+
+    experts.start = failing
+    runner.policy = HelpPolicy(fixed_share=0.4)
+    with pytest.raises(RuntimeError, match="injected"):
+        runner.prefill(runner.new_sequence(128), prompt, whole_prompt=True)
+    del experts.start
+    on = runner.prefill(runner.new_sequence(128), prompt, whole_prompt=True)
+    assert float((on - off).abs().max() / off.abs().max()) <= 1e-5
+    assert not any(h.to_helper._pending or h.from_helper._pending for h in runner.helpers)
+
+
 def test_halves_only_from_their_length(tiny):
     """A helped prompt shorter than `halves_from` hands each layer over once; one as long, twice."""
     f, spec = tiny

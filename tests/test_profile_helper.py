@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from strata_mgpu.tools.profile_helper import describe, describe_host, host_use, stream_use
+from strata_mgpu.tools.profile_helper import can_wait, describe, describe_host, host_use, stream_use
 
 
 def kernel(name: str, ts: float, dur: float, device: int = 0, stream: int = 7, cat: str = "kernel", **args) -> dict:
@@ -62,3 +62,10 @@ def test_host_calls_and_when_the_host_ran_out_of_work():
     assert "last CUDA call at 0.3 ms" in first and "finished at 0.8 ms" in first
     assert second == "  host calls that can wait for the device: cudaDeviceSynchronize 1 x 0.4 ms, cudaFree 1 x 0.3 ms"
     assert describe_host(host_use({"traceEvents": []}))[1].endswith("none")
+
+
+@pytest.mark.parametrize("name, waits", [("cudaDeviceSynchronize", True), ("cudaFree", True), ("cuMemUnmap", True),
+                                         ("cudaMemcpy", True), ("cudaMemcpyAsync", False), ("cudaEventQuery", False),
+                                         ("cudaStreamWaitEvent", False), ("cudaLaunchKernel", False)])
+def test_which_calls_can_wait_for_the_device(name, waits):
+    assert can_wait(name) is waits

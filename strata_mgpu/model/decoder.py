@@ -321,7 +321,9 @@ class Decoder:
         would). Each half's routed experts start (`experts.start`: handed to the helper, this
         stage's part computed) and finish (the helper's sums added) at the next layer, so between
         a half's hand-over and its sums the stream has the other half's attention and expert rows
-        to run. The same ops as the whole-rows loop, on half the rows at a time."""
+        to run. The whole-rows loop's ops on half the rows at a time, but for attention: a half
+        after keys of its own sequence (the second, or both after a cached prefix) takes `_sdpa`'s
+        path for a chunk after a prefix (its KV heads repeated, a lower-right causal bias)."""
         s = self.spec
         cut = x.shape[0] // 2
         halves = (slice(0, cut), slice(cut, x.shape[0]))

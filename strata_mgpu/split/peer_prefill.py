@@ -7,7 +7,7 @@ buffers (`Stage.lend()`: B's expert ring and expert workspace), and its temporar
 B's allocator under B's budget.
 
 Per layer of A (shape legend: T tokens, A picks per token, D hidden, E experts, n = helper's):
-1. A publishes the MoE input h [T, D] and the routing (experts, weights [T, A]) through mapped
+1. A hands over the MoE input h [T, D] and the routing (experts, weights [T, A]) through mapped
    host memory (`Exchange`, copy_f32_wide); from them B builds its own row table and group
    bounds (the rows routed to its experts, sorted first) without a round trip.
 2. B streams its n experts of the layer (the last n of those A would stream: resident experts
@@ -24,7 +24,7 @@ both sides load a layer's experts once and compute each half's rows on their own
 half 2's attention and own rows between handing half 1 over and adding its sums, so the helper's
 round trip for one half (h out, its rows, the sums back) runs while A works on the other half
 instead of A waiting for it at every layer. Off by default: on two H200s the helped layer is
-bound by the host's launches, which halves double (docs/MULTI_GPU.md).
+bound by the host's launches, which halves raise by ~1.7x (docs/MULTI_GPU.md).
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """Which experts of a layer a device computes in one prompt pass, where each is read, and the
-functions that compute them: the busy stage's part and its helper's part alike (`compute_part`:
-`load_part`, the experts into the workspace, then `part_rows`, the rows routed to them).
+functions that compute them, the busy stage's part and its helper's part alike: `load_part`, the
+experts into the workspace, then `part_rows`, the rows routed to them (`compute_part`: both; a
+pass in two halves of rows loads once and calls `part_rows` for each half).
 
 Shape legend: T = token rows, D = hidden, E = experts, A = picks per token, M = T * A routed
 rows, n = experts in the part, F = expert width.

@@ -94,7 +94,15 @@ def stream_use(trace: dict) -> list[StreamUse]:
 
 # CUDA API calls that can hold the host until the device has caught up
 WAITING_CALLS = ("Synchronize", "Free", "Malloc", "MemMap", "MemUnmap", "MemCreate", "MemRelease", "MemSetAccess",
-                 "MemAddressFree", "Query")
+                 "MemAddressFree")
+# copies and sets that return only when done (their Async forms do not, to pinned memory)
+BLOCKING_COPIES = ("cudaMemcpy", "cudaMemcpy2D", "cudaMemset", "cuMemcpy", "cuMemcpyHtoD_v2", "cuMemcpyDtoH_v2",
+                   "cuMemcpyDtoD_v2", "cuMemsetD8_v2", "cuMemsetD32_v2")
+
+
+def can_wait(name: str) -> bool:
+    """Can this CUDA API call hold the host until the device has caught up?"""
+    return name in BLOCKING_COPIES or any(w in name for w in WAITING_CALLS)
 
 
 @dataclass
@@ -107,7 +115,7 @@ class HostUse:
 
     @property
     def waiting(self) -> dict[str, tuple[int, float]]:
-        return {k: v for k, v in self.calls.items() if any(w in k for w in WAITING_CALLS)}
+        return {k: v for k, v in self.calls.items() if can_wait(k)}
 
 
 def host_use(trace: dict) -> HostUse:
@@ -122,7 +130,7 @@ def host_use(trace: dict) -> HostUse:
         elif ev.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"):
             gpu_end.append((start, start + dur))
     origin = min([a for a, _, _ in api] + [a for a, _ in gpu_end], default=0.0)
-    queued = [b for _, b, name in api if not any(w in name for w in WAITING_CALLS)]  # a final sync is no work
+    queued = [b for _, b, name in api if not can_wait(name)]  # a final sync is no work
     calls: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
     for a, b, name in api:
         calls[name][0] += 1
@@ -214,11 +222,13 @@ def main() -> None:
         raise SystemExit("the helper needs two or more stages (--devices 0,1 or 0,0)")
     stages = runner.stages
     prompt = torch.randint(0, spec.vocab_size, (args.tokens,), generator=torch.Generator().manual_seed(0))
-    trace_dir = args.trace_dir or Path(tempfile.mkdtemp(prefix="strata-helper-"))
-    trace_dir.mkdir(parents=True, exist_ok=True)
+    trace_dir = None
+    if not args.host:
+        trace_dir = args.trace_dir or Path(tempfile.mkdtemp(prefix="strata-helper-"))
+        trace_dir.mkdir(parents=True, exist_ok=True)
     halves_values = [None] if args.halves is None else [int(x) for x in args.halves.split(",")]
     for share in (float(s) for s in args.shares.split(",")):
-        for halves in halves_values:
+        for halves in halves_values if share > 0 else [None]:  # help off has no halves
             if halves is not None:
                 for helper in runner.helpers:
                     helper.halves_from = halves
@@ -236,7 +246,7 @@ def main() -> None:
                 runner.prefill(kv, prompt, whole_prompt=True)
                 sync_stages(stages)
                 seconds = time.perf_counter() - t0
-            path = trace_dir / f"helper_share_{share:g}_halves_{halves}.json"
+            path = trace_dir / (f"helper_share_{share:g}" + ("" if halves is None else f"_halves_{halves}") + ".json")
             prof.export_chrome_trace(str(path))
             trace = json.loads(path.read_text())
             print(f"{label}: {args.tokens:,} tokens in {1e3 * seconds:.1f} ms "
