@@ -22,6 +22,9 @@ from tests.test_q8_dot import quantize_words
 pytestmark = pytest.mark.gpu
 CUDA = torch.device("cuda", 0)
 BF16_TOL = 2e-2  # max|diff| / max|ref| for bf16 compute against the fp32 reference
+# the same for decode steps, whose gathered experts run the integer kernels (8-bit activations): on
+# the H200, `scripts/bf16_err_probe.py` (12 prompts x 4 steps, small preset) max 0.0214, prompts 0.0146
+BF16_Q8_TOL = 3e-2
 
 
 def second_gpu() -> torch.device:
@@ -270,11 +273,11 @@ def test_stage_bf16_matches_reference_on_shared_routing(model):
     b = stage.model.logits(stage.model.forward(prompt.to(CUDA), [_seg(kv_s, n)]))
     a = ref.model.logits(ref.model.forward(prompt, [_seg(kv_r, n)]))
     assert rel_err(b.cpu(), a) <= BF16_TOL
-    for _ in range(4):  # decode: experts gathered from VRAM slots and the mapped arena
+    for _ in range(4):  # decode: experts gathered from VRAM slots and the mapped arena (integer kernels)
         token = torch.tensor([int(a[-1].argmax())])
         b = stage.decode([kv_s], token)
         a = ref.decode([kv_r], token)
-        assert rel_err(b.cpu(), a) <= BF16_TOL
+        assert rel_err(b.cpu(), a) <= BF16_Q8_TOL
 
 
 def test_short_prompts_gather_where_every_expert_is_resident(model):
