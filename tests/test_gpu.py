@@ -268,7 +268,8 @@ def test_stage_bf16_matches_reference_on_shared_routing(model):
     # a prompt of whole layers (bf16 GEMMs): a shorter one gathers through the integer kernels,
     # whose 8-bit activations add their own rounding (held to their twin in test_gpu_quant)
     n = stage.model.experts.gather_picks // spec.n_experts_used + 8
-    prompt = torch.randint(0, spec.vocab_size, (n,))
+    # one of the prompts scripts/bf16_err_probe.py measured (the tolerances are set from them)
+    prompt = torch.randint(0, spec.vocab_size, (n,), generator=torch.Generator().manual_seed(0))
     kv_r, kv_s = ref.new_sequence(n + 44), stage.new_sequence(n + 44)
     b = stage.model.logits(stage.model.forward(prompt.to(CUDA), [_seg(kv_s, n)]))
     a = ref.model.logits(ref.model.forward(prompt, [_seg(kv_r, n)]))

@@ -208,6 +208,53 @@ def test_bench_bound_of_a_one_chunk_prompt_follows_the_help(tiny, monkeypatch):
     assert split_one_chunk_bound(runner, n) == pytest.approx(off + handover / 50e9)  # fp32 rows each way
 
 
+def test_a_prompt_that_gathers_has_no_help(tiny):
+    """Where a stage keeps some experts resident, a prompt of fewer picks than experts gathers them
+    and streams nothing: no helper is bound and `last_help` says 0."""
+    f, spec = tiny
+    opts = StageOptions(device=torch.device("cpu"), chunk_size=256, resident_experts=2)
+    runner = build_split(f, spec, [opts, opts], "auto", help_policy=HelpPolicy(fixed_share=0.4))
+    moved = sum(h.to_helper.bytes_moved for h in runner.helpers)
+    runner.prefill(runner.new_sequence(16), torch.randint(0, spec.vocab_size, (1,)), whole_prompt=True)
+    assert runner.last_help == [0, 0] and sum(h.to_helper.bytes_moved for h in runner.helpers) == moved
+    runner.prefill(runner.new_sequence(64), torch.randint(0, spec.vocab_size, (40,)), whole_prompt=True)
+    assert min(runner.last_help) > 0  # one that streams is helped
+
+
+def test_bench_compute_passes_teach_the_policy_nothing(tiny, monkeypatch):
+    """bench times passes with their uploads skipped; the auto share must not learn from them."""
+    from strata_mgpu.tools.bench import time_compute, time_prefill
+
+    f, spec = tiny
+    runner = build_split(f, spec, [CPU, CPU], "auto", help_policy=HelpPolicy())
+    seen = []
+    monkeypatch.setattr(HelpPolicy, "observe", lambda self, tokens, share, secs: seen.append(tokens))
+    time_compute(runner, 50, 3, 256)
+    runner.prefill(runner.new_sequence(64), torch.randint(0, spec.vocab_size, (50,)), whole_prompt=True)
+    assert seen == [] and runner.observing
+    time_prefill(runner, 50, 3, 256)  # timed prompts do teach it, each read at the next call
+    assert seen == [50, 50]
+
+
+def test_early_ring_bytes():
+    """A ring fills early only where an earlier stage runs on another card."""
+    from types import SimpleNamespace
+
+    from strata_mgpu.tools.bench import _early_ring_bytes
+
+    def stage(card: int, ring_bytes: int | None = 100):
+        ring = SimpleNamespace(nbytes=ring_bytes) if ring_bytes is not None else None
+        experts = SimpleNamespace(ring=ring)
+        return SimpleNamespace(ctx=SimpleNamespace(device=card), model=SimpleNamespace(experts=experts))
+
+    a, b, c = stage(0), stage(1), stage(0)
+    assert _early_ring_bytes(a, []) == 0  # the first stage
+    assert _early_ring_bytes(b, [a]) == 100
+    assert _early_ring_bytes(c, [a]) == 0  # an earlier stage streams over its card's link
+    assert _early_ring_bytes(c, [a, b]) == 100  # while b runs on the other card
+    assert _early_ring_bytes(stage(1, None), [a]) == 0  # no ring (nothing streams)
+
+
 def test_helper_engages_only_for_one_chunk_prompts(tiny):
     f, spec = tiny
     tok = tokenizer_from_gguf(f)

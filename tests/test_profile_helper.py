@@ -66,6 +66,8 @@ def test_host_calls_and_when_the_host_ran_out_of_work():
 
 @pytest.mark.parametrize("name, waits", [("cudaDeviceSynchronize", True), ("cudaFree", True), ("cuMemUnmap", True),
                                          ("cudaMemcpy", True), ("cudaMemcpyAsync", False), ("cudaEventQuery", False),
-                                         ("cudaStreamWaitEvent", False), ("cudaLaunchKernel", False)])
+                                         ("cudaStreamWaitEvent", False), ("cudaLaunchKernel", False),
+                                         ("cudaFreeAsync", False), ("cudaMallocAsync", False),
+                                         ("cudaMemcpyPeer", True), ("cudaMemcpyPeerAsync", False)])
 def test_which_calls_can_wait_for_the_device(name, waits):
     assert can_wait(name) is waits

@@ -114,24 +114,27 @@ def test_one_chunk_link_bound():
     loads over the one link."""
     a, b = H200_LOADS
     each = [24 * 391.6e6 / 55.4e9, 24 * 391.6e6 / 55.3e9]
-    assert one_chunk_link_bound([(a, 0.0, True, 0), (b, 0.0, True, 0)], 8192) == pytest.approx(sum(each))
+    assert one_chunk_link_bound([(a, 0.0, True, 0, 0), (b, 0.0, True, 0, 0)], 8192) == pytest.approx(sum(each))
     ring = 2 * 391.6e6  # two layers' slots
-    early = one_chunk_link_bound([(a, 0.0, True, 0), (b, 0.0, True, ring)], 8192)
+    early = one_chunk_link_bound([(a, 0.0, True, 0, 0), (b, 0.0, True, ring, 0)], 8192)
     assert early == pytest.approx(sum(each) - ring / 55.3e9)
-    half = one_chunk_link_bound([(a, 0.5, True, 0), (b, 0.5, True, 0)], 0)
+    half = one_chunk_link_bound([(a, 0.5, True, 0, 0), (b, 0.5, True, 0, 0)], 0)
     assert half == pytest.approx(sum(each) / 2, rel=1e-3)
-    assert one_chunk_link_bound([(a, 0.5, True, 0), (b, 0.5, True, ring)], 0) == pytest.approx(
-        (0.5 * 24 * 391.6e6 + 0.5 * 24 * 391.6e6 - ring) / 55.3e9)  # the later stage's sides both fill early
-    at_8k = one_chunk_link_bound([(a, 0.5, True, 0), (b, 0.5, True, 0)], 8192)
+    # each side less its own ring's early bytes: the later stage's helper side binds here
+    side = 0.5 * 24 * 391.6e6
+    assert one_chunk_link_bound([(a, 0.5, True, 0, 0), (b, 0.5, True, ring, ring / 2)], 0) == pytest.approx(
+        side / 55.3e9 + max((side - ring) / 55.3e9, (side - ring / 2) / 55.4e9))
+    at_8k = one_chunk_link_bound([(a, 0.5, True, 0, 0), (b, 0.5, True, 0, 0)], 8192)
     assert half < at_8k < sum(each)  # the hand-over's bytes, read in and back, cost link time
     busy_side = 24 * (0.5 * 391.6e6 + 8192 * a.back_bytes) / a.link_busy
     helper_side = 24 * (0.5 * 391.6e6 + 8192 * a.to_helper_bytes) / a.link_helper
-    assert one_chunk_link_bound([(a, 0.5, True, 0)], 8192) == pytest.approx(max(busy_side, helper_side))
-    one_card = one_chunk_link_bound([(a, 0.5, False, 0)], 8192)  # the helper's bytes take the same link
+    assert one_chunk_link_bound([(a, 0.5, True, 0, 0)], 8192) == pytest.approx(max(busy_side, helper_side))
+    one_card = one_chunk_link_bound([(a, 0.5, False, 0, 0)], 8192)  # the helper's bytes take the same link
     assert one_card == pytest.approx(24 * (391.6e6 + 8192 * (a.back_bytes + a.to_helper_bytes)) / a.link_busy)
+    assert one_chunk_link_bound([(a, 0.0, True, 1e12, 0)], 8192) == 0  # a ring larger than the stage's bytes
     for tokens, row in H200_SECONDS.items():  # bounds are bounds, at every measured share
         for share, seconds in zip(SHARES, row, strict=True):
-            assert one_chunk_link_bound([(a, share, True, 0), (b, share, True, ring)], tokens) < seconds
+            assert one_chunk_link_bound([(a, share, True, 0, 0), (b, share, True, ring, 0)], tokens) < seconds
 
 
 def test_observe_converges_on_each_term():

@@ -145,25 +145,27 @@ def link_bounds(load: StageLoad, tokens: int) -> tuple[float, float]:
     return off, min(off, helped)
 
 
-def one_chunk_link_bound(stages: list[tuple[StageLoad, float, bool, float]], tokens: int) -> float:
+def one_chunk_link_bound(stages: list[tuple[StageLoad, float, bool, float, float]], tokens: int) -> float:
     """Lower bound (s) of a one-chunk prompt on a split from its links alone, every byte at the
     link's DMA rate: the stages run one after the other, so it is the sum over the busy stages,
     each given as (its load, the fraction f of its streamed bytes its helper took, whether the
-    helper's card is another, the bytes a ring may take in before the stage's turn: a later
-    stage's uploads are queued with the prompt, so its ring, and the ring lent to its helper,
-    may fill while an earlier stage on another card runs). Unhelped (f = 0), its streamed bytes
-    over its link; helped, the larger of its link's load ((1 - f) of its bytes and the helper's
-    sums read back) and the helper's (f of them and h and the routing read in), or their sum
-    where the two share one card; each side less what its ring may hold early."""
+    helper's card is another, and the bytes its own ring and the ring its helper computes in may
+    take in before its turn: a later stage's uploads are queued with the prompt, so a ring on a
+    card an earlier stage does not stream over may fill meanwhile; the caller says how much, and
+    more only loosens the bound). Unhelped (f = 0), its streamed bytes over its link; helped, the
+    larger of its link's load ((1 - f) of its bytes and the helper's sums read back) and the
+    helper's (f of them and h and the routing read in), or their sum where the two share one card;
+    each side less what its ring may hold early."""
     total = 0.0
-    for load, f, across, preload in stages:
+    for load, f, across, early_busy, early_helper in stages:
         assert load.link_busy is not None and load.link_helper is not None
         streamed = load.layers * load.streamed_bytes
+        busy = max(0.0, (1 - f) * streamed - early_busy)
         if f <= 0:
-            total += max(0.0, streamed - preload) / load.link_busy
+            total += busy / load.link_busy
             continue
-        busy = max(0.0, (1 - f) * streamed - preload) + load.layers * tokens * load.back_bytes
-        helper = max(0.0, f * streamed - preload) + load.layers * tokens * load.to_helper_bytes
+        busy += load.layers * tokens * load.back_bytes
+        helper = max(0.0, f * streamed - early_helper) + load.layers * tokens * load.to_helper_bytes
         total += max(busy / load.link_busy, helper / load.link_helper) if across else (busy + helper) / load.link_busy
     return total
 

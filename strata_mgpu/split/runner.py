@@ -103,6 +103,8 @@ class SplitRunner:
         self.policy = HelpPolicy(enabled=False)
         # the last whole prompt: per busy stage, how many of a layer's streamed experts its helper took
         self.last_help: list[int] = []
+        # time whole prompts for the policy's rates (`bench` turns it off for passes that skip their uploads)
+        self.observing = True
         self._clock = PromptClock(stages[-1].ctx)  # times one-chunk prompts for the policy's rates
         self.kv_token_budget = min(s.kv_token_budget for s in stages)  # every stage holds every sequence's KV
         threaded = env.stage_threads() and all(s.ctx.is_cuda for s in stages)  # CPU work runs as it is queued
@@ -187,13 +189,16 @@ class SplitRunner:
             idle = self.stages[(k + 1) % len(self.stages)]
             share = self.policy.share(n, across_cards=idle.ctx.device != busy.ctx.device,
                                       load=stage_load(busy, idle))
-            n_help = self.last_help[k] = self.helper_experts(busy, idle, share)
+            streams = busy.model.experts.should_stream(n)  # a prompt that gathers its experts streams none
+            n_help = self.last_help[k] = self.helper_experts(busy, idle, share) if streams else 0
             if n_help > 0:
                 helper.bind_stage_helper(idle.lend(), busy.arena, n_help)
         try:
-            self._clock.start(n)
+            if self.observing:
+                self._clock.start(n)
             logits = self._result(self._submit(tokens, rows, inline=True))[0]
-            self._clock.stop()
+            if self.observing:
+                self._clock.stop()
             return logits
         finally:
             for helper in self.helpers:

@@ -1,6 +1,7 @@
 """`strata bench`: prefill and decode speed against the link bound, in one run.
 
-Measures pinned host-to-device bandwidth first (the bound's denominator), then for each prompt
+Measures pinned host-to-device bandwidth first (the bound's denominator; a one-chunk prompt on a
+split takes each stage's probed link rate instead, `rate_model.stage_load`), then for each prompt
 length: prefill tok/s, achieved expert GB/s (every non-resident expert byte crosses a link once
 per chunk), and the bound: the larger of the link bound (streamed bytes / measured bandwidth:
 the busiest link's where chunks pipeline across stages; for a one-chunk prompt on a split, the
@@ -129,15 +130,21 @@ def prefill_chunks(runner, prompt: torch.Tensor, chunk: int, kv=None) -> torch.T
 
 
 def time_compute(runner, tokens: int, runs: int, chunk: int) -> list[float]:
-    """Prefill timed with every stage's uploads skipped: the compute a pass cannot go below."""
+    """Prefill timed with every stage's uploads skipped: the compute a pass cannot go below. A
+    split's helper policy does not learn from these passes (`SplitRunner.observing`)."""
     stages: list[Stage] = runner.stages
+    observing = getattr(runner, "observing", None)
     for s in stages:
         s.model.experts.skip_uploads = True
+    if observing is not None:
+        runner.observing = False
     try:
         return time_prefill(runner, tokens, runs, chunk)
     finally:
         for s in stages:
             s.model.experts.skip_uploads = False
+        if observing is not None:
+            runner.observing = observing
 
 
 def time_prefill(runner, tokens: int, runs: int, chunk: int, seed: int = 0) -> list[float]:
@@ -279,6 +286,14 @@ def time_decode_batch(runner, batch: int, n_steps: int, warmup: int = 2, chunk: 
     return batch * n_steps / seconds, n_steps / seconds
 
 
+def _early_ring_bytes(stage: Stage, earlier: list[Stage]) -> float:
+    """What `stage`'s ring may take in while the `earlier` stages run: all it holds where one of
+    them is on another card (over-counting only loosens a lower bound)."""
+    ring = stage.model.experts.ring
+    before = any(s.ctx.device != stage.ctx.device for s in earlier)
+    return float(ring.nbytes) if before and ring is not None else 0.0
+
+
 def split_one_chunk_bound(runner, tokens: int) -> float | None:
     """The link bound of the split's last one-chunk prompt of `tokens` (`rate_model.one_chunk_link_bound`),
     with the share each busy stage's helper took then (`SplitRunner.last_help`); None where a
@@ -294,11 +309,8 @@ def split_one_chunk_bound(runner, tokens: int) -> float | None:
             return None
         streamed = busy.model.experts.streamed_per_layer()
         helped = runner.last_help[k] if k < len(runner.last_help) else 0
-        ring = busy.model.experts.ring
-        # a later stage on a card of its own fills its ring while the earlier ones run
-        early = k > 0 and all(s.ctx.device != busy.ctx.device for s in stages[:k])
-        preload = ring.slot_bytes * len(ring.slots) if early and ring is not None else 0
-        parts.append((load, helped / streamed if streamed else 0.0, idle.ctx.device != busy.ctx.device, preload))
+        parts.append((load, helped / streamed if streamed else 0.0, idle.ctx.device != busy.ctx.device,
+                      _early_ring_bytes(busy, stages[:k]), _early_ring_bytes(idle, stages[:k])))
     return one_chunk_link_bound(parts, tokens)
 
 

@@ -96,13 +96,16 @@ def stream_use(trace: dict) -> list[StreamUse]:
 WAITING_CALLS = ("Synchronize", "Free", "Malloc", "MemMap", "MemUnmap", "MemCreate", "MemRelease", "MemSetAccess",
                  "MemAddressFree")
 # copies and sets that return only when done (their Async forms do not, to pinned memory)
-BLOCKING_COPIES = ("cudaMemcpy", "cudaMemcpy2D", "cudaMemset", "cuMemcpy", "cuMemcpyHtoD_v2", "cuMemcpyDtoH_v2",
-                   "cuMemcpyDtoD_v2", "cuMemsetD8_v2", "cuMemsetD32_v2")
+BLOCKING_COPIES = ("cudaMemcpy", "cudaMemcpy2D", "cudaMemcpyPeer", "cudaMemset", "cuMemcpy", "cuMemcpyHtoD_v2",
+                   "cuMemcpyDtoH_v2", "cuMemcpyDtoD_v2", "cuMemcpyPeer", "cuMemsetD8_v2", "cuMemsetD32_v2")
 
 
 def can_wait(name: str) -> bool:
-    """Can this CUDA API call hold the host until the device has caught up?"""
-    return name in BLOCKING_COPIES or any(w in name for w in WAITING_CALLS)
+    """Can this CUDA API call hold the host until the device has caught up? (Stream-ordered
+    allocations and frees, `...Async`, do not.)"""
+    if name in BLOCKING_COPIES:
+        return True
+    return "Async" not in name and any(w in name for w in WAITING_CALLS)
 
 
 @dataclass
