@@ -26,6 +26,21 @@ def test_same_seed_same_file_other_seed_other_file(tmp_path):
     assert digest(a) == digest(b) != digest(c)
 
 
+def test_tensors_made_ahead_on_threads_write_the_same_file(tmp_path, monkeypatch):
+    """Tensors made on a thread pool ahead of the writer (bounded by AHEAD_BYTES, here small enough
+    that the window fills and drains) give the file one thread gives."""
+    from strata_mgpu.model import synthetic
+
+    monkeypatch.setattr(synthetic, "AHEAD_BYTES", 1 << 20)
+    one, many = tmp_path / "one.gguf", tmp_path / "many.gguf"
+    written = []
+    write_model(one, "small", seed=5, workers=1)
+    write_model(many, "small", seed=5, workers=3, on_tensor=lambda name, nbytes: written.append(name))
+    assert digest(one) == digest(many)
+    plans = synthetic.plan_tensors(synthetic.PRESETS["small"].spec("x"), Q.Q4_K, Q.Q6_K, Q.Q8_0)
+    assert written == [p.name for p in plans]  # in order, each once
+
+
 # |mean| / std of a file's dequantized weights, per kind of tensor. Random codes are not zero-mean
 # (Q4_0 -0.10, IQ4_NL -0.083, Q5_0 -0.054 before the scales got a random sign); what is left is
 # sampling noise, under 0.01 on these ~10^6 weights.
