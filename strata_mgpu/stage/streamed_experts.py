@@ -164,15 +164,13 @@ class StreamedExperts:
             self.ctx.access((self.w_gate_up, self.w_down), "w")
             return self.kernels.moe_gathered(self.cache, i, lay, h, weights, experts, self.w_gate_up, self.w_down,
                                              hq=hq)
-        helper = self.helper if self.helped else None
-        if helper is not None:  # hand the helper its inputs first: it works while we do
-            helper.hand_over(i, h, weights, experts)
+        if self.helped:
+            return self.finish(self._helped_rows(i, h, weights, experts, first=True))
         feed, tables = self._feed, self._tables
         assert feed is not None and tables is not None
         feed.acquire(i)
-        y = compute_part(self.ctx, self.kernels, tables, i, lay, h, weights, experts, self.w_gate_up, self.w_down,
-                         release=lambda: feed.release(i), whole_layer=helper is None)
-        return y if helper is None else y + helper.collect()
+        return compute_part(self.ctx, self.kernels, tables, i, lay, h, weights, experts, self.w_gate_up,
+                            self.w_down, release=lambda: feed.release(i), whole_layer=True)
 
     def in_halves(self, n_rows: int) -> bool:
         """Should a pass of n_rows (begun) run its layers in two halves of rows (`start`/`finish`)?
@@ -182,21 +180,26 @@ class StreamedExperts:
     def start(self, i: int, h: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, first: bool
               ) -> torch.Tensor:
         """One half of a helped layer's rows (h [t, D], weights and experts [t, A]): hand them to the
-        helper, then compute this stage's part of them. `first`: the
-        layer's first half, which loads the layer's experts (both halves' rows read them from the
-        workspace). Returns this stage's partial sums [t, D]; `finish` adds the helper's."""
-        helper = self.helper
-        assert self.helped and helper is not None
-        lay = self.arena.layouts[self.layers[i]]
+        helper, then compute this stage's part of them. `first`: the layer's first half, which
+        loads the layer's experts (both halves' rows read them from the workspace). Returns this
+        stage's partial sums [t, D]; `finish` adds the helper's."""
         if self.cache is not None:
             self.cache.observe(i, experts)
+        return self._helped_rows(i, h, weights, experts, first)
+
+    def _helped_rows(self, i: int, h: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, first: bool
+                     ) -> torch.Tensor:
+        """The helper handed its inputs first (it works while we do), then this stage's part of the
+        rows: its experts loaded on the layer's `first` hand-over, its rows' partial sums [t, D]."""
+        helper = self.helper
+        assert self.helped and helper is not None
         helper.hand_over(i, h, weights, experts, first)
         feed, tables = self._feed, self._tables
         assert feed is not None and tables is not None
         if first:
             feed.acquire(i)
-            load_part(self.ctx, self.kernels, tables, i, lay, self.w_gate_up, self.w_down,
-                      release=lambda: feed.release(i))
+            load_part(self.ctx, self.kernels, tables, i, self.arena.layouts[self.layers[i]], self.w_gate_up,
+                      self.w_down, release=lambda: feed.release(i))
         return part_rows(self.ctx, self.kernels, tables, i, h, weights, experts, self.w_gate_up, self.w_down,
                          whole_layer=False)
 
