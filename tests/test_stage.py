@@ -81,7 +81,7 @@ def test_group_rows_and_combine():
     T, A, E, D = 37, 3, 9, 16
     experts = torch.stack([torch.randperm(E)[:A] for _ in range(T)])
     weights = torch.rand(T, A)
-    order, offs = group_rows(experts, E)
+    order, offs = group_rows(experts, torch.arange(E))
     flat = experts.reshape(-1)[order]
     assert torch.equal(flat, flat.sort().values)  # sorted by expert
     assert torch.equal(order, torch.argsort(experts.reshape(-1), stable=True))  # stable: rows in order within one
@@ -101,7 +101,7 @@ def test_masked_combine_counts_only_its_picks():
     experts = torch.stack([torch.randperm(E)[:A] for _ in range(T)])
     weights = torch.rand(T, A)
     mine = experts < 3  # a part of experts 0..2
-    order, _ = group_rows(torch.where(mine, experts, 3), 4)
+    order, _ = group_rows(torch.where(mine, experts, 3), torch.arange(4))
     rows = torch.randn(T * A, D)
     y_sorted = rows[order].clone()
     y_sorted[~mine.reshape(-1)[order]] = float("nan")

@@ -76,6 +76,10 @@ class TorchKernels:
     def __init__(self):
         self.paths = PathCounter()  # "op:path" -> calls (eager and captured; see the module docstring)
 
+    def expert_ids(self, n: int, device: torch.device | str = "cpu") -> torch.Tensor:
+        """0..n-1 (int64) on `device`: experts' or groups' ids to search sorted picks with."""
+        return torch.arange(n, device=device)
+
     def path_summary(self) -> str:
         """The paths the ops ran, e.g. 'copy_wide:copy_f32_wide 24, dequant:cuda 96'."""
         return self.paths.summary()
@@ -218,9 +222,10 @@ class CudaKernels(TorchKernels):
             nvrtc.kernel(MOE_FILE, expr, _MOE_EXPRS, device)
         for expr in grouped_exprs(Q8_DOT_TYPES):
             nvrtc.kernel(GROUPED_FILE, expr, grouped_exprs(Q8_DOT_TYPES), device)
-        # 0..MAX_EXPERTS, made once here: the grouped kernels' expert bounds slice it (one launch
-        # a layer fewer)
+        # 0..MAX_EXPERTS, made once here: expert bounds and a part's group ends slice it (one launch
+        # a layer fewer). Every stream of the device reads it, unordered: done before any does.
         self._expert_ids = torch.arange(MAX_EXPERTS + 1, device=device)
+        torch.cuda.synchronize(device)
         nvrtc.kernel(COPY_FILE, "copy_f32_wide", (), device)
 
     def dequant(self, src: torch.Tensor, ggml_type: GGMLQuantizationType, groups: int, weights_per_group: int,
@@ -334,9 +339,9 @@ class CudaKernels(TorchKernels):
         return (n_picks >= GROUPED_MIN_PICKS and n_experts <= MAX_EXPERTS and cache.per_layer >= n_experts
                 and self.grouped_serves(plan, hidden))
 
-    def expert_ids(self, n: int) -> torch.Tensor:
-        """0..n-1 on the device (a view of one made at start)."""
-        return self._expert_ids[:n]
+    def expert_ids(self, n: int, device: torch.device | str | None = None) -> torch.Tensor:
+        """0..n-1 on the device (a view of one made at start, up to MAX_EXPERTS + 1)."""
+        return self._expert_ids[:n] if n <= self._expert_ids.numel() else super().expert_ids(n, self.device)
 
     def _quantize_q8(self, x: torch.Tensor) -> torch.Tensor:
         """x [R, n] bf16 -> [R, n / 32 * Q8_WORDS] int32: 8-bit values and a scale a 32-value

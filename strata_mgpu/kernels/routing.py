@@ -7,21 +7,13 @@ from __future__ import annotations
 
 import torch
 
-# (device, stream, dtype, G) -> arange(G), made once on the stream that reads it: a tensor one stream
-# wrote and another read unordered could be read before it was written (two stages on one card)
-_GROUP_IDS: dict[tuple, torch.Tensor] = {}
 
-
-def group_rows(experts: torch.Tensor, n_groups: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """experts [T, A] group ids in [0, G) -> (order [M]: routed rows sorted by group, offs [G] int32
-    row ends). Stable, and no host synchronization. Two ops (a sort and a search), since a helped
-    prompt's layers are bound by the host's launches."""
+def group_rows(experts: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """experts [T, A] group ids in [0, G), ids = arange(G) on their device (`kernels.expert_ids`)
+    -> (order [M]: routed rows sorted by group, offs [G] int32 row ends). Stable, and no host
+    synchronization. Two ops (a sort and a search), since a helped prompt's layers are bound by the
+    host's launches."""
     flat = experts.reshape(-1)
-    stream = torch.cuda.current_stream(flat.device) if flat.is_cuda else None
-    key = (flat.device, stream, flat.dtype, n_groups)
-    ids = _GROUP_IDS.get(key)
-    if ids is None:
-        ids = _GROUP_IDS[key] = torch.arange(n_groups, dtype=flat.dtype, device=flat.device)
     ordered, order = torch.sort(flat, stable=True)
     return order, torch.searchsorted(ordered, ids, right=True, out_int32=True)  # rows with a group <= g
 

@@ -128,7 +128,7 @@ def part_rows(ctx: DeviceContext, kernels: TorchKernels, tables: PartTables, i: 
     if n == 0:
         return torch.zeros_like(h)
     local = tables.local_of[i][experts]  # [T, A]: the part's experts become 0..n-1, the rest n
-    order, offs = group_rows(local, n + 1)  # the part's rows sort first
+    order, offs = group_rows(local, kernels.expert_ids(n + 1, local.device))  # the part's rows sort first
     ctx.access((w_gate_up, w_down), "r")
     y = kernels.grouped_mlp(h[order // experts.shape[1]], offs[:n], w_gate_up[:n], w_down[:n])  # [M, D]
     if whole_layer:
