@@ -141,8 +141,7 @@ def link_bounds(load: StageLoad, tokens: int) -> tuple[float, float]:
     # (1-s) total / Lb + back = s total / Lh + to_helper, solved for s in [0, 1]
     s = (total / load.link_busy + back - to_helper) / (total / load.link_busy + total / load.link_helper)
     s = min(1.0, max(0.0, s))
-    helped = max((1 - s) * total / load.link_busy + back, s * total / load.link_helper + to_helper)
-    return off, min(off, helped)
+    return off, min(off, one_chunk_link_bound([(load, s, True, 0.0, 0.0)], tokens))
 
 
 def one_chunk_link_bound(stages: list[tuple[StageLoad, float, bool, float, float]], tokens: int) -> float:
