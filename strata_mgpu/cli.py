@@ -44,9 +44,21 @@ def _size(value: str | None) -> int:
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="strata-mgpu")
-def main() -> None:
+@click.pass_context
+def main(ctx: click.Context) -> None:
     """strata-mgpu: serve Mixture-of-Experts GGUF models with experts streamed from host RAM."""
+    try:  # every variable, whatever the command: a bad value fails here, not where it would be read
+        ctx.obj = env.read()
+    except env.EnvError as e:
+        fail(str(e))
     env.default_allocator_config()  # before any CUDA allocation
+
+
+def _env() -> env.EnvOptions:
+    """The environment as the group read it at start-up."""
+    options = click.get_current_context().find_object(env.EnvOptions)
+    assert options is not None, "commands run under the group"
+    return options
 
 
 @main.command("gen-model")
@@ -166,7 +178,7 @@ def _warn_cpu_budget(placement) -> None:
 def _placement(devices: str, layer_split: str, max_vram: str | None, dtype: str, cuda_graphs: bool = True,
                prefill_help: bool | None = None, prefill_help_frac: str | None = None,
                resident_experts: int | None = None):
-    from strata_mgpu.config import Placement
+    from strata_mgpu.config import LayerSplit, Placement
 
     budgets: tuple[float | None, ...] = (None,)
     if max_vram:
@@ -177,10 +189,11 @@ def _placement(devices: str, layer_split: str, max_vram: str | None, dtype: str,
         if any(b < 0.5 for b in budgets):
             fail(f"--max-vram {max_vram!r}: at least 0.5 GiB a stage")
     try:
-        return Placement(devices=tuple(d.strip() for d in devices.split(",")), layer_split=layer_split,
-                         max_vram_gib=budgets, dtype=dtype, cuda_graphs=cuda_graphs, prefill_help=prefill_help,
-                         prefill_help_frac=prefill_help_frac, resident_experts=resident_experts)
-    except ValueError as e:
+        return Placement.from_env(_env(), prefill_help=prefill_help, prefill_help_frac=prefill_help_frac,
+                                  devices=tuple(d.strip() for d in devices.split(",")),
+                                  layer_split=LayerSplit.parse(layer_split), max_vram_gib=budgets, dtype=dtype,
+                                  cuda_graphs=cuda_graphs, resident_experts=resident_experts)
+    except ValueError as e:  # EnvError too: a bad --prefill-help-frac
         fail(str(e))
 
 
@@ -379,12 +392,14 @@ def serve(model: Path | None, host: str, port: int, ctx_size: int | None, chunk_
     from strata_mgpu.split.runner import SplitError
     from strata_mgpu.stage.device import DeviceError
 
+    environment = _env()
     try:
-        launch.setup_logging()  # so writing the demo model is seen
+        launch.setup_logging(environment.log_level)  # so writing the demo model is seen
         if model is None:
-            model = launch.demo_model_path()
+            model = launch.demo_model_path(environment.demo_dir)
             alias = alias or launch.DEMO_NAME
         config = ServerConfig(model_path=model, host=host, port=port, api_key=api_key, alias=alias,
+                              log_level=environment.log_level,
                               engine=EngineConfig(ctx_size=ctx_size, chunk_size=chunk_size, max_running=max_running,
                                                   arrival_gap_ms=arrival_gap_ms),
                               placement=_placement(devices, layer_split, max_vram, dtype,

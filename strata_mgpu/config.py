@@ -1,10 +1,12 @@
-"""Runtime configuration: frozen dataclasses built once by the CLI (the model's own shapes live in
-`model.spec.ModelSpec`, read from the GGUF)."""
+"""Runtime configuration: frozen dataclasses built once by the CLI from its flags and the environment
+(`env.EnvOptions`); the model's own shapes live in `model.spec.ModelSpec`, read from the GGUF."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from strata_mgpu.env import EnvOptions, parse_help_frac
 
 
 @dataclass(frozen=True)
@@ -31,17 +33,59 @@ class EngineConfig:
 
 
 @dataclass(frozen=True)
+class LayerSplit:
+    """`--layer-split`: the first layer of each later stage, increasing from 1 (`starts`), or auto
+    (no starts: layers in proportion to the stages' budgets). Whether the layers exist is checked
+    against the model (`split.runner.plan_layers`)."""
+
+    starts: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if any(b <= a for a, b in zip((0, *self.starts), self.starts, strict=False)):
+            raise ValueError(f"--layer-split '{self}': the first layer of each later stage, increasing from 1")
+
+    @property
+    def auto(self) -> bool:
+        return not self.starts
+
+    @classmethod
+    def parse(cls, text: str) -> LayerSplit:
+        """'auto' or 'K1[,K2..]': the one parser of the option."""
+        if text.strip().lower() == "auto":
+            return cls()
+        try:
+            starts = tuple(int(x) for x in text.split(",") if x.strip())
+        except ValueError:
+            starts = ()
+        if not starts:
+            raise ValueError(f"--layer-split {text!r}: expected 'auto' or layer numbers like 24 or 16,32")
+        return cls(starts)
+
+    def __str__(self) -> str:
+        return ",".join(map(str, self.starts)) if self.starts else "auto"
+
+
+AUTO_SPLIT = LayerSplit()
+
+
+@dataclass(frozen=True)
 class Placement:
-    """Where the model runs: devices (one stage each), how layers split, VRAM budgets."""
+    """Where the model runs and how its stages work: devices (one stage each), how layers split,
+    VRAM budgets, and the runtime's switches (from the CLI's flags, else the environment:
+    `from_env`)."""
 
     devices: tuple[str, ...] = ("auto",)  # 'auto', 'cpu', 'cuda:N' or 'N', one per stage
-    layer_split: str = "auto"  # 'auto' or K1[,K2..]: the first layer of each later stage
+    layer_split: LayerSplit = AUTO_SPLIT
     max_vram_gib: tuple[float | None, ...] = (None,)  # one for all stages, or one per stage
     dtype: str = "bf16"  # compute dtype on the GPU: bf16 or fp32
     cuda_graphs: bool = True
-    prefill_help: bool | None = None  # the PeerPrefill helper; None: STRATA_PREFILL_HELP
-    prefill_help_frac: float | str | None = None  # 'auto', 'rule' or a share; None: STRATA_PREFILL_HELP_FRAC, else auto
     resident_experts: int | None = None  # force K resident experts a layer (0: stream all); None: the VRAM plan
+    prefill_help: bool = True  # the PeerPrefill helper of a split
+    prefill_help_frac: float | str = "auto"  # 'auto', 'rule' or a fixed share 0 < f < 1
+    help_halves: int = 0  # a helped prompt of this many tokens or more runs in two halves of rows; 0: never
+    kv_prefetch: bool = True  # spilled KV uploaded a layer ahead on a side stream
+    stage_threads: bool = True  # a host thread per GPU stage of a split
+    decode_graph_batch: int = 8  # the largest decode batch replayed as a CUDA graph
 
     def __post_init__(self) -> None:
         if not self.devices:
@@ -50,34 +94,31 @@ class Placement:
             raise ValueError(f"--max-vram gives {len(self.max_vram_gib)} values for {len(self.devices)} devices")
         if self.dtype not in ("bf16", "fp32"):
             raise ValueError(f"dtype {self.dtype!r}: bf16 or fp32")
-        self._check_layer_split()
+        if not self.layer_split.auto:
+            if len(self.devices) == 1:
+                raise ValueError(f"--layer-split '{self.layer_split}' needs several devices (--devices 0,1); with "
+                                 f"one device leave it at auto")
+            if len(self.layer_split.starts) != len(self.devices) - 1:
+                raise ValueError(f"--layer-split '{self.layer_split}' makes {len(self.layer_split.starts) + 1} "
+                                 f"stages, but {len(self.devices)} devices were given")
         if self.resident_experts is not None and self.resident_experts < 0:
             raise ValueError(f"--resident-experts {self.resident_experts}: 0 or more")
-        if self.prefill_help_frac is not None:
-            from strata_mgpu.env import parse_help_frac
+        parse_help_frac(self.prefill_help_frac, "--prefill-help-frac")  # EnvError is a ValueError
+        if not 1 <= self.decode_graph_batch <= 64:
+            raise ValueError(f"decode graph batch {self.decode_graph_batch}: 1 to 64")
 
-            parse_help_frac(self.prefill_help_frac, "--prefill-help-frac")  # EnvError is a ValueError
-
-    def _check_layer_split(self) -> None:
-        """What can be told without the model: the form, and that an explicit split has stages to
-        split across (with one device nothing reads it). Whether the layers exist is checked against
-        the model in `runtime.split.plan_layers`."""
-        text = self.layer_split.strip().lower()
-        if text == "auto":
-            return
-        bad_form = ValueError(f"--layer-split {self.layer_split!r}: expected 'auto' or layer numbers like 24 or 16,32")
-        try:
-            starts = [int(x) for x in text.split(",") if x.strip()]
-        except ValueError:
-            raise bad_form from None
-        if not starts:
-            raise bad_form
-        if any(b <= a for a, b in zip([0, *starts], starts, strict=False)):
-            raise ValueError(f"--layer-split {self.layer_split!r}: the first layer of each later stage, increasing "
-                             f"from 1")
-        if len(self.devices) == 1:
-            raise ValueError(f"--layer-split {self.layer_split!r} needs several devices (--devices 0,1); with one "
-                             f"device leave it at auto")
+    @classmethod
+    def from_env(cls, environment: EnvOptions, *, prefill_help: bool | None = None,
+                 prefill_help_frac: str | None = None, **fields: object) -> Placement:
+        """A placement whose switches come from the environment, the helper's flags winning where
+        given (None: not given); `fields` are the other options. Raises ValueError (EnvError for a
+        bad `--prefill-help-frac`)."""
+        frac = (environment.prefill_help_frac if prefill_help_frac is None
+                else parse_help_frac(prefill_help_frac, "--prefill-help-frac"))
+        return cls(prefill_help=environment.prefill_help if prefill_help is None else prefill_help,
+                   prefill_help_frac=frac, help_halves=environment.help_halves,
+                   kv_prefetch=environment.kv_prefetch, stage_threads=environment.stage_threads,
+                   decode_graph_batch=environment.decode_graph_batch, **fields)  # type: ignore[arg-type]
 
     def budget(self, stage: int) -> float | None:
         return self.max_vram_gib[0] if len(self.max_vram_gib) == 1 else self.max_vram_gib[stage]
@@ -92,6 +133,7 @@ class ServerConfig:
     alias: str | None = None  # the model name clients use; default: the file's stem
     engine: EngineConfig = field(default_factory=EngineConfig)
     placement: Placement = field(default_factory=Placement)
+    log_level: str = "INFO"
 
     @property
     def model_name(self) -> str:

@@ -1,8 +1,15 @@
-"""Every STRATA_* environment variable, typed, with its default and meaning. Nothing else reads os.environ."""
+"""Every STRATA_* environment variable, typed, with its default and meaning. Nothing else reads os.environ.
+
+The variables are read once, at start-up, into a frozen `EnvOptions` (`read()`); every command of
+the CLI does so before anything else, whatever it goes on to do, so a bad value is a one-line error
+at once rather than wherever its reader would have run. The runtime takes the values from there
+(`config.Placement`, `stage.StageOptions`), never from the environment.
+"""
 
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,8 +24,9 @@ class EnvVar:
     default: str | None
     meaning: str
 
-    def raw(self) -> str | None:
-        v = os.environ.get(self.name)
+    def raw(self, environ: Mapping[str, str]) -> str | None:
+        """The value set, or the default where unset or empty."""
+        v = environ.get(self.name)
         return self.default if v is None or v == "" else v
 
 
@@ -27,13 +35,13 @@ LOG_LEVEL = EnvVar("STRATA_LOG_LEVEL", "INFO", "logging level of the server and 
 
 PREFILL_HELP = EnvVar("STRATA_PREFILL_HELP", "1",
                       "0 turns the PeerPrefill helper off (the idle stage streaming a share of a one-chunk prompt)")
-PREFILL_HELP_FRAC = EnvVar("STRATA_PREFILL_HELP_FRAC", None,
+PREFILL_HELP_FRAC = EnvVar("STRATA_PREFILL_HELP_FRAC", "auto",
                            "the helper's share of each layer's experts: auto (the rate model, default), rule "
                            "(min(0.45, 0.5 - T/16384), off below 0.3) or a fixed share 0 < f < 1")
 HELP_HALVES = EnvVar("STRATA_HELP_HALVES", "0",
                      "a helped one-chunk prompt of at least this many tokens runs each layer in two halves of "
                      "rows, so the busy stage works on one half while the other's hand-over is in flight; 0 "
-                     "(default): never (on two H200s the helped layer is host-bound, and halves add launches)")
+                     "(default): never (where the host's launches bind a helped layer, halves add to them)")
 
 KV_PREFETCH = EnvVar("STRATA_KV_PREFETCH", "1",
                      "1 uploads the next attention layer's host KV prefix on a side stream while the current "
@@ -53,34 +61,12 @@ DECODE_GRAPH_BATCH = EnvVar("STRATA_DECODE_GRAPH_BATCH", "8",
 ALL = (CACHE_DIR, LOG_LEVEL, PREFILL_HELP, PREFILL_HELP_FRAC, HELP_HALVES, KV_PREFETCH, STAGE_THREADS,
        DECODE_GRAPH_BATCH)
 
-
-def cache_dir() -> Path:
-    raw = CACHE_DIR.raw()
-    if raw:
-        return Path(raw).expanduser()
-    from platformdirs import user_cache_dir
-
-    return Path(user_cache_dir("strata-mgpu"))
-
-
-def log_level() -> str:
-    raw = (LOG_LEVEL.raw() or "INFO").upper()
-    if raw not in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"):
-        raise EnvError(f"{LOG_LEVEL.name}={raw!r}: expected DEBUG, INFO, WARNING, ERROR or CRITICAL")
-    return raw
-
-
-def prefill_help() -> bool:
-    raw = (PREFILL_HELP.raw() or "1").strip().lower()
-    if raw in ("1", "true", "yes", "on"):
-        return True
-    if raw in ("0", "false", "no", "off"):
-        return False
-    raise EnvError(f"{PREFILL_HELP.name}={raw!r}: expected 0 or 1")
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 
 def parse_help_frac(raw: str | float, source: str) -> float | str:
-    """'auto', 'rule' or a share strictly between 0 and 1; `source` names the setting in the error."""
+    """'auto', 'rule' or a share strictly between 0 and 1; `source` names the setting in the error
+    (the variable, or `--prefill-help-frac`: the one parser of both)."""
     text = str(raw).strip().lower()
     if text in ("auto", "rule"):
         return text
@@ -93,36 +79,81 @@ def parse_help_frac(raw: str | float, source: str) -> float | str:
     return frac
 
 
-def prefill_help_frac() -> float | str | None:
-    """None when unset (the policy's default, auto)."""
-    raw = PREFILL_HELP_FRAC.raw()
-    return None if raw is None else parse_help_frac(raw, PREFILL_HELP_FRAC.name)
+def _on_off(raw: str, name: str) -> bool:
+    text = raw.strip().lower()
+    if text in ("1", "true", "yes", "on"):
+        return True
+    if text in ("0", "false", "no", "off"):
+        return False
+    raise EnvError(f"{name}={raw!r}: expected 0 or 1")
 
 
-def help_halves() -> int:
-    """Tokens from which a helped prompt runs in two halves (0: never, the default: on two H200s halves
-    beat all rows at once only at 6-8K and share 0.45, by 7%, and lost up to 24% at 1-4K)."""
-    raw = (HELP_HALVES.raw() or HELP_HALVES.default).strip()
-    if not raw.isdecimal() or not raw.isascii():
-        raise EnvError(f"{HELP_HALVES.name}={raw!r}: expected a whole number of tokens (0: never)")
-    return int(raw)
+def _zero_or_one(raw: str, name: str) -> bool:
+    if raw.strip() not in ("0", "1"):
+        raise EnvError(f"{name}={raw!r}: expected 0 or 1")
+    return raw.strip() == "1"
 
 
-def _zero_or_one(var: EnvVar) -> bool:
-    raw = (var.raw() or "").strip()  # the default where unset or empty
-    if raw not in ("0", "1"):
-        raise EnvError(f"{var.name}={raw!r}: expected 0 or 1")
-    return raw == "1"
+def _whole_number(raw: str, name: str, low: int, high: int | None, expected: str) -> int:
+    text = raw.strip()
+    # isdecimal alone admits digits int() reads but a user did not mean (a superscript is isdigit only)
+    if not (text.isascii() and text.isdecimal()) or int(text) < low or (high is not None and int(text) > high):
+        raise EnvError(f"{name}={raw!r}: expected {expected}")
+    return int(text)
 
 
-def kv_prefetch() -> bool:
-    """On by default: a 32K prompt with spilled KV ran 26% shorter with it on the H200."""
-    return _zero_or_one(KV_PREFETCH)
+def _log_level(raw: str, name: str) -> str:
+    level = raw.strip().upper()
+    if level not in LOG_LEVELS:
+        raise EnvError(f"{name}={raw!r}: expected DEBUG, INFO, WARNING, ERROR or CRITICAL")
+    return level
 
 
-def stage_threads() -> bool:
-    """On by default: one thread queuing both stages let them overlap 0.34 s of a 2 s prompt."""
-    return _zero_or_one(STAGE_THREADS)
+@dataclass(frozen=True)
+class EnvOptions:
+    """Every STRATA_* variable, parsed and checked; the defaults are the variables' own."""
+
+    cache_dir: Path | None = None  # None: the user cache dir
+    log_level: str = "INFO"
+    prefill_help: bool = True
+    prefill_help_frac: float | str = "auto"  # 'auto', 'rule' or a share 0 < f < 1
+    help_halves: int = 0  # tokens from which a helped prompt runs in two halves; 0: never
+    kv_prefetch: bool = True
+    stage_threads: bool = True
+    decode_graph_batch: int = 8
+
+    @property
+    def demo_dir(self) -> Path:
+        """Where the built-in demo model is written."""
+        if self.cache_dir is not None:
+            return self.cache_dir
+        from platformdirs import user_cache_dir
+
+        return Path(user_cache_dir("strata-mgpu"))
+
+
+def read(environ: Mapping[str, str] | None = None) -> EnvOptions:
+    """Every variable of `environ` (default: the process's), parsed; the first bad value raises
+    a one-line EnvError naming the variable."""
+    environ = os.environ if environ is None else environ
+
+    def raw(var: EnvVar) -> str:
+        value = var.raw(environ)
+        assert value is not None, f"{var.name} has a default"
+        return value
+
+    cache = CACHE_DIR.raw(environ)
+    return EnvOptions(
+        cache_dir=Path(cache).expanduser() if cache else None,
+        log_level=_log_level(raw(LOG_LEVEL), LOG_LEVEL.name),
+        prefill_help=_on_off(raw(PREFILL_HELP), PREFILL_HELP.name),
+        prefill_help_frac=parse_help_frac(raw(PREFILL_HELP_FRAC), PREFILL_HELP_FRAC.name),
+        help_halves=_whole_number(raw(HELP_HALVES), HELP_HALVES.name, 0, None, "a whole number of tokens (0: never)"),
+        kv_prefetch=_zero_or_one(raw(KV_PREFETCH), KV_PREFETCH.name),
+        stage_threads=_zero_or_one(raw(STAGE_THREADS), STAGE_THREADS.name),
+        decode_graph_batch=_whole_number(raw(DECODE_GRAPH_BATCH), DECODE_GRAPH_BATCH.name, 1, 64,
+                                         "a whole number from 1 to 64"),
+    )
 
 
 ALLOC_CONF = "PYTORCH_CUDA_ALLOC_CONF"
@@ -130,14 +161,7 @@ ALLOC_CONF = "PYTORCH_CUDA_ALLOC_CONF"
 
 def default_allocator_config() -> None:
     """Give torch's CUDA allocator expandable segments unless the user configured it: under a
-    --max-vram budget, prompts of changing lengths fragmented the fixed segments until an 8K
-    prompt at 8,8 GiB ran out of memory with 1 GB reserved but unusable (two H200s); with
-    expandable segments it ran. Call before the first CUDA allocation (the CLI's entry does)."""
+    --max-vram budget, prompts of changing lengths fragment fixed segments until a long prompt
+    runs out of memory with memory reserved but unusable (docs/CONFIG.md). Call before the first
+    CUDA allocation (the CLI's entry does)."""
     os.environ.setdefault(ALLOC_CONF, "expandable_segments:True")
-
-
-def decode_graph_batch() -> int:
-    raw = (DECODE_GRAPH_BATCH.raw() or DECODE_GRAPH_BATCH.default).strip()
-    if not (raw.isdecimal() and raw.isascii()) or not 1 <= int(raw) <= 64:
-        raise EnvError(f"{DECODE_GRAPH_BATCH.name}={raw!r}: expected a whole number from 1 to 64")
-    return int(raw)

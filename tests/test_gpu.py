@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+from strata_mgpu.config import LayerSplit
 from strata_mgpu.kernels.experts import TorchKernels
 from strata_mgpu.model.decoder import DecodeOps
 from strata_mgpu.model.gguf_reader import GGUFFile
@@ -512,7 +513,7 @@ def test_split_graph_replays_equal_the_static_steps_run_eagerly(tiny_gguf):
     f = GGUFFile(tiny_gguf)
     spec = spec_from_gguf(f)
     opts = StageOptions(device=CUDA, max_vram_gib=4)
-    split = build_split(f, spec, [opts, replace(opts, device=second_gpu())], "2")
+    split = build_split(f, spec, [opts, replace(opts, device=second_gpu())], LayerSplit((2,)))
     assert all(s._graphs_ok for s in split.stages)
     prompt = torch.randint(0, spec.vocab_size, (40,))
     kv_g, kv_e = split.new_sequence(300), split.new_sequence(300)
@@ -587,7 +588,7 @@ def test_two_stages_equal_one_stage(tiny_gguf, graphs):
     spec = spec_from_gguf(f)
     opts = StageOptions(device=CUDA, max_vram_gib=4, chunk_size=64, cuda_graphs=graphs)
     single = Stage(f, spec, opts)
-    split = build_split(f, spec, [opts, replace(opts, device=second_gpu())], "2")
+    split = build_split(f, spec, [opts, replace(opts, device=second_gpu())], LayerSplit((2,)))
     assert all(s.kernels.host_pointers for s in split.stages)
     prompt = torch.randint(0, spec.vocab_size, (200,))
     a_kv, b_kv = single.new_sequence(300), split.new_sequence(300)
@@ -641,7 +642,8 @@ def test_helper_on_two_stages(tiny_gguf, dtype, halves):
     spec = spec_from_gguf(f)
     opts = StageOptions(device=CUDA, max_vram_gib=4, chunk_size=512, cuda_graphs=False, dtype=dtype,
                         resident_experts=2)  # the tiny model fits whole: keep most experts streamed
-    runner = build_split(f, spec, [opts, replace(opts, device=second_gpu())], "2", help_policy=HelpPolicy())
+    runner = build_split(f, spec, [opts, replace(opts, device=second_gpu())], LayerSplit((2,)),
+                         help_policy=HelpPolicy())
     for helper in runner.helpers:
         helper.halves_from = 1 if halves else 0
     prompt = torch.randint(0, spec.vocab_size, (300,))

@@ -10,6 +10,7 @@ import pytest
 import torch
 from gguf.constants import GGMLQuantizationType
 
+from strata_mgpu.config import LayerSplit
 from strata_mgpu.kernels import experts as K
 from strata_mgpu.kernels.dense import dense_q8, dense_reference
 from strata_mgpu.kernels.experts import Q8_DOT_TYPES, Q8_WORDS, TorchKernels
@@ -262,7 +263,7 @@ def test_two_stage_hand_over_runs_copy_f32_wide(tiny_gguf):
     f = GGUFFile(tiny_gguf)
     spec = spec_from_gguf(f)
     opts = StageOptions(device=CUDA, max_vram_gib=4, chunk_size=64, cuda_graphs=False)
-    split = build_split(f, spec, [opts, opts], "2")
+    split = build_split(f, spec, [opts, opts], LayerSplit((2,)))
     assert len(split.stages) == 2
     kv = split.new_sequence(200)
     logits = split.prefill(kv, torch.randint(0, spec.vocab_size, (100,)))

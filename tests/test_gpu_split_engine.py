@@ -12,7 +12,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from strata_mgpu.config import EngineConfig
+from strata_mgpu.config import EngineConfig, LayerSplit
 from strata_mgpu.engine.device_sampler import BatchSampler
 from strata_mgpu.model.gguf_reader import GGUFFile
 from strata_mgpu.model.spec import spec_from_gguf
@@ -49,7 +49,7 @@ def test_sampled_requests_on_two_stages_of_one_card_draw_one_stages_tokens(tiny_
     spec, tok = spec_from_gguf(f), tokenizer_from_gguf(f)
     opts = StageOptions(device=CUDA, max_vram_gib=4, chunk_size=128, graph_batch=8)
     want = served_ids(Stage(f, spec, opts), tok, CONFIG)
-    split = build_split(f, spec, [opts, opts], "2")
+    split = build_split(f, spec, [opts, opts], LayerSplit((2,)))
     assert [s.ctx.device for s in split.stages] == [CUDA, CUDA] and all(s._graphs_ok for s in split.stages)
     replays = []
     step = DecodeGraph.step
@@ -69,5 +69,6 @@ def test_server_shaped_decode_with_the_first_stage_on_the_cpu(tiny_gguf):
     f = GGUFFile(tiny_gguf)
     spec, tok = spec_from_gguf(f), tokenizer_from_gguf(f)
     fp32 = StageOptions(device=CUDA, max_vram_gib=4, chunk_size=128, dtype=torch.float32)
-    split = build_split(f, spec, [replace(fp32, device=torch.device("cpu"), max_vram_gib=None), fp32], "2")
+    split = build_split(f, spec, [replace(fp32, device=torch.device("cpu"), max_vram_gib=None), fp32],
+                        LayerSplit((2,)))
     served_ids(split, tok, CONFIG)  # every request ends at its length, with no error

@@ -10,7 +10,7 @@ import json
 import pytest
 from rich.console import Console
 
-from strata_mgpu import report
+from strata_mgpu import env, report
 from strata_mgpu.config import Placement
 from strata_mgpu.env import EnvError, parse_help_frac
 from strata_mgpu.split.help_rule import HelpPolicy, default_share
@@ -19,27 +19,28 @@ from strata_mgpu.tools import share_sweep as sw
 from tests.test_rate_model import H200_LOADS, H200_SECONDS, measured
 
 
-def test_modes(monkeypatch):
-    monkeypatch.delenv("STRATA_PREFILL_HELP", raising=False)
-    monkeypatch.delenv("STRATA_PREFILL_HELP_FRAC", raising=False)
+def policy(environ: dict[str, str], flag: bool | None = None, frac: str | None = None) -> HelpPolicy:
+    """The helper's policy as `strata serve` builds it: the environment, the flags winning."""
+    placement = Placement.from_env(env.read(environ), prefill_help=flag, prefill_help_frac=frac)
+    return HelpPolicy.of(placement.prefill_help, placement.prefill_help_frac)
+
+
+def test_modes():
     load = H200_LOADS[0]
-    auto = HelpPolicy.resolve(None, None)
+    auto = policy({})
     assert auto.mode == "auto" and auto.fixed_share is None
     assert auto.share(2048, load=load) == best_share(load, ComputeRates(), 2048) > 0.45
     assert auto.share(2048, across_cards=False, load=load) == 0.0  # one card: one link
     with pytest.raises(ValueError, match="needs the busy stage's load"):
         auto.share(2048)
-    assert HelpPolicy.resolve(None, "rule").share(2048) == default_share(2048)
-    assert HelpPolicy.resolve(None, "0.3").share(2048, across_cards=False) == 0.3
-    monkeypatch.setenv("STRATA_PREFILL_HELP_FRAC", " Rule ")
-    assert HelpPolicy.resolve(None, None).mode == "rule"
-    assert HelpPolicy.resolve(None, "auto").mode == "auto"  # the flag wins
-    monkeypatch.setenv("STRATA_PREFILL_HELP_FRAC", "0.35")
-    assert HelpPolicy.resolve(None, None).fixed_share == 0.35
+    assert policy({}, frac="rule").share(2048) == default_share(2048)
+    assert policy({}, frac="0.3").share(2048, across_cards=False) == 0.3
+    assert policy({"STRATA_PREFILL_HELP_FRAC": " Rule "}).mode == "rule"
+    assert policy({"STRATA_PREFILL_HELP_FRAC": " Rule "}, frac="auto").mode == "auto"  # the flag wins
+    assert policy({"STRATA_PREFILL_HELP_FRAC": "0.35"}).fixed_share == 0.35
     for bad, why in (("fast", "expected auto, rule or a number"), ("1", "the share must lie strictly between 0 and 1")):
-        monkeypatch.setenv("STRATA_PREFILL_HELP_FRAC", bad)
         with pytest.raises(EnvError, match=f"STRATA_PREFILL_HELP_FRAC='{bad}': {why}"):
-            HelpPolicy.resolve(None, None)
+            env.read({"STRATA_PREFILL_HELP_FRAC": bad})
     with pytest.raises(EnvError, match="--prefill-help-frac='sometimes'"):
         parse_help_frac("sometimes", "--prefill-help-frac")
     assert Placement(prefill_help_frac="auto").prefill_help_frac == "auto"

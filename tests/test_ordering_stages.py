@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from strata_mgpu.config import AUTO_SPLIT, LayerSplit
 from strata_mgpu.model.gguf_reader import GGUFFile
 from strata_mgpu.model.spec import spec_from_gguf
 from strata_mgpu.split.help_rule import HelpPolicy
@@ -97,13 +98,13 @@ def one_stage_prefill(tiny) -> None:
 
 def split_prefill_in_chunks(tiny) -> None:
     f, spec = tiny
-    runner = build_split(f, spec, [CPU, CPU], "2")
+    runner = build_split(f, spec, [CPU, CPU], LayerSplit((2,)))
     kv, prompt = runner.new_sequence(256), torch.randint(0, spec.vocab_size, (150,))
     for start in range(0, 150, 64):
         runner.prefill(kv, prompt[start:start + 64])
 
 
-def helped_prefill(tiny, layer_split: str = "auto", prompts: int = 1) -> None:
+def helped_prefill(tiny, layer_split: LayerSplit = AUTO_SPLIT, prompts: int = 1) -> None:
     f, spec = tiny
     runner = build_split(f, spec, [WHOLE_PROMPT] * 2, layer_split, help_policy=HelpPolicy(fixed_share=0.4))
     for _ in range(prompts):
@@ -113,7 +114,7 @@ def helped_prefill(tiny, layer_split: str = "auto", prompts: int = 1) -> None:
 def helped_prefill_in_halves(tiny) -> None:
     """A helped prompt in two halves of rows (checked: two hand-overs a layer)."""
     f, spec = tiny
-    runner = build_split(f, spec, [WHOLE_PROMPT] * 2, "auto", help_policy=HelpPolicy(fixed_share=0.4))
+    runner = build_split(f, spec, [WHOLE_PROMPT] * 2, AUTO_SPLIT, help_policy=HelpPolicy(fixed_share=0.4))
     for helper in runner.helpers:
         helper.halves_from = 1
     firsts = helper_tests.count_hand_overs(runner)
@@ -168,7 +169,7 @@ def test_helper_input_read_waits_are_implied_today(monkeypatch, tiny):
     'read' waits (kept, so that a change of that flow stays safe). Dropped, nothing races."""
     dropped = drop_waits(monkeypatch, "cpu1 helper input from cpu0 buffer 0 read")
     with ordering_twin() as twin:
-        helped_prefill(tiny, layer_split="3", prompts=2)  # three busy layers: the six buffers go round
+        helped_prefill(tiny, layer_split=LayerSplit((3,)), prompts=2)  # three busy layers: the six buffers go round
     assert dropped and twin.cross_stream > 0
 
 

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from strata_mgpu.config import EngineConfig, Placement
+from strata_mgpu import env
+from strata_mgpu.config import AUTO_SPLIT, EngineConfig, Placement
 from strata_mgpu.engine.engine import Engine
 from strata_mgpu.engine.sampler import SamplingParams
 from strata_mgpu.env import EnvError
@@ -30,26 +31,26 @@ def test_rule_boundaries():
     assert shares == sorted(shares, reverse=True)
 
 
-def test_controls(monkeypatch):
-    monkeypatch.delenv("STRATA_PREFILL_HELP", raising=False)
-    monkeypatch.delenv("STRATA_PREFILL_HELP_FRAC", raising=False)
-    assert HelpPolicy.resolve(None, None) == HelpPolicy(enabled=True, fixed_share=None)
-    monkeypatch.setenv("STRATA_PREFILL_HELP", "0")
-    assert HelpPolicy.resolve(None, None).share(1000) == 0.0
-    assert HelpPolicy.resolve(True, "rule").share(1000) == default_share(1000)  # the flag wins
-    monkeypatch.setenv("STRATA_PREFILL_HELP", "1")
-    monkeypatch.setenv("STRATA_PREFILL_HELP_FRAC", "0.25")
-    assert HelpPolicy.resolve(None, None).share(8000) == 0.25  # fixed: also where the rule is off
-    assert HelpPolicy.resolve(None, 0.4).share(8000) == 0.4
+def policy(environ: dict[str, str], flag: bool | None = None, frac: str | None = None) -> HelpPolicy:
+    """The helper's policy as `strata serve` builds it: the environment, the flags winning."""
+    placement = Placement.from_env(env.read(environ), prefill_help=flag, prefill_help_frac=frac)
+    return HelpPolicy.of(placement.prefill_help, placement.prefill_help_frac)
+
+
+def test_controls():
+    assert policy({}) == HelpPolicy(enabled=True, fixed_share=None)
+    assert policy({"STRATA_PREFILL_HELP": "0"}).share(1000) == 0.0
+    assert policy({"STRATA_PREFILL_HELP": "0"}, True, "rule").share(1000) == default_share(1000)  # the flag wins
+    fixed = {"STRATA_PREFILL_HELP": "1", "STRATA_PREFILL_HELP_FRAC": "0.25"}
+    assert policy(fixed).share(8000) == 0.25  # fixed: also where the rule is off
+    assert policy(fixed, frac="0.4").share(8000) == 0.4
     assert HelpPolicy().share(1000, across_cards=False) == 0.0  # one card, one link: nothing to gain
     assert HelpPolicy(fixed_share=0.3).share(1000, across_cards=False) == 0.3
     for bad in ("0", "1", "1.5", "-0.1", "abc"):
-        monkeypatch.setenv("STRATA_PREFILL_HELP_FRAC", bad)
         with pytest.raises(EnvError, match="STRATA_PREFILL_HELP_FRAC"):
-            HelpPolicy.resolve(None, None)
-    monkeypatch.setenv("STRATA_PREFILL_HELP", "sometimes")
-    with pytest.raises(EnvError, match="expected 0 or 1"):
-        HelpPolicy.resolve(None, None)
+            env.read({"STRATA_PREFILL_HELP_FRAC": bad})
+    with pytest.raises(EnvError, match="STRATA_PREFILL_HELP='sometimes': expected 0 or 1"):
+        env.read({"STRATA_PREFILL_HELP": "sometimes"})
     with pytest.raises(ValueError, match="strictly between 0 and 1"):
         Placement(prefill_help_frac=1.0)
 
@@ -85,7 +86,7 @@ def test_helped_equals_unhelped_and_repeats(tiny, n_stages, share, halves):
     """Helped (all rows at once, or in two halves of rows) equals help-off up to the rounding of
     the two partial sums, and repeats bit for bit."""
     f, spec = tiny
-    runner = build_split(f, spec, [CPU] * n_stages, "auto", help_policy=HelpPolicy())
+    runner = build_split(f, spec, [CPU] * n_stages, AUTO_SPLIT, help_policy=HelpPolicy())
     for helper in runner.helpers:
         helper.halves_from = 100 if halves else 0
     firsts = count_hand_overs(runner)
@@ -106,7 +107,7 @@ def test_halves_of_odd_lengths_and_after_a_prefix(tiny, n, prefix):
     """Two halves of unequal length, and a prompt that continues a cached prefix: helped in halves
     equals help-off (fp32, the two partial sums apart), and the caches hold the same keys."""
     f, spec = tiny
-    runner = build_split(f, spec, [CPU, CPU], "auto", help_policy=HelpPolicy(fixed_share=0.4))
+    runner = build_split(f, spec, [CPU, CPU], AUTO_SPLIT, help_policy=HelpPolicy(fixed_share=0.4))
     for helper in runner.helpers:
         helper.halves_from = 1
     firsts = count_hand_overs(runner)
@@ -134,7 +135,7 @@ def test_a_failed_pass_in_halves_leaves_nothing_behind(tiny):
     """A pass that fails in a layer's second half, with hand-overs of earlier halves still to be
     collected: the next helped prompt equals help-off, and no hand-over is left pending."""
     f, spec = tiny
-    runner = build_split(f, spec, [CPU, CPU], "auto", help_policy=HelpPolicy(fixed_share=0.4))
+    runner = build_split(f, spec, [CPU, CPU], AUTO_SPLIT, help_policy=HelpPolicy(fixed_share=0.4))
     for helper in runner.helpers:
         helper.halves_from = 1
     prompt = torch.randint(0, spec.vocab_size, (60,), generator=torch.Generator().manual_seed(3))
@@ -162,7 +163,7 @@ def test_a_failed_pass_in_halves_leaves_nothing_behind(tiny):
 def test_halves_only_from_their_length(tiny):
     """A helped prompt shorter than `halves_from` hands each layer over once; one as long, twice."""
     f, spec = tiny
-    runner = build_split(f, spec, [CPU, CPU], "auto", help_policy=HelpPolicy(fixed_share=0.4))
+    runner = build_split(f, spec, [CPU, CPU], AUTO_SPLIT, help_policy=HelpPolicy(fixed_share=0.4))
     runner.helpers[0].halves_from = runner.helpers[1].halves_from = 120
     firsts = count_hand_overs(runner)
     for n, per_layer in ((119, [True]), (120, [True, False])):
@@ -175,7 +176,7 @@ def test_last_help_says_what_each_helper_took(tiny):
     """`SplitRunner.last_help`: per busy stage, the streamed experts a layer its helper took in
     the last whole prompt (what bench's one-chunk bound reads)."""
     f, spec = tiny
-    runner = build_split(f, spec, [CPU, CPU], "auto", help_policy=HelpPolicy(fixed_share=0.4))
+    runner = build_split(f, spec, [CPU, CPU], AUTO_SPLIT, help_policy=HelpPolicy(fixed_share=0.4))
     prompt = torch.randint(0, spec.vocab_size, (50,))
     runner.prefill(runner.new_sequence(64), prompt, whole_prompt=True)
     a, b = runner.stages
@@ -194,7 +195,7 @@ def test_bench_bound_of_a_one_chunk_prompt_follows_the_help(tiny, monkeypatch):
 
     f, spec = tiny
     monkeypatch.setattr(rate_model, "link_rate", lambda ctx: 50e9)  # CPU stages have no link to probe
-    runner = build_split(f, spec, [CPU, CPU], "auto", help_policy=HelpPolicy(fixed_share=0.4))
+    runner = build_split(f, spec, [CPU, CPU], AUTO_SPLIT, help_policy=HelpPolicy(fixed_share=0.4))
     runner.policy = HelpPolicy(enabled=False)
     n = 50
     prompt = torch.randint(0, spec.vocab_size, (n,))
@@ -213,7 +214,7 @@ def test_a_prompt_that_gathers_has_no_help(tiny):
     and streams nothing: no helper is bound and `last_help` says 0."""
     f, spec = tiny
     opts = StageOptions(device=torch.device("cpu"), chunk_size=256, resident_experts=2)
-    runner = build_split(f, spec, [opts, opts], "auto", help_policy=HelpPolicy(fixed_share=0.4))
+    runner = build_split(f, spec, [opts, opts], AUTO_SPLIT, help_policy=HelpPolicy(fixed_share=0.4))
     moved = sum(h.to_helper.bytes_moved for h in runner.helpers)
     runner.prefill(runner.new_sequence(16), torch.randint(0, spec.vocab_size, (1,)), whole_prompt=True)
     assert runner.last_help == [0, 0] and sum(h.to_helper.bytes_moved for h in runner.helpers) == moved
@@ -226,7 +227,7 @@ def test_bench_compute_passes_teach_the_policy_nothing(tiny, monkeypatch):
     from strata_mgpu.tools.bench import time_compute, time_prefill
 
     f, spec = tiny
-    runner = build_split(f, spec, [CPU, CPU], "auto", help_policy=HelpPolicy())
+    runner = build_split(f, spec, [CPU, CPU], AUTO_SPLIT, help_policy=HelpPolicy())
     seen = []
     monkeypatch.setattr(HelpPolicy, "observe", lambda self, tokens, share, secs: seen.append(tokens))
     time_compute(runner, 50, 3, 256)
@@ -258,7 +259,7 @@ def test_early_ring_bytes():
 def test_helper_engages_only_for_one_chunk_prompts(tiny):
     f, spec = tiny
     tok = tokenizer_from_gguf(f)
-    runner = build_split(f, spec, [CPU, CPU], "auto", help_policy=HelpPolicy(fixed_share=0.4))
+    runner = build_split(f, spec, [CPU, CPU], AUTO_SPLIT, help_policy=HelpPolicy(fixed_share=0.4))
     moved = lambda: sum(h.to_helper.bytes_moved for h in runner.helpers)  # noqa: E731
     prompt = tok.encode("Once upon a time there was a small model that wanted to run on two old cards.")
     params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
@@ -274,7 +275,7 @@ def test_helper_engages_only_for_one_chunk_prompts(tiny):
 def test_helper_holds_only_lent_buffers(tiny):
     """No memory of its own: what the helper computes in is the idle stage's ring and workspace."""
     f, spec = tiny
-    runner = build_split(f, spec, [CPU, CPU], "auto", help_policy=HelpPolicy(fixed_share=0.4))
+    runner = build_split(f, spec, [CPU, CPU], AUTO_SPLIT, help_policy=HelpPolicy(fixed_share=0.4))
     seen = []
     helper = runner.helpers[0]
     run_rows = helper.run_rows
@@ -316,7 +317,7 @@ def test_sweep_cli_on_two_cpu_stages(tiny_gguf, tmp_path):
 def test_rule_leaves_stages_on_one_device_unhelped(tiny):
     """No second link on one device: the rule's share is not used there; a fixed share is."""
     f, spec = tiny
-    runner = build_split(f, spec, [CPU, CPU], "auto", help_policy=HelpPolicy())
+    runner = build_split(f, spec, [CPU, CPU], AUTO_SPLIT, help_policy=HelpPolicy())
     prompt = torch.randint(0, spec.vocab_size, (100,))
     runner.prefill(runner.new_sequence(256), prompt, whole_prompt=True)
     assert sum(h.to_helper.bytes_moved for h in runner.helpers) == 0
@@ -331,9 +332,9 @@ def test_helper_takes_only_streamed_experts(tiny, resident):
     answer equals the unhelped one of the same residency and the all-streamed one."""
     f, spec = tiny
     opts = StageOptions(device=torch.device("cpu"), chunk_size=256, resident_experts=resident)
-    runner = build_split(f, spec, [opts, opts], "auto", help_policy=HelpPolicy())
+    runner = build_split(f, spec, [opts, opts], AUTO_SPLIT, help_policy=HelpPolicy())
     streamed = build_split(f, spec, [CPU.__class__(device=torch.device("cpu"), chunk_size=256, resident_experts=0)] * 2,
-                           "auto", help_policy=HelpPolicy(enabled=False))
+                           AUTO_SPLIT, help_policy=HelpPolicy(enabled=False))
     prompt = torch.randint(0, spec.vocab_size, (120,))
     off, on, again = helped_and_not(runner, prompt, 0.5)
     reference = streamed.prefill(streamed.new_sequence(512), prompt, whole_prompt=True)
@@ -354,7 +355,7 @@ def test_helper_takes_only_streamed_experts(tiny, resident):
 @pytest.mark.parametrize("failing_call", [2, 3])
 def test_a_failed_helped_pass_gives_both_rings_back(tiny, failing_call):
     f, spec = tiny
-    runner = build_split(f, spec, [CPU, CPU], "auto", help_policy=HelpPolicy(fixed_share=0.5))
+    runner = build_split(f, spec, [CPU, CPU], AUTO_SPLIT, help_policy=HelpPolicy(fixed_share=0.5))
     busy = runner.stages[0].model.experts
     grouped_mlp, calls = busy.kernels.grouped_mlp, []
 
@@ -380,7 +381,7 @@ def test_timed_one_chunk_prompts_refine_the_auto_share(tiny, monkeypatch):
     """The split runner times each one-chunk prompt (events on a GPU, the host clock here) and
     hands the policy its time once it has finished, skipping the first (warm-up)."""
     f, spec = tiny
-    runner = build_split(f, spec, [CPU, CPU], "auto", help_policy=HelpPolicy())
+    runner = build_split(f, spec, [CPU, CPU], AUTO_SPLIT, help_policy=HelpPolicy())
     seen = []
     monkeypatch.setattr(HelpPolicy, "observe", lambda self, tokens, share, secs: seen.append((tokens, share, secs)))
     for n in (50, 60, 70):

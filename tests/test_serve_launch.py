@@ -19,7 +19,7 @@ from rich.console import Console
 from rich.progress import Progress
 
 from strata_mgpu.cli import main
-from strata_mgpu.config import EngineConfig, Placement, ServerConfig
+from strata_mgpu.config import EngineConfig, LayerSplit, Placement, ServerConfig
 from strata_mgpu.engine.build import build_runner
 from strata_mgpu.model.gguf_reader import GGUFFile
 from strata_mgpu.model.spec import spec_from_gguf
@@ -143,10 +143,12 @@ def test_serve_refuses_in_one_line_before_serving(tiny_gguf, monkeypatch, args, 
 
 
 def test_placement_accepts_a_split_only_across_devices():
-    assert Placement(devices=("cpu",), layer_split=" Auto ").layer_split == " Auto "
-    assert Placement(devices=("0", "1", "2"), layer_split="16,32").layer_split == "16,32"
+    assert Placement(devices=("cpu",), layer_split=LayerSplit.parse(" Auto ")).layer_split.auto
+    assert Placement(devices=("0", "1", "2"), layer_split=LayerSplit.parse("16,32")).layer_split.starts == (16, 32)
     with pytest.raises(ValueError, match="needs several devices"):
-        Placement(devices=("auto",), layer_split="24")
+        Placement(devices=("auto",), layer_split=LayerSplit((24,)))
+    with pytest.raises(ValueError, match="makes 2 stages, but 3 devices"):
+        Placement(devices=("0", "1", "2"), layer_split=LayerSplit((24,)))
 
 
 def test_warnings_for_a_context_beyond_the_model_and_a_vram_cap_on_the_cpu(tiny_gguf):
@@ -167,7 +169,7 @@ def test_loading_bars_of_a_second_stage_end_at_their_own_total(tiny_gguf):
     must still count 1..its own total."""
     f = GGUFFile(tiny_gguf)
     with Progress(console=Console(file=io.StringIO())) as bar:
-        build_runner(f, spec_from_gguf(f), Placement(devices=("cpu", "cpu"), layer_split="2"), 16,
+        build_runner(f, spec_from_gguf(f), Placement(devices=("cpu", "cpu"), layer_split=LayerSplit((2,))), 16,
                      on_progress=layer_bars(bar))
         shown = {t.description: (t.completed, t.total) for t in bar.tasks}
     assert shown == {f"{what} {layers} on cpu": (2, 2) for what in ("dense weights", "experts")

@@ -12,7 +12,7 @@ import torch
 from click.testing import CliRunner
 
 from strata_mgpu.cli import main
-from strata_mgpu.config import EngineConfig
+from strata_mgpu.config import AUTO_SPLIT, EngineConfig, LayerSplit
 from strata_mgpu.engine.engine import Engine, RequestOutput
 from strata_mgpu.engine.sampler import SamplingParams
 from strata_mgpu.model.gguf_reader import GGUFFile
@@ -34,19 +34,27 @@ CPU = StageOptions(device=torch.device("cpu"), chunk_size=64)
     ("auto", [1, 100], [(0, 1), (1, 48)]),
 ])
 def test_plan_layers(split, budgets, expected):
-    assert [(r.start, r.stop) for r in plan_layers(48, len(budgets), split, budgets)] == expected
+    assert [(r.start, r.stop) for r in plan_layers(48, len(budgets), LayerSplit.parse(split), budgets)] == expected
 
 
 @pytest.mark.parametrize("split, n, message", [
-    ("24,12", 3, "must increase"),
-    ("0", 2, "must increase"),
-    ("48", 2, "must increase"),
+    ("48", 2, "must increase within 1..47"),
     ("24", 3, "makes 2 stages, but 3"),
-    ("x", 2, "expected 'auto'"),
 ])
 def test_plan_layers_errors(split, n, message):
     with pytest.raises(SplitError, match=message):
-        plan_layers(48, n, split, [None] * n)
+        plan_layers(48, n, LayerSplit.parse(split), [None] * n)
+
+
+@pytest.mark.parametrize("split, message", [
+    ("24,12", "increasing from 1"),
+    ("0", "increasing from 1"),
+    ("x", "expected 'auto'"),
+    ("", "expected 'auto'"),
+])
+def test_layer_split_parse_errors(split, message):
+    with pytest.raises(ValueError, match=message):
+        LayerSplit.parse(split)
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +68,7 @@ def test_split_equals_single_stage_bit_for_bit(loaded, layer_split, n_stages):
     """Same kernels on the same rows: the hand-over must not change a single bit."""
     f, spec = loaded
     single = Stage(f, spec, CPU)
-    split = build_split(f, spec, [CPU] * n_stages, layer_split)
+    split = build_split(f, spec, [CPU] * n_stages, LayerSplit.parse(layer_split))
     assert [s.layers.start for s in split.stages][1:] == [int(x) for x in layer_split.split(",")]
     a_kv, b_kv = single.new_sequence(300), split.new_sequence(300)
     prompt = torch.randint(0, spec.vocab_size, (150,))
@@ -85,7 +93,7 @@ def test_a_stage_takes_rows_of_another_dtype_in_its_own(loaded):
     takes the first's fp32 rows in bf16 (its GEMMs refused mixed dtypes on the first prompt). Two
     CPU stages stand in: fp32, then bf16, prefill and decode as the bf16 stage alone would."""
     f, spec = loaded
-    split = build_split(f, spec, [CPU, replace(CPU, dtype=torch.bfloat16)], "2")
+    split = build_split(f, spec, [CPU, replace(CPU, dtype=torch.bfloat16)], LayerSplit((2,)))
     assert [s.model.w.dtype for s in split.stages] == [torch.float32, torch.bfloat16]
     kv = split.new_sequence(64)
     logits = split.prefill(kv, torch.randint(0, spec.vocab_size, (20,)))
@@ -98,7 +106,7 @@ def test_split_packs_short_prompts_like_one_stage(loaded):
     """Several prompts in one pass through the stages (segments): each one's last logits as one
     stage gives them, and their decode goes on alike."""
     f, spec = loaded
-    single, split = Stage(f, spec, CPU), build_split(f, spec, [CPU, CPU], "2")
+    single, split = Stage(f, spec, CPU), build_split(f, spec, [CPU, CPU], LayerSplit((2,)))
     prompts = [torch.randint(0, spec.vocab_size, (n,)) for n in (5, 17, 9)]
     a_kvs, b_kvs = [single.new_sequence(64) for _ in prompts], [split.new_sequence(64) for _ in prompts]
     a, b = single.prefill_many(a_kvs, prompts), split.prefill_many(b_kvs, prompts)
@@ -115,7 +123,7 @@ def test_engine_packs_short_prompts_on_a_split(loaded):
     tok = tokenizer_from_gguf(f)
     params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
     prompts = [(tok.encode(t), params) for t in ("One fish.", "Two fish, red fish.", "Blue fish.")]
-    split, single = build_split(f, spec, [CPU, CPU], "2"), Stage(f, spec, CPU)
+    split, single = build_split(f, spec, [CPU, CPU], LayerSplit((2,))), Stage(f, spec, CPU)
     calls = []
     real = split.prefill_many
     split.prefill_many = lambda kvs, chunks: calls.append(len(chunks)) or real(kvs, chunks)
@@ -130,7 +138,7 @@ def test_engine_greedy_on_split_equals_reference(loaded, tiny_gguf):
     tok = tokenizer_from_gguf(f)
     from strata_mgpu.model.runner import load_reference_runner
 
-    split = build_split(f, spec, [CPU, CPU], "auto")
+    split = build_split(f, spec, [CPU, CPU], AUTO_SPLIT)
     assert split.warm_decode_graphs(4096) == []  # CPU stages replay no graphs: nothing captured ahead
     prompt = tok.encode("The sea is wide, the sea is deep.")
     (out,) = run_all(Engine(split, tok, EngineConfig(chunk_size=5)),
@@ -178,7 +186,7 @@ def test_server_shaped_sampled_decode_on_a_split_equals_one_stage(loaded):
     f, spec = loaded
     tok, config = tokenizer_from_gguf(f), EngineConfig(ctx_size=256, chunk_size=64)
     want = served_ids(Stage(f, spec, CPU), tok, config)
-    assert served_ids(build_split(f, spec, [CPU, CPU], "2"), tok, config) == want
+    assert served_ids(build_split(f, spec, [CPU, CPU], LayerSplit((2,))), tok, config) == want
 
 
 def test_bench_cli_with_two_cpu_stages(tiny_gguf, tmp_path):

@@ -10,6 +10,7 @@ import time
 import pytest
 import torch
 
+from strata_mgpu.config import LayerSplit
 from strata_mgpu.model.gguf_reader import GGUFFile
 from strata_mgpu.model.spec import spec_from_gguf
 from strata_mgpu.split.runner import build_split
@@ -33,7 +34,7 @@ def loaded(tiny_gguf):
 
 
 def threaded_split(f, spec, n_stages: int = 2):
-    split = build_split(f, spec, [CPU] * n_stages, "2" if n_stages == 2 else "1,3")
+    split = build_split(f, spec, [CPU] * n_stages, LayerSplit((2,)) if n_stages == 2 else LayerSplit((1, 3)))
     split.workers = StageWorkers([s.ctx.device for s in split.stages], threaded=True)
     return split
 
@@ -50,7 +51,7 @@ def prefill_chunks(runner, kv, prompt: torch.Tensor, chunk: int = 64) -> torch.T
 @pytest.mark.parametrize("n_stages", [2, 3])
 def test_threaded_stages_equal_inline(loaded, n_stages):
     f, spec = loaded
-    inline = build_split(f, spec, [CPU] * n_stages, "2" if n_stages == 2 else "1,3")
+    inline = build_split(f, spec, [CPU] * n_stages, LayerSplit((2,)) if n_stages == 2 else LayerSplit((1, 3)))
     assert not inline.workers.threaded  # CPU stages run as they are queued
     threaded = threaded_split(f, spec, n_stages)
     prompt = torch.randint(0, spec.vocab_size, (200,))
@@ -80,7 +81,7 @@ def test_a_stage_failure_reaches_its_prompt_and_the_stages_stay_in_step(loaded, 
     still pair up)."""
     f, spec = loaded
     split = threaded_split(f, spec)
-    reference = build_split(f, spec, [CPU] * 2, "2")
+    reference = build_split(f, spec, [CPU] * 2, LayerSplit((2,)))
     stage1 = split.stages[1].model
     real_run, calls = stage1.run, []
 
@@ -118,7 +119,7 @@ def test_a_pack_waits_for_its_first_prompts_chunks_in_flight(loaded):
     """The engine packs the next chunk of a long prompt (its earlier chunks maybe still queued)
     with short prompts: the pack's result waits for those too, and equals the inline run's."""
     f, spec = loaded
-    split, reference = threaded_split(f, spec), build_split(f, spec, [CPU] * 2, "2")
+    split, reference = threaded_split(f, spec), build_split(f, spec, [CPU] * 2, LayerSplit((2,)))
     long = torch.randint(0, spec.vocab_size, (114,))  # 64, then 50 beside 5 + 9: one chunk's room
     shorts = [torch.randint(0, spec.vocab_size, (n,)) for n in (5, 9)]
     outs = []
@@ -162,7 +163,7 @@ def test_a_lagging_stage_reads_every_chunk_it_was_sent(loaded):
     chunks: the result is still the inline run's (before the bound, stage 0 wrote chunk c+2 into
     chunk c's buffer before stage 1 read it: other logits, another argmax)."""
     f, spec = loaded
-    split, reference = threaded_split(f, spec), build_split(f, spec, [CPU] * 2, "2")
+    split, reference = threaded_split(f, spec), build_split(f, spec, [CPU] * 2, LayerSplit((2,)))
     split.on_stage = lambda k, what: time.sleep(0.05) if (k, what) == (1, "end") else None
     prompt = torch.randint(0, spec.vocab_size, (320,))
     a = prefill_chunks(split, split.new_sequence(400), prompt)

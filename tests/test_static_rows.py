@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from strata_mgpu.config import EngineConfig
+from strata_mgpu.config import EngineConfig, LayerSplit
 from strata_mgpu.engine.engine import Engine
 from strata_mgpu.engine.sampler import SamplingParams
 from strata_mgpu.model import decoder as decoder_module
@@ -224,7 +224,7 @@ def test_a_split_reaches_the_static_path_on_each_stage(wide_gguf):
     tokens: tests/test_ordering_stages.py reruns this under the ordering twin.)"""
     f = GGUFFile(wide_gguf)
     spec, tok = spec_from_gguf(f), tokenizer_from_gguf(f)
-    split = build_split(f, spec, [CPU, CPU], "2")
+    split = build_split(f, spec, [CPU, CPU], LayerSplit((2,)))
     prompts = [list(range(5, 19)), [30, 31, 32], [50, 51]]
     want, _ = greedy_served(Stage(f, spec, CPU), tok, [], False, prompts, max_tokens=3)
     got, n_on = greedy_served(split, tok, split.stages, True, prompts, max_tokens=3)

@@ -6,7 +6,6 @@ from collections.abc import Callable
 
 import torch
 
-from strata_mgpu import env
 from strata_mgpu.config import Placement
 from strata_mgpu.engine.runner import ModelRunner
 from strata_mgpu.model.gguf_reader import GGUFFile
@@ -47,7 +46,6 @@ def cpu_budget_warning(placement: Placement) -> str | None:
 def check_placement(placement: Placement, spec: ModelSpec) -> None:
     """Fail before anything loads: devices that do not exist, a split that does not fit."""
     devices = resolve_devices(placement)
-    HelpPolicy.resolve(placement.prefill_help, placement.prefill_help_frac)  # a bad STRATA_PREFILL_* fails now
     if len(devices) > 1:
         plan_layers(spec.n_layers, len(devices), placement.layer_split,
                     [placement.budget(i) for i in range(len(devices))])
@@ -58,7 +56,8 @@ def stage_options(placement: Placement, chunk_size: int, kv_tokens: int) -> list
                          context=kv_tokens,
                          resident_experts=placement.resident_experts,
                          dtype=torch.float32 if placement.dtype == "fp32" else None,
-                         cuda_graphs=placement.cuda_graphs)
+                         cuda_graphs=placement.cuda_graphs, graph_batch=placement.decode_graph_batch,
+                         kv_prefetch=placement.kv_prefetch)
             for i, d in enumerate(resolve_devices(placement))]
 
 
@@ -80,8 +79,8 @@ def preview_plans(f: GGUFFile, spec: ModelSpec, placement: Placement, chunk_size
                                  n_layers=len(layers), expert_bytes=largest, dense=dense,
                                  budget=int(budget * GiB) if budget else None, elem=elem,
                                  resident_per_layer=placement.resident_experts, where=f"stage on {name}",
-                                 staging_buffers=2 if env.kv_prefetch() else 1,
-                                 decode_rows=env.decode_graph_batch(), head=layers.stop == spec.n_layers)
+                                 staging_buffers=2 if placement.kv_prefetch else 1,
+                                 decode_rows=placement.decode_graph_batch, head=layers.stop == spec.n_layers)
         out.append((name, layers, plan))
     return out
 
@@ -98,5 +97,6 @@ def build_runner(f: GGUFFile, spec: ModelSpec, placement: Placement, chunk_size:
             return load_reference_runner(f, spec, on_progress=(lambda d, t: on_progress("layers", d, t))
                                          if on_progress else None)
         return Stage(f, spec, options[0], on_progress=on_progress)
-    policy = HelpPolicy.resolve(placement.prefill_help, placement.prefill_help_frac)
-    return build_split(f, spec, options, placement.layer_split, on_progress=on_progress, help_policy=policy)
+    policy = HelpPolicy.of(placement.prefill_help, placement.prefill_help_frac)
+    return build_split(f, spec, options, placement.layer_split, on_progress=on_progress, help_policy=policy,
+                       help_halves=placement.help_halves, stage_threads=placement.stage_threads)

@@ -16,7 +16,6 @@ import uvicorn
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from strata_mgpu import env
 from strata_mgpu.config import ServerConfig
 from strata_mgpu.engine.build import build_runner, check_placement, cpu_budget_warning
 from strata_mgpu.engine.engine import Engine
@@ -52,15 +51,15 @@ class LoadCancelled(Exception):
     """Raised between two layers inside the loader once the server is stopping."""
 
 
-def setup_logging() -> None:
-    logging.basicConfig(level=env.log_level(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+def setup_logging(level: str) -> None:
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
 
-def demo_model_path() -> Path:
-    """The built-in demo model, written into the cache directory the first time it is needed."""
+def demo_model_path(cache_dir: Path) -> Path:
+    """The built-in demo model, written into `cache_dir` the first time it is needed."""
     from strata_mgpu.model.synthetic import write_model
 
-    path = env.cache_dir() / f"{DEMO_NAME}-{DEMO_PRESET}-seed{DEMO_SEED}.gguf"
+    path = cache_dir / f"{DEMO_NAME}-{DEMO_PRESET}-seed{DEMO_SEED}.gguf"
     if not path.exists():
         tmp = path.with_suffix(f".tmp{os.getpid()}")
         log.info("writing the demo model to %s", path)
@@ -181,7 +180,7 @@ def serve(config: ServerConfig) -> int:
     uvicorn it raises `Stopped`); only when the loader has ended and the engine stopped does this
     return 128 + the signal (130 for Ctrl+C, 143 for SIGTERM: what a shell reports for a process
     the signal ended)."""
-    setup_logging()
+    setup_logging(config.log_level)
     f, spec, tokenizer = open_model(config.model_path)
     check_placement(config.placement, spec)
     for warning in config_warnings(config, spec):
@@ -201,7 +200,7 @@ def serve(config: ServerConfig) -> int:
             # No lifespan protocol: the app has no startup or shutdown hooks (the loader and the
             # engine are ours), and a second Ctrl+C would cancel uvicorn's lifespan task mid-wait
             # and print its traceback.
-            uvicorn.Server(uvicorn.Config(app, log_level=env.log_level().lower(), access_log=False,
+            uvicorn.Server(uvicorn.Config(app, log_level=config.log_level.lower(), access_log=False,
                                           lifespan="off")).run(sockets=[sock])
         finally:
             _StopSignal.serving = False

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from strata_mgpu import env
 from strata_mgpu.split.rate_model import RateEstimate, StageLoad
 
 MAX_SHARE = 0.45
@@ -45,13 +44,11 @@ class HelpPolicy:
         return cls(enabled=share > 0, fixed_share=share if share > 0 else None)
 
     @classmethod
-    def resolve(cls, flag: bool | None, frac: float | str | None) -> HelpPolicy:
-        """CLI flags win over the environment, which wins over the defaults (raises EnvError)."""
-        enabled = env.prefill_help() if flag is None else flag
-        chosen = env.prefill_help_frac() if frac is None else env.parse_help_frac(frac, "--prefill-help-frac")
-        if isinstance(chosen, float):
-            return cls(enabled=enabled, fixed_share=chosen)
-        return cls(enabled=enabled, mode=chosen or "auto")
+    def of(cls, enabled: bool, share: float | str) -> HelpPolicy:
+        """From the placement's switch and share: 'auto', 'rule' or a fixed share."""
+        if isinstance(share, float):
+            return cls(enabled=enabled, fixed_share=share)
+        return cls(enabled=enabled, mode=share)
 
     def share(self, tokens: int, across_cards: bool = True, load: StageLoad | None = None) -> float:
         """The helper's share for a one-chunk prompt of `tokens`; `auto` needs the busy stage's

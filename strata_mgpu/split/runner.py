@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from strata_mgpu import env
+from strata_mgpu.config import LayerSplit
 from strata_mgpu.model.decoder import Segment
 from strata_mgpu.model.gguf_reader import GGUFFile
 from strata_mgpu.model.kv_cache import KVCache
@@ -38,34 +38,32 @@ class SplitError(ValueError):
     """A --layer-split that cannot be used; the message says why."""
 
 
-def plan_layers(n_layers: int, n_stages: int, layer_split: str, weights: Sequence[float | None]) -> list[range]:
-    """Stage layer ranges from 'auto' (proportional to `weights`, e.g. VRAM budgets; equal when
-    unknown) or 'K1,K2,..' (each the first layer of a later stage)."""
+def plan_layers(n_layers: int, n_stages: int, layer_split: LayerSplit, weights: Sequence[float | None]
+                ) -> list[range]:
+    """Stage layer ranges from an auto split (proportional to `weights`, e.g. VRAM budgets; equal
+    when unknown) or the first layer of each later stage, checked against the model's layers."""
     if n_stages < 1:
         raise SplitError("no devices")
-    text = layer_split.strip().lower()
-    if text == "auto":
+    if layer_split.auto:
         w = [x if x else 1.0 for x in weights] if all(weights) else [1.0] * n_stages
         if n_layers < n_stages:
             raise SplitError(f"{n_stages} stages need at least {n_stages} layers, the model has {n_layers}")
-        total, starts, acc = sum(w), [], 0.0
+        total, acc = sum(w), 0.0
+        starts = []
         for x in w[:-1]:
             acc += x
             starts.append(round(n_layers * acc / total))
         starts = [min(max(s, i + 1), n_layers - (n_stages - 1 - i)) for i, s in enumerate(starts)]
     else:
-        try:
-            starts = [int(x) for x in text.split(",") if x.strip()]
-        except ValueError:
-            raise SplitError(f"--layer-split {layer_split!r}: expected 'auto' or layer numbers "
-                             f"like 24 or 16,32") from None
+        starts = list(layer_split.starts)
         if len(starts) != n_stages - 1:
-            raise SplitError(f"--layer-split {layer_split!r} makes {len(starts) + 1} stages, but {n_stages} "
+            raise SplitError(f"--layer-split '{layer_split}' makes {len(starts) + 1} stages, but {n_stages} "
                              f"device(s) were given")
     bounds = [0, *starts, n_layers]
     for a, b in zip(bounds, bounds[1:], strict=False):
         if not a < b:
-            raise SplitError(f"--layer-split {layer_split!r}: stage boundaries must increase within 1..{n_layers - 1}")
+            raise SplitError(f"--layer-split '{layer_split}': stage boundaries must increase within "
+                             f"1..{n_layers - 1}")
     return [range(a, b) for a, b in zip(bounds, bounds[1:], strict=False)]
 
 
@@ -93,7 +91,7 @@ class SplitKV:
 class SplitRunner:
     """A `ModelRunner` over stages chained by exchanges."""
 
-    def __init__(self, stages: list[Stage], exchanges: list[Exchange]):
+    def __init__(self, stages: list[Stage], exchanges: list[Exchange], *, stage_threads: bool = True):
         assert len(exchanges) == len(stages) - 1 and stages[0].is_first and stages[-1].is_last
         self.stages = stages
         self.exchanges = exchanges
@@ -107,7 +105,7 @@ class SplitRunner:
         self.observing = True
         self._clock = PromptClock(stages[-1].ctx)  # times one-chunk prompts for the policy's rates
         self.kv_token_budget = min(s.kv_token_budget for s in stages)  # every stage holds every sequence's KV
-        threaded = env.stage_threads() and all(s.ctx.is_cuda for s in stages)  # CPU work runs as it is queued
+        threaded = stage_threads and all(s.ctx.is_cuda for s in stages)  # CPU work runs as it is queued
         self.workers = StageWorkers([s.ctx.device for s in stages], threaded)
 
     def kv_cells(self, tokens: int) -> int:
@@ -122,12 +120,10 @@ class SplitRunner:
         """The longest sequence every stage planned for (its KV staging included)."""
         return min(s.max_context for s in self.stages)
 
-    def set_stage_helper(self, policy: HelpPolicy, max_rows: int, halves_from: int | None = None) -> None:
+    def set_stage_helper(self, policy: HelpPolicy, max_rows: int, halves_from: int = 0) -> None:
         """Give each stage's prompt path the next stage's helper (the last stage gets the
         first's), with host buffers for prompts of up to `max_rows` tokens; helped prompts of
-        `halves_from` tokens or more run in two halves (None: `STRATA_HELP_HALVES`, 0: never)."""
-        if halves_from is None:
-            halves_from = env.help_halves()
+        `halves_from` tokens or more run in two halves (0: never)."""
         n = len(self.stages)
         self.helpers = []
         for k, busy in enumerate(self.stages):
@@ -346,10 +342,13 @@ class PromptClock:
         return tokens, seconds
 
 
-def build_split(f: GGUFFile, spec: ModelSpec, options: list[StageOptions], layer_split: str,
+def build_split(f: GGUFFile, spec: ModelSpec, options: list[StageOptions], layer_split: LayerSplit,
                 on_progress: Callable[[str, int, int], None] | None = None,
-                help_policy: HelpPolicy | None = None) -> SplitRunner:
-    """Stages on `options`' devices (one each, in order), layers placed by `layer_split`."""
+                help_policy: HelpPolicy | None = None, *, help_halves: int = 0,
+                stage_threads: bool = True) -> SplitRunner:
+    """Stages on `options`' devices (one each, in order), layers placed by `layer_split`; the
+    helper of one-chunk prompts where `help_policy` is enabled (in two halves of rows from
+    `help_halves` tokens, 0: never); `stage_threads`: a host thread per GPU stage."""
     ranges = plan_layers(spec.n_layers, len(options), layer_split, [o.max_vram_gib for o in options])
     log.info("layer split %s: %s", layer_split, "; ".join(f"stage {i}: layers {r.start}-{r.stop - 1} on {o.device}"
                                                          for i, (o, r) in enumerate(zip(options, ranges, strict=True))))
@@ -360,7 +359,7 @@ def build_split(f: GGUFFile, spec: ModelSpec, options: list[StageOptions], layer
     max_bytes = chunk * spec.hidden * 4  # fp32 rows at most: bf16 needs half
     exchanges = [Exchange(a.ctx, b.ctx, a.kernels, b.kernels, max_bytes, bounded=True)  # stages: two threads
                  for a, b in zip(stages, stages[1:], strict=False)]
-    runner = SplitRunner(stages, exchanges)
+    runner = SplitRunner(stages, exchanges, stage_threads=stage_threads)
     if help_policy is not None and help_policy.enabled:
-        runner.set_stage_helper(help_policy, chunk)
+        runner.set_stage_helper(help_policy, chunk, halves_from=help_halves)
     return runner

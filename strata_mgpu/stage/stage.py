@@ -16,7 +16,6 @@ from dataclasses import dataclass
 
 import torch
 
-from strata_mgpu import env
 from strata_mgpu.kernels.decode_ops import ATTN_HEAD_DIMS, ATTN_MIN_CAPABILITY, CudaDecodeOps
 from strata_mgpu.kernels.experts import CudaKernels, TorchKernels, select_kernels
 from strata_mgpu.model.decoder import Decoder, Segment
@@ -58,7 +57,8 @@ class StageOptions:
     prefer_cuda_kernels: bool = True
     dtype: torch.dtype | None = None  # compute dtype; None: bf16 on CUDA, fp32 on the CPU
     cuda_graphs: bool = True  # replay decode steps as captured graphs (one per batch size bucket) where possible
-    graph_batch: int | None = None  # the largest batch replayed as a graph; None: STRATA_DECODE_GRAPH_BATCH
+    graph_batch: int = 8  # the largest batch replayed as a graph (STRATA_DECODE_GRAPH_BATCH)
+    kv_prefetch: bool = True  # spilled KV uploaded a layer ahead on a side stream (STRATA_KV_PREFETCH)
 
 
 @dataclass(frozen=True)
@@ -90,6 +90,7 @@ class Stage(DecoderRunner):
     def __init__(self, f: GGUFFile, spec: ModelSpec, opts: StageOptions, layers: range | None = None,
                  on_progress: Callable[[str, int, int], None] | None = None):
         layers = layers if layers is not None else range(spec.n_layers)
+        self.options = opts
         assert 0 <= layers.start < layers.stop <= spec.n_layers and layers.step == 1
         self.layers = layers
         self.is_first, self.is_last = layers.start == 0, layers.stop == spec.n_layers
@@ -111,7 +112,7 @@ class Stage(DecoderRunner):
         self.arena = HostExpertArena(f, spec, layers, pin=self.ctx.is_cuda,
                                      on_layer=progress("experts" + tag, len(layers)))
         kernels = self.kernels = select_kernels(self.ctx.device, prefer_cuda=opts.prefer_cuda_kernels)
-        self._graph_batch = opts.graph_batch or env.decode_graph_batch()  # the plan keeps its graphs' room
+        self._graph_batch = opts.graph_batch  # the plan keeps its graphs' room
         self.plan = self._plan(spec, opts, layers, dense_bytes, dtype)
         self.plan_context = max(opts.context or 0, self.plan.kv_tokens)  # the longest sequence planned for
         ring = ExpertRing(self.ctx, self.plan.ring_slot_bytes, opts.ring_slots) if self.plan.ring else None
@@ -137,7 +138,7 @@ class Stage(DecoderRunner):
         # KV cells in VRAM for all sequences together (the engine admits within it); a sequence
         # longer than that keeps its older cells in pinned host RAM (`stage.host_kv`)
         self.kv_token_budget = self.plan.kv_tokens
-        self._kv_prefetch = env.kv_prefetch()
+        self._kv_prefetch = opts.kv_prefetch
         self._kv_staging: KVStaging | None = None
         self._decoding: weakref.WeakSet = weakref.WeakSet()  # sequences past their first decode step
         self.report = StageReport(dense_bytes=dense_bytes, arena_bytes=self.arena.nbytes,
@@ -172,7 +173,7 @@ class Stage(DecoderRunner):
                                  expert_bytes=self.arena.max_expert_bytes, dense=dense_bytes, budget=budget,
                                  ring_slots=opts.ring_slots, elem=torch.empty((), dtype=dtype).element_size(),
                                  resident_per_layer=resident, where=f"stage on {self.ctx.device}",
-                                 staging_buffers=2 if env.kv_prefetch() else 1,
+                                 staging_buffers=2 if opts.kv_prefetch else 1,
                                  decode_rows=self._graph_batch, head=self.is_last)
 
     @property

@@ -190,7 +190,8 @@ def host_profile(runner, kv, prompt: torch.Tensor, top: int = 30) -> str:
 
 
 def main() -> None:
-    from strata_mgpu.config import Placement
+    from strata_mgpu import env
+    from strata_mgpu.config import LayerSplit, Placement
     from strata_mgpu.engine.build import build_runner
     from strata_mgpu.env import default_allocator_config
     from strata_mgpu.model.gguf_reader import GGUFFile
@@ -218,8 +219,9 @@ def main() -> None:
     f = GGUFFile(args.model)
     spec = spec_from_gguf(f)
     budgets = tuple(float(x) for x in args.max_vram.split(","))
-    placement = Placement(devices=tuple(args.devices.split(",")), layer_split=args.layer_split,
-                          max_vram_gib=budgets, resident_experts=args.resident_experts)
+    placement = Placement.from_env(env.read(), devices=tuple(args.devices.split(",")),
+                                   layer_split=LayerSplit.parse(args.layer_split), max_vram_gib=budgets,
+                                   resident_experts=args.resident_experts)
     runner = build_runner(f, spec, placement, args.tokens, kv_tokens=args.tokens + 1)
     if not getattr(runner, "helpers", None):
         raise SystemExit("the helper needs two or more stages (--devices 0,1 or 0,0)")

@@ -18,6 +18,7 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from strata_mgpu import env
 from strata_mgpu.config import Placement
 from strata_mgpu.engine.build import build_runner
 from strata_mgpu.model.gguf_reader import GGUFFile
@@ -60,8 +61,8 @@ def main() -> None:
     f = GGUFFile(args.model)
     spec = spec_from_gguf(f)
     budgets = tuple(float(x) for x in args.max_vram.split(","))
-    placement = Placement(devices=tuple(args.devices.split(",")), max_vram_gib=budgets, layer_split="auto",
-                          prefill_help=False)
+    placement = Placement.from_env(env.read(), prefill_help=False, devices=tuple(args.devices.split(",")),
+                                   max_vram_gib=budgets)
     runner = build_runner(f, spec, placement, args.chunk, kv_tokens=args.tokens + 1)
     stages = runner.stages
     devices = [s.ctx.device for s in stages]

@@ -1,0 +1,138 @@
+"""Every STRATA_* variable read once at start-up (`env.read`): typed values and defaults, one-line
+EnvErrors naming the variable, every command of the CLI refusing a bad value before it does
+anything (whatever the device), and the runtime following the values it is given."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from strata_mgpu import env
+from strata_mgpu.cli import main
+from strata_mgpu.config import AUTO_SPLIT, LayerSplit, Placement
+
+CPU = torch.device("cpu")
+
+
+def test_defaults_are_the_variables_own():
+    got = env.read({})
+    assert got == env.EnvOptions()
+    assert (got.log_level, got.prefill_help, got.prefill_help_frac, got.help_halves, got.kv_prefetch,
+            got.stage_threads, got.decode_graph_batch, got.cache_dir) == ("INFO", True, "auto", 0, True, True, 8, None)
+    assert {var.default for var in env.ALL} == {None, "INFO", "1", "auto", "0", "8"}
+    assert env.read({var.name: "" for var in env.ALL}) == got  # empty is unset
+
+
+@pytest.mark.parametrize("name,raw,field,want", [
+    ("STRATA_STAGE_THREADS", "0", "stage_threads", False),
+    ("STRATA_STAGE_THREADS", "1", "stage_threads", True),
+    ("STRATA_KV_PREFETCH", "0", "kv_prefetch", False),
+    ("STRATA_KV_PREFETCH", " 1 ", "kv_prefetch", True),
+    ("STRATA_DECODE_GRAPH_BATCH", "1", "decode_graph_batch", 1),
+    ("STRATA_DECODE_GRAPH_BATCH", " 16 ", "decode_graph_batch", 16),
+    ("STRATA_HELP_HALVES", " 6144 ", "help_halves", 6144),
+    ("STRATA_PREFILL_HELP", "off", "prefill_help", False),
+    ("STRATA_PREFILL_HELP_FRAC", " Rule ", "prefill_help_frac", "rule"),
+    ("STRATA_PREFILL_HELP_FRAC", "0.35", "prefill_help_frac", 0.35),
+    ("STRATA_LOG_LEVEL", "debug", "log_level", "DEBUG"),
+    ("STRATA_CACHE_DIR", "/tmp/strata-cache", "cache_dir", Path("/tmp/strata-cache")),
+])
+def test_values(name, raw, field, want):
+    assert getattr(env.read({name: raw}), field) == want
+
+
+@pytest.mark.parametrize("name,raw,message", [
+    ("STRATA_STAGE_THREADS", "yes", "expected 0 or 1"),
+    ("STRATA_KV_PREFETCH", "maybe", "expected 0 or 1"),
+    ("STRATA_KV_PREFETCH", "2", "expected 0 or 1"),
+    ("STRATA_KV_PREFETCH", "on", "expected 0 or 1"),
+    ("STRATA_DECODE_GRAPH_BATCH", "0", "from 1 to 64"),
+    ("STRATA_DECODE_GRAPH_BATCH", "65", "from 1 to 64"),
+    ("STRATA_DECODE_GRAPH_BATCH", "8.5", "from 1 to 64"),
+    ("STRATA_DECODE_GRAPH_BATCH", "\u00b2", "from 1 to 64"),  # a digit to isdigit, not to int
+    ("STRATA_HELP_HALVES", "4k", "whole number of tokens"),
+    ("STRATA_HELP_HALVES", "-1", "whole number of tokens"),
+    ("STRATA_HELP_HALVES", "\u00b2", "whole number of tokens"),
+    ("STRATA_PREFILL_HELP", "sometimes", "expected 0 or 1"),
+    ("STRATA_PREFILL_HELP_FRAC", "fast", "expected auto, rule or a number"),
+    ("STRATA_LOG_LEVEL", "LOUD", "expected DEBUG, INFO"),
+])
+def test_bad_values_are_one_line_errors(name, raw, message):
+    with pytest.raises(env.EnvError, match=f"{name}=.*{message}") as e:
+        env.read({name: raw})
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("command", [["serve"], ["topo"], ["gen-model", "x.gguf"], ["info", "x.gguf"],
+                                     ["bench", "x.gguf"], ["sweep", "x.gguf"]])
+def test_every_command_refuses_a_bad_value_at_once(tmp_path, monkeypatch, command):
+    """Before anything is read, written or loaded: `serve` would otherwise serve on the CPU, where
+    nothing reads STRATA_KV_PREFETCH."""
+    monkeypatch.chdir(tmp_path)
+    r = CliRunner().invoke(main, command, env={"STRATA_KV_PREFETCH": "maybe"})
+    assert not os.listdir(tmp_path)  # gen-model wrote nothing
+    lines = r.stderr.splitlines()
+    assert r.exit_code == 1 and len(lines) == 1, r.output
+    assert lines[0] == "Error: STRATA_KV_PREFETCH='maybe': expected 0 or 1"
+
+
+def test_placement_takes_the_environment_and_the_flags_win():
+    environment = env.read({"STRATA_PREFILL_HELP": "0", "STRATA_PREFILL_HELP_FRAC": "rule", "STRATA_HELP_HALVES": "64",
+                            "STRATA_KV_PREFETCH": "0", "STRATA_STAGE_THREADS": "0",
+                            "STRATA_DECODE_GRAPH_BATCH": "4"})
+    p = Placement.from_env(environment, devices=("cpu",))
+    assert (p.prefill_help, p.prefill_help_frac, p.help_halves, p.kv_prefetch, p.stage_threads,
+            p.decode_graph_batch) == (False, "rule", 64, False, False, 4)
+    flagged = Placement.from_env(environment, prefill_help=True, prefill_help_frac="0.3")
+    assert (flagged.prefill_help, flagged.prefill_help_frac) == (True, 0.3)
+    with pytest.raises(env.EnvError, match="--prefill-help-frac='never'"):
+        Placement.from_env(environment, prefill_help_frac="never")
+
+
+def test_the_runtime_follows_the_placement(tiny_gguf):
+    """A split's helpers take the placement's halves; its stages its prefetch and graph batch."""
+    from strata_mgpu.engine.build import build_runner
+    from strata_mgpu.model.gguf_reader import GGUFFile
+    from strata_mgpu.model.spec import spec_from_gguf
+
+    f = GGUFFile(tiny_gguf)
+    placement = Placement.from_env(env.read({"STRATA_HELP_HALVES": "4096", "STRATA_KV_PREFETCH": "0",
+                                             "STRATA_DECODE_GRAPH_BATCH": "2"}), devices=("cpu", "cpu"))
+    runner = build_runner(f, spec_from_gguf(f), placement, 64, kv_tokens=256)
+    assert [h.halves_from for h in runner.helpers] == [4096, 4096]
+    assert [s.options.kv_prefetch for s in runner.stages] == [False, False]
+    assert [s.options.graph_batch for s in runner.stages] == [2, 2]
+
+
+def test_cpu_stages_run_inline_whatever_the_switch(tiny_gguf):
+    """Threads only where the work is queued asynchronously (CUDA); CPU work runs as it is given."""
+    from strata_mgpu.model.gguf_reader import GGUFFile
+    from strata_mgpu.model.spec import spec_from_gguf
+    from strata_mgpu.split.runner import build_split
+    from strata_mgpu.stage.stage import StageOptions
+
+    f = GGUFFile(tiny_gguf)
+    cpu = StageOptions(device=CPU, chunk_size=64)
+    assert not build_split(f, spec_from_gguf(f), [cpu, cpu], LayerSplit((2,)), stage_threads=True).workers.threaded
+    assert not build_split(f, spec_from_gguf(f), [cpu, cpu], AUTO_SPLIT, stage_threads=False).workers.threaded
+
+
+def test_allocator_default_keeps_a_user_setting(monkeypatch):
+    monkeypatch.delenv(env.ALLOC_CONF, raising=False)
+    env.default_allocator_config()
+    assert os.environ[env.ALLOC_CONF] == "expandable_segments:True"
+    monkeypatch.setenv(env.ALLOC_CONF, "max_split_size_mb:128")
+    env.default_allocator_config()
+    assert os.environ[env.ALLOC_CONF] == "max_split_size_mb:128"
+
+
+def test_nothing_else_reads_the_environment():
+    """env.py is the one reader of STRATA_* variables in the package."""
+    package = Path(env.__file__).parent
+    readers = [p.relative_to(package).as_posix() for p in package.rglob("*.py")
+               if p.name != "env.py" and ("os.environ" in p.read_text() or "os.getenv" in p.read_text())]
+    assert readers == []
