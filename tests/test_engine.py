@@ -299,6 +299,17 @@ class ScriptedRunner:
     events: list[tuple] = field(default_factory=list)
     kv_token_budget: int | None = None
 
+    @property
+    def max_context(self) -> int:
+        """No host tier: a sequence is at most the whole budget."""
+        return self.kv_token_budget or self.spec.context_length
+
+    def kv_cells(self, tokens: int) -> int:
+        return tokens
+
+    def warm_decode_graphs(self, context: int) -> list[int]:
+        return []
+
     def new_sequence(self, max_length: int) -> ScriptedKV:
         return ScriptedKV(max_length)
 
@@ -312,6 +323,12 @@ class ScriptedRunner:
         kv.grow(len(tokens))
         self.events.append(("prefill", len(tokens)))
         return self._row(kv)
+
+    def prefill_many(self, kvs, chunks) -> torch.Tensor:
+        self.events.append(("prefill_many", [len(c) for c in chunks]))
+        for kv, chunk in zip(kvs, chunks, strict=True):
+            kv.grow(len(chunk))
+        return torch.stack([self._row(kv) for kv in kvs])
 
     def decode(self, kvs, tokens: torch.Tensor) -> torch.Tensor:
         self.events.append(("decode", len(kvs)))

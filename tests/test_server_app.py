@@ -13,7 +13,7 @@ from fastapi.testclient import TestClient
 from strata_mgpu.config import EngineConfig
 from strata_mgpu.engine.engine import Engine
 from strata_mgpu.model.gguf_reader import GGUFFile
-from strata_mgpu.model.runner import load_reference_runner
+from strata_mgpu.model.runner import DecoderRunner, load_reference_runner
 from strata_mgpu.model.spec import spec_from_gguf
 from strata_mgpu.model.tokenizer import tokenizer_from_gguf
 from strata_mgpu.server.app import ServerState, create_app
@@ -39,17 +39,11 @@ def test_health_is_503_while_loading_then_200(tiny_gguf):
     assert client.get("/health").status_code == 200
 
 
-class FailingDecode:
-    """A runner whose decode step raises, as a device fault would."""
+class FailingDecode(DecoderRunner):
+    """The reference, its decode step raising as a device fault would."""
 
-    def __init__(self, inner):
-        self.inner, self.spec = inner, inner.spec
-
-    def new_sequence(self, max_length):
-        return self.inner.new_sequence(max_length)
-
-    def prefill(self, kv, tokens, whole_prompt=False, want_logits=True):
-        return self.inner.prefill(kv, tokens, whole_prompt)
+    def __init__(self, inner: DecoderRunner):
+        super().__init__(inner.model)
 
     def decode(self, kvs, tokens):
         raise RuntimeError("device fell over")
@@ -159,16 +153,24 @@ def test_tokenizing_a_long_prompt_leaves_the_event_loop_free(engine, monkeypatch
     assert loop_was_free == [True]
 
 
-class OutOfMemoryOnLongPrompts(FailingDecode):
-    """A runner whose prefill runs out of device memory on prompts over 30 tokens."""
+class OutOfMemoryOnLongPrompts(DecoderRunner):
+    """The reference, its prefill running out of device memory on prompts over 30 tokens."""
+
+    def __init__(self, inner: DecoderRunner):
+        super().__init__(inner.model)
 
     def prefill(self, kv, tokens, whole_prompt=False, want_logits=True):
-        if tokens.numel() > 30:
-            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.50 GiB. GPU 0 has ...")
-        return self.inner.prefill(kv, tokens, whole_prompt)
+        self._fail_over_30(tokens.numel())
+        return super().prefill(kv, tokens, whole_prompt)
 
-    def decode(self, kvs, tokens):
-        return self.inner.decode(kvs, tokens)
+    def prefill_many(self, kvs, chunks):
+        self._fail_over_30(max(c.numel() for c in chunks))
+        return super().prefill_many(kvs, chunks)
+
+    @staticmethod
+    def _fail_over_30(tokens: int) -> None:
+        if tokens > 30:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.50 GiB. GPU 0 has ...")
 
 
 def test_out_of_memory_is_a_503_in_one_line_and_the_server_goes_on(tiny_gguf, caplog):

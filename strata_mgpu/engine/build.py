@@ -13,7 +13,7 @@ from strata_mgpu.model.runner import load_reference_runner
 from strata_mgpu.model.spec import ModelSpec
 from strata_mgpu.split.help_rule import HelpPolicy
 from strata_mgpu.split.runner import build_split, plan_layers
-from strata_mgpu.stage.device import DeviceError, parse_device
+from strata_mgpu.stage.device import check_device, parse_device
 from strata_mgpu.stage.host_arena import layer_layout
 from strata_mgpu.stage.memory_plan import GiB, MemoryPlan, dense_bytes, plan_stage_memory
 from strata_mgpu.stage.stage import Stage, StageOptions
@@ -25,13 +25,7 @@ def resolve_devices(placement: Placement) -> list[torch.device]:
     """The stages' devices, each checked to exist (DeviceError otherwise)."""
     if placement.devices == ("auto",):
         return [torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")]
-    devices = [parse_device(d) for d in placement.devices]
-    for d in devices:
-        if d.type == "cuda" and not torch.cuda.is_available():
-            raise DeviceError(f"{d} was asked for, but torch sees no CUDA device")
-        if d.type == "cuda" and (d.index or 0) >= torch.cuda.device_count():
-            raise DeviceError(f"{d} does not exist ({torch.cuda.device_count()} CUDA device(s))")
-    return devices
+    return [check_device(parse_device(d)) for d in placement.devices]
 
 
 def cpu_budget_warning(placement: Placement) -> str | None:

@@ -26,17 +26,16 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import torch
 
 from strata_mgpu.config import EngineConfig
 from strata_mgpu.engine.device_sampler import BatchSampler, DrawState
 from strata_mgpu.engine.metrics import EngineMetrics
-from strata_mgpu.engine.runner import ModelRunner
+from strata_mgpu.engine.runner import ModelRunner, SequenceState
 from strata_mgpu.engine.sampler import SamplingParams, StopMatcher
 from strata_mgpu.engine.step_tokens import StepTokens
-from strata_mgpu.model.kv_cache import KVCache
 from strata_mgpu.model.tokenizer import IncrementalDetokenizer, Tokenizer
 
 log = logging.getLogger("strata.engine")
@@ -129,7 +128,7 @@ class Request:
     stops: StopMatcher
     phase: Phase = Phase.WAITING
     draw: DrawState | None = None  # the sampler's state of the request, from admission on
-    kv: KVCache | None = None
+    kv: SequenceState | None = None  # the runner's state of the sequence, from its first chunk
     n_prefilled: int = 0  # prompt tokens in the KV cache
     last_token: torch.Tensor | None = None  # [1] on the device: the newest drawn token, the next decode input
     generated: list[int] = field(default_factory=list)  # tokens landed on the host and accepted
@@ -145,15 +144,13 @@ class Request:
 
 
 class Engine:
-    def __init__(self, runner: ModelRunner, tokenizer: Tokenizer, config: EngineConfig,
+    def __init__(self, runner: ModelRunner[Any], tokenizer: Tokenizer, config: EngineConfig,
                  metrics: EngineMetrics | None = None):
         self.runner = runner
         self.tokenizer = tokenizer
         self.config = config
-        self.n_ctx = config.n_ctx(runner.spec.context_length)
-        if self._kv_budget() is not None and not hasattr(runner, "kv_cells"):
-            self.n_ctx = min(self.n_ctx, self._kv_budget())  # no sequence longer than the runner can hold
-        self.n_ctx = min(self.n_ctx, getattr(runner, "max_context", self.n_ctx))  # nor than it planned for
+        # no sequence longer than the runner can hold
+        self.n_ctx = min(config.n_ctx(runner.spec.context_length), runner.max_context)
         self.metrics = metrics or EngineMetrics()
         self.sampler = BatchSampler()
         self._in_flight: StepTokens | None = None  # the last step's tokens, not yet on the host
@@ -196,13 +193,11 @@ class Engine:
     def start(self) -> None:
         """Capture the runner's decode graphs (where it has them), then serve from a thread."""
         assert self._thread is None, "engine already started"
-        warm = getattr(self.runner, "warm_decode_graphs", None)
-        if warm is not None:
-            t0 = time.perf_counter()
-            sizes = warm(self.n_ctx)
-            if sizes:
-                log.info("decode graphs for batches of %s rows captured in %.2f s", ", ".join(map(str, sizes)),
-                         time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        sizes = self.runner.warm_decode_graphs(self.n_ctx)
+        if sizes:
+            log.info("decode graphs for batches of %s rows captured in %.2f s", ", ".join(map(str, sizes)),
+                     time.perf_counter() - t0)
         self._thread = threading.Thread(target=self._loop, name="strata-engine", daemon=True)
         self._thread.start()
 
@@ -320,12 +315,11 @@ class Engine:
     def _kv_cells(self, tokens: int) -> int:
         """KV cells a sequence of `tokens` holds against the budget (in VRAM: a runner whose longer
         sequences spill their older KV to host RAM says how many stay)."""
-        cells = getattr(self.runner, "kv_cells", None)
-        return cells(tokens) if cells is not None else tokens
+        return self.runner.kv_cells(tokens)
 
     def _kv_budget(self) -> int | None:
         """KV cells the runner can hold for all sequences together; None: no limit."""
-        return getattr(self.runner, "kv_token_budget", None)
+        return self.runner.kv_token_budget
 
     def _guarded(self, reqs: list[Request], fn: Callable[..., T], *args: object) -> T | None:
         """Run a model call; if it fails, the requests in it will end with an error once the step
@@ -369,9 +363,8 @@ class Engine:
                                                            len(decoding), t_decode))
 
     def _prefill_pack(self) -> list[tuple[Request, list[int]]]:
-        """This step's prompt chunks: the next chunk of the first prompt in prefill, then, if the
-        runner packs sequences (`prefill_many`), every later prompt whose rest fits the chunk's
-        remaining room, whole. Short prompts arriving together so reach their first token in one
+        """This step's prompt chunks: the next chunk of the first prompt in prefill, then every
+        later prompt whose rest fits the chunk's remaining room, whole (`prefill_many`). Short prompts arriving together so reach their first token in one
         call instead of one step each."""
         prefilling = [r for r in self._running if r.phase is Phase.PREFILL]
         if not prefilling:
@@ -379,12 +372,11 @@ class Engine:
         first = prefilling[0]
         pack = [(first, first.prompt[first.n_prefilled:first.n_prefilled + self.config.chunk_size])]
         room = self.config.chunk_size - len(pack[0][1])
-        if hasattr(self.runner, "prefill_many"):
-            for r in prefilling[1:]:
-                rest = len(r.prompt) - r.n_prefilled
-                if rest <= room:
-                    pack.append((r, r.prompt[r.n_prefilled:]))
-                    room -= rest
+        for r in prefilling[1:]:
+            rest = len(r.prompt) - r.n_prefilled
+            if rest <= room:
+                pack.append((r, r.prompt[r.n_prefilled:]))
+                room -= rest
         return pack
 
     def _prefill(self, pack: list[tuple[Request, list[int]]]) -> tuple[list[Request], torch.Tensor | None]:
@@ -403,7 +395,7 @@ class Engine:
                                          want_logits=last)
             logits = logits[None] if logits is not None else None
         else:
-            logits = self.runner.prefill_many([req.kv for req, _ in pack], chunks)  # type: ignore[attr-defined]
+            logits = self.runner.prefill_many([req.kv for req, _ in pack], chunks)
         n_tokens = sum(len(chunk) for _, chunk in pack)
         self.metrics.prompt_tokens.inc(n_tokens)
         self.metrics.prompt_seconds.inc(time.perf_counter() - t0)

@@ -1,29 +1,61 @@
-"""What the engine needs of a model: `ModelRunner`.
+"""What the engine needs of a model: `ModelRunner`, all of it declared.
 
-The engine sees only this: sequences with their own state, a prefill call per chunk and one
-batched decode call per step. `model.runner.DecoderRunner` implements it over a `Decoder` (the
-CPU reference, and every GPU stage); `split.runner.SplitRunner` over chained stages.
+The engine sees only this: sequences with their own state, a prefill call per chunk (or one call
+for a pack of short prompts), one batched decode call per step, and the runner's KV limits.
+`model.runner.DecoderRunner` implements it over a `Decoder` (the CPU reference), `stage.Stage`
+over one device, `split.runner.SplitRunner` over chained stages.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 import torch
 
-from strata_mgpu.model.kv_cache import KVCache
 from strata_mgpu.model.spec import ModelSpec
 
 
-class ModelRunner(Protocol):
-    spec: ModelSpec
+class SequenceState(Protocol):
+    """One sequence's state inside a runner (its KV), opaque to the engine but for its size."""
 
-    def new_sequence(self, max_length: int) -> KVCache:
+    @property
+    def nbytes(self) -> int:
+        """Device bytes its KV holds now."""
+        ...
+
+
+S = TypeVar("S", bound=SequenceState)
+
+
+class ModelRunner(Protocol[S]):
+    """A model the engine drives; S is the runner's own sequence state."""
+
+    @property
+    def spec(self) -> ModelSpec: ...
+
+    @property
+    def kv_token_budget(self) -> int | None:
+        """KV cells the runner holds in VRAM for all its sequences together (`kv_cells` of each
+        counts against it); None: no limit. The engine admits requests while the running ones'
+        prompt + max_tokens fit."""
+        ...
+
+    @property
+    def max_context(self) -> int:
+        """The longest sequence the runner can hold (in VRAM, or partly in host RAM)."""
+        ...
+
+    def kv_cells(self, tokens: int) -> int:
+        """Cells of `kv_token_budget` a sequence of `tokens` takes (fewer than `tokens` where the
+        older cells of a long sequence live in host RAM)."""
+        ...
+
+    def new_sequence(self, max_length: int) -> S:
         """State of one sequence (its KV cache), able to hold max_length tokens."""
         ...
 
-    def prefill(self, kv: KVCache, tokens: torch.Tensor, whole_prompt: bool = False,
+    def prefill(self, kv: S, tokens: torch.Tensor, whole_prompt: bool = False,
                 want_logits: bool = True) -> torch.Tensor | None:
         """Append tokens [T] to the sequence; logits [V] of the last one. `whole_prompt`: these
         tokens are the entire prompt, in one chunk (the split runner's helper may then engage).
@@ -32,6 +64,16 @@ class ModelRunner(Protocol):
         waits for the earlier ones and raises their errors."""
         ...
 
-    def decode(self, kvs: Sequence[KVCache], tokens: torch.Tensor) -> torch.Tensor:
+    def prefill_many(self, kvs: Sequence[S], chunks: Sequence[torch.Tensor]) -> torch.Tensor:
+        """Append chunks[i] [T_i] to sequence kvs[i] (distinct sequences), all in one forward;
+        logits [N, V] of each chunk's last token. The engine packs short prompts this way."""
+        ...
+
+    def decode(self, kvs: Sequence[S], tokens: torch.Tensor) -> torch.Tensor:
         """One new token per sequence, tokens [B]; logits [B, V]."""
+        ...
+
+    def warm_decode_graphs(self, context: int) -> list[int]:
+        """Prepare what decode replays (CUDA graphs) for sequences of up to `context` tokens,
+        before the first request; the batch sizes made ready (none where nothing is replayed)."""
         ...

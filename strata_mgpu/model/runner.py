@@ -17,15 +17,24 @@ from strata_mgpu.model.weights import load_weights
 
 
 class DecoderRunner:
-    """ModelRunner over a `Decoder`: the fp32 reference on the CPU, or a device stage."""
+    """The engine's `ModelRunner` over a `Decoder` in host memory: the reference (no KV limit,
+    nothing replayed)."""
 
-    # KV cells (tokens) the runner can hold for all its sequences together; the engine admits
-    # requests while the running ones' prompt + max_tokens fit. None: no limit.
-    kv_token_budget: int | None = None
+    kv_token_budget: int | None = None  # KV cells of all sequences together: no limit
 
     def __init__(self, model: Decoder):
         self.model = model
         self.spec = model.spec
+
+    @property
+    def max_context(self) -> int:
+        return self.spec.context_length
+
+    def kv_cells(self, tokens: int) -> int:
+        return tokens
+
+    def warm_decode_graphs(self, context: int) -> list[int]:
+        return []
 
     def new_sequence(self, max_length: int) -> KVCache:
         return self.model.new_cache(max_length=max_length)
@@ -39,8 +48,7 @@ class DecoderRunner:
     @torch.inference_mode()
     def prefill_many(self, kvs: Sequence[KVCache], chunks: Sequence[torch.Tensor]) -> torch.Tensor:
         """Append chunks[i] [T_i] to sequence kvs[i], all in one forward (packed as segments);
-        logits [N, V] of each chunk's last token. The engine packs short prompts this way; a
-        runner without this method gets them one at a time."""
+        logits [N, V] of each chunk's last token."""
         assert len(kvs) == len(chunks) > 0 and len({id(kv) for kv in kvs}) == len(kvs)
         ends = list(itertools.accumulate(c.shape[0] for c in chunks))
         segments = [Segment(end - c.shape[0], end, kv) for kv, c, end in zip(kvs, chunks, ends, strict=True)]

@@ -68,12 +68,7 @@ class DeviceContext:
             self.twin.contexts += 1
             self._streams = TwinStreams(self.twin, self.name)
         elif self.device.type == "cuda":
-            if not torch.cuda.is_available():
-                raise DeviceError("CUDA was asked for, but torch sees no CUDA device")
-            if (self.device.index or 0) >= torch.cuda.device_count():
-                raise DeviceError(f"{self.device} does not exist ({torch.cuda.device_count()} CUDA device(s))")
-            if self.device.index is None:
-                self.device = torch.device("cuda", 0)
+            self.device = check_device(self.device)
             self._streams = CudaStreams(self.device)
             total = torch.cuda.get_device_properties(self.device).total_memory
             _LIVE[self.device].add(self)
@@ -185,6 +180,20 @@ class DeviceContext:
         free, total = torch.cuda.mem_get_info(self.device)
         cap = self.max_vram_bytes if self.max_vram_bytes is not None else total
         return max(0, min(free, cap - torch.cuda.memory_reserved(self.device)))
+
+
+def check_device(device: torch.device) -> torch.device:
+    """The device, its CUDA index made explicit, once it is known to exist (DeviceError otherwise):
+    the one check of a device, at placement and where a stage opens it."""
+    if device.type == "cpu":
+        return device
+    if device.type != "cuda":
+        raise DeviceError(f"device {device} is not supported (cpu or cuda:N)")
+    if not torch.cuda.is_available():
+        raise DeviceError(f"{device} was asked for, but torch sees no CUDA device")
+    if (device.index or 0) >= torch.cuda.device_count():
+        raise DeviceError(f"{device} does not exist ({torch.cuda.device_count()} CUDA device(s))")
+    return torch.device("cuda", device.index or 0)
 
 
 def parse_device(name: str) -> torch.device:
