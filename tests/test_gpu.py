@@ -11,8 +11,8 @@ import torch
 
 from strata_mgpu.config import LayerSplit
 from strata_mgpu.kernels.experts import TorchKernels
-from strata_mgpu.model.decoder import DecodeOps
 from strata_mgpu.model.gguf_reader import GGUFFile
+from strata_mgpu.model.ops import DecodeOps
 from strata_mgpu.model.runner import load_reference_runner
 from strata_mgpu.model.spec import spec_from_gguf
 from strata_mgpu.model.synthetic import write_model
@@ -119,7 +119,7 @@ def test_fused_qk_norm_rope_kv_equals_twin(ops, preset, rows):
     """B rows, each written into its own cache at its own position (layer 1 of 2)."""
     from types import SimpleNamespace
 
-    from strata_mgpu.model.decoder import rope_cos_sin
+    from strata_mgpu.model.ops import rope_cos_sin
     from strata_mgpu.model.synthetic import PRESETS
 
     spec = PRESETS[preset].spec(preset)
@@ -252,7 +252,7 @@ def _share_routing(stage, ref) -> None:
         weights = probs.gather(1, picked[i])
         return weights / weights.sum(-1, keepdim=True), picked[i]
 
-    stage.model.route, ref.model.route = recording, forced
+    stage.model.routing, ref.model.routing = recording, forced
 
 
 def test_stage_bf16_matches_reference_on_shared_routing(model):
@@ -303,7 +303,7 @@ def test_short_prompts_gather_where_every_expert_is_resident(model):
 
 def test_short_forwards_through_the_fused_ops_equal_runs_path(model):
     """Decoder.static_rows on a CUDA stage: a prompt, a chunk after a prefix and a short prompt
-    packed beside it go through layers_static, several rows to one cache (CudaDecodeOps'
+    packed beside it take the row path, several rows to one cache (CudaDecodeOps'
     qk_norm_rope_kv and attention reading each row's cache up to its own position). Every row's
     logits against run's path on the same stage, the static path made to take run's picks (bf16
     routing flips would move rows by O(1); see the test above)."""
@@ -330,14 +330,14 @@ def test_short_forwards_through_the_fused_ops_equal_runs_path(model):
         tokens = torch.cat(chunks).to(CUDA)
         out = []
         for static, caches, route in ((False, caches_run, recording), (True, caches_static, forced)):
-            dec.static_rows, dec.route = static, route
+            dec.static_rows, dec.routing = static, route
             segments = [Segment(e - c.shape[0], e, kv) for c, e, kv in zip(chunks, ends, caches, strict=True)]
             attention = stage.kernels.paths["attention:cuda"]
             out.append(dec.logits(dec.forward(tokens, segments)).float().cpu())
             assert stage.kernels.paths["attention:cuda"] - attention == (spec.n_layers if static else 0)
         return out
 
-    dec.route = recording
+    dec.routing = recording
     try:
         g = torch.Generator().manual_seed(5)
         prompt = torch.randint(0, spec.vocab_size, (40,), generator=g)
@@ -352,7 +352,7 @@ def test_short_forwards_through_the_fused_ops_equal_runs_path(model):
         a, b = both([prompt[25:], other], [kv_a, stage.new_sequence(64)], [kv_b, stage.new_sequence(64)])
         assert rel_err(b, a) <= BF16_TOL  # a chunk after a prefix, one packed beside
     finally:
-        del dec.route
+        dec.routing = None
         dec.static_rows = True
 
 
@@ -398,7 +398,7 @@ def test_server_shaped_decode_within_a_tight_budget(model):
 
 def test_graph_replay_equals_the_static_step_run_eagerly(tiny_gguf):
     """The captured graph replays the static step's own kernels: the same logits as running
-    `forward_static` eagerly on a twin cache. (Against the other decode path, `run`, bf16 results
+    `step_static` eagerly on a twin cache. (Against the other decode path, `run`, bf16 results
     differ by rounding, and on the tiny model a rounding can flip a near-tied expert pick, which
     moves the logits by O(1): on the CPU, 2e-3 relative noise in attention moved bf16 logits by
     more than 2e-2 in 3 of 120 decode steps. The fused ops are checked against their twins above,
@@ -418,7 +418,7 @@ def test_graph_replay_equals_the_static_step_run_eagerly(tiny_gguf):
         with torch.inference_mode(), stage.ctx.on_compute():
             kv_e.reserve(1)
             position = torch.full((1,), kv_e.length, dtype=torch.long, device=CUDA)
-            b = stage.model.logits(stage.model.forward_static(token.to(CUDA), position, kv_e))[0]
+            b = stage.model.step_static(token.to(CUDA), position, [kv_e])[0]
             kv_e.advance(1)
         graphs.add(id(stage._graphs[1]))
         assert rel_err(a, b) <= 1e-3
@@ -615,7 +615,7 @@ def _routing_recorded_then_forced(runner):
             weights, experts = own(i, h, router)
             picked[(k, i)] = experts
             return weights, experts
-        stage.model.route = recording
+        stage.model.routing = recording
 
     def force() -> None:
         for k, stage in enumerate(runner.stages):
@@ -625,7 +625,7 @@ def _routing_recorded_then_forced(runner):
                 taken[(k, i)] = (at + h.shape[0]) % picked[(k, i)].shape[0]
                 weights = torch.softmax(h.float() @ router.float().T, dim=-1).gather(1, experts)
                 return weights / weights.sum(-1, keepdim=True), experts
-            stage.model.route = forced
+            stage.model.routing = forced
     return force
 
 

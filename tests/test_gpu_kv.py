@@ -124,14 +124,26 @@ class FailingExperts:
     def __init__(self, inner):
         self.inner, self.fail_layer = inner, None
 
-    def begin(self, n_rows):
-        self.inner.begin(n_rows)
+    def should_stream(self, n_rows):
+        return self.inner.should_stream(n_rows)
 
-    def forward(self, layer, h, weights, experts, hq=None):
+    def in_halves(self, n_rows):
+        return self.inner.in_halves(n_rows)
+
+    def begin(self, n_rows, stream):
+        self.inner.begin(n_rows, stream)
+
+    def start(self, layer, h, weights, experts, hq=None, first=True):
         if layer == self.fail_layer:
             self.fail_layer = None
             raise RuntimeError("injected failure")
-        return self.inner.forward(layer, h, weights, experts, hq=hq)
+        return self.inner.start(layer, h, weights, experts, hq=hq, first=first)
+
+    def finish(self, started):
+        return self.inner.finish(started)
+
+    def abort(self):
+        self.inner.abort()
 
 
 @torch.no_grad()

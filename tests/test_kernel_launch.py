@@ -159,7 +159,7 @@ def test_the_moe_input_is_one_launch_that_matches_its_signature(monkeypatch):
 
 
 def test_the_twin_moe_input_is_add_rms_norm_then_route():
-    from strata_mgpu.model.decoder import DecodeOps
+    from strata_mgpu.model.ops import DecodeOps
 
     g = torch.Generator().manual_seed(5)
     x, y = torch.randn(3, 64, generator=g), torch.randn(3, 64, generator=g)

@@ -106,15 +106,27 @@ class FailingExperts:
         self.fail_layer: int | None = None
         self.holds_at_failure: list[Hold | None] = []
 
-    def begin(self, n_rows: int) -> None:
-        self.inner.begin(n_rows)
+    def should_stream(self, n_rows):
+        return self.inner.should_stream(n_rows)
 
-    def forward(self, layer, h, weights, experts, hq=None):
+    def in_halves(self, n_rows):
+        return self.inner.in_halves(n_rows)
+
+    def begin(self, n_rows, stream):
+        self.inner.begin(n_rows, stream)
+
+    def start(self, layer, h, weights, experts, hq=None, first=True):
         if layer == self.fail_layer:
             self.fail_layer = None
             self.holds_at_failure = list(self.st.holds)
             raise RuntimeError("injected failure")
-        return self.inner.forward(layer, h, weights, experts, hq=hq)
+        return self.inner.start(layer, h, weights, experts, hq=hq, first=first)
+
+    def finish(self, started):
+        return self.inner.finish(started)
+
+    def abort(self):
+        self.inner.abort()
 
 
 @torch.no_grad()
@@ -200,13 +212,13 @@ def test_static_decode_step_while_the_window_holds_everything(model):
         out = []
         for cache in (plain, kv):
             cache.reserve(1)
-            out.append(model.logits(model.forward_static(token, torch.tensor([cache.length]), cache))[0])
+            out.append(model.step_static(token, torch.tensor([cache.length]), [cache])[0])
             cache.advance(1)
         assert kv.capacity == plain.capacity and torch.equal(out[1], out[0])
         a = out[0]
     assert kv.length == window and not kv.spilled
     with pytest.raises(AssertionError, match="decode it with run"):
-        model.forward_static(a.argmax()[None], torch.tensor([kv.length]), kv)
+        model.step_static(a.argmax()[None], torch.tensor([kv.length]), [kv])
     token = a.argmax()[None]
     assert torch.equal(logits(model, token, kv), logits(model, token, plain))
     assert kv.spilled and not kv.graph_capturable

@@ -144,11 +144,11 @@ def test_a_failed_pass_in_halves_leaves_nothing_behind(tiny):
     experts = runner.stages[0].model.experts
     start, calls = experts.start, []
 
-    def failing(i, h, weights, picks, first):
+    def failing(i, h, weights, picks, hq=None, first=True):
         calls.append(i)
         if len(calls) == 4:  # layer 1's second half: layer 1's first half not collected yet
             raise RuntimeError("injected")
-        return start(i, h, weights, picks, first)
+        return start(i, h, weights, picks, hq=hq, first=first)
 
     experts.start = failing
     runner.policy = HelpPolicy(fixed_share=0.4)

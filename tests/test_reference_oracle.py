@@ -100,7 +100,7 @@ def test_static_decode_step_equals_forward(models):
         token = torch.tensor([int(a.argmax())])
         a = ours.prefill(token, kv_a)[-1]
         kv_b.reserve(1)
-        b = ours.logits(ours.forward_static(token, torch.tensor([kv_b.length]), kv_b))[0]
+        b = ours.step_static(token, torch.tensor([kv_b.length]), [kv_b])[0]
         kv_b.advance(1)
         assert rel_err(b, a) <= 1e-5
 
@@ -136,9 +136,9 @@ def test_batched_static_decode_step_equals_forward(models):
 
 @torch.no_grad()
 def test_a_replaced_route_is_called_by_the_static_step(models):
-    """The static step routes inside `ops.moe_input` only while `route` is the decoder's own: a
-    route replaced on the instance (tests record or force the routing so) is called for every
-    layer, and its picks are the ones used."""
+    """The static step routes inside `ops.moe_input` only while the decoder routes itself: a
+    routing hook (tests record or force the routing so) is called for every layer, and its picks
+    are the ones used."""
     ours, _ = models
     kv = ours.new_cache(64, capacity=32)
     ours.prefill(torch.randint(0, ours.spec.vocab_size, (5,)), kv)
@@ -149,12 +149,11 @@ def test_a_replaced_route_is_called_by_the_static_step(models):
         calls.append(i)
         return own(i, h, router)
 
-    assert ours._routes_itself
-    ours.route = recording
+    assert ours.routing is None
+    ours.routing = recording
     try:
-        assert not ours._routes_itself
         kv.reserve(1)
-        ours.forward_static(torch.tensor([1]), torch.tensor([kv.length]), kv)
+        ours.step_static(torch.tensor([1]), torch.tensor([kv.length]), [kv])
     finally:
-        del ours.route
-    assert calls == list(range(ours.spec.n_layers)) and ours._routes_itself
+        ours.routing = None
+    assert calls == list(range(ours.spec.n_layers))

@@ -20,7 +20,7 @@ from strata_mgpu.engine.engine import Engine
 from strata_mgpu.engine.sampler import SamplingParams
 from strata_mgpu.model import decoder as decoder_module
 from strata_mgpu.model import synthetic
-from strata_mgpu.model.decoder import Decoder, Segment
+from strata_mgpu.model.decoder import Decoder, RowAttention, Segment
 from strata_mgpu.model.gguf_reader import GGUFFile
 from strata_mgpu.model.reference import ReferenceModel
 from strata_mgpu.model.spec import spec_from_gguf
@@ -61,24 +61,24 @@ def wide_gguf(tmp_path_factory) -> Path:
 
 
 class StaticCalls:
-    """Counts the forwards of `model` that go through `layers_static` (the switch set to `on`)."""
+    """Counts the forwards of `model` that take the row path (the switch set to `on`)."""
 
     def __init__(self, model: Decoder, on: bool):
         self.model, self.on, self.n = model, on, 0
 
     def __enter__(self) -> StaticCalls:
-        own = self.model.layers_static
+        own = self.model._layers
 
-        def counted(*args, **kwargs):
-            self.n += 1
-            return own(*args, **kwargs)
+        def counted(x, segments, path):
+            self.n += isinstance(path.attention, RowAttention)
+            return own(x, segments, path)
 
-        self.model.layers_static = counted
+        self.model._layers = counted
         self.model.static_rows = self.on
         return self
 
     def __exit__(self, *exc) -> None:
-        del self.model.layers_static
+        del self.model._layers
         self.model.static_rows = False
 
 

@@ -364,8 +364,8 @@ class Engine:
 
     def _prefill_pack(self) -> list[tuple[Request, list[int]]]:
         """This step's prompt chunks: the next chunk of the first prompt in prefill, then every
-        later prompt whose rest fits the chunk's remaining room, whole (`prefill_many`). Short prompts arriving together so reach their first token in one
-        call instead of one step each."""
+        later prompt whose rest fits the chunk's remaining room, whole (`prefill_many`). Short
+        prompts arriving together so reach their first token in one call instead of one step each."""
         prefilling = [r for r in self._running if r.phase is Phase.PREFILL]
         if not prefilling:
             return []

@@ -24,8 +24,8 @@ import torch
 from strata_mgpu.kernels import nvrtc
 from strata_mgpu.kernels.experts import Q8_WORDS
 from strata_mgpu.kernels.paths import PathCounter
-from strata_mgpu.model.decoder import DecodeOps
 from strata_mgpu.model.kv_cache import KVCache
+from strata_mgpu.model.ops import DecodeOps
 from strata_mgpu.model.spec import ModelSpec
 from strata_mgpu.model.weights import LayerWeights
 

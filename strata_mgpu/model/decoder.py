@@ -1,32 +1,41 @@
 """The Qwen3-MoE decoder forward, written once: the oracle (`model.reference`) and every GPU stage
 run this same code.
 
-Shape legend: T = token rows in the batch, D = hidden, H = query heads, Hkv = KV heads,
-Dh = head dim, E = experts, A = experts used per token, F = expert width, V = vocab, S = keys.
+Shape legend: T = token rows in the batch, t = rows of a part of it, D = hidden, H = query heads,
+Hkv = KV heads, Dh = head dim, E = experts, A = experts used per token, V = vocab, S = keys.
 
 One batch packs several sequences along T (`Segment`s): a prefill is one segment of many rows,
 a decode step is one row for each running sequence. Everything but attention runs on all rows
-at once; attention runs per segment against that sequence's KV cache.
+at once.
 
-What differs between devices is the routed experts: `Decoder` takes an `ExpertBackend`.
-`DenseExperts` (`model.reference`) computes them from dequantized tensors; the GPU stage streams
-them from pinned host memory (`stage.streamed_experts`).
+One layer function (`Decoder._layer`) runs every forward. What differs is the forward's path
+(`ForwardPath`), chosen once per call:
+- attention: `SegmentAttention` (a segment at a time, SDPA after each sequence's cached keys:
+  prompts) or `RowAttention` (each row at its own position of its own cache, through the decode
+  step's ops: decode steps, their CUDA graphs, and short prompts where the stage allows it);
+- the small ops: plain torch on the segment path, the decoder's own (`ops`, fused on a GPU
+  stage) on the row path, which also takes the MoE block's input in one op (`ops.moe_input`);
+- the rows: all at once, or a helped prompt's two halves, each layer's halves in order;
+- the routed experts (`ExpertBackend`): whether the forward streams whole layers or gathers the
+  experts its rows picked, decided once and passed to `begin`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
-import torch.nn.functional as F
-from torch.nn.attention import SDPBackend, sdpa_kernel
-from torch.nn.attention.bias import causal_lower_right
 
-from strata_mgpu.model.kv_cache import KVCache
+from strata_mgpu.model.expert_backend import ExpertBackend
+from strata_mgpu.model.kv_cache import KVCache, SequenceKV
+from strata_mgpu.model.ops import PLAIN_OPS, DecodeOps, causal_attention, qk_norm_rope, rms_norm, rope_cos_sin
 from strata_mgpu.model.spec import ModelSpec
 from strata_mgpu.model.weights import LayerWeights, ModelWeights
+
+# (local layer, h [T, D], router [E, D]) -> (weights [T, A] fp32, experts [T, A])
+Routing = Callable[[int, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 
 @dataclass
@@ -35,183 +44,121 @@ class Segment:
 
     start: int
     end: int
-    kv: KVCache
+    kv: SequenceKV
 
     @property
     def n(self) -> int:
         return self.end - self.start
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Normalized in fp32, cast back, then scaled (as transformers does)."""
-    return F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype) * weight
+@dataclass
+class Rows:
+    """Rows the layer loop carries through the layers on their own: every row of the forward, or
+    one of a helped prompt's two halves of one sequence's rows."""
+
+    x: torch.Tensor  # [t, D]: the residual stream
+    rows: slice  # which of the forward's rows
+    segments: Sequence[Segment]  # their sequences, rows counted from the first of these
+    at: int = 0  # where they sit past each sequence's cached cells (a second half: after the first)
+    pending: torch.Tensor | None = None  # the last layer's `experts.start`, added at the next layer
 
 
-def rope_cos_sin(positions: torch.Tensor, head_dim: int, base: float, dtype: torch.dtype
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """NEOX-style rotary tables: [T, Dh] each (the half-frequencies repeated)."""
-    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim))
-    freqs = positions.float()[:, None] * inv_freq[None, :]  # [T, Dh/2]
-    emb = torch.cat([freqs, freqs], dim=-1)
-    return emb.cos().to(dtype), emb.sin().to(dtype)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, heads, Dh]: rotate the two halves of each head (NEOX / HF rotate_half)."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos[:, None, :] + rotated * sin[:, None, :]
-
-
-def qk_norm_rope(spec: ModelSpec, w: LayerWeights, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
-                 sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Projections q [T, H*Dh], k [T, Hkv*Dh] -> q [T, H, Dh], k [T, Hkv, Dh], each head RMS-normed
-    and rotated."""
-    t = q.shape[0]
-    q = rms_norm(q.view(t, spec.n_heads, spec.head_dim), w.q_norm, spec.rms_eps)
-    k = rms_norm(k.view(t, spec.n_kv_heads, spec.head_dim), w.k_norm, spec.rms_eps)
-    return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-
-
-# cuDNN's attention builds a graph per new shape: about 1 ms of CPU per call in decode, where the
-# key count grows every step (seen on the H200 with torch 2.11). Flash, memory-efficient or math
-# kernels serve every shape here.
-SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
-
-
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """q [T, H, Dh] are the last T positions of k, v [S, Hkv, Dh]; returns [T, H, Dh]."""
-    with sdpa_kernel(SDPA_BACKENDS):
-        return _sdpa(q, k, v)
-
-
-def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    t, s = q.shape[0], k.shape[0]
-    qh, kh, vh = q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None]
-    if t == s:
-        out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, enable_gqa=True)
-    elif t == 1:  # one new token sees every key: no mask (a mask would send SDPA to a slower kernel)
-        out = F.scaled_dot_product_attention(qh, kh, vh, enable_gqa=True)
-    else:  # a chunk after a prefix: query i sits at key s - t + i and sees keys 0..s-t+i.
-        # A lower-right causal bias keeps the flash/efficient kernels (an explicit [T, S] mask sent
-        # GQA to the math kernel, which wanted 16 GiB of scores for an 8K chunk after 16K keys);
-        # they take no GQA flag, so the KV heads are repeated for this call.
-        group = q.shape[1] // k.shape[1]
-        kh, vh = kh.repeat_interleave(group, dim=1), vh.repeat_interleave(group, dim=1)
-        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=causal_lower_right(t, s))
-    return out[0].transpose(0, 1)
-
-
-def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
-    """q [T, H, Dh] against all of k, v [S, Hkv, Dh] where visible [S] (bool) allows; -> [T, H, Dh]."""
-    qh, kh, vh = q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None]
-    with sdpa_kernel(SDPA_BACKENDS):
-        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=visible[None, :], enable_gqa=True)
-    return out[0].transpose(0, 1)
-
-
-def route(h: torch.Tensor, router: torch.Tensor, n_used: int, renormalize: bool
-          ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Router softmax -> top-k -> renormalize. h [T, D] -> (weights [T, A] fp32, experts [T, A])."""
-    probs = torch.softmax(h.float() @ router.float().T, dim=-1)  # [T, E], fp32 whatever h's dtype
-    weights, experts = torch.topk(probs, n_used, dim=-1)
-    if renormalize:
-        weights = weights / weights.sum(-1, keepdim=True)
-    return weights, experts
-
-
-class DecodeOps:
-    """The small ops of the static decode step, as plain torch: the twins of the fused CUDA
-    versions (`kernels.decode_ops`), which a GPU stage passes to its `Decoder` instead."""
-
-    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        return rms_norm(x, weight, eps)
-
-    def add_rms_norm(self, x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor, eps: float
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(x + y, rms_norm(x + y)): the residual stream and the next block's input. The fused
-        version updates x in place."""
-        x = x + y
-        return x, rms_norm(x, weight, eps)
-
-    def qk_norm_rope_kv(self, spec: ModelSpec, w: LayerWeights, layer: int, q: torch.Tensor, k: torch.Tensor,
-                        v: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                        kvs: Sequence[KVCache], table: torch.Tensor | None = None) -> torch.Tensor:
-        """B rows, row b one token of sequence kvs[b]: projections q [B, H*Dh], k and v [B, Hkv*Dh].
-        q and k normed per head and rotated; row b's k and v written at positions[b] (on the device)
-        of layer `layer` of kvs[b]'s cache [capacity, Hkv, Dh]; returns q [B, H, Dh]."""
-        qn, kn = qk_norm_rope(spec, w, q, k, cos, sin)
-        for b, kv in enumerate(kvs):
-            r = slice(b, b + 1)
-            kv.k[layer].index_copy_(0, positions[r], kn[r])
-            kv.v[layer].index_copy_(0, positions[r], v[r].view(1, spec.n_kv_heads, spec.head_dim))
-        return qn
-
-    def kv_table(self, kvs: Sequence[KVCache]) -> torch.Tensor | None:
-        """The caches' addresses as fused kernels read them; these ops read the caches themselves."""
-        return None
-
-    def attention(self, layer: int, q: torch.Tensor, positions: torch.Tensor, kvs: Sequence[KVCache],
-                  table: torch.Tensor | None = None, capacity: int | None = None) -> torch.Tensor:
-        """q [B, H, Dh], row b the token at positions[b] of kvs[b], against that cache's cells
-        0..positions[b] of layer `layer` -> [B, H, Dh]. Here: the whole capacity under a mask."""
-        outs = []
-        for b, kv in enumerate(kvs):
-            visible = torch.arange(kv.capacity, device=positions.device) <= positions[b]  # [S]
-            outs.append(masked_attention(q[b:b + 1], kv.k[layer], kv.v[layer], visible))  # [1, H, Dh]
-        return outs[0] if len(outs) == 1 else torch.cat(outs)
-
-    def route(self, h: torch.Tensor, router: torch.Tensor, n_used: int, renormalize: bool
-              ) -> tuple[torch.Tensor, torch.Tensor]:
-        return route(h, router, n_used, renormalize)
-
-    def moe_input(self, x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor, eps: float, router: torch.Tensor,
-                  n_used: int, renormalize: bool
-                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """The MoE block's input from the residual x and the attention's output y: (x + y, h =
-        rms_norm(x + y), h's routing weights [T, A] and experts [T, A], and h quantized for integer
-        expert kernels or None). The twin: add_rms_norm, then route; nothing quantized."""
-        x, h = self.add_rms_norm(x, y, weight, eps)
-        weights, experts = self.route(h, router, n_used, renormalize)
-        return x, h, weights, experts, None
-
-
-class ExpertBackend(Protocol):
-    """Computes a layer's routed experts for the rows routed to them."""
-
-    def begin(self, n_rows: int) -> None:
-        """A forward over n_rows token rows starts (a streaming backend starts its uploads)."""
-        ...
-
-    def forward(self, layer: int, h: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
-                hq: torch.Tensor | None = None) -> torch.Tensor:
-        """h [T, D], router weights [T, A] fp32, expert ids [T, A] -> weighted expert outputs [T, D].
-        hq: h already quantized for integer expert kernels (`DecodeOps.moe_input`), or None."""
+class Attention(Protocol):
+    def __call__(self, i: int, w: LayerWeights, h: torch.Tensor, part: Rows) -> torch.Tensor:
+        """Layer i's attention for `part`'s normed rows h [t, D], projected by wo: [t, D]. Writes
+        the rows' keys and values into their caches."""
         ...
 
 
-# Cells the static path may read again: `layers_static` attends row by row, so each of a segment's
-# rows past its first reads the sequence's cache once more (run's SDPA reads it about once). Past
-# this many (rows x cells, e.g. 64 rows after 4K cells), a forward takes run's path. 30B-A3B:
-# 2 KiB of keys and values a cell and layer, so at most ~25 GB of extra reads over 48 layers (~5 ms on
-# an H200) against the ~20 ms of host time a 16-row prompt saves there.
+class SegmentAttention:
+    """A prompt's attention: q, k, v by three GEMMs, q and k normed and rotated; a segment's keys
+    and values written after its cached ones, then SDPA over them, a segment at a time. Every
+    cache's layer i + 1 is prefetched (`SequenceKV.prefetch`) before layer i attends."""
+
+    def __init__(self, spec: ModelSpec, cos: torch.Tensor, sin: torch.Tensor):
+        self.spec, self.cos, self.sin = spec, cos, sin  # [T, Dh] each
+
+    def __call__(self, i: int, w: LayerWeights, h: torch.Tensor, part: Rows) -> torch.Tensor:
+        s = self.spec
+        q, k = qk_norm_rope(s, w, h @ w.wq.T, h @ w.wk.T, self.cos[part.rows], self.sin[part.rows])
+        v = (h @ w.wv.T).view(h.shape[0], s.n_kv_heads, s.head_dim)
+        for seg in part.segments:  # layer i + 1's keys arrive while layer i attends and runs its experts
+            seg.kv.prefetch(i + 1)
+        if len(part.segments) == 1:
+            out = causal_attention(q, *part.segments[0].kv.write(i, k, v, at=part.at))  # [t, H, Dh]
+        else:
+            out = torch.empty_like(q)
+            for seg in part.segments:
+                rows = slice(seg.start, seg.end)
+                k_all, v_all = seg.kv.write(i, k[rows], v[rows], at=part.at)  # [S, Hkv, Dh]
+                out[rows] = causal_attention(q[rows], k_all, v_all)
+        return out.reshape(-1, s.q_dim) @ w.wo.T
+
+
+class RowAttention:
+    """The decode step's attention: q, k, v by one GEMM where the layer has it; each row's keys and
+    values written at positions[b] of its own cache kvs[b] (`ops.qk_norm_rope_kv`, every row's
+    before any row attends), then each row attends its cache up to its position (`ops.attention`).
+    Rows may share a cache at different positions (a prompt's rows): causal within it, as SDPA's
+    mask is. Every shape and address is fixed, so the step can be captured as a CUDA graph.
+    `table`: the caches' addresses as the fused ops read them; `capacity`: cells the attention
+    covers, above every position it reads."""
+
+    def __init__(self, spec: ModelSpec, ops: DecodeOps, positions: torch.Tensor, kvs: Sequence[SequenceKV],
+                 table: torch.Tensor | None, capacity: int | None, cos: torch.Tensor, sin: torch.Tensor):
+        self.spec, self.ops, self.positions, self.kvs = spec, ops, positions, kvs
+        self.table, self.capacity, self.cos, self.sin = table, capacity, cos, sin
+
+    def __call__(self, i: int, w: LayerWeights, h: torch.Tensor, part: Rows) -> torch.Tensor:
+        s = self.spec
+        if w.wqkv is not None:  # one GEMM: [B, (H + 2 Hkv) * Dh], split into column blocks
+            q, k, v = (h @ w.wqkv.T).split([s.q_dim, s.kv_dim, s.kv_dim], dim=1)
+        else:
+            q, k, v = h @ w.wq.T, h @ w.wk.T, h @ w.wv.T
+        q = self.ops.qk_norm_rope_kv(s, w, i, q, k, v, self.positions, self.cos, self.sin, self.kvs,
+                                     self.table)  # [B, H, Dh]
+        out = self.ops.attention(i, q, self.positions, self.kvs, self.table, self.capacity)  # [B, H, Dh]
+        return out.reshape(h.shape[0], s.q_dim) @ w.wo.T
+
+
+@dataclass(frozen=True)
+class ForwardPath:
+    """How one forward runs (chosen once per call; see the module docstring)."""
+
+    ops: DecodeOps  # the norms, and the MoE block's input where `fused_moe_input`
+    attention: Attention
+    fused_moe_input: bool  # the residual add, norm, routing and quantized input in one op (ops.moe_input)
+    streams: bool  # the experts stream whole layers (else the rows' picks are gathered)
+    halves: bool = False  # two halves of one sequence's rows
+    prefetched: tuple[SequenceKV, ...] = ()  # caches whose cells elsewhere come up a layer ahead
+
+
+# Cells the row path may read again: it attends row by row, so each of a segment's rows past its
+# first reads the sequence's cache once more (SDPA reads it about once). Past this many (rows x
+# cells, e.g. 64 rows after 4K cells), a forward takes the segment path: the extra reads would cost
+# more than the host time the fused ops save (docs/ARCHITECTURE.md).
 STATIC_REREAD_CELLS = 1 << 18
 
 
 class Decoder:
     """The decoder forward over dense weights (any dtype, any device) and an expert backend.
 
-    `static_rows`: forwards of few rows take the static decode step's ops (`layers_static`) where
-    they may (`_takes_static`). Off by default (the fp32 reference keeps `run`'s path); a GPU stage
-    whose `ops` are the fused ones turns it on, since there `run`'s ~30 launches a layer, not the
-    GPU, bound a short prompt and the fused ops take ~11."""
+    `static_rows`: forwards of few rows take the row path (`RowAttention` and the decoder's own,
+    fused ops) where they may (`_takes_static`). Off for the fp32 reference; a GPU stage whose
+    `ops` are the fused ones turns it on, since there the segment path's launches, not the GPU,
+    bound a short prompt.
 
-    def __init__(self, spec: ModelSpec, weights: ModelWeights, experts: ExpertBackend, ops: DecodeOps | None = None):
+    `routing`: where set, replaces every layer's routing (tests record or force it); the row path
+    then routes apart from `ops.moe_input`. None: the decoder's own (`route`)."""
+
+    def __init__(self, spec: ModelSpec, weights: ModelWeights, experts: ExpertBackend, ops: DecodeOps | None = None,
+                 static_rows: bool = False):
         self.spec = spec
         self.w = weights
         self.experts = experts
         self.ops = ops or DecodeOps()
-        self.static_rows = False
+        self.static_rows = static_rows
+        self.routing: Routing | None = None
 
     @property
     def device(self) -> torch.device:
@@ -233,206 +180,132 @@ class Decoder:
     def run(self, x: torch.Tensor, segments: Sequence[Segment]) -> torch.Tensor:
         """This decoder's layers over hidden rows x [T, D] -> [T, D] (x may be overwritten).
 
-        Each segment's rows continue its sequence at `kv.length`; caches advance afterwards.
-        With `static_rows` on, a forward that may goes through `layers_static` (`_takes_static`).
-        A cache with part of its keys elsewhere (`stage.host_kv`) has `prefetch(layer)`, called one
-        layer ahead of its attention, and `drain()`, called if the forward fails.
-        """
+        Each segment's rows continue its sequence at `kv.length`; caches advance afterwards. The
+        path: the row path where `_takes_static` allows, else the segment path (in two halves
+        where the expert backend asks for it and the cache allows)."""
         for seg in segments:
             seg.kv.reserve(seg.n)
         positions = torch.cat([torch.arange(seg.kv.length, seg.kv.length + seg.n, device=x.device)
                                for seg in segments])  # [T]
-        if self._takes_static(x.shape[0], segments):
-            # row r of a segment: its sequence's cache at position kv.length + r. qk_norm_rope_kv
-            # writes every row's keys and values before attention reads any cache, each row up to
-            # its own position: causal within a segment as SDPA's mask is.
+        n = x.shape[0]
+        streams = self.experts.should_stream(n)
+        if self._takes_static(n, segments, streams):
+            # row r of a segment: its sequence's cache at position kv.length + r
             kvs = [seg.kv for seg in segments for _ in range(seg.n)]  # [T], a segment's cache repeated
             cells = max(seg.kv.length + seg.n for seg in segments)  # what attention reads, at most
-            x = self.layers_static(x, positions, kvs, capacity=cells)
+            path = self._row_path(positions, kvs, None, cells, streams)
         else:
-            x = self._run_eager(x, segments, positions)
+            cos, sin = rope_cos_sin(positions, self.spec.head_dim, self.spec.rope_base, self.w.dtype)
+            halves = (streams and len(segments) == 1 and segments[0].kv.offset_writes and n >= 2
+                      and self.experts.in_halves(n))
+            path = ForwardPath(ops=PLAIN_OPS, attention=SegmentAttention(self.spec, cos, sin), fused_moe_input=False,
+                               streams=streams, halves=halves, prefetched=tuple(seg.kv for seg in segments))
+        x = self._layers(x, segments, path)
         for seg in segments:
             seg.kv.advance(seg.n)
         return x
 
-    def _takes_static(self, n_rows: int, segments: Sequence[Segment]) -> bool:
-        """May (and should) this forward, its caches reserved, go through `layers_static`? Where
+    def _takes_static(self, n_rows: int, segments: Sequence[Segment], streams: bool) -> bool:
+        """May (and should) this forward, its caches reserved, take the row path? Where
         `static_rows` is on; every cache holds each of its cells, the new ones included, in
         `kv.k`/`kv.v` at its own position (`graph_capturable`, and the new rows within the
         capacity: a two-tier cache that has spilled, or whose rows would leave its VRAM window,
-        keeps run's path and its prefetch); the rows gather their experts (a pass that streams
-        needs `run`'s ring and helper; a whole-layer pass over experts all resident would not, but
-        on the H200 the 8 chats' pack of ~1,080 picks took 151 ms this way against 120 on `run`'s
-        path, and a 512-token prompt 145 against 85: the decode attention reads each row's cache
-        on its own, where SDPA shares a segment's keys); and the rows' repeated reads of their
-        caches stay within STATIC_REREAD_CELLS."""
-        if not self.static_rows:
+        keeps the segment path and its prefetch); the rows gather their experts (a pass that
+        streams needs the segment path's ring and helper; a whole-layer pass over experts all
+        resident would not, but the row path's attention reads each row's cache on its own where
+        SDPA shares a segment's keys, which loses at those lengths: docs/ARCHITECTURE.md); and the
+        rows' repeated reads of their caches stay within STATIC_REREAD_CELLS."""
+        if not self.static_rows or streams:
             return False
         if not all(seg.kv.graph_capturable and seg.kv.length + seg.n <= seg.kv.capacity for seg in segments):
             return False
-        should_stream = getattr(self.experts, "should_stream", None)  # the reference's experts never stream
-        if should_stream is not None and should_stream(n_rows):
-            return False
         return sum((seg.n - 1) * (seg.kv.length + seg.n) for seg in segments) <= STATIC_REREAD_CELLS
 
-    def _run_eager(self, x: torch.Tensor, segments: Sequence[Segment], positions: torch.Tensor) -> torch.Tensor:
-        """`run`'s own path: torch ops over all rows, attention (SDPA) a segment at a time."""
+    def _row_path(self, positions: torch.Tensor, kvs: Sequence[SequenceKV], table: torch.Tensor | None,
+                  capacity: int | None, streams: bool) -> ForwardPath:
+        assert all(kv.graph_capturable for kv in kvs), "a cache keeps cells outside kv.k/kv.v: decode it with run()"
         s = self.spec
-        cos, sin = rope_cos_sin(positions, s.head_dim, s.rope_base, self.w.dtype)
-        ahead = [seg.kv for seg in segments if hasattr(seg.kv, "prefetch")]
+        cos, sin = rope_cos_sin(positions, s.head_dim, s.rope_base, self.w.dtype)  # [B, Dh]
+        table = self.ops.kv_table(kvs) if table is None else table
+        return ForwardPath(ops=self.ops, attention=RowAttention(s, self.ops, positions, kvs, table, capacity, cos, sin),
+                           fused_moe_input=True, streams=streams)
+
+    def _layers(self, x: torch.Tensor, segments: Sequence[Segment], path: ForwardPath) -> torch.Tensor:
+        """Every layer over x [T, D] on `path`; the experts begun here. Where the forward fails,
+        the caches' copies in flight are drained and the experts' pass given back."""
         try:
-            for kv in ahead:
+            for kv in path.prefetched:
                 kv.prefetch(0)
-            self.experts.begin(x.shape[0])
-            if self._in_halves(x.shape[0], segments):
-                return self._layers_in_halves(x, segments[0], cos, sin)
+            self.experts.begin(x.shape[0], stream=path.streams)
+            parts = self._parts(x, segments, path.halves)
             for i, layer in enumerate(self.w.layers):
-                q, k, v = self._qkv(layer, rms_norm(x, layer.attn_norm, s.rms_eps), cos, sin)
-                for kv in ahead:  # layer i+1's keys arrive while layer i attends and runs its experts
-                    kv.prefetch(i + 1)
-                out = torch.empty_like(q)
-                for seg in segments:
-                    rows = slice(seg.start, seg.end)
-                    k_all, v_all = seg.kv.write(i, k[rows], v[rows])  # [S, Hkv, Dh]
-                    out[rows] = causal_attention(q[rows], k_all, v_all)
-                x = x + out.reshape(-1, s.q_dim) @ layer.wo.T
-                x = x + self._moe(i, layer, x)
+                for j, part in enumerate(parts):
+                    self._layer(i, layer, part, path, first=j == 0)
+            outs = []
+            for part in parts:
+                assert part.pending is not None, "a decoder has layers"
+                outs.append(part.x + self.experts.finish(part.pending))
         except BaseException:
-            for kv in ahead:  # no upload may still run into a buffer someone else uses next
+            for kv in path.prefetched:  # no upload may still run into a buffer someone else uses next
                 kv.drain()
-            abort = getattr(self.experts, "abort", None)  # a streaming backend gives back what the pass held
-            if abort is not None:
-                abort()
+            self.experts.abort()
             raise
-        return x
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
 
-    def _in_halves(self, n_rows: int, segments: Sequence[Segment]) -> bool:
-        """Does this pass (its experts begun) run in two halves of rows? Where the expert backend
-        asks for it (a helped pass: `StreamedExperts.in_halves`), over one sequence whose cache
-        holds every cell in VRAM (a `KVCache`: a two-tier cache has its own write and prefetch)."""
-        in_halves = getattr(self.experts, "in_halves", None)
-        return (in_halves is not None and len(segments) == 1 and isinstance(segments[0].kv, KVCache)
-                and n_rows >= 2 and in_halves(n_rows))
+    @staticmethod
+    def _parts(x: torch.Tensor, segments: Sequence[Segment], halves: bool) -> list[Rows]:
+        """All rows at once, or one sequence's rows in two halves: the second attends after the
+        first's keys, as causal attention over all rows would."""
+        if not halves:
+            return [Rows(x, slice(0, x.shape[0]), segments)]
+        kv, n = segments[0].kv, x.shape[0]
+        cut = n // 2
+        return [Rows(x[:cut], slice(0, cut), [Segment(0, cut, kv)]),
+                Rows(x[cut:], slice(cut, n), [Segment(0, n - cut, kv)], at=cut)]
 
-    def _layers_in_halves(self, x: torch.Tensor, seg: Segment, cos: torch.Tensor, sin: torch.Tensor
-                          ) -> torch.Tensor:
-        """`_run_eager`'s layers over one sequence's rows x [T, D] in two halves, each layer's halves
-        in order (the second attends over the first's keys, as causal attention over all rows
-        would). Each half's routed experts start (`experts.start`: handed to the helper, this
-        stage's part computed) and finish (the helper's sums added) at the next layer, so between
-        a half's hand-over and its sums the stream has the other half's attention and expert rows
-        to run. The whole-rows loop's ops on half the rows at a time, but for attention: a half
-        after keys of its own sequence (the second, or both after a cached prefix) takes `_sdpa`'s
-        path for a chunk after a prefix (its KV heads repeated, a lower-right causal bias)."""
-        s = self.spec
-        cut = x.shape[0] // 2
-        halves = (slice(0, cut), slice(cut, x.shape[0]))
-        xs = [x[r] for r in halves]
-        pending: list[torch.Tensor | None] = [None, None]  # a half's own partial sums, the helper's to add
-        for i, layer in enumerate(self.w.layers):
-            for j, rows in enumerate(halves):
-                xj = xs[j] if pending[j] is None else xs[j] + self.experts.finish(pending[j])
-                q, k, v = self._qkv(layer, rms_norm(xj, layer.attn_norm, s.rms_eps), cos[rows], sin[rows])
-                k_all, v_all = seg.kv.write(i, k, v, at=rows.start)
-                xj = xj + causal_attention(q, k_all, v_all).reshape(-1, s.q_dim) @ layer.wo.T
-                h = rms_norm(xj, layer.ffn_norm, s.rms_eps)
-                weights, experts = self.route(i, h, layer.router)
-                pending[j] = self.experts.start(i, h, weights, experts, first=j == 0)
-                xs[j] = xj
-        return torch.cat([xs[j] + self.experts.finish(pending[j]) for j in range(2)])
+    def _layer(self, i: int, w: LayerWeights, part: Rows, path: ForwardPath, first: bool) -> None:
+        """Layer i over `part`: the last layer's expert output added (its helper's part collected
+        now: between a part's hand-over and its sums the device had the other part's work), the
+        attention block, the MoE block's input and routing, and the experts started."""
+        s, ops = self.spec, path.ops
+        if part.pending is None:
+            h = ops.rms_norm(part.x, w.attn_norm, s.rms_eps)
+        else:
+            part.x, h = ops.add_rms_norm(part.x, self.experts.finish(part.pending), w.attn_norm, s.rms_eps)
+        attended = path.attention(i, w, h, part)
+        hq = None
+        if path.fused_moe_input and self.routing is None:  # add, norm, routing, quantized input: one launch
+            part.x, h, weights, experts, hq = ops.moe_input(part.x, attended, w.ffn_norm, s.rms_eps, w.router,
+                                                            s.n_experts_used, s.norm_topk_prob)
+        else:
+            part.x, h = ops.add_rms_norm(part.x, attended, w.ffn_norm, s.rms_eps)
+            weights, experts = self.routing(i, h, w.router) if self.routing is not None else self.route(i, h, w.router)
+        part.pending = self.experts.start(i, h, weights, experts, hq=hq, first=first)
 
-    def step_static(self, inp: torch.Tensor, positions: torch.Tensor, kvs: Sequence[KVCache],
+    def step_static(self, inp: torch.Tensor, positions: torch.Tensor, kvs: Sequence[SequenceKV],
                     table: torch.Tensor | None = None, capacity: int | None = None) -> torch.Tensor:
-        """One decode step of B sequences through this decoder's layers with every shape and
-        address fixed (see `layers_static`): token ids [B] where this decoder embeds (the first
-        stage), else hidden rows [B, D]; -> logits [B, V] where it holds the head (the last
-        stage), else the hidden rows [B, D] for the next stage. What a stage's decode graph captures."""
+        """One decode step of B sequences on the row path with every shape and address fixed:
+        token ids [B] where this decoder embeds (the first stage), else hidden rows [B, D]; row b
+        of sequence kvs[b] at the device-held positions[b] -> logits [B, V] where it holds the
+        head (the last stage), else the hidden rows [B, D] for the next stage. What a stage's
+        decode graph captures; the caller advances the caches. `table`: the caches' addresses as
+        the fused ops read them (a captured graph passes its own, rewritten before each replay;
+        default: made here). `capacity`: cells the attention covers (default: the largest cache)."""
         x = self.embed(inp) if self.w.embed is not None else inp
-        x = self.layers_static(x, positions, kvs, table, capacity)
+        assert x.shape[0] == positions.shape[0] == len(kvs)
+        path = self._row_path(positions, kvs, table, capacity, self.experts.should_stream(len(kvs)))
+        x = self._layers(x, [], path)
         return self.logits(x) if self.w.output is not None else x
 
-    def forward_static(self, token: torch.Tensor, position: torch.Tensor, kv: KVCache) -> torch.Tensor:
-        """One token [1] of one sequence at a device-held position [1] -> hidden [1, D]."""
-        return self.layers_static(self.embed(token), position, [kv])
-
-    def layers_static(self, x: torch.Tensor, positions: torch.Tensor, kvs: Sequence[KVCache],
-                      table: torch.Tensor | None = None, capacity: int | None = None) -> torch.Tensor:
-        """Hidden rows x [B, D], row b of sequence kvs[b] at the device-held positions[b] -> [B, D].
-        `table`: the caches' addresses as the fused ops read them (`ops.kv_table`); made here when
-        not given (a captured graph passes its own, rewritten before each replay). `capacity`: cells
-        the attention must cover, above every position it will read (a graph's replays may bring
-        other caches than its capture's; default: the largest cache of kvs).
-
-        Attention reads each cache up to the positions held on the device (the twin: the whole
-        capacity under a mask), and the new keys and values are written there: every shape and
-        address is fixed, so the step can be captured once as a CUDA graph and replayed while the
-        batch keeps its sequences. The caller advances the caches afterwards. The small ops and
-        attention go through `self.ops` (fused on the GPU: a few launches a layer for the whole
-        batch). Only for caches whose every cell sits in `kv.k`/`kv.v` at its position
-        (`kv.graph_capturable`), and for fewer rows than make the experts stream (`experts.begin`).
-        Rows may share a cache at different positions (a prompt's rows, from `run`): every row's keys
-        and values are written (`ops.qk_norm_rope_kv`) before any row attends (`ops.attention`).
-        """
-        assert all(kv.graph_capturable for kv in kvs), "a cache keeps cells outside kv.k/kv.v: decode it with run()"
-        s, ops, layers, n = self.spec, self.ops, self.w.layers, len(kvs)
-        assert x.shape[0] == positions.shape[0] == n
-        cos, sin = rope_cos_sin(positions, s.head_dim, s.rope_base, self.w.dtype)  # [B, Dh]
-        table = ops.kv_table(kvs) if table is None else table
-        h = ops.rms_norm(x, layers[0].attn_norm, s.rms_eps)
-        self.experts.begin(n)
-        for i, layer in enumerate(layers):
-            if layer.wqkv is not None:  # one GEMM: [B, (H + 2 Hkv) * Dh], split into column blocks
-                q, k, v = (h @ layer.wqkv.T).split([s.q_dim, s.kv_dim, s.kv_dim], dim=1)
-            else:
-                q, k, v = h @ layer.wq.T, h @ layer.wk.T, h @ layer.wv.T
-            # each row has its own cache and position
-            q = ops.qk_norm_rope_kv(s, layer, i, q, k, v, positions, cos, sin, kvs, table)  # [B, H, Dh]
-            out = ops.attention(i, q, positions, kvs, table, capacity)  # [B, H, Dh]
-            attended = out.reshape(n, s.q_dim) @ layer.wo.T
-            if self._routes_itself:  # norm, routing and the experts' quantized input: one launch on the GPU
-                x, h, weights, experts, hq = ops.moe_input(x, attended, layer.ffn_norm, s.rms_eps, layer.router,
-                                                           s.n_experts_used, s.norm_topk_prob)
-            else:
-                x, h = ops.add_rms_norm(x, attended, layer.ffn_norm, s.rms_eps)
-                (weights, experts), hq = self.route(i, h, layer.router), None
-            y = self.experts.forward(i, h, weights, experts, hq=hq)
-            if i + 1 < len(layers):
-                x, h = ops.add_rms_norm(x, y, layers[i + 1].attn_norm, s.rms_eps)
-            else:
-                x = x + y
-        return x
-
-    @property
-    def _routes_itself(self) -> bool:
-        """Is `route` this class's own (so the decode step may route inside `ops.moe_input`)? Tests
-        replace it on an instance to record or force the routing: then every layer calls it."""
-        return "route" not in vars(self) and type(self).route is _OWN_ROUTE
-
     def route(self, i: int, h: torch.Tensor, router: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Layer i's routing: (weights [T, A] fp32, experts [T, A])."""
+        """Layer i's own routing: (weights [T, A] fp32, experts [T, A])."""
         return self.ops.route(h, router, self.spec.n_experts_used, self.spec.norm_topk_prob)
-
-    def _qkv(self, w: LayerWeights, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Normed input h [T, D] -> q [T, H, Dh], k and v [T, Hkv, Dh], q/k normed and rotated."""
-        s = self.spec
-        q, k = qk_norm_rope(s, w, h @ w.wq.T, h @ w.wk.T, cos, sin)
-        return q, k, (h @ w.wv.T).view(h.shape[0], s.n_kv_heads, s.head_dim)
-
-    def _moe(self, i: int, w: LayerWeights, x: torch.Tensor) -> torch.Tensor:
-        """The routed-expert block of layer i on the residual x [T, D]."""
-        h = rms_norm(x, w.ffn_norm, self.spec.rms_eps)
-        weights, experts = self.route(i, h, w.router)
-        return self.experts.forward(i, h, weights, experts)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, D] final hidden rows -> [N, V] logits (final norm, then the head)."""
         assert self.w.output is not None and self.w.out_norm is not None, "only the last stage has the head"
         return rms_norm(hidden, self.w.out_norm, self.spec.rms_eps) @ self.w.output.T
 
-    def prefill(self, tokens: torch.Tensor, kv: KVCache) -> torch.Tensor:
+    def prefill(self, tokens: torch.Tensor, kv: SequenceKV) -> torch.Tensor:
         """All-position logits [T, V] of one sequence's new tokens."""
         return self.logits(self.forward(tokens, [Segment(0, tokens.shape[0], kv)]))
-
-
-_OWN_ROUTE = Decoder.route  # what `Decoder._routes_itself` compares with, however the class is patched later

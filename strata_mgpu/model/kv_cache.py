@@ -1,8 +1,66 @@
-"""Per-sequence KV cache: keys and values of every layer, grown by doubling."""
+"""A sequence's KV as the decoder sees it (`SequenceKV`), and its plain form, `KVCache`: keys and
+values of every layer, grown by doubling. A stage's two-tier cache (`stage.kv.two_tier`) keeps
+the older cells in host RAM behind the same contract."""
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
+
+
+class SequenceKV(Protocol):
+    """One sequence's keys and values for a decoder's layers.
+
+    `length` counts the positions written by completed forwards. A forward reserves its rows,
+    writes each layer's keys and values (`write`, which returns every key and value up to them
+    for attention), then advances. `k`/`v` [L, capacity, Hkv, Dh] hold the cells in VRAM; where
+    `graph_capturable` they hold every cell at its own position, so the decode step's kernels may
+    read and write them in place by address."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    length: int
+    max_length: int
+
+    @property
+    def capacity(self) -> int: ...
+
+    @property
+    def graph_capturable(self) -> bool:
+        """Every cell, the next one's included, sits in `k`/`v` at its own position."""
+        ...
+
+    @property
+    def offset_writes(self) -> bool:
+        """`write` takes rows `at` an offset past the cached ones (a forward in two halves)."""
+        ...
+
+    @property
+    def nbytes(self) -> int:
+        """VRAM its cells take."""
+        ...
+
+    def reserve(self, new_tokens: int) -> None:
+        """Room for `new_tokens` more (ValueError past max_length)."""
+        ...
+
+    def write(self, layer: int, k_new: torch.Tensor, v_new: torch.Tensor, at: int = 0
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store [T, Hkv, Dh] keys/values `at` rows past the cached ones; all keys/values up to
+        them [length + at + T, Hkv, Dh]."""
+        ...
+
+    def advance(self, n: int) -> None: ...
+
+    def prefetch(self, layer: int) -> None:
+        """Start bringing `layer`'s cells that live elsewhere (host RAM) to the device, a layer
+        ahead of its attention; a no-op where every cell is in VRAM."""
+        ...
+
+    def drain(self) -> None:
+        """A forward failed: wait for the copies `prefetch` started, forget them."""
+        ...
 
 
 class KVCache:
@@ -30,6 +88,10 @@ class KVCache:
     @property
     def graph_capturable(self) -> bool:
         """Every cell sits in `k`/`v` at its own position: the static decode step may read them."""
+        return True
+
+    @property
+    def offset_writes(self) -> bool:
         return True
 
     @property
@@ -62,3 +124,9 @@ class KVCache:
 
     def advance(self, n: int) -> None:
         self.length += n
+
+    def prefetch(self, layer: int) -> None:
+        """Every cell is in VRAM: nothing to bring."""
+
+    def drain(self) -> None:
+        """Nothing in flight."""

@@ -26,17 +26,30 @@ def moe_reference(h: torch.Tensor, w: LayerWeights, weights: torch.Tensor, exper
 
 
 class DenseExperts:
-    """Experts from dequantized tensors in memory, one expert at a time: the oracle."""
+    """The oracle's `ExpertBackend`: experts from dequantized tensors in memory, one expert at a
+    time; nothing streams, nothing is handed over."""
 
     def __init__(self, layers: Sequence[LayerWeights]):
         self.layers = layers
 
-    def begin(self, n_rows: int) -> None:
+    def should_stream(self, n_rows: int) -> bool:
+        return False
+
+    def in_halves(self, n_rows: int) -> bool:
+        return False
+
+    def begin(self, n_rows: int, stream: bool) -> None:
         pass
 
-    def forward(self, layer: int, h: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
-                hq: torch.Tensor | None = None) -> torch.Tensor:
+    def start(self, layer: int, h: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
+              hq: torch.Tensor | None = None, first: bool = True) -> torch.Tensor:
         return moe_reference(h, self.layers[layer], weights, experts)  # in h's own precision: hq unused
+
+    def finish(self, started: torch.Tensor) -> torch.Tensor:
+        return started
+
+    def abort(self) -> None:
+        pass
 
 
 class ReferenceModel(Decoder):

@@ -217,6 +217,10 @@ class TwoTierKV:
         """Every cell, the next one's included, sits in VRAM at its own position."""
         return not self.spilled and self.length < self.window
 
+    @property
+    def offset_writes(self) -> bool:
+        return False
+
     # -- the KVCache interface -----------------------------------------------------------------
     def reserve(self, new_tokens: int) -> None:
         if self.closed:
@@ -235,10 +239,13 @@ class TwoTierKV:
         if need - self.window > (0 if self.host_k is None else self.host_k.shape[1]):
             self._grow_host(need - self.window)
 
-    def write(self, layer: int, k_new: torch.Tensor, v_new: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def write(self, layer: int, k_new: torch.Tensor, v_new: torch.Tensor, at: int = 0
+              ) -> tuple[torch.Tensor, torch.Tensor]:
         """Store [T, Hkv, Dh] keys/values after the cached ones; return all of them [length+T, Hkv, Dh]:
         views of the ring before the first spill, of a staging buffer after it (valid until this
-        layer's attention has been queued)."""
+        layer's attention has been queued). Rows go right after the cached ones (`at` 0: no
+        `offset_writes`)."""
+        assert at == 0, "a two-tier cache writes a forward's rows at once"
         start, end = self.length, self.length + k_new.shape[0]
         h = min(self.host_rows[layer], start)  # host rows past `length` are a failed forward's: rewritten
         if h == 0 and end <= self.capacity:

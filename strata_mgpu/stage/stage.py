@@ -121,13 +121,11 @@ class Stage(DecoderRunner):
         experts = StreamedExperts(self.ctx, spec, self.arena, kernels, ring, cache, layers, dtype=dtype)
         fused_ops = isinstance(kernels, CudaKernels) and dtype == torch.bfloat16
         ops = CudaDecodeOps(self.ctx.device, paths=kernels.paths) if fused_ops else None  # one counter for both
-        super().__init__(Decoder(spec, dense, experts, ops))
         # Short prompts, packed prompts and eager decode batches through the decode step's fused
-        # ops (`Decoder.static_rows`): on one H200 (30B-A3B, every expert resident) a 16-token
-        # prompt took 41 ms, bound by the host queuing `run`'s ~30 launches a layer (42 ms of host
-        # time, 16 ms of GPU time); the same rows through the fused ops took 20.5 ms eagerly. Only
-        # where their attention runs fused: its twin costs a dozen launches a row.
-        self.model.static_rows = fused_ops and self._attention_fused(spec)
+        # ops (`Decoder.static_rows`): the host's launches, not the GPU, bind a short prompt on the
+        # segment path (docs/ARCHITECTURE.md). Only where their attention runs fused: its twin
+        # costs a dozen launches a row.
+        super().__init__(Decoder(spec, dense, experts, ops, static_rows=fused_ops and self._attention_fused(spec)))
         self._graphs_ok = (opts.cuda_graphs and cache is not None
                            and dtype == torch.bfloat16 and self._decode_never_syncs(kernels, spec))
         self._graphs: dict[int, DecodeGraph] = {}  # graph rows (`_graph_bucket`) -> its capture

@@ -119,10 +119,15 @@ class StreamedExperts:
 
     @property
     def helped(self) -> bool:
-        return self.streaming and self.helper is not None and self.helper.bound
+        """This pass streams, and a helper is bound to take a share of it."""
+        return self.streaming and self._helper_bound
 
-    def begin(self, n_rows: int) -> None:
-        self.streaming = self.should_stream(n_rows)
+    @property
+    def _helper_bound(self) -> bool:
+        return self.helper is not None and self.helper.bound
+
+    def begin(self, n_rows: int, stream: bool) -> None:
+        self.streaming = stream
         self._feed = self._tables = None
         if not self.streaming:
             return
@@ -153,8 +158,12 @@ class StreamedExperts:
             self.helper.abort()
         self._feed = self._tables = None
 
-    def forward(self, i: int, h: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
-                hq: torch.Tensor | None = None) -> torch.Tensor:
+    def start(self, i: int, h: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
+              hq: torch.Tensor | None = None, first: bool = True) -> torch.Tensor:
+        """Local layer i's rows: gathered (their picks read where they live), or this stage's part
+        of the layer's experts streamed and computed, the helper's share handed over first (its
+        sums come in `finish`). `first`: the layer's first rows, which load its experts (a second
+        half's rows read them from the workspace)."""
         layer = self.layers[i]
         lay = self.arena.layouts[layer]
         if self.cache is not None:
@@ -165,7 +174,7 @@ class StreamedExperts:
             return self.kernels.moe_gathered(self.cache, i, lay, h, weights, experts, self.w_gate_up, self.w_down,
                                              hq=hq)
         if self.helped:
-            return self.finish(self._helped_rows(i, h, weights, experts, first=True))
+            return self._helped_rows(i, h, weights, experts, first)
         feed, tables = self._feed, self._tables
         assert feed is not None and tables is not None
         feed.acquire(i)
@@ -173,19 +182,9 @@ class StreamedExperts:
                             self.w_down, release=lambda: feed.release(i), whole_layer=True)
 
     def in_halves(self, n_rows: int) -> bool:
-        """Should a pass of n_rows (begun) run its layers in two halves of rows (`start`/`finish`)?
-        Where a helper is bound and the pass has its `halves_from` rows or more."""
-        return self.helped and 0 < self.helper.halves_from <= n_rows
-
-    def start(self, i: int, h: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, first: bool
-              ) -> torch.Tensor:
-        """One half of a helped layer's rows (h [t, D], weights and experts [t, A]): hand them to the
-        helper, then compute this stage's part of them. `first`: the layer's first half, which
-        loads the layer's experts (both halves' rows read them from the workspace). Returns this
-        stage's partial sums [t, D]; `finish` adds the helper's."""
-        if self.cache is not None:
-            self.cache.observe(i, experts)
-        return self._helped_rows(i, h, weights, experts, first)
+        """Should a streamed pass of n_rows run its layers in two halves of rows? Where a helper
+        is bound and the pass has its `halves_from` rows or more."""
+        return self._helper_bound and 0 < self.helper.halves_from <= n_rows
 
     def _helped_rows(self, i: int, h: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, first: bool
                      ) -> torch.Tensor:
@@ -203,7 +202,7 @@ class StreamedExperts:
         return part_rows(self.ctx, self.kernels, tables, i, h, weights, experts, self.w_gate_up, self.w_down,
                          whole_layer=False)
 
-    def finish(self, own: torch.Tensor) -> torch.Tensor:
-        """A half's expert outputs [t, D]: this stage's partial sums (`start`) plus the helper's, which
-        arrive in the order the halves were started."""
-        return own + self.helper.collect()
+    def finish(self, started: torch.Tensor) -> torch.Tensor:
+        """A `start`'s outputs [t, D]: where helped, this stage's partial sums plus the helper's,
+        which arrive in the order the starts were made."""
+        return started + self.helper.collect() if self.helped else started

@@ -179,8 +179,8 @@ def run(preset: str, batches: list[int], contexts: list[int], iters: int, host_s
         device: torch.device, expert_rows: tuple[int, ...] = ()) -> KernelReport:
     from strata_mgpu.kernels.decode_ops import CudaDecodeOps
     from strata_mgpu.kernels.experts import CudaKernels, TorchKernels
-    from strata_mgpu.model.decoder import DecodeOps
     from strata_mgpu.model.kv_cache import KVCache
+    from strata_mgpu.model.ops import DecodeOps
 
     spec = PRESETS[preset].spec(preset)
     g = torch.Generator().manual_seed(0)

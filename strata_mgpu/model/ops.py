@@ -1,0 +1,157 @@
+"""The decoder's small ops in plain torch: norms, rotary embeddings, attention (SDPA), routing,
+and `DecodeOps`, the twins of the fused CUDA versions a GPU stage passes to its `Decoder`
+(`kernels.decode_ops`).
+
+Shape legend: T = token rows, D = hidden, H = query heads, Hkv = KV heads, Dh = head dim,
+E = experts, A = experts used per token, S = keys, B = rows of a decode step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention.bias import causal_lower_right
+
+from strata_mgpu.model.kv_cache import SequenceKV
+from strata_mgpu.model.spec import ModelSpec
+from strata_mgpu.model.weights import LayerWeights
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Normalized in fp32, cast back, then scaled (as transformers does)."""
+    return F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype) * weight
+
+
+def rope_cos_sin(positions: torch.Tensor, head_dim: int, base: float, dtype: torch.dtype
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """NEOX-style rotary tables: [T, Dh] each (the half-frequencies repeated)."""
+    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim))
+    freqs = positions.float()[:, None] * inv_freq[None, :]  # [T, Dh/2]
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, heads, Dh]: rotate the two halves of each head (NEOX / HF rotate_half)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos[:, None, :] + rotated * sin[:, None, :]
+
+
+def qk_norm_rope(spec: ModelSpec, w: LayerWeights, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+                 sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Projections q [T, H*Dh], k [T, Hkv*Dh] -> q [T, H, Dh], k [T, Hkv, Dh], each head RMS-normed
+    and rotated."""
+    t = q.shape[0]
+    q = rms_norm(q.view(t, spec.n_heads, spec.head_dim), w.q_norm, spec.rms_eps)
+    k = rms_norm(k.view(t, spec.n_kv_heads, spec.head_dim), w.k_norm, spec.rms_eps)
+    return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+
+
+# cuDNN's attention builds a graph per new shape: about 1 ms of CPU per call in decode, where the
+# key count grows every step (seen on the H200 with torch 2.11). Flash, memory-efficient or math
+# kernels serve every shape here.
+SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """q [T, H, Dh] are the last T positions of k, v [S, Hkv, Dh]; returns [T, H, Dh]."""
+    with sdpa_kernel(SDPA_BACKENDS):
+        return _sdpa(q, k, v)
+
+
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    t, s = q.shape[0], k.shape[0]
+    qh, kh, vh = q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None]
+    if t == s:
+        out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, enable_gqa=True)
+    elif t == 1:  # one new token sees every key: no mask (a mask would send SDPA to a slower kernel)
+        out = F.scaled_dot_product_attention(qh, kh, vh, enable_gqa=True)
+    else:  # a chunk after a prefix: query i sits at key s - t + i and sees keys 0..s-t+i.
+        # A lower-right causal bias keeps the flash/efficient kernels (an explicit [T, S] mask sent
+        # GQA to the math kernel, which wanted 16 GiB of scores for an 8K chunk after 16K keys);
+        # they take no GQA flag, so the KV heads are repeated for this call.
+        group = q.shape[1] // k.shape[1]
+        kh, vh = kh.repeat_interleave(group, dim=1), vh.repeat_interleave(group, dim=1)
+        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=causal_lower_right(t, s))
+    return out[0].transpose(0, 1)
+
+
+def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+    """q [T, H, Dh] against all of k, v [S, Hkv, Dh] where visible [S] (bool) allows; -> [T, H, Dh]."""
+    qh, kh, vh = q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None]
+    with sdpa_kernel(SDPA_BACKENDS):
+        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=visible[None, :], enable_gqa=True)
+    return out[0].transpose(0, 1)
+
+
+def route(h: torch.Tensor, router: torch.Tensor, n_used: int, renormalize: bool
+          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Router softmax -> top-k -> renormalize. h [T, D] -> (weights [T, A] fp32, experts [T, A])."""
+    probs = torch.softmax(h.float() @ router.float().T, dim=-1)  # [T, E], fp32 whatever h's dtype
+    weights, experts = torch.topk(probs, n_used, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(-1, keepdim=True)
+    return weights, experts
+
+
+class DecodeOps:
+    """The small ops of the static decode step, as plain torch: the twins of the fused CUDA
+    versions (`kernels.decode_ops`), which a GPU stage passes to its `Decoder` instead."""
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return rms_norm(x, weight, eps)
+
+    def add_rms_norm(self, x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor, eps: float
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x + y, rms_norm(x + y)): the residual stream and the next block's input. The fused
+        version updates x in place."""
+        x = x + y
+        return x, rms_norm(x, weight, eps)
+
+    def qk_norm_rope_kv(self, spec: ModelSpec, w: LayerWeights, layer: int, q: torch.Tensor, k: torch.Tensor,
+                        v: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                        kvs: Sequence[SequenceKV], table: torch.Tensor | None = None) -> torch.Tensor:
+        """B rows, row b one token of sequence kvs[b]: projections q [B, H*Dh], k and v [B, Hkv*Dh].
+        q and k normed per head and rotated; row b's k and v written at positions[b] (on the device)
+        of layer `layer` of kvs[b]'s cache [capacity, Hkv, Dh]; returns q [B, H, Dh]."""
+        qn, kn = qk_norm_rope(spec, w, q, k, cos, sin)
+        for b, kv in enumerate(kvs):
+            r = slice(b, b + 1)
+            kv.k[layer].index_copy_(0, positions[r], kn[r])
+            kv.v[layer].index_copy_(0, positions[r], v[r].view(1, spec.n_kv_heads, spec.head_dim))
+        return qn
+
+    def kv_table(self, kvs: Sequence[SequenceKV]) -> torch.Tensor | None:
+        """The caches' addresses as fused kernels read them; these ops read the caches themselves."""
+        return None
+
+    def attention(self, layer: int, q: torch.Tensor, positions: torch.Tensor, kvs: Sequence[SequenceKV],
+                  table: torch.Tensor | None = None, capacity: int | None = None) -> torch.Tensor:
+        """q [B, H, Dh], row b the token at positions[b] of kvs[b], against that cache's cells
+        0..positions[b] of layer `layer` -> [B, H, Dh]. Here: the whole capacity under a mask."""
+        outs = []
+        for b, kv in enumerate(kvs):
+            visible = torch.arange(kv.capacity, device=positions.device) <= positions[b]  # [S]
+            outs.append(masked_attention(q[b:b + 1], kv.k[layer], kv.v[layer], visible))  # [1, H, Dh]
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+    def route(self, h: torch.Tensor, router: torch.Tensor, n_used: int, renormalize: bool
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+        return route(h, router, n_used, renormalize)
+
+    def moe_input(self, x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor, eps: float, router: torch.Tensor,
+                  n_used: int, renormalize: bool
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """The MoE block's input from the residual x and the attention's output y: (x + y, h =
+        rms_norm(x + y), h's routing weights [T, A] and experts [T, A], and h quantized for integer
+        expert kernels or None). The twin: add_rms_norm, then route; nothing quantized."""
+        x, h = self.add_rms_norm(x, y, weight, eps)
+        weights, experts = self.route(h, router, n_used, renormalize)
+        return x, h, weights, experts, None
+
+
+PLAIN_OPS = DecodeOps()  # stateless: one instance serves every decoder's prompt path
