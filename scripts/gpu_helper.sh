@@ -3,7 +3,7 @@
 # two stages on the one card.
 source "$(dirname "$0")/gpu_env.sh"
 tests_rc=0  # a failing test fails the script, after the sweep has run
-python3 -m pytest -q -m gpu tests/test_gpu.py tests/test_gpu_quant.py -p no:cacheprovider -k "helper or two_stage" 2>&1 \
+python3 -m pytest -q -m gpu tests -p no:cacheprovider -k "helper or two_stage" 2>&1 \
   | tail -3 || tests_rc=$?
 MODEL=/tmp/q30b.gguf
 [ -f $MODEL ] || python3 -m strata_mgpu gen-model $MODEL --preset 30b-a3b --seed 0 2>&1 | tail -1

@@ -8,7 +8,7 @@ python3 -c "import torch, cupy; print('torch', torch.__version__, 'cupy', cupy._
 # A failing GPU test fails the script, at its end: the benchmarks below still run and report.
 tests_rc=0
 if [ "${SKIP_TESTS:-0}" != 1 ]; then
-  python3 -m pytest -q -m gpu tests/test_gpu.py tests/test_gpu_quant.py -p no:cacheprovider 2>&1 \
+  python3 -m pytest -q -m gpu tests -p no:cacheprovider 2>&1 \
     | tee "$OUT/gpu_tests.log" || tests_rc=$?
 fi
 if [ "${DIAG:-1}" = 1 ]; then

@@ -2,7 +2,7 @@
 # On the GPU machine: GPU tests, then one stage against two stages on the same card (30b-a3b preset).
 source "$(dirname "$0")/gpu_env.sh"
 tests_rc=0  # a failing test fails the script, after the benchmarks have run
-[ "${SKIP_TESTS:-0}" = 1 ] || python3 -m pytest -q -m gpu tests/test_gpu.py tests/test_gpu_quant.py -p no:cacheprovider \
+[ "${SKIP_TESTS:-0}" = 1 ] || python3 -m pytest -q -m gpu tests -p no:cacheprovider \
   2>&1 | tee "$OUT/gpu_tests.log" | tail -3 || tests_rc=$?
 MODEL=/tmp/q30b.gguf
 [ -f $MODEL ] || python3 -m strata_mgpu gen-model $MODEL --preset 30b-a3b --seed 0 2>&1 | tail -1

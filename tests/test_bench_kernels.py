@@ -1,18 +1,26 @@
-"""tools/bench_kernels without a GPU: the synthetic layer and cache it times the kernels on (the
-CUDA timing itself runs on the lent GPU)."""
+"""tools/bench_kernels: the synthetic layer and cache it times the kernels on, without a GPU; and a
+short run of the tool itself on the lent GPU (marker `gpu`; skipped without CUDA)."""
 
 from __future__ import annotations
 
+import json
+import math
 import subprocess
 import sys
+from types import SimpleNamespace
 
+import pytest
 import torch
 from gguf.constants import GGMLQuantizationType as Q
 
 from strata_mgpu.kernels.experts import TorchKernels
+from strata_mgpu.model.reference import moe_reference
 from strata_mgpu.model.synthetic import PRESETS
+from strata_mgpu.quant.dequant import dequantize
 from strata_mgpu.quant.formats import block_format
-from strata_mgpu.tools.bench_kernels import SyntheticCache, expert_layer, random_routing
+from strata_mgpu.tools.bench_kernels import BF16_TOL, SyntheticCache, expert_layer, random_routing
+
+FP32_TOL = 1e-5  # max|diff| / max|ref|, both fp32 (as tests/test_quant_stage.py): summation order only
 
 
 def test_the_synthetic_layer_is_laid_out_as_the_arena_lays_experts():
@@ -47,14 +55,65 @@ def test_the_synthetic_cache_serves_each_expert_from_its_tier():
     w_d = torch.empty(m, spec.hidden, spec.expert_ffn)
     out = TorchKernels().moe_gathered(cache, 0, lay, h, weights, experts, w_gu, w_d)  # the twin the tool checks with
     assert out.shape == (5, spec.hidden) and torch.isfinite(out).all() and out.abs().max() > 0
+    # the oracle on the same picks: every expert's blocks dequantized straight from the arena's
+    # bytes (not through the cache), the SiLU-gated MLP one expert at a time, in fp32
+    d, f, gb = spec.hidden, spec.expert_ffn, lay.gate_bytes
+    dense = SimpleNamespace(gate=dequantize(arena[:, :gb], lay.gate_type, (spec.n_experts, f, d)),  # [E, F, D]
+                            up=dequantize(arena[:, gb:2 * gb], lay.gate_type, (spec.n_experts, f, d)),
+                            down=dequantize(arena[:, lay.down_offset:], lay.down_type, (spec.n_experts, d, f)))
+    want = moe_reference(h, dense, weights, experts)  # [5, D]
+    assert float((out - want).abs().max() / want.abs().max()) <= FP32_TOL
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is here: the tool runs (test below)")
 def test_without_a_gpu_it_says_so_in_one_line():
     r = subprocess.run([sys.executable, "-m", "strata_mgpu.tools.bench_kernels", "--preset", "tiny"],
                        capture_output=True, text=True, timeout=120)
-    if torch.cuda.is_available():
-        return  # the GPU session runs it for real
     assert r.returncode == 1 and r.stderr.strip() == "bench_kernels needs a CUDA device"
+
+
+@pytest.mark.gpu
+def test_a_short_run_on_the_gpu_reports_every_kernel_within_its_twins_tolerance(tmp_path):
+    """`--preset tiny` with one and three decode rows, one context, one gathered pass of 16 rows and
+    few iterations: the tool exits 0 (it exits 1 where a checked kernel differs from its twin by
+    more than BF16_TOL), prints a line for each figure and writes them to --json. Every figure is
+    there: the fused experts at each decode batch, the 16-row pass pick by pick and expert by
+    expert (every expert resident: the grouped kernels take it, bit for bit), attention, both
+    dense projections each way, a layer's dequant; times, bytes and bounds positive and finite;
+    each error checked against the twin is finite and within BF16_TOL, the grouped one 0."""
+    out = tmp_path / "kbench.json"
+    r = subprocess.run([sys.executable, "-m", "strata_mgpu.tools.bench_kernels", "--preset", "tiny", "--batch", "1,3",
+                        "--contexts", "256", "--expert-rows", "16", "--iters", "3", "--json", str(out)],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr
+    report = json.loads(out.read_text())
+    spec = PRESETS["tiny"].spec("tiny")
+    assert report["preset"] == "tiny" and math.isfinite(report["copy_gb_per_s"]) and report["copy_gb_per_s"] > 0
+    where = "(100% in VRAM)"
+    # (what, rows) -> how its error is checked: "twin" within BF16_TOL, "exact" 0, None not checked
+    want = {(f"fused experts {where}", 1): "twin", (f"fused experts {where}", 3): "twin",
+            (f"experts pick by pick {where}", 16): None, (f"experts by expert {where}", 16): "exact",
+            ("attention at 256 keys", 1): "twin", ("attention at 256 keys", 3): "twin",
+            ("dequantize a whole layer to bf16", spec.n_experts): None}
+    for what, check in (("q/k/v projection", "twin"), ("output head", None)):
+        for b in (1, 3):
+            want[(f"{what}, bf16 weights (torch GEMM)", b)] = None
+            want[(f"{what}, from Q8_0 blocks (dense_q8)", b)] = check
+    timings = {(t["what"], t["batch"]): t for t in report["timings"]}
+    assert len(timings) == len(report["timings"]) and set(timings) == set(want)
+    for key, check in want.items():
+        t = timings[key]
+        assert all(math.isfinite(t[k]) and t[k] > 0 for k in ("us", "bytes", "bound_us")), t
+        if check is None:
+            assert t["rel_err"] is None, t
+        elif check == "exact":
+            assert t["rel_err"] == 0.0, t
+        else:
+            assert math.isfinite(t["rel_err"]) and t["rel_err"] <= BF16_TOL, t
+    lines = r.stdout.splitlines()
+    assert lines[0].endswith(f"tiny shapes; device copy {report['copy_gb_per_s']:,.0f} GB/s")
+    assert len(lines) == 2 + len(want) and all(line.startswith(t["what"]) for line, t in
+                                               zip(lines[2:], report["timings"], strict=True))
 
 
 def test_the_dense_rows_it_times_are_valid_q8_0_and_read_as_the_twin_reads_them():

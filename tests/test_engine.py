@@ -501,15 +501,58 @@ def test_stop_matcher_across_pieces(pieces, stops, emitted, stopped):
     assert (out, hit) == (emitted, stopped)
 
 
-def test_a_queued_requests_wait_is_its_queue_time_not_its_prompt_time(loaded):
+def test_a_queued_requests_wait_is_its_queue_time_not_its_prompt_time(loaded, monkeypatch):
     """timings.queue_ms counts submission to the first prompt chunk (here: the whole first request,
-    with one slot); prompt_ms starts there. Both end up in the final output's timings."""
+    with one slot); prompt_ms starts there. Both end up in the final output's timings. Held by the
+    order of events, not by how long anything takes: the submissions, steps, prefill calls and
+    outputs are logged with perf_counter readings (the engine's clock, read on this thread), and
+    each figure lies between the readings of the events around its own two."""
     runner, tok = loaded
     engine = Engine(runner, tok, EngineConfig(max_running=1))
     params = SamplingParams(max_tokens=8, ignore_eos=True)
-    first, second = run_all(engine, [(tok.encode("first prompt"), params), (tok.encode("second"), params)])
-    t1, t2 = first[-1].timings, second[-1].timings
+    prompts = [tok.encode("first prompt"), tok.encode("second")]
+    events: list[tuple[str, int]] = []  # (what, request; -1 for a step), in the order they happen
+    stamps: list[float] = []  # perf_counter() at each event
+
+    def log(what: str, i: int) -> None:
+        events.append((what, i))
+        stamps.append(time.perf_counter())
+
+    def at(what: str, i: int) -> float:
+        return stamps[events.index((what, i))]
+
+    prefill, prefill_many = runner.prefill, runner.prefill_many
+
+    def logged_prefill(kv, tokens, *args, **kwargs):
+        log("prefill", prompts.index(tokens.tolist()))  # each prompt is one chunk
+        return prefill(kv, tokens, *args, **kwargs)
+
+    def logged_prefill_many(kvs, chunks):
+        for chunk in chunks:
+            log("prefill", prompts.index(chunk.tolist()))
+        return prefill_many(kvs, chunks)
+
+    monkeypatch.setattr(runner, "prefill", logged_prefill)
+    monkeypatch.setattr(runner, "prefill_many", logged_prefill_many)
+    outs: list[list[RequestOutput]] = [[], []]
+    for i, prompt in enumerate(prompts):
+        log("submit", i)
+        engine.submit(prompt, params, lambda o, i=i: (outs[i].append(o), log("final" if o.finished else "out", i)))
+        log("submitted", i)
+    while not all(out and out[-1].finished for out in outs):
+        log("step", -1)
+        engine.step()
+    # one slot: the second prompt runs only once the first request has finished
+    assert [e for e in events if e[0] in ("prefill", "final")] == [("prefill", 0), ("final", 0), ("prefill", 1),
+                                                                   ("final", 1)]
+    t1, t2 = outs[0][-1].timings, outs[1][-1].timings
     assert t1 is not None and t2 is not None
-    assert 0 <= t1.queue_ms < t2.queue_ms and t1.prompt_ms > 0 and t2.prompt_ms > 0
-    assert t2.queue_ms >= t1.prompt_ms + t1.predicted_ms * 0.9  # it waited for the first to finish
+    for i, t in enumerate((t1, t2)):
+        step = stamps[max(k for k in range(events.index(("prefill", i))) if events[k][0] == "step")]
+        # submission, then the first chunk's launch: in its step, before its prefill call
+        assert 1e3 * (step - at("submitted", i)) <= t.queue_ms <= 1e3 * (at("prefill", i) - at("submit", i))
+        # from the first chunk's launch to the first token's output
+        assert 0 < t.prompt_ms <= 1e3 * (at("out", i) - step)
+        assert 0 <= t.predicted_ms <= 1e3 * (at("final", i) - at("prefill", i))
+    assert t2.queue_ms >= t1.prompt_ms + t1.predicted_ms  # it waited for the whole first request
     assert t2.as_dict()["queue_ms"] == t2.queue_ms

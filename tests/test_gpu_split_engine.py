@@ -62,13 +62,27 @@ def test_sampled_requests_on_two_stages_of_one_card_draw_one_stages_tokens(tiny_
     assert len(replays) == 2 * 2 * (SERVED_TOKENS - 1)  # every step a replay on each stage, in both runs
 
 
-def test_server_shaped_decode_with_the_first_stage_on_the_cpu(tiny_gguf):
+def test_server_shaped_decode_with_the_first_stage_on_the_cpu(tiny_gguf, monkeypatch):
     """`--devices cpu,0 --dtype fp32`: the first stage takes the device-drawn tokens after a host
     wait (the stream wait of the two-stage card raised there on every decode step). fp32 on both:
-    a bf16 second stage cannot take the CPU stage's fp32 rows."""
+    a bf16 second stage cannot take the CPU stage's fp32 rows. The six requests finish with no
+    error and draw exactly the tokens one fp32 stage on cuda:0 draws, as served and with every
+    draw lagging (a first stage that read the ids before they are drawn would decode stale or
+    half-written ones). Token for token although layers 0-1 run on the CPU: both sides are fp32
+    without TF32, so their logits differ by summation order alone, and neither the greedy argmax
+    nor a seeded draw (an exponential race on noise hashed from the seed, the same on every
+    device) changes under that unless it sits that close to a tie or to top-p's cut; so
+    test_gpu's test_greedy_decode_gpu_equals_cpu holds greedy CPU and cuda:0 fp32 to one chain."""
     f = GGUFFile(tiny_gguf)
     spec, tok = spec_from_gguf(f), tokenizer_from_gguf(f)
     fp32 = StageOptions(device=CUDA, max_vram_gib=4, chunk_size=128, dtype=torch.float32)
+    want = served_ids(Stage(f, spec, fp32), tok, CONFIG)
     split = build_split(f, spec, [replace(fp32, device=torch.device("cpu"), max_vram_gib=None), fp32],
                         LayerSplit((2,)))
-    served_ids(split, tok, CONFIG)  # every request ends at its length, with no error
+    assert [s.ctx.device for s in split.stages] == [torch.device("cpu"), CUDA]
+    assert [s.model.w.dtype for s in split.stages] == [torch.float32, torch.float32]
+    for lag in (False, True):
+        with monkeypatch.context() as m:
+            if lag:
+                m.setattr(BatchSampler, "sample", lagging(BatchSampler.sample))
+            assert served_ids(split, tok, CONFIG) == want, f"lagging draws: {lag}"  # each ends at its length
