@@ -14,7 +14,8 @@ from strata_mgpu.model.gguf_reader import GGUFFile
 from strata_mgpu.model.runner import DecoderRunner, load_reference_runner
 from strata_mgpu.model.spec import spec_from_gguf
 from strata_mgpu.model.tokenizer import tokenizer_from_gguf
-from strata_mgpu.stage.stage import Stage, StageOptions
+from strata_mgpu.stage.build import build_stage
+from strata_mgpu.stage.stage import StageOptions
 
 
 @pytest.fixture(scope="module")
@@ -192,7 +193,7 @@ class CountingRunner(DecoderRunner):
 @pytest.fixture(scope="module")
 def cpu_stage(tiny_gguf):
     f = GGUFFile(tiny_gguf)
-    return Stage(f, spec_from_gguf(f), StageOptions(device=torch.device("cpu")))
+    return build_stage(f, spec_from_gguf(f), StageOptions(device=torch.device("cpu")))
 
 
 @pytest.mark.parametrize("kind", ["reference", "stage"])
@@ -449,6 +450,49 @@ def test_a_request_the_shrunken_budget_can_never_hold_ends_with_an_error(loaded)
     engine.step()
     assert engine.n_waiting == 0 and engine.n_running == 0
     assert out[-1].finish_reason == "error" and "8 tokens" in out[-1].error
+
+
+def test_each_steps_plan_says_what_its_calls_run(loaded):
+    """The scheduler's plan of each step: the prefill call's chunks (the first prompt's next chunk,
+    whole prompts packed into its room) and the decode rows, those whose prompt this step's
+    prefill ends among them unless their first token is their last; the calls follow it."""
+    engine, fake = scripted(loaded, [7] * 20, chunk_size=12, max_running=5, ctx_size=64)
+    params = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
+    ids = [engine.submit(p, params, lambda o: None) for p in (list(range(5, 25)), [30, 31, 32], [40, 41, 42, 43])]
+    ids.append(engine.submit([50, 51], SamplingParams(max_tokens=1, temperature=0), lambda o: None))
+    plans = [engine.scheduler.schedule()]  # admits all four
+    engine.step()
+    for _ in range(2):
+        plans.append(engine.scheduler.plan())
+        engine.step()
+    chunks = [[(c.request.id, c.start, len(c.tokens)) for c in plan.prefill] for plan in plans]
+    assert chunks == [[(ids[0], 0, 12)], [(ids[0], 12, 8), (ids[1], 0, 3)], [(ids[2], 0, 4), (ids[3], 0, 2)]]
+    assert [[r.id for r in plan.decode] for plan in plans] == [[], ids[:2], ids[:3]]  # ids[3]: one token, drawn
+    assert fake.events == [("prefill", 12), ("prefill_many", [8, 3]), ("decode", 2), ("prefill_many", [4, 2]),
+                           ("decode", 3)]
+
+
+def test_a_step_launched_by_hand_lands_like_a_step(loaded):
+    """The launch and the landing as `step` runs them, called by hand (as the GPU test of a launch
+    without a host sync does): the request still gets the tokens of an engine left to itself."""
+    runner, tok = loaded
+    params = SamplingParams(max_tokens=12, temperature=0.8, seed=1, ignore_eos=True)
+    prompt = tok.encode("Hello")
+    (alone,) = run_all(Engine(runner, tok, EngineConfig()), [(prompt, params)])
+    engine = Engine(runner, tok, EngineConfig())
+    out: list[RequestOutput] = []
+    engine.submit(prompt, params, out.append)
+    for _ in range(4):
+        engine.step()
+    launched = engine._launch()
+    assert launched is not None and launched.n_decode_rows == 1
+    engine._in_flight, previous = launched, engine._in_flight
+    assert previous is not None
+    engine._land(previous)
+    while not (out and out[-1].finished):
+        engine.step()
+    assert out[-1].n_generated == 12 and out[-1].finish_reason == "length"
+    assert [t for o in out for t in o.token_ids] == [t for o in alone for t in o.token_ids]
 
 
 def test_sampled_requests_repeat_alone_or_in_a_batch(loaded):

@@ -1,0 +1,216 @@
+"""The scheduler: which requests run, and what each step runs of them.
+
+`Scheduler` owns the waiting queue and the running list. `add`, `abort` and `stop` may be called
+from any thread (they take its condition variable, which the engine's thread waits on while idle);
+everything else is called by the engine's thread.
+
+`schedule()` takes the aborts asked for since the last step (ended at once, without an answer),
+then admits waiting requests in their order while there is a slot (`max_running`) and KV room:
+every running request keeps room for its prompt + max_tokens (`runner.kv_cells` of it counts
+against `runner.kv_token_budget`). A request the budget can never hold (it shrank after the
+request was queued) ends with `ContextOverflow`; one that merely does not fit yet waits, and so
+do all behind it. Admission opens the request's draw state in the sampler. What is left to run
+this step is returned as a `StepPlan`.
+
+Requests it ends go through `OutputProcessor.finish`; the engine's landing ends the rest, and
+`retire_finished` drops them from the running list once the step is over.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+from strata_mgpu.config import EngineConfig
+from strata_mgpu.engine.device_sampler import BatchSampler
+from strata_mgpu.engine.metrics import EngineMetrics
+from strata_mgpu.engine.output import OutputProcessor
+from strata_mgpu.engine.request import ContextOverflow, Phase, Request
+from strata_mgpu.engine.runner import ModelRunner
+
+ARRIVAL_WINDOW_TURNS = 8  # an idle engine's wait for a burst: at most this many arrival gaps
+
+
+@dataclass(frozen=True)
+class PrefillChunk:
+    """One request's part of a prefill call: `tokens` = its prompt[start:start + len(tokens)]."""
+
+    request: Request
+    start: int  # prompt tokens in its KV cache before this chunk
+    tokens: list[int]
+
+    @property
+    def ends_prompt(self) -> bool:
+        return self.start + len(self.tokens) == len(self.request.prompt)
+
+    @property
+    def whole_prompt(self) -> bool:
+        return len(self.tokens) == len(self.request.prompt)
+
+
+@dataclass
+class StepPlan:
+    """What one step launches.
+
+    prefill: the prefill call's chunks, in call order: the next chunk of the first prompt still in
+        prefill, then each later prompt whose rest fits the chunk's remaining room, whole (empty:
+        no prefill call).
+    decode: the decode step's rows, in running order: every request past its prompt with a token
+        left to draw, and every prompt this prefill ends with more than its first token to draw.
+        A row whose prefill call failed, or whose first token ended it, is left out at launch.
+    """
+
+    prefill: list[PrefillChunk]
+    decode: list[Request]
+
+    @property
+    def prefilling(self) -> list[Request]:
+        return [chunk.request for chunk in self.prefill]
+
+
+class Scheduler:
+    """The waiting queue, the running list and the aborts asked for; each step's plan."""
+
+    def __init__(self, runner: ModelRunner[Any], config: EngineConfig, n_ctx: int,
+                 sampler: BatchSampler, output: OutputProcessor, metrics: EngineMetrics):
+        self.runner = runner
+        self.config = config
+        self.n_ctx = n_ctx
+        self.sampler = sampler
+        self.output = output
+        self.metrics = metrics
+        self.cv = threading.Condition()  # guards waiting, aborts and stopped
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # admitted, in admission order; only the engine's thread changes it
+        self._aborts: set[str] = set()  # request ids asked to stop since the last step
+        self._stopped = False
+
+    # -- any thread ---------------------------------------------------------------------------
+    def add(self, req: Request) -> None:
+        with self.cv:
+            self.waiting.append(req)
+            self.metrics.waiting.set(len(self.waiting))
+            self.cv.notify()
+
+    def abort(self, request_id: str) -> None:
+        with self.cv:
+            self._aborts.add(request_id)
+            self.cv.notify()
+
+    def stop(self) -> None:
+        """No more steps: `wait_for_work` returns False from now on."""
+        with self.cv:
+            self._stopped = True
+            self.cv.notify()
+
+    # -- the engine's thread ------------------------------------------------------------------
+    def wait_for_work(self, step_in_flight: bool) -> bool:
+        """Block while there is nothing to do (no request, no abort, no step in flight); False once
+        stopped. An idle engine woken by an arrival first gathers the burst it begins."""
+        with self.cv:
+            idle = False
+            while not self._stopped and not (self.waiting or self.running or self._aborts or step_in_flight):
+                idle = True
+                self.cv.wait()
+            if self._stopped:
+                return False
+            if idle and not self.running:
+                self._gather_arrivals()
+            return not self._stopped
+
+    def _gather_arrivals(self) -> None:
+        """Wait while more requests come in, each within `arrival_gap_ms` of the last (at most
+        ARRIVAL_WINDOW_TURNS gaps), so a burst of short prompts packs into one prefill. Requests
+        sent together reach the engine a few ms apart: without this the first would run alone
+        while the rest queue behind it (docs/BENCHMARKS.md, the 8 chats' first tokens). A lone
+        request pays one gap. Holds cv."""
+        gap = self.config.arrival_gap_ms / 1e3
+        seen = len(self.waiting)
+        for _ in range(ARRIVAL_WINDOW_TURNS):
+            if gap <= 0 or self._stopped or len(self.waiting) >= self.config.max_running:
+                return
+            self.cv.wait(gap)
+            if len(self.waiting) == seen:
+                return
+            seen = len(self.waiting)
+
+    def schedule(self) -> StepPlan:
+        """End the aborted requests, admit waiting ones, and plan the step."""
+        self._take_aborts()
+        with self.cv:
+            rejected = self._admit()
+            self.metrics.waiting.set(len(self.waiting))
+        for r in rejected:
+            self.output.finish(r, "error", error=str(ContextOverflow(len(r.prompt), r.params.max_tokens,
+                                                                      self.runner.kv_token_budget or self.n_ctx)))
+        return self.plan()
+
+    def _take_aborts(self) -> None:
+        """Aborted requests end without an answer, queued ones too (logged and counted), before
+        admission: the KV room and the sampler's slots they held go to the requests admitted now."""
+        with self.cv:
+            aborts, self._aborts = self._aborts, set()
+            queued = [r for r in self.waiting if r.id in aborts]
+            if queued:
+                self.waiting = deque(r for r in self.waiting if r.id not in aborts)
+        for r in [*queued, *self.running]:
+            if r.id in aborts:
+                self.output.finish(r, "abort", notify=False)
+        self.running = [r for r in self.running if r.phase is not Phase.DONE]
+
+    def _admit(self) -> list[Request]:
+        """Move waiting requests to running, in order, while there are slots and KV room. Returns
+        the requests that can never fit. Holds cv."""
+        budget = self.runner.kv_token_budget
+        held = sum(self.runner.kv_cells(r.kv_tokens) for r in self.running)
+        rejected = []
+        while self.waiting and len(self.running) < self.config.max_running:
+            req = self.waiting[0]
+            cells = self.runner.kv_cells(req.kv_tokens)
+            if budget is not None and held + cells > budget:
+                if cells <= budget:
+                    break  # it waits for room
+                rejected.append(self.waiting.popleft())
+                continue
+            self.waiting.popleft()
+            assert req.phase is Phase.WAITING and req.draw is None, f"{req.id} admitted twice"
+            req.phase = Phase.PREFILL
+            req.draw = self.sampler.open(req.params)
+            self.running.append(req)
+            held += cells
+        return rejected
+
+    def plan(self) -> StepPlan:
+        """The step's prefill chunks and decode rows, from the running requests as they stand."""
+        prefill = self._prefill_pack()
+        ending = {id(chunk.request) for chunk in prefill if chunk.ends_prompt}
+        decode = [r for r in self.running
+                  if (r.phase is Phase.DECODE and r.draw_state.n_drawn < r.params.max_tokens)
+                  or (id(r) in ending and r.params.max_tokens > 1)]  # the prefill draws its first token
+        return StepPlan(prefill=prefill, decode=decode)
+
+    def _prefill_pack(self) -> list[PrefillChunk]:
+        """The next chunk of the first prompt in prefill, then every later prompt whose rest fits
+        the chunk's remaining room, whole (`prefill_many`). Short prompts arriving together so
+        reach their first token in one call instead of one step each."""
+        prefilling = [r for r in self.running if r.phase is Phase.PREFILL]
+        if not prefilling:
+            return []
+        first = prefilling[0]
+        assert first.n_prefilled < len(first.prompt), f"{first.id} is in prefill with its prompt prefilled"
+        start = first.n_prefilled
+        pack = [PrefillChunk(first, start, first.prompt[start:start + self.config.chunk_size])]
+        room = self.config.chunk_size - len(pack[0].tokens)
+        for r in prefilling[1:]:
+            rest = len(r.prompt) - r.n_prefilled
+            if rest <= room:
+                pack.append(PrefillChunk(r, r.n_prefilled, r.prompt[r.n_prefilled:]))
+                room -= rest
+        return pack
+
+    def retire_finished(self) -> None:
+        """Drop the requests that are done from the running list (their KV went with their end)."""
+        self.running = [r for r in self.running if r.phase is not Phase.DONE]
+        self.metrics.running.set(len(self.running))
