@@ -14,16 +14,17 @@ from strata_mgpu.model.gguf_reader import GGUFFile  # noqa: E402
 from strata_mgpu.model.runner import load_reference_runner  # noqa: E402
 from strata_mgpu.model.spec import spec_from_gguf  # noqa: E402
 from strata_mgpu.model.synthetic import write_model  # noqa: E402
-from strata_mgpu.stage.stage import Stage, StageOptions  # noqa: E402
+from strata_mgpu.stage.build import build_stage
+from strata_mgpu.stage.stage import StageOptions  # noqa: E402
 from tests.test_gpu import CUDA, _seg, _share_routing, rel_err  # noqa: E402
 
 write_model("/tmp/small.gguf", "small", seed=3)  # the test's model
 f = GGUFFile("/tmp/small.gguf")
 spec = spec_from_gguf(f)
 ref = load_reference_runner(f, spec)
-stage = Stage(f, spec, StageOptions(device=CUDA, max_vram_gib=8, cuda_graphs=False))
+stage = build_stage(f, spec, StageOptions(device=CUDA, max_vram_gib=8, cuda_graphs=False))
 _share_routing(stage, ref)
-n = stage.model.experts.gather_picks // spec.n_experts_used + 8
+n = stage.experts.gather_picks // spec.n_experts_used + 8
 print("seed  prompt  decode steps 1-4")
 for seed in range(12):
     prompt = torch.randint(0, spec.vocab_size, (n,), generator=torch.Generator().manual_seed(seed))

@@ -27,7 +27,8 @@ from strata_mgpu.model import synthetic
 from strata_mgpu.model.gguf_reader import GGUFFile
 from strata_mgpu.model.spec import spec_from_gguf
 from strata_mgpu.model.tokenizer import tokenizer_from_gguf
-from strata_mgpu.stage.stage import Stage, StageOptions
+from strata_mgpu.stage.build import build_stage
+from strata_mgpu.stage.stage import StageOptions
 from strata_mgpu.tools.server_decode import measure_server_decode
 
 
@@ -40,7 +41,7 @@ def main() -> None:
         synthetic.write_model(path, "30b-e16", seed=0)
     f = GGUFFile(path)
     spec = spec_from_gguf(f)
-    stage = Stage(f, spec, StageOptions(device=torch.device("cuda", 0), max_vram_gib=40, kv_tokens=8192))
+    stage = build_stage(f, spec, StageOptions(device=torch.device("cuda", 0), max_vram_gib=40, kv_tokens=8192))
     g = torch.Generator().manual_seed(0)
     toks = torch.randint(0, spec.vocab_size, (400,), generator=g)
 

@@ -12,6 +12,7 @@ from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeR
 
 from strata_mgpu import env, report
 from strata_mgpu.model.gguf_reader import GGUFError, GGUFFile
+from strata_mgpu.progress import layer_bars
 from strata_mgpu.quant.formats import parse_type
 
 out = Console()
@@ -272,7 +273,7 @@ def _build(model: Path, placement, chunk_size: int, kv_tokens: int):
     spec = spec_from_gguf(f)
     with Progress(TextColumn("[bold]loading[/] {task.description}"), BarColumn(), MofNCompleteColumn(),
                   TimeRemainingColumn(), console=err, transient=True) as bar:
-        return build_runner(f, spec, placement, chunk_size, kv_tokens=kv_tokens, on_progress=report.layer_bars(bar))
+        return build_runner(f, spec, placement, chunk_size, kv_tokens=kv_tokens, on_progress=layer_bars(bar))
 
 
 def _float_list(value: str) -> list[float]:

@@ -3,10 +3,8 @@ loading progress."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from rich.progress import Progress, TaskID
 from rich.table import Table
 
 if TYPE_CHECKING:
@@ -15,20 +13,6 @@ if TYPE_CHECKING:
     from strata_mgpu.tools.bench import BenchResult
     from strata_mgpu.tools.share_sweep import SweepResult
     from strata_mgpu.topo import CudaView, P2PMatrix
-
-
-def layer_bars(bar: Progress) -> Callable[[str, int, int], None]:
-    """`build_runner`'s `on_progress(what, done, total)` shown as one bar per `what` ('dense weights
-    24-47 on cuda:1', ...). Each call is one more layer loaded: `done` is not read, since a later
-    stage's loaders count from its first layer's global index (48/24 for layers 24-47)."""
-    bars: dict[str, TaskID] = {}
-
-    def on_progress(what: str, _done: int, total: int) -> None:
-        if what not in bars:
-            bars[what] = bar.add_task(what, total=total)
-        bar.advance(bars[what])
-
-    return on_progress
 
 
 def gb(n: float) -> str:

@@ -12,7 +12,8 @@ from click.testing import CliRunner
 from strata_mgpu.cli import main
 from strata_mgpu.model.gguf_reader import GGUFFile
 from strata_mgpu.model.spec import spec_from_gguf
-from strata_mgpu.stage.stage import Stage, StageOptions
+from strata_mgpu.stage.build import build_stage
+from strata_mgpu.stage.stage import StageOptions
 from strata_mgpu.tools.bench import decode_batch_kv_tokens, decode_batch_prompts, time_decode_batch
 
 
@@ -35,7 +36,7 @@ class RecordingRunner:
 @pytest.fixture(scope="module")
 def stage(tiny_gguf):
     f = GGUFFile(tiny_gguf)
-    return Stage(f, spec_from_gguf(f), StageOptions(device=torch.device("cpu"), chunk_size=64))
+    return build_stage(f, spec_from_gguf(f), StageOptions(device=torch.device("cpu"), chunk_size=64))
 
 
 @pytest.mark.parametrize("batch", [1, 3])

@@ -43,8 +43,8 @@ def test_the_synthetic_cache_serves_each_expert_from_its_tier():
     for e in range(spec.n_experts):
         src = cache.source(0, e)
         assert src.data_ptr() == addresses[e] and bytes(src.numpy()) == arena[e].tobytes()
-        assert (src.data_ptr() >= cache.buffer.data_ptr() and src.data_ptr() < cache.buffer.data_ptr()
-                + cache.buffer.numel()) == bool(resident[e])
+        assert (src.data_ptr() >= cache.slots.data_ptr() and src.data_ptr() < cache.slots.data_ptr()
+                + cache.slots.numel()) == bool(resident[e])
     g = torch.Generator().manual_seed(1)
     weights, experts = random_routing(5, spec.n_experts, spec.n_experts_used, g)
     assert all(len(set(row)) == spec.n_experts_used for row in experts.tolist())

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from strata_mgpu.stage.decode_graph import bucket_for, next_pow2
+from strata_mgpu.stage.graphs.capture import bucket_for, next_pow2
 
 
 @pytest.mark.parametrize("n,want", [(1, 1), (2, 2), (3, 4), (4, 4), (5, 8), (8, 8), (9, 16), (1000, 1024)])

@@ -8,13 +8,14 @@ import torch
 
 from strata_mgpu.model.gguf_reader import GGUFFile
 from strata_mgpu.model.spec import spec_from_gguf
-from strata_mgpu.stage.stage import Stage, StageOptions
+from strata_mgpu.stage.build import build_stage
+from strata_mgpu.stage.stage import StageOptions
 
 
 def test_counts_are_exact_and_their_operand_never_moves(tiny_gguf):
     f = GGUFFile(tiny_gguf)
     spec = spec_from_gguf(f)
-    cache = Stage(f, spec, StageOptions(device=torch.device("cpu"))).model.experts.cache
+    cache = build_stage(f, spec, StageOptions(device=torch.device("cpu"))).experts.cache
     one = cache._one.data_ptr()
     g = torch.Generator().manual_seed(0)
     before = cache.picks.clone()
@@ -30,7 +31,7 @@ def test_tally_counts_each_pick_where_it_was_read_across_refills(tiny_gguf):
     the residency of its time, though `refill` moves experts and halves the counts between."""
     f = GGUFFile(tiny_gguf)
     spec = spec_from_gguf(f)
-    cache = Stage(f, spec, StageOptions(device=torch.device("cpu"))).model.experts.cache
+    cache = build_stage(f, spec, StageOptions(device=torch.device("cpu"))).experts.cache
     assert 0 < cache.per_layer < spec.n_experts
     g = torch.Generator().manual_seed(1)
     vram = total = 0.0

@@ -9,8 +9,9 @@ import torch
 
 from strata_mgpu.model.gguf_reader import GGUFFile
 from strata_mgpu.model.spec import spec_from_gguf
-from strata_mgpu.stage.stage import Stage, StageOptions
-from strata_mgpu.stage.streamed_experts import GATHER_PICKS_BY_PICK, GATHER_PICKS_RESIDENT, gather_pick_limit
+from strata_mgpu.stage.build import build_stage
+from strata_mgpu.stage.experts.streamed import GATHER_PICKS_BY_PICK, GATHER_PICKS_RESIDENT, gather_pick_limit
+from strata_mgpu.stage.stage import StageOptions
 
 
 @pytest.mark.parametrize("all_resident,fused,grouped,want", [
@@ -28,7 +29,7 @@ def test_a_cpu_stage_streams_from_e_picks(tiny_gguf):
     """The twin's gather dequantizes into a workspace of E experts: no more picks than that."""
     f = GGUFFile(tiny_gguf)
     spec = spec_from_gguf(f)
-    experts = Stage(f, spec, StageOptions(device=torch.device("cpu"))).model.experts
+    experts = build_stage(f, spec, StageOptions(device=torch.device("cpu"))).experts
     assert experts.gather_picks == spec.n_experts
     rows = spec.n_experts // spec.n_experts_used
     assert not experts.should_stream(rows - 1) and experts.should_stream(rows)

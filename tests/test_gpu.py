@@ -16,6 +16,7 @@ from strata_mgpu.model.ops import DecodeOps
 from strata_mgpu.model.runner import load_reference_runner
 from strata_mgpu.model.spec import spec_from_gguf
 from strata_mgpu.model.synthetic import write_model
+from strata_mgpu.stage.build import build_stage
 from strata_mgpu.stage.stage import Stage, StageOptions
 from tests.test_peer_prefill import count_hand_overs
 from tests.test_q8_dot import quantize_words
@@ -43,7 +44,7 @@ def stage_on_its_own_budget(f: GGUFFile, spec, budget_gib: float, **options) -> 
     gc.collect()
     base = torch.cuda.memory_reserved(CUDA)
     torch.cuda.reset_peak_memory_stats(CUDA)
-    return Stage(f, spec, StageOptions(device=CUDA, max_vram_gib=budget_gib, **options)), base
+    return build_stage(f, spec, StageOptions(device=CUDA, max_vram_gib=budget_gib, **options)), base
 
 
 def rel_err(a: torch.Tensor, ref: torch.Tensor) -> float:
@@ -55,8 +56,8 @@ def test_gather_from_vram_and_mapped_host_equals_twin(kernels, tiny_gguf):
     assert kernels.host_pointers, "this GPU cannot read registered host memory at its host address"
     f = GGUFFile(tiny_gguf)
     spec = spec_from_gguf(f)
-    stage = Stage(f, spec, StageOptions(device=CUDA, max_vram_gib=8))
-    cache = stage.model.experts.cache
+    stage = build_stage(f, spec, StageOptions(device=CUDA, max_vram_gib=8))
+    cache = stage.experts.cache
     cache_small = type(cache)(stage.ctx, stage.arena, range(spec.n_layers), n_slots=3 * spec.n_layers)
     lay = stage.arena.layouts[2]
     picks = torch.tensor([0, 7, 2, 5, 5, 1], device=CUDA)  # resident and not, one twice
@@ -264,11 +265,11 @@ def test_stage_bf16_matches_reference_on_shared_routing(model):
     fp32 compute with free routing (next test) must agree everywhere."""
     f, spec = model
     ref = load_reference_runner(f, spec)
-    stage = Stage(f, spec, StageOptions(device=CUDA, max_vram_gib=8, cuda_graphs=False))  # the hooks sync
+    stage = build_stage(f, spec, StageOptions(device=CUDA, max_vram_gib=8, cuda_graphs=False))  # the hooks sync
     _share_routing(stage, ref)
     # a prompt of whole layers (bf16 GEMMs): a shorter one gathers through the integer kernels,
     # whose 8-bit activations add their own rounding (held to their twin in test_gpu_quant)
-    n = stage.model.experts.gather_picks // spec.n_experts_used + 8
+    n = stage.experts.gather_picks // spec.n_experts_used + 8
     # one of the prompts scripts/bf16_err_probe.py measured (the tolerances are set from them)
     prompt = torch.randint(0, spec.vocab_size, (n,), generator=torch.Generator().manual_seed(0))
     kv_r, kv_s = ref.new_sequence(n + 44), stage.new_sequence(n + 44)
@@ -285,12 +286,12 @@ def test_stage_bf16_matches_reference_on_shared_routing(model):
 def test_short_prompts_gather_where_every_expert_is_resident(model):
     """All experts resident: a 40-token prompt (fewer picks than GATHER_PICKS_RESIDENT) runs the
     fused gather kernels, not a whole-layer pass, and matches the reference on shared routing."""
-    from strata_mgpu.stage.streamed_experts import GATHER_PICKS_RESIDENT
+    from strata_mgpu.stage.experts.streamed import GATHER_PICKS_RESIDENT
 
     f, spec = model
     ref = load_reference_runner(f, spec)
-    stage = Stage(f, spec, StageOptions(device=CUDA, max_vram_gib=8, cuda_graphs=False))
-    experts = stage.model.experts
+    stage = build_stage(f, spec, StageOptions(device=CUDA, max_vram_gib=8, cuda_graphs=False))
+    experts = stage.experts
     assert experts.cache.per_layer == spec.n_experts and experts.gather_picks == GATHER_PICKS_RESIDENT
     _share_routing(stage, ref)
     prompt = torch.randint(0, spec.vocab_size, (40,))
@@ -310,7 +311,7 @@ def test_short_forwards_through_the_fused_ops_equal_runs_path(model):
     from strata_mgpu.model.decoder import Segment
 
     f, spec = model
-    stage = Stage(f, spec, StageOptions(device=CUDA, max_vram_gib=8, cuda_graphs=False))
+    stage = build_stage(f, spec, StageOptions(device=CUDA, max_vram_gib=8, cuda_graphs=False))
     dec = stage.model
     assert dec.static_rows and not dec.experts.should_stream(40)
     own, picked = dec.route, {}
@@ -359,7 +360,7 @@ def test_short_forwards_through_the_fused_ops_equal_runs_path(model):
 def test_stage_fp32_agrees_on_top1_everywhere(model):
     f, spec = model
     ref = load_reference_runner(f, spec)
-    stage = Stage(f, spec, StageOptions(device=CUDA, dtype=torch.float32))
+    stage = build_stage(f, spec, StageOptions(device=CUDA, dtype=torch.float32))
     prompt = torch.randint(0, spec.vocab_size, (256,))
     a = ref.model.logits(ref.model.forward(prompt, [_seg(ref.new_sequence(300), 256)]))
     b = stage.model.logits(stage.model.forward(prompt.to(CUDA), [_seg(stage.new_sequence(300), 256)])).cpu()
@@ -405,8 +406,8 @@ def test_graph_replay_equals_the_static_step_run_eagerly(tiny_gguf):
     the decode path against the CPU below.)"""
     f = GGUFFile(tiny_gguf)
     spec = spec_from_gguf(f)
-    stage = Stage(f, spec, StageOptions(device=CUDA, max_vram_gib=8))
-    assert stage._graphs_ok
+    stage = build_stage(f, spec, StageOptions(device=CUDA, max_vram_gib=8))
+    assert stage.graphs.enabled
     prompt = torch.randint(0, spec.vocab_size, (40,))
     kv_g, kv_e = stage.new_sequence(300), stage.new_sequence(300)
     a = stage.prefill(kv_g, prompt)
@@ -420,7 +421,7 @@ def test_graph_replay_equals_the_static_step_run_eagerly(tiny_gguf):
             position = torch.full((1,), kv_e.length, dtype=torch.long, device=CUDA)
             b = stage.model.step_static(token.to(CUDA), position, [kv_e])[0]
             kv_e.advance(1)
-        graphs.add(id(stage._graphs[1]))
+        graphs.add(id(stage.graphs.captured[1]))
         assert rel_err(a, b) <= 1e-3
         assert float(b[a.argmax()]) >= float(b.max()) - 1e-3 * float(b.abs().max())  # same top, or a tie
     assert len(graphs) == 1 and kv_g.length == kv_e.length == 46
@@ -436,7 +437,7 @@ def test_batched_graph_replay_equals_the_static_step_run_eagerly(tmp_path):
     write_model(tmp_path / "small.gguf", "small", seed=5)
     f = GGUFFile(tmp_path / "small.gguf")
     spec = spec_from_gguf(f)
-    stage = Stage(f, spec, StageOptions(device=CUDA, max_vram_gib=8, graph_batch=4))
+    stage = build_stage(f, spec, StageOptions(device=CUDA, max_vram_gib=8, graph_batch=4))
     lengths = (40, 9, 23, 15)
     kv_g = [stage.new_sequence(300) for _ in lengths]
     kv_e = [stage.new_sequence(300) for _ in lengths]
@@ -455,7 +456,7 @@ def test_batched_graph_replay_equals_the_static_step_run_eagerly(tmp_path):
             rows = [0, 3]
         g, e = [kv_g[r] for r in rows], [kv_e[r] for r in rows]
         a = stage.decode(g, torch.tensor([tokens[r] for r in rows]))  # graph replay [B, V]
-        captures.append(id(stage._graphs[4 if len(rows) == 3 else 2]))
+        captures.append(id(stage.graphs.captured[4 if len(rows) == 3 else 2]))
         with torch.inference_mode(), stage.ctx.on_compute():
             for kv in e:
                 kv.reserve(1)
@@ -479,9 +480,9 @@ def test_graphs_captured_ahead_serve_the_first_batches(tmp_path):
     write_model(tmp_path / "small.gguf", "small", seed=6)
     f = GGUFFile(tmp_path / "small.gguf")
     spec = spec_from_gguf(f)
-    stage = Stage(f, spec, StageOptions(device=CUDA, max_vram_gib=8, graph_batch=4))
+    stage = build_stage(f, spec, StageOptions(device=CUDA, max_vram_gib=8, graph_batch=4))
     assert stage.warm_decode_graphs(300) == [1, 2, 4]
-    ahead = {b: id(g) for b, g in stage._graphs.items()}
+    ahead = {b: id(g) for b, g in stage.graphs.captured.items()}
     kv_g = [stage.new_sequence(300) for _ in range(3)]
     kv_e = [stage.new_sequence(300) for _ in range(3)]
     tokens = []
@@ -501,7 +502,7 @@ def test_graphs_captured_ahead_serve_the_first_batches(tmp_path):
                 kv.advance(1)
         assert rel_err(a, b) <= 1e-3
         tokens = a.argmax(-1).tolist()
-    assert {b: id(g) for b, g in stage._graphs.items()} == ahead
+    assert {b: id(g) for b, g in stage.graphs.captured.items()} == ahead
 
 
 def test_split_graph_replays_equal_the_static_steps_run_eagerly(tiny_gguf):
@@ -514,7 +515,7 @@ def test_split_graph_replays_equal_the_static_steps_run_eagerly(tiny_gguf):
     spec = spec_from_gguf(f)
     opts = StageOptions(device=CUDA, max_vram_gib=4)
     split = build_split(f, spec, [opts, replace(opts, device=second_gpu())], LayerSplit((2,)))
-    assert all(s._graphs_ok for s in split.stages)
+    assert all(s.graphs.enabled for s in split.stages)
     prompt = torch.randint(0, spec.vocab_size, (40,))
     kv_g, kv_e = split.new_sequence(300), split.new_sequence(300)
     a = split.prefill(kv_g, prompt)
@@ -533,7 +534,7 @@ def test_split_graph_replays_equal_the_static_steps_run_eagerly(tiny_gguf):
                     part.advance(1)
         b = x[0].to(a.device)
         assert rel_err(a, b) <= 1e-3
-    assert all(s._graphs for s in split.stages) and kv_g.length == kv_e.length == 46
+    assert all(s.graphs.captured for s in split.stages) and kv_g.length == kv_e.length == 46
 
 
 def test_greedy_decode_gpu_equals_cpu(tiny_gguf):
@@ -548,7 +549,8 @@ def test_greedy_decode_gpu_equals_cpu(tiny_gguf):
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
     prompt = tok.encode(tok.apply_chat_template([{"role": "user", "content": "Tell me about the sea."}]))
     outs = []
-    for runner in (load_reference_runner(f, spec), Stage(f, spec, StageOptions(device=CUDA, dtype=torch.float32))):
+    fp32 = StageOptions(device=CUDA, dtype=torch.float32)
+    for runner in (load_reference_runner(f, spec), build_stage(f, spec, fp32)):
         (out,) = run_all(Engine(runner, tok, EngineConfig()), [(prompt, params)])
         outs.append([t for o in out for t in o.token_ids])
     assert outs[0] == outs[1]
@@ -587,7 +589,7 @@ def test_two_stages_equal_one_stage(tiny_gguf, graphs):
     f = GGUFFile(tiny_gguf)
     spec = spec_from_gguf(f)
     opts = StageOptions(device=CUDA, max_vram_gib=4, chunk_size=64, cuda_graphs=graphs)
-    single = Stage(f, spec, opts)
+    single = build_stage(f, spec, opts)
     split = build_split(f, spec, [opts, replace(opts, device=second_gpu())], LayerSplit((2,)))
     assert all(s.kernels.host_pointers for s in split.stages)
     prompt = torch.randint(0, spec.vocab_size, (200,))
@@ -600,7 +602,7 @@ def test_two_stages_equal_one_stage(tiny_gguf, graphs):
         token = torch.tensor([int(a.argmax())])
         a, b = single.decode([a_kv], token)[0], split.decode([b_kv], token)[0]
         assert torch.equal(a.cpu(), b.cpu())
-    assert all(bool(s._graphs) == graphs for s in [single, *split.stages])
+    assert all(bool(s.graphs.captured) == graphs for s in [single, *split.stages])
 
 
 def _routing_recorded_then_forced(runner):
@@ -673,16 +675,16 @@ def test_resident_experts_in_place_equal_all_streamed(tiny_gguf, dtype):
     spec = spec_from_gguf(f)
     # long enough to pass whole layers at every k: with all resident a shorter prompt gathers through
     # the integer kernels instead (other roundings, and on the tiny model a near-tied pick flips)
-    from strata_mgpu.stage.streamed_experts import GATHER_PICKS_RESIDENT
+    from strata_mgpu.stage.experts.streamed import GATHER_PICKS_RESIDENT
 
     prompt = torch.randint(0, spec.vocab_size, (GATHER_PICKS_RESIDENT // spec.n_experts_used + 8,))
     outs = {}
     for k in (0, 3, spec.n_experts):
-        stage = Stage(f, spec, StageOptions(device=CUDA, max_vram_gib=4, dtype=dtype, resident_experts=k,
+        stage = build_stage(f, spec, StageOptions(device=CUDA, max_vram_gib=4, dtype=dtype, resident_experts=k,
                                             cuda_graphs=False))
-        assert stage.model.experts.should_stream(prompt.numel())
+        assert stage.experts.should_stream(prompt.numel())
         outs[k] = stage.prefill(stage.new_sequence(prompt.numel() + 100), prompt).cpu()
-        experts = stage.model.experts
+        experts = stage.experts
         assert (experts.ring.uploaded_bytes if experts.ring else 0) == experts.pass_bytes()
         assert experts.pass_bytes() == stage.arena.nbytes * (spec.n_experts - k) // spec.n_experts
     for k, out in outs.items():
@@ -702,7 +704,7 @@ def test_plan_holds_under_the_budget_at_a_long_prompt(tiny_gguf):
     torch.cuda.reset_peak_memory_stats(CUDA)
     # the cap is per process: the stage gets 1 GiB on top of what earlier tests left reserved
     budget = 1 + torch.cuda.memory_reserved(CUDA) / 2**30
-    stage = Stage(f, spec, StageOptions(device=CUDA, max_vram_gib=budget, chunk_size=2048, kv_tokens=4096))
+    stage = build_stage(f, spec, StageOptions(device=CUDA, max_vram_gib=budget, chunk_size=2048, kv_tokens=4096))
     kv = stage.new_sequence(4096)
     prompt = torch.randint(0, spec.vocab_size, (4000,))
     for start in range(0, 4000, 2048):

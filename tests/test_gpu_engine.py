@@ -14,6 +14,7 @@ from strata_mgpu.engine.sampler import SamplingParams
 from strata_mgpu.model.gguf_reader import GGUFFile
 from strata_mgpu.model.spec import spec_from_gguf
 from strata_mgpu.model.tokenizer import tokenizer_from_gguf
+from strata_mgpu.stage.build import build_stage
 from strata_mgpu.stage.stage import Stage, StageOptions
 from strata_mgpu.tools.server_decode import measure_server_decode
 from tests.test_gpu import stage_on_its_own_budget
@@ -35,7 +36,7 @@ MIXED = [SamplingParams(max_tokens=99, temperature=0),
 @pytest.fixture(scope="module")
 def stage_and_tok(tiny_gguf):
     f = GGUFFile(tiny_gguf)
-    return Stage(f, spec_from_gguf(f), StageOptions(device=CUDA, max_vram_gib=8)), tokenizer_from_gguf(f)
+    return build_stage(f, spec_from_gguf(f), StageOptions(device=CUDA, max_vram_gib=8)), tokenizer_from_gguf(f)
 
 
 def test_sampler_on_cuda_equals_on_cpu_at_full_vocab():

@@ -17,8 +17,9 @@ from strata_mgpu.model.reference import ReferenceModel
 from strata_mgpu.model.spec import spec_from_gguf
 from strata_mgpu.model.synthetic import write_model
 from strata_mgpu.model.weights import load_weights
+from strata_mgpu.stage.build import build_stage
 from strata_mgpu.stage.device import DeviceContext
-from strata_mgpu.stage.host_kv import KVStaging, TwoTierKV, make_kv_cache, window_bytes
+from strata_mgpu.stage.kv.two_tier import KVStaging, TwoTierKV, make_kv_cache, window_bytes
 from strata_mgpu.stage.stage import Stage, StageOptions
 
 pytestmark = pytest.mark.gpu
@@ -40,7 +41,7 @@ def stage(request, tmp_path_factory):
     f = GGUFFile(path)
     gc.collect()  # earlier modules' stages must not count against this device's cap
     # No graphs: the captured step reads only VRAM (the stage must check graph_capturable first).
-    stage = Stage(f, spec_from_gguf(f), StageOptions(device=CUDA, max_vram_gib=8, cuda_graphs=False))
+    stage = build_stage(f, spec_from_gguf(f), StageOptions(device=CUDA, max_vram_gib=8, cuda_graphs=False))
     # Like against like: a plain cache's short chunks would take the fused ops (static_rows) where a
     # spilled one takes run's, and the two paths' bf16 roundings differ by more than the KV's own
     # (~1.5e-2 on the H200); tests/test_gpu.py holds the fused ops to run's path.

@@ -18,8 +18,9 @@ from strata_mgpu.model.gguf_reader import GGUFFile
 from strata_mgpu.model.spec import spec_from_gguf
 from strata_mgpu.model.synthetic import write_model
 from strata_mgpu.quant.formats import CUDA_DEQUANT_TYPES, FUSED_DECODE_TYPES, block_format
-from strata_mgpu.stage.expert_cache import ExpertCache
-from strata_mgpu.stage.stage import Stage, StageOptions
+from strata_mgpu.stage.build import build_stage
+from strata_mgpu.stage.experts.cache import ExpertCache
+from strata_mgpu.stage.stage import StageOptions
 from tests.test_q8_dot import quantize_words
 from tests.test_quant import fresh_seed, raw_blocks
 
@@ -81,7 +82,7 @@ def expert_case(tmp_path_factory, types: tuple, seed: int, resident: int | None 
     write_model(path, "tiny", expert_type=types[0], down_type=types[1], seed=seed)
     f = GGUFFile(path)
     spec = spec_from_gguf(f)
-    stage = Stage(f, spec, StageOptions(device=CUDA, max_vram_gib=8))
+    stage = build_stage(f, spec, StageOptions(device=CUDA, max_vram_gib=8))
     per_layer = spec.n_experts if resident is None else resident
     cache = ExpertCache(stage.ctx, stage.arena, range(spec.n_layers), n_slots=per_layer * spec.n_layers)
     lay = stage.arena.layouts[1]
@@ -241,8 +242,8 @@ def test_bf16_stage_runs_only_fast_paths(tiny_gguf):
     name only CUDA paths."""
     f = GGUFFile(tiny_gguf)
     spec = spec_from_gguf(f)
-    stage = Stage(f, spec, StageOptions(device=CUDA, max_vram_gib=8, cuda_graphs=False))
-    long_prompt = stage.model.experts.gather_picks // spec.n_experts_used + 8  # past the gather limit: whole layers
+    stage = build_stage(f, spec, StageOptions(device=CUDA, max_vram_gib=8, cuda_graphs=False))
+    long_prompt = stage.experts.gather_picks // spec.n_experts_used + 8  # past the gather limit: whole layers
     stage.prefill(stage.new_sequence(long_prompt), torch.randint(0, spec.vocab_size, (long_prompt,)))
     whole_layers = _paths_of(stage)
     assert whole_layers.get("moe_gathered:fused", 0) == 0 and whole_layers.get("grouped_mlp:grouped_mm", 0) > 0

@@ -18,8 +18,9 @@ from strata_mgpu.model.gguf_reader import GGUFFile
 from strata_mgpu.model.spec import spec_from_gguf
 from strata_mgpu.model.tokenizer import tokenizer_from_gguf
 from strata_mgpu.split.runner import build_split
-from strata_mgpu.stage.decode_graph import DecodeGraph
-from strata_mgpu.stage.stage import Stage, StageOptions
+from strata_mgpu.stage.build import build_stage
+from strata_mgpu.stage.graphs.capture import DecodeGraph
+from strata_mgpu.stage.stage import StageOptions
 from tests.test_split import SERVED_TOKENS, served_ids
 
 pytestmark = pytest.mark.gpu
@@ -48,9 +49,9 @@ def test_sampled_requests_on_two_stages_of_one_card_draw_one_stages_tokens(tiny_
     f = GGUFFile(tiny_gguf)
     spec, tok = spec_from_gguf(f), tokenizer_from_gguf(f)
     opts = StageOptions(device=CUDA, max_vram_gib=4, chunk_size=128, graph_batch=8)
-    want = served_ids(Stage(f, spec, opts), tok, CONFIG)
+    want = served_ids(build_stage(f, spec, opts), tok, CONFIG)
     split = build_split(f, spec, [opts, opts], LayerSplit((2,)))
-    assert [s.ctx.device for s in split.stages] == [CUDA, CUDA] and all(s._graphs_ok for s in split.stages)
+    assert [s.ctx.device for s in split.stages] == [CUDA, CUDA] and all(s.graphs.enabled for s in split.stages)
     replays = []
     step = DecodeGraph.step
     monkeypatch.setattr(DecodeGraph, "step", lambda graph, kvs, inp: replays.append(graph) or step(graph, kvs, inp))
@@ -76,7 +77,7 @@ def test_server_shaped_decode_with_the_first_stage_on_the_cpu(tiny_gguf, monkeyp
     f = GGUFFile(tiny_gguf)
     spec, tok = spec_from_gguf(f), tokenizer_from_gguf(f)
     fp32 = StageOptions(device=CUDA, max_vram_gib=4, chunk_size=128, dtype=torch.float32)
-    want = served_ids(Stage(f, spec, fp32), tok, CONFIG)
+    want = served_ids(build_stage(f, spec, fp32), tok, CONFIG)
     split = build_split(f, spec, [replace(fp32, device=torch.device("cpu"), max_vram_gib=None), fp32],
                         LayerSplit((2,)))
     assert [s.ctx.device for s in split.stages] == [torch.device("cpu"), CUDA]

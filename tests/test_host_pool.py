@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from strata_mgpu.stage.host_pool import GRANULE, HostBufferPool
+from strata_mgpu.stage.host.pool import GRANULE, HostBufferPool
 
 
 def test_the_smallest_idle_buffer_that_fits_is_taken_again():

@@ -14,8 +14,8 @@ from gguf.constants import GGMLQuantizationType as Q
 
 from strata_mgpu.kernels import experts as K
 from strata_mgpu.kernels import nvrtc
+from strata_mgpu.model.expert_layout import ExpertLayout
 from strata_mgpu.quant.formats import block_format
-from strata_mgpu.stage.host_arena import ExpertLayout
 
 SHARED_LIMIT = 48 * 1024  # what a block gets without opting in
 
@@ -30,10 +30,9 @@ def layout(gate_type: Q, down_type: Q, d: int, f: int) -> ExpertLayout:
 
 
 def fake_kernels() -> K.CudaKernels:
-    k = K.CudaKernels.__new__(K.CudaKernels)  # no CuPy, no device: only the launch arithmetic is used
-    K.TorchKernels.__init__(k)
-    k.host_pointers, k.device = True, torch.device("cpu")
-    return k
+    # no CuPy, no device, nothing compiled: only the launch arithmetic is used
+    return K.CudaKernels(torch.device("cpu"), K.CardCapabilities(host_pointers=True, grouped_mm=False,
+                                                                  grouped_mm_sync_free=False))
 
 
 def kernel_params(name: str, file: str = K.MOE_FILE) -> int:
@@ -87,8 +86,8 @@ def test_launches_match_the_kernel_signatures(monkeypatch):
     lay = layout(Q.Q4_K, Q.Q6_K, d, f)
     cache = SimpleNamespace(slot_of=torch.full((4, e), -1, dtype=torch.int64),
                             host_offset=torch.zeros(4, e, dtype=torch.int64),
-                            buffer=torch.zeros(16, dtype=torch.uint8), slot_bytes=lay.expert_bytes,
-                            arena=SimpleNamespace(buffer=torch.zeros(16, dtype=torch.uint8)))
+                            slots=torch.zeros(16, dtype=torch.uint8), slot_bytes=lay.expert_bytes, per_layer=0,
+                            host=torch.zeros(16, dtype=torch.uint8))
     h = torch.zeros(t, d, dtype=torch.bfloat16)
     experts = torch.randint(0, e, (t, a))
     out = fake_kernels().moe_gathered(cache, 2, lay, h, torch.rand(t, a), experts, None, None)

@@ -14,7 +14,8 @@ from strata_mgpu.kernels.decode_ops import CudaDecodeOps
 from strata_mgpu.kernels.paths import PathCounter
 from strata_mgpu.model.gguf_reader import GGUFFile
 from strata_mgpu.model.spec import spec_from_gguf
-from strata_mgpu.stage.stage import Stage, StageOptions
+from strata_mgpu.stage.build import build_stage
+from strata_mgpu.stage.stage import StageOptions
 
 CPU = torch.device("cpu")
 
@@ -22,10 +23,7 @@ CPU = torch.device("cpu")
 def cuda_kernels_without_a_gpu() -> K.CudaKernels:
     """A CudaKernels as a card without mapped host memory and without torch._grouped_mm would get
     (no CuPy, no device: every call must take a fallback, and none may launch)."""
-    k = K.CudaKernels.__new__(K.CudaKernels)
-    K.TorchKernels.__init__(k)
-    k.device, k.host_pointers, k.use_grouped_mm, k.grouped_mm_sync_free = CPU, False, False, False
-    return k
+    return K.CudaKernels(CPU, K.CardCapabilities(host_pointers=False, grouped_mm=False, grouped_mm_sync_free=False))
 
 
 def warnings_of(caplog) -> list[str]:
@@ -35,7 +33,7 @@ def warnings_of(caplog) -> list[str]:
 def test_a_cpu_stage_counts_the_twins_paths(tiny_gguf):
     f = GGUFFile(tiny_gguf)
     spec = spec_from_gguf(f)
-    stage = Stage(f, spec, StageOptions(device=CPU))
+    stage = build_stage(f, spec, StageOptions(device=CPU))
     kv = stage.new_sequence(64)
     logits = stage.prefill(kv, torch.randint(0, spec.vocab_size, (24,)))
     after_prefill = dict(stage.kernels.paths)
@@ -54,8 +52,8 @@ def test_cuda_fallbacks_are_counted_and_warned_once(tiny_gguf, monkeypatch, capl
     monkeypatch.setattr(paths, "_warned", set())
     f = GGUFFile(tiny_gguf)
     spec = spec_from_gguf(f)
-    stage = Stage(f, spec, StageOptions(device=CPU))
-    cache, lay = stage.model.experts.cache, stage.arena.layouts[1]
+    stage = build_stage(f, spec, StageOptions(device=CPU))
+    cache, lay = stage.experts.cache, stage.arena.layouts[1]
     k = cuda_kernels_without_a_gpu()
     E, A, D, F = spec.n_experts, spec.n_experts_used, spec.hidden, spec.expert_ffn
     h = torch.randn(2, D)

@@ -14,8 +14,8 @@ from strata_mgpu.model.reference import ReferenceModel
 from strata_mgpu.model.spec import spec_from_gguf
 from strata_mgpu.model.weights import load_weights
 from strata_mgpu.stage.device import DeviceContext
-from strata_mgpu.stage.host_kv import Hold, KVStaging, TwoTierKV, make_kv_cache, staging_bytes, window_bytes
-from strata_mgpu.stage.host_pool import HostBufferPool
+from strata_mgpu.stage.host.pool import HostBufferPool
+from strata_mgpu.stage.kv.two_tier import Hold, KVStaging, TwoTierKV, make_kv_cache, staging_bytes, window_bytes
 
 MAX_LEN = 96
 

@@ -48,8 +48,8 @@ def _gathered(monkeypatch, lay, t: int, a: int, d: int, e: int = 128, resident: 
     k._expert_ids = torch.arange(K.MAX_EXPERTS + 1)
     cache = SimpleNamespace(slot_of=torch.full((2, e), -1, dtype=torch.int64),
                             host_offset=torch.zeros(2, e, dtype=torch.int64),
-                            buffer=torch.zeros(16, dtype=torch.uint8), slot_bytes=lay.expert_bytes,
-                            arena=SimpleNamespace(buffer=torch.zeros(16, dtype=torch.uint8)), per_layer=resident)
+                            slots=torch.zeros(16, dtype=torch.uint8), slot_bytes=lay.expert_bytes,
+                            host=torch.zeros(16, dtype=torch.uint8), per_layer=resident)
     out = k.moe_gathered(cache, 1, lay, torch.zeros(t, d, dtype=torch.bfloat16), torch.rand(t, a),
                          torch.randint(0, e, (t, a)), None, None)
     assert out.shape == (t, d) and out.dtype == torch.bfloat16

@@ -10,7 +10,6 @@ import pytest
 import torch
 
 from strata_mgpu.stage.device import DeviceContext, DeviceError
-from strata_mgpu.stage.schedules import build_graph, first_race, replay, run_schedule
 from strata_mgpu.stage.streams import (
     InOrderStreams,
     OrderingError,
@@ -19,6 +18,7 @@ from strata_mgpu.stage.streams import (
     active_twin,
     ordering_twin,
 )
+from tests.ordering_schedules import build_graph, first_race, replay, run_schedule
 
 CPU = torch.device("cpu")
 

@@ -1,6 +1,6 @@
 """The two-tier KV's prefetch side stream under the ordering twin: the CPU tests of test_kv_two_tier
 rerun with twin streams, a stage's spilled prefill and decode with STRATA_KV_PREFETCH=1 checked
-and replayed, and each wait of `stage/host_kv.py` dropped to show whether the twin needs it."""
+and replayed, and each wait of `stage/kv/two_tier.py` dropped to show whether the twin needs it."""
 
 from __future__ import annotations
 
@@ -11,12 +11,13 @@ from strata_mgpu.model.gguf_reader import GGUFFile
 from strata_mgpu.model.reference import ReferenceModel
 from strata_mgpu.model.spec import spec_from_gguf
 from strata_mgpu.model.weights import load_weights
+from strata_mgpu.stage.build import build_stage
 from strata_mgpu.stage.device import DeviceContext
-from strata_mgpu.stage.host_kv import Hold, KVStaging, TwoTierKV, make_kv_cache
-from strata_mgpu.stage.schedules import first_race, replay
-from strata_mgpu.stage.stage import Stage, StageOptions
+from strata_mgpu.stage.kv.two_tier import Hold, KVStaging, TwoTierKV, make_kv_cache
+from strata_mgpu.stage.stage import StageOptions
 from strata_mgpu.stage.streams import OrderingError, ordering_twin
 from tests import test_kv_two_tier as kv_tests
+from tests.ordering_schedules import first_race, replay
 
 CPU = torch.device("cpu")
 # 12 VRAM cells a layer, sequences of up to 96: anything past 12 tokens spills to host rows.
@@ -65,7 +66,7 @@ def spilled_prefill_and_decode(tiny, monkeypatch) -> None:
     cache's on the same stage."""
     f, spec = tiny
     monkeypatch.setenv("STRATA_KV_PREFETCH", "1")
-    stage = Stage(f, spec, SPILLING)
+    stage = build_stage(f, spec, SPILLING)
     kvs = [stage.new_sequence(96) for _ in range(2)]
     assert all(isinstance(kv, TwoTierKV) for kv in kvs) and kvs[0].staging.prefetch
     with stage.ctx.on_compute():
@@ -123,7 +124,7 @@ def only_while(monkeypatch, cls: type, method: str, when=lambda self, *args: Tru
 
 def drop_waits(monkeypatch, what: str, flag: dict[str, bool] | None = None) -> list[str]:
     """Every DeviceContext.wait on a KV event ('cpu0 kv ...') whose name ends with `what` does
-    nothing (only while `flag` is on, if given), as if deleted from host_kv.py; returns the names
+    nothing (only while `flag` is on, if given), as if deleted from two_tier.py; returns the names
     of the waits dropped."""
     wait = DeviceContext.wait
     dropped = []
@@ -152,17 +153,17 @@ def taking_a_prefetch(monkeypatch) -> dict[str, bool]:
 STAGING = r"'cpu0 kv staging \d'"
 # (the events whose waits are dropped, where (None: everywhere), what the twin must say)
 NEEDED_WAITS = {
-    "released, before a spill": ("released", None, rf"cpu0\.kv side reads {STAGING} at host_kv\.py:\d+ write, but its "
+    "released, before a spill": ("released", None, rf"cpu0\.kv side reads {STAGING} at two_tier\.py:\d+ write, but its "
                                  rf"write on cpu0\.compute .*missing a wait on 'cpu0 kv staging \d released'"),
     # the twin names the first event recorded on compute after that read: the expert ring's, which would order it too
-    "released, before a prefetch": ("released", in_prefetch, rf"cpu0\.kv side writes {STAGING} at host_kv\.py:\d+ "
-                                    rf"prefetch, but its read on cpu0\.compute at host_kv\.py:\d+ write .*missing "
+    "released, before a prefetch": ("released", in_prefetch, rf"cpu0\.kv side writes {STAGING} at two_tier\.py:\d+ "
+                                    rf"prefetch, but its read on cpu0\.compute at two_tier\.py:\d+ write .*missing "
                                     rf"a wait on 'cpu0 ring slot \d free'"),
-    "ready, after a spill": ("ready", None, rf"cpu0\.compute writes {STAGING} at host_kv\.py:\d+ write, but its read "
-                             rf"on cpu0\.kv side at host_kv\.py:\d+ write .*missing a wait on 'cpu0 kv staging \d "
+    "ready, after a spill": ("ready", None, rf"cpu0\.compute writes {STAGING} at two_tier\.py:\d+ write, but its read "
+                             rf"on cpu0\.kv side at two_tier\.py:\d+ write .*missing a wait on 'cpu0 kv staging \d "
                              rf"ready'"),
-    "ready, taking a prefetch": ("ready", taking_a_prefetch, rf"cpu0\.compute writes {STAGING} at host_kv\.py:\d+ "
-                                 rf"write, but its write on cpu0\.kv side at host_kv\.py:\d+ prefetch .*missing a "
+    "ready, taking a prefetch": ("ready", taking_a_prefetch, rf"cpu0\.compute writes {STAGING} at two_tier\.py:\d+ "
+                                 rf"write, but its write on cpu0\.kv side at two_tier\.py:\d+ prefetch .*missing a "
                                  rf"wait on 'cpu0 kv staging \d ready'"),
 }
 

@@ -13,15 +13,16 @@ from strata_mgpu.model.gguf_reader import GGUFFile
 from strata_mgpu.model.spec import spec_from_gguf
 from strata_mgpu.split.help_rule import HelpPolicy
 from strata_mgpu.split.runner import build_split
+from strata_mgpu.stage.build import build_stage
 from strata_mgpu.stage.device import DeviceContext
-from strata_mgpu.stage.expert_ring import ExpertRing, Slot
-from strata_mgpu.stage.schedules import first_race, replay
-from strata_mgpu.stage.stage import Stage, StageOptions
+from strata_mgpu.stage.experts.ring import ExpertRing, Slot
+from strata_mgpu.stage.stage import StageOptions
 from strata_mgpu.stage.streams import OrderingError, ordering_twin
 from tests import test_peer_prefill as helper_tests
 from tests import test_split as split_tests
 from tests import test_stage as stage_tests
 from tests import test_static_rows as static_tests
+from tests.ordering_schedules import first_race, replay
 
 CPU = StageOptions(device=torch.device("cpu"), chunk_size=64)
 WHOLE_PROMPT = StageOptions(device=torch.device("cpu"), chunk_size=256)  # the helper's buffers hold one chunk
@@ -92,7 +93,7 @@ def drop_waits(monkeypatch, event_name: str) -> list[str]:
 
 def one_stage_prefill(tiny) -> None:
     f, spec = tiny
-    stage = Stage(f, spec, CPU)
+    stage = build_stage(f, spec, CPU)
     stage.prefill(stage.new_sequence(128), torch.randint(0, spec.vocab_size, (40,)))
 
 
@@ -190,8 +191,8 @@ def test_a_broken_ring_is_caught_and_its_race_is_real(tiny):
     schedules replaying it find an upload overwriting the slot before compute read it."""
     f, spec = tiny
     with ordering_twin(trace=True) as twin:
-        stage = Stage(f, spec, StageOptions(device=torch.device("cpu"), expert_cache=False))
-        experts = stage.model.experts
+        stage = build_stage(f, spec, StageOptions(device=torch.device("cpu"), expert_cache=False))
+        experts = stage.experts
         experts.ring = RingSkippingFreeWait(stage.ctx, stage.arena.max_layer_bytes, n_slots=2)
         with pytest.raises(OrderingError, match=r"cpu0\.upload writes 'cpu0 ring slot 0' .*its read on cpu0\.compute"):
             stage.prefill(stage.new_sequence(64), torch.randint(0, spec.vocab_size, (40,)))

@@ -141,7 +141,7 @@ def test_a_failed_pass_in_halves_leaves_nothing_behind(tiny):
     prompt = torch.randint(0, spec.vocab_size, (60,), generator=torch.Generator().manual_seed(3))
     runner.policy = HelpPolicy(enabled=False)
     off = runner.prefill(runner.new_sequence(128), prompt, whole_prompt=True)
-    experts = runner.stages[0].model.experts
+    experts = runner.stages[0].experts
     start, calls = experts.start, []
 
     def failing(i, h, weights, picks, hq=None, first=True):
@@ -201,7 +201,7 @@ def test_bench_bound_of_a_one_chunk_prompt_follows_the_help(tiny, monkeypatch):
     prompt = torch.randint(0, spec.vocab_size, (n,))
     runner.prefill(runner.new_sequence(64), prompt, whole_prompt=True)
     off = split_one_chunk_bound(runner, n)
-    assert off == pytest.approx(sum(s.model.experts.pass_bytes() for s in runner.stages) / 50e9)
+    assert off == pytest.approx(sum(s.experts.pass_bytes() for s in runner.stages) / 50e9)
     runner.policy = HelpPolicy(fixed_share=0.4)
     runner.prefill(runner.new_sequence(64), prompt, whole_prompt=True)
     assert min(runner.last_help) > 0
@@ -224,6 +224,7 @@ def test_a_prompt_that_gathers_has_no_help(tiny):
 
 def test_bench_compute_passes_teach_the_policy_nothing(tiny, monkeypatch):
     """bench times passes with their uploads skipped; the auto share must not learn from them."""
+    from strata_mgpu.split.runner import PromptClock
     from strata_mgpu.tools.bench import time_compute, time_prefill
 
     f, spec = tiny
@@ -232,7 +233,7 @@ def test_bench_compute_passes_teach_the_policy_nothing(tiny, monkeypatch):
     monkeypatch.setattr(HelpPolicy, "observe", lambda self, tokens, share, secs: seen.append(tokens))
     time_compute(runner, 50, 3, 256)
     runner.prefill(runner.new_sequence(64), torch.randint(0, spec.vocab_size, (50,)), whole_prompt=True)
-    assert seen == [] and runner.observing
+    assert seen == [] and isinstance(runner.prompt_clock, PromptClock)
     time_prefill(runner, 50, 3, 256)  # timed prompts do teach it, each read at the next call
     assert seen == [50, 50]
 
@@ -246,7 +247,7 @@ def test_early_ring_bytes():
     def stage(card: int, ring_bytes: int | None = 100):
         ring = SimpleNamespace(nbytes=ring_bytes) if ring_bytes is not None else None
         experts = SimpleNamespace(ring=ring)
-        return SimpleNamespace(ctx=SimpleNamespace(device=card), model=SimpleNamespace(experts=experts))
+        return SimpleNamespace(ctx=SimpleNamespace(device=card), experts=experts)
 
     a, b, c = stage(0), stage(1), stage(0)
     assert _early_ring_bytes(a, []) == 0  # the first stage
@@ -287,7 +288,7 @@ def test_helper_holds_only_lent_buffers(tiny):
 
     helper.run_rows = spy
     runner.prefill(runner.new_sequence(256), torch.randint(0, spec.vocab_size, (100,)), whole_prompt=True)
-    idle = runner.stages[1].model.experts
+    idle = runner.stages[1].experts
     assert seen and all(r is idle.ring and g is idle.w_gate_up and d is idle.w_down for r, g, d in seen)
     assert helper.lent is None  # unbound after the prompt
 
@@ -341,7 +342,7 @@ def test_helper_takes_only_streamed_experts(tiny, resident):
     assert torch.equal(on, again)
     assert float((on - off).abs().max() / off.abs().max()) <= 1e-5
     assert float((off - reference).abs().max() / reference.abs().max()) <= 1e-5
-    busy = runner.stages[0].model.experts
+    busy = runner.stages[0].experts
     helper = runner.helpers[0]
     n_help = runner.helper_experts(runner.stages[0], runner.stages[1], 0.5)
     assert n_help == round(0.5 * (spec.n_experts - resident))
@@ -356,7 +357,7 @@ def test_helper_takes_only_streamed_experts(tiny, resident):
 def test_a_failed_helped_pass_gives_both_rings_back(tiny, failing_call):
     f, spec = tiny
     runner = build_split(f, spec, [CPU, CPU], AUTO_SPLIT, help_policy=HelpPolicy(fixed_share=0.5))
-    busy = runner.stages[0].model.experts
+    busy = runner.stages[0].experts
     grouped_mlp, calls = busy.kernels.grouped_mlp, []
 
     def failing(*args):
@@ -369,7 +370,7 @@ def test_a_failed_helped_pass_gives_both_rings_back(tiny, failing_call):
     prompt = torch.randint(0, spec.vocab_size, (100,))
     with pytest.raises(torch.OutOfMemoryError):
         runner.prefill(runner.new_sequence(256), prompt, whole_prompt=True)
-    assert all(s.model.experts.ring.holder is None or s.model.experts.ring.holder.done for s in runner.stages)
+    assert all(s.experts.ring.holder is None or s.experts.ring.holder.done for s in runner.stages)
     busy.kernels.grouped_mlp = grouped_mlp
     again = runner.prefill(runner.new_sequence(256), prompt, whole_prompt=True)
     runner.policy = HelpPolicy(enabled=False)

@@ -126,10 +126,10 @@ def test_a_type_without_the_twin_fails_at_load_in_one_line(tiny_gguf, monkeypatc
     """A format the table cannot serve is refused where a stage lays out its experts."""
     from dataclasses import replace
 
+    from strata_mgpu.model.expert_layout import layer_layout
     from strata_mgpu.model.gguf_reader import GGUFFile
     from strata_mgpu.model.spec import spec_from_gguf
     from strata_mgpu.quant import formats
-    from strata_mgpu.stage.host_arena import layer_layout
 
     f = GGUFFile(tiny_gguf)
     spec = spec_from_gguf(f)

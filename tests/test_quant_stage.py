@@ -12,7 +12,8 @@ from strata_mgpu.model.runner import load_reference_runner
 from strata_mgpu.model.spec import spec_from_gguf
 from strata_mgpu.model.synthetic import write_model
 from strata_mgpu.quant.formats import SUPPORTED_TYPES
-from strata_mgpu.stage.stage import Stage, StageOptions
+from strata_mgpu.stage.build import build_stage
+from strata_mgpu.stage.stage import StageOptions
 
 CPU = torch.device("cpu")
 FP32_TOL = 1e-5  # max|diff| / max|ref|, as tests/test_stage.py
@@ -37,7 +38,7 @@ def test_stage_serves_every_expert_type(tmp_path, expert_type, down_type):
     f = GGUFFile(path)
     spec = spec_from_gguf(f)
     ref = load_reference_runner(f, spec)
-    stage = Stage(f, spec, StageOptions(device=CPU))
+    stage = build_stage(f, spec, StageOptions(device=CPU))
     assert stage.arena.layouts[0].gate_type == expert_type and stage.arena.layouts[0].down_type == down_type
     prompt = torch.randint(0, spec.vocab_size, (8,), generator=torch.Generator().manual_seed(int(expert_type)))
     kv_ref, kv_stage = ref.new_sequence(32), stage.new_sequence(32)

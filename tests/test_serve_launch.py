@@ -23,7 +23,7 @@ from strata_mgpu.config import EngineConfig, LayerSplit, Placement, ServerConfig
 from strata_mgpu.engine.build import build_runner
 from strata_mgpu.model.gguf_reader import GGUFFile
 from strata_mgpu.model.spec import spec_from_gguf
-from strata_mgpu.report import layer_bars
+from strata_mgpu.progress import layer_bars
 from strata_mgpu.server import launch
 from tests.server_proc import free_port
 

@@ -20,7 +20,8 @@ from strata_mgpu.model.gguf_reader import GGUFFile
 from strata_mgpu.model.spec import spec_from_gguf
 from strata_mgpu.model.tokenizer import tokenizer_from_gguf
 from strata_mgpu.split.runner import SplitError, build_split, plan_layers
-from strata_mgpu.stage.stage import Stage, StageOptions
+from strata_mgpu.stage.build import build_stage
+from strata_mgpu.stage.stage import StageOptions
 from strata_mgpu.tools.server_decode import bench_prompts
 from tests.test_engine import greedy_chain, run_all
 
@@ -68,7 +69,7 @@ def loaded(tiny_gguf):
 def test_split_equals_single_stage_bit_for_bit(loaded, layer_split, n_stages):
     """Same kernels on the same rows: the hand-over must not change a single bit."""
     f, spec = loaded
-    single = Stage(f, spec, CPU)
+    single = build_stage(f, spec, CPU)
     split = build_split(f, spec, [CPU] * n_stages, LayerSplit.parse(layer_split))
     assert [s.layers.start for s in split.stages][1:] == [int(x) for x in layer_split.split(",")]
     a_kv, b_kv = single.new_sequence(300), split.new_sequence(300)
@@ -104,7 +105,7 @@ def test_a_stage_takes_rows_of_another_dtype_in_its_own(loaded):
     assert [s.model.w.dtype for s in split.stages] == [torch.float32, torch.bfloat16]
     halves = [range(0, 2), range(2, spec.n_layers)]
     assert [s.layers for s in split.stages] == halves
-    alone = [Stage(f, spec, o, r) for o, r in zip(options, halves, strict=True)]
+    alone = [build_stage(f, spec, o, r) for o, r in zip(options, halves, strict=True)]
     kv, parts = split.new_sequence(64), [s.new_sequence(64) for s in alone]
     prompt = torch.randint(0, spec.vocab_size, (20,))
     logits = split.prefill(kv, prompt)
@@ -129,7 +130,7 @@ def test_split_packs_short_prompts_like_one_stage(loaded):
     """Several prompts in one pass through the stages (segments): each one's last logits as one
     stage gives them, and their decode goes on alike."""
     f, spec = loaded
-    single, split = Stage(f, spec, CPU), build_split(f, spec, [CPU, CPU], LayerSplit((2,)))
+    single, split = build_stage(f, spec, CPU), build_split(f, spec, [CPU, CPU], LayerSplit((2,)))
     prompts = [torch.randint(0, spec.vocab_size, (n,)) for n in (5, 17, 9)]
     a_kvs, b_kvs = [single.new_sequence(64) for _ in prompts], [split.new_sequence(64) for _ in prompts]
     a, b = single.prefill_many(a_kvs, prompts), split.prefill_many(b_kvs, prompts)
@@ -146,7 +147,7 @@ def test_engine_packs_short_prompts_on_a_split(loaded):
     tok = tokenizer_from_gguf(f)
     params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
     prompts = [(tok.encode(t), params) for t in ("One fish.", "Two fish, red fish.", "Blue fish.")]
-    split, single = build_split(f, spec, [CPU, CPU], LayerSplit((2,))), Stage(f, spec, CPU)
+    split, single = build_split(f, spec, [CPU, CPU], LayerSplit((2,))), build_stage(f, spec, CPU)
     calls = []
     real = split.prefill_many
     split.prefill_many = lambda kvs, chunks: calls.append(len(chunks)) or real(kvs, chunks)
@@ -208,7 +209,7 @@ def test_server_shaped_sampled_decode_on_a_split_equals_one_stage(loaded):
     is bit-exact: sampled requests decoded together on the engine's thread draw one stage's tokens."""
     f, spec = loaded
     tok, config = tokenizer_from_gguf(f), EngineConfig(ctx_size=256, chunk_size=64)
-    want = served_ids(Stage(f, spec, CPU), tok, config)
+    want = served_ids(build_stage(f, spec, CPU), tok, config)
     assert served_ids(build_split(f, spec, [CPU, CPU], LayerSplit((2,))), tok, config) == want
 
 

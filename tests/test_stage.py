@@ -13,10 +13,11 @@ from strata_mgpu.model.runner import load_reference_runner
 from strata_mgpu.model.spec import spec_from_gguf
 from strata_mgpu.model.synthetic import write_model
 from strata_mgpu.quant import dequantize
+from strata_mgpu.stage.build import build_stage
 from strata_mgpu.stage.device import DeviceContext
-from strata_mgpu.stage.expert_cache import ExpertCache
-from strata_mgpu.stage.expert_ring import ExpertRing
-from strata_mgpu.stage.stage import Stage, StageOptions
+from strata_mgpu.stage.experts.cache import ExpertCache
+from strata_mgpu.stage.experts.ring import ExpertRing
+from strata_mgpu.stage.stage import StageOptions
 
 CPU = torch.device("cpu")
 
@@ -32,8 +33,8 @@ def test_stage_matches_reference_prefill_and_decode(tmp_path, expert_type):
     f = GGUFFile(path)
     spec = spec_from_gguf(f)
     ref = load_reference_runner(f, spec)
-    stage = Stage(f, spec, StageOptions(device=CPU))
-    experts = stage.model.experts
+    stage = build_stage(f, spec, StageOptions(device=CPU))
+    experts = stage.experts
     prompt = torch.randint(0, spec.vocab_size, (40,))
     kv_ref, kv_stage = ref.new_sequence(128), stage.new_sequence(128)
     a, b = ref.prefill(kv_ref, prompt), stage.prefill(kv_stage, prompt)
@@ -52,7 +53,7 @@ def test_stage_matches_reference_prefill_and_decode(tmp_path, expert_type):
 def test_arena_layout_one_expert_one_slice(tiny_gguf):
     f = GGUFFile(tiny_gguf)
     spec = spec_from_gguf(f)
-    stage = Stage(f, spec, StageOptions(device=CPU, expert_cache=False))
+    stage = build_stage(f, spec, StageOptions(device=CPU, expert_cache=False))
     arena = stage.arena
     assert arena.nbytes == sum(f.tensor(f"blk.{i}.ffn_{k}_exps.weight").nbytes
                                for i in range(spec.n_layers) for k in ("gate", "up", "down"))
@@ -67,7 +68,7 @@ def test_arena_layout_one_expert_one_slice(tiny_gguf):
 def test_torch_dequant_of_strided_runs_equals_dequantize(tiny_gguf):
     f = GGUFFile(tiny_gguf)
     spec = spec_from_gguf(f)
-    stage = Stage(f, spec, StageOptions(device=CPU, expert_cache=False))
+    stage = build_stage(f, spec, StageOptions(device=CPU, expert_cache=False))
     lay = stage.arena.layouts[1]
     src = stage.arena.layer(1)
     out = torch.empty(spec.n_experts * lay.down_weights)
@@ -125,7 +126,7 @@ def test_ring_reuses_slots_in_order():
 def test_expert_cache_table_and_addresses(tiny_gguf):
     f = GGUFFile(tiny_gguf)
     spec = spec_from_gguf(f)
-    stage = Stage(f, spec, StageOptions(device=CPU, expert_cache=False))
+    stage = build_stage(f, spec, StageOptions(device=CPU, expert_cache=False))
     layers = range(spec.n_layers)
     cache = ExpertCache(DeviceContext(CPU), stage.arena, layers, n_slots=3 * spec.n_layers)
     assert cache.per_layer == 3 and cache.hit_rate_uniform == 3 / spec.n_experts
@@ -134,7 +135,7 @@ def test_expert_cache_table_and_addresses(tiny_gguf):
     assert cache.source(1, 6).data_ptr() == stage.arena.expert(1, 6).data_ptr()  # read in place
     picks = torch.tensor([0, 2, 5, 7])
     addresses = cache.addresses(1, picks).tolist()
-    expected = [cache.buffer[int(cache.slot_of_host[1, e])].data_ptr() if e < 3 else
+    expected = [cache.slots[int(cache.slot_of_host[1, e])].data_ptr() if e < 3 else
                 stage.arena.expert(1, e).data_ptr() for e in picks.tolist()]
     assert addresses == expected
     assert int((cache.slot_of[1, picks] >= 0).sum()) == 2
@@ -144,8 +145,8 @@ def test_cache_follows_the_routing_and_answers_stay_the_same(tiny_gguf):
     f = GGUFFile(tiny_gguf)
     spec = spec_from_gguf(f)
     ref = load_reference_runner(f, spec)
-    stage = Stage(f, spec, StageOptions(device=CPU))
-    cache = stage.model.experts.cache
+    stage = build_stage(f, spec, StageOptions(device=CPU))
+    cache = stage.experts.cache
     assert cache.per_layer == 2 and cache.swapped == 0
     prompt = torch.randint(0, spec.vocab_size, (40,))
     stage.prefill(stage.new_sequence(128), prompt)
@@ -177,8 +178,8 @@ def test_resident_experts_computed_in_place_equal_all_streamed(tiny_gguf):
     prompt = torch.randint(0, spec.vocab_size, (48,))
     outs = {}
     for k in (0, 1, spec.n_experts // 2, spec.n_experts):
-        stage = Stage(f, spec, StageOptions(device=CPU, resident_experts=k))
-        experts = stage.model.experts
+        stage = build_stage(f, spec, StageOptions(device=CPU, resident_experts=k))
+        experts = stage.experts
         outs[k] = stage.prefill(stage.new_sequence(64), prompt)
         assert experts.cache.per_layer == k and stage.plan.resident_per_layer == k
         assert experts.pass_bytes() == stage.arena.nbytes * (spec.n_experts - k) // spec.n_experts
@@ -193,8 +194,8 @@ def test_a_pass_that_fails_partway_gives_the_ring_back(tiny_gguf):
     held: the next prompt streams and answers as a fresh stage does."""
     f = GGUFFile(tiny_gguf)
     spec = spec_from_gguf(f)
-    stage = Stage(f, spec, StageOptions(device=CPU, resident_experts=1))
-    kernels, calls = stage.model.experts.kernels, []
+    stage = build_stage(f, spec, StageOptions(device=CPU, resident_experts=1))
+    kernels, calls = stage.experts.kernels, []
     grouped_mlp = kernels.grouped_mlp
 
     def failing(*args):
@@ -207,10 +208,10 @@ def test_a_pass_that_fails_partway_gives_the_ring_back(tiny_gguf):
     prompt = torch.randint(0, spec.vocab_size, (48,))
     with pytest.raises(torch.OutOfMemoryError):
         stage.prefill(stage.new_sequence(64), prompt)
-    ring = stage.model.experts.ring
+    ring = stage.experts.ring
     assert ring.holder is not None and ring.holder.done  # given back, not left claimed
     again = stage.prefill(stage.new_sequence(64), prompt)
-    fresh = Stage(f, spec, StageOptions(device=CPU, resident_experts=1))
+    fresh = build_stage(f, spec, StageOptions(device=CPU, resident_experts=1))
     assert torch.equal(again, fresh.prefill(fresh.new_sequence(64), prompt))
 
 
@@ -220,7 +221,7 @@ def test_a_decode_step_out_of_memory_after_the_caches_advanced_is_redone_from_th
     token's KV written twice (one cell on). Same logits as a step that never failed."""
     f = GGUFFile(tiny_gguf)
     spec = spec_from_gguf(f)
-    stage = Stage(f, spec, StageOptions(device=torch.device("cpu")))
+    stage = build_stage(f, spec, StageOptions(device=torch.device("cpu")))
     prompt = torch.randint(0, spec.vocab_size, (6,), generator=torch.Generator().manual_seed(4))
     kv_ok, kv_oom = stage.new_sequence(16), stage.new_sequence(16)
     stage.prefill(kv_ok, prompt)
@@ -235,12 +236,12 @@ def test_a_decode_step_out_of_memory_after_the_caches_advanced_is_redone_from_th
         return own_logits(x)
 
     stage.model.logits = logits_once_out_of_memory
-    stage._graphs = {1: object()}  # something to drop: the retry only runs where graphs held memory
+    stage.graphs.captured = {1: object()}  # something to drop: the retry only runs where graphs held memory
     try:
         got = stage.decode([kv_oom], torch.tensor([5]))
     finally:
         del stage.model.logits
-    assert not failures and not stage._graphs
+    assert not failures and not stage.graphs.captured
     assert kv_oom.length == kv_ok.length == 7
     torch.testing.assert_close(got, want)
 
@@ -249,19 +250,19 @@ def test_a_batch_size_whose_capture_ran_out_of_memory_decodes_eagerly_for_a_whil
     """After a capture runs out of memory its batch size decodes eagerly for CAPTURE_RETRY_STEPS
     steps without trying again (each try costs a warm-up step, a sync and an empty_cache), then
     tries once more. Captures are stood in for on the CPU."""
-    from strata_mgpu.stage import stage as stage_module
+    from strata_mgpu.stage.graphs import replay
 
     f = GGUFFile(tiny_gguf)
-    stage = Stage(f, spec_from_gguf(f), StageOptions(device=torch.device("cpu")))
+    stage = build_stage(f, spec_from_gguf(f), StageOptions(device=torch.device("cpu")))
     tries = []
 
     def capture_out_of_memory(*args, **kwargs):
         tries.append(1)
         raise torch.OutOfMemoryError("CUDA out of memory (test)")
 
-    monkeypatch.setattr(stage_module, "DecodeGraph", capture_out_of_memory)
-    monkeypatch.setattr(stage_module, "CAPTURE_RETRY_STEPS", 3)
-    monkeypatch.setattr(stage, "_graph_capture", lambda: None)
+    monkeypatch.setattr(replay, "DecodeGraph", capture_out_of_memory)
+    monkeypatch.setattr(replay, "CAPTURE_RETRY_STEPS", 3)
+    monkeypatch.setattr(stage.graphs, "_capture", lambda: None)
     kv = stage.new_sequence(16)
-    assert [stage._graph_step([kv], torch.tensor([1])) for _ in range(5)] == [None] * 5
+    assert [stage.graphs.step([kv], torch.tensor([1])) for _ in range(5)] == [None] * 5
     assert len(tries) == 2  # the first step, then again after 3 eager ones

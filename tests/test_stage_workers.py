@@ -35,7 +35,7 @@ def loaded(tiny_gguf):
 
 def threaded_split(f, spec, n_stages: int = 2):
     split = build_split(f, spec, [CPU] * n_stages, LayerSplit((2,)) if n_stages == 2 else LayerSplit((1, 3)))
-    split.workers = StageWorkers([s.ctx.device for s in split.stages], threaded=True)
+    split.workers = StageWorkers([s.ctx for s in split.stages], threaded=True)
     return split
 
 

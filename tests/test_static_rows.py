@@ -27,6 +27,7 @@ from strata_mgpu.model.spec import spec_from_gguf
 from strata_mgpu.model.tokenizer import tokenizer_from_gguf
 from strata_mgpu.model.weights import load_weights
 from strata_mgpu.split.runner import build_split
+from strata_mgpu.stage.build import build_stage
 from strata_mgpu.stage.stage import Stage, StageOptions
 from tests.test_engine import run_all
 from tests.test_kv_two_tier import staging, tokens, two_tier
@@ -144,7 +145,7 @@ def test_rows_see_no_later_row(model):
 
 
 def test_a_spilled_or_overflowing_two_tier_cache_takes_runs_path(model):
-    """A two-tier cache (stage/host_kv.py) takes the static path only while every cell, the new
+    """A two-tier cache (stage/kv/two_tier.py) takes the static path only while every cell, the new
     ones included, sits in its VRAM ring at its own position: not once it has spilled, nor for
     rows that would leave its window (run's path, with its prefetch and staging)."""
     st = staging(model, prefetch=True)
@@ -178,8 +179,8 @@ def test_a_streaming_pass_takes_runs_path(wide_gguf):
     """On a stage, rows whose picks make the experts stream (32 rows x 2 of 64 experts) take run's
     path: the static step cannot stream. Fewer rows gather and take the static path."""
     f = GGUFFile(wide_gguf)
-    stage = Stage(f, spec_from_gguf(f), CPU)
-    experts = stage.model.experts
+    stage = build_stage(f, spec_from_gguf(f), CPU)
+    experts = stage.experts
     assert not experts.should_stream(31) and experts.should_stream(32)
     prompt = tokens(stage.model, 40, seed=9)
     kv_a, kv_b = stage.new_sequence(64), stage.new_sequence(64)
@@ -213,7 +214,7 @@ def greedy_served(runner, tok, stages: list[Stage], on: bool, prompts: list[list
 
 def test_engine_on_a_stage_serves_the_same_tokens(wide_gguf):
     f = GGUFFile(wide_gguf)
-    stage, tok = Stage(f, spec_from_gguf(f), CPU), tokenizer_from_gguf(f)
+    stage, tok = build_stage(f, spec_from_gguf(f), CPU), tokenizer_from_gguf(f)
     want, n_off = greedy_served(stage, tok, [stage], on=False)
     got, n_on = greedy_served(stage, tok, [stage], on=True)
     assert n_off == 0 and n_on > 0 and got == want
@@ -226,6 +227,6 @@ def test_a_split_reaches_the_static_path_on_each_stage(wide_gguf):
     spec, tok = spec_from_gguf(f), tokenizer_from_gguf(f)
     split = build_split(f, spec, [CPU, CPU], LayerSplit((2,)))
     prompts = [list(range(5, 19)), [30, 31, 32], [50, 51]]
-    want, _ = greedy_served(Stage(f, spec, CPU), tok, [], False, prompts, max_tokens=3)
+    want, _ = greedy_served(build_stage(f, spec, CPU), tok, [], False, prompts, max_tokens=3)
     got, n_on = greedy_served(split, tok, split.stages, True, prompts, max_tokens=3)
     assert got == want and n_on > 0

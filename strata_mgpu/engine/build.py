@@ -8,15 +8,16 @@ import torch
 
 from strata_mgpu.config import Placement
 from strata_mgpu.engine.runner import ModelRunner
+from strata_mgpu.model.expert_layout import layer_layout
 from strata_mgpu.model.gguf_reader import GGUFFile
 from strata_mgpu.model.runner import load_reference_runner
 from strata_mgpu.model.spec import ModelSpec
 from strata_mgpu.split.help_rule import HelpPolicy
 from strata_mgpu.split.runner import build_split, plan_layers
+from strata_mgpu.stage.build import build_stage
 from strata_mgpu.stage.device import check_device, parse_device
-from strata_mgpu.stage.host_arena import layer_layout
 from strata_mgpu.stage.memory_plan import GiB, MemoryPlan, dense_bytes, plan_stage_memory
-from strata_mgpu.stage.stage import Stage, StageOptions
+from strata_mgpu.stage.stage import StageOptions
 
 Progress = Callable[[str, int, int], None]
 
@@ -90,7 +91,7 @@ def build_runner(f: GGUFFile, spec: ModelSpec, placement: Placement, chunk_size:
         if cpu_reference and options[0].device.type == "cpu":
             return load_reference_runner(f, spec, on_progress=(lambda d, t: on_progress("layers", d, t))
                                          if on_progress else None)
-        return Stage(f, spec, options[0], on_progress=on_progress)
+        return build_stage(f, spec, options[0], on_progress=on_progress)
     policy = HelpPolicy.of(placement.prefill_help, placement.prefill_help_frac)
     return build_split(f, spec, options, placement.layer_split, on_progress=on_progress, help_policy=policy,
                        help_halves=placement.help_halves, stage_threads=placement.stage_threads)

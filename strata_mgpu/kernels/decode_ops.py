@@ -82,6 +82,9 @@ class CudaDecodeOps(DecodeOps):
         # stream at a time uses them (the ops are a stage's, on its compute stream)
         self.rows_done = torch.zeros(MAX_ROUTED_ROWS, dtype=torch.int32, device=device)
 
+    def twin_runs(self, ops: Sequence[str]) -> list[int]:
+        return [self.paths[f"{op}:twin"] for op in ops]
+
     def _twin(self, op: str, reason: str) -> None:
         self.paths.fell_back(op, "cuda", reason)
         self.paths.ran(op, "twin")

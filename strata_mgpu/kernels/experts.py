@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import TYPE_CHECKING, NamedTuple
+from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -25,12 +26,10 @@ from gguf.constants import GGMLQuantizationType
 from strata_mgpu.kernels import nvrtc
 from strata_mgpu.kernels.moe_grouped import GROUPED_FILE, GROUPED_MIN_PICKS, grouped_exprs, moe_grouped, vectors_a_batch
 from strata_mgpu.kernels.paths import PathCounter, warn_once
+from strata_mgpu.kernels.resident import ResidentExperts
+from strata_mgpu.model.expert_layout import ExpertLayout
 from strata_mgpu.quant.dequant import dequantize_rows
 from strata_mgpu.quant.formats import CUDA_DEQUANT_TYPES, FUSED_DECODE_TYPES, block_format
-
-if TYPE_CHECKING:  # only for annotations: kernels sit below the stage and import nothing of it
-    from strata_mgpu.stage.expert_cache import ExpertCache
-    from strata_mgpu.stage.host_arena import ExpertLayout
 
 log = logging.getLogger("strata.kernels")
 Q = GGMLQuantizationType
@@ -75,6 +74,10 @@ class TorchKernels:
 
     def __init__(self):
         self.paths = PathCounter()  # "op:path" -> calls (eager and captured; see the module docstring)
+
+    def describe(self) -> str:
+        """What runs the ops, for the stage's report."""
+        return self.name
 
     def expert_ids(self, n: int, device: torch.device | str = "cpu") -> torch.Tensor:
         """0..n-1 (int64) on `device`: experts' or groups' ids to search sorted picks with."""
@@ -122,7 +125,7 @@ class TorchKernels:
         src = torch.cat(srcs) if n > 1 else srcs[0]
         self.dequant_experts(src, lay, n, w_gate_up, w_down)
 
-    def gather_experts(self, cache: ExpertCache, i: int, picks: torch.Tensor, lay: ExpertLayout,
+    def gather_experts(self, cache: ResidentExperts, i: int, picks: torch.Tensor, lay: ExpertLayout,
                        w_gate_up: torch.Tensor, w_down: torch.Tensor) -> None:
         """Dequantize experts `picks` [M] of local layer i, wherever they live, into w_gate_up [M, 2F, D]
         and w_down [M, D, F]. The twin reads each expert's bytes through the cache's `source`."""
@@ -130,7 +133,7 @@ class TorchKernels:
         for g, e in enumerate(picks.tolist()):
             self.dequant_experts(cache.source(i, e), lay, 1, w_gate_up[g:g + 1], w_down[g:g + 1])
 
-    def moe_gathered(self, cache: ExpertCache, i: int, lay: ExpertLayout, h: torch.Tensor, weights: torch.Tensor,
+    def moe_gathered(self, cache: ResidentExperts, i: int, lay: ExpertLayout, h: torch.Tensor, weights: torch.Tensor,
                      experts: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
                      hq: torch.Tensor | None = None) -> torch.Tensor:
         """Decode's routed experts of local layer i: every row's picks read where they live (a cache
@@ -147,7 +150,7 @@ class TorchKernels:
         y = self.grouped_mlp(h.repeat_interleave(a, dim=0), offs, w_gate_up[:m], w_down[:m])  # [M, D]
         return torch.bmm(weights.to(y.dtype).unsqueeze(1), y.view(t, a, -1)).squeeze(1)  # as routing.combine
 
-    def moe_fused_reference(self, cache: ExpertCache, i: int, lay: ExpertLayout, h: torch.Tensor,
+    def moe_fused_reference(self, cache: ResidentExperts, i: int, lay: ExpertLayout, h: torch.Tensor,
                             weights: torch.Tensor, experts: torch.Tensor, w_gate_up: torch.Tensor,
                             w_down: torch.Tensor) -> torch.Tensor:
         """The twin of CudaKernels' fused decode kernels (`moe_decode.cu`), what tests and
@@ -159,7 +162,7 @@ class TorchKernels:
             return self._moe_picks_q8(cache, i, lay, h, weights, experts)
         return TorchKernels.moe_gathered(self, cache, i, lay, h, weights, experts, w_gate_up, w_down)
 
-    def _moe_picks_q8(self, cache: ExpertCache, i: int, lay: ExpertLayout, h: torch.Tensor, weights: torch.Tensor,
+    def _moe_picks_q8(self, cache: ResidentExperts, i: int, lay: ExpertLayout, h: torch.Tensor, weights: torch.Tensor,
                       experts: torch.Tensor) -> torch.Tensor:
         """The fused kernels' twin where a side dots integers (Q8_DOT_TYPES): that side's input
         quantized to 8 bits a value (q8_values) times its weights dequantized in fp32; a float
@@ -200,23 +203,48 @@ class TorchKernels:
         return out
 
 
+@dataclass(frozen=True)
+class CardCapabilities:
+    """What the card lets the CUDA kernel set do, probed once (`probe`)."""
+
+    host_pointers: bool  # kernels read registered host memory at its host address (UVA): decode relies on it
+    grouped_mm: bool  # torch._grouped_mm works here
+    grouped_mm_sync_free: bool  # ... without copying its offsets to the host (capturable)
+
+    @classmethod
+    def probe(cls, device: torch.device) -> CardCapabilities:
+        cupy = nvrtc.require_cupy()
+        grouped = _grouped_mm_works(device)
+        # Below sm_90 torch._grouped_mm is a per-group loop that copies the offsets to the host
+        # (pytorch/pytorch#186620): it works, but a step that uses it cannot be captured.
+        uva = cupy.cuda.runtime.deviceGetAttribute(CUDA_ATTR_HOST_POINTER_FOR_REGISTERED_MEM, device.index or 0) == 1
+        return cls(host_pointers=uva, grouped_mm=grouped,
+                   grouped_mm_sync_free=grouped and torch.cuda.get_device_capability(device) >= (9, 0))
+
+
 class CudaKernels(TorchKernels):
-    """CUDA dequantization (NVRTC via CuPy) and torch._grouped_mm where the GPU has it."""
+    """CUDA dequantization (NVRTC via CuPy) and torch._grouped_mm where the GPU has it; each op
+    falls back to its twin where the card (`caps`) or the call does not allow its kernel. Made by
+    `select_kernels`, which compiles the kernels first (`compile`)."""
 
     name = "cuda"
 
-    def __init__(self, device: torch.device, use_grouped_mm: bool):
+    def __init__(self, device: torch.device, caps: CardCapabilities):
         super().__init__()
         self.device = device
-        self.use_grouped_mm = use_grouped_mm
-        # Below sm_90 torch._grouped_mm is a per-group loop that copies the offsets to the host
-        # (pytorch/pytorch#186620): it works, but a step that uses it cannot be captured.
-        self.grouped_mm_sync_free = use_grouped_mm and torch.cuda.get_device_capability(device) >= (9, 0)
-        cupy = nvrtc.require_cupy()
-        # Can kernels read registered host memory at its host address (UVA)? Decode relies on it.
-        self.host_pointers = cupy.cuda.runtime.deviceGetAttribute(
-            CUDA_ATTR_HOST_POINTER_FOR_REGISTERED_MEM, device.index or 0) == 1
-        for expr in _DEQUANT_EXPRS:  # compile now, not in the middle of the first prompt
+        self.use_grouped_mm = caps.grouped_mm
+        self.grouped_mm_sync_free = caps.grouped_mm_sync_free
+        self.host_pointers = caps.host_pointers
+        self._expert_ids: torch.Tensor | None = None  # made by compile()
+
+    def describe(self) -> str:
+        return self.name + ("+grouped_mm" if self.use_grouped_mm else "")
+
+    def compile(self) -> None:
+        """Compile every kernel now, not in the middle of the first prompt, and make the expert
+        ids every stream of the device reads."""
+        device = self.device
+        for expr in _DEQUANT_EXPRS:
             nvrtc.kernel(DEQUANT_FILE, expr, _DEQUANT_EXPRS, device)
         for expr in _MOE_EXPRS:
             nvrtc.kernel(MOE_FILE, expr, _MOE_EXPRS, device)
@@ -246,7 +274,7 @@ class CudaKernels(TorchKernels):
         self.paths.ran("dequant_addressed", "cuda")
         self._dequant_by_address(addresses.contiguous(), lay, n, w_gate_up, w_down)
 
-    def gather_experts(self, cache: ExpertCache, i: int, picks: torch.Tensor, lay: ExpertLayout,
+    def gather_experts(self, cache: ResidentExperts, i: int, picks: torch.Tensor, lay: ExpertLayout,
                        w_gate_up: torch.Tensor, w_down: torch.Tensor) -> None:
         if not (self.host_pointers and self._has_kernel(lay.gate_type, w_gate_up)
                 and self._has_kernel(lay.down_type, w_down)):
@@ -284,7 +312,7 @@ class CudaKernels(TorchKernels):
                        down_shared=_down_shared(rows_down, down_row, ffn, n_used, lay.down_type),
                        q8_gate_up=lay.gate_type in Q8_DOT_TYPES, q8_down=lay.down_type in Q8_DOT_TYPES)
 
-    def moe_gathered(self, cache: ExpertCache, i: int, lay: ExpertLayout, h: torch.Tensor, weights: torch.Tensor,
+    def moe_gathered(self, cache: ResidentExperts, i: int, lay: ExpertLayout, h: torch.Tensor, weights: torch.Tensor,
                      experts: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
                      hq: torch.Tensor | None = None) -> torch.Tensor:
         """Two launches (`moe_decode.cu`) straight from the experts' quantized bytes: no workspace,
@@ -299,8 +327,8 @@ class CudaKernels(TorchKernels):
         n_experts = cache.slot_of.shape[1]
         # layer i's rows of the cache's tables, and its base addresses: where each expert's bytes are
         table = (np.uint64(cache.slot_of.data_ptr() + 8 * i * n_experts),
-                 np.uint64(cache.host_offset.data_ptr() + 8 * i * n_experts), np.uint64(cache.buffer.data_ptr()),
-                 np.int64(cache.slot_bytes), np.uint64(cache.arena.buffer.data_ptr()))
+                 np.uint64(cache.host_offset.data_ptr() + 8 * i * n_experts), np.uint64(cache.slots.data_ptr()),
+                 np.int64(cache.slot_bytes), np.uint64(cache.host.data_ptr()))
         if not (hq is not None and hq.shape == (t, d // 32 * Q8_WORDS) and hq.dtype == torch.int32):
             hq = self._quantize_q8(h) if plan.q8_gate_up else None
         if self._goes_grouped(plan, cache, t * a, d):
@@ -331,7 +359,7 @@ class CudaKernels(TorchKernels):
         return (plan.q8_gate_up and plan.q8_down and vectors_a_batch(hidden, Q8_WORDS) > 0
                 and vectors_a_batch(plan.ffn, Q8_WORDS) > 0)
 
-    def _goes_grouped(self, plan: MoePlan, cache: ExpertCache, n_picks: int, hidden: int) -> bool:
+    def _goes_grouped(self, plan: MoePlan, cache: ResidentExperts, n_picks: int, hidden: int) -> bool:
         """Expert by expert rather than pick by pick: enough picks that experts repeat
         (GROUPED_MIN_PICKS), every expert of the layer in VRAM (the grouped kernels read rows with
         narrow loads, no place for mapped host memory), and a layout they take."""
@@ -341,7 +369,9 @@ class CudaKernels(TorchKernels):
 
     def expert_ids(self, n: int, device: torch.device | str | None = None) -> torch.Tensor:
         """0..n-1 on the device (a view of one made at start, up to MAX_EXPERTS + 1)."""
-        return self._expert_ids[:n] if n <= self._expert_ids.numel() else super().expert_ids(n, self.device)
+        if self._expert_ids is None or n > self._expert_ids.numel():
+            return super().expert_ids(n, self.device)
+        return self._expert_ids[:n]
 
     def _quantize_q8(self, x: torch.Tensor) -> torch.Tensor:
         """x [R, n] bf16 -> [R, n / 32 * Q8_WORDS] int32: 8-bit values and a scale a 32-value
@@ -476,7 +506,8 @@ def select_kernels(device: torch.device, *, prefer_cuda: bool = True) -> TorchKe
         return TorchKernels()
     try:
         nvrtc.require_cupy()
-        kernels = CudaKernels(device, use_grouped_mm=_grouped_mm_works(device))
+        kernels = CudaKernels(device, CardCapabilities.probe(device))
+        kernels.compile()
     except nvrtc.KernelUnavailable as e:
         warn_once("CUDA kernels unavailable, the stage runs the torch twins (no CUDA dequant, no fused decode "
                   "experts or decode ops, hand-overs by copy engine: slower prompts and decode)", str(e))

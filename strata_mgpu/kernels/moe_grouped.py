@@ -23,7 +23,8 @@ import torch
 from strata_mgpu.kernels import nvrtc
 
 if TYPE_CHECKING:
-    from strata_mgpu.kernels.experts import CudaKernels, ExpertLayout
+    from strata_mgpu.kernels.experts import CudaKernels
+    from strata_mgpu.model.expert_layout import ExpertLayout
 
 GROUPED_FILE = "moe_grouped.cu"
 GROUPED_NAMES = ("moe_group_combine",)  # its plain (extern "C") kernels

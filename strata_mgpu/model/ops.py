@@ -129,6 +129,11 @@ class DecodeOps:
         """The caches' addresses as fused kernels read them; these ops read the caches themselves."""
         return None
 
+    def twin_runs(self, ops: Sequence[str]) -> list[int]:
+        """How often each of `ops` has run a twin in place of a fused kernel (a capture during
+        which one did read the caches at their addresses); these ops have no fused kernels."""
+        return []
+
     def attention(self, layer: int, q: torch.Tensor, positions: torch.Tensor, kvs: Sequence[SequenceKV],
                   table: torch.Tensor | None = None, capacity: int | None = None) -> torch.Tensor:
         """q [B, H, Dh], row b the token at positions[b] of kvs[b], against that cache's cells

@@ -1,5 +1,5 @@
-"""`DecoderRunner`: the engine's `ModelRunner` protocol over a `Decoder` (the fp32 reference on the
-CPU; a GPU stage is one too), and the loader of the reference runner."""
+"""`DecoderRunner`: the engine's `ModelRunner` over a `Decoder` in host memory (the fp32 reference),
+the loader of it, and the prefill calls every runner over a `Decoder` makes (a stage's too)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 
 from strata_mgpu.model.decoder import Decoder, Segment
 from strata_mgpu.model.gguf_reader import GGUFFile
-from strata_mgpu.model.kv_cache import KVCache
+from strata_mgpu.model.kv_cache import KVCache, SequenceKV
 from strata_mgpu.model.reference import ReferenceModel
 from strata_mgpu.model.spec import ModelSpec
 from strata_mgpu.model.weights import load_weights
@@ -40,25 +40,34 @@ class DecoderRunner:
         return self.model.new_cache(max_length=max_length)
 
     @torch.inference_mode()
-    def prefill(self, kv: KVCache, tokens: torch.Tensor, whole_prompt: bool = False,
+    def prefill(self, kv: SequenceKV, tokens: torch.Tensor, whole_prompt: bool = False,
                 want_logits: bool = True) -> torch.Tensor:
-        hidden = self.model.forward(tokens.to(self.model.device), [Segment(0, tokens.shape[0], kv)])
-        return self.model.logits(hidden[-1:])[0]
+        return prefill_last_logits(self.model, kv, tokens)
 
     @torch.inference_mode()
-    def prefill_many(self, kvs: Sequence[KVCache], chunks: Sequence[torch.Tensor]) -> torch.Tensor:
-        """Append chunks[i] [T_i] to sequence kvs[i], all in one forward (packed as segments);
-        logits [N, V] of each chunk's last token."""
-        assert len(kvs) == len(chunks) > 0 and len({id(kv) for kv in kvs}) == len(kvs)
-        ends = list(itertools.accumulate(c.shape[0] for c in chunks))
-        segments = [Segment(end - c.shape[0], end, kv) for kv, c, end in zip(kvs, chunks, ends, strict=True)]
-        hidden = self.model.forward(torch.cat(list(chunks)).to(self.model.device), segments)  # [sum T_i, D]
-        return self.model.logits(torch.cat([hidden[end - 1:end] for end in ends]))  # slices: no index upload
+    def prefill_many(self, kvs: Sequence[SequenceKV], chunks: Sequence[torch.Tensor]) -> torch.Tensor:
+        return prefill_pack_logits(self.model, kvs, chunks)
 
     @torch.inference_mode()
-    def decode(self, kvs: Sequence[KVCache], tokens: torch.Tensor) -> torch.Tensor:
+    def decode(self, kvs: Sequence[SequenceKV], tokens: torch.Tensor) -> torch.Tensor:
         segments = [Segment(i, i + 1, kv) for i, kv in enumerate(kvs)]
         return self.model.logits(self.model.forward(tokens.to(self.model.device), segments))
+
+
+def prefill_last_logits(model: Decoder, kv: SequenceKV, tokens: torch.Tensor) -> torch.Tensor:
+    """Append tokens [T] to the sequence `kv`; logits [V] of the last one."""
+    hidden = model.forward(tokens.to(model.device), [Segment(0, tokens.shape[0], kv)])
+    return model.logits(hidden[-1:])[0]
+
+
+def prefill_pack_logits(model: Decoder, kvs: Sequence[SequenceKV], chunks: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Append chunks[i] [T_i] to sequence kvs[i] (distinct sequences), all in one forward packed as
+    segments; logits [N, V] of each chunk's last token."""
+    assert len(kvs) == len(chunks) > 0 and len({id(kv) for kv in kvs}) == len(kvs)
+    ends = list(itertools.accumulate(c.shape[0] for c in chunks))
+    segments = [Segment(end - c.shape[0], end, kv) for kv, c, end in zip(kvs, chunks, ends, strict=True)]
+    hidden = model.forward(torch.cat(list(chunks)).to(model.device), segments)  # [sum T_i, D]
+    return model.logits(torch.cat([hidden[end - 1:end] for end in ends]))  # slices: no index upload
 
 
 def load_reference_runner(f: GGUFFile, spec: ModelSpec, on_progress: Callable[[int, int], None] | None = None

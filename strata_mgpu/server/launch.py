@@ -22,13 +22,13 @@ from strata_mgpu.engine.engine import Engine
 from strata_mgpu.model.gguf_reader import GGUFFile
 from strata_mgpu.model.spec import ModelSpec, spec_from_gguf
 from strata_mgpu.model.tokenizer import Tokenizer, tokenizer_from_gguf
-from strata_mgpu.report import layer_bars
+from strata_mgpu.progress import layer_bars
 from strata_mgpu.server.app import ServerState, create_app
 from strata_mgpu.server.body_limit import max_body_bytes
 from strata_mgpu.split.runner import SplitError
 from strata_mgpu.stage.device import DeviceError
+from strata_mgpu.stage.host.pinned import PinError
 from strata_mgpu.stage.memory_plan import PlanError
-from strata_mgpu.stage.pinned import PinError
 
 log = logging.getLogger("strata.server")
 DEMO_PRESET, DEMO_SEED, DEMO_NAME = "tiny", 0, "strata-demo"

@@ -24,7 +24,7 @@ import torch
 
 from strata_mgpu.kernels.experts import TorchKernels
 from strata_mgpu.stage.device import DeviceContext
-from strata_mgpu.stage.pinned import host_buffer
+from strata_mgpu.stage.host.pinned import host_buffer
 
 
 class Exchange:

@@ -32,16 +32,17 @@ from __future__ import annotations
 import torch
 
 from strata_mgpu.split.exchange import Exchange
-from strata_mgpu.stage.expert_parts import LayerPart, PartTables, load_part, part_rows
-from strata_mgpu.stage.expert_ring import LayerFeed
-from strata_mgpu.stage.host_arena import HostExpertArena
-from strata_mgpu.stage.stage import LentBuffers
+from strata_mgpu.stage.experts.lending import LentBuffers
+from strata_mgpu.stage.experts.parts import LayerPart, PartTables, load_part, part_rows
+from strata_mgpu.stage.experts.ring import LayerFeed
+from strata_mgpu.stage.host.arena import HostExpertArena
 
 MESSAGES_PER_LAYER = 3  # h, experts, weights
 
 
 class PeerPrefill:
-    """The stream-only helper of one busy stage, living on another (idle) stage's device."""
+    """The stream-only helper of one busy stage, living on another (idle) stage's device: the
+    `stage.experts.lending.PrefillHelper` a split binds to each busy stage."""
 
     def __init__(self, to_helper: Exchange, from_helper: Exchange, halves_from: int = 0):
         self.to_helper = to_helper  # busy stage -> helper: h, experts, weights

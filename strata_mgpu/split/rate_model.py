@@ -184,14 +184,11 @@ def measure_link_rate(ctx: DeviceContext, nbytes: int = 128 * 2**20, repeats: in
     src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
     dst = torch.empty(nbytes, dtype=torch.uint8, device=ctx.device)
     seconds = []
-    with torch.cuda.stream(ctx.upload):
+    with ctx.use(ctx.upload):
         for _ in range(repeats + 1):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record(ctx.upload)
+            start = ctx.mark()
             dst.copy_(src, non_blocking=True)
-            end.record(ctx.upload)
-            end.synchronize()
-            seconds.append(start.elapsed_time(end) / 1e3)
+            seconds.append(ctx.mark().seconds_since(start))
     rate = nbytes / statistics.median(seconds[1:])
     _LINK_RATES[ctx] = rate
     return rate
@@ -209,7 +206,7 @@ def stage_load(busy, idle) -> StageLoad:
     elem = busy.model.w.dtype.itemsize
     # only the experts that are not resident stream (and only those can be helped with)
     return StageLoad(first_layer=busy.layers.start, layers=len(busy.layers),
-                     streamed_bytes=busy.model.experts.pass_bytes() / len(busy.layers), n_experts=spec.n_experts,
+                     streamed_bytes=busy.experts.pass_bytes() / len(busy.layers), n_experts=spec.n_experts,
                      link_busy=link_rate(busy.ctx) or measure_link_rate(busy.ctx),
                      link_helper=link_rate(idle.ctx) or measure_link_rate(idle.ctx),
                      to_helper_bytes=spec.hidden * elem + spec.n_experts_used * (8 + 4),

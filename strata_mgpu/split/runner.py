@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import itertools
 import logging
-import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
@@ -26,7 +26,10 @@ from strata_mgpu.split.help_rule import HelpPolicy
 from strata_mgpu.split.peer_prefill import MESSAGES_PER_LAYER, PeerPrefill
 from strata_mgpu.split.rate_model import measure_link_rate, stage_load
 from strata_mgpu.split.workers import StageWorkers, wait_all
+from strata_mgpu.stage.build import build_stage
+from strata_mgpu.stage.device import DeviceContext
 from strata_mgpu.stage.stage import Stage, StageOptions
+from strata_mgpu.stage.streams import Mark
 
 log = logging.getLogger("strata.split")
 # A prompt's chunks queued but not waited for: the stages pipeline across two chunks; more would
@@ -101,12 +104,10 @@ class SplitRunner:
         self.policy = HelpPolicy(enabled=False)
         # the last whole prompt: per busy stage, how many of a layer's streamed experts its helper took
         self.last_help: list[int] = []
-        # time whole prompts for the policy's rates (`bench` turns it off for passes that skip their uploads)
-        self.observing = True
-        self._clock = PromptClock(stages[-1].ctx)  # times one-chunk prompts for the policy's rates
+        self.prompt_clock: PromptTimer = PromptClock(stages[-1].ctx)  # one-chunk prompts, for the policy's rates
         self.kv_token_budget = min(s.kv_token_budget for s in stages)  # every stage holds every sequence's KV
         threaded = stage_threads and all(s.ctx.is_cuda for s in stages)  # CPU work runs as it is queued
-        self.workers = StageWorkers([s.ctx.device for s in stages], threaded)
+        self.workers = StageWorkers([s.ctx for s in stages], threaded)
 
     def kv_cells(self, tokens: int) -> int:
         """VRAM KV cells a sequence of `tokens` counts against `kv_token_budget`, the smallest stage's
@@ -134,7 +135,7 @@ class SplitRunner:
                                           n_buffers=2 * MESSAGES_PER_LAYER, name="helper input"),
                                  Exchange(idle.ctx, busy.ctx, idle.kernels, busy.kernels, max_bytes,
                                           name="helper output"), halves_from=halves_from)
-            busy.model.experts.helper = helper
+            busy.attach_helper(helper)
             self.helpers.append(helper)
         self.policy = policy
 
@@ -143,7 +144,7 @@ class SplitRunner:
         """How many of each layer's streamed experts the idle stage's helper takes for `share`:
         resident experts stay with their stage, the busy stage keeps at least one streamed expert,
         and the helper's bytes must fit a slot of the ring it borrows."""
-        streamed = busy.model.experts.streamed_per_layer()
+        streamed = busy.experts.streamed_per_layer()
         lent = idle.lend().ring
         if share <= 0 or streamed < 2 or lent is None:
             return 0
@@ -185,16 +186,14 @@ class SplitRunner:
             idle = self.stages[(k + 1) % len(self.stages)]
             share = self.policy.share(n, across_cards=idle.ctx.device != busy.ctx.device,
                                       load=stage_load(busy, idle))
-            streams = busy.model.experts.should_stream(n)  # a prompt that gathers its experts streams none
+            streams = busy.experts.should_stream(n)  # a prompt that gathers its experts streams none
             n_help = self.last_help[k] = self.helper_experts(busy, idle, share) if streams else 0
             if n_help > 0:
                 helper.bind_stage_helper(idle.lend(), busy.arena, n_help)
         try:
-            if self.observing:
-                self._clock.start(n)
+            self.prompt_clock.start(n)
             logits = self._result(self._submit(tokens, rows, inline=True))[0]
-            if self.observing:
-                self._clock.stop()
+            self.prompt_clock.stop()
             return logits
         finally:
             for helper in self.helpers:
@@ -217,7 +216,7 @@ class SplitRunner:
     def _observe_finished_prompt(self) -> None:
         """Feed the last one-chunk prompt's time to the helper policy once it has finished (no
         wait: a prompt still running is read at a later call); the first one carries warm-up."""
-        timed = self._clock.read()
+        timed = self.prompt_clock.read()
         if timed is not None:
             tokens, seconds = timed
             self.policy.observe(tokens, None, seconds)
@@ -261,20 +260,19 @@ class SplitRunner:
         # half-drawn ids and failed an index assert in the embedding).
         tokens_ready = None
         if tokens.is_cuda:
-            tokens_ready = torch.cuda.Event()
-            tokens_ready.record(torch.cuda.current_stream(tokens.device))
+            caller = self.stages[-1].ctx  # the sampler drew them from the last stage's logits, on its card
+            assert caller.device == tokens.device
+            tokens_ready = caller.event("tokens drawn")
+            caller.record(tokens_ready)
         for k, stage in enumerate(self.stages):
             def task(k: int = k, stage: Stage = stage) -> torch.Tensor | None:
                 # Stage k waits only for its inputs (tokens are copied on its own stream; hidden rows
                 # come through the exchange's events); only the logits go back to the caller's stream.
                 with stage.ctx.on_compute(after_caller=False, join_caller=k == last):
                     if k == 0 and tokens_ready is not None:
-                        if stage.ctx.is_cuda:
-                            stream = torch.cuda.current_stream(stage.ctx.device)
-                            stream.wait_event(tokens_ready)
-                            tokens.record_stream(stream)  # not reused by the caller's stream before read here
-                        else:  # a first stage on the CPU (`--devices cpu,0`) copies them once they are drawn
-                            tokens_ready.synchronize()
+                        # a first stage on the CPU (`--devices cpu,0`): the host waits for the draw
+                        stage.ctx.wait(tokens_ready)
+                        stage.ctx.record_stream(tokens)  # not reused by the caller's stream before read here
                     x = tokens.to(stage.ctx.device) if k == 0 else self.exchanges[k - 1].receive()
                     if k > 0 and x.dtype != stage.model.w.dtype:  # a CPU stage (fp32) before a bf16 one
                         x = x.to(stage.model.w.dtype)
@@ -299,47 +297,46 @@ class SplitRunner:
         return out
 
 
-class PromptClock:
-    """Times one-chunk prompts on the last stage's stream without a host wait: `start(tokens)` and
-    `stop()` record events around a prompt; `read()` gives (tokens, seconds) once its end has passed
-    (None while it runs, for the first prompt, which carries warm-up, and when nothing was timed).
-    On the CPU the host clock, the work being synchronous there."""
+class PromptTimer(Protocol):
+    """Times one-chunk prompts for the helper policy's rates: `start(tokens)` and `stop()` around
+    a prompt, `read()` its (tokens, seconds) once it has finished, else None."""
 
-    def __init__(self, ctx):
+    def start(self, tokens: int) -> None: ...
+
+    def stop(self) -> None: ...
+
+    def read(self) -> tuple[int, float] | None: ...
+
+
+class PromptClock:
+    """A `PromptTimer` on the last stage's stream, without a host wait: marks recorded around a
+    prompt (`DeviceContext.mark`); `read()` gives (tokens, seconds) once its end has passed (None
+    while it runs, for the first prompt, which carries warm-up, and when nothing was timed)."""
+
+    def __init__(self, ctx: DeviceContext):
         self.ctx = ctx
-        self._timed: tuple[int, object, object] | None = None
-        self._started: tuple[int, object] | None = None
+        self._timed: tuple[int, Mark, Mark] | None = None
+        self._started: tuple[int, Mark] | None = None
         self.seen = 0  # prompts timed so far
 
-    def _now(self) -> object:
-        if not self.ctx.is_cuda:
-            return time.perf_counter()
-        event = torch.cuda.Event(enable_timing=True)  # a timing event: it orders nothing
-        event.record(torch.cuda.current_stream(self.ctx.device))
-        return event
-
     def start(self, tokens: int) -> None:
-        self._started = (tokens, self._now())
+        self._started = (tokens, self.ctx.mark())
 
     def stop(self) -> None:
         assert self._started is not None
         tokens, begin = self._started
         self._started = None
         self.seen += 1
-        self._timed = (tokens, begin, self._now()) if self.seen > 1 else None
+        self._timed = (tokens, begin, self.ctx.mark()) if self.seen > 1 else None
 
     def read(self) -> tuple[int, float] | None:
         if self._timed is None:
             return None
         tokens, begin, end = self._timed
-        if isinstance(begin, float):
-            seconds = end - begin
-        elif end.query():
-            seconds = begin.elapsed_time(end) / 1e3
-        else:
+        if not end.done():
             return None
         self._timed = None
-        return tokens, seconds
+        return tokens, end.seconds_since(begin)
 
 
 def build_split(f: GGUFFile, spec: ModelSpec, options: list[StageOptions], layer_split: LayerSplit,
@@ -352,7 +349,7 @@ def build_split(f: GGUFFile, spec: ModelSpec, options: list[StageOptions], layer
     ranges = plan_layers(spec.n_layers, len(options), layer_split, [o.max_vram_gib for o in options])
     log.info("layer split %s: %s", layer_split, "; ".join(f"stage {i}: layers {r.start}-{r.stop - 1} on {o.device}"
                                                          for i, (o, r) in enumerate(zip(options, ranges, strict=True))))
-    stages = [Stage(f, spec, o, r, on_progress=on_progress) for o, r in zip(options, ranges, strict=True)]
+    stages = [build_stage(f, spec, o, r, on_progress=on_progress) for o, r in zip(options, ranges, strict=True)]
     for s in stages:  # each link's rate for the helper's share, now rather than inside the first prompt
         measure_link_rate(s.ctx)
     chunk = max(o.chunk_size for o in options)

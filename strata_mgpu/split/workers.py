@@ -25,6 +25,8 @@ from typing import TypeVar
 
 import torch
 
+from strata_mgpu.stage.device import DeviceContext
+
 T = TypeVar("T")
 
 
@@ -39,12 +41,15 @@ def done_future(fn: Callable[[], T]) -> Future:
 
 
 class StageWorkers:
-    def __init__(self, devices: Sequence[torch.device], threaded: bool):
-        self.devices = list(devices)
+    """A thread each for the stages of `contexts` (one a stage, in order), or none (`threaded`
+    False: every task runs at once on the caller's thread)."""
+
+    def __init__(self, contexts: Sequence[DeviceContext], threaded: bool):
+        self.contexts = list(contexts)
         self.threaded = threaded
         self._pools = [ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"strata-stage{k}",
-                                          initializer=_bind_device, initargs=(d,))
-                       for k, d in enumerate(self.devices)] if threaded else []
+                                          initializer=_bind_device, initargs=(ctx.device,))
+                       for k, ctx in enumerate(self.contexts)] if threaded else []
 
     def submit(self, k: int, fn: Callable[[], T], after: Future | None, inline: bool = False) -> Future:
         """Queue fn as stage k's next task, to run once `after` (the previous stage's task of the
@@ -54,9 +59,10 @@ class StageWorkers:
             if after is not None and after.exception() is not None:
                 return after
             return done_future(fn)
-        streams = self._caller_streams()
+        # the caller's current stream on each card, so that "the caller" means the same in the task
+        callers = [(ctx, ctx.current_stream()) for ctx in {c.device: c for c in self.contexts}.values()]
         grad, inference = torch.is_grad_enabled(), torch.is_inference_mode_enabled()  # thread-local: carried
-        device = self.devices[k]
+        own = self.contexts[k]
 
         def task() -> T:
             if after is not None:
@@ -64,16 +70,12 @@ class StageWorkers:
             with contextlib.ExitStack() as stack:
                 stack.enter_context(torch.inference_mode(inference))
                 stack.enter_context(torch.set_grad_enabled(grad))
-                for s in streams:  # the caller's current streams, so "the caller" means the same here
-                    stack.enter_context(torch.cuda.stream(s))
-                if device.type == "cuda":  # each stream above made its device current: the stage's last
-                    stack.enter_context(torch.cuda.device(device))
+                for ctx, stream in callers:
+                    stack.enter_context(ctx.use(stream))
+                stack.enter_context(own.current())  # each stream above made its device current: the stage's last
                 return fn()
 
         return self._pools[k].submit(task)
-
-    def _caller_streams(self) -> list[torch.cuda.Stream]:
-        return [torch.cuda.current_stream(d) for d in dict.fromkeys(self.devices) if d.type == "cuda"]
 
     def idle(self) -> None:
         """Wait until every stage has queued all it was given (their errors stay with their calls):

@@ -1,2 +1,2 @@
-"""One stage on one device: its memory (VRAM budget, pinned expert arena, ring, expert cache),
-the streamed experts, and decode graphs."""
+"""One stage on one device: its device context and streams, its VRAM plan, its host memory, its
+experts, its KV and its decode graphs, composed into a `Stage` by `build.build_stage`."""

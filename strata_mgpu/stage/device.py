@@ -7,9 +7,9 @@ stage owns is its streams, so two stages on one card still queue their work inde
 overlap there as they would on two cards. On the CPU the streams are None and every
 "asynchronous" step runs in program order; the same stage code runs on both.
 
-Every stream and event operation of the stage code goes through the context (`new_stream`, `event`,
-`record`, `wait`, `wait_stream`, `use`, `current_stream`, `synchronize`, `synchronize_device`,
-`record_stream`), and
+Every stream and event operation of the package goes through a context (`new_stream`, `event`,
+`record`, `wait`, `wait_stream`, `use`, `current_stream`, `current`, `synchronize`,
+`synchronize_event`, `synchronize_device`, `record_stream`, and the timing `mark`), and
 so does every read or write of a buffer that another stream may touch (`label` where it is
 allocated, `access` where it is used).
 On CUDA these are the torch.cuda calls and `access` is a no-op; on the plain CPU all are no-ops.
@@ -31,6 +31,7 @@ from strata_mgpu.stage.streams import (
     CudaStreams,
     Event,
     InOrderStreams,
+    Mark,
     OrderingTwin,
     Stream,
     TwinStreams,
@@ -156,6 +157,21 @@ class DeviceContext:
         stream the caller does not know, before memory it may touch is freed."""
         self._streams.synchronize_device()
 
+    def synchronize_event(self, event: Event) -> None:
+        """The host waits for the event's latest record (a CUDA event on a plain CPU context too:
+        a card's work this CPU stage reads). No-op for None."""
+        if event is not None:
+            self._streams.synchronize_event(event)
+
+    def mark(self, stream: Stream = None) -> Mark:
+        """A timing mark on `stream` (default: the current one): `later.seconds_since(earlier)`,
+        `done()` once the stream passed it. Orders nothing; the host clock on the CPU."""
+        return self._streams.mark(stream)
+
+    def current(self) -> contextlib.AbstractContextManager:
+        """`with ctx.current():` this stage's device is the current CUDA device (no-op on the CPU)."""
+        return self._streams.current_device()
+
     def record_stream(self, tensors: torch.Tensor | tuple | list, stream: Stream = None) -> None:
         """The caching allocator does not reuse `tensors`' memory, once they are freed, before the work
         queued on `stream` (default: the current one) by then is done (torch's `record_stream`): for a
@@ -180,6 +196,27 @@ class DeviceContext:
         free, total = torch.cuda.mem_get_info(self.device)
         cap = self.max_vram_bytes if self.max_vram_bytes is not None else total
         return max(0, min(free, cap - torch.cuda.memory_reserved(self.device)))
+
+
+class HostCopy:
+    """A device tensor's copy into pinned host memory, queued on its device's current stream
+    behind an event, without a host wait; `wait()` gives the host tensor once it has landed. A
+    host tensor is copied at once."""
+
+    def __init__(self, tensor: torch.Tensor):
+        self._ready: torch.cuda.Event | None = None
+        if tensor.device.type == "cuda":
+            self.host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+            self.host.copy_(tensor, non_blocking=True)
+            self._ready = torch.cuda.Event()
+            self._ready.record(torch.cuda.current_stream(tensor.device))
+        else:
+            self.host = tensor.cpu()
+
+    def wait(self) -> torch.Tensor:
+        if self._ready is not None:
+            self._ready.synchronize()
+        return self.host
 
 
 def check_device(device: torch.device) -> torch.device:

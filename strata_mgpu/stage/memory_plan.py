@@ -173,7 +173,7 @@ def plan_memory(spec: ModelSpec, *, n_layers: int, expert_bytes: int, dense: int
 
     `kv_tokens` KV cells stay in VRAM; a sequence longer than that (up to `context` tokens) keeps
     its older cells in host RAM and uploads them, a layer at a time, into `staging_buffers`
-    buffers of `context` cells (`stage.host_kv`). `decode_rows`: the largest batch decoded as one
+    buffers of `context` cells (`stage.kv.two_tier`). `decode_rows`: the largest batch decoded as one
     graph; `head`: the stage holds the output head. `resident_per_layer` forces K (0: stream
     everything, for measurements); it must still fit. Without a budget (CPU) K defaults to a
     quarter of E, so both read paths stay exercised.

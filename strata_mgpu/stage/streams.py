@@ -15,8 +15,8 @@ the stream, the buffer, both call sites and the event whose wait is missing.
 
 Buffers are declared by the code that owns them (`label`) and every read or write of one is
 declared where it is issued (`access`); on CUDA and on the plain CPU both cost one Python call.
-`stage/schedules.py` replays a recorded trace in seeded adversarial schedules with a version count
-per buffer: the oracle the detector is tested against.
+`tests/ordering_schedules.py` replays a recorded trace in seeded adversarial schedules with a
+version count per buffer: the oracle the detector is tested against.
 
 Shape of a vector clock: {stream index: tick}; a stream's own entry counts its event records.
 """
@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Union
@@ -92,7 +93,7 @@ def _where(depth: int) -> str:
 
 class OrderingTwin:
     """One checking session: every twin stream, event and declared buffer of the contexts made
-    with it. `trace=True` also records every operation for `schedules.replay`.
+    with it. `trace=True` also records every operation (replayed by tests/ordering_schedules.py).
 
     Counters: `accesses` (declared), `cross_stream` (accesses checked against an earlier
     conflicting access on another stream and found ordered: a test that runs code under the twin
@@ -152,6 +153,14 @@ class OrderingTwin:
         source.vc[source.index] += 1
         if self.trace is not None:
             self.trace.append(("wait_stream", waiter.index, source.index))
+
+    def synchronize_event(self, event: TwinEvent) -> None:
+        """The host waits for the event's latest record issued so far (none yet: no wait)."""
+        if event.vc is not None:
+            _join(self.host.vc, event.vc)
+        self._host_epoch += 1
+        if self.trace is not None:
+            self.trace.append(("sync_event", None, event.index))
 
     def synchronize(self, s: TwinStream) -> None:
         """The host waits for everything queued on s so far."""
@@ -235,6 +244,43 @@ def active_twin() -> OrderingTwin | None:
     return _ACTIVE[-1] if _ACTIVE else None
 
 
+# --- timing marks -------------------------------------------------------------------------------
+
+
+class HostMark:
+    """A time on the host's clock: on the CPU work runs as it is queued, so its time is the host's."""
+
+    def __init__(self) -> None:
+        self.at = time.perf_counter()
+
+    def done(self) -> bool:
+        return True
+
+    def seconds_since(self, begin: Mark) -> float:
+        assert isinstance(begin, HostMark)
+        return self.at - begin.at
+
+
+class CudaMark:
+    """A timing event recorded on a stream (it orders nothing): `done` once the stream passed it."""
+
+    def __init__(self, stream: torch.cuda.Stream):
+        self.event = torch.cuda.Event(enable_timing=True)
+        self.event.record(stream)
+
+    def done(self) -> bool:
+        return self.event.query()
+
+    def seconds_since(self, begin: Mark) -> float:
+        """Seconds from `begin` to this mark; waits for this one."""
+        assert isinstance(begin, CudaMark)
+        self.event.synchronize()
+        return begin.event.elapsed_time(self.event) / 1e3
+
+
+Mark = HostMark | CudaMark
+
+
 # --- the three implementations behind DeviceContext ----------------------------------------------
 
 
@@ -270,6 +316,15 @@ class CudaStreams:
 
     def synchronize_device(self) -> None:
         torch.cuda.synchronize(self.device)
+
+    def synchronize_event(self, event: torch.cuda.Event) -> None:
+        event.synchronize()
+
+    def mark(self, stream: Stream) -> Mark:
+        return CudaMark(stream if stream is not None else torch.cuda.current_stream(self.device))
+
+    def current_device(self) -> contextlib.AbstractContextManager:
+        return torch.cuda.device(self.device)
 
     def record_stream(self, tensors: list[torch.Tensor], stream: Stream) -> None:
         s = stream if stream is not None else torch.cuda.current_stream(self.device)
@@ -315,6 +370,17 @@ class InOrderStreams:
 
     def synchronize_device(self) -> None:
         pass
+
+    def synchronize_event(self, event: torch.cuda.Event | None) -> None:
+        """A card's event (`--devices cpu,0`: what this CPU stage reads was made there), or none."""
+        if event is not None:
+            event.synchronize()
+
+    def mark(self, stream: None) -> Mark:
+        return HostMark()
+
+    def current_device(self) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
 
     def record_stream(self, tensors: list[torch.Tensor], stream: None) -> None:
         pass
@@ -379,6 +445,15 @@ class TwinStreams:
     def synchronize_device(self) -> None:
         for s in self.streams:
             self.twin.synchronize(s)
+
+    def synchronize_event(self, event: TwinEvent) -> None:
+        self.twin.synchronize_event(event)
+
+    def mark(self, stream: TwinStream | None) -> Mark:
+        return HostMark()
+
+    def current_device(self) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
 
     def record_stream(self, tensors: list[torch.Tensor], stream: TwinStream | None) -> None:
         pass  # CPU memory has no allocator stream, and the twin keeps every tensor it checked alive

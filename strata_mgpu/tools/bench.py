@@ -17,17 +17,22 @@ more stages were busy at once (the pipeline's overlap). Runs on the CPU with the
 
 from __future__ import annotations
 
+import contextlib
 import json
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import NamedTuple
 
 import torch
 
+from strata_mgpu.split.runner import SplitRunner
 from strata_mgpu.stage.stage import Stage
+from strata_mgpu.stage.streams import Mark
+
+Runner = Stage | SplitRunner  # what bench measures: one stage, or stages in a split
 
 
 @dataclass
@@ -97,8 +102,9 @@ class BenchResult:
 
 
 def sync_stages(stages: list[Stage]) -> None:
-    for d in {s.ctx.device for s in stages if s.ctx.is_cuda}:
-        torch.cuda.synchronize(d)
+    """The host waits for every stream of every stage's card."""
+    for ctx in {s.ctx.device: s.ctx for s in stages}.values():
+        ctx.synchronize_device()
 
 
 def measure_h2d(stage: Stage, repeats: int = 5) -> float | None:
@@ -109,12 +115,9 @@ def measure_h2d(stage: Stage, repeats: int = 5) -> float | None:
     dst = torch.empty_like(src, device=stage.ctx.device)
     times = []
     for _ in range(repeats + 1):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
+        start = stage.ctx.mark()
         dst.copy_(src, non_blocking=True)
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
+        times.append(stage.ctx.mark().seconds_since(start))
     return src.numel() / statistics.median(times[1:]) / 1e9
 
 
@@ -129,22 +132,54 @@ def prefill_chunks(runner, prompt: torch.Tensor, chunk: int, kv=None) -> torch.T
     return logits
 
 
-def time_compute(runner, tokens: int, runs: int, chunk: int) -> list[float]:
-    """Prefill timed with every stage's uploads skipped: the compute a pass cannot go below. A
-    split's helper policy does not learn from these passes (`SplitRunner.observing`)."""
-    stages: list[Stage] = runner.stages
-    observing = getattr(runner, "observing", None)
-    for s in stages:
-        s.model.experts.skip_uploads = True
-    if observing is not None:
-        runner.observing = False
+class UntimedPrompts:
+    """A `split.runner.PromptTimer` that times nothing: the helper policy learns nothing from the
+    prompts run while it stands in (`unobserved`)."""
+
+    def start(self, tokens: int) -> None:
+        pass
+
+    def stop(self) -> None:
+        pass
+
+    def read(self) -> tuple[int, float] | None:
+        return None
+
+
+@contextlib.contextmanager
+def uploads_skipped(stages: list[Stage]) -> Iterator[None]:
+    """Every expert ring's uploads take their next slot with nothing copied into it, so a pass
+    computes from whatever the slots hold (its answers are wrong meanwhile): the compute a pass
+    cannot go below, its link and its helper's link (the helper's uploads go through the idle
+    stage's ring) out of the way."""
+    rings = [s.experts.ring for s in stages if s.experts.ring is not None]
+    for ring in rings:  # an instance attribute, over the class's method until deleted
+        ring.upload = lambda layer, runs, ring=ring: ring.advance()  # type: ignore[method-assign]
     try:
-        return time_prefill(runner, tokens, runs, chunk)
+        yield
     finally:
-        for s in stages:
-            s.model.experts.skip_uploads = False
-        if observing is not None:
-            runner.observing = observing
+        for ring in rings:
+            del ring.upload
+
+
+@contextlib.contextmanager
+def unobserved(runner: Runner) -> Iterator[None]:
+    """A split's helper policy does not learn from the prompts run meanwhile."""
+    if not isinstance(runner, SplitRunner):
+        yield
+        return
+    clock, runner.prompt_clock = runner.prompt_clock, UntimedPrompts()
+    try:
+        yield
+    finally:
+        runner.prompt_clock = clock
+
+
+def time_compute(runner: Runner, tokens: int, runs: int, chunk: int) -> list[float]:
+    """Prefill timed with every ring's uploads skipped (`uploads_skipped`): the compute a pass
+    cannot go below. A split's helper policy does not learn from these passes."""
+    with uploads_skipped(runner.stages), unobserved(runner):
+        return time_prefill(runner, tokens, runs, chunk)
 
 
 def time_prefill(runner, tokens: int, runs: int, chunk: int, seed: int = 0) -> list[float]:
@@ -161,29 +196,19 @@ def time_prefill(runner, tokens: int, runs: int, chunk: int, seed: int = 0) -> l
 
 
 class StageTimeline:
-    """Busy intervals of each stage, from events recorded on its stream (host clock on the CPU)."""
+    """Busy intervals of each stage, from marks recorded on its stream (host clock on the CPU)."""
 
     def __init__(self, stages: list[Stage]):
         self.stages = stages
-        self.marks: list[tuple[int, str, object]] = []
-        self.base = {s.ctx.device: self._mark(s) for s in stages}
-
-    def _mark(self, stage: Stage) -> object:
-        if not stage.ctx.is_cuda:
-            return time.perf_counter()
-        ev = torch.cuda.Event(enable_timing=True)
-        ev.record(torch.cuda.current_stream(stage.ctx.device))
-        return ev
+        self.marks: list[tuple[int, str, Mark]] = []
+        self.base = {s.ctx.device: s.ctx.mark() for s in stages}
 
     def __call__(self, k: int, what: str) -> None:
-        self.marks.append((k, what, self._mark(self.stages[k])))
+        self.marks.append((k, what, self.stages[k].ctx.mark()))
 
     def intervals(self) -> dict[int, list[tuple[float, float]]]:
-        def at(k: int, mark: object) -> float:
-            base = self.base[self.stages[k].ctx.device]
-            if isinstance(mark, float):
-                return mark - base  # type: ignore[operator]
-            return base.elapsed_time(mark) / 1e3  # type: ignore[union-attr]
+        def at(k: int, mark: Mark) -> float:
+            return mark.seconds_since(self.base[self.stages[k].ctx.device])
 
         out: dict[int, list[tuple[float, float]]] = {k: [] for k in range(len(self.stages))}
         starts: dict[int, float] = {}
@@ -229,7 +254,7 @@ def time_decode(runner, n: int, prompt_tokens: int = 64, seed: int = 0, chunk: i
     steps = iter(tokens[prompt_tokens:].view(-1, 1))
     for _ in range(2):  # warm up: kernels, graph capture, the cache's refill at the first step
         int(runner.decode([kv], next(steps))[0].argmax())
-    caches = [s.model.experts.cache for s in runner.stages if s.model.experts.cache is not None]
+    caches = [s.experts.cache for s in runner.stages if s.experts.cache is not None]
     sync_stages(runner.stages)
     before = [c.picks.clone() for c in caches]
     t0 = time.perf_counter()
@@ -289,7 +314,7 @@ def time_decode_batch(runner, batch: int, n_steps: int, warmup: int = 2, chunk: 
 def _early_ring_bytes(stage: Stage, earlier: list[Stage]) -> float:
     """What `stage`'s ring may take in while the `earlier` stages run: all it holds where one of
     them is on another card (over-counting only loosens a lower bound)."""
-    ring = stage.model.experts.ring
+    ring = stage.experts.ring
     before = any(s.ctx.device != stage.ctx.device for s in earlier)
     return float(ring.nbytes) if before and ring is not None else 0.0
 
@@ -307,7 +332,7 @@ def split_one_chunk_bound(runner, tokens: int) -> float | None:
         load = stage_load(busy, idle)
         if load.link_busy is None or load.link_helper is None:
             return None
-        streamed = busy.model.experts.streamed_per_layer()
+        streamed = busy.experts.streamed_per_layer()
         helped = runner.last_help[k] if k < len(runner.last_help) else 0
         parts.append((load, helped / streamed if streamed else 0.0, idle.ctx.device != busy.ctx.device,
                       _early_ring_bytes(busy, stages[:k]), _early_ring_bytes(idle, stages[:k])))
@@ -327,7 +352,7 @@ def run_bench(runner, model_name: str, prompt_tokens: list[int], decode_tokens: 
     per_link: dict[torch.device, int] = {}  # bytes a pass streams over each card's link (stages on one card share it)
     all_per_link: dict[torch.device, int] = {}
     for s in stages:
-        per_link[s.ctx.device] = per_link.get(s.ctx.device, 0) + s.model.experts.pass_bytes()
+        per_link[s.ctx.device] = per_link.get(s.ctx.device, 0) + s.experts.pass_bytes()
         all_per_link[s.ctx.device] = all_per_link.get(s.ctx.device, 0) + s.arena.nbytes
     pass_bytes = sum(per_link.values())
     time_prefill(runner, min(min(prompt_tokens), chunk), 1, chunk)  # warm-up: kernels, allocator
@@ -368,7 +393,7 @@ def run_bench(runner, model_name: str, prompt_tokens: list[int], decode_tokens: 
         batched.append(DecodeBatchResult(batch=b, steps=steps, prompt_tokens=decode_batch_prompts(b),
                                          tok_per_s=total, per_seq_tok_s=each))
         on_step(f"decode batch {b}: {total:,.1f} tok/s in all, {each:,.1f} per sequence")
-    cache = stages[0].model.experts.cache
+    cache = stages[0].experts.cache
     devices = {s.ctx.device for s in stages if s.ctx.is_cuda}
     peak = sum(torch.cuda.max_memory_reserved(d) for d in devices) / 1e9 if devices else None
     peak_live = sum(torch.cuda.max_memory_allocated(d) for d in devices) / 1e9 if devices else None
@@ -382,7 +407,7 @@ def run_bench(runner, model_name: str, prompt_tokens: list[int], decode_tokens: 
         kernels=stages[0].report.kernels, paths=[s.kernels.path_summary() for s in stages],
         stages=[StageResult(index=i, device=str(s.ctx.device), layers=f"{s.layers.start}-{s.layers.stop - 1}",
                             expert_bytes=s.arena.nbytes, resident_share=s.plan.resident_share,
-                            pass_bytes=s.model.experts.pass_bytes(), plan=s.plan.lines(), busy_s=busy.get(i))
+                            pass_bytes=s.experts.pass_bytes(), plan=s.plan.lines(), busy_s=busy.get(i))
                 for i, s in enumerate(stages)],
         overlap_s=overlap, pipeline_s=span, pipeline_tokens=longest if overlap is not None else None,
         decode_batch=batched)

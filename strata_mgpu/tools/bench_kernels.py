@@ -23,16 +23,16 @@ import json
 import math
 import statistics
 import sys
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from functools import partial
-from types import SimpleNamespace
 
 import numpy as np
 import torch
 from gguf.constants import GGMLQuantizationType as Q
 
+from strata_mgpu.model.expert_layout import ExpertLayout
 from strata_mgpu.model.synthetic import DEFAULT_DOWN, PRESETS, TensorPlan, make_tensor
-from strata_mgpu.stage.host_arena import ExpertLayout
+from strata_mgpu.stage.device import DeviceContext
 
 BF16_TOL = 2e-2  # max|diff| / max|ref|: bf16 results whose sums run in another order
 TWIN_ROWS = 8  # rows up to which the experts are checked against the twin (it loops on the host)
@@ -74,17 +74,17 @@ def expert_layer(preset: str, gate_type: Q = Q.Q4_K, seed: int = 0) -> tuple[Exp
 
 
 class SyntheticCache:
-    """What the expert kernels read of an `ExpertCache`, for one layer: experts whose `resident`
+    """A `kernels.resident.ResidentExperts` of one layer: experts whose `resident`
     flag is set in VRAM slots (slot e holds expert e), the rest in the host arena."""
 
     def __init__(self, arena: np.ndarray, resident: torch.Tensor, device: torch.device, pin: bool):
-        from strata_mgpu.stage.pinned import host_buffer
+        from strata_mgpu.stage.host.pinned import host_buffer
 
         e, nbytes = arena.shape
         host = host_buffer(arena.size, pin=pin)
         host.numpy()[:] = arena.reshape(-1)
-        self.arena = SimpleNamespace(buffer=host)
-        self.buffer = torch.from_numpy(arena.reshape(-1)).to(device)  # every expert has a slot; unused ones idle
+        self.host = host  # the arena, pinned
+        self.slots = torch.from_numpy(arena.reshape(-1)).to(device)  # every expert has a slot; unused ones idle
         self.slot_bytes = nbytes
         self.slot_of = torch.where(resident, torch.arange(e), -1).view(1, e).to(device)
         self.host_offset = (torch.arange(e, dtype=torch.int64) * nbytes).view(1, e).to(device)
@@ -92,14 +92,14 @@ class SyntheticCache:
 
     def addresses(self, i: int, picks: torch.Tensor) -> torch.Tensor:
         slot = self.slot_of[i, picks]
-        host = self.arena.buffer.data_ptr() + self.host_offset[i, picks]
-        return torch.where(slot >= 0, self.buffer.data_ptr() + slot * self.slot_bytes, host)
+        host = self.host.data_ptr() + self.host_offset[i, picks]
+        return torch.where(slot >= 0, self.slots.data_ptr() + slot * self.slot_bytes, host)
 
     def source(self, i: int, e: int) -> torch.Tensor:
         at = int(self.host_offset[i, e])
         if int(self.slot_of[i, e]) >= 0:
-            return self.buffer[at:at + self.slot_bytes]
-        return self.arena.buffer[at:at + self.slot_bytes]
+            return self.slots[at:at + self.slot_bytes]
+        return self.host[at:at + self.slot_bytes]
 
 
 def random_routing(batch: int, n_experts: int, n_used: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
@@ -126,35 +126,32 @@ def _dequant_q8_0(raw: torch.Tensor, k: int) -> torch.Tensor:
     return (q * scale).reshape(raw.shape[0], k).bfloat16()
 
 
-def time_us(fn, iters: int) -> float:
+def time_us(ctx: DeviceContext, fn, iters: int) -> float:
     """Microseconds a call of `fn`'s launches on the device: captured once as a CUDA graph (as
-    decode runs them) and replayed `iters` times back to back between two events, so the host's
+    decode runs them) and replayed `iters` times back to back between two marks, so the host's
     launch cost is not counted. The median of three such runs."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm-up outside the capture
+    side = ctx.new_stream("capture")
+    ctx.wait_stream(ctx.current_stream(), on=side)
+    with ctx.use(side):  # warm-up outside the capture
         fn()
-    torch.cuda.current_stream().wait_stream(side)
+    ctx.wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         fn()
     runs = []
     for _ in range(3):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
+        start = ctx.mark()
         for _ in range(iters):
             graph.replay()
-        b.record()
-        b.synchronize()
-        runs.append(1e3 * a.elapsed_time(b) / iters)
+        runs.append(1e6 * ctx.mark().seconds_since(start) / iters)
     return statistics.median(runs)
 
 
-def copy_bandwidth(device: torch.device, nbytes: int = 1 << 30) -> float:
+def copy_bandwidth(ctx: DeviceContext, nbytes: int = 1 << 30) -> float:
     """Device-to-device copy GB/s (bytes read + written)."""
-    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    src = torch.empty(nbytes, dtype=torch.uint8, device=ctx.device)
     dst = torch.empty_like(src)
-    us = time_us(lambda: dst.copy_(src), 10)
+    us = time_us(ctx, lambda: dst.copy_(src), 10)
     return 2 * nbytes / us / 1e3
 
 
@@ -178,7 +175,7 @@ def grouped_from(picks: int):
 def run(preset: str, batches: list[int], contexts: list[int], iters: int, host_share: float,
         device: torch.device, expert_rows: tuple[int, ...] = ()) -> KernelReport:
     from strata_mgpu.kernels.decode_ops import CudaDecodeOps
-    from strata_mgpu.kernels.experts import CudaKernels, TorchKernels
+    from strata_mgpu.kernels.experts import CardCapabilities, CudaKernels, TorchKernels
     from strata_mgpu.model.kv_cache import KVCache
     from strata_mgpu.model.ops import DecodeOps
 
@@ -188,9 +185,13 @@ def run(preset: str, batches: list[int], contexts: list[int], iters: int, host_s
     e, a, d, f = spec.n_experts, spec.n_experts_used, spec.hidden, spec.expert_ffn
     resident = torch.rand(e, generator=g) >= host_share
     cache = SyntheticCache(arena, resident, device, pin=True)
-    kernels = CudaKernels(device, use_grouped_mm=True)
+    caps = CardCapabilities.probe(device)  # the grouped GEMM forced on: the twin's path it times
+    kernels = CudaKernels(device, replace(caps, grouped_mm=True,
+                                          grouped_mm_sync_free=torch.cuda.get_device_capability(device) >= (9, 0)))
+    kernels.compile()
+    ctx = DeviceContext(device)  # its streams and timing marks
     report = KernelReport(device=torch.cuda.get_device_name(device), preset=preset,
-                          copy_gb_per_s=copy_bandwidth(device))
+                          copy_gb_per_s=copy_bandwidth(ctx))
     def bound(nbytes: int) -> float:  # microseconds to move nbytes at the copy's rate (its reads and writes)
         return nbytes / report.copy_gb_per_s / 1e3
 
@@ -205,7 +206,7 @@ def run(preset: str, batches: list[int], contexts: list[int], iters: int, host_s
         nbytes = int(torch.unique(experts).numel()) * lay.expert_bytes
         with grouped_from(10**9):  # decode's kernels, pick by pick
             by_pick = kernels.moe_gathered(cache, 0, lay, h, weights, experts, w_gu, w_d)
-            us = time_us(partial(kernels.moe_gathered, cache, 0, lay, h, weights, experts, w_gu, w_d), iters)
+            us = time_us(ctx, partial(kernels.moe_gathered, cache, 0, lay, h, weights, experts, w_gu, w_d), iters)
         err = None
         if b <= TWIN_ROWS:  # the twin goes pick by pick on the host: only for a few rows
             err = rel_err(by_pick, TorchKernels().moe_fused_reference(cache, 0, lay, h, weights, experts, w_gu, w_d))
@@ -217,7 +218,8 @@ def run(preset: str, batches: list[int], contexts: list[int], iters: int, host_s
                 before = kernels.paths["moe_gathered:grouped"]
                 grouped = kernels.moe_gathered(cache, 0, lay, h, weights, experts, w_gu, w_d)
                 if kernels.paths["moe_gathered:grouped"] > before:
-                    us = time_us(partial(kernels.moe_gathered, cache, 0, lay, h, weights, experts, w_gu, w_d), iters)
+                    us = time_us(ctx, partial(kernels.moe_gathered, cache, 0, lay, h, weights, experts, w_gu, w_d),
+                                 iters)
                     # held to the pick-by-pick kernels bit for bit: any difference fails the run
                     exact = 0.0 if torch.equal(grouped, by_pick) else float("inf")
                     report.timings.append(KernelTiming(f"experts by expert ({where})", b, us, nbytes, bound(nbytes),
@@ -235,7 +237,7 @@ def run(preset: str, batches: list[int], contexts: list[int], iters: int, host_s
             positions = torch.full((b,), n - 1, dtype=torch.long, device=device)
             q = torch.randn(b, spec.n_heads, spec.head_dim, device=device, dtype=torch.bfloat16)
             err = rel_err(ops.attention(0, q, positions, kvs), twin.attention(0, q, positions, kvs))
-            us = time_us(partial(ops.attention, 0, q, positions, kvs), iters)
+            us = time_us(ctx, partial(ops.attention, 0, q, positions, kvs), iters)
             nbytes = b * 2 * n * spec.kv_dim * 2
             report.timings.append(KernelTiming(f"attention at {n:,} keys", b, us, nbytes, bound(nbytes), err))
     from strata_mgpu.kernels.dense import dense_q8, dense_reference
@@ -247,11 +249,11 @@ def run(preset: str, batches: list[int], contexts: list[int], iters: int, host_s
         w_bf16 = _dequant_q8_0(raw, d)  # [N, K] bf16: the weights as the decoder holds them today
         for b in batches:
             h = torch.randn(b, d, generator=g).to(device, torch.bfloat16)
-            us = time_us(partial(torch.matmul, h, w_bf16.T), iters)
+            us = time_us(ctx, partial(torch.matmul, h, w_bf16.T), iters)
             nbytes = 2 * n_rows * d
             report.timings.append(KernelTiming(f"{what}, bf16 weights (torch GEMM)", b, us, nbytes, bound(nbytes)))
             err = rel_err(dense_q8(kernels, h, raw, Q.Q8_0), dense_reference(h, raw, Q.Q8_0)) if check else None
-            us = time_us(partial(dense_q8, kernels, h, raw, Q.Q8_0), iters)
+            us = time_us(ctx, partial(dense_q8, kernels, h, raw, Q.Q8_0), iters)
             nbytes = raw.numel()
             report.timings.append(KernelTiming(f"{what}, from Q8_0 blocks (dense_q8)", b, us, nbytes, bound(nbytes),
                                                err))
@@ -259,7 +261,7 @@ def run(preset: str, batches: list[int], contexts: list[int], iters: int, host_s
     addresses = cache.addresses(0, torch.arange(e, device=device))
     w_gu = torch.empty(e, 2 * f, d, dtype=torch.bfloat16, device=device)
     w_d = torch.empty(e, d, f, dtype=torch.bfloat16, device=device)
-    us = time_us(partial(kernels._dequant_by_address, addresses, lay, e, w_gu, w_d), max(5, iters // 10))
+    us = time_us(ctx, partial(kernels._dequant_by_address, addresses, lay, e, w_gu, w_d), max(5, iters // 10))
     nbytes = e * lay.expert_bytes + 2 * (w_gu.numel() + w_d.numel())
     report.timings.append(KernelTiming("dequantize a whole layer to bf16", e, us, nbytes, bound(nbytes)))
     return report

@@ -15,7 +15,8 @@ import torch
 
 from strata_mgpu.model.gguf_reader import GGUFFile
 from strata_mgpu.model.spec import spec_from_gguf
-from strata_mgpu.stage.stage import Stage, StageOptions
+from strata_mgpu.stage.build import build_stage
+from strata_mgpu.stage.stage import StageOptions
 from strata_mgpu.tools.bench import time_decode
 
 
@@ -27,8 +28,8 @@ def main() -> None:
     ap.add_argument("--sequences", type=int, default=3)
     args = ap.parse_args()
     f = GGUFFile(args.model)
-    stage = Stage(f, spec_from_gguf(f), StageOptions(device=torch.device("cuda", 0), max_vram_gib=args.max_vram))
-    cache = stage.model.experts.cache
+    stage = build_stage(f, spec_from_gguf(f), StageOptions(device=torch.device("cuda", 0), max_vram_gib=args.max_vram))
+    cache = stage.experts.cache
     refill = cache.refill
     cache.refill = lambda *a, **k: 0  # held still: the first K experts of every layer
     for i in range(args.sequences):

@@ -14,7 +14,8 @@ from strata_mgpu.model.decoder import Segment
 from strata_mgpu.model.gguf_reader import GGUFFile
 from strata_mgpu.model.runner import load_reference_runner
 from strata_mgpu.model.spec import spec_from_gguf
-from strata_mgpu.stage.stage import Stage, StageOptions
+from strata_mgpu.stage.build import build_stage
+from strata_mgpu.stage.stage import StageOptions
 
 
 def logits(runner, prompt: torch.Tensor) -> torch.Tensor:
@@ -35,7 +36,7 @@ def main() -> None:
         "cpu bf16 torch twins": StageOptions(device=torch.device("cpu"), dtype=torch.bfloat16),
     }
     for name, opts in variants.items():
-        got = logits(Stage(f, spec, opts), prompt)
+        got = logits(build_stage(f, spec, opts), prompt)
         err = (got - ref).abs().amax(-1) / ref.abs().amax(-1)
         top1 = (got.argmax(-1) == ref.argmax(-1)).float().mean()
         print(f"{name:24s} median {err.median():.2e}  p95 {err.quantile(0.95):.2e}  max {err.max():.2e}  "

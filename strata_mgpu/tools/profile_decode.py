@@ -15,7 +15,8 @@ from torch.profiler import ProfilerActivity, profile
 
 from strata_mgpu.model.gguf_reader import GGUFFile
 from strata_mgpu.model.spec import spec_from_gguf
-from strata_mgpu.stage.stage import Stage, StageOptions
+from strata_mgpu.stage.build import build_stage
+from strata_mgpu.stage.stage import StageOptions
 
 
 def main() -> None:
@@ -27,7 +28,8 @@ def main() -> None:
     args = ap.parse_args()
     f = GGUFFile(args.model)
     spec = spec_from_gguf(f)
-    stage = Stage(f, spec, StageOptions(device=torch.device("cuda", 0), max_vram_gib=args.max_vram, chunk_size=1024))
+    stage = build_stage(f, spec, StageOptions(device=torch.device("cuda", 0), max_vram_gib=args.max_vram,
+                                              chunk_size=1024))
     b = args.batch
     kvs = [stage.new_sequence(200) for _ in range(b)]
     tokens = torch.randint(0, spec.vocab_size, (64 + 4 + args.steps, b))  # random: see tools/bench time_decode

@@ -18,7 +18,8 @@ from torch.profiler import ProfilerActivity, profile
 
 from strata_mgpu.model.gguf_reader import GGUFFile
 from strata_mgpu.model.spec import spec_from_gguf
-from strata_mgpu.stage.stage import Stage, StageOptions
+from strata_mgpu.stage.build import build_stage
+from strata_mgpu.stage.stage import StageOptions
 
 
 def main() -> None:
@@ -32,7 +33,7 @@ def main() -> None:
     args = ap.parse_args()
     f = GGUFFile(args.model)
     spec = spec_from_gguf(f)
-    stage = Stage(f, spec, StageOptions(device=torch.device("cuda", 0), max_vram_gib=args.max_vram,
+    stage = build_stage(f, spec, StageOptions(device=torch.device("cuda", 0), max_vram_gib=args.max_vram,
                                         chunk_size=args.tokens, kv_tokens=args.tokens + 1,
                                         resident_experts=args.resident_experts))
     stage.model.static_rows &= not args.no_static_rows

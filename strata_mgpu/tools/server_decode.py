@@ -101,7 +101,7 @@ def measure_server_decode(runner: ModelRunner, tokenizer: Tokenizer, n_requests:
         raise ValueError("n_requests, max_tokens and prompt_tokens must be at least 1")
     config = config or EngineConfig(max_running=n_requests)
     engine = Engine(runner, tokenizer, config)
-    caches = [s.model.experts.cache for s in getattr(runner, "stages", [])
+    caches = [s.experts.cache for s in getattr(runner, "stages", [])
               if getattr(getattr(s.model, "experts", None), "cache", None) is not None]
     engine.start()
     try:

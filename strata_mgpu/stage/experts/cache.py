@@ -16,20 +16,26 @@ so for them the hit rate stays about K / E.
 
 from __future__ import annotations
 
+import weakref
+from collections.abc import Sequence
+
 import torch
 
 from strata_mgpu.stage.device import DeviceContext
-from strata_mgpu.stage.host_arena import HostExpertArena
+from strata_mgpu.stage.host.arena import HostExpertArena
 
 
 class ExpertCache:
+    """The stage's resident experts and where every other expert is read (`kernels.resident.
+    ResidentExperts`), the picks counted and the refills that follow them (module docstring)."""
+
     def __init__(self, ctx: DeviceContext, arena: HostExpertArena, layers: range, n_slots: int):
         E = arena.spec.n_experts
         self.ctx = ctx
         self.layers = layers
         self.slot_bytes = arena.max_expert_bytes
         per_layer = min(E, n_slots // len(layers))
-        self.buffer = torch.empty(per_layer * len(layers), self.slot_bytes, dtype=torch.uint8, device=ctx.device)
+        self.slots = torch.empty(per_layer * len(layers), self.slot_bytes, dtype=torch.uint8, device=ctx.device)
         slot_of = torch.full((len(layers), E), -1, dtype=torch.int64)
         host_offset = torch.empty(len(layers), E, dtype=torch.int64)
         for i, layer in enumerate(layers):
@@ -38,7 +44,7 @@ class ExpertCache:
             for e in range(per_layer):
                 slot = i * per_layer + e
                 src = arena.expert(layer, e)
-                self.buffer[slot, :src.numel()].copy_(src)
+                self.slots[slot, :src.numel()].copy_(src)
                 slot_of[i, e] = slot
         self.per_layer = per_layer
         self.slot_of_host = slot_of
@@ -55,8 +61,13 @@ class ExpertCache:
         self._one = torch.ones(1, dtype=self.picks.dtype, device=ctx.device)  # a pick's count, viewed as many
 
     @property
+    def host(self) -> torch.Tensor:
+        """uint8: the pinned arena the experts that are not resident are read from."""
+        return self.arena.buffer
+
+    @property
     def n_slots(self) -> int:
-        return self.buffer.shape[0]
+        return self.slots.shape[0]
 
     @property
     def hit_rate_uniform(self) -> float:
@@ -65,7 +76,7 @@ class ExpertCache:
 
     def slot(self, index: int) -> torch.Tensor:
         """uint8 [slot_bytes]: cache slot `index` in VRAM."""
-        return self.buffer[index]
+        return self.slots[index]
 
     def source(self, i: int, e: int) -> torch.Tensor:
         """Where expert e of local layer i is read from: its cache slot, or the host arena."""
@@ -73,15 +84,15 @@ class ExpertCache:
         self.lookups += 1
         if slot >= 0:
             self.hits += 1
-            return self.buffer[slot]
+            return self.slots[slot]
         return self.arena.expert(self.layers[i], e)
 
     def addresses(self, i: int, picks: torch.Tensor) -> torch.Tensor:
         """Device addresses (uint64 as int64) of the experts `picks` [M] of local layer i, built on
         the device: a cache slot's, or the mapped arena's."""
         slot = self.slot_of[i, picks]
-        cached = self.buffer.data_ptr() + slot.clamp(min=0) * self.slot_bytes
-        host = self.arena.buffer.data_ptr() + self.host_offset[i, picks]
+        cached = self.slots.data_ptr() + slot.clamp(min=0) * self.slot_bytes
+        host = self.host.data_ptr() + self.host_offset[i, picks]
         return torch.where(slot >= 0, cached, host)
 
     def observe(self, i: int, experts: torch.Tensor) -> None:
@@ -129,7 +140,7 @@ class ExpertCache:
                     break
                 slot = int(self.slot_of_host[i, e_out])
                 src = self.arena.expert(layer, e_in)
-                self.buffer[slot, :src.numel()].copy_(src, non_blocking=True)
+                self.slots[slot, :src.numel()].copy_(src, non_blocking=True)
                 self.slot_of_host[i, e_out], self.slot_of_host[i, e_in] = -1, slot
                 moved_here += 1
             moved += moved_here
@@ -139,3 +150,20 @@ class ExpertCache:
         self.picks.mul_(0.5)
         self._tallied = picks * 0.5  # the same halving, exact in floats
         return moved
+
+
+class RefillOnFirstStep:
+    """Before a sequence's first decode step, the cache follows the routing seen so far, its own
+    prompt's included. Not before the prompt: there the moves would share the link with the
+    prefill's stream (slower prompts). One host sync, where the engine waits for the prompt's
+    logits anyway; the copies run on the compute stream, ahead of the step."""
+
+    def __init__(self, cache: ExpertCache | None):
+        self.cache = cache
+        self._decoding: weakref.WeakSet[object] = weakref.WeakSet()  # sequences past their first decode step
+
+    def __call__(self, kvs: Sequence[object]) -> None:
+        new = [kv for kv in kvs if kv not in self._decoding]
+        if self.cache is not None and new:
+            self.cache.refill()
+        self._decoding.update(new)

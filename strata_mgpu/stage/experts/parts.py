@@ -24,8 +24,9 @@ import torch
 
 from strata_mgpu.kernels.experts import TorchKernels
 from strata_mgpu.kernels.routing import combine, group_rows, masked_combine
+from strata_mgpu.model.expert_layout import ExpertLayout
 from strata_mgpu.stage.device import DeviceContext
-from strata_mgpu.stage.host_arena import ExpertLayout, HostExpertArena
+from strata_mgpu.stage.host.arena import HostExpertArena
 
 
 @dataclass(frozen=True)

@@ -105,11 +105,10 @@ class LayerFeed:
     """
 
     def __init__(self, ring: ExpertRing | None, count: int,
-                 source: Callable[[int], tuple[int, Sequence[torch.Tensor]]], *, upload: bool = True):
+                 source: Callable[[int], tuple[int, Sequence[torch.Tensor]]]):
         self.ring = ring
-        self.upload = upload  # False: the slots are read as they are (bench's compute-only timing)
         self._runs = [source(i) for i in range(count)]
-        self.bytes = sum(r.numel() for _, runs in self._runs for r in runs) if upload else 0  # what the pass streams
+        self.bytes = sum(r.numel() for _, runs in self._runs for r in runs)  # what the pass streams
         uploading = [i for i in range(count) if any(r.numel() for r in self._runs[i][1])]
         assert ring is not None or not uploading, "experts to stream, but the stage has no ring"
         self.slot_of: dict[int, Slot] = {}
@@ -130,7 +129,7 @@ class LayerFeed:
         i = self._queue[self._ahead]
         self._ahead += 1
         layer, runs = self._runs[i]
-        slot = self.ring.upload(layer, runs) if self.upload else self.ring.advance()
+        slot = self.ring.upload(layer, runs)
         assert slot is self.slot_of[i]
         self._slots[i] = slot
 

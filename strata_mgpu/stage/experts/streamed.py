@@ -10,7 +10,7 @@ Two ways through a layer, picked per forward by how many picks (rows x A) it has
   VRAM (the expert cache's slots) are read in place; only the others go up through the ring, one
   layer or more ahead of compute, packed into a slot. Both are dequantized to bf16 into the
   workspace and computed as one grouped GEMM pair over the rows sorted by expert
-  (`expert_parts.compute_part`). With a helper bound, the helper takes the last of each layer's
+  (`parts.compute_part`). With a helper bound, the helper takes the last of each layer's
   streamed experts; where nothing streams there is nothing to help. A helped pass of the
   helper's `halves_from` rows or more runs each layer in two halves of rows (`in_halves`,
   `start` / `finish`): the layer's experts load once and each half hands over on its own, so the
@@ -24,21 +24,17 @@ Two ways through a layer, picked per forward by how many picks (rows x A) it has
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import numpy as np
 import torch
 
 from strata_mgpu.kernels.experts import CudaKernels, TorchKernels
 from strata_mgpu.model.spec import ModelSpec
 from strata_mgpu.stage.device import DeviceContext
-from strata_mgpu.stage.expert_cache import ExpertCache
-from strata_mgpu.stage.expert_parts import LayerPart, PartTables, compute_part, load_part, part_rows, split_layer
-from strata_mgpu.stage.expert_ring import ExpertRing, LayerFeed
-from strata_mgpu.stage.host_arena import HostExpertArena
-
-if TYPE_CHECKING:  # the helper is bound from outside, by the split runner (split/ builds on stage/)
-    from strata_mgpu.split.peer_prefill import PeerPrefill
+from strata_mgpu.stage.experts.cache import ExpertCache
+from strata_mgpu.stage.experts.lending import PrefillHelper
+from strata_mgpu.stage.experts.parts import LayerPart, PartTables, compute_part, load_part, part_rows, split_layer
+from strata_mgpu.stage.experts.ring import ExpertRing, LayerFeed
+from strata_mgpu.stage.host.arena import HostExpertArena
 
 # Where every expert is resident, a pass of fewer picks than these gathers. One H200, 30B-A3B shapes
 # (tools.bench_kernels): a whole-layer pass first dequantizes all E experts (0.76 ms a layer for its
@@ -74,7 +70,7 @@ class StreamedExperts:
                  ring: ExpertRing | None, cache: ExpertCache | None, layers: range,
                  dtype: torch.dtype = torch.bfloat16):
         self.ctx, self.spec, self.arena, self.kernels, self.ring, self.cache = ctx, spec, arena, kernels, ring, cache
-        self.layers = layers  # global layer ids, in order; forward() gets the index into them
+        self.layers = layers  # global layer ids, in order; start() gets the index into them
         E, F, D = spec.n_experts, spec.expert_ffn, spec.hidden
         # one layer's experts as bf16: the GEMMs' operands (E x 2F x D and E x D x F)
         self.w_gate_up = ctx.label(torch.empty(E, 2 * F, D, dtype=dtype, device=ctx.device), "workspace gate-up")
@@ -82,16 +78,16 @@ class StreamedExperts:
         self._feed: LayerFeed | None = None  # this pass's uploads
         self._tables: PartTables | None = None
         self.streaming = False
-        self.helper: PeerPrefill | None = None  # bound for one-chunk prompts by the split runner
-        self.streamed_bytes = 0  # bytes this stage's passes uploaded (the helper's share excluded)
+        self.helper: PrefillHelper | None = None  # attached by a split (`attach_helper`)
         plans = [kernels.moe_fused(arena.layouts[layer], D, spec.n_experts_used) if isinstance(kernels, CudaKernels)
                  else None for layer in layers]
         fused = dtype == torch.bfloat16 and all(plan is not None for plan in plans)
         grouped = fused and all(CudaKernels.grouped_serves(plan, D) for plan in plans)
         self.gather_picks = gather_pick_limit(E, cache is not None and cache.per_layer >= E, fused, grouped)
-        # bench only: passes compute from whatever the ring slots hold, uploading nothing, so the
-        # compute of a pass can be timed apart from its stream. The answers are wrong meanwhile.
-        self.skip_uploads = False
+
+    def attach_helper(self, helper: PrefillHelper | None) -> None:
+        """The helper that takes a share of this stage's streamed passes while bound (None: none)."""
+        self.helper = helper
 
     @property
     def workspace_bytes(self) -> int:
@@ -139,13 +135,11 @@ class StreamedExperts:
             mine, theirs = split_layer(layer, self.resident(i), self.spec.n_experts, n_help)
             own.append(mine)
             helped.append(theirs)
-        self._feed = LayerFeed(self.ring, len(own), lambda i: (own[i].layer, own[i].runs(self.arena)),
-                               upload=not self.skip_uploads)
+        self._feed = LayerFeed(self.ring, len(own), lambda i: (own[i].layer, own[i].runs(self.arena)))
         feed = self._feed
         self._tables = PartTables(own, self.arena, self.ctx.device,
                                   self.cache.slot if self.cache is not None else None,
                                   lambda i: feed.slot_of[i].buffer if i in feed.slot_of else None)
-        self.streamed_bytes += feed.bytes
         if helper is not None:
             helper.begin(helped)
 

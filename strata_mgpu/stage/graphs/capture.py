@@ -28,10 +28,11 @@ from collections.abc import Sequence
 import torch
 
 from strata_mgpu.model.decoder import Decoder
-from strata_mgpu.model.kv_cache import KVCache
+from strata_mgpu.model.kv_cache import KVCache, SequenceKV
+from strata_mgpu.stage.device import DeviceContext
 
 
-def graph_key(kv: KVCache) -> tuple[int, int, int, int]:
+def graph_key(kv: SequenceKV) -> tuple[int, int, int, int]:
     """What a capture that read a cache by address bakes in: the cache object, its keys' and
     values' addresses, its capacity (a new cache may reuse a freed one's id and keys' address)."""
     return id(kv), kv.k.data_ptr(), kv.v.data_ptr(), kv.capacity
@@ -61,15 +62,21 @@ class GraphCapture:
     replay's output is copied out (`DecodeGraph.step`) before another graph can replay over it.
     """
 
-    def __init__(self, device: torch.device):
+    def __init__(self, ctx: DeviceContext):
         # torch's default capture stream is made once, on whichever device captured first: a stage
         # on another card would be captured on that card's stream. Each stage gets its own device's.
-        self.stream = torch.cuda.Stream(device)
+        self.ctx = ctx
+        self.stream = ctx.new_stream("graph capture")
+        self.pool = torch.cuda.graph_pool_handle()
+
+    def new_pool(self) -> None:
+        """A fresh memory pool for the next captures, on the same stream (once every graph captured
+        into the old one is gone: torch may not capture into it again)."""
         self.pool = torch.cuda.graph_pool_handle()
 
 
 class DecodeGraph:
-    def __init__(self, model: Decoder, kvs: Sequence[KVCache], inp: torch.Tensor, bucket: int, pad: KVCache,
+    def __init__(self, model: Decoder, kvs: Sequence[SequenceKV], inp: torch.Tensor, bucket: int, pad: KVCache,
                  capacity: int, *, capture: GraphCapture):
         """kvs: the first step's sequences (at most `bucket`); inp their input, token ids [B]
         (first stage) or hidden rows [B, D]. Rows past len(kvs) run the dummy sequence `pad` at
@@ -77,37 +84,37 @@ class DecodeGraph:
         batch's largest next position or `capacity`, rounded up to a power of two (`fits`).
         capture: the stream and memory pool the stage's graphs share."""
         assert 0 < len(kvs) <= bucket
-        device = self.device = model.device
+        device = model.device
+        ctx = self.ctx = capture.ctx
         self.bucket, self.pad = bucket, pad
         padded = [*kvs, *[pad] * (bucket - len(kvs))]
         # cells the attention's splits cover: every position a replay may read
         self.capacity = next_pow2(max(capacity, *(kv.length + 1 for kv in padded)))
-        paths = getattr(model.ops, "paths", None)
-        twins = [paths[f"{op}:twin"] for op in TABLE_OPS] if paths is not None else None
+        twins = model.ops.twin_runs(TABLE_OPS)
         self.inp = torch.zeros((bucket, *inp.shape[1:]), dtype=inp.dtype, device=device)  # the replays' input
         self.positions = torch.zeros(bucket, dtype=torch.long, device=device)  # [bucket]
         table = model.ops.kv_table(padded)  # None for the torch ops, which read the caches themselves
         self.table = None if table is None else table.clone()  # [bucket, 3], the graph's own
         self._table_rows: list[tuple[int, int, int]] = []  # what self.table holds, as the host last wrote it
         self._load(kvs, inp)
-        with torch.cuda.device(device):  # the capture stream is the current device's: the stage's
+        with ctx.current():  # the capture stream is the current device's: the stage's
             # Warm up outside the capture (lazy initializations may not happen inside it), on the
             # stream that then captures (cuBLAS keeps a workspace per stream). The warm-up computes
             # the real next step, writing the very KV slots the replays write again.
             side = capture.stream
-            side.wait_stream(torch.cuda.current_stream(device))
-            with torch.cuda.stream(side):
+            ctx.wait_stream(ctx.current_stream(), on=side)
+            with ctx.use(side):
                 model.step_static(self.inp, self.positions, padded, self.table, self.capacity)
-            torch.cuda.current_stream(device).wait_stream(side)
+            ctx.wait_stream(side)
             self.graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(self.graph, pool=capture.pool, stream=side, capture_error_mode="relaxed"):
                 self.out = model.step_static(self.inp, self.positions, padded, self.table,
                                              self.capacity)  # [bucket, V or D]
         # a twin read the caches at their addresses of this capture: only this batch may replay it
-        self.only = (None if self.table is not None and twins == [paths[f"{op}:twin"] for op in TABLE_OPS]
+        self.only = (None if self.table is not None and twins == model.ops.twin_runs(TABLE_OPS)
                      else [graph_key(kv) for kv in kvs])
 
-    def fits(self, kvs: Sequence[KVCache]) -> bool:
+    def fits(self, kvs: Sequence[SequenceKV]) -> bool:
         """Can a replay serve this batch? At most `bucket` rows, none whose next position the
         capture's attention does not cover (and the very batch it was captured for, where the
         capture read the caches by address)."""
@@ -115,7 +122,7 @@ class DecodeGraph:
             return [graph_key(kv) for kv in kvs] == self.only
         return len(kvs) <= self.bucket and all(kv.length < self.capacity for kv in kvs)
 
-    def _load(self, kvs: Sequence[KVCache], inp: torch.Tensor) -> None:
+    def _load(self, kvs: Sequence[SequenceKV], inp: torch.Tensor) -> None:
         """The rows' input, positions and caches into the graph's buffers (pad rows: position 0 of
         `pad`; their input is whatever the buffer held, finite)."""
         n = len(kvs)
@@ -133,12 +140,12 @@ class DecodeGraph:
                 self.table.copy_(torch.tensor(rows, dtype=torch.long), non_blocking=True)
                 self._table_rows = rows
 
-    def step(self, kvs: Sequence[KVCache], inp: torch.Tensor) -> torch.Tensor:
+    def step(self, kvs: Sequence[SequenceKV], inp: torch.Tensor) -> torch.Tensor:
         """The step's output for `inp` at the caches' next positions [len(kvs), V or D]; advances
         the caches."""
         assert self.fits(kvs), "the batch outgrew this graph"
         self._load(kvs, inp)
-        with torch.cuda.device(self.device):
+        with self.ctx.current():
             self.graph.replay()
         out = self.out[:len(kvs)].clone()  # the next replay overwrites the graph's own buffer
         for kv in kvs:  # only once nothing of the step can fail (a step redone must find them as they were)

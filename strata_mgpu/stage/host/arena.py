@@ -3,54 +3,20 @@
 Layout: layer after layer; inside a layer, expert after expert; inside an expert its raw GGUF
 blocks as [gate | up | down]. So one layer's experts are one contiguous upload, one expert is one
 contiguous slice, and a run of experts is one slice too. Resident memory is the expert bytes
-exactly (one allocation, pinned in place: `runtime.pinned`).
+exactly (one allocation, pinned in place: `stage.host.pinned`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import numpy as np
 import torch
-from gguf.constants import GGMLQuantizationType
 
+from strata_mgpu.model.expert_layout import layer_layout
 from strata_mgpu.model.gguf_reader import GGUFFile
 from strata_mgpu.model.spec import ModelSpec, T, tname
-from strata_mgpu.quant.formats import block_format
-from strata_mgpu.stage.pinned import pin_in_place
-
-
-@dataclass(frozen=True)
-class ExpertLayout:
-    """Where one layer's expert matrices sit inside an expert's bytes."""
-
-    gate_type: GGMLQuantizationType  # gate and up share it
-    down_type: GGMLQuantizationType
-    gate_bytes: int  # one expert's gate (= its up)
-    down_bytes: int
-    gate_weights: int  # F * D
-    down_weights: int  # D * F
-
-    @property
-    def expert_bytes(self) -> int:
-        return 2 * self.gate_bytes + self.down_bytes
-
-    @property
-    def down_offset(self) -> int:
-        return 2 * self.gate_bytes
-
-
-def layer_layout(f: GGUFFile, spec: ModelSpec, layer: int) -> ExpertLayout:
-    gate, up, down = (f.tensor(tname(k, layer)) for k in (T.FFN_GATE_EXP, T.FFN_UP_EXP, T.FFN_DOWN_EXP))
-    if gate.ggml_type != up.ggml_type:
-        raise ValueError(f"layer {layer}: gate is {gate.ggml_type.name} but up is {up.ggml_type.name}; "
-                         f"streamed experts need them alike")
-    for t in (gate, down):
-        block_format(t.ggml_type)
-    return ExpertLayout(gate_type=gate.ggml_type, down_type=down.ggml_type,
-                        gate_bytes=gate.nbytes // spec.n_experts, down_bytes=down.nbytes // spec.n_experts,
-                        gate_weights=spec.expert_ffn * spec.hidden, down_weights=spec.hidden * spec.expert_ffn)
+from strata_mgpu.stage.host.pinned import pin_in_place
 
 
 class HostExpertArena:

@@ -1,5 +1,5 @@
 """Host buffers kept for the next sequence: a spilled sequence's KV rows live in pinned host RAM
-(`stage.host_kv`), gigabytes for a long context, and making such a buffer means zero-filling every
+(`stage.kv.two_tier`), gigabytes for a long context, and making such a buffer means zero-filling every
 page and pinning it (`cudaHostRegister` walks them all). A sequence that ends gives its buffers
 back here; the next one that spills takes the smallest one that is large enough.
 
@@ -16,7 +16,7 @@ import threading
 
 import torch
 
-from strata_mgpu.stage.pinned import host_buffer
+from strata_mgpu.stage.host.pinned import host_buffer
 
 GRANULE = 16 << 20  # bytes
 

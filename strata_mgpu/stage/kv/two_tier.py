@@ -42,7 +42,7 @@ import torch
 from strata_mgpu.model.kv_cache import KVCache
 from strata_mgpu.model.spec import ModelSpec
 from strata_mgpu.stage.device import DeviceContext
-from strata_mgpu.stage.host_pool import HostBufferPool
+from strata_mgpu.stage.host.pool import HostBufferPool
 
 _owner_ids = itertools.count(1)
 

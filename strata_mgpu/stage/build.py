@@ -1,0 +1,130 @@
+"""`build_stage`: a `Stage` composed of its parts, in the order their memory is placed.
+
+The dense weights go to the device first (the embedding on the first stage, the head on the
+last), the layers' experts into the pinned host arena; the kernels are chosen once; the VRAM
+plan (`memory_plan`) then fits the rest of the budget around what is placed: the expert ring, the
+resident experts (the expert cache), the KV the engine may fill and the decode graphs' room. The
+decoder's path switches (`static_rows`: short forwards through the fused decode ops) and whether
+decode steps can be captured as graphs follow from the kernels and the card, decided here once.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import torch
+
+from strata_mgpu.kernels.decode_ops import ATTN_HEAD_DIMS, ATTN_MIN_CAPABILITY, CudaDecodeOps
+from strata_mgpu.kernels.experts import CudaKernels, TorchKernels, select_kernels
+from strata_mgpu.model.decoder import Decoder
+from strata_mgpu.model.gguf_reader import GGUFFile
+from strata_mgpu.model.spec import ModelSpec
+from strata_mgpu.model.weights import ModelWeights, load_weights
+from strata_mgpu.stage.device import DeviceContext
+from strata_mgpu.stage.experts.cache import ExpertCache, RefillOnFirstStep
+from strata_mgpu.stage.experts.ring import ExpertRing
+from strata_mgpu.stage.experts.streamed import StreamedExperts
+from strata_mgpu.stage.graphs.replay import DecodeGraphs
+from strata_mgpu.stage.host.arena import HostExpertArena
+from strata_mgpu.stage.kv.allocator import StageKV
+from strata_mgpu.stage.memory_plan import MemoryPlan, plan_stage_memory
+from strata_mgpu.stage.stage import Stage, StageOptions, StageReport
+
+log = logging.getLogger("strata.stage")
+GiB = 2**30
+# (what is loading, done, total): a stage counts its own layers from 1
+Progress = Callable[[str, int, int], None]
+
+
+def build_stage(f: GGUFFile, spec: ModelSpec, opts: StageOptions, layers: range | None = None,
+                on_progress: Progress | None = None) -> Stage:
+    """The stage of `layers` (default: every layer) on `opts.device`, within `opts.max_vram_gib`."""
+    layers = layers if layers is not None else range(spec.n_layers)
+    assert 0 <= layers.start < layers.stop <= spec.n_layers and layers.step == 1
+    first, last = layers.start == 0, layers.stop == spec.n_layers
+    ctx = DeviceContext(opts.device, int(opts.max_vram_gib * GiB) if opts.max_vram_gib else None)
+    dtype = opts.dtype or (torch.bfloat16 if ctx.is_cuda else torch.float32)
+
+    def progress(what: str, total: int) -> Callable[[int], None]:
+        # on_layer gets the global layer id: count from this stage's first layer
+        return (lambda i: on_progress(what, i - layers.start + 1, total)) if on_progress else (lambda i: None)
+
+    tag = "" if first and last else f" {layers.start}-{layers.stop - 1} on {ctx.device}"
+    dense = load_weights(f, spec, dtype=dtype, device=ctx.device, with_experts=False, layers=layers, embed=first,
+                         head=last, on_layer=progress("dense weights" + tag, len(layers)))
+    arena = HostExpertArena(f, spec, layers, pin=ctx.is_cuda, on_layer=progress("experts" + tag, len(layers)))
+    kernels = select_kernels(ctx.device, prefer_cuda=opts.prefer_cuda_kernels)
+    plan = _plan(ctx, spec, opts, layers, arena, dense_storage_bytes(dense), dtype, head=last)
+    ring = ExpertRing(ctx, plan.ring_slot_bytes, opts.ring_slots) if plan.ring else None
+    cache = ExpertCache(ctx, arena, layers, plan.resident_per_layer * len(layers)) if opts.expert_cache else None
+    experts = StreamedExperts(ctx, spec, arena, kernels, ring, cache, layers, dtype=dtype)
+    fused_ops = isinstance(kernels, CudaKernels) and dtype == torch.bfloat16
+    ops = CudaDecodeOps(ctx.device, paths=kernels.paths) if fused_ops else None  # one counter for both
+    # Short prompts, packed prompts and eager decode batches through the decode step's fused ops:
+    # the host's launches, not the GPU, bind a short prompt on the segment path
+    # (docs/ARCHITECTURE.md). Only where their attention runs fused: its twin costs a dozen
+    # launches a row.
+    model = Decoder(spec, dense, experts, ops, static_rows=fused_ops and _attention_fused(ctx, spec))
+    graphs = DecodeGraphs(ctx, model, enabled=(opts.cuda_graphs and cache is not None and dtype == torch.bfloat16
+                                               and _decode_never_syncs(kernels, arena, spec)),
+                          largest=opts.graph_batch, pad=plan.resident_share >= 1, first=first)
+    kv = StageKV(ctx, spec, layers, vram_cells=plan.kv_tokens, context=opts.context or 0, dtype=dtype,
+                 prefetch=opts.kv_prefetch)
+    report = StageReport(dense_bytes=dense_storage_bytes(dense), arena_bytes=arena.nbytes,
+                         ring_bytes=ring.nbytes if ring else 0, workspace_bytes=experts.workspace_bytes,
+                         cache_slots=cache.n_slots if cache else 0, kernels=kernels.describe(), plan=plan,
+                         pass_bytes=experts.pass_bytes())
+    log.info("stage on %s: experts %.2f GB pinned, %d/%d a layer resident, a prompt pass streams %.2f GB, "
+             "kernels %s", ctx.device, arena.nbytes / 1e9, plan.resident_per_layer, spec.n_experts,
+             report.pass_bytes / 1e9, report.kernels)
+    log.info("memory plan of %s: %s", ctx.device, plan.describe())
+    return Stage(options=opts, spec=spec, layers=layers, ctx=ctx, arena=arena, plan=plan, kernels=kernels,
+                 experts=experts, model=model, kv=kv, graphs=graphs, refill=RefillOnFirstStep(cache), report=report)
+
+
+def dense_storage_bytes(dense: ModelWeights) -> int:
+    """Bytes of every storage of the dense weights once (wq/wk/wv are views of wqkv; a tied head
+    is the embedding)."""
+    tensors = [t for lw in dense.layers for t in vars(lw).values() if isinstance(t, torch.Tensor)]
+    tensors += [x for x in (dense.embed, dense.output, dense.out_norm) if x is not None]
+    return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values())
+
+
+def _plan(ctx: DeviceContext, spec: ModelSpec, opts: StageOptions, layers: range, arena: HostExpertArena,
+          dense_bytes: int, dtype: torch.dtype, head: bool) -> MemoryPlan:
+    """The stage's VRAM plan (`memory_plan`): on CUDA within the budget and what the card has
+    free; on the CPU uncapped, with a quarter of each layer resident unless forced. Where the
+    budget cannot hold the KV of the whole context, the VRAM KV is halved (down to one chunk)
+    and longer sequences keep their older cells in host RAM."""
+    budget = None
+    if ctx.is_cuda:  # what may still be allocated, plus the dense weights already placed
+        budget = ctx.vram_free_in_budget() + torch.cuda.memory_reserved(ctx.device)
+        budget = min(budget, ctx.max_vram_bytes) if ctx.max_vram_bytes else budget
+    resident = opts.resident_experts if opts.expert_cache else 0
+
+    def halved(had: int, now: int) -> None:
+        log.warning("stage on %s: the budget cannot hold %d tokens of KV in VRAM; trying %d, with longer "
+                    "sequences' older KV in host RAM", ctx.device, had, now)
+
+    return plan_stage_memory(spec, kv_tokens=opts.kv_tokens, context=opts.context or opts.kv_tokens,
+                             chunk_tokens=opts.chunk_size, on_halved=halved, n_layers=len(layers),
+                             expert_bytes=arena.max_expert_bytes, dense=dense_bytes, budget=budget,
+                             ring_slots=opts.ring_slots, elem=torch.empty((), dtype=dtype).element_size(),
+                             resident_per_layer=resident, where=f"stage on {ctx.device}",
+                             staging_buffers=2 if opts.kv_prefetch else 1, decode_rows=opts.graph_batch, head=head)
+
+
+def _attention_fused(ctx: DeviceContext, spec: ModelSpec) -> bool:
+    """Does `CudaDecodeOps.attention` run its kernels here (not its twin)? This card and head dim."""
+    return spec.head_dim in ATTN_HEAD_DIMS and torch.cuda.get_device_capability(ctx.device) >= ATTN_MIN_CAPABILITY
+
+
+def _decode_never_syncs(kernels: TorchKernels, arena: HostExpertArena, spec: ModelSpec) -> bool:
+    """Can a decode step run with no host sync (so be captured)? Each layer's experts go through
+    the fused kernels, or the dequant gather and the grouped GEMM."""
+    if not isinstance(kernels, CudaKernels) or not kernels.host_pointers:
+        return False
+    fused = all(kernels.moe_fused(lay, spec.hidden, spec.n_experts_used) is not None
+                for lay in arena.layouts.values())
+    return fused or kernels.grouped_mm_sync_free
