@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from strata_mgpu.engine.device_sampler import BatchSampler, draw_keys, mix32, uniforms
-from strata_mgpu.engine.sampler import Sampler, SamplingParams
+from strata_mgpu.engine.sampler import SamplingParams
+from tests.sampling_twin import Sampler
 
 ALPHA = 1e-3  # significance of the chi-square tests; seeds are fixed, so each test is deterministic
 V_SMALL = 12

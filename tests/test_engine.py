@@ -9,13 +9,14 @@ import torch
 
 from strata_mgpu.config import EngineConfig
 from strata_mgpu.engine.engine import ContextOverflow, Engine, RequestOutput
-from strata_mgpu.engine.sampler import Sampler, SamplingParams, StopMatcher
+from strata_mgpu.engine.sampler import SamplingParams, StopMatcher
 from strata_mgpu.model.gguf_reader import GGUFFile
 from strata_mgpu.model.runner import DecoderRunner, load_reference_runner
 from strata_mgpu.model.spec import spec_from_gguf
 from strata_mgpu.model.tokenizer import tokenizer_from_gguf
 from strata_mgpu.stage.build import build_stage
 from strata_mgpu.stage.stage import StageOptions
+from tests.sampling_twin import Sampler
 
 
 @pytest.fixture(scope="module")

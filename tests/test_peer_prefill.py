@@ -282,14 +282,15 @@ def test_helper_holds_only_lent_buffers(tiny):
     run_rows = helper.run_rows
 
     def spy(i, first):
-        seen.append((helper.lent.ring, helper.lent.w_gate_up, helper.lent.w_down))
+        seen.append((helper.lent.ring, helper.lent.workspace.w_gate_up, helper.lent.workspace.w_down))
         assert not any(isinstance(v, torch.Tensor) for v in vars(helper).values())
         return run_rows(i, first)
 
     helper.run_rows = spy
     runner.prefill(runner.new_sequence(256), torch.randint(0, spec.vocab_size, (100,)), whole_prompt=True)
     idle = runner.stages[1].experts
-    assert seen and all(r is idle.ring and g is idle.w_gate_up and d is idle.w_down for r, g, d in seen)
+    ws = idle.workspace
+    assert seen and all(r is idle.ring and g is ws.w_gate_up and d is ws.w_down for r, g, d in seen)
     assert helper.lent is None  # unbound after the prompt
 
 

@@ -266,3 +266,20 @@ def test_a_batch_size_whose_capture_ran_out_of_memory_decodes_eagerly_for_a_whil
     kv = stage.new_sequence(16)
     assert [stage.graphs.step([kv], torch.tensor([1])) for _ in range(5)] == [None] * 5
     assert len(tries) == 2  # the first step, then again after 3 eager ones
+
+
+def test_bench_compute_passes_upload_nothing_and_leave_the_ring_as_it_was(tiny_gguf):
+    """`tools.bench.uploads_skipped`: a pass meanwhile takes its ring slots with nothing copied
+    into them; afterwards the ring uploads again, through its own method."""
+    from strata_mgpu.tools.bench import uploads_skipped
+
+    f = GGUFFile(tiny_gguf)
+    spec = spec_from_gguf(f)
+    stage = build_stage(f, spec, StageOptions(device=torch.device("cpu"), resident_experts=0))
+    ring, prompt = stage.experts.ring, torch.randint(0, spec.vocab_size, (40,))
+    assert ring is not None and stage.experts.should_stream(prompt.numel())
+    with uploads_skipped([stage]):
+        stage.prefill(stage.new_sequence(64), prompt)
+    assert ring.uploaded_bytes == 0 and "upload" not in vars(ring)
+    stage.prefill(stage.new_sequence(64), prompt)
+    assert ring.uploaded_bytes == stage.experts.pass_bytes() > 0

@@ -14,9 +14,9 @@ from strata_mgpu.model.runner import load_reference_runner
 from strata_mgpu.model.spec import ModelSpec
 from strata_mgpu.split.help_rule import HelpPolicy
 from strata_mgpu.split.runner import build_split, plan_layers
-from strata_mgpu.stage.build import build_stage
+from strata_mgpu.stage.build import build_stage, stage_plan
 from strata_mgpu.stage.device import check_device, parse_device
-from strata_mgpu.stage.memory_plan import GiB, MemoryPlan, dense_bytes, plan_stage_memory
+from strata_mgpu.stage.memory_plan import GiB, MemoryPlan, dense_bytes
 from strata_mgpu.stage.stage import StageOptions
 
 Progress = Callable[[str, int, int], None]
@@ -46,14 +46,17 @@ def check_placement(placement: Placement, spec: ModelSpec) -> None:
                     [placement.budget(i) for i in range(len(devices))])
 
 
-def stage_options(placement: Placement, chunk_size: int, kv_tokens: int) -> list[StageOptions]:
+def stage_options(placement: Placement, chunk_size: int, kv_tokens: int,
+                  devices: list[torch.device] | None = None) -> list[StageOptions]:
+    """Each stage's options: on `devices` (default: the placement's, checked to exist)."""
+    devices = resolve_devices(placement) if devices is None else devices
     return [StageOptions(device=d, max_vram_gib=placement.budget(i), chunk_size=chunk_size, kv_tokens=kv_tokens,
                          context=kv_tokens,
                          resident_experts=placement.resident_experts,
                          dtype=torch.float32 if placement.dtype == "fp32" else None,
                          cuda_graphs=placement.cuda_graphs, graph_batch=placement.decode_graph_batch,
                          kv_prefetch=placement.kv_prefetch)
-            for i, d in enumerate(resolve_devices(placement))]
+            for i, d in enumerate(devices)]
 
 
 def preview_plans(f: GGUFFile, spec: ModelSpec, placement: Placement, chunk_size: int, kv_tokens: int
@@ -62,21 +65,18 @@ def preview_plans(f: GGUFFile, spec: ModelSpec, placement: Placement, chunk_size
     prints, and what a stage built on a card with that budget free would plan (its dense bytes
     are estimated from the shapes, as the stage would lay them out in bf16)."""
     names = [d.strip() for d in placement.devices]
+    options = stage_options(placement, chunk_size, kv_tokens, devices=[parse_device(n) for n in names])
     budgets = [placement.budget(i) for i in range(len(names))]
     ranges = (plan_layers(spec.n_layers, len(names), placement.layer_split, budgets) if len(names) > 1
               else [range(spec.n_layers)])
     elem = 4 if placement.dtype == "fp32" else 2
     out = []
-    for name, budget, layers in zip(names, budgets, ranges, strict=True):
+    for name, opts, layers in zip(names, options, ranges, strict=True):
         largest = max(layer_layout(f, spec, i).expert_bytes for i in layers)
         dense = dense_bytes(spec, len(layers), embed=layers.start == 0, head=layers.stop == spec.n_layers, elem=elem)
-        plan = plan_stage_memory(spec, kv_tokens=kv_tokens, context=kv_tokens, chunk_tokens=chunk_size,
-                                 n_layers=len(layers), expert_bytes=largest, dense=dense,
-                                 budget=int(budget * GiB) if budget else None, elem=elem,
-                                 resident_per_layer=placement.resident_experts, where=f"stage on {name}",
-                                 staging_buffers=2 if placement.kv_prefetch else 1,
-                                 decode_rows=placement.decode_graph_batch, head=layers.stop == spec.n_layers)
-        out.append((name, layers, plan))
+        budget = int(opts.max_vram_gib * GiB) if opts.max_vram_gib else None
+        out.append((name, layers, stage_plan(spec, opts, layers, expert_bytes=largest, dense=dense, budget=budget,
+                                             elem=elem, where=f"stage on {name}")))
     return out
 
 

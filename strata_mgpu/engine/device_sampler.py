@@ -2,7 +2,7 @@
 
 Shape legend: B = rows, V = vocab, P = rows with penalties.
 
-`engine.sampler.Sampler` is the plain twin (one request, on the host); this draws from the same
+`tests/sampling_twin.Sampler` is the plain twin (one request, on the host); this draws from the same
 distribution per row: penalties, temperature, top-k, top-p, min-p; greedy rows (temperature 0)
 take the argmax. Only the chosen ids [B] leave the device, and nothing here waits for it: the
 per-row parameters go up in one small copy (pinned, asynchronous on a GPU).

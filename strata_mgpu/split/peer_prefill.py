@@ -33,7 +33,7 @@ import torch
 
 from strata_mgpu.split.exchange import Exchange
 from strata_mgpu.stage.experts.lending import LentBuffers
-from strata_mgpu.stage.experts.parts import LayerPart, PartTables, load_part, part_rows
+from strata_mgpu.stage.experts.parts import LayerPart, PartTables, Routed, load_part, part_rows
 from strata_mgpu.stage.experts.ring import LayerFeed
 from strata_mgpu.stage.host.arena import HostExpertArena
 
@@ -106,16 +106,14 @@ class PeerPrefill:
     def run_rows(self, i: int, first: bool) -> None:
         """Queue the helper's work for one hand-over of local layer i on the helper's stream;
         `first`: the layer's first, which loads its experts into the workspace."""
-        lent, arena, feed, tables = self.lent, self.arena, self._feed, self._tables
-        assert lent is not None and arena is not None and feed is not None and tables is not None
+        lent, feed, tables = self.lent, self._feed, self._tables
+        assert lent is not None and feed is not None and tables is not None
         with lent.ctx.on_compute(after_caller=False, join_caller=False):
             h, experts, weights = (self.to_helper.receive() for _ in range(MESSAGES_PER_LAYER))
             if first:
                 feed.acquire(i)
-                load_part(lent.ctx, lent.kernels, tables, i, arena.layouts[tables.parts[i].layer], lent.w_gate_up,
-                          lent.w_down, release=lambda: feed.release(i))
-            y = part_rows(lent.ctx, lent.kernels, tables, i, h, weights, experts, lent.w_gate_up, lent.w_down,
-                          whole_layer=False)
+                load_part(lent.workspace, tables, i, release=lambda: feed.release(i))
+            y = part_rows(lent.workspace, tables, i, Routed(h, weights, experts), whole_layer=False)
             self.from_helper.send(y)
 
     def collect(self) -> torch.Tensor:

@@ -55,7 +55,7 @@ def build_stage(f: GGUFFile, spec: ModelSpec, opts: StageOptions, layers: range 
                          head=last, on_layer=progress("dense weights" + tag, len(layers)))
     arena = HostExpertArena(f, spec, layers, pin=ctx.is_cuda, on_layer=progress("experts" + tag, len(layers)))
     kernels = select_kernels(ctx.device, prefer_cuda=opts.prefer_cuda_kernels)
-    plan = _plan(ctx, spec, opts, layers, arena, dense_storage_bytes(dense), dtype, head=last)
+    plan = _plan(ctx, spec, opts, layers, arena, dense_storage_bytes(dense), dtype)
     ring = ExpertRing(ctx, plan.ring_slot_bytes, opts.ring_slots) if plan.ring else None
     cache = ExpertCache(ctx, arena, layers, plan.resident_per_layer * len(layers)) if opts.expert_cache else None
     experts = StreamedExperts(ctx, spec, arena, kernels, ring, cache, layers, dtype=dtype)
@@ -92,27 +92,37 @@ def dense_storage_bytes(dense: ModelWeights) -> int:
 
 
 def _plan(ctx: DeviceContext, spec: ModelSpec, opts: StageOptions, layers: range, arena: HostExpertArena,
-          dense_bytes: int, dtype: torch.dtype, head: bool) -> MemoryPlan:
-    """The stage's VRAM plan (`memory_plan`): on CUDA within the budget and what the card has
-    free; on the CPU uncapped, with a quarter of each layer resident unless forced. Where the
-    budget cannot hold the KV of the whole context, the VRAM KV is halved (down to one chunk)
-    and longer sequences keep their older cells in host RAM."""
+          dense_bytes: int, dtype: torch.dtype) -> MemoryPlan:
+    """The stage's VRAM plan (`stage_plan`) within what the budget and the card leave, the dense
+    weights already placed counted in."""
     budget = None
     if ctx.is_cuda:  # what may still be allocated, plus the dense weights already placed
         budget = ctx.vram_free_in_budget() + torch.cuda.memory_reserved(ctx.device)
         budget = min(budget, ctx.max_vram_bytes) if ctx.max_vram_bytes else budget
-    resident = opts.resident_experts if opts.expert_cache else 0
 
     def halved(had: int, now: int) -> None:
         log.warning("stage on %s: the budget cannot hold %d tokens of KV in VRAM; trying %d, with longer "
                     "sequences' older KV in host RAM", ctx.device, had, now)
 
+    return stage_plan(spec, opts, layers, expert_bytes=arena.max_expert_bytes, dense=dense_bytes, budget=budget,
+                      elem=torch.empty((), dtype=dtype).element_size(), where=f"stage on {ctx.device}",
+                      on_halved=halved)
+
+
+def stage_plan(spec: ModelSpec, opts: StageOptions, layers: range, *, expert_bytes: int, dense: int,
+               budget: int | None, elem: int, where: str,
+               on_halved: Callable[[int, int], None] = lambda had, now: None) -> MemoryPlan:
+    """The VRAM plan of a stage of `layers` with these options (`memory_plan.plan_stage_memory`):
+    what a stage plans as it is built, and what `strata info` previews without a GPU. `budget`
+    None: uncapped (the CPU), a quarter of each layer resident unless forced. Where the budget
+    cannot hold the KV of the whole context, the VRAM KV is halved (down to one chunk) and longer
+    sequences keep their older cells in host RAM."""
     return plan_stage_memory(spec, kv_tokens=opts.kv_tokens, context=opts.context or opts.kv_tokens,
-                             chunk_tokens=opts.chunk_size, on_halved=halved, n_layers=len(layers),
-                             expert_bytes=arena.max_expert_bytes, dense=dense_bytes, budget=budget,
-                             ring_slots=opts.ring_slots, elem=torch.empty((), dtype=dtype).element_size(),
-                             resident_per_layer=resident, where=f"stage on {ctx.device}",
-                             staging_buffers=2 if opts.kv_prefetch else 1, decode_rows=opts.graph_batch, head=head)
+                             chunk_tokens=opts.chunk_size, on_halved=on_halved, n_layers=len(layers),
+                             expert_bytes=expert_bytes, dense=dense, budget=budget, ring_slots=opts.ring_slots,
+                             elem=elem, resident_per_layer=opts.resident_experts if opts.expert_cache else 0,
+                             where=where, staging_buffers=2 if opts.kv_prefetch else 1, decode_rows=opts.graph_batch,
+                             head=layers.stop == spec.n_layers)
 
 
 def _attention_fused(ctx: DeviceContext, spec: ModelSpec) -> bool:

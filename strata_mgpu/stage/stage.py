@@ -187,8 +187,7 @@ class Stage:
     def lend(self) -> LentBuffers:
         """The VRAM a helper may borrow while this stage idles: its expert ring and its experts'
         bf16 workspace, both laid out when the stage was built."""
-        return LentBuffers(ctx=self.ctx, kernels=self.kernels, ring=self.experts.ring,
-                           w_gate_up=self.experts.w_gate_up, w_down=self.experts.w_down)
+        return LentBuffers(workspace=self.experts.workspace, ring=self.experts.ring)
 
     def attach_helper(self, helper: PrefillHelper | None) -> None:
         """The helper that takes a share of this stage's streamed prompt passes while bound."""

@@ -14,9 +14,8 @@ from typing import Protocol
 
 import torch
 
-from strata_mgpu.kernels.experts import TorchKernels
 from strata_mgpu.stage.device import DeviceContext
-from strata_mgpu.stage.experts.parts import LayerPart
+from strata_mgpu.stage.experts.parts import ExpertWorkspace, LayerPart
 from strata_mgpu.stage.experts.ring import ExpertRing
 
 
@@ -24,11 +23,12 @@ from strata_mgpu.stage.experts.ring import ExpertRing
 class LentBuffers:
     """What an idle stage lends its helper for one prompt: VRAM laid out when the stage was built."""
 
-    ctx: DeviceContext
-    kernels: TorchKernels
+    workspace: ExpertWorkspace  # its context, kernels and experts' bf16 workspace
     ring: ExpertRing | None  # None where the idle stage streams nothing (then it cannot help)
-    w_gate_up: torch.Tensor  # [E, 2F, D]
-    w_down: torch.Tensor  # [E, D, F]
+
+    @property
+    def ctx(self) -> DeviceContext:
+        return self.workspace.ctx
 
 
 class PrefillHelper(Protocol):

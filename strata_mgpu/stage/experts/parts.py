@@ -18,13 +18,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
 
 from strata_mgpu.kernels.experts import TorchKernels
 from strata_mgpu.kernels.routing import combine, group_rows, masked_combine
-from strata_mgpu.model.expert_layout import ExpertLayout
 from strata_mgpu.stage.device import DeviceContext
 from strata_mgpu.stage.host.arena import HostExpertArena
 
@@ -107,39 +107,61 @@ class PartTables:
         return out
 
 
-def load_part(ctx: DeviceContext, kernels: TorchKernels, tables: PartTables, i: int, lay: ExpertLayout,
-              w_gate_up: torch.Tensor, w_down: torch.Tensor, release: Callable[[], None]) -> None:
-    """Dequantize local layer i's part's n experts into the workspace (w_gate_up [>= n, 2F, D],
-    w_down [>= n, D, F]), then call `release` (the dequant was the ring slot's only reader). Needs
-    no activations: the helper queues it before its inputs have arrived."""
+@dataclass(frozen=True)
+class ExpertWorkspace:
+    """Where a device computes a part: its context and kernels, and one layer's experts as bf16,
+    the grouped GEMMs' operands (w_gate_up [E, 2F, D], w_down [E, D, F]): a stage's own, or the
+    one an idle stage lends its helper."""
+
+    ctx: DeviceContext
+    kernels: TorchKernels
+    w_gate_up: torch.Tensor
+    w_down: torch.Tensor
+
+    @property
+    def nbytes(self) -> int:
+        return (self.w_gate_up.numel() + self.w_down.numel()) * self.w_gate_up.element_size()
+
+
+class Routed(NamedTuple):
+    """Token rows and their routing: h [T, D], weights [T, A] fp32, experts [T, A]."""
+
+    h: torch.Tensor
+    weights: torch.Tensor
+    experts: torch.Tensor
+
+
+def load_part(ws: ExpertWorkspace, tables: PartTables, i: int, release: Callable[[], None]) -> None:
+    """Dequantize local layer i's part's n experts into the workspace (its first n), then call
+    `release` (the dequant was the ring slot's only reader). Needs no activations: the helper
+    queues it before its inputs have arrived."""
     n = tables.parts[i].n
     if n > 0:
-        ctx.access((w_gate_up, w_down), "w")  # the workspace (its own or lent): declared for the ordering twin
-        kernels.dequant_addressed(tables.addresses[i, :n], lambda: tables.sources(i), lay, n, w_gate_up, w_down)
+        lay = tables.arena.layouts[tables.parts[i].layer]
+        ws.ctx.access((ws.w_gate_up, ws.w_down), "w")  # its own or lent: declared for the ordering twin
+        ws.kernels.dequant_addressed(tables.addresses[i, :n], lambda: tables.sources(i), lay, n, ws.w_gate_up,
+                                     ws.w_down)
     release()
 
 
-def part_rows(ctx: DeviceContext, kernels: TorchKernels, tables: PartTables, i: int, h: torch.Tensor,
-              weights: torch.Tensor, experts: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
-              whole_layer: bool) -> torch.Tensor:
+def part_rows(ws: ExpertWorkspace, tables: PartTables, i: int, rows: Routed, whole_layer: bool) -> torch.Tensor:
     """The grouped GEMM pair over the rows routed to local layer i's part, its experts loaded
-    (`load_part`). h [T, D], weights [T, A] fp32, experts [T, A] -> the weighted sum over the part's
-    picks [T, D]; picks outside the part count zero."""
+    (`load_part`): the weighted sum over the part's picks [T, D]; picks outside the part count zero."""
     n = tables.parts[i].n
+    h, weights, experts = rows
     if n == 0:
         return torch.zeros_like(h)
     local = tables.local_of[i][experts]  # [T, A]: the part's experts become 0..n-1, the rest n
-    order, offs = group_rows(local, kernels.expert_ids(n + 1, local.device))  # the part's rows sort first
-    ctx.access((w_gate_up, w_down), "r")
-    y = kernels.grouped_mlp(h[order // experts.shape[1]], offs[:n], w_gate_up[:n], w_down[:n])  # [M, D]
+    order, offs = group_rows(local, ws.kernels.expert_ids(n + 1, local.device))  # the part's rows sort first
+    ws.ctx.access((ws.w_gate_up, ws.w_down), "r")
+    y = ws.kernels.grouped_mlp(h[order // experts.shape[1]], offs[:n], ws.w_gate_up[:n], ws.w_down[:n])  # [M, D]
     if whole_layer:
         return combine(y, order, weights)
     return masked_combine(y, order, weights, local < n)
 
 
-def compute_part(ctx: DeviceContext, kernels: TorchKernels, tables: PartTables, i: int, lay: ExpertLayout,
-                 h: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, w_gate_up: torch.Tensor,
-                 w_down: torch.Tensor, release: Callable[[], None], whole_layer: bool) -> torch.Tensor:
+def compute_part(ws: ExpertWorkspace, tables: PartTables, i: int, rows: Routed, release: Callable[[], None],
+                 whole_layer: bool) -> torch.Tensor:
     """Local layer i's part: its experts loaded (`load_part`), then its rows (`part_rows`)."""
-    load_part(ctx, kernels, tables, i, lay, w_gate_up, w_down, release)
-    return part_rows(ctx, kernels, tables, i, h, weights, experts, w_gate_up, w_down, whole_layer)
+    load_part(ws, tables, i, release)
+    return part_rows(ws, tables, i, rows, whole_layer)

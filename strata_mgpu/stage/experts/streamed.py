@@ -32,7 +32,16 @@ from strata_mgpu.model.spec import ModelSpec
 from strata_mgpu.stage.device import DeviceContext
 from strata_mgpu.stage.experts.cache import ExpertCache
 from strata_mgpu.stage.experts.lending import PrefillHelper
-from strata_mgpu.stage.experts.parts import LayerPart, PartTables, compute_part, load_part, part_rows, split_layer
+from strata_mgpu.stage.experts.parts import (
+    ExpertWorkspace,
+    LayerPart,
+    PartTables,
+    Routed,
+    compute_part,
+    load_part,
+    part_rows,
+    split_layer,
+)
 from strata_mgpu.stage.experts.ring import ExpertRing, LayerFeed
 from strata_mgpu.stage.host.arena import HostExpertArena
 
@@ -73,8 +82,9 @@ class StreamedExperts:
         self.layers = layers  # global layer ids, in order; start() gets the index into them
         E, F, D = spec.n_experts, spec.expert_ffn, spec.hidden
         # one layer's experts as bf16: the GEMMs' operands (E x 2F x D and E x D x F)
-        self.w_gate_up = ctx.label(torch.empty(E, 2 * F, D, dtype=dtype, device=ctx.device), "workspace gate-up")
-        self.w_down = ctx.label(torch.empty(E, D, F, dtype=dtype, device=ctx.device), "workspace down")
+        self.workspace = ExpertWorkspace(
+            ctx, kernels, ctx.label(torch.empty(E, 2 * F, D, dtype=dtype, device=ctx.device), "workspace gate-up"),
+            ctx.label(torch.empty(E, D, F, dtype=dtype, device=ctx.device), "workspace down"))
         self._feed: LayerFeed | None = None  # this pass's uploads
         self._tables: PartTables | None = None
         self.streaming = False
@@ -91,7 +101,7 @@ class StreamedExperts:
 
     @property
     def workspace_bytes(self) -> int:
-        return (self.w_gate_up.numel() + self.w_down.numel()) * self.w_gate_up.element_size()
+        return self.workspace.nbytes
 
     def resident(self, i: int) -> dict[int, int]:
         """Local layer i's resident experts: expert id -> cache slot."""
@@ -164,16 +174,16 @@ class StreamedExperts:
             self.cache.observe(i, experts)
         if not self.streaming:
             assert self.cache is not None
-            self.ctx.access((self.w_gate_up, self.w_down), "w")
-            return self.kernels.moe_gathered(self.cache, i, lay, h, weights, experts, self.w_gate_up, self.w_down,
-                                             hq=hq)
+            ws = self.workspace
+            self.ctx.access((ws.w_gate_up, ws.w_down), "w")
+            return self.kernels.moe_gathered(self.cache, i, lay, h, weights, experts, ws.w_gate_up, ws.w_down, hq=hq)
         if self.helped:
             return self._helped_rows(i, h, weights, experts, first)
         feed, tables = self._feed, self._tables
         assert feed is not None and tables is not None
         feed.acquire(i)
-        return compute_part(self.ctx, self.kernels, tables, i, lay, h, weights, experts, self.w_gate_up,
-                            self.w_down, release=lambda: feed.release(i), whole_layer=True)
+        return compute_part(self.workspace, tables, i, Routed(h, weights, experts), release=lambda: feed.release(i),
+                            whole_layer=True)
 
     def in_halves(self, n_rows: int) -> bool:
         """Should a streamed pass of n_rows run its layers in two halves of rows? Where a helper
@@ -191,10 +201,8 @@ class StreamedExperts:
         assert feed is not None and tables is not None
         if first:
             feed.acquire(i)
-            load_part(self.ctx, self.kernels, tables, i, self.arena.layouts[self.layers[i]], self.w_gate_up,
-                      self.w_down, release=lambda: feed.release(i))
-        return part_rows(self.ctx, self.kernels, tables, i, h, weights, experts, self.w_gate_up, self.w_down,
-                         whole_layer=False)
+            load_part(self.workspace, tables, i, release=lambda: feed.release(i))
+        return part_rows(self.workspace, tables, i, Routed(h, weights, experts), whole_layer=False)
 
     def finish(self, started: torch.Tensor) -> torch.Tensor:
         """A `start`'s outputs [t, D]: where helped, this stage's partial sums plus the helper's,
