@@ -184,11 +184,12 @@ def _placement(devices: str, layer_split: str, max_vram: str | None, dtype: str,
     budgets: tuple[float | None, ...] = (None,)
     if max_vram:
         try:
-            budgets = tuple(float(x) for x in max_vram.split(","))
+            given = tuple(float(x) for x in max_vram.split(","))
         except ValueError:
             fail(f"--max-vram {max_vram!r}: GiB, one value or one per device")
-        if any(b < 0.5 for b in budgets):
+        if any(b < 0.5 for b in given):
             fail(f"--max-vram {max_vram!r}: at least 0.5 GiB a stage")
+        budgets = given
     try:
         return Placement.from_env(_env(), prefill_help=prefill_help, prefill_help_frac=prefill_help_frac,
                                   devices=tuple(d.strip() for d in devices.split(",")),
@@ -253,9 +254,9 @@ def bench(model: Path, prompt_tokens: str, decode_tokens: int, runs: int, device
 
             tokenizer = tokenizer_from_gguf(GGUFFile(model))
             for n in _int_list(server_decode):
-                served = measure_server_decode(runner, tokenizer, n, decode_tokens or 64)
-                err.print(served.summary())
-                result.server_decode.append(served.as_dict())
+                report_n = measure_server_decode(runner, tokenizer, n, decode_tokens or 64)
+                err.print(report_n.summary())
+                result.server_decode.append(report_n.as_dict())
     except (GGUFError, DeviceError, SplitError, EnvError) as e:
         fail(str(e))
     out.print(*report.bench_lines(result, chunk_size, max_vram), sep="\n")
@@ -266,14 +267,14 @@ def bench(model: Path, prompt_tokens: str, decode_tokens: int, runs: int, device
 def _build(model: Path, placement, chunk_size: int, kv_tokens: int):
     from rich.progress import MofNCompleteColumn
 
-    from strata_mgpu.engine.build import build_runner
+    from strata_mgpu.engine.build import build_stages
     from strata_mgpu.model.spec import spec_from_gguf
 
     f = GGUFFile(model)
     spec = spec_from_gguf(f)
     with Progress(TextColumn("[bold]loading[/] {task.description}"), BarColumn(), MofNCompleteColumn(),
                   TimeRemainingColumn(), console=err, transient=True) as bar:
-        return build_runner(f, spec, placement, chunk_size, kv_tokens=kv_tokens, on_progress=layer_bars(bar))
+        return build_stages(f, spec, placement, chunk_size, kv_tokens=kv_tokens, on_progress=layer_bars(bar))
 
 
 def _float_list(value: str) -> list[float]:

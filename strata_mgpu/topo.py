@@ -139,7 +139,8 @@ def cuda_bus_ids() -> dict[int, PciAddress] | None:
     if not torch.cuda.is_available():
         return None
     props = [torch.cuda.get_device_properties(i) for i in range(torch.cuda.device_count())]
-    return {i: (p.pci_domain_id, p.pci_bus_id, p.pci_device_id) for i, p in enumerate(props)}
+    # torch's device properties carry the PCI address; its type stubs do not declare it
+    return {i: (p.pci_domain_id, p.pci_bus_id, p.pci_device_id) for i, p in enumerate(props)}  # type: ignore[attr-defined]
 
 
 def cuda_peer_access() -> dict[tuple[int, int], bool] | None:

@@ -1,4 +1,4 @@
-"""Which decode graph serves a batch (stage.decode_graph.bucket_for): pure arithmetic, on the CPU."""
+"""Which decode graph serves a batch (stage.graphs.capture.bucket_for): pure arithmetic, on the CPU."""
 
 from __future__ import annotations
 

@@ -11,9 +11,9 @@ import strata_mgpu
 
 PACKAGE = Path(strata_mgpu.__file__).parent
 DEVICE_MODULE = {"stage/device.py", "stage/streams.py"}
-# torch.cuda's names that make, select or order streams and events
+# torch.cuda's names that make, select or order streams and events, or capture work on a stream
 STREAM_NAMES = {"Event", "Stream", "ExternalStream", "stream", "StreamContext", "current_stream",
-                "default_stream", "set_stream"}
+                "default_stream", "set_stream", "graph"}
 # methods of torch's streams, events and tensors that order work between streams (DeviceContext's
 # own methods of these names are how the rest of the package asks for them)
 STREAM_METHODS = {"wait_event", "wait_stream", "record_stream"}

@@ -1,4 +1,4 @@
-"""The expert cache's pick counts (stage.expert_cache.ExpertCache.observe): exact, and kept by one
+"""The expert cache's pick counts (stage.experts.cache.ExpertCache.observe): exact, and kept by one
 tensor that never changes address, since a captured decode graph reads its operands at the
 addresses they had at capture (a replaced buffer would be freed under the graph)."""
 

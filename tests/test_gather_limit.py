@@ -1,4 +1,4 @@
-"""Which way a pass takes through a stage's experts (stage.streamed_experts.gather_pick_limit):
+"""Which way a pass takes through a stage's experts (stage.experts.streamed.gather_pick_limit):
 whole layers from E picks where experts stream; gathered further where all are resident and the
 fused kernels need no workspace."""
 

@@ -1,4 +1,4 @@
-"""The host buffer pool (stage.host_pool): reuse, rounding, how much stays idle. On the CPU
+"""The host buffer pool (stage.host.pool): reuse, rounding, how much stays idle. On the CPU
 (unpinned buffers: the pool's logic is the same)."""
 
 from __future__ import annotations

@@ -54,7 +54,7 @@ __device__ __forceinline__ float mxfp4_value(int q) {
 // The 4N bytes at p (any alignment) as N little-endian words: read as aligned 4-byte words (N + 1
 // at most, never past the word holding p[4N - 1]) and realigned with funnel shifts: a quarter of
 // the loads of reading them byte by byte. In the fused decode kernels those byte loads from shared
-// memory (two-way bank conflicts) took more of its cycles than all else, by our count.
+// memory (two-way bank conflicts) cost more shared-memory cycles than all else (docs/BENCHMARKS.md).
 template <int N>
 __device__ __forceinline__ void load_words(const u8* p, unsigned* w) {
     const unsigned long long a = reinterpret_cast<unsigned long long>(p);

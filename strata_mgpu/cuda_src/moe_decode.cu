@@ -52,8 +52,8 @@ __device__ __forceinline__ void copies_done() {
 // that src[0] lands at tile + src % 16 (the return value): the 16-byte-aligned middle moves in
 // 16-byte copies, the ragged ends byte by byte. The block's threads share the work; call
 // copies_done() and __syncthreads() before reading the tile. `in_vram`: src is device memory, read
-// by asynchronous copies; mapped host memory is read by plain 16-byte loads (on an H200 cp.async
-// from host memory took 1.6 times as long: fewer PCIe reads in flight).
+// by asynchronous copies; mapped host memory is read by plain 16-byte loads (cp.async from host
+// memory keeps fewer PCIe reads in flight, so it is slower there: docs/BENCHMARKS.md).
 __device__ const u8* stage_bytes(const u8* src, long long n, u8* tile, bool in_vram) {
     const u64 a = reinterpret_cast<u64>(src), end = a + n;
     const u64 lo = (a + 15) & ~15ull, hi = end & ~15ull;

@@ -2,10 +2,10 @@
 // integer path of decode's fused expert kernels (moe_decode.cu), after llama.cpp's q8_1 idea.
 //
 // Dequantizing each weight to a float, rounding it to bf16 and multiplying in fp32 costs about a
-// dozen instructions a weight, two of them conversions at a quarter of the fp32 rate: on an H200
-// that made the fused kernels ALU-bound at a fifth of the memory's speed. Here a sub-block's
-// quantized values stay integers, four multiply-adds an instruction (__dp4a) against the 8-bit
-// activations, and the block's scales come in once per 16 or 32 weights:
+// dozen instructions a weight, two of them conversions at a quarter of the fp32 rate: enough to
+// make the fused kernels ALU-bound, far below the memory's speed (docs/BENCHMARKS.md). Here a
+// sub-block's quantized values stay integers, four multiply-adds an instruction (__dp4a) against
+// the 8-bit activations, and the block's scales come in once per 16 or 32 weights:
 //
 //     sum_l w_l x_l = dx * sum_halves (scale_h * sum_l q_l xq_l - offset_h * sum_l xq_l)
 //

@@ -1,4 +1,4 @@
-"""From a `Placement` to a `ModelRunner`: the CPU reference, one stage, or stages in a split."""
+"""From a `Placement` to the engine's `ModelRunner`: the CPU reference, one stage, or stages in a split."""
 
 from __future__ import annotations
 
@@ -7,17 +7,16 @@ from collections.abc import Callable
 import torch
 
 from strata_mgpu.config import Placement
-from strata_mgpu.engine.runner import ModelRunner
 from strata_mgpu.model.expert_layout import layer_layout
 from strata_mgpu.model.gguf_reader import GGUFFile
-from strata_mgpu.model.runner import load_reference_runner
+from strata_mgpu.model.runner import DecoderRunner, load_reference_runner
 from strata_mgpu.model.spec import ModelSpec
 from strata_mgpu.split.help_rule import HelpPolicy
-from strata_mgpu.split.runner import build_split, plan_layers
+from strata_mgpu.split.runner import SplitRunner, build_split, plan_layers
 from strata_mgpu.stage.build import build_stage, stage_plan
 from strata_mgpu.stage.device import check_device, parse_device
 from strata_mgpu.stage.memory_plan import GiB, MemoryPlan, dense_bytes
-from strata_mgpu.stage.stage import StageOptions
+from strata_mgpu.stage.stage import Stage, StageOptions
 
 Progress = Callable[[str, int, int], None]
 
@@ -82,15 +81,23 @@ def preview_plans(f: GGUFFile, spec: ModelSpec, placement: Placement, chunk_size
 
 def build_runner(f: GGUFFile, spec: ModelSpec, placement: Placement, chunk_size: int, *,
                  kv_tokens: int | None = None, cpu_reference: bool = False,
-                 on_progress: Progress | None = None) -> ModelRunner:
+                 on_progress: Progress | None = None) -> DecoderRunner | Stage | SplitRunner:
     """One CPU device with `cpu_reference`: the fp32 oracle forward (what the demo serves);
-    one device: a Stage; several: a SplitRunner. `kv_tokens`: the KV cells every stage's memory
-    plan keeps for all sequences together (default: one sequence of the model's whole context)."""
+    otherwise `build_stages`."""
+    devices = resolve_devices(placement)
+    if cpu_reference and len(devices) == 1 and devices[0].type == "cpu":
+        return load_reference_runner(f, spec, on_progress=(lambda d, t: on_progress("layers", d, t))
+                                     if on_progress else None)
+    return build_stages(f, spec, placement, chunk_size, kv_tokens=kv_tokens, on_progress=on_progress)
+
+
+def build_stages(f: GGUFFile, spec: ModelSpec, placement: Placement, chunk_size: int, *,
+                 kv_tokens: int | None = None, on_progress: Progress | None = None) -> Stage | SplitRunner:
+    """One device: a Stage; several: a SplitRunner. `kv_tokens`: the KV cells every stage's
+    memory plan keeps for all sequences together (default: one sequence of the model's whole
+    context)."""
     options = stage_options(placement, chunk_size, kv_tokens or spec.context_length)
     if len(options) == 1:
-        if cpu_reference and options[0].device.type == "cpu":
-            return load_reference_runner(f, spec, on_progress=(lambda d, t: on_progress("layers", d, t))
-                                         if on_progress else None)
         return build_stage(f, spec, options[0], on_progress=on_progress)
     policy = HelpPolicy.of(placement.prefill_help, placement.prefill_help_frac)
     return build_split(f, spec, options, placement.layer_split, on_progress=on_progress, help_policy=policy,

@@ -128,7 +128,7 @@ class BatchSampler:
         pen_rows = [i for i, s in enumerate(states) if s.penalized]
         pen_index = None
         if pen_rows:
-            pen_index = _upload([[i, states[i].slot] for i in pen_rows], torch.long, device)  # [P, 2]: row, slot
+            pen_index = _upload([[i, _slot(states[i])] for i in pen_rows], torch.long, device)  # [P, 2]: row, slot
             counts = self._count_table(device, vocab)[pen_index[:, 1]].float()  # [P, V]
             rows = table[pen_index[:, 0]].float()
             penalty = rows[:, 4:5] * (counts > 0) + rows[:, 5:6] * counts
@@ -197,6 +197,11 @@ class BatchSampler:
         if h is None or h.shape[0] != vocab or h.device != device:
             h = self._vocab_hash = mix32(torch.arange(vocab, dtype=torch.long, device=device))
         return h
+
+
+def _slot(state: DrawState) -> int:
+    assert state.slot is not None, "a penalized request has its count table row from `open`"
+    return state.slot
 
 
 def _upload(rows: list[list[float]] | list[list[int]], dtype: torch.dtype, device: torch.device) -> torch.Tensor:

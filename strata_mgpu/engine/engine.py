@@ -68,7 +68,7 @@ class Engine:
         self._thread: threading.Thread | None = None
 
     # -- API for any thread ------------------------------------------------------------------
-    def submit(self, prompt: list[int], params: SamplingParams, on_output: Callable[[RequestOutput], None],
+    def submit(self, prompt: list[int], params: SamplingParams, on_output: Callable[[RequestOutput], object],
                request_id: str | None = None) -> str:
         """Queue a request. Raises ContextOverflow if prompt + max_tokens exceeds the context (or the
         runner's KV budget: a request that could never be admitted)."""

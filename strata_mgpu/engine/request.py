@@ -108,7 +108,7 @@ class Request:
     id: str
     prompt: list[int]
     params: SamplingParams
-    on_output: Callable[[RequestOutput], None]
+    on_output: Callable[[RequestOutput], object]  # what it returns is not read
     detok: IncrementalDetokenizer
     stops: StopMatcher
     phase: Phase = Phase.WAITING

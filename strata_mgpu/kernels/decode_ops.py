@@ -1,7 +1,7 @@
 """The decode step's small ops as fused CUDA kernels (`cuda_src/decode_ops.cu`,
 `cuda_src/decode_attention.cu`).
 
-`model.decoder.DecodeOps` is the twin. Each op here replaces three to ten torch launches:
+`model.ops.DecodeOps` is the twin. Each op here replaces three to ten torch launches:
 RMSNorm (with the residual add before it), q/k head norms + RoPE + the KV cache write, router
 logits, softmax + top-k + renormalization; and attention of a batch of sequences, each up to its
 own position, in two launches a layer (the twin: SDPA per sequence over its whole cache under a
@@ -24,7 +24,7 @@ import torch
 from strata_mgpu.kernels import nvrtc
 from strata_mgpu.kernels.experts import Q8_WORDS
 from strata_mgpu.kernels.paths import PathCounter
-from strata_mgpu.model.kv_cache import KVCache
+from strata_mgpu.model.kv_cache import SequenceKV
 from strata_mgpu.model.ops import DecodeOps
 from strata_mgpu.model.spec import ModelSpec
 from strata_mgpu.model.weights import LayerWeights
@@ -59,9 +59,9 @@ def attention_split(capacity: int) -> int:
     return max(ATTN_MIN_KEYS, -(-capacity // ATTN_SPLITS // ATTN_MIN_KEYS) * ATTN_MIN_KEYS)
 
 
-def distinct(kvs: Sequence[KVCache]) -> list[KVCache]:
+def distinct(kvs: Sequence[SequenceKV]) -> list[SequenceKV]:
     """Each cache once. A prompt's rows (and a pack's) repeat their cache row by row: checking
-    each row's took ~half of a 7-prompt pack's host time on the H200 (140 rows, 48 layers)."""
+    each row's would cost host time per row and layer rather than per cache (docs/BENCHMARKS.md)."""
     return list({id(kv): kv for kv in kvs}.values())
 
 
@@ -124,7 +124,7 @@ class CudaDecodeOps(DecodeOps):
         """A bf16 CUDA matrix whose rows are contiguous (it may be a column block of a wider one)."""
         return t.is_cuda and t.dtype == torch.bfloat16 and t.dim() == 2 and t.stride(1) == 1
 
-    def kv_table(self, kvs: Sequence[KVCache]) -> torch.Tensor:
+    def kv_table(self, kvs: Sequence[SequenceKV]) -> torch.Tensor:
         """[B, 3] int64 on the device: each cache's keys' and values' addresses and its layer stride
         in elements, as the kernels read them. Made eagerly and kept: a graph capture (which may not
         copy from the host) finds the table its warm-up step made; a cache that moves is a new key."""
@@ -144,14 +144,14 @@ class CudaDecodeOps(DecodeOps):
         self._tables.move_to_end(key)
         return table
 
-    def _caches_ok(self, kvs: Sequence[KVCache], kv_heads: int, head_dim: int) -> bool:
+    def _caches_ok(self, kvs: Sequence[SequenceKV], kv_heads: int, head_dim: int) -> bool:
         """Every cache bf16 [layers, capacity, kv_heads, head_dim], keys and values alike."""
         return all(self._ok(kv.k, kv.v) and kv.k.shape[2:] == (kv_heads, head_dim) and kv.k.shape == kv.v.shape
                    for kv in distinct(kvs))
 
     def qk_norm_rope_kv(self, spec: ModelSpec, w: LayerWeights, layer: int, q: torch.Tensor, k: torch.Tensor,
                         v: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                        kvs: Sequence[KVCache], table: torch.Tensor | None = None) -> torch.Tensor:
+                        kvs: Sequence[SequenceKV], table: torch.Tensor | None = None) -> torch.Tensor:
         dh, n = spec.head_dim, len(kvs)
         tensors_ok = (self._ok(w.q_norm, w.k_norm) and self._caches_ok(kvs, spec.n_kv_heads, dh)
                       and all(self._rows_ok(t) for t in (q, k, v)))
@@ -171,7 +171,7 @@ class CudaDecodeOps(DecodeOps):
                      np.int32(layer), q_out.data_ptr())
         return q_out
 
-    def attention(self, layer: int, q: torch.Tensor, positions: torch.Tensor, kvs: Sequence[KVCache],
+    def attention(self, layer: int, q: torch.Tensor, positions: torch.Tensor, kvs: Sequence[SequenceKV],
                   table: torch.Tensor | None = None, capacity: int | None = None) -> torch.Tensor:
         n, h, dh = q.shape
         hkv = kvs[0].k.shape[2]

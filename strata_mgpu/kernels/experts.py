@@ -332,16 +332,18 @@ class CudaKernels(TorchKernels):
         if not (hq is not None and hq.shape == (t, d // 32 * Q8_WORDS) and hq.dtype == torch.int32):
             hq = self._quantize_q8(h) if plan.q8_gate_up else None
         if self._goes_grouped(plan, cache, t * a, d):
+            assert hq is not None, "the grouped kernels dot integers: h was quantized"
             self.paths.ran("moe_gathered", "grouped")
             return moe_grouped(self, table, n_experts, lay, hq, weights, experts)
         self.paths.ran("moe_gathered", "fused")
         f = plan.ffn
         act = torch.empty(t * a, f, dtype=torch.bfloat16, device=h.device)
         out = torch.empty(t, d, dtype=torch.bfloat16, device=h.device)
-        hq = hq if plan.q8_gate_up else h  # the float kernels read h itself
+        gate_in = hq if plan.q8_gate_up else h  # the float kernels read h itself
+        assert gate_in is not None
         fn = nvrtc.kernel(MOE_FILE, f"moe_gate_up<{int(lay.gate_type)}>", _MOE_EXPRS, self.device)
         nvrtc.launch(fn, (-(-f // plan.rows_gu), t * a), MOE_THREADS,
-                     (h.data_ptr(), hq.data_ptr(), picks.data_ptr(), np.int32(a), *table, np.int32(d), np.int32(f),
+                     (h.data_ptr(), gate_in.data_ptr(), picks.data_ptr(), np.int32(a), *table, np.int32(d), np.int32(f),
                       np.int64(plan.gate_row), np.int32(plan.rows_gu), act.data_ptr()), self.device,
                      shared_mem=plan.gate_up_shared)
         aq = self._quantize_q8(act) if plan.q8_down else act

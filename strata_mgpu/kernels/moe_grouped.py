@@ -33,9 +33,8 @@ GROUP_THREADS = 256  # 8 warps, a warp a weight row
 GROUP_SHARED_BYTES = 46 * 1024  # the staged vectors, under what every card gives a block
 COMBINE_THREADS = 256
 # Picks from which a gathered pass goes expert by expert (below it, decode's pick-by-pick kernels:
-# fewer launches, and few experts are picked twice). One H200, 30B-A3B shapes (A = 8), us a layer
-# pick by pick / expert by expert (tools.bench_kernels): 8 rows 128 / 179, 16 rows 234 / 267,
-# 32 rows 438 / 387, 64 rows 851 / 522, 128 rows 1,675 / 805, 512 rows 6,691 / 2,543.
+# fewer launches, and few experts are picked twice): from 32 rows of 30B-A3B (A = 8) up, expert by
+# expert is the faster of the two (`tools.bench_kernels`; docs/BENCHMARKS.md).
 GROUPED_MIN_PICKS = 256
 
 

@@ -142,7 +142,7 @@ class _Shard:
         if self.size < 24:
             raise GGUFError(f"{path}: file is {self.size} bytes, too short for a GGUF header (24 bytes)")
         self.memmap = np.memmap(path, dtype=np.uint8, mode="r")
-        self.data = memoryview(self.memmap)
+        self.data = self.memmap.data  # a memoryview of the mapped bytes
         self.pos = 0
         self.metadata: dict[str, Any] = {}
         self.tensors: dict[str, TensorInfo] = {}

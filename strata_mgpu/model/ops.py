@@ -51,9 +51,9 @@ def qk_norm_rope(spec: ModelSpec, w: LayerWeights, q: torch.Tensor, k: torch.Ten
     return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
 
 
-# cuDNN's attention builds a graph per new shape: about 1 ms of CPU per call in decode, where the
-# key count grows every step (seen on the H200 with torch 2.11). Flash, memory-efficient or math
-# kernels serve every shape here.
+# cuDNN's attention builds a graph per new shape: host time on every call in decode, where the
+# key count grows every step (docs/BENCHMARKS.md). Flash, memory-efficient or math kernels serve
+# every shape here.
 SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
@@ -71,9 +71,9 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     elif t == 1:  # one new token sees every key: no mask (a mask would send SDPA to a slower kernel)
         out = F.scaled_dot_product_attention(qh, kh, vh, enable_gqa=True)
     else:  # a chunk after a prefix: query i sits at key s - t + i and sees keys 0..s-t+i.
-        # A lower-right causal bias keeps the flash/efficient kernels (an explicit [T, S] mask sent
-        # GQA to the math kernel, which wanted 16 GiB of scores for an 8K chunk after 16K keys);
-        # they take no GQA flag, so the KV heads are repeated for this call.
+        # A lower-right causal bias keeps the flash/efficient kernels (an explicit [T, S] mask sends
+        # GQA to the math kernel, whose [H, T, S] scores outgrow VRAM for a long chunk after a long
+        # prefix); they take no GQA flag, so the KV heads are repeated for this call.
         group = q.shape[1] // k.shape[1]
         kh, vh = kh.repeat_interleave(group, dim=1), vh.repeat_interleave(group, dim=1)
         out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=causal_lower_right(t, s))

@@ -16,6 +16,7 @@ from strata_mgpu.model.weights import LayerWeights, ModelWeights
 
 def moe_reference(h: torch.Tensor, w: LayerWeights, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
     """SiLU-gated experts, one expert at a time. h [T, D] -> [T, D]."""
+    assert w.gate is not None and w.up is not None and w.down is not None, "the layer's experts were loaded"
     out = torch.zeros_like(h)
     for e in torch.unique(experts).tolist():
         rows, slot = torch.where(experts == e)  # token rows routed to e, and which of their A picks it is

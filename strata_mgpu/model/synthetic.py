@@ -176,8 +176,8 @@ AHEAD_BYTES = 2 << 30
 
 def tensors_in_order(plans: list[TensorPlan], seed: int, workers: int) -> Iterator[np.ndarray]:
     """`make_tensor` of each plan, in order; with workers > 1 made on a thread pool ahead of the
-    one the caller is writing (numpy's random fills and ufuncs run without the GIL: the 30b-a3b
-    preset's 20 GB took ~80 s one tensor at a time on the GPU machine). Each tensor's bytes depend
+    one the caller is writing (numpy's random fills and ufuncs run without the GIL, so the threads'
+    tensors are made in parallel). Each tensor's bytes depend
     only on the seed and its name, so the file is the same whatever `workers` is."""
     if workers <= 1:
         yield from (make_tensor(p, seed) for p in plans)

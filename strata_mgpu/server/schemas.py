@@ -103,7 +103,9 @@ class TokenizeRequest(BaseModel):
 
     @property
     def text(self) -> str:
-        return self.content if self.content is not None else self.prompt
+        text = self.content if self.content is not None else self.prompt
+        assert text is not None, "_one_text holds one of them"
+        return text
 
 
 class DetokenizeRequest(BaseModel):

@@ -26,8 +26,8 @@ def default_share(tokens: int) -> float:
 @dataclass(frozen=True)
 class HelpPolicy:
     """Which share each busy stage's helper takes. A fixed share wins over the mode; `auto` and
-    `rule` give 0 where helper and busy stage share a card (one link: measured 6-12% slower on
-    one H200), a fixed share still applies there (tests, the sweep)."""
+    `rule` give 0 where helper and busy stage share a card (one link: the helper adds hand-overs and
+    saves no link time, docs/MULTI_GPU.md), a fixed share still applies there (tests, the sweep)."""
 
     enabled: bool = True
     fixed_share: float | None = None  # overrides the mode

@@ -19,12 +19,12 @@ Per layer of A (shape legend: T tokens, A picks per token, D hidden, E experts, 
 Events order every hand-over; the host never waits. Output is repeatable (fixed summation
 order) and equals unhelped output within rounding (the two partial sums round separately).
 
-A prompt of `halves_from` tokens or more runs its rows in two halves (`Decoder._layers_in_halves`):
+A prompt of `halves_from` tokens or more runs its rows in two halves (`Decoder._parts`):
 both sides load a layer's experts once and compute each half's rows on their own, and A queues
 half 2's attention and own rows between handing half 1 over and adding its sums, so the helper's
 round trip for one half (h out, its rows, the sums back) runs while A works on the other half
-instead of A waiting for it at every layer. Off by default: on two H200s the helped layer is
-bound by the host's launches, which halves raise by ~1.7x (docs/MULTI_GPU.md).
+instead of A waiting for it at every layer. Off by default: where the host's launches bind a
+helped layer, halves only add launches (docs/MULTI_GPU.md).
 """
 
 from __future__ import annotations

@@ -20,15 +20,10 @@ hand-over's bytes also cross the links: mapped-memory reads by copy kernels take
 Unhelped, a layer takes max(bytes / link_busy, (other + expert) * T). Each stage adds its last
 layer's compute once (nothing left to hide it behind) and `fixed_s`.
 
-The defaults are the two-H200 sweep of issue #13 (30b-a3b, 24 + 24 layers, 391.6 MB a layer,
-55.4 GB/s a link), fitted by least squares on log time over 41 of its 42 cells (1K at share 0.5,
-0.212 s against 0.191 s at 2K, is slower than at 2K and fits no model whose costs grow with T;
-re-measured with five runs a share it is 0.192 s, the fastest share at 1K: a slow run);
-docs/MULTI_GPU.md has the per-cell error. Cross-checks by hand: the share-0 column rises 9 ms from
-1K to 8K = two tails of (other + expert) * 7K -> 0.64 us a token (fit: 0.45); the 8K row rises
-23 ms from share 0.2 to 0.45 = 48 * 0.25 * expert * 8K -> expert 0.23 us (fit: 0.15); the low
-shares sit above their link line by 10 ms per 1K tokens = 48 * T * back / mapped -> 20 GB/s (fit:
-23 GB/s).
+The defaults are a least-squares fit on log time to the two-H200 share sweep of issue #13
+(30b-a3b), the one cell that fits no model whose costs grow with T left out; docs/MULTI_GPU.md
+("The helper's share from measured rates") has the sweep, the fit, its per-cell error and the
+cross-checks by hand.
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ import torch
 from strata_mgpu.config import LayerSplit
 from strata_mgpu.model.decoder import Segment
 from strata_mgpu.model.gguf_reader import GGUFFile
-from strata_mgpu.model.kv_cache import KVCache
+from strata_mgpu.model.kv_cache import SequenceKV
 from strata_mgpu.model.spec import ModelSpec
 from strata_mgpu.split.exchange import Exchange
 from strata_mgpu.split.help_rule import HelpPolicy
@@ -74,7 +74,7 @@ def plan_layers(n_layers: int, n_stages: int, layer_split: LayerSplit, weights: 
 class SplitKV:
     """One sequence's KV caches, one per stage (each on its stage's device)."""
 
-    parts: list[KVCache]
+    parts: list[SequenceKV]
     pending: list[list[Future]] = field(default_factory=list)  # its prompt chunks' stage tasks, not waited for
 
     @property

@@ -3,8 +3,8 @@
 Why: a CUDA stream accepts about a thousand launches ahead of the device; past that, a launch
 waits until the device drains one. A prompt chunk is ~1,700 launches a stage, so one thread
 queuing stage 0's chunk and then stage 1's spends most of its time waiting on card 0 while card 1
-idles, and stage 0's next chunk cannot be queued before stage 1's (measured on two H200s: the
-stages busy together 0.34 s of a 1.96 s 32K prompt). With a thread each, a stage blocked on its
+idles, and stage 0's next chunk cannot be queued before stage 1's: the stages seldom run together
+(docs/MULTI_GPU.md, a 32K prompt in 8K chunks). With a thread each, a stage blocked on its
 own card's queue holds up nobody else.
 
 A stage's task for a call waits (on the host) for the previous stage's task of the same call to

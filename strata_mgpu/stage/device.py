@@ -24,6 +24,7 @@ import weakref
 from collections import defaultdict
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -34,6 +35,7 @@ from strata_mgpu.stage.streams import (
     Mark,
     OrderingTwin,
     Stream,
+    StreamBackend,
     TwinStreams,
     active_twin,
 )
@@ -60,6 +62,7 @@ class DeviceContext:
     upload: Stream = field(default=None, init=False)
 
     def __post_init__(self) -> None:
+        self._streams: StreamBackend[Any, Any]
         if self.twin is None and self.device.type == "cpu":
             self.twin = active_twin()
         if self.twin is not None:
@@ -167,6 +170,13 @@ class DeviceContext:
         """A timing mark on `stream` (default: the current one): `later.seconds_since(earlier)`,
         `done()` once the stream passed it. Orders nothing; the host clock on the CPU."""
         return self._streams.mark(stream)
+
+    def capture(self, graph: torch.cuda.CUDAGraph, pool: Any, stream: Stream
+                ) -> contextlib.AbstractContextManager[object]:
+        """`with ctx.capture(graph, pool, stream):` the enclosed work is captured into `graph` on
+        `stream` (a stream of this context), its memory from `pool` (torch.cuda.graph_pool_handle(),
+        or None: its own; CUDA only)."""
+        return self._streams.capture(graph, pool, stream)
 
     def current(self) -> contextlib.AbstractContextManager:
         """`with ctx.current():` this stage's device is the current CUDA device (no-op on the CPU)."""

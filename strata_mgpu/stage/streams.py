@@ -28,7 +28,7 @@ import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Union
+from typing import Any, Protocol, TypeVar, Union
 
 import torch
 
@@ -214,7 +214,7 @@ class OrderingTwin:
         covering = [e for e in self.events if e.stream is p.stream and e.vc is not None
                     and e.vc.get(p.stream.index, 0) >= p.tick]
         if covering:  # the first recorded after the access
-            e = min(covering, key=lambda e: (e.vc[p.stream.index], e.index))
+            e = min(covering, key=lambda e: ((e.vc or {})[p.stream.index], e.index))
             missing = f"a wait on {e.name!r} (recorded on {p.stream.name} after that {prior})"
         else:
             missing = (f"a wait on an event recorded on {p.stream.name} after that {prior} (none is recorded there), "
@@ -283,6 +283,49 @@ Mark = HostMark | CudaMark
 
 # --- the three implementations behind DeviceContext ----------------------------------------------
 
+S = TypeVar("S")  # a backend's stream handle
+E = TypeVar("E")  # a backend's event handle
+
+
+class StreamBackend(Protocol[S, E]):
+    """What `DeviceContext` asks of its streams; each backend knows its own handles (`S`, `E`):
+    torch's on CUDA, None on the plain CPU, the twin's in a checking session. A `stream` of None
+    is the current one."""
+
+    def new_stream(self, kind: str) -> S: ...
+
+    def event(self, name: str) -> E: ...
+
+    def current_stream(self) -> S: ...
+
+    def use(self, stream: S) -> contextlib.AbstractContextManager[object]: ...
+
+    def record(self, event: E, stream: S | None) -> None: ...
+
+    def wait(self, event: E, stream: S | None) -> None: ...
+
+    def wait_stream(self, source: S, waiter: S | None) -> None: ...
+
+    def synchronize(self, stream: S | None) -> None: ...
+
+    def synchronize_device(self) -> None: ...
+
+    def synchronize_event(self, event: E) -> None: ...
+
+    def mark(self, stream: S | None) -> Mark: ...
+
+    def current_device(self) -> contextlib.AbstractContextManager[object]: ...
+
+    def capture(self, graph: torch.cuda.CUDAGraph, pool: Any, stream: S
+                ) -> contextlib.AbstractContextManager[object]: ...
+
+    def record_stream(self, tensors: list[torch.Tensor], stream: S | None) -> None: ...
+
+    def access(self, buffer: torch.Tensor | str | tuple | list, mode: str) -> None: ...
+
+    def label(self, buffer: torch.Tensor, name: str) -> None: ...
+
+
 
 class CudaStreams:
     """torch.cuda, exactly as the stage code called it before; declarations cost nothing."""
@@ -299,19 +342,19 @@ class CudaStreams:
     def current_stream(self) -> torch.cuda.Stream:
         return torch.cuda.current_stream(self.device)
 
-    def use(self, stream: torch.cuda.Stream):
+    def use(self, stream: torch.cuda.Stream) -> contextlib.AbstractContextManager[object]:
         return torch.cuda.stream(stream)
 
-    def record(self, event: torch.cuda.Event, stream: Stream) -> None:
+    def record(self, event: torch.cuda.Event, stream: torch.cuda.Stream | None) -> None:
         event.record(stream if stream is not None else torch.cuda.current_stream(self.device))
 
-    def wait(self, event: torch.cuda.Event, stream: Stream) -> None:
+    def wait(self, event: torch.cuda.Event, stream: torch.cuda.Stream | None) -> None:
         (stream if stream is not None else torch.cuda.current_stream(self.device)).wait_event(event)
 
-    def wait_stream(self, source: torch.cuda.Stream, waiter: Stream) -> None:
+    def wait_stream(self, source: torch.cuda.Stream, waiter: torch.cuda.Stream | None) -> None:
         (waiter if waiter is not None else torch.cuda.current_stream(self.device)).wait_stream(source)
 
-    def synchronize(self, stream: Stream) -> None:
+    def synchronize(self, stream: torch.cuda.Stream | None) -> None:
         (stream if stream is not None else torch.cuda.current_stream(self.device)).synchronize()
 
     def synchronize_device(self) -> None:
@@ -320,18 +363,22 @@ class CudaStreams:
     def synchronize_event(self, event: torch.cuda.Event) -> None:
         event.synchronize()
 
-    def mark(self, stream: Stream) -> Mark:
+    def mark(self, stream: torch.cuda.Stream | None) -> Mark:
         return CudaMark(stream if stream is not None else torch.cuda.current_stream(self.device))
 
-    def current_device(self) -> contextlib.AbstractContextManager:
+    def current_device(self) -> contextlib.AbstractContextManager[object]:
         return torch.cuda.device(self.device)
 
-    def record_stream(self, tensors: list[torch.Tensor], stream: Stream) -> None:
+    def capture(self, graph: torch.cuda.CUDAGraph, pool: Any, stream: torch.cuda.Stream
+                ) -> contextlib.AbstractContextManager[object]:
+        return torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="relaxed")
+
+    def record_stream(self, tensors: list[torch.Tensor], stream: torch.cuda.Stream | None) -> None:
         s = stream if stream is not None else torch.cuda.current_stream(self.device)
         for t in tensors:
             t.record_stream(s)
 
-    def access(self, buffer, mode: str) -> None:
+    def access(self, buffer: torch.Tensor | str | tuple | list, mode: str) -> None:
         pass
 
     def label(self, buffer: torch.Tensor, name: str) -> None:
@@ -344,16 +391,16 @@ class InOrderStreams:
     def new_stream(self, kind: str) -> None:
         return None
 
-    def event(self, name: str) -> None:
+    def event(self, name: str) -> torch.cuda.Event | None:
         return None
 
     def current_stream(self) -> None:
         return None
 
-    def use(self, stream: None) -> contextlib.nullcontext:
+    def use(self, stream: None) -> contextlib.AbstractContextManager[object]:
         return contextlib.nullcontext()
 
-    def record(self, event: None, stream: None) -> None:
+    def record(self, event: torch.cuda.Event | None, stream: None) -> None:
         pass
 
     def wait(self, event: torch.cuda.Event | None, stream: None) -> None:
@@ -379,13 +426,17 @@ class InOrderStreams:
     def mark(self, stream: None) -> Mark:
         return HostMark()
 
-    def current_device(self) -> contextlib.AbstractContextManager:
+    def current_device(self) -> contextlib.AbstractContextManager[object]:
         return contextlib.nullcontext()
+
+    def capture(self, graph: torch.cuda.CUDAGraph, pool: Any, stream: object
+                ) -> contextlib.AbstractContextManager[object]:
+        raise RuntimeError("CUDA graphs are captured on CUDA devices only")
 
     def record_stream(self, tensors: list[torch.Tensor], stream: None) -> None:
         pass
 
-    def access(self, buffer, mode: str) -> None:
+    def access(self, buffer: torch.Tensor | str | tuple | list, mode: str) -> None:
         pass
 
     def label(self, buffer: torch.Tensor, name: str) -> None:
@@ -398,13 +449,16 @@ class _Use:
     def __init__(self, stream: TwinStream):
         self.stream = stream
 
-    def __enter__(self) -> None:
+    def __enter__(self) -> object:
         home = self.stream.home
         assert home is not None, "the host is not a stream to queue work on"
         self.previous, home.current = home.current, self.stream
+        return None
 
-    def __exit__(self, *exc) -> None:
-        self.stream.home.current = self.previous
+    def __exit__(self, *exc: object) -> None:
+        home = self.stream.home
+        assert home is not None
+        home.current = self.previous
 
 
 class TwinStreams:
@@ -427,7 +481,7 @@ class TwinStreams:
     def current_stream(self) -> TwinStream:
         return self.current
 
-    def use(self, stream: TwinStream) -> _Use:
+    def use(self, stream: TwinStream) -> contextlib.AbstractContextManager[object]:
         return _Use(stream)
 
     def record(self, event: TwinEvent, stream: TwinStream | None) -> None:
@@ -452,13 +506,17 @@ class TwinStreams:
     def mark(self, stream: TwinStream | None) -> Mark:
         return HostMark()
 
-    def current_device(self) -> contextlib.AbstractContextManager:
+    def current_device(self) -> contextlib.AbstractContextManager[object]:
         return contextlib.nullcontext()
+
+    def capture(self, graph: torch.cuda.CUDAGraph, pool: Any, stream: object
+                ) -> contextlib.AbstractContextManager[object]:
+        raise RuntimeError("CUDA graphs are captured on CUDA devices only")
 
     def record_stream(self, tensors: list[torch.Tensor], stream: TwinStream | None) -> None:
         pass  # CPU memory has no allocator stream, and the twin keeps every tensor it checked alive
 
-    def access(self, buffer, mode: str) -> None:
+    def access(self, buffer: torch.Tensor | str | tuple | list, mode: str) -> None:
         where = _where(3)  # the stage code that called DeviceContext.access
         for b in buffer if isinstance(buffer, (tuple, list)) else (buffer,):
             self.twin.access(self.current, b, mode, where)

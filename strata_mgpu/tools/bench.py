@@ -21,7 +21,7 @@ import contextlib
 import json
 import statistics
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import NamedTuple
@@ -29,6 +29,7 @@ from typing import NamedTuple
 import torch
 
 from strata_mgpu.split.runner import SplitRunner
+from strata_mgpu.stage.experts.ring import ExpertRing, Slot
 from strata_mgpu.stage.stage import Stage
 from strata_mgpu.stage.streams import Mark
 
@@ -153,8 +154,12 @@ def uploads_skipped(stages: list[Stage]) -> Iterator[None]:
     cannot go below, its link and its helper's link (the helper's uploads go through the idle
     stage's ring) out of the way."""
     rings = [s.experts.ring for s in stages if s.experts.ring is not None]
+
+    def nothing_copied(ring: ExpertRing) -> Callable[[int, Sequence[torch.Tensor]], Slot]:
+        return lambda layer, runs: ring.advance()
+
     for ring in rings:  # an instance attribute, over the class's method until deleted
-        ring.upload = lambda layer, runs, ring=ring: ring.advance()  # type: ignore[method-assign]
+        ring.upload = nothing_copied(ring)  # type: ignore[method-assign,assignment]
     try:
         yield
     finally:

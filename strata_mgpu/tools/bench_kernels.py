@@ -136,7 +136,7 @@ def time_us(ctx: DeviceContext, fn, iters: int) -> float:
         fn()
     ctx.wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with ctx.capture(graph, None, side):
         fn()
     runs = []
     for _ in range(3):

@@ -16,6 +16,7 @@ import torch
 from strata_mgpu.model.gguf_reader import GGUFFile
 from strata_mgpu.model.spec import spec_from_gguf
 from strata_mgpu.stage.build import build_stage
+from strata_mgpu.stage.experts.cache import RefillOnFirstStep
 from strata_mgpu.stage.stage import StageOptions
 from strata_mgpu.tools.bench import time_decode
 
@@ -30,15 +31,18 @@ def main() -> None:
     f = GGUFFile(args.model)
     stage = build_stage(f, spec_from_gguf(f), StageOptions(device=torch.device("cuda", 0), max_vram_gib=args.max_vram))
     cache = stage.experts.cache
-    refill = cache.refill
-    cache.refill = lambda *a, **k: 0  # held still: the first K experts of every layer
+    if cache is None:
+        raise SystemExit("this stage keeps no experts resident: nothing to compare")
+    following, stage.refill = stage.refill, RefillOnFirstStep(None)  # held still: the first K experts a layer
     for i in range(args.sequences):
         tps, hit, _ = time_decode(stage, args.tokens, seed=i)
+        assert hit is not None  # the stage has an expert cache
         print(f"static cache ({cache.per_layer} experts a layer), sequence {i}: {tps:.1f} tok/s, "
               f"{100 * hit:.0f}% of picks from VRAM")
-    cache.refill = refill
+    stage.refill = following
     for i in range(args.sequences):
         tps, hit, _ = time_decode(stage, args.tokens, seed=100 + i)
+        assert hit is not None
         print(f"cache following the routing, sequence {i}: {tps:.1f} tok/s, {100 * hit:.0f}% of picks from VRAM, "
               f"{cache.swapped} experts moved so far")
 

@@ -192,11 +192,12 @@ def host_profile(runner, kv, prompt: torch.Tensor, top: int = 30) -> str:
 def main() -> None:
     from strata_mgpu import env
     from strata_mgpu.config import LayerSplit, Placement
-    from strata_mgpu.engine.build import build_runner
+    from strata_mgpu.engine.build import build_stages
     from strata_mgpu.env import default_allocator_config
     from strata_mgpu.model.gguf_reader import GGUFFile
     from strata_mgpu.model.spec import spec_from_gguf
     from strata_mgpu.split.help_rule import HelpPolicy
+    from strata_mgpu.split.runner import SplitRunner
     from strata_mgpu.tools.bench import sync_stages
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -222,8 +223,8 @@ def main() -> None:
     placement = Placement.from_env(env.read(), devices=tuple(args.devices.split(",")),
                                    layer_split=LayerSplit.parse(args.layer_split), max_vram_gib=budgets,
                                    resident_experts=args.resident_experts)
-    runner = build_runner(f, spec, placement, args.tokens, kv_tokens=args.tokens + 1)
-    if not getattr(runner, "helpers", None):
+    runner = build_stages(f, spec, placement, args.tokens, kv_tokens=args.tokens + 1)
+    if not isinstance(runner, SplitRunner) or not runner.helpers:
         raise SystemExit("the helper needs two or more stages (--devices 0,1 or 0,0)")
     stages = runner.stages
     prompt = torch.randint(0, spec.vocab_size, (args.tokens,), generator=torch.Generator().manual_seed(0))
@@ -251,6 +252,7 @@ def main() -> None:
                 runner.prefill(kv, prompt, whole_prompt=True)
                 sync_stages(stages)
                 seconds = time.perf_counter() - t0
+            assert trace_dir is not None  # made above wherever the host alone is not profiled
             path = trace_dir / (f"helper_share_{share:g}" + ("" if halves is None else f"_halves_{halves}") + ".json")
             prof.export_chrome_trace(str(path))
             trace = json.loads(path.read_text())

@@ -20,9 +20,10 @@ from torch.profiler import ProfilerActivity, profile
 
 from strata_mgpu import env
 from strata_mgpu.config import Placement
-from strata_mgpu.engine.build import build_runner
+from strata_mgpu.engine.build import build_stages
 from strata_mgpu.model.gguf_reader import GGUFFile
 from strata_mgpu.model.spec import spec_from_gguf
+from strata_mgpu.split.runner import SplitRunner
 from strata_mgpu.tools.bench import StageTimeline, busy_and_overlap, prefill_chunks, sync_stages
 
 # CUDA runtime/driver calls that may make the host wait for the device
@@ -63,7 +64,9 @@ def main() -> None:
     budgets = tuple(float(x) for x in args.max_vram.split(","))
     placement = Placement.from_env(env.read(), prefill_help=False, devices=tuple(args.devices.split(",")),
                                    max_vram_gib=budgets)
-    runner = build_runner(f, spec, placement, args.chunk, kv_tokens=args.tokens + 1)
+    runner = build_stages(f, spec, placement, args.chunk, kv_tokens=args.tokens + 1)
+    if not isinstance(runner, SplitRunner):
+        raise SystemExit("the pipeline needs two or more stages (--devices 0,1 or 0,0)")
     stages = runner.stages
     devices = [s.ctx.device for s in stages]
     prompt = torch.randint(0, spec.vocab_size, (args.tokens,))

@@ -113,7 +113,10 @@ class Probe:
 
     def chats(self, n: int, n_prompt: int, max_tokens: int) -> tuple[list[ChatRun], float]:
         """n streamed requests sent at once; each one's figures, and all tokens over their span."""
-        start, stamps, out, errors = threading.Barrier(n), [], [None] * n, []
+        start = threading.Barrier(n)
+        stamps: list[float] = []
+        out: list[ChatRun | None] = [None] * n
+        errors: list[Exception] = []
 
         def run(i: int) -> None:
             try:

@@ -48,14 +48,17 @@ class LayerPart:
     def runs(self, arena: HostExpertArena) -> list[torch.Tensor]:
         """The streamed experts' bytes as runs of consecutive ids (one copy each), in packing order."""
         out: list[torch.Tensor] = []
-        start = prev = None
-        for e in (*self.streamed, None):
-            if e is not None and prev is not None and e == prev + 1:
+        start: int | None = None
+        prev = -2
+        for e in self.streamed:
+            if e == prev + 1:
                 prev = e
                 continue
             if start is not None:
                 out.append(arena.experts(self.layer, start, prev + 1))
             start = prev = e
+        if start is not None:
+            out.append(arena.experts(self.layer, start, prev + 1))
         return out
 
 
@@ -86,9 +89,9 @@ class PartTables:
             local_of[i, p.ids] = np.arange(p.n)
             lay = arena.layouts[p.layer]
             for j, (_, slot) in enumerate(p.resident):
-                addresses[i, j] = cache_slot(slot).data_ptr()
+                addresses[i, j] = self._cache(slot).data_ptr()
             if p.streamed:
-                base = ring_slot(i).data_ptr()
+                base = self._ring(i).data_ptr()
                 at = len(p.resident)
                 addresses[i, at:at + len(p.streamed)] = base + lay.expert_bytes * np.arange(len(p.streamed))
         both = torch.from_numpy(np.concatenate([local_of, addresses], axis=1))
@@ -100,11 +103,20 @@ class PartTables:
         """The twin's view of local layer i's part: each expert's bytes, in part order."""
         p = self.parts[i]
         eb = self.arena.layouts[p.layer].expert_bytes
-        out = [self.cache_slot(slot)[:eb] for _, slot in p.resident]
+        out = [self._cache(slot)[:eb] for _, slot in p.resident]
         if p.streamed:
-            ring = self.ring_slot(i)
+            ring = self._ring(i)
             out += [ring[k * eb:(k + 1) * eb] for k in range(len(p.streamed))]
         return out
+
+    def _cache(self, slot: int) -> torch.Tensor:
+        assert self.cache_slot is not None, "a part with resident experts comes with its stage's cache"
+        return self.cache_slot(slot)
+
+    def _ring(self, i: int) -> torch.Tensor:
+        buffer = self.ring_slot(i)
+        assert buffer is not None, "a part with streamed experts has a ring slot"
+        return buffer
 
 
 @dataclass(frozen=True)

@@ -125,25 +125,30 @@ class LayerFeed:
         for _ in range(min(n, len(uploading))):
             self._upload_next()
 
+    @property
+    def _ring(self) -> ExpertRing:
+        assert self.ring is not None, "only a pass with a ring uploads or holds slots"
+        return self.ring
+
     def _upload_next(self) -> None:
         i = self._queue[self._ahead]
         self._ahead += 1
         layer, runs = self._runs[i]
-        slot = self.ring.upload(layer, runs)
+        slot = self._ring.upload(layer, runs)
         assert slot is self.slot_of[i]
         self._slots[i] = slot
 
     def acquire(self, i: int) -> torch.Tensor | None:
         """Layer i's slot buffer once its upload is done (None: nothing of it streams)."""
         slot = self._slots.get(i)
-        return slot.acquire(self.ring.ctx) if slot is not None else None
+        return slot.acquire(self._ring.ctx) if slot is not None else None
 
     def abort(self) -> None:
         """The pass failed partway: mark the reads it queued on the current stream as the last of
         every slot it still holds (the next upload into them waits for those), queue nothing more,
         and give the ring back."""
         for slot in self._slots.values():
-            slot.release(self.ring.ctx)
+            slot.release(self._ring.ctx)
         self._slots.clear()
         self._queue = self._queue[:self._ahead]
         self.done = True
@@ -152,7 +157,7 @@ class LayerFeed:
         slot = self._slots.pop(i, None)
         if slot is None:
             return
-        slot.release(self.ring.ctx)
+        slot.release(self._ring.ctx)
         if self._ahead < len(self._queue):
             self._upload_next()
         elif not self._slots:

@@ -45,16 +45,14 @@ from strata_mgpu.stage.experts.parts import (
 from strata_mgpu.stage.experts.ring import ExpertRing, LayerFeed
 from strata_mgpu.stage.host.arena import HostExpertArena
 
-# Where every expert is resident, a pass of fewer picks than these gathers. One H200, 30B-A3B shapes
-# (tools.bench_kernels): a whole-layer pass first dequantizes all E experts (0.76 ms a layer for its
-# 128) and then runs the grouped GEMMs; a gathered pass of 128 rows (1,024 picks) takes 0.80 ms a
-# layer expert by expert (`kernels.moe_grouped`), 64 rows 0.52 ms, but pick by pick (types without
-# the grouped kernels) 1.67 and 0.85 ms: gathering wins up to about 1,024 picks expert by expert,
-# 512 pick by pick, by the kernels alone. Past that the whole-layer pass takes `run`'s eager path,
-# ~30 launches a layer and attention a segment at a time, where a gathered one takes the fused
-# static ops (`Decoder._takes_static`): the 8 chats' pack of 7 short prompts (135 rows, 1,080
-# picks) took 120 ms that way where one 128-row prompt took 74 gathered. So gathering goes on to
-# 1,536 picks (192 rows of 30B-A3B), where the grouped kernels cost ~0.3 ms a layer more.
+# Where every expert is resident, a pass of fewer picks than these gathers. A whole-layer pass
+# first dequantizes all E experts and then runs the grouped GEMMs; a gathered pass computes only the
+# picks, expert by expert (`kernels.moe_grouped`) or pick by pick (types without the grouped
+# kernels). By the kernels alone (`tools.bench_kernels`) gathering wins up to about 1,024 picks of
+# 30B-A3B expert by expert, 512 pick by pick. Past the limit the whole-layer pass takes `run`'s
+# eager path, ~30 launches a layer and attention a segment at a time, where a gathered one takes
+# the fused static ops (`Decoder._takes_static`), whose saved host time outweighs the grouped
+# kernels' extra device time up to 1,536 picks (192 rows of 30B-A3B; docs/BENCHMARKS.md).
 GATHER_PICKS_RESIDENT = 1536
 GATHER_PICKS_BY_PICK = 512
 
@@ -92,7 +90,7 @@ class StreamedExperts:
         plans = [kernels.moe_fused(arena.layouts[layer], D, spec.n_experts_used) if isinstance(kernels, CudaKernels)
                  else None for layer in layers]
         fused = dtype == torch.bfloat16 and all(plan is not None for plan in plans)
-        grouped = fused and all(CudaKernels.grouped_serves(plan, D) for plan in plans)
+        grouped = fused and all(plan is not None and CudaKernels.grouped_serves(plan, D) for plan in plans)
         self.gather_picks = gather_pick_limit(E, cache is not None and cache.per_layer >= E, fused, grouped)
 
     def attach_helper(self, helper: PrefillHelper | None) -> None:
@@ -158,7 +156,7 @@ class StreamedExperts:
         helper's too, so the next prompt can stream."""
         if self._feed is not None:
             self._feed.abort()
-        if self.helped:
+        if self.helped and self.helper is not None:
             self.helper.abort()
         self._feed = self._tables = None
 
@@ -188,7 +186,7 @@ class StreamedExperts:
     def in_halves(self, n_rows: int) -> bool:
         """Should a streamed pass of n_rows run its layers in two halves of rows? Where a helper
         is bound and the pass has its `halves_from` rows or more."""
-        return self._helper_bound and 0 < self.helper.halves_from <= n_rows
+        return self.helper is not None and self.helper.bound and 0 < self.helper.halves_from <= n_rows
 
     def _helped_rows(self, i: int, h: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, first: bool
                      ) -> torch.Tensor:
@@ -207,4 +205,6 @@ class StreamedExperts:
     def finish(self, started: torch.Tensor) -> torch.Tensor:
         """A `start`'s outputs [t, D]: where helped, this stage's partial sums plus the helper's,
         which arrive in the order the starts were made."""
-        return started + self.helper.collect() if self.helped else started
+        if self.helped and self.helper is not None:
+            return started + self.helper.collect()
+        return started

@@ -55,9 +55,9 @@ TABLE_OPS = ("qk_norm_rope_kv", "attention")
 class GraphCapture:
     """What a stage's decode graphs share: one stream to warm up and capture on, one memory pool.
 
-    A stream per capture cost 32 MiB each on the H200, the cuBLAS workspace torch keeps for every
-    stream a GEMM ran on (ten of them held 320 MiB when `--max-vram 16` ran out of memory), and a
-    pool per graph keeps every bucket's temporaries at once. Sharing the pool is safe here: a
+    A stream per capture costs one more cuBLAS workspace each (torch keeps one for every stream a
+    GEMM ran on: 32 MiB on Hopper), more than a tight `--max-vram` leaves (docs/BENCHMARKS.md), and
+    a pool per graph keeps every bucket's temporaries at once. Sharing the pool is safe here: a
     replay's temporaries are dead when it ends, every input lives outside the pool, and each
     replay's output is copied out (`DecodeGraph.step`) before another graph can replay over it.
     """
@@ -107,7 +107,7 @@ class DecodeGraph:
                 model.step_static(self.inp, self.positions, padded, self.table, self.capacity)
             ctx.wait_stream(side)
             self.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.graph, pool=capture.pool, stream=side, capture_error_mode="relaxed"):
+            with ctx.capture(self.graph, capture.pool, side):
                 self.out = model.step_static(self.inp, self.positions, padded, self.table,
                                              self.capacity)  # [bucket, V or D]
         # a twin read the caches at their addresses of this capture: only this batch may replay it

@@ -273,8 +273,9 @@ class TwoTierKV:
             with st.on_side(b):
                 ctx.access(st.buffers[b], "r")
                 ctx.access(self._host_rows_name[layer], "w")
-                self.host_k[layer, h:new_h].copy_(k_buf[h:new_h], non_blocking=True)
-                self.host_v[layer, h:new_h].copy_(v_buf[h:new_h], non_blocking=True)
+                host_k, host_v = self._host_rows()
+                host_k[layer, h:new_h].copy_(k_buf[h:new_h], non_blocking=True)
+                host_v[layer, h:new_h].copy_(v_buf[h:new_h], non_blocking=True)
                 ctx.record(self._spilled, st.side)
         for ring, pos in self._ring_spans(max(start, new_h), end):
             rows = slice(pos.start - start, pos.stop - start)
@@ -323,13 +324,19 @@ class TwoTierKV:
         self.closed = True
 
     # -- internals -----------------------------------------------------------------------------
+    def _host_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The host rows, keys and values [L, C, Hkv, Dh]: there once `reserve` made room for a spill."""
+        assert self.host_k is not None and self.host_v is not None, "reserve() makes the host rows before a spill"
+        return self.host_k, self.host_v
+
     def _upload(self, layer: int, rows: int, k_buf: torch.Tensor, v_buf: torch.Tensor) -> None:
         """Host rows [0, rows) of `layer` into a staging buffer, on the current stream.
 
         The seam for decode's other option: attention reading the prefix in place through mapped
         memory instead of copying it (not built; measure first)."""
-        k_buf[:rows].copy_(self.host_k[layer, :rows], non_blocking=True)
-        v_buf[:rows].copy_(self.host_v[layer, :rows], non_blocking=True)
+        host_k, host_v = self._host_rows()
+        k_buf[:rows].copy_(host_k[layer, :rows], non_blocking=True)
+        v_buf[:rows].copy_(host_v[layer, :rows], non_blocking=True)
 
     def _ring_spans(self, start: int, stop: int) -> list[tuple[slice, slice]]:
         """Positions [start, stop) (at most a window) as (ring slots, positions) pairs in order."""
@@ -357,8 +364,9 @@ class TwoTierKV:
         kv = flat[:cap * row_bytes].view(self.k.dtype).view(shape)  # [2, L, C, Hkv, Dh]: keys, then values
         if self.host_k is not None:
             _drain_before_free(self.staging, self.owner)
-            kv[0, :, :old] = self.host_k  # host to host: done when this returns
-            kv[1, :, :old] = self.host_v
+            host_k, host_v = self._host_rows()
+            kv[0, :, :old] = host_k  # host to host: done when this returns
+            kv[1, :, :old] = host_v
         self.host_k, self.host_v = kv[0], kv[1]
         while self._host_buffers:
             self.staging.pool.give(self._host_buffers.pop())
@@ -383,7 +391,7 @@ def make_kv_cache(spec: ModelSpec, layers: range, vram_cells: int, max_length: i
     """A sequence's KV for a stage's `layers`: a plain `KVCache` when `max_length` fits in
     `vram_cells`, else a `TwoTierKV` with that window, assembling in the stage's `staging`."""
     # Laid out whole at once: growing by doubling would hold the old and the new cache together
-    # for a moment (1.5x the cells the plan counted), which is how long prompts ran out of memory.
+    # for a moment (1.5x the cells the plan counted): more than the VRAM plan leaves a long prompt.
     if max_length <= vram_cells:
         return KVCache(len(layers), spec.n_kv_heads, spec.head_dim, capacity=max_length, max_length=max_length,
                        device=device, dtype=dtype)
