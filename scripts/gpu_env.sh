@@ -1,5 +1,6 @@
 # Sourced by the GPU-machine scripts: install the carried wheels (.whl/, from
-# ../shared/device/wheels.sh) and point Python at the checkout; $OUT collects the results.
+# `../shared/device/wheels.sh hypothesis attrs sortedcontainers httpx2 httpcore2 h11 anyio idna certifi`:
+# collecting every test file needs them) and point Python at the checkout; $OUT collects the results.
 set -euo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/strata-out}

@@ -358,10 +358,17 @@ def test_short_forwards_through_the_fused_ops_equal_runs_path(model):
 
 
 def test_stage_fp32_agrees_on_top1_everywhere(model):
+    """fp32 on the card against the fp32 reference on the CPU, routing free: they differ by
+    summation order alone, unless a router score pair lies within that difference and a pick
+    flips, which moves that row and, through attention, the later ones by O(1). The prompt is
+    seeded: drawn from the global generator it depended on what the tests before it had drawn,
+    and one such draw in a full GPU run (of about 25 tried) hit a flip (rel err 0.107; the 24
+    seeded prompts tried on the H200 stayed at 1.0e-6 to 1.4e-6, before and after the house
+    change alike)."""
     f, spec = model
     ref = load_reference_runner(f, spec)
     stage = build_stage(f, spec, StageOptions(device=CUDA, dtype=torch.float32))
-    prompt = torch.randint(0, spec.vocab_size, (256,))
+    prompt = torch.randint(0, spec.vocab_size, (256,), generator=torch.Generator().manual_seed(0))
     a = ref.model.logits(ref.model.forward(prompt, [_seg(ref.new_sequence(300), 256)]))
     b = stage.model.logits(stage.model.forward(prompt.to(CUDA), [_seg(stage.new_sequence(300), 256)])).cpu()
     assert rel_err(b, a) <= 1e-3  # tf32-free fp32: summation order only
