@@ -21,6 +21,7 @@ from strata_mgpu.stage.build import build_stage
 from strata_mgpu.stage.device import DeviceContext
 from strata_mgpu.stage.kv.two_tier import KVStaging, TwoTierKV, make_kv_cache, window_bytes
 from strata_mgpu.stage.stage import Stage, StageOptions
+from tests.failing_experts import FailingExperts
 
 pytestmark = pytest.mark.gpu
 CUDA = torch.device("cuda", 0)
@@ -121,32 +122,6 @@ def test_long_prompt_holds_only_the_window_in_vram(stage, prefetch):
     assert rel_err(stage.decode([two], token), stage.decode([plain], token)) <= BF16_TOL
 
 
-class FailingExperts:
-    def __init__(self, inner):
-        self.inner, self.fail_layer = inner, None
-
-    def should_stream(self, n_rows):
-        return self.inner.should_stream(n_rows)
-
-    def in_halves(self, n_rows):
-        return self.inner.in_halves(n_rows)
-
-    def begin(self, n_rows, stream):
-        self.inner.begin(n_rows, stream)
-
-    def start(self, layer, h, weights, experts, hq=None, first=True):
-        if layer == self.fail_layer:
-            self.fail_layer = None
-            raise RuntimeError("injected failure")
-        return self.inner.start(layer, h, weights, experts, hq=hq, first=first)
-
-    def finish(self, started):
-        return self.inner.finish(started)
-
-    def abort(self):
-        self.inner.abort()
-
-
 @torch.no_grad()
 def test_failed_forward_drains_the_side_stream(tmp_path_factory):
     """bf16 oracle on the GPU: a chunk fails in layer 1 with layer 2's upload queued on the side
@@ -156,7 +131,7 @@ def test_failed_forward_drains_the_side_stream(tmp_path_factory):
     f = GGUFFile(path)
     spec = spec_from_gguf(f)
     model = ReferenceModel(spec, load_weights(f, spec, dtype=torch.bfloat16, device=CUDA))
-    model.experts = FailingExperts(model.experts)
+    model.experts = experts = FailingExperts(model.experts)
     ctx = DeviceContext(CUDA, 8 * 2**30)  # the model runs on the caller's stream: only the side stream is ctx's
     staging = KVStaging.for_model(spec, 800, ctx=ctx, dtype=torch.bfloat16, prefetch=True)
     layers, window = range(spec.n_layers), 64
@@ -172,7 +147,7 @@ def test_failed_forward_drains_the_side_stream(tmp_path_factory):
 
     for kv, plain, p in ((a, plain_a, pa[:300]), (b, plain_b, pb[:300])):
         assert rel_err(logits(p, kv), logits(p, plain)) <= BF16_TOL
-    model.experts.fail_layer = 1
+    experts.fail_layer = 1
     with pytest.raises(RuntimeError, match="injected failure"):
         logits(pa[300:], a)
     assert staging.holds == [None, None] and a.length == 300

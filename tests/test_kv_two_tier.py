@@ -16,6 +16,7 @@ from strata_mgpu.model.weights import load_weights
 from strata_mgpu.stage.device import DeviceContext
 from strata_mgpu.stage.host.pool import HostBufferPool
 from strata_mgpu.stage.kv.two_tier import Hold, KVStaging, TwoTierKV, make_kv_cache, staging_bytes, window_bytes
+from tests.failing_experts import FailingExperts
 
 MAX_LEN = 96
 
@@ -98,37 +99,6 @@ def test_batched_decode_with_a_shared_staging_equals_alone(model, prefetch):
         step = want.argmax(-1)
 
 
-class FailingExperts:
-    """The oracle's experts, raising at `fail_layer` when armed; records the staging's holds then."""
-
-    def __init__(self, inner, st: KVStaging):
-        self.inner, self.st = inner, st
-        self.fail_layer: int | None = None
-        self.holds_at_failure: list[Hold | None] = []
-
-    def should_stream(self, n_rows):
-        return self.inner.should_stream(n_rows)
-
-    def in_halves(self, n_rows):
-        return self.inner.in_halves(n_rows)
-
-    def begin(self, n_rows, stream):
-        self.inner.begin(n_rows, stream)
-
-    def start(self, layer, h, weights, experts, hq=None, first=True):
-        if layer == self.fail_layer:
-            self.fail_layer = None
-            self.holds_at_failure = list(self.st.holds)
-            raise RuntimeError("injected failure")
-        return self.inner.start(layer, h, weights, experts, hq=hq, first=first)
-
-    def finish(self, started):
-        return self.inner.finish(started)
-
-    def abort(self):
-        self.inner.abort()
-
-
 @torch.no_grad()
 def test_failed_prefill_with_prefetch_pending_leaves_everything_intact(model, tiny_gguf):
     """A prefill chunk (longer than the window) fails in layer 1's experts while layer 2's upload is
@@ -138,17 +108,18 @@ def test_failed_prefill_with_prefetch_pending_leaves_everything_intact(model, ti
     spec = spec_from_gguf(f)
     failing = ReferenceModel(spec, load_weights(f, spec))
     st = staging(failing, prefetch=True)
-    failing.experts = FailingExperts(failing.experts, st)
+    holds_at_failure: list[Hold | None] = []  # the staging's holds when the experts raised
+    failing.experts = experts = FailingExperts(failing.experts, on_failure=lambda: holds_at_failure.extend(st.holds))
     window = 8
     a, b = two_tier(failing, window, st), two_tier(failing, window, st)
     pa, pb = tokens(model, 50, 1), tokens(model, 30, 2)
     plain_a, plain_b = model.new_cache(MAX_LEN), model.new_cache(MAX_LEN)
     for kv, plain, p in ((a, plain_a, pa[:20]), (b, plain_b, pb[:20])):
         assert torch.equal(logits(failing, p, kv), logits(model, p, plain))
-    failing.experts.fail_layer = 1
+    experts.fail_layer = 1
     with pytest.raises(RuntimeError, match="injected failure"):
         logits(failing, pa[20:], a)
-    assert Hold(a.owner, 2, 20 - window) in failing.experts.holds_at_failure  # the pending upload
+    assert Hold(a.owner, 2, 20 - window) in holds_at_failure  # the pending upload
     assert st.holds == [None, None] and a.length == 20  # drained; the failed chunk did not count
     assert a.host_rows[:2] == [50 - window] * 2 and a.host_rows[2:] == [20 - window] * 2
     # the other sequence, then the failed one retried, then both decoding together
@@ -168,9 +139,9 @@ def test_failed_first_chunk_then_a_shorter_one(model, tiny_gguf):
     spec = spec_from_gguf(f)
     failing = ReferenceModel(spec, load_weights(f, spec))
     st = staging(failing, prefetch=False)
-    failing.experts = FailingExperts(failing.experts, st)
+    failing.experts = experts = FailingExperts(failing.experts)
     kv, plain = two_tier(failing, 10, st), model.new_cache(MAX_LEN)
-    failing.experts.fail_layer = 2
+    experts.fail_layer = 2
     with pytest.raises(RuntimeError, match="injected failure"):
         logits(failing, tokens(model, 25, 7), kv)
     assert kv.host_rows[0] == 15 and kv.length == 0

@@ -385,7 +385,18 @@ class CudaStreams:
         pass
 
 
-class InOrderStreams:
+class _HostDevice:
+    """What the CPU backends share: no device to make current, no graphs to capture."""
+
+    def current_device(self) -> contextlib.AbstractContextManager[object]:
+        return contextlib.nullcontext()
+
+    def capture(self, graph: torch.cuda.CUDAGraph, pool: Any, stream: object
+                ) -> contextlib.AbstractContextManager[object]:
+        raise RuntimeError("CUDA graphs are captured on CUDA devices only")
+
+
+class InOrderStreams(_HostDevice):
     """The plain CPU: no streams, no events, everything in program order."""
 
     def new_stream(self, kind: str) -> None:
@@ -426,12 +437,6 @@ class InOrderStreams:
     def mark(self, stream: None) -> Mark:
         return HostMark()
 
-    def current_device(self) -> contextlib.AbstractContextManager[object]:
-        return contextlib.nullcontext()
-
-    def capture(self, graph: torch.cuda.CUDAGraph, pool: Any, stream: object
-                ) -> contextlib.AbstractContextManager[object]:
-        raise RuntimeError("CUDA graphs are captured on CUDA devices only")
 
     def record_stream(self, tensors: list[torch.Tensor], stream: None) -> None:
         pass
@@ -461,7 +466,7 @@ class _Use:
         home.current = self.previous
 
 
-class TwinStreams:
+class TwinStreams(_HostDevice):
     """One context's streams in a twin session: its own device, with a default stream current."""
 
     def __init__(self, twin: OrderingTwin, name: str):
@@ -506,12 +511,6 @@ class TwinStreams:
     def mark(self, stream: TwinStream | None) -> Mark:
         return HostMark()
 
-    def current_device(self) -> contextlib.AbstractContextManager[object]:
-        return contextlib.nullcontext()
-
-    def capture(self, graph: torch.cuda.CUDAGraph, pool: Any, stream: object
-                ) -> contextlib.AbstractContextManager[object]:
-        raise RuntimeError("CUDA graphs are captured on CUDA devices only")
 
     def record_stream(self, tensors: list[torch.Tensor], stream: TwinStream | None) -> None:
         pass  # CPU memory has no allocator stream, and the twin keeps every tensor it checked alive
