@@ -21,7 +21,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
-from strata_mgpu.model.gguf_reader import GGUFError, GGUFFile
+from strata_mgpu.model.gguf_reader import T_STRING, GGUFArray, GGUFError, GGUFFile
 
 # The pre-tokenizer split of Qwen2/Qwen3 (tokenizer.json of those models).
 QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
@@ -229,6 +229,6 @@ def tokenizer_from_gguf(f: GGUFFile) -> Tokenizer:
 
 
 def _str_list(f: GGUFFile, key: str, arr: Any) -> list[str]:
-    if not hasattr(arr, "elem_type") or arr.elem_type != 8:
+    if not isinstance(arr, GGUFArray) or arr.elem_type != T_STRING:
         raise GGUFError(f"{f.path}: metadata {key!r} should be an array of strings")
     return arr.tolist()

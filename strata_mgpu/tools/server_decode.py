@@ -21,6 +21,8 @@ from strata_mgpu.engine.engine import Engine, RequestOutput
 from strata_mgpu.engine.runner import ModelRunner
 from strata_mgpu.engine.sampler import SamplingParams
 from strata_mgpu.model.tokenizer import Tokenizer
+from strata_mgpu.split.runner import SplitRunner
+from strata_mgpu.stage.stage import Stage
 
 
 @dataclass(frozen=True)
@@ -101,8 +103,8 @@ def measure_server_decode(runner: ModelRunner, tokenizer: Tokenizer, n_requests:
         raise ValueError("n_requests, max_tokens and prompt_tokens must be at least 1")
     config = config or EngineConfig(max_running=n_requests)
     engine = Engine(runner, tokenizer, config)
-    caches = [s.experts.cache for s in getattr(runner, "stages", [])
-              if getattr(getattr(s.model, "experts", None), "cache", None) is not None]
+    stages = runner.stages if isinstance(runner, Stage | SplitRunner) else []  # the reference has no cache
+    caches = [s.experts.cache for s in stages if s.experts.cache is not None]
     engine.start()
     try:
         if warmup_tokens:

@@ -26,6 +26,8 @@ import torch
 
 from strata_mgpu.split.help_rule import HelpPolicy, default_share
 from strata_mgpu.split.rate_model import ComputeRates, RateEstimate, StageLoad, best_share, link_bounds, stage_load
+from strata_mgpu.split.runner import SplitRunner
+from strata_mgpu.stage.stage import Stage
 from strata_mgpu.tools.bench import sync_stages
 
 TimePrompt = Callable[[int, HelpPolicy], float]  # (tokens, policy) -> seconds of one one-chunk prefill
@@ -117,10 +119,10 @@ def sweep(time_prompt: TimePrompt, lengths: list[int], shares: list[float], runs
                        across_cards=across_cards, rates=rates)
 
 
-def run_sweep(runner, model_name: str, lengths: list[int], shares: list[float], runs: int,
+def run_sweep(runner: Stage | SplitRunner, model_name: str, lengths: list[int], shares: list[float], runs: int,
               on_cell: Callable[[SweepCell | AutoCell], None] = lambda cell: None) -> SweepResult:
     """Time every cell on a split runner with helpers set (links probed first, on a GPU)."""
-    if not getattr(runner, "helpers", None):
+    if not isinstance(runner, SplitRunner) or not runner.helpers:
         raise ValueError("the sweep needs two or more stages (--devices 0,1, 0,0 or cpu,cpu)")
     stages = runner.stages
     idles = [stages[(k + 1) % len(stages)] for k in range(len(stages))]

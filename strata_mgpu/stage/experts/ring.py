@@ -47,7 +47,7 @@ class ExpertRing:
                       for i, b in enumerate(buffers)]
         self._next = 0
         self.uploaded_bytes = 0
-        self.holder: object | None = None  # the LayerFeed passing through the ring now
+        self.holder: LayerFeed | None = None  # the pass going through the ring now
 
     @property
     def nbytes(self) -> int:
@@ -57,9 +57,9 @@ class ExpertRing:
     def slot_bytes(self) -> int:
         return self.slots[0].buffer.numel()
 
-    def claim(self, feed: object) -> int:
+    def claim(self, feed: LayerFeed) -> int:
         """`feed` starts a pass; returns the index of the slot its first upload will take."""
-        assert self.holder is None or getattr(self.holder, "done", True), \
+        assert self.holder is None or self.holder.done, \
             "the expert ring is lent to one pass at a time (a helper and its stage overlapped)"
         self.holder = feed
         return self._next
