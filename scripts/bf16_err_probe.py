@@ -10,6 +10,7 @@ import torch
 
 sys.path.insert(0, ".")
 
+from strata_mgpu import env  # noqa: E402
 from strata_mgpu.model.gguf_reader import GGUFFile  # noqa: E402
 from strata_mgpu.model.runner import load_reference_runner  # noqa: E402
 from strata_mgpu.model.spec import spec_from_gguf  # noqa: E402
@@ -22,7 +23,8 @@ write_model("/tmp/small.gguf", "small", seed=3)  # the test's model
 f = GGUFFile("/tmp/small.gguf")
 spec = spec_from_gguf(f)
 ref = load_reference_runner(f, spec)
-stage = build_stage(f, spec, StageOptions(device=CUDA, max_vram_gib=8, cuda_graphs=False))
+environment = env.read_or_exit()
+stage = build_stage(f, spec, StageOptions.from_env(environment, device=CUDA, max_vram_gib=8, cuda_graphs=False))
 _share_routing(stage, ref)
 n = stage.experts.gather_picks // spec.n_experts_used + 8
 print("seed  prompt  decode steps 1-4")

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from strata_mgpu import env
 from strata_mgpu.model import synthetic
 from strata_mgpu.model.gguf_reader import GGUFFile
 from strata_mgpu.model.spec import spec_from_gguf
@@ -33,6 +34,7 @@ from strata_mgpu.tools.server_decode import measure_server_decode
 
 
 def main() -> None:
+    environment = env.read_or_exit()  # every STRATA_* variable, checked at start-up
     out = Path(sys.argv[1])
     out.mkdir(parents=True, exist_ok=True)
     path = Path("/tmp/q30b_e16.gguf")
@@ -41,17 +43,18 @@ def main() -> None:
         synthetic.write_model(path, "30b-e16", seed=0)
     f = GGUFFile(path)
     spec = spec_from_gguf(f)
-    stage = build_stage(f, spec, StageOptions(device=torch.device("cuda", 0), max_vram_gib=40, kv_tokens=8192))
+    opts = StageOptions.from_env(environment, device=torch.device("cuda", 0), max_vram_gib=40, kv_tokens=8192)
+    stage = build_stage(f, spec, opts)
     g = torch.Generator().manual_seed(0)
     toks = torch.randint(0, spec.vocab_size, (400,), generator=g)
 
     def timed(name: str, fn, n: int = 6) -> None:
         times = []
         for _ in range(n):
-            torch.cuda.synchronize()
+            stage.ctx.synchronize_device()
             t = time.perf_counter()
             fn()
-            torch.cuda.synchronize()
+            stage.ctx.synchronize_device()
             times.append(1e3 * (time.perf_counter() - t))
         times.sort()
         print(f"{name}: median {times[len(times) // 2]:.1f} ms (min {times[0]:.1f})", flush=True)
@@ -64,7 +67,7 @@ def main() -> None:
     prof.enable()
     for _ in range(3):
         stage.prefill_many([stage.new_sequence(64) for _ in chunks], chunks)
-    torch.cuda.synchronize()
+    stage.ctx.synchronize_device()
     prof.disable()
     text = io.StringIO()
     pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(30)

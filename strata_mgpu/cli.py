@@ -135,6 +135,7 @@ def info(model: Path, link_gbps: float, max_vram: str | None, devices: str, laye
     from strata_mgpu.model.info import model_info
     from strata_mgpu.model.spec import spec_from_gguf
     from strata_mgpu.split.runner import SplitError
+    from strata_mgpu.stage.device import DeviceError
     from strata_mgpu.stage.memory_plan import PlanError
 
     try:
@@ -147,7 +148,7 @@ def info(model: Path, link_gbps: float, max_vram: str | None, devices: str, laye
                 spec = spec_from_gguf(f)
                 plans = preview_plans(f, spec, placement, chunk_size, min(ctx_size or spec.context_length,
                                                                           spec.context_length))
-    except (GGUFError, SplitError, PlanError) as e:
+    except (GGUFError, SplitError, PlanError, DeviceError) as e:
         fail(str(e))
     out.print(*report.info_tables(mi, model.name, link_gbps), sep="\n")
     for name, layers, plan in plans:

@@ -156,6 +156,15 @@ def read(environ: Mapping[str, str] | None = None) -> EnvOptions:
     )
 
 
+def read_or_exit() -> EnvOptions:
+    """`read()` for a tool's own main: a bad value ends the process with its one-line message
+    and exit status 1, as the CLI's commands do."""
+    try:
+        return read()
+    except EnvError as e:
+        raise SystemExit(f"error: {e}") from None
+
+
 ALLOC_CONF = "PYTORCH_CUDA_ALLOC_CONF"
 
 

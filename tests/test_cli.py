@@ -37,6 +37,12 @@ def test_bad_arguments_are_one_line_errors(tmp_path):
     assert r.exit_code == 1 and "cannot open" in r.output
 
 
+def test_info_refuses_an_unknown_device_in_one_line(tiny_gguf):
+    r = CliRunner().invoke(main, ["info", str(tiny_gguf), "--max-vram", "8", "--devices", "gpu0"])
+    lines = r.stderr.splitlines()
+    assert r.exit_code == 1 and lines == ["Error: unknown device 'gpu0' (cpu, cuda, cuda:N or N)"], r.output
+
+
 def test_python_dash_m_entry_point():
     r = subprocess.run([sys.executable, "-m", "strata_mgpu", "--help"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and "gen-model" in r.stdout

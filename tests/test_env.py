@@ -136,3 +136,19 @@ def test_nothing_else_reads_the_environment():
     readers = [p.relative_to(package).as_posix() for p in package.rglob("*.py")
                if p.name != "env.py" and ("os.environ" in p.read_text() or "os.getenv" in p.read_text())]
     assert readers == []
+
+
+def test_a_tool_building_its_own_stage_takes_the_environment_too(monkeypatch):
+    """`StageOptions.from_env` carries the switches into a stage a tool builds itself; a tool's
+    main refuses a bad value in one line (`env.read_or_exit`), before it opens the model."""
+    import subprocess
+    import sys
+
+    from strata_mgpu.stage.stage import StageOptions
+
+    opts = StageOptions.from_env(env.read({"STRATA_DECODE_GRAPH_BATCH": "2", "STRATA_KV_PREFETCH": "0"}), device=CPU)
+    assert (opts.graph_batch, opts.kv_prefetch, opts.device) == (2, False, CPU)
+    r = subprocess.run([sys.executable, "-m", "strata_mgpu.tools.profile_decode", "missing.gguf"], capture_output=True,
+                       text=True, timeout=120, env={**os.environ, "STRATA_DECODE_GRAPH_BATCH": "0"})
+    assert r.returncode == 1
+    assert r.stderr.strip() == "error: STRATA_DECODE_GRAPH_BATCH='0': expected a whole number from 1 to 64"

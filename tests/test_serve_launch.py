@@ -104,6 +104,41 @@ def test_ctrl_c_while_loading_stops_the_loader_and_exits_130(tiny_gguf, tmp_path
     assert time.monotonic() - t_signal < 3 * SLOW_LAYER_S, text
 
 
+# `strata serve` with a Ctrl+C arriving after the server said it serves, before uvicorn has put its
+# own signal handlers in place (the window a Ctrl+C right at start-up falls into)
+EARLY_SIGNAL_SERVE = """
+import signal, sys
+import uvicorn
+
+run = uvicorn.Server.run
+
+def run_after_a_stop_signal(self, *args, **kwargs):
+    signal.raise_signal(signal.SIGINT)
+    return run(self, *args, **kwargs)
+
+uvicorn.Server.run = run_after_a_stop_signal
+from strata_mgpu.cli import main
+sys.exit(main())
+"""
+
+
+def test_ctrl_c_before_uvicorn_takes_over_still_stops_it(tiny_gguf, tmp_path):
+    """The signal is the server's to pass on until uvicorn has its handlers: it exits at once, 130
+    (it used to be noted and then lost: the server went on serving)."""
+    log = tmp_path / "serve.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen([sys.executable, "-c", EARLY_SIGNAL_SERVE, "serve", str(tiny_gguf), "--devices", "cpu",
+                                 "--port", str(free_port())], stdout=out, stderr=subprocess.STDOUT, cwd=ROOT,
+                                env={**os.environ, "NO_COLOR": "1"})
+    try:
+        status = proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    text = log.read_text()
+    assert status == 130 and "Traceback" not in text, text
+
+
 def test_ctrl_c_while_serving_exits_130_without_a_traceback(tiny_gguf, tmp_path):
     """Once the model is ready, Ctrl+C shuts uvicorn down, which raises the signals it caught again
     from its event loop as it ends; that must end the process quietly (with Ctrl+C pressed twice

@@ -1,5 +1,5 @@
-"""Short forwards through the static decode step (`Decoder.static_rows`, `Decoder._takes_static`)
-against `run`'s own path, on the CPU in fp32 with the torch twins of the fused ops (`DecodeOps`).
+"""Short forwards through the decoder's row path (`Decoder.static_rows`, `Decoder._takes_static`)
+against its segment path, on the CPU in fp32 with the torch twins of the fused ops (`DecodeOps`).
 
 The two paths differ only in summation order (one q/k/v GEMM instead of three, SDPA over the
 masked capacity instead of a causal one): TOL bounds max|diff| / max|ref| of the logits. Logits

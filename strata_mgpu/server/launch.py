@@ -160,18 +160,21 @@ class Loader:
 
 
 class _StopSignal:
-    """The stop signal seen, and whether uvicorn is serving: while it is, uvicorn shuts itself down
-    on the signal and raises it again from inside its event loop as it ends; raising there would
-    tear the loop down mid-task (a traceback on every Ctrl+C), so the signal is only noted."""
+    """The stop signal seen, and the uvicorn server once it is to serve: while it is, uvicorn
+    shuts itself down on the signal and raises it again from inside its event loop as it ends;
+    raising there would tear the loop down mid-task (a traceback on every Ctrl+C), so the signal
+    is only noted. Until uvicorn has put its own handlers in place (it does so as it starts), a
+    signal is ours to pass on: the server is told to exit, as its own handler would."""
 
     signum: int | None = None
-    serving = False
+    server: uvicorn.Server | None = None
 
 
 def _on_stop_signal(signum: int, _frame: FrameType | None) -> None:
     _StopSignal.signum = signum
-    if not _StopSignal.serving:
+    if _StopSignal.server is None:
         raise Stopped(signum)
+    _StopSignal.server.should_exit = True  # uvicorn checks it once started, before serving a request
 
 
 def serve(config: ServerConfig) -> int:
@@ -189,21 +192,22 @@ def serve(config: ServerConfig) -> int:
     state = ServerState(model_name=config.model_name, api_key=config.api_key)
     app = create_app(state, max_body_bytes=max_body_bytes(config.engine.n_ctx(spec.context_length)))
     loader = Loader(state, config, f, spec, tokenizer)
-    _StopSignal.signum, _StopSignal.serving = None, False
+    _StopSignal.signum, _StopSignal.server = None, None
     previous_handlers = {s: signal.signal(s, _on_stop_signal) for s in STOP_SIGNALS}
     try:
         loader.start()
         log.info("serving %s as %r on http://%s:%d", config.model_path, config.model_name, config.host,
                  sock.getsockname()[1])
-        _StopSignal.serving = True
+        # No lifespan protocol: the app has no startup or shutdown hooks (the loader and the engine
+        # are ours), and a second Ctrl+C would cancel uvicorn's lifespan task mid-wait and print its
+        # traceback.
+        server = uvicorn.Server(uvicorn.Config(app, log_level=config.log_level.lower(), access_log=False,
+                                               lifespan="off"))
+        _StopSignal.server = server
         try:
-            # No lifespan protocol: the app has no startup or shutdown hooks (the loader and the
-            # engine are ours), and a second Ctrl+C would cancel uvicorn's lifespan task mid-wait
-            # and print its traceback.
-            uvicorn.Server(uvicorn.Config(app, log_level=config.log_level.lower(), access_log=False,
-                                          lifespan="off")).run(sockets=[sock])
+            server.run(sockets=[sock])
         finally:
-            _StopSignal.serving = False
+            _StopSignal.server = None
         return 128 + _StopSignal.signum if _StopSignal.signum is not None else 0
     except Stopped as e:
         return 128 + e.signum

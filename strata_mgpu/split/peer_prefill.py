@@ -53,7 +53,7 @@ class PeerPrefill:
         self.n_experts = 0  # the helper takes the last n streamed experts of every layer
         self._feed: LayerFeed | None = None
         self._tables: PartTables | None = None
-        self.streamed_bytes = 0  # bytes the helper's link carried
+        self.streamed_bytes = 0  # bytes its passes streamed over its link (what they were to upload)
 
     @property
     def bound(self) -> bool:

@@ -35,6 +35,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from strata_mgpu.stage.device import DeviceContext
+from strata_mgpu.stage.stage import Stage
 
 # issue #13's H200s, see the module docstring
 H200_OTHER_S_PER_TOKEN = 0.30e-6
@@ -194,7 +195,7 @@ def link_rate(ctx: DeviceContext) -> float | None:
     return _LINK_RATES.get(ctx)
 
 
-def stage_load(busy, idle) -> StageLoad:
+def stage_load(busy: Stage, idle: Stage) -> StageLoad:
     """The load of `busy` (a Stage) helped by `idle`'s card, from busy's arena and the link probes
     (run here, once per context, where Stage construction did not)."""
     spec = busy.spec

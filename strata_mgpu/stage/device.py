@@ -171,12 +171,13 @@ class DeviceContext:
         `done()` once the stream passed it. Orders nothing; the host clock on the CPU."""
         return self._streams.mark(stream)
 
-    def capture(self, graph: torch.cuda.CUDAGraph, pool: Any, stream: Stream
+    def capture(self, graph: torch.cuda.CUDAGraph, pool: Any, stream: Stream, mode: str = "relaxed"
                 ) -> contextlib.AbstractContextManager[object]:
         """`with ctx.capture(graph, pool, stream):` the enclosed work is captured into `graph` on
         `stream` (a stream of this context), its memory from `pool` (torch.cuda.graph_pool_handle(),
-        or None: its own; CUDA only)."""
-        return self._streams.capture(graph, pool, stream)
+        or None: its own; CUDA only); `mode`: torch's capture_error_mode ("relaxed": other threads'
+        CUDA calls meanwhile are not errors; "global", torch's default)."""
+        return self._streams.capture(graph, pool, stream, mode)
 
     def current(self) -> contextlib.AbstractContextManager:
         """`with ctx.current():` this stage's device is the current CUDA device (no-op on the CPU)."""

@@ -17,9 +17,11 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
+from strata_mgpu.env import EnvOptions
 from strata_mgpu.kernels.experts import TorchKernels
 from strata_mgpu.model.decoder import Decoder, Segment
 from strata_mgpu.model.kv_cache import SequenceKV
@@ -52,6 +54,12 @@ class StageOptions:
     cuda_graphs: bool = True  # replay decode steps as captured graphs (one per batch size bucket) where possible
     graph_batch: int = 8  # the largest batch replayed as a graph (STRATA_DECODE_GRAPH_BATCH)
     kv_prefetch: bool = True  # spilled KV uploaded a layer ahead on a side stream (STRATA_KV_PREFETCH)
+
+    @classmethod
+    def from_env(cls, environment: EnvOptions, **fields: Any) -> StageOptions:
+        """Options whose switches come from the environment (`env.read()`): what a tool that builds
+        one stage itself uses, as `Placement.from_env` is for the CLI's commands."""
+        return cls(graph_batch=environment.decode_graph_batch, kv_prefetch=environment.kv_prefetch, **fields)
 
 
 @dataclass

@@ -316,7 +316,7 @@ class StreamBackend(Protocol[S, E]):
 
     def current_device(self) -> contextlib.AbstractContextManager[object]: ...
 
-    def capture(self, graph: torch.cuda.CUDAGraph, pool: Any, stream: S
+    def capture(self, graph: torch.cuda.CUDAGraph, pool: Any, stream: S, mode: str
                 ) -> contextlib.AbstractContextManager[object]: ...
 
     def record_stream(self, tensors: list[torch.Tensor], stream: S | None) -> None: ...
@@ -369,9 +369,9 @@ class CudaStreams:
     def current_device(self) -> contextlib.AbstractContextManager[object]:
         return torch.cuda.device(self.device)
 
-    def capture(self, graph: torch.cuda.CUDAGraph, pool: Any, stream: torch.cuda.Stream
+    def capture(self, graph: torch.cuda.CUDAGraph, pool: Any, stream: torch.cuda.Stream, mode: str
                 ) -> contextlib.AbstractContextManager[object]:
-        return torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="relaxed")
+        return torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode=mode)
 
     def record_stream(self, tensors: list[torch.Tensor], stream: torch.cuda.Stream | None) -> None:
         s = stream if stream is not None else torch.cuda.current_stream(self.device)
@@ -391,7 +391,7 @@ class _HostDevice:
     def current_device(self) -> contextlib.AbstractContextManager[object]:
         return contextlib.nullcontext()
 
-    def capture(self, graph: torch.cuda.CUDAGraph, pool: Any, stream: object
+    def capture(self, graph: torch.cuda.CUDAGraph, pool: Any, stream: object, mode: str
                 ) -> contextlib.AbstractContextManager[object]:
         raise RuntimeError("CUDA graphs are captured on CUDA devices only")
 

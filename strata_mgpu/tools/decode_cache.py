@@ -13,6 +13,7 @@ import argparse
 
 import torch
 
+from strata_mgpu import env
 from strata_mgpu.model.gguf_reader import GGUFFile
 from strata_mgpu.model.spec import spec_from_gguf
 from strata_mgpu.stage.build import build_stage
@@ -22,6 +23,7 @@ from strata_mgpu.tools.bench import time_decode
 
 
 def main() -> None:
+    environment = env.read_or_exit()  # every STRATA_* variable, checked at start-up
     ap = argparse.ArgumentParser()
     ap.add_argument("model")
     ap.add_argument("--max-vram", type=float, default=16)
@@ -29,7 +31,8 @@ def main() -> None:
     ap.add_argument("--sequences", type=int, default=3)
     args = ap.parse_args()
     f = GGUFFile(args.model)
-    stage = build_stage(f, spec_from_gguf(f), StageOptions(device=torch.device("cuda", 0), max_vram_gib=args.max_vram))
+    opts = StageOptions.from_env(environment, device=torch.device("cuda", 0), max_vram_gib=args.max_vram)
+    stage = build_stage(f, spec_from_gguf(f), opts)
     cache = stage.experts.cache
     if cache is None:
         raise SystemExit("this stage keeps no experts resident: nothing to compare")

@@ -10,6 +10,7 @@ import sys
 
 import torch
 
+from strata_mgpu import env
 from strata_mgpu.model.decoder import Segment
 from strata_mgpu.model.gguf_reader import GGUFFile
 from strata_mgpu.model.runner import load_reference_runner
@@ -25,15 +26,17 @@ def logits(runner, prompt: torch.Tensor) -> torch.Tensor:
 
 
 def main() -> None:
+    environment = env.read_or_exit()  # every STRATA_* variable, checked at start-up
+    cuda0 = torch.device("cuda", 0)
     f = GGUFFile(sys.argv[1])
     spec = spec_from_gguf(f)
     prompt = torch.randint(0, spec.vocab_size, (256,), generator=torch.Generator().manual_seed(0))
     ref = logits(load_reference_runner(f, spec), prompt)
     variants = {
-        "gpu bf16 cuda kernels": StageOptions(device=torch.device("cuda", 0)),
-        "gpu bf16 torch twins": StageOptions(device=torch.device("cuda", 0), prefer_cuda_kernels=False),
-        "gpu fp32 torch twins": StageOptions(device=torch.device("cuda", 0), dtype=torch.float32),
-        "cpu bf16 torch twins": StageOptions(device=torch.device("cpu"), dtype=torch.bfloat16),
+        "gpu bf16 cuda kernels": StageOptions.from_env(environment, device=cuda0),
+        "gpu bf16 torch twins": StageOptions.from_env(environment, device=cuda0, prefer_cuda_kernels=False),
+        "gpu fp32 torch twins": StageOptions.from_env(environment, device=cuda0, dtype=torch.float32),
+        "cpu bf16 torch twins": StageOptions.from_env(environment, device=torch.device("cpu"), dtype=torch.bfloat16),
     }
     for name, opts in variants.items():
         got = logits(build_stage(f, spec, opts), prompt)

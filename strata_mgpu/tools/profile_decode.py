@@ -13,6 +13,7 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from strata_mgpu import env
 from strata_mgpu.model.gguf_reader import GGUFFile
 from strata_mgpu.model.spec import spec_from_gguf
 from strata_mgpu.stage.build import build_stage
@@ -20,6 +21,7 @@ from strata_mgpu.stage.stage import StageOptions
 
 
 def main() -> None:
+    environment = env.read_or_exit()  # every STRATA_* variable, checked at start-up
     ap = argparse.ArgumentParser()
     ap.add_argument("model")
     ap.add_argument("--max-vram", type=float, default=16)
@@ -28,8 +30,9 @@ def main() -> None:
     args = ap.parse_args()
     f = GGUFFile(args.model)
     spec = spec_from_gguf(f)
-    stage = build_stage(f, spec, StageOptions(device=torch.device("cuda", 0), max_vram_gib=args.max_vram,
-                                              chunk_size=1024))
+    opts = StageOptions.from_env(environment, device=torch.device("cuda", 0), max_vram_gib=args.max_vram,
+                                 chunk_size=1024)
+    stage = build_stage(f, spec, opts)
     b = args.batch
     kvs = [stage.new_sequence(200) for _ in range(b)]
     tokens = torch.randint(0, spec.vocab_size, (64 + 4 + args.steps, b))  # random: see tools/bench time_decode
@@ -37,7 +40,7 @@ def main() -> None:
         stage.prefill(kv, tokens[:64, j])
     for i in range(4):
         stage.decode(kvs, tokens[64 + i]).argmax(-1).tolist()
-    torch.cuda.synchronize()
+    stage.ctx.synchronize_device()
     t0 = time.perf_counter()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for i in range(args.steps):

@@ -216,11 +216,12 @@ def main() -> None:
                          "the functions with the most time of their own")
     ap.add_argument("--trace-dir", type=Path, default=None, help="keep each share's Chrome trace here")
     args = ap.parse_args()
+    environment = env.read_or_exit()  # every STRATA_* variable, checked before the model loads
     default_allocator_config()
     f = GGUFFile(args.model)
     spec = spec_from_gguf(f)
     budgets = tuple(float(x) for x in args.max_vram.split(","))
-    placement = Placement.from_env(env.read(), devices=tuple(args.devices.split(",")),
+    placement = Placement.from_env(environment, devices=tuple(args.devices.split(",")),
                                    layer_split=LayerSplit.parse(args.layer_split), max_vram_gib=budgets,
                                    resident_experts=args.resident_experts)
     runner = build_stages(f, spec, placement, args.tokens, kv_tokens=args.tokens + 1)

@@ -59,10 +59,11 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=32768)
     ap.add_argument("--chunk", type=int, default=8192)
     args = ap.parse_args()
+    environment = env.read_or_exit()  # every STRATA_* variable, checked before the model loads
     f = GGUFFile(args.model)
     spec = spec_from_gguf(f)
     budgets = tuple(float(x) for x in args.max_vram.split(","))
-    placement = Placement.from_env(env.read(), prefill_help=False, devices=tuple(args.devices.split(",")),
+    placement = Placement.from_env(environment, prefill_help=False, devices=tuple(args.devices.split(",")),
                                    max_vram_gib=budgets)
     runner = build_stages(f, spec, placement, args.chunk, kv_tokens=args.tokens + 1)
     if not isinstance(runner, SplitRunner):

@@ -16,6 +16,7 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from strata_mgpu import env
 from strata_mgpu.model.gguf_reader import GGUFFile
 from strata_mgpu.model.spec import spec_from_gguf
 from strata_mgpu.stage.build import build_stage
@@ -23,6 +24,7 @@ from strata_mgpu.stage.stage import StageOptions
 
 
 def main() -> None:
+    environment = env.read_or_exit()  # every STRATA_* variable, checked at start-up
     ap = argparse.ArgumentParser()
     ap.add_argument("model")
     ap.add_argument("--max-vram", type=float, default=40)
@@ -33,18 +35,19 @@ def main() -> None:
     args = ap.parse_args()
     f = GGUFFile(args.model)
     spec = spec_from_gguf(f)
-    stage = build_stage(f, spec, StageOptions(device=torch.device("cuda", 0), max_vram_gib=args.max_vram,
-                                        chunk_size=args.tokens, kv_tokens=args.tokens + 1,
-                                        resident_experts=args.resident_experts))
+    opts = StageOptions.from_env(environment, device=torch.device("cuda", 0), max_vram_gib=args.max_vram,
+                                 chunk_size=args.tokens, kv_tokens=args.tokens + 1,
+                                 resident_experts=args.resident_experts)
+    stage = build_stage(f, spec, opts)
     stage.model.static_rows &= not args.no_static_rows
     prompt = torch.randint(0, spec.vocab_size, (args.tokens,))
     for _ in range(2):  # warm-up: kernels, allocator
         stage.prefill(stage.new_sequence(args.tokens + 1), prompt)
-    torch.cuda.synchronize()
+    stage.ctx.synchronize_device()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         t0 = time.perf_counter()
         stage.prefill(stage.new_sequence(args.tokens + 1), prompt)
-        torch.cuda.synchronize()
+        stage.ctx.synchronize_device()
         dt = time.perf_counter() - t0
     print(f"{args.tokens} tokens in {1e3 * dt:.1f} ms under the profiler ({args.tokens / dt:,.0f} tok/s), "
           f"{stage.plan.resident_per_layer}/{spec.n_experts} experts a layer resident, static rows "

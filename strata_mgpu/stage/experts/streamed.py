@@ -49,10 +49,10 @@ from strata_mgpu.stage.host.arena import HostExpertArena
 # first dequantizes all E experts and then runs the grouped GEMMs; a gathered pass computes only the
 # picks, expert by expert (`kernels.moe_grouped`) or pick by pick (types without the grouped
 # kernels). By the kernels alone (`tools.bench_kernels`) gathering wins up to about 1,024 picks of
-# 30B-A3B expert by expert, 512 pick by pick. Past the limit the whole-layer pass takes `run`'s
-# eager path, ~30 launches a layer and attention a segment at a time, where a gathered one takes
-# the fused static ops (`Decoder._takes_static`), whose saved host time outweighs the grouped
-# kernels' extra device time up to 1,536 picks (192 rows of 30B-A3B; docs/BENCHMARKS.md).
+# 30B-A3B expert by expert, 512 pick by pick. Past the limit the whole-layer pass takes the
+# decoder's segment path, ~30 launches a layer and attention a segment at a time, where a gathered
+# one takes the row path's fused ops (`Decoder._takes_static`), whose saved host time outweighs the
+# grouped kernels' extra device time up to 1,536 picks (192 rows of 30B-A3B; docs/BENCHMARKS.md).
 GATHER_PICKS_RESIDENT = 1536
 GATHER_PICKS_BY_PICK = 512
 

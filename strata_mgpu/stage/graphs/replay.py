@@ -39,7 +39,7 @@ class DecodeGraphs:
     (a CUDA stage whose decode step never waits for the host); `largest`: the largest batch
     replayed (STRATA_DECODE_GRAPH_BATCH, lowered where a capture fails); `pad`: buckets pad to
     powers of two (every expert resident). `first`: the stage embeds token ids (else it takes
-    hidden rows [B, D] of `dtype`)."""
+    hidden rows [B, D] in the decoder's dtype)."""
 
     def __init__(self, ctx: DeviceContext, model: Decoder, *, enabled: bool, largest: int, pad: bool,
                  first: bool):
