@@ -485,7 +485,7 @@ def test_a_step_launched_by_hand_lands_like_a_step(loaded):
     engine.submit(prompt, params, out.append)
     for _ in range(4):
         engine.step()
-    launched = engine._launch()
+    launched = engine._launch(engine.scheduler.plan())
     assert launched is not None and launched.n_decode_rows == 1
     engine._in_flight, previous = launched, engine._in_flight
     assert previous is not None

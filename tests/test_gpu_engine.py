@@ -132,7 +132,7 @@ def test_a_decode_step_launches_without_waiting(stage_and_tok):
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        launched = engine._launch()
+        launched = engine._launch(engine.scheduler.plan())
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert launched is not None and launched.n_decode_rows == 1

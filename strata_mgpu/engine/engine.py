@@ -155,13 +155,10 @@ class Engine:
             return None
 
     # -- launch: the model calls -------------------------------------------------------------
-    def _launch(self, plan: StepPlan | None = None) -> StepTokens | None:
+    def _launch(self, plan: StepPlan) -> StepTokens | None:
         """Queue the plan's prefill call and decode step with their draws; start the tokens' copy
         to the host. Waits for the device where a prompt ends (its first tokens are landed at
-        once) and where the runner itself does. No plan: the running requests' plan as they
-        stand, without admission (a step launched by hand)."""
-        if plan is None:
-            plan = self.scheduler.plan()
+        once) and where the runner itself does."""
         if plan.prefill:
             ended = self._guarded(plan.prefilling, lambda: self._prefill(plan.prefill))
             if ended is not None:
