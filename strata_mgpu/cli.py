@@ -64,32 +64,43 @@ def _env() -> env.EnvOptions:
 
 @main.command("gen-model")
 @click.argument("out_path", metavar="OUT.gguf", type=click.Path(dir_okay=False, path_type=Path))
-@click.option("--preset", type=click.Choice(["tiny", "small", "30b-a3b"]), default="tiny", show_default=True)
+@click.option("--preset", type=click.Choice(["tiny", "small", "30b-a3b", "235b-a22b"]), default="tiny",
+              show_default=True)
+@click.option("--layers", type=click.IntRange(min=1), default=None, help="write only the preset's first N layers")
 @click.option("--expert-type", default="Q4_K", show_default=True, help="type of the experts' gate and up")
 @click.option("--down-type", default=None, help="type of the experts' down (default: Q6_K for Q4_K/Q5_K)")
+@click.option("--mix", default=None, help="experts' types by layer, FIRST[-[LAST]]:GATE_UP[/DOWN],... "
+                                          "(e.g. 0-3:Q6_K,4-:Q4_K); other layers: --expert-type/--down-type")
 @click.option("--dense-type", default="Q8_0", show_default=True, help="type of attention, embedding, head")
+@click.option("--rope-scaling", default="none", show_default=True,
+              help="none, linear:FACTOR[:ORIGINAL] or yarn:FACTOR[:ORIGINAL] (e.g. yarn:4:32768); the file's "
+                   "context is then FACTOR x ORIGINAL (ORIGINAL: the preset's context)")
 @click.option("--seed", default=0, show_default=True, type=int)
 @click.option("--split-max-size", default=None, help="split into shards of at most this size (e.g. 2G)")
-def gen_model(out_path: Path, preset: str, expert_type: str, down_type: str | None, dense_type: str, seed: int,
-              split_max_size: str | None) -> None:
+def gen_model(out_path: Path, preset: str, layers: int | None, expert_type: str, down_type: str | None,
+              mix: str | None, dense_type: str, rope_scaling: str, seed: int, split_max_size: str | None) -> None:
     """Write a synthetic qwen3moe GGUF with real quantized blocks."""
-    from strata_mgpu.model.synthetic import DEFAULT_DOWN, PRESETS, plan_tensors, write_model
+    from strata_mgpu.model import synthetic as syn
 
     e_type, d_type, dn_type = _type_option(expert_type), _type_option(dense_type), _type_option(down_type)
-    spec = PRESETS[preset].spec(preset)
-    down = DEFAULT_DOWN.get(e_type, e_type) if dn_type is None else dn_type  # F32 is 0: no `or`
+    down = syn.DEFAULT_DOWN.get(e_type, e_type) if dn_type is None else dn_type  # F32 is 0: no `or`
     try:
-        total = sum(p.nbytes for p in plan_tensors(spec, e_type, down, d_type))
+        rope = syn.rope_option(rope_scaling, syn.PRESETS[preset].context_length)
+        spec = syn.preset_spec(preset, layers, rope)
+        types = syn.mix_option(mix, spec.n_layers) if mix else None
+        total = sum(p.nbytes for p in syn.plan_tensors(spec, e_type, down, d_type, types))
     except ValueError as e:
         fail(str(e))
     with Progress(TextColumn("[bold]writing[/] {task.description}"), BarColumn(), DownloadColumn(),
                   TransferSpeedColumn(), TimeRemainingColumn(), console=err, transient=True) as bar:
         task = bar.add_task(out_path.name, total=total)
-        write_model(out_path, preset, expert_type=e_type, down_type=down, dense_type=d_type, seed=seed,
-                    split_max_bytes=_size(split_max_size),
-                    on_tensor=lambda _name, nbytes: bar.advance(task, nbytes))
-    err.print(f"wrote {out_path} ({preset}, experts {e_type.name}/{down.name}, dense {d_type.name}, "
-              f"{report.gb(total)} of tensors, seed {seed})")
+        syn.write_model(out_path, preset, expert_type=e_type, down_type=down, dense_type=d_type, seed=seed,
+                        split_max_bytes=_size(split_max_size), layers=layers, rope=rope, mix=types,
+                        on_tensor=lambda _name, nbytes: bar.advance(task, nbytes))
+    scaled = f", RoPE {report.rope_text(rope)}" if rope != syn.NO_ROPE_SCALING else ""
+    err.print(f"wrote {out_path} ({preset}, {spec.n_layers} layers, experts {e_type.name}/{down.name}"
+              f"{' outside --mix' if types else ''}, dense {d_type.name}{scaled}, {report.gb(total)} of tensors, "
+              f"seed {seed})")
 
 
 devices_option = click.option("--devices", default="auto", show_default=True,

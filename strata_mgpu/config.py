@@ -3,7 +3,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import re
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from strata_mgpu.env import EnvOptions, parse_help_frac
@@ -137,4 +138,7 @@ class ServerConfig:
 
     @property
     def model_name(self) -> str:
-        return self.alias or self.model_path.stem
+        """The alias, else the file's stem, a split model's shard suffix dropped
+        (NAME-00001-of-00004.gguf serves as NAME)."""
+        split = re.fullmatch(r"(.+)-\d{5}-of-\d{5}", self.model_path.stem)
+        return self.alias or (split[1] if split else self.model_path.stem)

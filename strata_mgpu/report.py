@@ -9,6 +9,7 @@ from rich.table import Table
 
 if TYPE_CHECKING:
     from strata_mgpu.model.info import ModelInfo
+    from strata_mgpu.model.spec import RopeScaling
     from strata_mgpu.stage.memory_plan import MemoryPlan
     from strata_mgpu.tools.bench import BenchResult
     from strata_mgpu.tools.share_sweep import SweepResult
@@ -17,6 +18,15 @@ if TYPE_CHECKING:
 
 def gb(n: float) -> str:
     return f"{n / 1e9:,.2f} GB" if n >= 1e8 else f"{n / 1e6:,.2f} MB"
+
+
+def rope_text(r: RopeScaling) -> str:
+    """'yarn x4 of 32,768, betas 32/1 (cos/sin x1.139)', 'linear x2 of 4,096', 'none'."""
+    if r.kind.value == "none":
+        return "none" + (f" (cos/sin x{r.mscale:.4g})" if r.mscale != 1 else "")
+    betas = f", betas {r.beta_fast:g}/{r.beta_slow:g}" if r.kind.value == "yarn" else ""
+    return (f"{r.kind.value} x{r.factor:g} of {r.original_context:,}" + betas
+            + (f" (cos/sin x{r.mscale:.4g})" if r.mscale != 1 else ""))
 
 
 def info_tables(mi: ModelInfo, name: str, link_gbps: float) -> list[Table]:
@@ -33,6 +43,7 @@ def info_tables(mi: ModelInfo, name: str, link_gbps: float) -> list[Table]:
         ("vocab", f"{s.vocab_size:,}"),
         ("context", f"{s.context_length:,}"),
         ("RoPE base / RMS eps", f"{s.rope_base:g} / {s.rms_eps:g}"),
+        ("RoPE scaling", rope_text(s.rope_scaling)),
         ("output head", "tied to the embedding" if s.tied_output else "own tensor"),
         ("parameters", f"{mi.n_params:,} ({s.n_active_params:,} active per token)"),
         ("expert bytes per layer", gb(per_layer[0]) if len(set(per_layer)) == 1
@@ -48,7 +59,15 @@ def info_tables(mi: ModelInfo, name: str, link_gbps: float) -> list[Table]:
     bt.add_column("bytes", justify="right")
     for type_name, nbytes in sorted(mi.bytes_by_type.items(), key=lambda kv: -kv[1]):
         bt.add_row(type_name, f"{mi.params_by_type[type_name]:,}", gb(nbytes))
-    return [t, bt]
+    mt = Table(title="quant mix by tensor class")
+    mt.add_column("class")
+    mt.add_column("type")
+    mt.add_column("tensors", justify="right")
+    mt.add_column("bytes", justify="right")
+    for cls, types in mi.quant_mix.items():
+        for i, (type_name, count) in enumerate(types.items()):
+            mt.add_row(cls if i == 0 else "", type_name, f"{count.tensors:,}", gb(count.nbytes))
+    return [t, bt, mt]
 
 
 def plan_table(device: str, layers: range, plan: MemoryPlan, n_experts: int) -> Table:

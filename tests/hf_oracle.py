@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+from gguf.constants import RopeScalingType
 
 from strata_mgpu.model.spec import ModelSpec
 from strata_mgpu.model.weights import ModelWeights
@@ -19,7 +20,7 @@ def hf_qwen3moe(spec: ModelSpec, w: ModelWeights):
         num_experts_per_tok=spec.n_experts_used, norm_topk_prob=spec.norm_topk_prob, decoder_sparse_step=1,
         mlp_only_layers=[], tie_word_embeddings=spec.tied_output, attention_bias=False,
     )
-    cfg.rope_parameters = {"rope_type": "default", "rope_theta": spec.rope_base}
+    cfg.rope_parameters = rope_parameters(spec)
     cfg._attn_implementation = "eager"
     model = Qwen3MoeForCausalLM(cfg).float().eval()
     sd = {"model.embed_tokens.weight": w.embed, "model.norm.weight": w.out_norm, "lm_head.weight": w.output}
@@ -38,3 +39,22 @@ def hf_qwen3moe(spec: ModelSpec, w: ModelWeights):
     missing = [m for m in missing if "rotary" not in m]
     assert not missing and not unexpected, (missing, unexpected)
     return model
+
+
+def rope_parameters(spec: ModelSpec) -> dict:
+    """transformers' `rope_parameters` for the spec's RoPE: transformers derives the frequencies
+    and YaRN's attention factor itself from factor, original context and betas (no
+    `attention_factor` passed, so the comparison checks ours), except where attn_factor (llama.cpp's
+    extra multiplier, with no transformers key) is not 1: `attention_factor` then carries our product."""
+    r = spec.rope_scaling
+    params: dict = {"rope_type": r.kind.value if r.kind != RopeScalingType.NONE else "default",
+                    "rope_theta": spec.rope_base}
+    if r.kind != RopeScalingType.NONE:
+        params["factor"] = r.factor
+    if r.kind == RopeScalingType.YARN:
+        params |= {"original_max_position_embeddings": r.original_context, "beta_fast": r.beta_fast,
+                   "beta_slow": r.beta_slow}
+        if r.attn_factor != 1.0:
+            params["attention_factor"] = r.mscale
+    assert r.attn_factor == 1.0 or r.kind == RopeScalingType.YARN, "transformers has no attn_factor here"
+    return params

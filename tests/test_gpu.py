@@ -115,22 +115,30 @@ def _random_caches(spec, capacities, g, layers=2):
     return caches
 
 
-@pytest.mark.parametrize("preset,rows", [("tiny", 1), ("30b-a3b", 1), ("30b-a3b", 3)])
-def test_fused_qk_norm_rope_kv_equals_twin(ops, preset, rows):
-    """B rows, each written into its own cache at its own position (layer 1 of 2)."""
+@pytest.mark.parametrize("preset,rows,yarn", [("tiny", 1, False), ("30b-a3b", 1, False), ("30b-a3b", 3, False),
+                                             ("30b-a3b", 3, True)])
+def test_fused_qk_norm_rope_kv_equals_twin(ops, preset, rows, yarn):
+    """B rows, each written into its own cache at its own position (layer 1 of 2); the rotation is
+    the twin's tables' (YaRN's frequencies and attention factor included)."""
+    import dataclasses
     from types import SimpleNamespace
 
+    from gguf.constants import RopeScalingType
+
     from strata_mgpu.model.ops import rope_cos_sin
+    from strata_mgpu.model.spec import RopeScaling
     from strata_mgpu.model.synthetic import PRESETS
 
     spec = PRESETS[preset].spec(preset)
+    if yarn:
+        spec = dataclasses.replace(spec, rope_scaling=RopeScaling(RopeScalingType.YARN, 4.0, 256))
     g, seed = _fresh_generator()
     H, Hkv, Dh, cap = spec.n_heads, spec.n_kv_heads, spec.head_dim, 1024
     w = SimpleNamespace(q_norm=(1 + 0.1 * torch.randn(Dh, device=CUDA, generator=g)).to(torch.bfloat16),
                         k_norm=(1 + 0.1 * torch.randn(Dh, device=CUDA, generator=g)).to(torch.bfloat16))
     q, k, v = (torch.randn(rows, n * Dh, device=CUDA, generator=g).to(torch.bfloat16) for n in (H, Hkv, Hkv))
     positions = torch.randint(0, cap, (rows,), device=CUDA, generator=g)
-    cos, sin = rope_cos_sin(positions, Dh, spec.rope_base, torch.bfloat16)
+    cos, sin = rope_cos_sin(positions, spec, torch.bfloat16)
     outs = []
     for impl in (ops, DecodeOps()):
         kvs = _random_caches(spec, [cap] * rows, torch.Generator(device=CUDA).manual_seed(seed))

@@ -11,11 +11,18 @@ from gguf import quants as gguf_quants
 from gguf.constants import GGMLQuantizationType as Q
 
 from strata_mgpu.quant import SUPPORTED_TYPES, block_format, dequantize, dequantize_rows, parse_type
-from strata_mgpu.quant.formats import CUDA_DEQUANT_TYPES, FORMATS, FUSED_DECODE_TYPES
+from strata_mgpu.quant.formats import (
+    CUDA_DEQUANT_TYPES,
+    FORMATS,
+    FUSED_DECODE_TYPES,
+    f16_scale_bits,
+    set_f16_scale_bits,
+)
 
 # The types `gen-model` writes (strata_mgpu.cli gen-model's choices): all of them must be served.
 GEN_MODEL_TYPES = (Q.F32, Q.F16, Q.BF16, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K,
-                   Q.Q6_K, Q.IQ4_NL, Q.IQ4_XS, Q.MXFP4)
+                   Q.Q6_K, Q.IQ4_NL, Q.IQ4_XS, Q.MXFP4, Q.IQ2_XXS, Q.IQ2_XS, Q.IQ2_S, Q.IQ3_XXS, Q.IQ3_S, Q.IQ1_S,
+                   Q.IQ1_M, Q.TQ1_0, Q.TQ2_0)
 
 
 def fresh_seed() -> int:
@@ -26,10 +33,9 @@ def raw_blocks(ggml_type: Q, n_blocks: int, rng: np.random.Generator) -> np.ndar
     """[N, type_size] random bytes, fp16 scale words made finite (any of them: tiny, huge, negative)."""
     fmt = block_format(ggml_type)
     blocks = rng.integers(0, 256, size=(n_blocks, fmt.type_size), dtype=np.uint8)
-    for at in fmt.scale_fields:
-        word = blocks[:, at:at + 2].copy().view(np.uint16)
-        word[(word & 0x7C00) == 0x7C00] &= 0xBFFF  # inf/NaN exponent -> a finite one
-        blocks[:, at:at + 2] = word.view(np.uint8)
+    bits = f16_scale_bits(fmt, blocks)  # [N, scales]
+    bits[(bits & 0x7C00) == 0x7C00] &= 0xBFFF  # inf/NaN exponent -> a finite one
+    set_f16_scale_bits(fmt, blocks, bits)
     return blocks
 
 
@@ -118,8 +124,9 @@ def test_parse_type():
     assert parse_type("iq4_xs") == Q.IQ4_XS
     with pytest.raises(ValueError, match="unknown tensor type"):
         parse_type("Q9_K")
+    assert parse_type("iq2_xxs") == Q.IQ2_XXS
     with pytest.raises(ValueError, match="not supported"):
-        parse_type("IQ2_XXS")
+        parse_type("Q8_1")  # ggml's activation type: never a weight
 
 
 def test_a_type_without_the_twin_fails_at_load_in_one_line(tiny_gguf, monkeypatch):

@@ -17,14 +17,17 @@ from strata_mgpu.stage.stage import StageOptions
 
 CPU = torch.device("cpu")
 FP32_TOL = 1e-5  # max|diff| / max|ref|, as tests/test_stage.py
-# (gate/up, down): every served type once, gate/up and down of two types as in llama.cpp's mixes
-# (gate/up and down go through the same dequant, so each type on one side covers it).
+# (gate/up, down): every served type once (Q4_K twice: the types are odd in number), gate/up and
+# down of two types as in llama.cpp's mixes and Unsloth's UD-IQ1_S / UD-IQ2_XXS ones (gate/up and
+# down go through the same dequant, so each type on one side covers it).
 PAIRS = [(Q.Q4_K, Q.Q6_K), (Q.Q5_K, Q.Q8_0), (Q.Q2_K, Q.Q3_K), (Q.IQ4_XS, Q.IQ4_NL), (Q.MXFP4, Q.BF16),
-         (Q.Q4_0, Q.Q4_1), (Q.Q5_0, Q.Q5_1), (Q.F16, Q.F32)]
+         (Q.Q4_0, Q.Q4_1), (Q.Q5_0, Q.Q5_1), (Q.F16, Q.F32), (Q.IQ1_S, Q.IQ2_XXS), (Q.IQ1_M, Q.IQ3_S),
+         (Q.IQ2_XS, Q.IQ3_XXS), (Q.IQ2_S, Q.TQ1_0), (Q.TQ2_0, Q.Q4_K)]
 
 
 def test_pairs_cover_every_served_type():
-    assert sorted(t for pair in PAIRS for t in pair) == sorted(SUPPORTED_TYPES)
+    served = [t for pair in PAIRS for t in pair]
+    assert sorted(set(served)) == sorted(SUPPORTED_TYPES) and len(served) == len(SUPPORTED_TYPES) + 1
 
 
 def rel_err(a: torch.Tensor, ref: torch.Tensor) -> float:

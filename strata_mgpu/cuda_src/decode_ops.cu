@@ -8,8 +8,8 @@
 //   rms_norm_rows:     x [R, N] -> out [R, N]                 out = rmsnorm(x) * w
 //   add_rms_norm_rows: x [R, N] += y [R, N]; out = rmsnorm(x) * w
 //   qk_norm_rope_kv:   B rows, each one token of its own sequence: q [B, H, Dh], k, v [B, Hkv, Dh]
-//                      -> q normed and rotated (into q_out); k normed, rotated and v written into
-//                      row b's KV cache at positions[b]
+//                      -> q normed and rotated by row b's cos/sin [B, Dh] (into q_out); k normed,
+//                      rotated and v written into row b's KV cache at positions[b]
 //   route_rows:        h [T, D] bf16, router [E, D] fp32 -> logits [T, E] fp32, then (by the
 //                      last block of each row) the A largest softmax probabilities (renormalized
 //                      over the A when `renorm`) and their experts, largest first
@@ -66,11 +66,13 @@ extern "C" __global__ void add_rms_norm_rows(bf16* x, const bf16* __restrict__ y
 // Dh <= 256, even. Row b of q, k, v starts at b * its row stride (elements; the three may be
 // column blocks of one fused projection). Row b's cache (`table` row b: k base, v base, layer
 // stride in elements, as in decode_attention.cu): layer `layer`'s rows [capacity, Hkv, Dh]; row
-// positions[b] is written. q's result goes to q_out [B, H, Dh].
+// positions[b] is written. q's result goes to q_out [B, H, Dh]. Rotation by the host's tables
+// cos, sin [B, Dh] (ops.rope_cos_sin: RoPE's scaling, YaRN's attention factor included, lives there).
 extern "C" __global__ void qk_norm_rope_kv(const bf16* q, long long q_stride, const bf16* __restrict__ k,
                                 long long k_stride, const bf16* __restrict__ v, long long v_stride,
                                 const bf16* __restrict__ q_norm, const bf16* __restrict__ k_norm, int H, int Hkv,
-                                int Dh, const long long* __restrict__ positions, float base, float eps,
+                                int Dh, const long long* __restrict__ positions, const bf16* __restrict__ cos_table,
+                                const bf16* __restrict__ sin_table, float eps,
                                 const long long* __restrict__ table, int layer, bf16* __restrict__ q_out) {
     const int head = blockIdx.x, lane = threadIdx.x, b = blockIdx.y;
     const long long* position = positions + b;
@@ -78,6 +80,8 @@ extern "C" __global__ void qk_norm_rope_kv(const bf16* q, long long q_stride, co
     k += b * k_stride;
     v += b * v_stride;
     q_out += (long long)b * H * Dh;
+    cos_table += (long long)b * Dh;
+    sin_table += (long long)b * Dh;
     bf16* k_cache = reinterpret_cast<bf16*>(table[3 * b]) + layer * table[3 * b + 2];
     bf16* v_cache = reinterpret_cast<bf16*>(table[3 * b + 1]) + layer * table[3 * b + 2];
     const long long row = *position * (long long)Hkv * Dh;
@@ -106,15 +110,12 @@ extern "C" __global__ void qk_norm_rope_kv(const bf16* q, long long q_stride, co
         if (j < per) nx[j] = bf16r(bf16r(x[j] * rstd) * __bfloat162float(w[lane + 32 * j]));
     // The partner of d is d + half (or d - half): `per / 2` slots away in this same lane when Dh is
     // a multiple of 64; otherwise read it through the other lanes.
-    const float pos = (float)*position;
     float out[8];
 #pragma unroll
     for (int j = 0; j < 8; ++j)
         if (j < per) {
-            const int d = lane + 32 * j, f = d % half;
-            const float inv = 1.f / powf(base, (float)(2 * f) / (float)Dh);
-            const float ang = pos * inv;
-            const float c = bf16r(cosf(ang)), s = bf16r(sinf(ang));
+            const int d = lane + 32 * j;
+            const float c = __bfloat162float(cos_table[d]), s = __bfloat162float(sin_table[d]);
             float partner;
             if ((half & 31) == 0) {
                 const int jp = d < half ? j + half / 32 : j - half / 32;

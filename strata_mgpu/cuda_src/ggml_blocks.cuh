@@ -5,16 +5,20 @@
 // Quantized blocks may start at any byte (MXFP4's are 17 bytes long, Q6_K's 210): they are read
 // byte by byte, or (the 32-byte runs of Q8_0, Q4_K, Q5_K, Q6_K) as aligned words realigned by funnel shifts;
 // F32 and F16 rows are read in words of their own size, which their offsets are multiples of.
+// The IQ grid types look their weights up in ggml's grids (iq_grids.cuh, generated from the tables
+// the torch twin reads), one grid row (a word) for every 8 or 4 weights.
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+
+#include "iq_grids.cuh"
 
 typedef unsigned char u8;
 
 // The ggml type ids with a decoder here, for the explicit instantiations of dequant.cu and
 // moe_decode.cu: quant/formats.py's cuda_dequant (and fused_decode) types, which
 // tests/test_nvrtc_compile.py checks against this list.
-#define GGML_CUDA_TYPES(X) X(0) X(1) X(2) X(3) X(6) X(7) X(8) X(10) X(11) X(12) X(13) X(14) X(20) X(23) X(30) X(39)
+#define GGML_CUDA_TYPES(X) X(0) X(1) X(2) X(3) X(6) X(7) X(8) X(10) X(11) X(12) X(13) X(14) X(16) X(17) X(18) X(19) X(20) X(21) X(22) X(23) X(29) X(30) X(34) X(35) X(39)
 
 __device__ __forceinline__ float f16_at(const u8* p) {
     return __half2float(__ushort_as_half((unsigned short)(p[0] | (p[1] << 8))));
@@ -137,6 +141,15 @@ template <> struct Fmt<20> { static const int QK = 32, BYTES = 18; };   // IQ4_N
 template <> struct Fmt<23> { static const int QK = 256, BYTES = 136; }; // IQ4_XS
 template <> struct Fmt<30> { static const int QK = 32, BYTES = 64; };   // BF16, taken 32 at a time
 template <> struct Fmt<39> { static const int QK = 32, BYTES = 17; };   // MXFP4
+template <> struct Fmt<16> { static const int QK = 256, BYTES = 66; };  // IQ2_XXS
+template <> struct Fmt<17> { static const int QK = 256, BYTES = 74; };  // IQ2_XS
+template <> struct Fmt<22> { static const int QK = 256, BYTES = 82; };  // IQ2_S
+template <> struct Fmt<18> { static const int QK = 256, BYTES = 98; };  // IQ3_XXS
+template <> struct Fmt<21> { static const int QK = 256, BYTES = 110; }; // IQ3_S
+template <> struct Fmt<19> { static const int QK = 256, BYTES = 50; };  // IQ1_S
+template <> struct Fmt<29> { static const int QK = 256, BYTES = 56; };  // IQ1_M
+template <> struct Fmt<34> { static const int QK = 256, BYTES = 54; };  // TQ1_0
+template <> struct Fmt<35> { static const int QK = 256, BYTES = 66; };  // TQ2_0
 
 template <int TYPE>
 __device__ __forceinline__ void sub_block(const u8* b, int j, float* v);
@@ -289,4 +302,167 @@ template <> __device__ __forceinline__ void sub_block<39>(const u8* b, int, floa
     const float d = __uint_as_float(e < 2 ? 0x00200000u << e : (e - 1) << 23);
 #pragma unroll
     for (int l = 0; l < 32; ++l) v[l] = __fmul_rn(d, mxfp4_value(nibble(b + 1, l)));
+}
+
+// ---- The IQ grid types and the ternary ones: sub-block j = weights 32 j .. 32 j + 31 of a 256-weight
+// block, in ggml's order of products (dequantize_row_iq2_xxs, ...): (scale * grid) * sign, the sign
+// a multiplication by -1 or 1 (a zero keeps its sign, as in C). Bytes are read one at a time: a block
+// may start at any byte.
+
+constexpr float IQ1S_DELTA = 0.125f;  // IQ1_S, IQ1_M: a weight is scale * (grid + or - this)
+
+__device__ __forceinline__ unsigned u16_at(const u8* p) { return p[0] | (p[1] << 8); }
+__device__ __forceinline__ unsigned u32_at(const u8* p) {
+    return p[0] | (p[1] << 8) | (p[2] << 16) | ((unsigned)p[3] << 24);
+}
+
+// Weight k of a grid row (byte k of its word): unsigned (IQ2, IQ3) or signed (iq1s_grid's -1 0 1).
+__device__ __forceinline__ float grid_u8(unsigned long long row, int k) {
+    return (float)(unsigned)((row >> (8 * k)) & 0xFF);
+}
+__device__ __forceinline__ float grid_s8(unsigned long long row, int k) {
+    return (float)(signed char)((row >> (8 * k)) & 0xFF);
+}
+
+// (scale * g) * -1 where bit k of `signs` is set, else * 1.
+__device__ __forceinline__ float signed_weight(float scale, float g, unsigned signs, int k) {
+    return __fmul_rn(__fmul_rn(scale, g), ((signs >> k) & 1) ? -1.f : 1.f);
+}
+
+// 8 weights from one row of an 8-wide grid and 8 sign bits.
+__device__ __forceinline__ void iq_group8(float scale, unsigned long long row, unsigned signs, float* v) {
+#pragma unroll
+    for (int k = 0; k < 8; ++k) v[k] = signed_weight(scale, grid_u8(row, k), signs, k);
+}
+
+// 8 weights from two rows of a 4-wide grid (IQ3) and 8 sign bits.
+__device__ __forceinline__ void iq_group4x2(float scale, unsigned row0, unsigned row1, unsigned signs, float* v) {
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+        v[k] = signed_weight(scale, grid_u8(row0, k), signs, k);
+        v[k + 4] = signed_weight(scale, grid_u8(row1, k), signs, k + 4);
+    }
+}
+
+// The IQ2 types' scale of a group: (d * (0.5 + ls)) * 0.25.
+__device__ __forceinline__ float iq2_scale(float d, unsigned ls) {
+    return __fmul_rn(__fmul_rn(d, __fadd_rn(0.5f, (float)ls)), 0.25f);
+}
+
+// IQ2_XXS [d:f16][qs:64]: sub-block j is bytes 2 + 8 j ..: four grid indices, then a u32 of 4 x 7
+// sign bits (ksigns_iq2xs indices) and the 4-bit scale in bits 28-31
+template <> __device__ __forceinline__ void sub_block<16>(const u8* b, int j, float* v) {
+    const u8* q = b + 2 + 8 * j;
+    const unsigned aux = u32_at(q + 4);
+    const float db = iq2_scale(f16_at(b), aux >> 28);
+#pragma unroll
+    for (int l = 0; l < 4; ++l) iq_group8(db, iq2xxs_grid[q[l]], ksigns_iq2xs[(aux >> (7 * l)) & 127], v + 8 * l);
+}
+
+// IQ2_XS [d:f16][qs:u16 x32][scales:8]: group g (8 weights) is u16 g, grid index in bits 0-8, sign
+// index in 9-15; groups 4 j, 4 j + 1 take scale byte j's low nibble, 4 j + 2, 4 j + 3 its high one
+template <> __device__ __forceinline__ void sub_block<17>(const u8* b, int j, float* v) {
+    const float d = f16_at(b);
+    const unsigned sc = b[66 + j];
+    const float db[2] = {iq2_scale(d, sc & 0xF), iq2_scale(d, sc >> 4)};
+#pragma unroll
+    for (int l = 0; l < 4; ++l) {
+        const unsigned q = u16_at(b + 2 + 2 * (4 * j + l));
+        iq_group8(db[l >> 1], iq2xs_grid[q & 511], ksigns_iq2xs[q >> 9], v + 8 * l);
+    }
+}
+
+// IQ2_S [d:f16][qs:32][signs:32][qh:8][scales:8]: group g's grid index is qs[g] | bits 2(g % 4)..
+// of qh[g / 4] << 8, its signs the byte signs[g]; scales as IQ2_XS
+template <> __device__ __forceinline__ void sub_block<22>(const u8* b, int j, float* v) {
+    const float d = f16_at(b);
+    const unsigned sc = b[74 + j], qh = b[66 + j];
+    const float db[2] = {iq2_scale(d, sc & 0xF), iq2_scale(d, sc >> 4)};
+#pragma unroll
+    for (int l = 0; l < 4; ++l)
+        iq_group8(db[l >> 1], iq2s_grid[b[2 + 4 * j + l] | (((qh >> (2 * l)) & 3) << 8)], b[34 + 4 * j + l], v + 8 * l);
+}
+
+// IQ3_XXS [d:f16][qs:64][scales_signs:u32 x8]: sub-block j reads grid indices qs[8 j ..] (4 weights
+// each) and u32 j: 4 x 7 sign bits (8 weights each), the scale in bits 28-31: (d * (0.5 + s)) * 0.5
+template <> __device__ __forceinline__ void sub_block<18>(const u8* b, int j, float* v) {
+    const u8* q = b + 2 + 8 * j;
+    const unsigned aux = u32_at(b + 66 + 4 * j);
+    const float db = __fmul_rn(__fmul_rn(f16_at(b), __fadd_rn(0.5f, (float)(aux >> 28))), 0.5f);
+#pragma unroll
+    for (int l = 0; l < 4; ++l)
+        iq_group4x2(db, iq3xxs_grid[q[2 * l]], iq3xxs_grid[q[2 * l + 1]], ksigns_iq2xs[(aux >> (7 * l)) & 127],
+                    v + 8 * l);
+}
+
+// IQ3_S [d:f16][qs:64][qh:8][signs:32][scales:4]: grid index k of sub-block j is qs[8 j + k] | bit k of
+// qh[j] << 8; signs[4 j + l] bit by bit; scale nibble j (low nibble first): d * (1 + 2 s)
+template <> __device__ __forceinline__ void sub_block<21>(const u8* b, int j, float* v) {
+    const u8* q = b + 2 + 8 * j;
+    const unsigned qh = b[66 + j];
+    const float db = __fmul_rn(f16_at(b), (float)(1 + 2 * ((b[106 + (j >> 1)] >> (4 * (j & 1))) & 0xF)));
+#pragma unroll
+    for (int l = 0; l < 4; ++l)
+        iq_group4x2(db, iq3s_grid[q[2 * l] | (((qh >> (2 * l)) & 1) << 8)],
+                    iq3s_grid[q[2 * l + 1] | (((qh >> (2 * l + 1)) & 1) << 8)], b[74 + 4 * j + l], v + 8 * l);
+}
+
+// IQ1_S [d:f16][qs:32][qh:u16 x8]: u16 qh[j] holds in bits 3l..3l+2 the grid index bits 8-10 of
+// group l (qs[4 j + l] the low 8), in 12-14 the scale s, in 15 the delta's sign:
+// (d * (2 s + 1)) * (grid + delta)
+template <> __device__ __forceinline__ void sub_block<19>(const u8* b, int j, float* v) {
+    const unsigned qh = u16_at(b + 34 + 2 * j);
+    const float dl = __fmul_rn(f16_at(b), (float)(2 * ((qh >> 12) & 7) + 1));
+    const float delta = (qh & 0x8000) ? -IQ1S_DELTA : IQ1S_DELTA;
+#pragma unroll
+    for (int l = 0; l < 4; ++l) {
+        const unsigned long long row = iq1s_grid[b[2 + 4 * j + l] | (((qh >> (3 * l)) & 7) << 8)];
+#pragma unroll
+        for (int k = 0; k < 8; ++k) v[8 * l + k] = __fmul_rn(dl, __fadd_rn(grid_s8(row, k), delta));
+    }
+}
+
+// IQ1_M [qs:32][qh:16][scales:u16 x4]: group g (8 weights) takes nibble g of qh (low nibble first):
+// grid index bits 8-10 (qs[g] the low 8), the delta's sign in bit 3; its scale s is 3-bit field g / 2
+// of the scale words (four a word from bit 0), whose top nibbles are the fp16 d, lowest first
+template <> __device__ __forceinline__ void sub_block<29>(const u8* b, int j, float* v) {
+    const unsigned s0 = u16_at(b + 48), s1 = u16_at(b + 50), s2 = u16_at(b + 52), s3 = u16_at(b + 54);
+    const float d = __half2float(__ushort_as_half(
+        (unsigned short)((s0 >> 12) | ((s1 >> 8) & 0xF0) | ((s2 >> 4) & 0xF00) | (s3 & 0xF000))));
+    const unsigned sc = u16_at(b + 48 + 2 * (j >> 1));
+#pragma unroll
+    for (int l = 0; l < 4; ++l) {
+        const int g = 4 * j + l;
+        const float dl = __fmul_rn(d, (float)(2 * ((sc >> (6 * (j & 1) + 3 * (l >> 1))) & 7) + 1));
+        const unsigned nib = (b[32 + (g >> 1)] >> (4 * (g & 1))) & 0xF;
+        const unsigned long long row = iq1s_grid[b[g] | ((nib & 7) << 8)];
+        const float delta = (nib & 8) ? -IQ1S_DELTA : IQ1S_DELTA;
+#pragma unroll
+        for (int k = 0; k < 8; ++k) v[8 * l + k] = __fmul_rn(dl, __fadd_rn(grid_s8(row, k), delta));
+    }
+}
+
+// TQ1_0 [qs:48][qh:4][d:f16]: a byte holds 5 (qh: 4) base-3 digits; digit n is ((byte * 3^n mod 256)
+// * 3) >> 8, a weight (digit - 1) * d. Weights 0-159 are qs[w % 32]'s digit w / 32, 160-239
+// qs[32 + (w - 160) % 16]'s digit (w - 160) / 16, 240-255 qh[(w - 240) % 4]'s digit (w - 240) / 4.
+template <> __device__ __forceinline__ void sub_block<34>(const u8* b, int j, float* v) {
+    const float d = f16_at(b + 52);
+#pragma unroll
+    for (int l = 0; l < 32; ++l) {
+        const int w = 32 * j + l;
+        const int pos = w < 160 ? (w & 31) : w < 240 ? 32 + ((w - 160) & 15) : 48 + ((w - 240) & 3);
+        const int n = w < 160 ? (w >> 5) : w < 240 ? ((w - 160) >> 4) : ((w - 240) >> 2);
+        const unsigned pow3 = n < 4 ? (0x1B090301u >> (8 * n)) & 0xFF : 81u;  // 1 3 9 27 81
+        const unsigned q = (b[pos] * pow3) & 0xFF;
+        v[l] = __fmul_rn((float)((int)((q * 3) >> 8) - 1), d);
+    }
+}
+
+// TQ2_0 [qs:64][d:f16]: weight 128 h + 32 l + m is bits 2l..2l+1 of qs[32 h + m], minus 1, times d
+template <> __device__ __forceinline__ void sub_block<35>(const u8* b, int j, float* v) {
+    const float d = f16_at(b + 64);
+    const u8* qs = b + 32 * (j >> 2);
+    const int shift = 2 * (j & 3);
+#pragma unroll
+    for (int m = 0; m < 32; ++m) v[m] = __fmul_rn((float)((int)((qs[m] >> shift) & 3) - 1), d);
 }

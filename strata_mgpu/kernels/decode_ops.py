@@ -153,11 +153,11 @@ class CudaDecodeOps(DecodeOps):
                         v: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                         kvs: Sequence[SequenceKV], table: torch.Tensor | None = None) -> torch.Tensor:
         dh, n = spec.head_dim, len(kvs)
-        tensors_ok = (self._ok(w.q_norm, w.k_norm) and self._caches_ok(kvs, spec.n_kv_heads, dh)
-                      and all(self._rows_ok(t) for t in (q, k, v)))
+        tensors_ok = (self._ok(w.q_norm, w.k_norm, cos, sin) and cos.shape == sin.shape == (n, dh)
+                      and self._caches_ok(kvs, spec.n_kv_heads, dh) and all(self._rows_ok(t) for t in (q, k, v)))
         if not (tensors_ok and dh % 64 == 0 and dh <= 256 and positions.dtype == torch.int64
                 and positions.is_contiguous() and q.shape[0] == n):
-            self._twin("qk_norm_rope_kv", NOT_BF16 if not tensors_ok
+            self._twin("qk_norm_rope_kv", NOT_BF16 + " (or cos/sin not [B, Dh])" if not tensors_ok
                        else f"head dim {dh} (multiples of 64 up to 256), positions not int64, or {q.shape[0]} "
                        f"rows for {n} caches")
             return super().qk_norm_rope_kv(spec, w, layer, q, k, v, positions, cos, sin, kvs, table)
@@ -166,7 +166,7 @@ class CudaDecodeOps(DecodeOps):
         self._launch("qk_norm_rope_kv", (spec.n_heads + 2 * spec.n_kv_heads, n), 32,
                      q.data_ptr(), np.int64(q.stride(0)), k.data_ptr(), np.int64(k.stride(0)), v.data_ptr(),
                      np.int64(v.stride(0)), w.q_norm.data_ptr(), w.k_norm.data_ptr(), np.int32(spec.n_heads),
-                     np.int32(spec.n_kv_heads), np.int32(dh), positions.data_ptr(), np.float32(spec.rope_base),
+                     np.int32(spec.n_kv_heads), np.int32(dh), positions.data_ptr(), cos.data_ptr(), sin.data_ptr(),
                      np.float32(spec.rms_eps), (self.kv_table(kvs) if table is None else table).data_ptr(),
                      np.int32(layer), q_out.data_ptr())
         return q_out

@@ -195,7 +195,7 @@ class Decoder:
             cells = max(seg.kv.length + seg.n for seg in segments)  # what attention reads, at most
             path = self._row_path(positions, kvs, None, cells, streams)
         else:
-            cos, sin = rope_cos_sin(positions, self.spec.head_dim, self.spec.rope_base, self.w.dtype)
+            cos, sin = rope_cos_sin(positions, self.spec, self.w.dtype)  # [T, Dh]
             halves = (streams and len(segments) == 1 and segments[0].kv.offset_writes and n >= 2
                       and self.experts.in_halves(n))
             path = ForwardPath(ops=PLAIN_OPS, attention=SegmentAttention(self.spec, cos, sin), fused_moe_input=False,
@@ -225,7 +225,7 @@ class Decoder:
                   capacity: int | None, streams: bool) -> ForwardPath:
         assert all(kv.graph_capturable for kv in kvs), "a cache keeps cells outside kv.k/kv.v: decode it with run()"
         s = self.spec
-        cos, sin = rope_cos_sin(positions, s.head_dim, s.rope_base, self.w.dtype)  # [B, Dh]
+        cos, sin = rope_cos_sin(positions, s, self.w.dtype)  # [B, Dh]
         table = self.ops.kv_table(kvs) if table is None else table
         return ForwardPath(ops=self.ops, attention=RowAttention(s, self.ops, positions, kvs, table, capacity, cos, sin),
                            fused_moe_input=True, streams=streams)

@@ -352,6 +352,10 @@ class GGUFFile:
         if count == 1:
             return
         m = _SPLIT_NAME.match(first.name)
+        no = self._shards[0].metadata.get(Keys.Split.LLM_KV_SPLIT_NO)
+        if m and int(m["count"]) == count and isinstance(no, int) and no > 0:
+            raise GGUFError(f"{first}: this is shard {no + 1} of {count} of a split model: give the first, "
+                            f"{m['stem']}-00001-of-{count:05d}.gguf")
         if not m or int(m["no"]) != 1 or int(m["count"]) != count:
             raise GGUFError(f"{first}: metadata {key!r} = {count}, but the file is not named "
                             f"NAME-00001-of-{count:05d}.gguf")

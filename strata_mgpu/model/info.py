@@ -1,12 +1,44 @@
-"""What `strata info` reports about a GGUF model: shapes, parameters, bytes, expert traffic."""
+"""What `strata info` reports about a GGUF model: shapes, parameters, bytes, expert traffic, and
+the quant mix (each class of tensors: its types, how many tensors and bytes of each)."""
 
 from __future__ import annotations
 
+import re
 from collections import defaultdict
 from dataclasses import dataclass
 
+from gguf.constants import MODEL_TENSOR, TENSOR_NAMES
+
 from strata_mgpu.model.gguf_reader import GGUFFile
-from strata_mgpu.model.spec import EXPERT_TENSORS, ModelSpec, spec_from_gguf, tname
+from strata_mgpu.model.spec import EXPERT_TENSORS, ModelSpec, T, spec_from_gguf, tname
+
+# The classes the quant mix is counted in, in the order shown, and the tensors of each.
+TENSOR_CLASSES: dict[str, tuple[MODEL_TENSOR, ...]] = {
+    "embeddings": (T.TOKEN_EMBD,),
+    "attention": (T.ATTN_Q, T.ATTN_K, T.ATTN_V, T.ATTN_QKV, T.ATTN_OUT),
+    "router": (T.FFN_GATE_INP,),
+    "experts gate": (T.FFN_GATE_EXP,),
+    "experts up": (T.FFN_UP_EXP,),
+    "experts down": (T.FFN_DOWN_EXP,),
+    "dense FFN / shared": (T.FFN_GATE, T.FFN_UP, T.FFN_DOWN, T.FFN_GATE_SHEXP, T.FFN_UP_SHEXP, T.FFN_DOWN_SHEXP,
+                           T.FFN_GATE_INP_SHEXP),
+    "norms": (T.ATTN_NORM, T.FFN_NORM, T.ATTN_Q_NORM, T.ATTN_K_NORM, T.OUTPUT_NORM),
+    "output": (T.OUTPUT,),
+}
+OTHER = "other"
+_CLASS_OF = {TENSOR_NAMES[k]: cls for cls, kinds in TENSOR_CLASSES.items() for k in kinds}
+
+
+def tensor_class(name: str) -> str:
+    """'blk.3.ffn_down_exps.weight' -> 'experts down'; a name of no class -> 'other'."""
+    base = re.sub(r"^blk\.\d+\.", "blk.{bid}.", name.removesuffix(".weight"))
+    return _CLASS_OF.get(base, OTHER)
+
+
+@dataclass(frozen=True)
+class TypeCount:
+    tensors: int
+    nbytes: int
 
 
 @dataclass(frozen=True)
@@ -17,6 +49,7 @@ class ModelInfo:
     bytes_by_type: dict[str, int]  # ggml type name -> tensor bytes
     params_by_type: dict[str, int]
     expert_bytes_per_layer: list[int]  # gate + up + down of all experts, per layer
+    quant_mix: dict[str, dict[str, TypeCount]]  # tensor class -> ggml type name -> its tensors, in TENSOR_CLASSES order
 
     @property
     def expert_bytes(self) -> int:
@@ -39,9 +72,15 @@ def model_info(f: GGUFFile) -> ModelInfo:
     spec = spec_from_gguf(f)
     by_type: dict[str, int] = defaultdict(int)
     params: dict[str, int] = defaultdict(int)
+    mix: dict[str, dict[str, list[int]]] = defaultdict(lambda: defaultdict(lambda: [0, 0]))  # [tensors, bytes]
     for t in f.tensors.values():
         by_type[t.ggml_type.name] += t.nbytes
         params[t.ggml_type.name] += t.n_elements
+        count = mix[tensor_class(t.name)][t.ggml_type.name]
+        count[0] += 1
+        count[1] += t.nbytes
     per_layer = [sum(f.tensor(tname(k, i)).nbytes for k in EXPERT_TENSORS) for i in range(spec.n_layers)]
+    quant_mix = {cls: {ty: TypeCount(n, b) for ty, (n, b) in sorted(mix[cls].items(), key=lambda kv: -kv[1][1])}
+                 for cls in (*TENSOR_CLASSES, OTHER) if cls in mix}
     return ModelInfo(spec=spec, file_bytes=f.file_bytes, n_shards=len(f.shard_paths), bytes_by_type=dict(by_type),
-                     params_by_type=dict(params), expert_bytes_per_layer=per_layer)
+                     params_by_type=dict(params), expert_bytes_per_layer=per_layer, quant_mix=quant_mix)

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
+from gguf.constants import RopeScalingType
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import causal_lower_right
 
@@ -25,13 +26,37 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype) * weight
 
 
-def rope_cos_sin(positions: torch.Tensor, head_dim: int, base: float, dtype: torch.dtype
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """NEOX-style rotary tables: [T, Dh] each (the half-frequencies repeated)."""
-    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim))
-    freqs = positions.float()[:, None] * inv_freq[None, :]  # [T, Dh/2]
-    emb = torch.cat([freqs, freqs], dim=-1)
-    return emb.cos().to(dtype), emb.sin().to(dtype)
+def rope_inv_freq(spec: ModelSpec, device: torch.device) -> torch.Tensor:
+    """RoPE's frequencies [Dh/2] fp32 (radians a position), scaled as `spec.rope_scaling` says, in
+    transformers' arithmetic (`_compute_linear_scaling_rope_parameters`, `_compute_yarn_parameters`;
+    llama.cpp's `rope_yarn` is the same mix). Made on `device` with no host copy: a captured decode
+    step computes its tables inside the graph."""
+    dh, r = spec.head_dim, spec.rope_scaling
+    pos_freqs = spec.rope_base ** (torch.arange(0, dh, 2, device=device, dtype=torch.float32) / dh)  # [Dh/2]
+    kept = 1.0 / pos_freqs
+    if r.kind == RopeScalingType.NONE:
+        return kept
+    divided = 1.0 / (r.factor * pos_freqs)
+    if r.kind == RopeScalingType.LINEAR:
+        return divided
+    low, high = r.correction_range(dh, spec.rope_base)
+    # 0 up to frequency `low` (the fast ones: kept), 1 from `high` on (the slow ones: divided)
+    ramp = ((torch.arange(dh // 2, device=device, dtype=torch.float32) - low) / max(high - low, 0.001)).clamp(0, 1)
+    return divided * ramp + kept * (1 - ramp)
+
+
+def rope_cos_sin(positions: torch.Tensor, spec: ModelSpec, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """NEOX-style rotary tables of positions [T]: cos and sin [T, Dh] each (the half-frequencies
+    repeated), times the scaling's mscale (YaRN's attention factor), computed in fp32 and then cast.
+    The one place RoPE is computed: the prompt path, the row path, the oracle and the fused decode
+    kernel (which reads these tables) all rotate by them."""
+    freqs = positions.float()[:, None] * rope_inv_freq(spec, positions.device)[None, :]  # [T, Dh/2]
+    emb = torch.cat([freqs, freqs], dim=-1)  # [T, Dh]
+    cos, sin = emb.cos(), emb.sin()
+    mscale = spec.rope_scaling.mscale
+    if mscale != 1.0:
+        cos, sin = cos * mscale, sin * mscale
+    return cos.to(dtype), sin.to(dtype)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

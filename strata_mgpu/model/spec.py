@@ -11,12 +11,53 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from gguf.constants import MODEL_ARCH, MODEL_ARCH_NAMES, MODEL_TENSOR, TENSOR_NAMES, Keys
+from gguf.constants import MODEL_ARCH, MODEL_ARCH_NAMES, MODEL_TENSOR, TENSOR_NAMES, Keys, RopeScalingType
 
 from strata_mgpu.model.gguf_reader import GGUFError, GGUFFile
 from strata_mgpu.quant.formats import block_format
 
 T = MODEL_TENSOR
+
+
+# `{arch}.rope.scaling.type` values served: what llama.cpp serves but LongRoPE
+ROPE_SCALINGS = (RopeScalingType.NONE, RopeScalingType.LINEAR, RopeScalingType.YARN)
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """How RoPE's frequencies stretch past the context the model was trained at, from
+    `{arch}.rope.scaling.*`, read as llama.cpp reads them. `linear` divides every frequency by
+    `factor`; `yarn` divides only the slow ones (those turning fewer than `beta_slow` times over
+    `original_context` positions), keeps the fast ones (more than `beta_fast` turns) and ramps
+    between, and scales cos and sin by 1 + 0.1 ln(factor) (`mscale`). `ops.rope_inv_freq` and
+    `ops.rope_cos_sin` compute the tables from it, the same for every path."""
+
+    kind: RopeScalingType = RopeScalingType.NONE  # one of ROPE_SCALINGS
+    factor: float = 1.0  # a scaled file's context is factor x original_context
+    original_context: int = 0  # positions the model was trained at (YaRN's correction range); 0: unscaled
+    attn_factor: float = 1.0  # `rope.scaling.attn_factor`: cos and sin multiplied by it too (llama.cpp)
+    beta_fast: float = 32.0  # YaRN: frequencies turning more often than this over the original context keep theirs
+    beta_slow: float = 1.0  # YaRN: fewer turns than this: divided by factor
+
+    @property
+    def mscale(self) -> float:
+        """The factor on cos and sin (so on attention logits, squared), as llama.cpp and
+        transformers apply it: YaRN's 1 + 0.1 ln(factor) (1 where factor <= 1), times attn_factor."""
+        yarn = self.kind == RopeScalingType.YARN and self.factor > 1
+        return (1.0 + 0.1 * math.log(self.factor) if yarn else 1.0) * self.attn_factor
+
+    def correction_range(self, head_dim: int, base: float) -> tuple[int, int]:
+        """YaRN's frequencies [low, high] (indices of the head_dim / 2) over which the ramp runs from
+        keeping the frequency to dividing it by factor, floored and ceiled as llama.cpp
+        (`ggml_rope_yarn_corr_dims`) and transformers (`truncate`) do."""
+        def dim_of(turns: float) -> float:
+            return head_dim * math.log(self.original_context / (turns * 2 * math.pi)) / (2 * math.log(base))
+
+        return max(math.floor(dim_of(self.beta_fast)), 0), min(math.ceil(dim_of(self.beta_slow)), head_dim - 1)
+
+
+NO_ROPE_SCALING = RopeScaling()
+SCALE_LINEAR_KEY = "{arch}.rope.scale_linear"  # the factor's old name, which llama.cpp still reads
 
 
 @dataclass(frozen=True)
@@ -39,6 +80,7 @@ class ModelSpec:
     tied_output: bool  # no output.weight: the head reuses token_embd
     norm_topk_prob: bool = True  # renormalize the top-k router weights to sum to 1
     name: str = ""
+    rope_scaling: RopeScaling = NO_ROPE_SCALING
 
     @property
     def q_dim(self) -> int:
@@ -127,9 +169,49 @@ def _qwen3moe(f: GGUFFile, arch: str) -> ModelSpec:
         rope_base=f.get(key(Keys.Rope.FREQ_BASE), 10000.0),
         rms_eps=f.require(key(A.LAYERNORM_RMS_EPS), float),
         tied_output=tname(T.OUTPUT) not in f.tensors,
+        rope_scaling=rope_scaling_from_gguf(f, arch),
     )
     _check_spec(f, spec)
     return spec
+
+
+def rope_scaling_from_gguf(f: GGUFFile, arch: str) -> RopeScaling:
+    """`{arch}.rope.scaling.*` as llama.cpp reads them (`llama_model::load_hparams`): no type is
+    linear; no factor, or 0 (or the old `rope.scale_linear`'s), is 1; `none` scales nothing
+    whatever the factor, but attn_factor still multiplies cos and sin; the original context
+    defaults to the file's. The YaRN betas (`yarn_beta_fast` / `_slow`, which llama.cpp reads for
+    a few architectures only) default to 32 and 1. An unknown type, or a value out of range, is
+    refused in one line."""
+    R = Keys.Rope
+
+    def key(k: str) -> str:
+        return k.format(arch=arch)
+
+    def number(k: str, default: float, zero_ok: bool = False) -> float:
+        if key(k) not in f.metadata:
+            return default
+        v = f.require(key(k), float)
+        if not ((v > 0 or (zero_ok and v == 0)) and math.isfinite(v)):
+            raise GGUFError(f"{f.path}: metadata {key(k)!r} = {v!r} must be positive and finite")
+        return v
+
+    name = f.require(key(R.SCALING_TYPE), str) if key(R.SCALING_TYPE) in f.metadata else RopeScalingType.LINEAR.value
+    kind = next((k for k in ROPE_SCALINGS if k.value == name), None)
+    if kind is None:
+        raise GGUFError(f"{f.path}: metadata {key(R.SCALING_TYPE)!r} = {name!r} is not supported "
+                        f"(supported: {', '.join(k.value for k in ROPE_SCALINGS)})")
+    factor_key = R.SCALING_FACTOR if key(R.SCALING_FACTOR) in f.metadata else SCALE_LINEAR_KEY
+    factor = number(factor_key, 0.0, zero_ok=True) or 1.0
+    attn_factor = number(R.SCALING_ATTN_FACTOR, 1.0)
+    if kind == RopeScalingType.NONE or factor == 1.0:
+        return RopeScaling(attn_factor=attn_factor)
+    original = f.require(key(R.SCALING_ORIG_CTX_LEN), int) if key(R.SCALING_ORIG_CTX_LEN) in f.metadata \
+        else f.require(key(Keys.LLM.CONTEXT_LENGTH), int)
+    if original <= 0:
+        raise GGUFError(f"{f.path}: metadata {key(R.SCALING_ORIG_CTX_LEN)!r} = {original} must be positive")
+    return RopeScaling(kind=kind, factor=factor, original_context=original, attn_factor=attn_factor,
+                       beta_fast=number(R.SCALING_YARN_BETA_FAST, 32.0),
+                       beta_slow=number(R.SCALING_YARN_BETA_SLOW, 1.0))
 
 
 def _check_spec(f: GGUFFile, s: ModelSpec) -> None:

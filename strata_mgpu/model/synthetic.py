@@ -1,7 +1,8 @@
 """Synthetic qwen3moe GGUF writer: real, valid quantized blocks of any supported type.
 
 Weights are random but well-formed: float tensors are Gaussian; quantized tensors are random
-bytes (any bit pattern is a valid quant) whose fp16 scale words are then set so the dequantized
+bytes (any bit pattern is a valid quant; the ternary types TQ1_0/TQ2_0 are drawn as ternary
+digits) whose fp16 scale words (IQ1_M: nibbles) are then set so the dequantized
 weights have the wanted spread and zero mean. Dequantization is linear in those scale words, so
 a one-off calibration per format on a few blocks (through `gguf.quants`) tells which values to
 write. Random codes are not zero-mean in most formats (Q4_0's q - 8 averages -0.5, IQ4_NL's
@@ -15,22 +16,23 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import zlib
 from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cache
 from pathlib import Path
 
 import numpy as np
 from gguf import GGUFWriter
 from gguf import quants as gguf_quants
-from gguf.constants import TENSOR_NAMES, GGMLQuantizationType, LlamaFileType
+from gguf.constants import TENSOR_NAMES, GGMLQuantizationType, LlamaFileType, RopeScalingType
 
-from strata_mgpu.model.spec import EXPERT_TENSORS, ModelSpec, T
+from strata_mgpu.model.spec import EXPERT_TENSORS, NO_ROPE_SCALING, ROPE_SCALINGS, ModelSpec, RopeScaling, T
 from strata_mgpu.model.vocab import CHAT_TEMPLATE, build_vocab
-from strata_mgpu.quant.formats import BlockFormat, block_format
+from strata_mgpu.quant.formats import BlockFormat, block_format, parse_type, set_f16_scale_bits
 
 Q = GGMLQuantizationType
 
@@ -68,7 +70,69 @@ PRESETS: dict[str, Preset] = {
     # Qwen3-30B-A3B's shapes.
     "30b-a3b": Preset(n_layers=48, hidden=2048, n_heads=32, n_kv_heads=4, head_dim=128, n_experts=128,
                       n_experts_used=8, expert_ffn=768, vocab_size=151936, context_length=40960),
+    # Qwen3-235B-A22B's shapes (its config.json: every layer MoE, so its dense intermediate 12,288 is
+    # only the feed_forward_length written, 8 x 1,536). 94 layers of Q4_K/Q6_K experts are ~147 GB:
+    # `--layers N` writes its first N (24: ~38 GB).
+    "235b-a22b": Preset(n_layers=94, hidden=4096, n_heads=64, n_kv_heads=4, head_dim=128, n_experts=128,
+                        n_experts_used=8, expert_ffn=1536, vocab_size=151936, context_length=40960),
 }
+
+
+def preset_spec(preset_name: str, layers: int | None = None, rope: RopeScaling = NO_ROPE_SCALING) -> ModelSpec:
+    """The spec `write_model` writes: the preset's, cut to its first `layers` layers (None: all),
+    its RoPE scaled by `rope` (whose context, factor x the original, the file then declares)."""
+    preset = PRESETS[preset_name]
+    spec = preset.spec(f"strata-synthetic-{preset_name}")
+    if layers is not None:
+        if not 1 <= layers <= preset.n_layers:
+            raise ValueError(f"--layers {layers}: {preset_name} has 1 to {preset.n_layers} layers")
+        spec = replace(spec, n_layers=layers)
+    if rope.kind != RopeScalingType.NONE:
+        spec = replace(spec, rope_scaling=rope, context_length=round(rope.factor * rope.original_context))
+    return spec
+
+
+def rope_option(text: str, context: int) -> RopeScaling:
+    """gen-model's --rope-scaling: 'none', 'linear:FACTOR[:ORIGINAL]' or 'yarn:FACTOR[:ORIGINAL]'
+    (ORIGINAL: the context trained at, default `context`), e.g. 'yarn:4:32768' as Qwen3's
+    model cards give it."""
+    kind_name, *rest = text.strip().lower().split(":")
+    kinds = {k.value: k for k in ROPE_SCALINGS}
+    if kind_name not in kinds or len(rest) > 2 or (kind_name == RopeScalingType.NONE.value) != (not rest):
+        raise ValueError(f"--rope-scaling {text!r}: give none, linear:FACTOR[:ORIGINAL] or yarn:FACTOR[:ORIGINAL]")
+    if not rest:
+        return NO_ROPE_SCALING
+    try:
+        factor, original = float(rest[0]), int(rest[1]) if len(rest) > 1 else context
+    except ValueError:
+        raise ValueError(f"--rope-scaling {text!r}: FACTOR is a number, ORIGINAL a whole number of tokens") from None
+    if not (factor > 1 and math.isfinite(factor)) or original < 1:
+        raise ValueError(f"--rope-scaling {text!r}: FACTOR must be above 1, ORIGINAL at least 1")
+    return RopeScaling(kind=kinds[kind_name], factor=factor, original_context=original)
+
+
+def mix_option(text: str, n_layers: int) -> dict[int, tuple[Q, Q]]:
+    """gen-model's --mix: experts' types by layer range, as Unsloth's mixes vary them, e.g.
+    '0-3:Q6_K,4-:Q4_K' or '0-1:Q8_0/Q8_0,2-:Q4_K/Q6_K' (GATE_UP[/DOWN]; down by default as
+    --expert-type pairs it, DEFAULT_DOWN). Layers no range names keep --expert-type/--down-type.
+    -> layer -> (gate/up type, down type)."""
+    types: dict[int, tuple[Q, Q]] = {}
+    for item in filter(None, (x.strip() for x in text.split(","))):
+        m = re.fullmatch(r"(\d+)(?:(-)(\d*))?:(\w+)(?:/(\w+))?", item)
+        if not m:
+            raise ValueError(f"--mix item {item!r}: give FIRST[-[LAST]]:GATE_UP[/DOWN], e.g. 0-3:Q6_K")
+        first = int(m[1])
+        last = first if not m[2] else int(m[3]) if m[3] else n_layers - 1
+        if not first <= last < n_layers:
+            raise ValueError(f"--mix item {item!r}: layers {first}-{last} are not within the model's 0-{n_layers - 1}")
+        gate = parse_type(m[4])
+        down = parse_type(m[5]) if m[5] else DEFAULT_DOWN.get(gate, gate)
+        for i in range(first, last + 1):
+            if i in types:
+                raise ValueError(f"--mix item {item!r}: layer {i} is named twice")
+            types[i] = (gate, down)
+    return types
+
 
 # gate/up type -> the down type Q4_K_M-style files pair with it.
 DEFAULT_DOWN = {Q.Q4_K: Q.Q6_K, Q.Q5_K: Q.Q6_K, Q.Q4_0: Q.Q8_0}
@@ -87,8 +151,10 @@ class TensorPlan:
         return math.prod(self.shape[:-1]) * block_format(self.ggml_type).row_bytes(self.shape[-1])
 
 
-def plan_tensors(spec: ModelSpec, expert_type: Q, down_type: Q, dense_type: Q) -> list[TensorPlan]:
-    """Every tensor of the model with its type and spread, in file order."""
+def plan_tensors(spec: ModelSpec, expert_type: Q, down_type: Q, dense_type: Q,
+                 mix: dict[int, tuple[Q, Q]] | None = None) -> list[TensorPlan]:
+    """Every tensor of the model with its type and spread, in file order. `mix`: layer -> its
+    experts' (gate/up, down) types where they differ from expert_type/down_type (`mix_option`)."""
     shapes = spec.expected_tensors()
     plans = []
     expert_kinds = {TENSOR_NAMES[k].split(".")[-1] for k in EXPERT_TENSORS}
@@ -101,10 +167,10 @@ def plan_tensors(spec: ModelSpec, expert_type: Q, down_type: Q, dense_type: Q) -
             plans.append(TensorPlan(name, shape, Q.F32, std=std))
         elif kind == TENSOR_NAMES[T.TOKEN_EMBD]:
             plans.append(TensorPlan(name, shape, dense_type, std=1.0))
-        elif kind == TENSOR_NAMES[T.FFN_DOWN_EXP].split(".")[-1]:
-            plans.append(TensorPlan(name, shape, down_type, std=std))
-        elif kind in expert_kinds:
-            plans.append(TensorPlan(name, shape, expert_type, std=std))
+        elif kind in expert_kinds:  # 'blk.3.ffn_down_exps.weight': layer 3's
+            gate_up, down = (mix or {}).get(int(name.split(".")[1]), (expert_type, down_type))
+            is_down = kind == TENSOR_NAMES[T.FFN_DOWN_EXP].split(".")[-1]
+            plans.append(TensorPlan(name, shape, down if is_down else gate_up, std=std))
         else:
             plans.append(TensorPlan(name, shape, dense_type, std=std))
     for p in plans:
@@ -120,7 +186,7 @@ def _calibration(ggml_type: Q) -> tuple[float, float]:
     the dequantized weights of random blocks have mean ~0 and std c*unit_std."""
     fmt = block_format(ggml_type)
     rng = np.random.default_rng(1234)
-    blocks = rng.integers(0, 256, size=(4096, fmt.type_size), dtype=np.uint8)
+    blocks = _code_blocks(ggml_type, 4096, rng)
 
     def dequant_with(values: tuple[float, ...]) -> np.ndarray:
         b = blocks.copy()
@@ -129,7 +195,7 @@ def _calibration(ggml_type: Q) -> tuple[float, float]:
 
     if fmt.e8m0_fields:
         return 0.0, float(dequant_with((1.0,)).std())
-    if len(fmt.scale_fields) == 1:
+    if fmt.f16_scales == 1:
         return 0.0, float(dequant_with((1.0,)).std())
     mean_d = dequant_with((1.0, 0.0)).mean()
     mean_m = dequant_with((0.0, 1.0)).mean()
@@ -137,10 +203,31 @@ def _calibration(ggml_type: Q) -> tuple[float, float]:
     return float(ratio), float(dequant_with((1.0, ratio)).std())
 
 
+def _code_blocks(ggml_type: Q, n_blocks: int, rng: np.random.Generator) -> np.ndarray:
+    """[N, type_size] uint8: random valid blocks of a quantized type, scales still to be set. Random
+    bytes (every bit pattern is a valid block: the IQ types' grid indices cover their grids), except
+    for the ternary types, drawn as digits -1, 0, 1 (TQ2_0 never writes its code 3; a TQ1_0 byte
+    holds its digits as ggml's quantizer writes them)."""
+    fmt = block_format(ggml_type)
+    if ggml_type == Q.TQ2_0:  # [qs:64][d:f16]: 4 digits a byte, 2 bits each
+        digits = rng.integers(0, 3, size=(n_blocks, 64, 4), dtype=np.uint8)
+        blocks = np.zeros((n_blocks, fmt.type_size), dtype=np.uint8)
+        blocks[:, :64] = (digits << np.arange(0, 8, 2, dtype=np.uint8)).sum(axis=2, dtype=np.uint8)
+        return blocks
+    if ggml_type == Q.TQ1_0:  # [qs:48][qh:4][d:f16]: 5 digits a byte as the base-3 fraction v / 243 (qh: 4, the 5th 0)
+        v = rng.integers(0, 243, size=(n_blocks, 52))
+        v[:, 48:] = rng.integers(0, 81, size=(n_blocks, 4)) * 3
+        blocks = np.zeros((n_blocks, fmt.type_size), dtype=np.uint8)
+        blocks[:, :52] = (v * 256 + 242) // 243  # ceil(v * 256 / 243), as ggml's quantize_row_tq1_0
+        return blocks
+    return rng.integers(0, 256, size=(n_blocks, fmt.type_size), dtype=np.uint8)
+
+
 def _set_scales(fmt: BlockFormat, blocks: np.ndarray, values: list[np.ndarray]) -> None:
     """Write per-block scale values into `blocks` [N, type_size] in place."""
-    for at, v in zip(fmt.scale_fields, values, strict=False):
-        blocks[:, at:at + 2] = v.astype(np.float16).view(np.uint8).reshape(-1, 2)
+    if fmt.f16_scales:
+        halves = [v.astype(np.float16).view(np.uint16) for v in values[:fmt.f16_scales]]
+        set_f16_scale_bits(fmt, blocks, np.stack(halves, axis=1))
     for at in fmt.e8m0_fields:  # 2^(e-127): round the wanted scale to a power of two
         e = np.clip(np.round(np.log2(np.maximum(values[0], 1e-30))) + 127, 1, 254)
         blocks[:, at] = e.astype(np.uint8)
@@ -161,10 +248,10 @@ def make_tensor(plan: TensorPlan, seed: int) -> np.ndarray:
             *plan.shape[:-1], plan.shape[-1] * 2)  # round to nearest even bf16
     fmt = block_format(t)
     n_blocks = math.prod(plan.shape) // fmt.block_size
-    blocks = rng.integers(0, 256, size=(n_blocks, fmt.type_size), dtype=np.uint8)
+    blocks = _code_blocks(t, n_blocks, rng)
     ratio, unit = _calibration(t)
     c = plan.std / unit * rng.uniform(0.5, 1.5, size=n_blocks)  # per-block scale jitter
-    if fmt.scale_fields:  # fp16 scales: a random sign a block (see the module docstring)
+    if fmt.f16_scales:  # fp16 scales: a random sign a block (see the module docstring)
         c *= rng.choice(np.array([-1.0, 1.0]), size=n_blocks)
     _set_scales(fmt, blocks, [c, ratio * c])
     return blocks.reshape(*plan.shape[:-1], fmt.row_bytes(plan.shape[-1]))
@@ -205,6 +292,10 @@ _FILE_TYPES = {
     Q.Q5_1: LlamaFileType.MOSTLY_Q5_1, Q.Q8_0: LlamaFileType.MOSTLY_Q8_0, Q.Q2_K: LlamaFileType.MOSTLY_Q2_K,
     Q.Q6_K: LlamaFileType.MOSTLY_Q6_K, Q.IQ4_NL: LlamaFileType.MOSTLY_IQ4_NL,
     Q.IQ4_XS: LlamaFileType.MOSTLY_IQ4_XS, Q.MXFP4: LlamaFileType.MOSTLY_MXFP4_MOE,
+    Q.IQ2_XXS: LlamaFileType.MOSTLY_IQ2_XXS, Q.IQ2_XS: LlamaFileType.MOSTLY_IQ2_XS,
+    Q.IQ2_S: LlamaFileType.MOSTLY_IQ2_S, Q.IQ3_XXS: LlamaFileType.MOSTLY_IQ3_XXS, Q.IQ3_S: LlamaFileType.MOSTLY_IQ3_S,
+    Q.IQ1_S: LlamaFileType.MOSTLY_IQ1_S, Q.IQ1_M: LlamaFileType.MOSTLY_IQ1_M, Q.TQ1_0: LlamaFileType.MOSTLY_TQ1_0,
+    Q.TQ2_0: LlamaFileType.MOSTLY_TQ2_0,
 }
 _K_SIZES = {  # gate/up type -> (file type with down alike, with down of a larger type)
     Q.Q3_K: (LlamaFileType.MOSTLY_Q3_K_S, LlamaFileType.MOSTLY_Q3_K_M),
@@ -225,14 +316,15 @@ def file_type(expert_type: Q, down_type: Q) -> LlamaFileType:
 
 def write_model(path: str | Path, preset_name: str, *, expert_type: Q = Q.Q4_K, down_type: Q | None = None,
                 dense_type: Q = Q.Q8_0, seed: int = 0, split_max_bytes: int = 0,
-                on_tensor: Callable[[str, int], None] | None = None, workers: int | None = None) -> ModelSpec:
+                on_tensor: Callable[[str, int], None] | None = None, workers: int | None = None,
+                layers: int | None = None, rope: RopeScaling = NO_ROPE_SCALING,
+                mix: dict[int, tuple[Q, Q]] | None = None) -> ModelSpec:
     """Write a synthetic qwen3moe GGUF; `on_tensor(name, nbytes)` is called after each tensor.
     `workers`: threads making tensors ahead of the writer (None: up to 8, one a core); the file
-    is the same for any number."""
-    preset = PRESETS[preset_name]
+    is the same for any number. `layers`, `rope`: as `preset_spec`; `mix`: as `plan_tensors`."""
     down_type = DEFAULT_DOWN.get(expert_type, expert_type) if down_type is None else down_type  # F32 is 0
-    spec = preset.spec(f"strata-synthetic-{preset_name}")
-    plans = plan_tensors(spec, expert_type, down_type, dense_type)
+    spec = preset_spec(preset_name, layers, rope)
+    plans = plan_tensors(spec, expert_type, down_type, dense_type, mix)
     vocab = build_vocab(spec.vocab_size)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -248,6 +340,10 @@ def write_model(path: str | Path, preset_name: str, *, expert_type: Q = Q.Q4_K, 
     w.add_key_length(spec.head_dim)
     w.add_value_length(spec.head_dim)
     w.add_rope_freq_base(spec.rope_base)
+    if spec.rope_scaling.kind != RopeScalingType.NONE:
+        w.add_rope_scaling_type(spec.rope_scaling.kind)
+        w.add_rope_scaling_factor(spec.rope_scaling.factor)
+        w.add_rope_scaling_orig_ctx_len(spec.rope_scaling.original_context)
     w.add_layer_norm_rms_eps(spec.rms_eps)
     w.add_expert_count(spec.n_experts)
     w.add_expert_used_count(spec.n_experts_used)

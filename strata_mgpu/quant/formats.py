@@ -4,6 +4,8 @@ layout the synthetic writer uses, and which implementations each format has.
 A block holds `block_size` weights in `type_size` bytes. `scale_fields` lists the byte offsets of
 each block's fp16 scale words (d, dmin, ...): dequantized values are linear in them, which is how
 the synthetic writer sets the weights' magnitude on otherwise random, always valid, blocks.
+IQ1_M has no such word: its one fp16 scale is spread over four nibbles (`nibble_f16_fields`);
+`f16_scale_bits` / `set_f16_scale_bits` read and write a block's scales whichever way they lie.
 
 Capabilities (every other list of types derives from these flags):
   torch_dequant  quant/dequant.py, vectorised torch on any device: the twin. A format without it
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
 Q = GGMLQuantizationType
@@ -27,6 +30,8 @@ class BlockFormat:
     ggml_type: GGMLQuantizationType
     scale_fields: tuple[int, ...]  # byte offsets of fp16 scales inside a block (empty: float types)
     e8m0_fields: tuple[int, ...] = ()  # byte offsets of power-of-two exponent scales (MXFP4)
+    # IQ1_M: byte offsets of the four u16 words whose top nibbles make its one fp16 scale, lowest first
+    nibble_f16_fields: tuple[int, ...] = ()
     torch_dequant: bool = True
     cuda_dequant: bool = True
     fused_decode: bool = True
@@ -55,6 +60,11 @@ class BlockFormat:
     def bits_per_weight(self) -> float:
         return 8 * self.type_size / self.block_size
 
+    @property
+    def f16_scales(self) -> int:
+        """fp16 scales a block holds (d, dmin, ...): the scale fields, or IQ1_M's scale in nibbles."""
+        return len(self.scale_fields) + (1 if self.nibble_f16_fields else 0)
+
 
 # Layouts (bytes inside one block), after ggml-common.h:
 #   Q4_0   [d:f16][qs:16]                        32 weights, 4-bit, offset 8
@@ -70,6 +80,17 @@ class BlockFormat:
 #   IQ4_NL [d:f16][qs:16]                        non-linear 4-bit codebook
 #   IQ4_XS [d:f16][scales_h:u16][scales_l:4][qs:128]
 #   MXFP4  [e:e8m0][qs:16]                       FP4 (E2M1) values times 2^(e-127)
+# The IQ grid types and the ternary ones (256 weights, 8 sub-blocks of 32; quant/grids.py has the
+# grids; dequant.py draws each layout bit by bit):
+#   IQ2_XXS [d:f16][qs:64]                       a sub-block: 4 grid bytes, then signs and its scale
+#   IQ2_XS  [d:f16][qs:u16 x32][scales:8]        9-bit grid index + 7 sign bits a u16
+#   IQ2_S   [d:f16][qs:32][signs:32][qh:8][scales:8]
+#   IQ3_XXS [d:f16][qs:64][scales_signs:32]
+#   IQ3_S   [d:f16][qs:64][qh:8][signs:32][scales:4]
+#   IQ1_S   [d:f16][qs:32][qh:u16 x8]
+#   IQ1_M   [qs:32][qh:16][scales:u16 x4]        the fp16 d in the top nibbles of the scales
+#   TQ1_0   [qs:48][qh:4][d:f16]                 ternary, 5 (4) digits a byte in base 3
+#   TQ2_0   [qs:64][d:f16]                       ternary, 2 bits a weight
 # Every format here has all three implementations; a format added without one says so with its
 # flag (and the CUDA type list in ggml_blocks.cuh, checked against this table by the tests).
 _FORMATS = [
@@ -89,6 +110,15 @@ _FORMATS = [
     BlockFormat(Q.IQ4_NL, (0,)),
     BlockFormat(Q.IQ4_XS, (0,)),
     BlockFormat(Q.MXFP4, (), e8m0_fields=(0,)),
+    BlockFormat(Q.IQ2_XXS, (0,)),
+    BlockFormat(Q.IQ2_XS, (0,)),
+    BlockFormat(Q.IQ2_S, (0,)),
+    BlockFormat(Q.IQ3_XXS, (0,)),
+    BlockFormat(Q.IQ3_S, (0,)),
+    BlockFormat(Q.IQ1_S, (0,)),
+    BlockFormat(Q.IQ1_M, (), nibble_f16_fields=(48, 50, 52, 54)),
+    BlockFormat(Q.TQ1_0, (52,)),
+    BlockFormat(Q.TQ2_0, (64,)),
 ]
 FORMATS: dict[GGMLQuantizationType, BlockFormat] = {f.ggml_type: f for f in _FORMATS}
 SUPPORTED_TYPES: tuple[GGMLQuantizationType, ...] = tuple(t for t, f in FORMATS.items() if f.torch_dequant)
@@ -104,6 +134,34 @@ def block_format(ggml_type: GGMLQuantizationType) -> BlockFormat:
         served = ", ".join(t.name for t, f in FORMATS.items() if f.torch_dequant)
         raise ValueError(f"tensor type {GGMLQuantizationType(ggml_type).name} is not supported (supported: {served})")
     return fmt
+
+
+def f16_scale_bits(fmt: BlockFormat, blocks: np.ndarray) -> np.ndarray:
+    """The bits of each block's fp16 scales: [N, type_size] uint8 -> [N, fmt.f16_scales] uint16."""
+    words = [_u16(blocks, at) for at in fmt.scale_fields]
+    if fmt.nibble_f16_fields:  # nibble k of the scale is the top nibble of word k
+        split = np.zeros(len(blocks), dtype=np.uint16)
+        for k, at in enumerate(fmt.nibble_f16_fields):
+            split |= (_u16(blocks, at) >> 12) << (4 * k)
+        words.append(split)
+    return np.stack(words, axis=1).astype(np.uint16) if words else np.zeros((len(blocks), 0), np.uint16)
+
+
+def set_f16_scale_bits(fmt: BlockFormat, blocks: np.ndarray, bits: np.ndarray) -> None:
+    """Write [N, fmt.f16_scales] uint16 scale bits into `blocks` [N, type_size] uint8 in place
+    (the other bits of IQ1_M's scale words kept)."""
+    assert bits.shape == (len(blocks), fmt.f16_scales), (bits.shape, fmt.name)
+    bits = bits.astype(np.uint16)
+    for i, at in enumerate(fmt.scale_fields):
+        blocks[:, at:at + 2] = bits[:, i:i + 1].astype("<u2").view(np.uint8)
+    for k, at in enumerate(fmt.nibble_f16_fields):
+        word = (_u16(blocks, at) & 0x0FFF) | (((bits[:, -1] >> (4 * k)) & 0xF) << 12)
+        blocks[:, at:at + 2] = word.astype("<u2").reshape(-1, 1).view(np.uint8)
+
+
+def _u16(blocks: np.ndarray, at: int) -> np.ndarray:
+    """The little-endian u16 at byte `at` of each block: [N] uint16."""
+    return blocks[:, at].astype(np.uint16) | (blocks[:, at + 1].astype(np.uint16) << 8)
 
 
 def parse_type(name: str) -> GGMLQuantizationType:
