@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import errno
+import os
 import re
 import sys
 from pathlib import Path
@@ -41,6 +43,14 @@ def _size(value: str | None) -> int:
     if not m:
         raise click.BadParameter(f"{value!r} is not a size like 500M or 2G")
     return int(float(m[1]) * {"": 1, "K": 1e3, "M": 1e6, "G": 1e9}[m[2].upper()])
+
+
+def _model_file(_ctx: click.Context, _param: click.Parameter, value: Path | None) -> Path | None:
+    """A directory given as the model: the one-line error of any model that cannot be opened
+    (GGUFError's words), not a usage error."""
+    if value is not None and value.is_dir():
+        fail(f"{value}: cannot open: {os.strerror(errno.EISDIR)}")
+    return value
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -128,7 +138,7 @@ resident_option = click.option("--resident-experts", type=click.IntRange(min=0),
 
 
 @main.command()
-@click.argument("model", type=click.Path(dir_okay=False, path_type=Path))
+@click.argument("model", type=click.Path(path_type=Path), callback=_model_file)
 @click.option("--link-gbps", default=25.0, show_default=True, type=click.FloatRange(min=0.001),
               help="host-to-device link speed (GB/s) for the expert-pass time")
 @max_vram_option
@@ -142,6 +152,7 @@ def info(model: Path, link_gbps: float, max_vram: str | None, devices: str, laye
          chunk_size: int, resident_experts: int | None) -> None:
     """Shapes, parameters, bytes by type and expert traffic of a GGUF model; with --max-vram, each
     stage's VRAM plan (no GPU needed)."""
+    from strata_mgpu.config import EngineConfig
     from strata_mgpu.engine.build import preview_plans
     from strata_mgpu.model.info import model_info
     from strata_mgpu.model.spec import spec_from_gguf
@@ -157,8 +168,8 @@ def info(model: Path, link_gbps: float, max_vram: str | None, devices: str, laye
                 placement = _placement(devices if devices != "auto" else "cuda:0", layer_split, max_vram, "bf16",
                                        resident_experts=resident_experts)
                 spec = spec_from_gguf(f)
-                plans = preview_plans(f, spec, placement, chunk_size, min(ctx_size or spec.context_length,
-                                                                          spec.context_length))
+                engine = EngineConfig(ctx_size=ctx_size, chunk_size=chunk_size).for_model(spec.context_length)
+                plans = preview_plans(f, spec, placement, engine.chunk_size, engine.n_ctx(spec.context_length))
     except (GGUFError, SplitError, PlanError, DeviceError) as e:
         fail(str(e))
     out.print(*report.info_tables(mi, model.name, link_gbps), sep="\n")
@@ -212,7 +223,7 @@ def _placement(devices: str, layer_split: str, max_vram: str | None, dtype: str,
 
 
 @main.command()
-@click.argument("model", type=click.Path(dir_okay=False, path_type=Path))
+@click.argument("model", type=click.Path(path_type=Path), callback=_model_file)
 @click.option("--prompt-tokens", default="1024,2048,4096,8192", show_default=True, help="one-chunk prompt lengths")
 @click.option("--decode-tokens", default=64, show_default=True, type=click.IntRange(min=0))
 @click.option("--runs", default=3, show_default=True, type=click.IntRange(min=1), help="median of this many")
@@ -300,7 +311,7 @@ def _float_list(value: str) -> list[float]:
 
 
 @main.command()
-@click.argument("model", type=click.Path(dir_okay=False, path_type=Path))
+@click.argument("model", type=click.Path(path_type=Path), callback=_model_file)
 @devices_option
 @layer_split_option
 @max_vram_option
@@ -369,7 +380,7 @@ def topo() -> None:
     out.print(*report.topo_lines(m, cuda), sep="\n")
 
 @main.command()
-@click.argument("model", required=False, type=click.Path(dir_okay=False, path_type=Path))
+@click.argument("model", required=False, type=click.Path(path_type=Path), callback=_model_file)
 @click.option("--host", default="127.0.0.1", show_default=True)
 @click.option("--port", default=8080, show_default=True, type=click.IntRange(0, 65535))
 @click.option("--ctx-size", default=None, type=click.IntRange(min=1),

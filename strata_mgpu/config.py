@@ -32,6 +32,14 @@ class EngineConfig:
     def n_ctx(self, model_context: int) -> int:
         return min(self.ctx_size, model_context) if self.ctx_size else model_context
 
+    def for_model(self, model_context: int) -> EngineConfig:
+        """These options resolved against a model of `model_context` tokens, once at start-up: the
+        context cut to the model's, the chunk to the context. A longer chunk would never fill: the
+        KV a stage plans holds one context in all, so the prompts packed into one prefill step never
+        add up to more, while the stage plans a whole chunk's activations (VRAM taken from experts)."""
+        n_ctx = self.n_ctx(model_context)
+        return replace(self, ctx_size=n_ctx, chunk_size=min(self.chunk_size, n_ctx))
+
 
 @dataclass(frozen=True)
 class LayerSplit:

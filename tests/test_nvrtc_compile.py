@@ -2,7 +2,8 @@
 it passes, and every kernel the runtime looks up is found by that name: a plain name must stay
 unmangled (extern "C"), a template must resolve through its name expression. NVRTC differs from
 nvcc (no implicit host headers: `INFINITY` is undefined there), so the nvcc check alone let both
-kinds of mistake through to the GPU. Needs the `nvidia-cuda-nvrtc` wheel (a dev dependency), no GPU.
+kinds of mistake through to the GPU. Needs the `nvidia-cuda-nvrtc` wheel (the `nvrtc` extra) and the CUDA
+headers, no GPU; skips without them.
 """
 
 from __future__ import annotations

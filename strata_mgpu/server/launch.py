@@ -3,8 +3,10 @@ behind it, and on a stop signal end the loading between two layers before the pr
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
+import shutil
 import signal
 import socket
 import threading
@@ -12,23 +14,27 @@ from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
 
+import torch
 import uvicorn
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from strata_mgpu.config import ServerConfig
-from strata_mgpu.engine.build import build_runner, check_placement, cpu_budget_warning
+from strata_mgpu.engine.build import build_runner, check_placement, cpu_budget_warning, resolve_devices
 from strata_mgpu.engine.engine import Engine
+from strata_mgpu.kernels.experts import CudaKernels
 from strata_mgpu.model.gguf_reader import GGUFFile
+from strata_mgpu.model.runner import DecoderRunner
 from strata_mgpu.model.spec import ModelSpec, spec_from_gguf
 from strata_mgpu.model.tokenizer import Tokenizer, tokenizer_from_gguf
 from strata_mgpu.progress import layer_bars
 from strata_mgpu.server.app import ServerState, create_app
 from strata_mgpu.server.body_limit import max_body_bytes
-from strata_mgpu.split.runner import SplitError
+from strata_mgpu.split.runner import SplitError, SplitRunner
 from strata_mgpu.stage.device import DeviceError
 from strata_mgpu.stage.host.pinned import PinError
-from strata_mgpu.stage.memory_plan import PlanError
+from strata_mgpu.stage.memory_plan import MemoryPlan, PlanError
+from strata_mgpu.stage.stage import Stage
 
 log = logging.getLogger("strata.server")
 DEMO_PRESET, DEMO_SEED, DEMO_NAME = "tiny", 0, "strata-demo"
@@ -84,7 +90,55 @@ def config_warnings(config: ServerConfig, spec: ModelSpec) -> list[str]:
     cpu_budget = cpu_budget_warning(config.placement)
     if cpu_budget:
         warnings.append(cpu_budget)
+    hint = cuda_build_hint()
+    if hint and config.placement.devices == ("auto",) and resolve_devices(config.placement)[0].type == "cpu":
+        warnings.append(f"serving on the CPU: {hint}")
     return warnings
+
+
+def cuda_build_hint() -> str | None:
+    """What to do where torch is a CPU build on a machine with an NVIDIA GPU (None elsewhere)."""
+    if torch.version.cuda is not None or not (Path("/dev/nvidia0").exists() or shutil.which("nvidia-smi")):
+        return None
+    return ("torch is a CPU build; install a CUDA build to use the GPU "
+            "(pip uninstall -y torch && pip install torch: PyPI's Linux wheel is the CUDA build)")
+
+
+_DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
+def where_it_runs(runner: DecoderRunner | Stage | SplitRunner) -> str:
+    """One line: each stage's device, dtype and kernels, and on a GPU its VRAM plan."""
+    if isinstance(runner, DecoderRunner):
+        return (f"{runner.model.device} in {_DTYPE_NAMES.get(runner.model.w.dtype, runner.model.w.dtype)}: "
+                f"the torch reference forward (plain torch ops, every expert in host RAM)")
+    stages = runner.stages
+    described = [_stage_line(s, with_layers=len(stages) > 1) for s in stages]
+    return described[0] if len(described) == 1 else f"{len(stages)} stages: " + " | ".join(described)
+
+
+def _stage_line(stage: Stage, with_layers: bool) -> str:
+    dtype = _DTYPE_NAMES.get(stage.model.w.dtype, str(stage.model.w.dtype))
+    kernels = stage.kernels
+    if isinstance(kernels, CudaKernels):
+        path = "CUDA kernels (CuPy/NVRTC" + (", grouped GEMM by torch._grouped_mm)" if kernels.use_grouped_mm
+                                             else ", grouped GEMM expert by expert)")
+    elif stage.ctx.is_cuda:
+        path = "the torch twins of the CUDA kernels (no CuPy: slower; pip install 'strata-mgpu[cuda12]')"
+    else:
+        path = "plain torch ops"
+    where = f"layers {stage.layers.start}-{stage.layers.stop - 1} on " if with_layers else ""
+    line = f"{where}{stage.ctx.device} in {dtype} with {path}"
+    return line + ("; " + vram_plan_line(stage.plan, stage.report.pass_bytes) if stage.ctx.is_cuda else "")
+
+
+def vram_plan_line(plan: MemoryPlan, pass_bytes: int) -> str:
+    """A stage's VRAM plan in one line: what it places of its budget, the experts it keeps resident,
+    what a prompt pass streams, the KV it holds (`strata info --max-vram` prints it line by line)."""
+    budget = f" of {plan.budget / 2**30:.1f}" if plan.budget is not None else ""
+    return (f"VRAM plan {plan.total / 2**30:.1f}{budget} GiB: {plan.resident_per_layer}/{plan.n_experts} experts a "
+            f"layer resident ({plan.resident / 1e9:.2f} GB), a prompt pass streams {pass_bytes / 1e9:.2f} GB, "
+            f"KV {plan.kv_tokens:,} tokens in VRAM")
 
 
 def listening_socket(host: str, port: int) -> socket.socket:
@@ -147,6 +201,7 @@ class Loader:
             engine = Engine(runner, self.tokenizer, config.engine)
             engine.start()
             state.engine = engine
+            log.info("model %s runs on %s", state.model_name, where_it_runs(runner))
             log.info("model %s ready: %d layers, %d experts (%d used), context %d, chunk %d", state.model_name,
                      spec.n_layers, spec.n_experts, spec.n_experts_used, engine.n_ctx, config.engine.chunk_size)
         except LoadCancelled:
@@ -185,9 +240,14 @@ def serve(config: ServerConfig) -> int:
     the signal ended)."""
     setup_logging(config.log_level)
     f, spec, tokenizer = open_model(config.model_path)
-    check_placement(config.placement, spec)
+    try:
+        check_placement(config.placement, spec)
+    except DeviceError as e:
+        hint = cuda_build_hint()
+        raise DeviceError(f"{e}: {hint}" if hint and not torch.cuda.is_available() else str(e)) from None
     for warning in config_warnings(config, spec):
         log.warning(warning)
+    config = dataclasses.replace(config, engine=config.engine.for_model(spec.context_length))  # resolved once
     sock = listening_socket(config.host, config.port)
     state = ServerState(model_name=config.model_name, api_key=config.api_key)
     app = create_app(state, max_body_bytes=max_body_bytes(config.engine.n_ctx(spec.context_length)))
