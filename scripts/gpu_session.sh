@@ -34,6 +34,14 @@
 #   dec32k  decode after a 32K-token prompt against after a 1K one (#12: >= 0.8), at --max-vram 40 and 16
 #   oom16   scripts/oom_probe.py around dec40's bench at --max-vram 16: what holds the memory when the
 #           server-shaped requests run out of it (oom_*.txt)
+#   prefix  the prefix cache: tools/prefix_restore (a 32K prefix back from pinned host RAM and from
+#           VRAM, against one pinned copy and against computing it), then tools/agent_trace against
+#           `strata serve` at --max-vram 16 and 40 (1 and 4 sessions of 10 turns: 4K system prompt,
+#           +1.5K and 150 generated a turn), and at 16 with --no-prefix-cache
+#   prefixkv the 4-session trace with --kv-tokens 98304 (KV cells for all four) at --max-vram 40 and 16
+#   llama   the agent trace against llama-server (.llama/llama-server, built from the llama-cpp-python
+#           sdist's vendor/llama.cpp with CUDA for sm_90; carried), all layers on the card, and with
+#           --n-cpu-moe 18 (about 16 GiB of VRAM)
 #   tol     scripts/tol_probe.py: the fused expert kernels' error against their twin over 200 random
 #           passes per type pair (what FUSED_TOL in tests/test_gpu_quant.py is set from)
 #   kbench  tools/bench_kernels: the fused expert kernels, decode attention and a layer's dequant on
@@ -211,6 +219,54 @@ serve_probe() {  # name, serve args...: a server in the background, the probe, t
   kill $pid 2> /dev/null; wait $pid 2> /dev/null || true
 }
 has serve40 && serve_probe one40 --max-vram 40
+trace() {  # name, serve args...: a server in the background, tools/agent_trace, then SIGTERM
+  local name=$1; shift
+  local port=$((8600 + RANDOM % 300))
+  python3 -m strata_mgpu serve $MODEL "$@" --port $port > "$OUT/serve_$name.log" 2>&1 &
+  local pid=$!
+  for _ in $(seq 1 300); do
+    python3 -c "import httpx, sys; sys.exit(httpx.get('http://127.0.0.1:$port/health').status_code != 200)" \
+      2> /dev/null && break
+    kill -0 $pid 2> /dev/null || break
+    sleep 1
+  done
+  python3 -m strata_mgpu.tools.agent_trace "http://127.0.0.1:$port" ${TRACE_ARGS:-} \
+    --json "$OUT/trace_$name.json" 2>&1 | tee "$OUT/trace_$name.log" || status=1
+  kill $pid 2> /dev/null; wait $pid 2> /dev/null || true
+}
+if has prefix; then
+  python3 -m strata_mgpu.tools.prefix_restore $MODEL --tokens 32768 --json "$OUT/prefix_restore.json" 2>&1 \
+    | tee "$OUT/prefix_restore.log" || status=1
+  trace one16 --max-vram 16 --ctx-size 32768
+  trace one40 --max-vram 40 --ctx-size 32768
+  TRACE_ARGS="--sessions 1" trace one16nocache --max-vram 16 --ctx-size 32768 --no-prefix-cache
+fi
+if has prefixkv; then  # four sessions at once with KV cells for all of them (--kv-tokens), at 40 and 16
+  TRACE_ARGS="--sessions 4" trace one40kv --max-vram 40 --ctx-size 32768 --kv-tokens 98304
+  TRACE_ARGS="--sessions 4" trace one16kv --max-vram 16 --ctx-size 32768 --kv-tokens 98304
+fi
+if has llama; then  # the same traces against llama-server (.llama/llama-server, carried): all on the card, and
+  # at about 16 GiB with the experts of its first layers on the host's cores (--n-cpu-moe)
+  export LD_LIBRARY_PATH=$(python3 -c "import nvidia, os; print(':'.join(os.path.join(p, 'cu13/lib') for p in nvidia.__path__))"):${LD_LIBRARY_PATH:-}
+  llama_trace() {  # name, llama-server args...
+    local name=$1; shift
+    local port=$((8900 + RANDOM % 90))
+    .llama/llama-server -m $MODEL --port $port -c 32768 -np 1 -ngl 99 "$@" > "$OUT/llama_$name.log" 2>&1 &
+    local pid=$!
+    for _ in $(seq 1 300); do
+      python3 -c "import httpx, sys; sys.exit(httpx.get('http://127.0.0.1:$port/health').status_code != 200)" \
+        2> /dev/null && break
+      kill -0 $pid 2> /dev/null || break
+      sleep 1
+    done
+    nvidia-smi --query-gpu=memory.used --format=csv >> "$OUT/llama_$name.log"
+    python3 -m strata_mgpu.tools.agent_trace "http://127.0.0.1:$port" ${TRACE_ARGS:-} \
+      --json "$OUT/trace_llama_$name.json" 2>&1 | tee "$OUT/trace_llama_$name.log" || status=1
+    kill $pid 2> /dev/null; wait $pid 2> /dev/null || true
+  }
+  TRACE_ARGS="--sessions 1" llama_trace all -fa on
+  TRACE_ARGS="--sessions 1" llama_trace cpumoe18 -fa on --n-cpu-moe 18
+fi
 has x2serve && serve_probe two16 --devices 0,1 --layer-split auto --max-vram 16,16
 has serve16long && PROBE_ARGS="--prompt-tokens 1000,32000,40000 --max-tokens 64 --chats 8" serve_probe one16long --max-vram 16
 if has graphs8; then

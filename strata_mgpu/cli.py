@@ -392,17 +392,26 @@ def topo() -> None:
 @click.option("--arrival-gap-ms", default=2.0, show_default=True, type=click.FloatRange(0, 100),
               help="an idle server's first request waits while more arrive at most this far apart (up to 8 "
                    "gaps), so a burst's prompts run as one prefill; 0: start at once")
+@click.option("--prefix-cache/--no-prefix-cache", default=True, show_default=True,
+              help="keep conversations' KV blocks so a turn computes only what is new")
+@click.option("--cache-ram", default=8.0, show_default=True, type=click.FloatRange(min=0), metavar="GiB",
+              help="host RAM for prefix-cache blocks moved out of VRAM (at most half the RAM free at start)")
+@click.option("--kv-tokens", default=None, type=click.IntRange(min=1),
+              help="KV cells kept in VRAM for all requests together (default: one --ctx-size); more lets "
+                   "long conversations run at once, at the cost of resident experts")
 @click.option("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
 @click.option("--alias", default=None, help="model name clients use (default: the file name)")
+@click.option("--reasoning-format", type=click.Choice(["deepseek", "none"]), default="deepseek", show_default=True,
+              help="deepseek: <think> blocks go to reasoning_content; none: they stay in the content")
 @devices_option
 @layer_split_option
 @max_vram_option
 @dtype_option
 @help_options
 def serve(model: Path | None, host: str, port: int, ctx_size: int | None, chunk_size: int, max_running: int,
-          arrival_gap_ms: float,
-          api_key: str | None, alias: str | None, devices: str, layer_split: str, max_vram: str | None,
-          dtype: str, prefill_help: bool | None, prefill_help_frac: str | None) -> None:
+          arrival_gap_ms: float, prefix_cache: bool, cache_ram: float, kv_tokens: int | None,
+          api_key: str | None, alias: str | None, reasoning_format: str, devices: str, layer_split: str,
+          max_vram: str | None, dtype: str, prefill_help: bool | None, prefill_help_frac: str | None) -> None:
     """OpenAI-compatible server. With no MODEL, serves a small built-in demo model.
 
     Ctrl+C or SIGTERM stop it (a load in progress ends after its current layer); the exit status is
@@ -424,9 +433,10 @@ def serve(model: Path | None, host: str, port: int, ctx_size: int | None, chunk_
             model = launch.demo_model_path(environment.demo_dir)
             alias = alias or launch.DEMO_NAME
         config = ServerConfig(model_path=model, host=host, port=port, api_key=api_key, alias=alias,
-                              log_level=environment.log_level,
+                              log_level=environment.log_level, reasoning_format=reasoning_format,
                               engine=EngineConfig(ctx_size=ctx_size, chunk_size=chunk_size, max_running=max_running,
-                                                  arrival_gap_ms=arrival_gap_ms),
+                                                  arrival_gap_ms=arrival_gap_ms, prefix_cache=prefix_cache,
+                                                  cache_ram_gib=cache_ram, kv_tokens=kv_tokens),
                               placement=_placement(devices, layer_split, max_vram, dtype,
                                                    prefill_help=prefill_help, prefill_help_frac=prefill_help_frac))
         status = launch.serve(config)

@@ -18,6 +18,10 @@ class EngineConfig:
     # An idle engine's first arrival waits while more come in at most this far apart (at most
     # ARRIVAL_WINDOW_TURNS of them), so a burst packs into one prefill: 0 turns it off
     arrival_gap_ms: float = 2.0
+    prefix_cache: bool = True  # keep full KV blocks of conversations for the next turn (--no-prefix-cache)
+    cache_ram_gib: float = 8.0  # the prefix cache's host-RAM tier (--cache-ram), llama-server's default
+    prefix_block_tokens: int = 64  # tokens a cached block holds: a continuation recomputes fewer than this
+    kv_tokens: int | None = None  # KV cells in VRAM for all sequences together (--kv-tokens); None: one context
 
     def __post_init__(self) -> None:
         if self.ctx_size is not None and self.ctx_size < 1:
@@ -28,9 +32,20 @@ class EngineConfig:
             raise ValueError(f"max running must be positive, got {self.max_running}")
         if not 0 <= self.arrival_gap_ms <= 100:
             raise ValueError(f"arrival gap {self.arrival_gap_ms} ms: expected 0 to 100")
+        if self.cache_ram_gib < 0:
+            raise ValueError(f"--cache-ram {self.cache_ram_gib:g}: expected 0 or more GiB")
+        if self.prefix_block_tokens < 1:
+            raise ValueError(f"prefix block of {self.prefix_block_tokens} tokens: expected 1 or more")
+        if self.kv_tokens is not None and self.kv_tokens < 1:
+            raise ValueError(f"--kv-tokens {self.kv_tokens}: expected 1 or more")
 
     def n_ctx(self, model_context: int) -> int:
         return min(self.ctx_size, model_context) if self.ctx_size else model_context
+
+    def kv_cells(self, model_context: int) -> int:
+        """KV cells a stage plans in VRAM for all sequences together: `kv_tokens`, else one context
+        (never fewer than one context: a sequence of the whole context must fit)."""
+        return max(self.kv_tokens or 0, self.n_ctx(model_context))
 
     def for_model(self, model_context: int) -> EngineConfig:
         """These options resolved against a model of `model_context` tokens, once at start-up: the
@@ -143,6 +158,7 @@ class ServerConfig:
     engine: EngineConfig = field(default_factory=EngineConfig)
     placement: Placement = field(default_factory=Placement)
     log_level: str = "INFO"
+    reasoning_format: str = "deepseek"  # deepseek: <think> blocks -> reasoning_content; none: left in the content
 
     @property
     def model_name(self) -> str:

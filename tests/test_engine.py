@@ -290,6 +290,20 @@ class ScriptedKV:
         assert self.length <= self.max_length, "the engine ran a sequence past its context"
 
 
+class NoBlocks:
+    """The scripted sequences hold no rows: the prefix cache finds nothing to keep."""
+
+    block_tokens, block_bytes, host_tier = 4, 1, False
+
+    def cacheable(self, kv) -> bool:
+        return False
+
+    def save(self, kv, index):
+        raise AssertionError("a sequence that is not cacheable was saved from")
+
+    offload = load = save
+
+
 @dataclass
 class ScriptedRunner:
     """Every sequence generates `script`, greedily: each call's logits put the mass on the
@@ -314,6 +328,9 @@ class ScriptedRunner:
 
     def new_sequence(self, max_length: int) -> ScriptedKV:
         return ScriptedKV(max_length)
+
+    def kv_blocks(self, block_tokens: int) -> NoBlocks:
+        return NoBlocks()
 
     def _row(self, kv: ScriptedKV) -> torch.Tensor:
         row = torch.zeros(self.spec.vocab_size)

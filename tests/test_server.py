@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
+import math
 import re
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
+import jsonschema
 import openai
 import pytest
 
@@ -189,3 +191,100 @@ def test_invalid_json_unknown_model_and_auth(server, client):
         openai.OpenAI(base_url=base + "/v1", api_key="wrong", max_retries=0).models.list()
     assert httpx.get(base + "/v1/models").status_code == 401
     assert httpx.get(base + "/health").status_code == 200  # health needs no key
+
+
+# -- agents: tools, structured outputs, logprobs on the random demo model ------------------------------
+
+WEATHER_ARGS = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 16},
+                                                 "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+                "required": ["city", "days"], "additionalProperties": False}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",
+                                           "parameters": WEATHER_ARGS}},
+         {"type": "function", "function": {"name": "get_time", "parameters": {
+             "type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"],
+             "additionalProperties": False}}}]
+NO_THINKING = {"chat_template_kwargs": {"enable_thinking": False}}  # a random model could think to max_tokens
+
+
+@pytest.fixture(scope="module")
+def agents(tiny_gguf, tmp_path_factory):
+    """A server with room for tool definitions in the prompt (the tiny vocabulary spells them long)."""
+    log = tmp_path_factory.mktemp("agents") / "server.log"
+    args = [str(tiny_gguf), "--api-key", API_KEY, "--alias", MODEL, "--ctx-size", "4096", "--chunk-size", "256",
+            "--devices", "cpu"]
+    with running_server(args, log) as base:
+        yield openai.OpenAI(base_url=base + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
+
+
+def test_a_required_tool_call_round_trip(agents):
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+    r = agents.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS, tool_choice="required",
+                                       temperature=0, max_tokens=120, extra_body=NO_THINKING)
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.tool_calls, choice
+    for call in choice.message.tool_calls:
+        assert call.type == "function" and call.id.startswith("call_")
+        schema = next(t["function"]["parameters"] for t in TOOLS if t["function"]["name"] == call.function.name)
+        jsonschema.validate(json.loads(call.function.arguments), schema)
+    follow = [*messages, choice.message.model_dump(exclude_none=True),
+              *({"role": "tool", "tool_call_id": c.id, "content": "sunny, 21 C"} for c in choice.message.tool_calls)]
+    r2 = agents.chat.completions.create(model=MODEL, messages=follow, tools=TOOLS, temperature=0, max_tokens=8,
+                                        extra_body={"ignore_eos": True})
+    assert r2.choices[0].finish_reason in ("length", "tool_calls", "stop")
+    assert r2.usage.prompt_tokens > r.usage.prompt_tokens + r.usage.completion_tokens  # the call and its result
+
+
+def test_a_named_tool_call_streams_and_reassembles(agents):
+    kw = dict(model=MODEL, messages=[{"role": "user", "content": "Time in Berlin?"}], tools=TOOLS,
+              tool_choice={"type": "function", "function": {"name": "get_weather"}}, parallel_tool_calls=False,
+              temperature=0.8, seed=11, max_tokens=120, extra_body=NO_THINKING)
+    with agents.chat.completions.stream(**kw) as stream:
+        events = list(stream)
+        final = stream.get_final_completion()
+    (call,) = final.choices[0].message.tool_calls
+    assert final.choices[0].finish_reason == "tool_calls" and call.function.name == "get_weather"
+    jsonschema.validate(json.loads(call.function.arguments), WEATHER_ARGS)
+    assert [e for e in events if e.type == "tool_calls.function.arguments.delta"]
+    whole = agents.chat.completions.create(**kw)
+    assert whole.choices[0].message.tool_calls[0].function.arguments == call.function.arguments  # seeded: the same
+
+
+def test_json_schema_and_json_object_answers_are_valid_json(agents):
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20},
+                                               "age": {"type": "integer", "minimum": 0, "maximum": 120},
+                                               "pets": {"type": "array", "items": {"enum": ["cat", "dog"]},
+                                                        "maxItems": 3}},
+              "required": ["name", "age", "pets"], "additionalProperties": False}
+    for seed in (0, 1):
+        person = {"type": "json_schema", "json_schema": {"name": "person", "schema": schema, "strict": True}}
+        r = chat(agents, "Describe a person as JSON.", temperature=1.0, seed=seed, max_tokens=150,
+                 extra_body=NO_THINKING, response_format=person)
+        assert r.choices[0].finish_reason == "stop", r
+        jsonschema.validate(json.loads(r.choices[0].message.content), schema)
+    r = chat(agents, "Any JSON object.", temperature=0, max_tokens=150, extra_body=NO_THINKING,
+             response_format={"type": "json_object"})
+    if r.choices[0].finish_reason == "stop":  # a free object may run to max_tokens: the documented exception
+        assert isinstance(json.loads(r.choices[0].message.content), dict)
+
+
+def test_logprobs_over_the_wire(agents):
+    """Both shapes from a served model (its CPU stage computes experts with ggml's quantized dots, so
+    its logits are not the fp32 oracle's: the log-softmax itself is checked against the oracle's
+    logits within 1e-5 in-process, tests/test_agents_engine.py). Greedy: each token is its top
+    alternative; alternatives sorted; offsets run over the text."""
+    r = agents.completions.create(model=MODEL, prompt=[1100, 700, 42, 9, 301, 77], max_tokens=6, temperature=0,
+                                  logprobs=3, extra_body={"ignore_eos": True})
+    lp = r.choices[0].logprobs
+    assert "".join(lp.tokens) == r.choices[0].text and len(lp.tokens) == 6
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(6)]
+    for text, got, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, strict=True):
+        assert len(top) == 3 and max(top.values()) == pytest.approx(got, abs=1e-6) and top[text] == got
+        assert sum(math.exp(v) for v in top.values()) <= 1 + 1e-6 and got < 0
+    c = chat(agents, "Top logprobs", max_tokens=4, temperature=0.7, seed=3, logprobs=True, top_logprobs=5,
+             extra_body={"ignore_eos": True})
+    entries = c.choices[0].logprobs.content
+    assert len(entries) == 4 and "".join(e.token for e in entries) == c.choices[0].message.content
+    for entry in entries:
+        values = [t.logprob for t in entry.top_logprobs]
+        assert len(values) == 5 and values == sorted(values, reverse=True) and entry.logprob <= values[0] + 1e-6
+        assert bytes(entry.bytes) == entry.token.encode() or "\ufffd" in entry.token

@@ -1,6 +1,7 @@
 """The engine's sampler: every row of a batch drawn on the logits' device in one pass.
 
-Shape legend: B = rows, V = vocab, P = rows with penalties.
+Shape legend: B = rows, V = vocab, P = rows with penalties, M = rows under a grammar, W = mask
+words (ceil(V / 32)), L = rows that report logprobs, K = the most alternatives one of them asks.
 
 `tests/sampling_twin.Sampler` is the plain twin (one request, on the host); this draws from the same
 distribution per row: penalties, temperature, top-k, top-p, min-p; greedy rows (temperature 0)
@@ -12,15 +13,22 @@ Randomness is counter-based, so a request's draws depend on nothing but itself: 
 a request sits in, not its neighbours, not whether the batch needed a sort change a token. A
 row's token wins an exponential race, argmax_i(log p_i - log E_i) with E_i = -log u_i i.i.d.
 Exp(1), which picks i with probability p_i (the Gumbel-max trick); filtered tokens sit out.
+
+Before the draw, in this order: penalties, logit biases, then the grammar's mask (rows under a
+grammar only: its bits are computed on the host from the row's matcher, which the engine has
+advanced by every token drawn before, and expanded on the device; a disallowed token's logit is
+-inf). Logprobs (rows that ask only) are the log-softmax of the model's logits as they came in,
+before any of those: the model's distribution, as OpenAI reports it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
+from strata_mgpu.engine.grammar import GrammarMatcher, allowed_tokens, fill_bitmasks, mask_words
 from strata_mgpu.engine.sampler import SamplingParams
 
 MASK32 = 0xFFFFFFFF
@@ -69,6 +77,8 @@ class DrawState:
     seed: int
     n_drawn: int = 0  # the index of the next draw (counts drawn tokens, discarded ones too)
     slot: int | None = None  # the request's row of the token-count table (penalized requests only)
+    grammar: GrammarMatcher | None = None  # where the request stands in its grammar (advanced as tokens land)
+    landed_logprobs: list[TokenLogprobs] = field(default_factory=list)  # landed, not yet in an output
 
     @property
     def greedy(self) -> bool:
@@ -82,6 +92,25 @@ class DrawState:
     def needs_sort(self) -> bool:
         """top-k and top-p cut by rank; min-p needs only the row's maximum."""
         return not self.greedy and (self.params.top_k > 0 or self.params.top_p < 1.0)
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """A drawn token's logprob and the most likely alternatives', under the model's distribution."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]  # (token id, logprob), most likely first
+
+
+@dataclass
+class Draw:
+    """One `BatchSampler.draw`: a token per row, and the logprobs of the rows that ask for them."""
+
+    tokens: torch.Tensor  # [B] int64 on the logits' device
+    logprob_rows: list[int] = field(default_factory=list)  # the rows of `logprobs`, in order
+    top_counts: list[int] = field(default_factory=list)  # alternatives each of those rows asked for
+    logprobs: torch.Tensor | None = None  # [L, 1 + 2K] fp64 on the device: drawn token's, top K ids, top K's
 
 
 class BatchSampler:
@@ -100,7 +129,8 @@ class BatchSampler:
 
     def open(self, params: SamplingParams) -> DrawState:
         seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, ()).item())
-        state = DrawState(params=params, seed=seed)
+        state = DrawState(params=params, seed=seed,
+                          grammar=params.grammar.matcher() if params.grammar is not None else None)
         if state.penalized:
             if self._free_slots:
                 state.slot = self._free_slots.pop()
@@ -111,6 +141,7 @@ class BatchSampler:
     def close(self, state: DrawState) -> None:
         """The request is done: its count row is zeroed (queued behind the draws that wrote it) and
         given back."""
+        state.grammar = None
         if state.slot is None:
             return
         if self._counts is not None and state.slot < self._counts.shape[0]:
@@ -120,10 +151,14 @@ class BatchSampler:
 
     def sample(self, logits: torch.Tensor, states: Sequence[DrawState]) -> torch.Tensor:
         """logits [B, V] (row i belongs to states[i]) -> token ids [B] int64 on the same device."""
+        return self.draw(logits, states).tokens
+
+    def draw(self, logits: torch.Tensor, states: Sequence[DrawState]) -> Draw:
+        """logits [B, V] (row i belongs to states[i]) -> a token per row, and the logprobs asked for."""
         n_rows, vocab = logits.shape
         assert n_rows == len(states) > 0
         device = logits.device
-        logits = logits.float()
+        model_logits = logits = logits.float()  # never written in place: the caller's, and the logprobs'
         table = self._params_table(states, device)  # [B, 8] fp64
         pen_rows = [i for i, s in enumerate(states) if s.penalized]
         pen_index = None
@@ -133,6 +168,8 @@ class BatchSampler:
             rows = table[pen_index[:, 0]].float()
             penalty = rows[:, 4:5] * (counts > 0) + rows[:, 5:6] * counts
             logits = logits.index_add(0, pen_index[:, 0], penalty, alpha=-1.0)
+        logits = _biased(logits, states)
+        logits = _masked(logits, states)
         if all(s.greedy for s in states):
             tokens = logits.argmax(-1)
         else:
@@ -145,7 +182,7 @@ class BatchSampler:
             self._counts.index_put_(cells, self._counts[cells] + 1)
         for s in states:
             s.n_drawn += 1
-        return tokens
+        return _with_logprobs(Draw(tokens), model_logits, states)
 
     def _draw(self, logits: torch.Tensor, table: torch.Tensor, sort: bool) -> torch.Tensor:
         """Penalized logits [B, V], parameters [B, 8] -> a drawn token per row [B]."""
@@ -197,6 +234,58 @@ class BatchSampler:
         if h is None or h.shape[0] != vocab or h.device != device:
             h = self._vocab_hash = mix32(torch.arange(vocab, dtype=torch.long, device=device))
         return h
+
+
+def _biased(logits: torch.Tensor, states: Sequence[DrawState]) -> torch.Tensor:
+    """Each row's logit biases added (one upload for the batch)."""
+    cells = [(i, token, bias) for i, s in enumerate(states) for token, bias in s.params.logit_bias]
+    if not cells:
+        return logits
+    table = _upload([list(c) for c in cells], torch.float64, logits.device)  # [N, 3]: row, token, bias
+    index = (table[:, 0].long(), table[:, 1].long())
+    return logits.index_put(index, table[:, 2].float(), accumulate=True)
+
+
+def _masked(logits: torch.Tensor, states: Sequence[DrawState]) -> torch.Tensor:
+    """Rows under a grammar keep only the tokens it allows next. A grammar that is done (its
+    request ended as the step before landed) masks nothing: that row's token is dropped anyway."""
+    rows = [i for i, s in enumerate(states) if s.grammar is not None and not s.grammar.done]
+    if not rows:
+        return logits
+    vocab = logits.shape[1]
+    bits = torch.empty((len(rows), mask_words(vocab)), dtype=torch.int32,
+                       pin_memory=logits.device.type == "cuda")  # [M, W]
+    fill_bitmasks([_matcher(states[i]) for i in rows], bits)
+    index = _upload([rows], torch.long, logits.device)[0]  # [M]
+    allowed = allowed_tokens(bits.to(logits.device, non_blocking=True), vocab)  # [M, V]
+    return logits.index_copy(0, index, logits.index_select(0, index).masked_fill(~allowed, float("-inf")))
+
+
+def _with_logprobs(drawn: Draw, model_logits: torch.Tensor, states: Sequence[DrawState]) -> Draw:
+    """The drawn tokens' logprobs and the top alternatives, for the rows that ask (log-softmax of
+    the model's logits, on the device; one table comes back with the tokens)."""
+    rows = [i for i, s in enumerate(states) if s.params.logprobs is not None]
+    if not rows:
+        return drawn
+    counts = [_top_count(states[i]) for i in rows]
+    k = max(counts)
+    index = _upload([rows], torch.long, model_logits.device)[0]  # [L]
+    logprobs = torch.log_softmax(model_logits.index_select(0, index), dim=-1)  # [L, V]
+    chosen = logprobs.gather(1, drawn.tokens.index_select(0, index)[:, None])  # [L, 1]
+    top = logprobs.topk(k, dim=-1)  # sorted, most likely first: [L, K] each
+    drawn.logprob_rows, drawn.top_counts = rows, counts
+    drawn.logprobs = torch.cat([chosen.double(), top.indices.double(), top.values.double()], dim=1)
+    return drawn
+
+
+def _top_count(state: DrawState) -> int:
+    assert state.params.logprobs is not None
+    return state.params.logprobs
+
+
+def _matcher(state: DrawState) -> GrammarMatcher:
+    assert state.grammar is not None
+    return state.grammar
 
 
 def _slot(state: DrawState) -> int:

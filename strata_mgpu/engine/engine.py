@@ -13,10 +13,17 @@ waits for the host's text work.
 The host learns a token one step after it was drawn. EOS and stop strings are therefore known a
 step late: a request that stopped at step n has had its step n+1 launched too, and that token is
 dropped when it lands (its KV row is written, within prompt + max_tokens). The length limit is
-known from the count alone and costs no extra step.
+known from the count alone and costs no extra step. A row under a grammar cannot wait a step:
+its mask needs the token drawn before it, so a decode step with such a row lands the step in
+flight between its forward and its draw (`_decode`); its grammar's end stops it at once.
 
 A model call that fails ends its requests with an error once the step in flight has landed (the
 tokens drawn before the failure are theirs); the engine goes on with the others.
+
+The prefix cache (`PrefixCache`, unless `config.prefix_cache` is off): admission matches a prompt
+against it, the first chunk's launch copies the matched blocks into the new sequence and computes
+only the rest; a prompt's full blocks are saved when it has been computed, and its answer's when
+it ends normally (`OutputProcessor.finish`).
 
 A background thread calls `step()` while there is work; `submit` and `abort` may be called from
 any thread.
@@ -26,17 +33,20 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from typing import Any, TypeVar
 
 import torch
 
 from strata_mgpu.config import EngineConfig
-from strata_mgpu.engine.device_sampler import BatchSampler
+from strata_mgpu.engine.device_sampler import BatchSampler, Draw
 from strata_mgpu.engine.metrics import EngineMetrics
 from strata_mgpu.engine.output import OutputProcessor
+from strata_mgpu.engine.prefix_cache import PrefixCache
 from strata_mgpu.engine.request import ContextOverflow, Failure, Phase, Request, RequestOutput, Timings
 from strata_mgpu.engine.runner import ModelRunner
 from strata_mgpu.engine.sampler import SamplingParams, StopMatcher
@@ -60,8 +70,11 @@ class Engine:
         self.n_ctx = min(config.n_ctx(runner.spec.context_length), runner.max_context)
         self.metrics = metrics or EngineMetrics()
         self.sampler = BatchSampler()
-        self.output = OutputProcessor(tokenizer, self.sampler, self.metrics)
-        self.scheduler = Scheduler(runner, config, self.n_ctx, self.sampler, self.output, self.metrics)
+        self.prefix = make_prefix_cache(runner, config)
+        if self.prefix is not None:
+            self.metrics.watch_prefix_cache(self.prefix)
+        self.output = OutputProcessor(tokenizer, self.sampler, self.metrics, self.prefix)
+        self.scheduler = Scheduler(runner, config, self.n_ctx, self.sampler, self.output, self.metrics, self.prefix)
         self._in_flight: StepTokens | None = None  # the last step's tokens, not yet on the host
         self._failed: list[tuple[list[Request], Failure]] = []  # this step's failed calls: their requests, why
         self._ids = itertools.count()
@@ -76,8 +89,13 @@ class Engine:
             raise ValueError("the prompt is empty")
         if len(prompt) + params.max_tokens > self.n_ctx:
             raise ContextOverflow(len(prompt), params.max_tokens, self.n_ctx)
-        if any(not 0 <= t < self.runner.spec.vocab_size for t in prompt):
-            raise ValueError(f"prompt token ids must be in 0..{self.runner.spec.vocab_size - 1}")
+        vocab = self.runner.spec.vocab_size
+        if any(not 0 <= t < vocab for t in prompt):
+            raise ValueError(f"prompt token ids must be in 0..{vocab - 1}")
+        if any(not 0 <= t < vocab for t, _ in params.logit_bias):
+            raise ValueError(f"logit_bias: token ids must be in 0..{vocab - 1}")
+        if params.grammar is not None and params.grammar.vocab_size != vocab:
+            raise ValueError(f"the grammar was compiled for {params.grammar.vocab_size} tokens, the model has {vocab}")
         rid = request_id or f"req-{next(self._ids)}"
         self.scheduler.add(Request(id=rid, prompt=list(prompt), params=params, on_output=on_output,
                                    detok=self.tokenizer.detokenizer(), stops=StopMatcher(params.stop)))
@@ -86,6 +104,10 @@ class Engine:
     def abort(self, request_id: str) -> None:
         """Stop a request and free its KV cache at the next step (within one step's time)."""
         self.scheduler.abort(request_id)
+
+    def reset_prefix_cache(self) -> Future[int]:
+        """Drop the prefix cache at the next step; the future gets the blocks dropped."""
+        return self.scheduler.reset_prefix_cache()
 
     def start(self) -> None:
         """Capture the runner's decode graphs (where it has them), then serve from a thread."""
@@ -169,6 +191,7 @@ class Engine:
                 firsts = self._guarded(done, lambda: StepTokens.send(done, first, 0, time.perf_counter()))
                 if firsts is not None:
                     self._land(firsts)
+                self._guarded(done, lambda: self._save_prompts(done))
         t_decode = time.perf_counter()
         decoding = [r for r in plan.decode if r.phase is Phase.DECODE]  # not failed, not ended by its first token
         if not decoding:
@@ -178,15 +201,18 @@ class Engine:
             return None
         return self._guarded(decoding, lambda: StepTokens.send(decoding, tokens, len(decoding), t_decode))
 
-    def _prefill(self, pack: list[PrefillChunk]) -> tuple[list[Request], torch.Tensor] | None:
+    def _prefill(self, pack: list[PrefillChunk]) -> tuple[list[Request], Draw] | None:
         """Run the pack's chunks; the prompts now complete and their first tokens, drawn (None: none
         complete)."""
         for chunk in pack:
             req = chunk.request
             if req.kv is None:
-                req.kv = self.runner.new_sequence(req.kv_tokens)  # never more than admission counted
                 req.t_first_chunk = time.perf_counter()
                 req.timings.queue_ms = 1e3 * (req.t_first_chunk - req.t_submit)
+                req.kv = self.runner.new_sequence(req.kv_tokens)  # never more than admission counted
+                if req.prefix is not None:
+                    assert self.prefix is not None and chunk.start == req.prefix.n_tokens
+                    self.prefix.restore(req.kv, req.prefix)
         t0 = time.perf_counter()
         tensors = [torch.tensor(chunk.tokens, dtype=torch.long) for chunk in pack]
         logits: torch.Tensor | None
@@ -204,20 +230,61 @@ class Engine:
         done = [chunk.request for chunk in pack if chunk.ends_prompt]
         if not done:
             return None
+
         assert all(chunk.ends_prompt for chunk in pack[1:]), "only a pack's first chunk may leave its prompt unfinished"
         assert logits is not None, "a prompt's last chunk returns its logits"
-        tokens = self.sampler.sample(logits[len(pack) - len(done):], [r.draw_state for r in done])  # [N]
+        drawn = self.sampler.draw(logits[len(pack) - len(done):], [r.draw_state for r in done])
+        tokens = drawn.tokens  # [N]
         for i, req in enumerate(done):
             req.phase = Phase.DECODE
             req.last_token = tokens[i:i + 1]
-        return done, tokens
+        return done, drawn
 
-    def _decode(self, reqs: list[Request]) -> torch.Tensor:
-        """One decode step for reqs, fed their last drawn tokens; their next tokens [B] (device)."""
+    def _save_prompts(self, done: list[Request]) -> None:
+        """The prefix cache keeps the full blocks of prompts just computed (after their first tokens
+        went out: the copies' launches are not on their time to first token), so requests that
+        share their start find them from now on."""
+        if self.prefix is None:
+            return
+        for req in done:
+            if req.kv is not None:  # not ended by its first token
+                self.prefix.insert(req.kv, req.prompt, len(req.prompt))
+        self.scheduler.fit_prefix_cache()
+
+    def _decode(self, reqs: list[Request]) -> Draw:
+        """One decode step for reqs, fed their last drawn tokens; their next tokens [B] (device).
+
+        A row under a grammar needs its matcher advanced by the token drawn last step before its
+        mask is computed, and the host has not seen that token yet: with such a row in the batch,
+        the step in flight lands here, after this step's forward is queued and before its draw
+        (the host's landing and the masks then run while the device computes the forward)."""
         kvs = [r.kv_state for r in reqs]
         fed = torch.cat([r.decode_input for r in reqs])  # [B], where the draws left them
         logits = self.runner.decode(kvs, fed)
-        tokens = self.sampler.sample(logits, [r.draw_state for r in reqs])
+        if self._in_flight is not None and any(r.draw_state.grammar is not None for r in reqs):
+            landing, self._in_flight = self._in_flight, None
+            self._land(landing)  # may end rows of this batch: their tokens are dropped as they land
+        drawn = self.sampler.draw(logits, [r.draw_state for r in reqs])
         for i, r in enumerate(reqs):
-            r.last_token = tokens[i:i + 1]
-        return tokens
+            if r.phase is not Phase.DONE:
+                r.last_token = drawn.tokens[i:i + 1]
+        return drawn
+
+
+def make_prefix_cache(runner: ModelRunner[Any], config: EngineConfig) -> PrefixCache | None:
+    """The engine's prefix cache (None where `config.prefix_cache` is off): blocks of
+    `config.prefix_block_tokens`, a host tier of `--cache-ram` bounded by half the RAM free now
+    (the expert arena is already in it), as a cache may not crowd out what the process needs."""
+    if not config.prefix_cache:
+        return None
+    asked = int(config.cache_ram_gib * (1 << 30))
+    free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    host_bytes = min(asked, free // 2)
+    if host_bytes < asked:
+        log.warning("--cache-ram %.1f GiB: the host holds %.1f GiB free, so the prefix cache keeps at most %.1f GiB "
+                    "there", config.cache_ram_gib, free / (1 << 30), host_bytes / (1 << 30))
+    cache = PrefixCache(runner.kv_blocks(config.prefix_block_tokens), host_bytes=host_bytes)
+    where = "host RAM" if cache.store.host_tier else "memory"
+    log.info("prefix cache: blocks of %d tokens (%.1f MiB), up to %d in %s beside the device's KV budget",
+             cache.block_tokens, cache.store.block_bytes / (1 << 20), cache.host_blocks, where)
+    return cache

@@ -1,15 +1,17 @@
 """The host's side of a step: its drawn tokens turned into text, stops, outputs and ends.
 
 `OutputProcessor.land(step)` waits for a step's tokens on the host, then for each row still
-running: the prompt's timings end at its first token; the token is detokenized and fed to the
-stop strings; EOS (unless ignored), a stop string or `max_tokens` finish the request, else its
-text (possibly empty, mid-character) goes to its callback. A row already done when its token
+running: the prompt's timings end at its first token; the token advances the request's grammar
+(if it has one), is detokenized and fed to the stop strings; EOS (unless ignored), a stop string,
+the grammar's end or `max_tokens` finish the request, else its text (possibly empty,
+mid-character) goes to its callback, with the token's logprobs where asked for. A row already done when its token
 lands (it stopped, or was aborted, after the step was launched) drops the token: the one-step-late
 stop. An error of the device work surfaces in the wait and ends the step's rows.
 
-`finish` is the one way a request ends: its KV is freed by dropping the reference, its draw state
-goes back to the sampler, its `Timings` close, the per-request log line and the finish metric
-are written, and (unless it was aborted) its last output is sent. Calls come from the engine's
+`finish` is the one way a request ends: the prefix cache keeps its full blocks (prompt and
+answer, where it ended normally), its KV is freed by dropping the reference, its draw state goes
+back to the sampler, its `Timings` close, the per-request log line and the finish metric are
+written, and (unless it was aborted) its last output is sent. Calls come from the engine's
 thread.
 """
 
@@ -18,8 +20,9 @@ from __future__ import annotations
 import logging
 import time
 
-from strata_mgpu.engine.device_sampler import BatchSampler
+from strata_mgpu.engine.device_sampler import BatchSampler, TokenLogprobs
 from strata_mgpu.engine.metrics import EngineMetrics
+from strata_mgpu.engine.prefix_cache import PrefixCache
 from strata_mgpu.engine.request import Failure, Phase, Request, RequestOutput
 from strata_mgpu.engine.step_tokens import StepTokens
 from strata_mgpu.model.tokenizer import Tokenizer
@@ -28,16 +31,19 @@ log = logging.getLogger("strata.engine")
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer: Tokenizer, sampler: BatchSampler, metrics: EngineMetrics):
+    def __init__(self, tokenizer: Tokenizer, sampler: BatchSampler, metrics: EngineMetrics,
+                 prefix: PrefixCache | None = None):
         self.tokenizer = tokenizer
         self.sampler = sampler
         self.metrics = metrics
+        self.prefix = prefix
         self._t_landed = 0.0  # when the last step's tokens reached the host
 
     def land(self, step: StepTokens) -> None:
         """Wait for the step's tokens, then text, stops and outputs."""
         try:
             ids = step.wait()
+            logprobs = step.logprobs()
         except Exception as e:  # an error of the device work surfaces here
             self.fail(step.rows, Failure.of(e))
             return
@@ -50,7 +56,7 @@ class OutputProcessor:
             if not req.t_prompt_done:
                 self._prompt_done(req, now)
             n_decoded += i >= first_decode_row
-            self._accept(req, token)
+            self._accept(req, token, logprobs.get(i))
         if step.n_decode_rows:
             # steps overlap: one launched before the last landing is timed from it, so no time counts twice
             dt = max(now - max(step.t_decode, self._t_landed), 1e-9)
@@ -67,23 +73,28 @@ class OutputProcessor:
     def _prompt_done(self, req: Request, now: float) -> None:
         """The prompt's first token has reached the host: the prompt's timings end here."""
         req.t_prompt_done = now
-        req.timings.prompt_n = len(req.prompt)
+        req.timings.cache_n = req.n_cached
+        req.timings.prompt_n = len(req.prompt) - req.n_cached  # computed, as llama-server counts it
         req.timings.prompt_ms = 1e3 * (now - req.t_first_chunk)
-        self.metrics.prefill_tps.set(len(req.prompt) / max(now - req.t_first_chunk, 1e-9))
+        self.metrics.prefill_tps.set(req.timings.prompt_n / max(now - req.t_first_chunk, 1e-9))
 
-    def _accept(self, req: Request, token: int) -> None:
-        """A new token for `req`: emit its text, or finish on EOS, a stop string or the limit."""
+    def _accept(self, req: Request, token: int, logprobs: TokenLogprobs | None = None) -> None:
+        """A new token for `req`: emit its text, or finish on EOS, a stop string, the grammar's end
+        or the limit. Its logprobs (where asked for) go out with its text."""
         req.generated.append(token)
         self.metrics.generated_tokens.inc()
         if token in self.tokenizer.eot_ids and not req.params.ignore_eos:
             self.finish(req, "stop", tail=req.stops.flush())
             return
+        if logprobs is not None:
+            req.draw_state.landed_logprobs.append(logprobs)
+        grammar_ended = _grammar_ends(req, token)
         text, stopped = req.stops.feed(req.detok.push(token))
         if stopped:
             self.finish(req, "stop", text=text, token=token)
-        elif len(req.generated) >= req.params.max_tokens:
+        elif grammar_ended or len(req.generated) >= req.params.max_tokens:
             text += req.stops.feed(req.detok.flush())[0] + req.stops.flush()
-            self.finish(req, "length", text=text, token=token)
+            self.finish(req, "stop" if grammar_ended else "length", text=text, token=token)
         else:  # also with no text (mid-character): every token is reported once
             req.on_output(_output(req, text, [token]))
 
@@ -92,6 +103,7 @@ class OutputProcessor:
         """End `req` for `reason` ('stop', 'length', 'abort' or 'error'); `notify=False`: no last output."""
         was_queued = req.phase is Phase.WAITING
         req.phase = Phase.DONE
+        self._keep_blocks(req, reason)
         req.kv = None  # frees the cache now
         req.last_token = None
         if req.draw is not None:
@@ -101,14 +113,11 @@ class OutputProcessor:
             req.timings.predicted_n = len(req.generated)
             req.timings.predicted_ms = 1e3 * (end - req.t_prompt_done)
         self.metrics.requests.labels(finish_reason=reason).inc()
-        t = req.timings
         if was_queued:
             log.info("%s: prompt %d tok, queued %.1f ms, finish %s before it started", req.id, len(req.prompt),
                      1e3 * (end - req.t_submit), reason)
         else:
-            log.info("%s: queued %.1f ms, prompt %d tok %.1f ms (%.1f tok/s), decode %d tok %.1f ms (%.1f tok/s), "
-                     "finish %s", req.id, t.queue_ms, t.prompt_n, t.prompt_ms, t.as_dict()["prompt_per_second"],
-                     t.predicted_n, t.predicted_ms, t.as_dict()["predicted_per_second"], reason)
+            log.info("%s", request_line(req, reason))
         if notify:
             out = _output(req, text + tail, [token] if token is not None else [])
             out.finished, out.finish_reason, out.error, out.timings = True, reason, error, req.timings
@@ -116,6 +125,55 @@ class OutputProcessor:
             req.on_output(out)
 
 
+    def _keep_blocks(self, req: Request, reason: str) -> None:
+        """The prefix cache keeps the full blocks of a request that ended normally: the rows its
+        forwards wrote for the tokens it knows (prompt and answer; the last token drawn has none);
+        an aborted or failed one leaves none (its last forward may not have run). A match never
+        copied in is unpinned."""
+        if self.prefix is None:
+            return
+        if req.prefix is not None:
+            self.prefix.release(req.prefix)
+            req.prefix = None
+        if reason in ("stop", "length") and req.kv is not None:
+            tokens = [*req.prompt, *req.generated]
+            self.prefix.insert(req.kv, tokens, min(req.kv.length, len(tokens)))
+
+
+def request_line(req: Request, reason: str) -> str:
+    """The per-request log line: queue, prompt (computed and cached) and decode, with a rate only
+    where there is one to speak of (a decode of one token is the prompt's first, drawn by it)."""
+    t = req.timings
+    prompt = f"prompt {t.prompt_n} tok"
+    if t.cache_n:
+        prompt += f" (+{t.cache_n} cached)"
+    prompt += f" {t.prompt_ms:.1f} ms"
+    if t.prompt_n >= 2 and t.prompt_ms >= 1:
+        prompt += f" ({t.as_dict()['prompt_per_second']:.1f} tok/s)"
+    decode = f"decode {t.predicted_n} tok {t.predicted_ms:.1f} ms"
+    if t.predicted_n >= 2 and t.predicted_ms >= 1:
+        decode += f" ({t.as_dict()['predicted_per_second']:.1f} tok/s)"
+    return f"{req.id}: queued {t.queue_ms:.1f} ms, {prompt}, {decode}, finish {reason}"
+
+
+def _grammar_ends(req: Request, token: int) -> bool:
+    """The request's grammar (if any) advanced by its token: True once nothing but the end can
+    follow. A token it refuses (masked out, so only end-of-sequence under ignore_eos can be one)
+    ends the request too."""
+    grammar = req.draw_state.grammar
+    if grammar is None:
+        return False
+    if not grammar.accept(token):
+        log.warning("%s: its grammar refused token %d (%s); the request ends there", req.id, token,
+                    grammar.error or "no reason given")
+        return True
+    return grammar.done
+
+
 def _output(req: Request, text: str, tokens: list[int]) -> RequestOutput:
+    """An output of `tokens`, with the logprobs landed since the last one (where asked for)."""
+    logprobs = None
+    if req.params.logprobs is not None and req.draw is not None:
+        logprobs, req.draw.landed_logprobs = req.draw.landed_logprobs, []
     return RequestOutput(request_id=req.id, text=text, token_ids=tokens, n_prompt_tokens=len(req.prompt),
-                         n_generated=len(req.generated))
+                         n_generated=len(req.generated), logprobs=logprobs)

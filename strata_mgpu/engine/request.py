@@ -20,7 +20,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from strata_mgpu.engine.device_sampler import DrawState
+from strata_mgpu.engine.device_sampler import DrawState, TokenLogprobs
+from strata_mgpu.engine.prefix_cache import PrefixMatch
 from strata_mgpu.engine.runner import SequenceState
 from strata_mgpu.engine.sampler import SamplingParams, StopMatcher
 from strata_mgpu.model.tokenizer import IncrementalDetokenizer
@@ -41,8 +42,10 @@ class ContextOverflow(ValueError):
 class Timings:
     """llama.cpp's `timings` fields, and `queue_ms`: from the request's submission to its first prompt
     chunk's launch (admission and the steps before it), which prompt_ms does not count. A client's
-    time to first token is queue_ms + prompt_ms + the HTTP around them."""
+    time to first token is queue_ms + prompt_ms + the HTTP around them. As llama-server counts
+    them, `prompt_n` is the prompt tokens computed and `cache_n` those taken from the prefix cache."""
 
+    cache_n: int = 0
     prompt_n: int = 0
     prompt_ms: float = 0.0
     predicted_n: int = 0
@@ -51,7 +54,8 @@ class Timings:
 
     def as_dict(self) -> dict[str, float]:
         return {
-            "queue_ms": self.queue_ms, "prompt_n": self.prompt_n, "prompt_ms": self.prompt_ms,
+            "queue_ms": self.queue_ms, "cache_n": self.cache_n, "prompt_n": self.prompt_n,
+            "prompt_ms": self.prompt_ms,
             "prompt_per_token_ms": self.prompt_ms / self.prompt_n if self.prompt_n else 0.0,
             "prompt_per_second": 1e3 * self.prompt_n / self.prompt_ms if self.prompt_ms else 0.0,
             "predicted_n": self.predicted_n, "predicted_ms": self.predicted_ms,
@@ -74,6 +78,7 @@ class RequestOutput:
     error: str | None = None
     error_status: int = 500  # the HTTP status an error maps to: 503 where the device ran out of memory
     timings: Timings | None = None
+    logprobs: list[TokenLogprobs] | None = None  # one a token of token_ids, where the request asked for them
 
 
 @dataclass(frozen=True)
@@ -115,6 +120,8 @@ class Request:
     draw: DrawState | None = None  # the sampler's state of the request, from admission on
     kv: SequenceState | None = None  # the runner's state of the sequence, from its first chunk
     n_prefilled: int = 0  # prompt tokens in the KV cache
+    prefix: PrefixMatch | None = None  # cached blocks it starts with, from admission until they are copied in
+    n_cached: int = 0  # prompt tokens taken from the prefix cache (not computed)
     last_token: torch.Tensor | None = None  # [1] on the device: the newest drawn token, the next decode input
     generated: list[int] = field(default_factory=list)  # tokens landed on the host and accepted
     timings: Timings = field(default_factory=Timings)

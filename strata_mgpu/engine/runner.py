@@ -9,7 +9,7 @@ over one device, `split.runner.SplitRunner` over chained stages.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import torch
 
@@ -24,8 +24,49 @@ class SequenceState(Protocol):
         """Device bytes its KV holds now."""
         ...
 
+    @property
+    def length(self) -> int:
+        """Positions its KV holds (written by the forwards launched so far)."""
+        ...
+
 
 S = TypeVar("S", bound=SequenceState)
+S_contra = TypeVar("S_contra", bound=SequenceState, contravariant=True)
+
+
+class KVBlocks(Protocol[S_contra]):
+    """Fixed-size blocks of a runner's sequences' KV, for the prefix cache (`engine.prefix_cache`):
+    copies out of a sequence, to host RAM, and back into a fresh sequence. A block is opaque to the
+    engine; every copy is queued in order behind the runner's forwards (no host wait)."""
+
+    @property
+    def block_tokens(self) -> int: ...
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes one block takes (on the device, or in host RAM once offloaded)."""
+        ...
+
+    @property
+    def host_tier(self) -> bool:
+        """Blocks can move to pinned host RAM (False where the runner's device is the host)."""
+        ...
+
+    def cacheable(self, kv: S_contra) -> bool:
+        """Whether blocks can be saved from and loaded into this sequence (not one whose KV spills)."""
+        ...
+
+    def save(self, kv: S_contra, index: int) -> Any:
+        """Positions [index B, (index + 1) B) of the sequence, every layer, as a new device block."""
+        ...
+
+    def offload(self, block: Any) -> Any:
+        """The block moved to host RAM."""
+        ...
+
+    def load(self, kv: S_contra, blocks: Sequence[Any], n_tokens: int) -> None:
+        """Blocks copied into a fresh sequence at positions 0.., which then holds `n_tokens`."""
+        ...
 
 
 class ModelRunner(Protocol[S]):
@@ -55,10 +96,15 @@ class ModelRunner(Protocol[S]):
         """State of one sequence (its KV cache), able to hold max_length tokens."""
         ...
 
+    def kv_blocks(self, block_tokens: int) -> KVBlocks[S]:
+        """Blocks of `block_tokens` positions of its sequences' KV (the prefix cache's store)."""
+        ...
+
     def prefill(self, kv: S, tokens: torch.Tensor, whole_prompt: bool = False,
                 want_logits: bool = True) -> torch.Tensor | None:
         """Append tokens [T] to the sequence; logits [V] of the last one. `whole_prompt`: these
-        tokens are the entire prompt, in one chunk (the split runner's helper may then engage).
+        tokens are the whole prompt in one chunk, or all of it past a cached prefix (the split
+        runner's helper may then engage).
         `want_logits=False` (a prompt's chunk before its last): the runner may return None without
         waiting for the chunk (the split runner's stages then pipeline); the last chunk's call
         waits for the earlier ones and raises their errors."""

@@ -1,10 +1,16 @@
 """What a request asks of generation (`SamplingParams`: penalties, temperature, top-k, top-p,
-min-p, a seed) and its stop strings (`StopMatcher`). The draws themselves are the device's
-(`device_sampler.BatchSampler`); its plain twin, one request on the host, is tests/sampling_twin.py."""
+min-p, a seed, logit biases, a grammar, logprobs) and its stop strings (`StopMatcher`). The draws
+themselves are the device's (`device_sampler.BatchSampler`); its plain twin, one request on the
+host, is tests/sampling_twin.py."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+
+from strata_mgpu.engine.grammar import Grammar
+
+MAX_TOP_LOGPROBS = 20  # OpenAI's bound on top_logprobs
 
 
 @dataclass(frozen=True)
@@ -21,6 +27,9 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit); -inf bans it
+    grammar: Grammar | None = None  # the tokens drawn must follow it; its end ends the request
+    logprobs: int | None = None  # report each drawn token's logprob and this many alternatives (0..20); None: off
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -35,6 +44,10 @@ class SamplingParams:
             raise ValueError("min_p must be in [0, 1]")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must not be empty")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"logprobs must be in 0..{MAX_TOP_LOGPROBS}")
+        if any(math.isnan(b) or b == math.inf for _, b in self.logit_bias):
+            raise ValueError("a logit bias must be a number or -inf")
 
 
 class StopMatcher:

@@ -7,9 +7,11 @@ everything else is called by the engine's thread.
 `schedule()` takes the aborts asked for since the last step (ended at once, without an answer),
 then admits waiting requests in their order while there is a slot (`max_running`) and KV room:
 every running request keeps room for its prompt + max_tokens (`runner.kv_cells` of it counts
-against `runner.kv_token_budget`). A request the budget can never hold (it shrank after the
-request was queued) ends with `ContextOverflow`; one that merely does not fit yet waits, and so
-do all behind it. Admission opens the request's draw state in the sampler. What is left to run
+against `runner.kv_token_budget`), and so do the prefix cache's blocks on the device, which move
+to host RAM when a request needs their room. A request the budget can never hold (it shrank after
+the request was queued) ends with `ContextOverflow`; one that merely does not fit yet waits, and
+so do all behind it. Admission opens the request's draw state in the sampler and matches its
+prompt against the prefix cache: its prefill starts after the cached blocks. What is left to run
 this step is returned as a `StepPlan`.
 
 Requests it ends go through `OutputProcessor.finish`; the engine's landing ends the rest, and
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import threading
 from collections import deque
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,6 +30,7 @@ from strata_mgpu.config import EngineConfig
 from strata_mgpu.engine.device_sampler import BatchSampler
 from strata_mgpu.engine.metrics import EngineMetrics
 from strata_mgpu.engine.output import OutputProcessor
+from strata_mgpu.engine.prefix_cache import PrefixCache
 from strata_mgpu.engine.request import ContextOverflow, Phase, Request
 from strata_mgpu.engine.runner import ModelRunner
 
@@ -47,7 +51,8 @@ class PrefillChunk:
 
     @property
     def whole_prompt(self) -> bool:
-        return len(self.tokens) == len(self.request.prompt)
+        """The prompt in one chunk, or all of it past its cached prefix."""
+        return self.start == self.request.n_cached and self.ends_prompt
 
 
 @dataclass
@@ -74,8 +79,10 @@ class Scheduler:
     """The waiting queue, the running list and the aborts asked for; each step's plan."""
 
     def __init__(self, runner: ModelRunner[Any], config: EngineConfig, n_ctx: int,
-                 sampler: BatchSampler, output: OutputProcessor, metrics: EngineMetrics):
+                 sampler: BatchSampler, output: OutputProcessor, metrics: EngineMetrics,
+                 prefix: PrefixCache | None = None):
         self.runner = runner
+        self.prefix = prefix
         self.config = config
         self.n_ctx = n_ctx
         self.sampler = sampler
@@ -85,6 +92,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # admitted, in admission order; only the engine's thread changes it
         self._aborts: set[str] = set()  # request ids asked to stop since the last step
+        self._resets: list[Future[int]] = []  # prefix cache clears asked for: each gets the blocks dropped
         self._stopped = False
 
     # -- any thread ---------------------------------------------------------------------------
@@ -99,6 +107,15 @@ class Scheduler:
             self._aborts.add(request_id)
             self.cv.notify()
 
+    def reset_prefix_cache(self) -> Future[int]:
+        """Drop the prefix cache's blocks at the next step (blocks pinned by a request about to
+        copy them stay); the future gets how many were dropped (0 without a cache)."""
+        done: Future[int] = Future()
+        with self.cv:
+            self._resets.append(done)
+            self.cv.notify()
+        return done
+
     def stop(self) -> None:
         """No more steps: `wait_for_work` returns False from now on."""
         with self.cv:
@@ -111,7 +128,8 @@ class Scheduler:
         stopped. An idle engine woken by an arrival first gathers the burst it begins."""
         with self.cv:
             idle = False
-            while not self._stopped and not (self.waiting or self.running or self._aborts or step_in_flight):
+            while not self._stopped and not (self.waiting or self.running or self._aborts or self._resets
+                                             or step_in_flight):
                 idle = True
                 self.cv.wait()
             if self._stopped:
@@ -139,6 +157,7 @@ class Scheduler:
     def schedule(self) -> StepPlan:
         """End the aborted requests, admit waiting ones, and plan the step."""
         self._take_aborts()
+        self._take_resets()
         with self.cv:
             rejected = self._admit()
             self.metrics.waiting.set(len(self.waiting))
@@ -160,27 +179,56 @@ class Scheduler:
                 self.output.finish(r, "abort", notify=False)
         self.running = [r for r in self.running if r.phase is not Phase.DONE]
 
+    def _take_resets(self) -> None:
+        with self.cv:
+            resets, self._resets = self._resets, []
+        if resets:
+            dropped = self.prefix.clear() if self.prefix is not None else 0
+            for done in resets:
+                done.set_result(dropped)
+
     def _admit(self) -> list[Request]:
-        """Move waiting requests to running, in order, while there are slots and KV room. Returns
-        the requests that can never fit. Holds cv."""
+        """Move waiting requests to running, in order, while there are slots and KV room (the prefix
+        cache's device blocks give theirs up first). Returns the requests that can never fit. Holds cv."""
         budget = self.runner.kv_token_budget
-        held = sum(self.runner.kv_cells(r.kv_tokens) for r in self.running)
+        held = self.running_cells()
         rejected = []
         while self.waiting and len(self.running) < self.config.max_running:
             req = self.waiting[0]
             cells = self.runner.kv_cells(req.kv_tokens)
-            if budget is not None and held + cells > budget:
-                if cells <= budget:
-                    break  # it waits for room
-                rejected.append(self.waiting.popleft())
-                continue
+            if budget is not None and held + cells + self.cached_cells() > budget:
+                if self.prefix is not None:
+                    self.prefix.shrink_device(budget - held - cells)
+                if held + cells + self.cached_cells() > budget:
+                    if cells <= budget:
+                        break  # it waits for room
+                    rejected.append(self.waiting.popleft())
+                    continue
             self.waiting.popleft()
             assert req.phase is Phase.WAITING and req.draw is None, f"{req.id} admitted twice"
             req.phase = Phase.PREFILL
             req.draw = self.sampler.open(req.params)
+            if self.prefix is not None:
+                req.prefix = self.prefix.match(req.prompt)
+                req.n_cached = req.n_prefilled = req.prefix.n_tokens if req.prefix is not None else 0
             self.running.append(req)
             held += cells
         return rejected
+
+    def running_cells(self) -> int:
+        """KV cells the running requests keep (each its prompt + max_tokens)."""
+        return sum(self.runner.kv_cells(r.kv_tokens) for r in self.running)
+
+    def cached_cells(self) -> int:
+        """KV cells the prefix cache's device blocks take."""
+        return self.prefix.device_cells if self.prefix is not None else 0
+
+    def fit_prefix_cache(self) -> None:
+        """Keep the prefix cache's device blocks within what the running requests leave of the KV
+        budget (after blocks were saved)."""
+        budget = self.runner.kv_token_budget
+        if self.prefix is not None and budget is not None:
+            self.prefix.shrink_device(budget - self.running_cells())
 
     def plan(self) -> StepPlan:
         """The step's prefill chunks and decode rows, from the running requests as they stand."""

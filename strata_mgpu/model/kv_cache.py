@@ -37,6 +37,13 @@ class SequenceKV(Protocol):
         ...
 
     @property
+    def rows_in_place(self) -> bool:
+        """Every row it can hold sits in `k`/`v` at its own position, for its whole life: rows read
+        from there are the forwards' keys and values, and rows copied there before `advance` read as
+        if a forward wrote them. What the prefix cache saves blocks from and restores them into."""
+        ...
+
+    @property
     def nbytes(self) -> int:
         """VRAM its cells take."""
         ...
@@ -92,6 +99,10 @@ class KVCache:
 
     @property
     def offset_writes(self) -> bool:
+        return True
+
+    @property
+    def rows_in_place(self) -> bool:
         return True
 
     @property

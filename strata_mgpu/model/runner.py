@@ -10,6 +10,7 @@ import torch
 
 from strata_mgpu.model.decoder import Decoder, Segment
 from strata_mgpu.model.gguf_reader import GGUFFile
+from strata_mgpu.model.kv_blocks import KVBlockStore
 from strata_mgpu.model.kv_cache import KVCache, SequenceKV
 from strata_mgpu.model.reference import ReferenceModel
 from strata_mgpu.model.spec import ModelSpec
@@ -38,6 +39,11 @@ class DecoderRunner:
 
     def new_sequence(self, max_length: int) -> KVCache:
         return self.model.new_cache(max_length=max_length)
+
+    def kv_blocks(self, block_tokens: int) -> KVBlockStore:
+        s = self.spec
+        return KVBlockStore(len(self.model.w.layers), s.n_kv_heads, s.head_dim, block_tokens=block_tokens,
+                            device=self.model.device, dtype=self.model.w.dtype)
 
     @torch.inference_mode()
     def prefill(self, kv: SequenceKV, tokens: torch.Tensor, whole_prompt: bool = False,

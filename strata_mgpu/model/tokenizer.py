@@ -123,7 +123,13 @@ class IncrementalDetokenizer:
 
 
 class ChatTemplate:
-    """A jinja2 chat template rendered in an immutable sandbox (HF's conventions)."""
+    """A jinja2 chat template rendered in an immutable sandbox (HF's conventions).
+
+    Messages reach it whole, as `apply_chat_template` passes them (tools, tool calls, tool call
+    ids, reasoning), with one exception: a template that drops content given as a list of text
+    parts (Qwen3's own renders only string content) is given each list joined into a string.
+    Whether it does is found once, by rendering one message of text parts (`takes_text_parts`).
+    """
 
     def __init__(self, source: str):
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
@@ -136,12 +142,32 @@ class ChatTemplate:
         except jinja2.TemplateSyntaxError as e:
             raise ValueError(f"chat template does not parse: line {e.lineno}: {e.message}") from None
         self.source = source
+        self.takes_text_parts = self._renders_text_parts()
+
+    def _renders_text_parts(self) -> bool:
+        probe = "text-part-probe-7f3a"
+        try:
+            out = self._template.render(messages=[{"role": "user", "content": [{"type": "text", "text": probe}]}],
+                                        add_generation_prompt=True)
+        except Exception:  # a template may refuse a lone message, or lists: join them then
+            return False
+        return probe in out
 
     def render(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True, **kwargs: Any) -> str:
+        if not self.takes_text_parts:
+            messages = [_joined_text_parts(m) for m in messages]
         try:
             return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt, **kwargs)
         except jinja2.TemplateError as e:
             raise ValueError(f"chat template failed: {e}") from None
+
+
+def _joined_text_parts(message: dict[str, Any]) -> dict[str, Any]:
+    content = message.get("content")
+    if not isinstance(content, list):
+        return message
+    text = "".join(p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text")
+    return {**message, "content": text}
 
 
 def _tojson(value: Any, indent: int | None = None, ensure_ascii: bool = False) -> str:

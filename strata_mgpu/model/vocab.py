@@ -33,19 +33,67 @@ SPECIAL_TOKENS: tuple[tuple[str, TokenType], ...] = (
     ("</think>", TokenType.USER_DEFINED),
 )
 
-# A Qwen3-style ChatML template with the `enable_thinking` switch.
-CHAT_TEMPLATE = """\
-{%- for message in messages %}
-{%- if message['content'] is string %}{% set content = message['content'] %}
-{%- else %}{% set content = message['content'] | map(attribute='text') | join('') %}{% endif %}
-{{- '<|im_start|>' + message['role'] + '\\n' + content + '<|im_end|>\\n' }}
-{%- endfor %}
-{%- if add_generation_prompt %}
-{{- '<|im_start|>assistant\\n' }}
-{%- if enable_thinking is defined and enable_thinking is false %}
-{{- '<think>\\n\\n</think>\\n\\n' }}
-{%- endif %}
-{%- endif %}
+# A ChatML template in the form of Qwen3's (its own wording): tools listed in the system block,
+# each assistant call as <tool_call>{"name": ..., "arguments": ...}</tool_call> (arguments as
+# given: a string is written as it is), tool results as one user turn of <tool_response> blocks,
+# reasoning as <think>...</think> on the turns after the last user message, content as a string or
+# a list of text parts, and the `enable_thinking` switch (false: an empty think block is given).
+CHAT_TEMPLATE = r"""
+{%- macro text_of(content) -%}
+{%- if content is string -%}{{ content }}
+{%- elif content is iterable and content is not mapping -%}
+{%- for part in content if part['type'] == 'text' -%}{{ part['text'] }}{%- endfor -%}
+{%- endif -%}
+{%- endmacro -%}
+{%- set ns = namespace(system='', skip=0, last_user=-1) -%}
+{%- if messages and messages[0]['role'] == 'system' -%}
+{%- set ns.system = text_of(messages[0]['content']) -%}
+{%- set ns.skip = 1 -%}
+{%- endif -%}
+{%- for message in messages -%}
+{%- if message['role'] == 'user' -%}{%- set ns.last_user = loop.index0 -%}{%- endif -%}
+{%- endfor -%}
+{%- if tools -%}
+{{- '<|im_start|>system\n' -}}
+{%- if ns.system -%}{{- ns.system + '\n\n' -}}{%- endif -%}
+{{- '# Tools\n\nThese functions are yours to call. Their signatures, one JSON object a line:\n<tools>' -}}
+{%- for tool in tools -%}{{- '\n' + (tool | tojson) -}}{%- endfor -%}
+{{- '\n</tools>\n\nTo call functions, answer with one block a call, each a JSON object of the name and' -}}
+{{- ' the arguments:\n<tool_call>\n{"name": <function name>, "arguments": <arguments as a JSON object>}' -}}
+{{- '\n</tool_call><|im_end|>\n' -}}
+{%- elif ns.skip -%}
+{{- '<|im_start|>system\n' + ns.system + '<|im_end|>\n' -}}
+{%- endif -%}
+{%- for message in messages -%}
+{%- set role = message['role'] -%}
+{%- if loop.index0 < ns.skip -%}
+{%- elif role == 'assistant' -%}
+{%- set content = text_of(message['content']) -%}
+{{- '<|im_start|>assistant\n' -}}
+{%- if message['reasoning_content'] and loop.index0 > ns.last_user -%}
+{{- '<think>\n' + message['reasoning_content'].strip() + '\n</think>\n\n' -}}
+{%- endif -%}
+{{- content -}}
+{%- for call in message['tool_calls'] or [] -%}
+{%- set fn = call['function'] if call['function'] is defined else call -%}
+{%- if content or not loop.first -%}{{- '\n' -}}{%- endif -%}
+{{- '<tool_call>\n{"name": ' + (fn['name'] | tojson) + ', "arguments": ' -}}
+{%- if fn['arguments'] is string -%}{{- fn['arguments'] -}}{%- else -%}{{- fn['arguments'] | tojson -}}{%- endif -%}
+{{- '}\n</tool_call>' -}}
+{%- endfor -%}
+{{- '<|im_end|>\n' -}}
+{%- elif role == 'tool' -%}
+{%- if loop.first or messages[loop.index0 - 1]['role'] != 'tool' -%}{{- '<|im_start|>user' -}}{%- endif -%}
+{{- '\n<tool_response>\n' + text_of(message['content']) + '\n</tool_response>' -}}
+{%- if loop.last or messages[loop.index0 + 1]['role'] != 'tool' -%}{{- '<|im_end|>\n' -}}{%- endif -%}
+{%- else -%}
+{{- '<|im_start|>' + role + '\n' + text_of(message['content']) + '<|im_end|>\n' -}}
+{%- endif -%}
+{%- endfor -%}
+{%- if add_generation_prompt -%}
+{{- '<|im_start|>assistant\n' -}}
+{%- if enable_thinking is defined and enable_thinking is false -%}{{- '<think>\n\n</think>\n\n' -}}{%- endif -%}
+{%- endif -%}
 """
 
 

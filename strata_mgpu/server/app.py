@@ -12,20 +12,29 @@ from fastapi.responses import JSONResponse, Response
 
 from strata_mgpu.engine.engine import Engine
 from strata_mgpu.server.body_limit import MIN_BODY_BYTES, BodyLimit
-from strata_mgpu.server.completions import CHAT, TEXT, chat_prompt, complete, text_prompt
+from strata_mgpu.server.completions import REASONING_FORMATS, complete, prepare_chat, prepare_text
 from strata_mgpu.server.errors import APIError, install_error_handlers
+from strata_mgpu.server.grammars import Grammars
+from strata_mgpu.server.request_log import RequestLog
 from strata_mgpu.server.schemas import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 
 
 @dataclass
 class ServerState:
-    """What the routes share. `engine` is None until the model has loaded."""
+    """What the routes share. `engine` is None until the model has loaded. `reasoning_format`:
+    'deepseek' splits <think> blocks into reasoning_content, 'none' leaves them in the content."""
 
     model_name: str
     api_key: str | None = None
     engine: Engine | None = None
     load_error: str | None = None
     created: int = field(default_factory=lambda: int(time.time()))
+    reasoning_format: str = "deepseek"
+    grammars: Grammars = field(default_factory=Grammars)
+
+    def __post_init__(self) -> None:
+        if self.reasoning_format not in REASONING_FORMATS:
+            raise ValueError(f"reasoning format {self.reasoning_format!r}: one of {', '.join(REASONING_FORMATS)}")
 
 
 def create_app(state: ServerState, max_body_bytes: int = MIN_BODY_BYTES) -> FastAPI:
@@ -33,6 +42,7 @@ def create_app(state: ServerState, max_body_bytes: int = MIN_BODY_BYTES) -> Fast
     app = FastAPI(title="strata-mgpu", version="0.1.0")
     install_error_handlers(app)
     app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
+    app.add_middleware(RequestLog)  # added last: outermost, so it sees the body cap's 413s too
 
     def authorized(request: Request) -> None:
         if state.api_key is None:
@@ -72,15 +82,15 @@ def create_app(state: ServerState, max_body_bytes: int = MIN_BODY_BYTES) -> Fast
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         check_model(body.model)
         eng = engine()
-        prompt = await asyncio.to_thread(chat_prompt, eng, body)
-        return await complete(request, eng, state.model_name, body, prompt, CHAT)
+        prepared = await asyncio.to_thread(prepare_chat, eng, state.grammars, body, state.reasoning_format)
+        return await complete(request, eng, state.model_name, body, prepared, "chat")
 
     @app.post("/v1/completions", dependencies=auth)
     async def completions(body: CompletionRequest, request: Request):
         check_model(body.model)
         eng = engine()
-        prompt = await asyncio.to_thread(text_prompt, eng, body)
-        return await complete(request, eng, state.model_name, body, prompt, TEXT)
+        prepared = await asyncio.to_thread(prepare_text, eng, state.grammars, body)
+        return await complete(request, eng, state.model_name, body, prepared, "text")
 
     @app.post("/tokenize", dependencies=auth)
     async def tokenize(body: TokenizeRequest) -> dict:
@@ -93,6 +103,15 @@ def create_app(state: ServerState, max_body_bytes: int = MIN_BODY_BYTES) -> Fast
         if any(not 0 <= t < tok.vocab_size for t in body.tokens):
             raise APIError(400, f"token ids must be in 0..{tok.vocab_size - 1}", param="tokens")
         return {"content": tok.decode(body.tokens)}
+
+    @app.post("/reset_prefix_cache", dependencies=auth)
+    async def reset_prefix_cache() -> dict:
+        """vLLM's name: drop the cached KV blocks (those a request is copying in stay)."""
+        eng = engine()
+        if eng.prefix is None:
+            raise APIError(400, "the prefix cache is off (--no-prefix-cache)", code="prefix_cache_off")
+        dropped = await asyncio.wrap_future(eng.reset_prefix_cache())
+        return {"dropped_blocks": dropped}
 
     @app.get("/metrics", dependencies=auth)
     async def metrics() -> Response:

@@ -1,4 +1,12 @@
-"""`/v1/chat/completions` and `/v1/completions`: prompt in, engine outputs out (whole or SSE)."""
+"""`/v1/chat/completions` and `/v1/completions`: a request -> its prompt, constraints and sampling ->
+the engine -> JSON or SSE.
+
+A chat's messages reach the template whole (`ChatMessage.as_template_dict`), with the tools it
+offers; `tool_choice` required or a named function, and a JSON `response_format`, become a
+grammar (`grammars.py`) the engine's sampler follows; the answer's text is split into
+reasoning, content and tool calls as it arrives (`chat_output.py`). Prompt, grammar and template
+run off the event loop (`prepare_chat`, `prepare_text`).
+"""
 
 from __future__ import annotations
 
@@ -6,98 +14,256 @@ import asyncio
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from strata_mgpu.engine.engine import ContextOverflow, Engine, RequestOutput
+from strata_mgpu.engine.grammar import Grammar, GrammarError
+from strata_mgpu.model.tokenizer import Tokenizer
+from strata_mgpu.server.chat_output import ChatAnswer, ChatDelta, tool_call_deltas
 from strata_mgpu.server.errors import APIError, error_body
-from strata_mgpu.server.schemas import ChatCompletionRequest, CompletionRequest, _Generation
+from strata_mgpu.server.grammars import Grammars, Thinking, chat_grammar, text_grammar
+from strata_mgpu.server.logprobs import LegacyLogprobs, chat_entries
+from strata_mgpu.server.reasoning import opens_reasoning
+from strata_mgpu.server.schemas import ChatCompletionRequest, CompletionRequest, NamedToolChoice, _Generation
 
 DISCONNECT_POLL_S = 0.25
+REASONING_FORMATS = ("deepseek", "none")  # llama-server's --reasoning-format names
+
+# What `Tokenizer.apply_chat_template` itself passes to the template: a request may not set them.
+TEMPLATE_ARGUMENTS = frozenset({"messages", "add_generation_prompt", "bos_token", "eos_token", "tools"})
 
 
 @dataclass(frozen=True)
-class Shape:
-    """How one endpoint words its responses."""
+class Prepared:
+    """A request made ready off the event loop: its prompt, and what constrains and shapes its answer."""
 
-    id_prefix: str
-    prompt_field: str  # the request field that holds the prompt: the `param` of errors about its length
-    object: str
-    chunk_object: str
-    whole_choice: Callable[[str, str | None], dict[str, Any]]  # (text, finish_reason) -> choice
-    delta_choice: Callable[[str | None, str | None], dict[str, Any]]  # (text or None, finish_reason)
-    first_choice: dict[str, Any] | None  # sent before any text (the chat role), or nothing
-
-
-CHAT = Shape(
-    id_prefix="chatcmpl-", prompt_field="messages", object="chat.completion", chunk_object="chat.completion.chunk",
-    whole_choice=lambda text, reason: {"index": 0, "message": {"role": "assistant", "content": text},
-                                       "logprobs": None, "finish_reason": reason},
-    delta_choice=lambda text, reason: {"index": 0, "delta": {} if text is None else {"content": text},
-                                       "logprobs": None, "finish_reason": reason},
-    first_choice={"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                  "finish_reason": None},
-)
-TEXT = Shape(
-    id_prefix="cmpl-", prompt_field="prompt", object="text_completion", chunk_object="text_completion",
-    whole_choice=lambda text, reason: {"index": 0, "text": text, "logprobs": None, "finish_reason": reason},
-    delta_choice=lambda text, reason: {"index": 0, "text": text or "", "logprobs": None, "finish_reason": reason},
-    first_choice=None,
-)
+    prompt: list[int]
+    grammar: Grammar | None = None
+    banned: tuple[int, ...] = ()  # token ids it may not draw
+    split_reasoning: bool = False  # <think> blocks become reasoning_content
+    opened_reasoning: bool = False  # the prompt opened a <think> block
+    parse_tools: bool = False
+    max_calls: int | None = None  # parallel_tool_calls false: 1
 
 
-# What `Tokenizer.apply_chat_template` itself passes to the template: a request may not set them.
-TEMPLATE_ARGUMENTS = frozenset({"messages", "add_generation_prompt", "bos_token", "eos_token"})
+# -- preparing a request (worker threads) -------------------------------------------------------------
 
-
-def chat_prompt(engine: Engine, body: ChatCompletionRequest) -> list[int]:
-    """The chat's prompt tokens. Slow for a long chat (template, then tokenizer): call it off the event loop."""
+def prepare_chat(engine: Engine, grammars: Grammars, body: ChatCompletionRequest, reasoning_format: str) -> Prepared:
+    """The chat's prompt tokens and constraints. Slow for a long chat (template, tokenizer, a new
+    schema's compile): call it off the event loop."""
     reserved = sorted(TEMPLATE_ARGUMENTS & body.chat_template_kwargs.keys())
     if reserved:
         raise APIError(400, f"chat_template_kwargs may not set {', '.join(map(repr, reserved))}: the server sets "
                             f"{', '.join(sorted(TEMPLATE_ARGUMENTS))} itself", param="chat_template_kwargs")
+    if body.top_logprobs is not None and not body.logprobs:
+        raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+    functions = _called_functions(body)
+    tok = engine.tokenizer
     messages = [m.as_template_dict() for m in body.messages]
+    kwargs = dict(body.chat_template_kwargs)
+    if body.offered_tools:
+        kwargs["tools"] = [t.model_dump(exclude_unset=True) for t in body.offered_tools]
     try:
-        text = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True, **body.chat_template_kwargs)
+        text = tok.apply_chat_template(messages, add_generation_prompt=True, **kwargs)
     except ValueError as e:
         raise APIError(400, str(e), param="messages") from None
-    return engine.tokenizer.encode(text)
+    split = reasoning_format == "deepseek"
+    if not split or body.chat_template_kwargs.get("enable_thinking") is False:
+        thinking = Thinking.OFF
+    else:
+        thinking = Thinking.OPENED if opens_reasoning(text) else Thinking.OPTIONAL
+    answer_schema = body.response_format.schema_of_answer if body.response_format else None
+    if functions is not None and body.tool_choice not in (None, "auto"):
+        answer_schema = None  # a call is required: the answer is calls
+    lark = chat_grammar(tok, functions=functions, parallel=body.parallel_tool_calls, answer_schema=answer_schema,
+                        thinking=thinking)
+    banned: tuple[int, ...] = ()
+    if body.tool_choice == "none" and body.tools and "<tool_call>" in tok.tokens:
+        banned = (tok.tokens.index("<tool_call>"),)  # OpenAI's none: the model must not call
+    return Prepared(prompt=tok.encode(text), grammar=_compiled(engine, grammars, lark, "tools" if functions else
+                                                                "response_format"),
+                    banned=banned, split_reasoning=split, opened_reasoning=split and opens_reasoning(text),
+                    parse_tools=bool(body.offered_tools), max_calls=None if body.parallel_tool_calls else 1)
 
 
-def text_prompt(engine: Engine, body: CompletionRequest) -> list[int]:
-    """The prompt's tokens. Slow for a long text: call it off the event loop."""
+def _called_functions(body: ChatCompletionRequest) -> list[dict[str, Any]] | None:
+    """The functions a grammar lets the answer call: all offered ones for 'required' (and for
+    'auto' beside a JSON response_format), the named one; None where calls are free text."""
+    tools = body.offered_tools
+    names = [t.function.name for t in tools]
+    if len(set(names)) != len(names):
+        raise APIError(400, "tools: each function needs its own name", param="tools")
+    choice = body.tool_choice
+    if (choice == "required" or isinstance(choice, NamedToolChoice)) and not tools:
+        raise APIError(400, "tool_choice: a required or named tool call needs 'tools'", param="tool_choice")
+    if isinstance(choice, NamedToolChoice):
+        named = [t for t in tools if t.function.name == choice.function.name]
+        if not named:
+            raise APIError(400, f"tool_choice: no tool is named {choice.function.name!r} (tools: "
+                                f"{', '.join(map(repr, names))})", param="tool_choice")
+        return [named[0].function.model_dump(exclude_unset=True)]
+    if choice == "required" or (tools and choice in (None, "auto") and body.response_format is not None
+                                and body.response_format.schema_of_answer is not None):
+        return [t.function.model_dump(exclude_unset=True) for t in tools]
+    return None
+
+
+def _compiled(engine: Engine, grammars: Grammars, lark: str | None, param: str) -> Grammar | None:
+    if lark is None:
+        return None
+    try:
+        compiler = grammars.compiler(engine)
+    except Exception as e:  # llguidance cannot read this model's vocabulary
+        raise APIError(400, f"structured output is not available for this model's tokenizer: {e}", param=param) \
+            from None
+    try:
+        return compiler.compile(lark)
+    except GrammarError as e:
+        raise APIError(400, f"{param}: the schema cannot be followed: {e}", param=param) from None
+
+
+def prepare_text(engine: Engine, grammars: Grammars, body: CompletionRequest) -> Prepared:
+    """The prompt's tokens (and its JSON grammar). Slow for a long text: call it off the event loop."""
     if isinstance(body.prompt, str):
-        return engine.tokenizer.encode(body.prompt)
-    vocab = engine.runner.spec.vocab_size
-    if any(not 0 <= t < vocab for t in body.prompt):
-        raise APIError(400, f"prompt token ids must be in 0..{vocab - 1}", param="prompt")
-    return list(body.prompt)
+        prompt = engine.tokenizer.encode(body.prompt)
+    else:
+        vocab = engine.runner.spec.vocab_size
+        if any(not 0 <= t < vocab for t in body.prompt):
+            raise APIError(400, f"prompt token ids must be in 0..{vocab - 1}", param="prompt")
+        prompt = list(body.prompt)
+    schema = body.response_format.schema_of_answer if body.response_format else None
+    return Prepared(prompt=prompt, grammar=_compiled(engine, grammars, text_grammar(schema), "response_format"))
 
 
-async def complete(request: Request, engine: Engine, model: str, body: _Generation, prompt: list[int],
-                   shape: Shape) -> JSONResponse | StreamingResponse:
+# -- how each endpoint words its answer ----------------------------------------------------------------
+
+def _merged(a: ChatDelta, b: ChatDelta) -> ChatDelta:
+    return ChatDelta(a.reasoning + b.reasoning, a.content + b.content, a.calls + b.calls)
+
+
+class _ChatView:
+    """A chat answer: its stream deltas as outputs arrive, and the whole message at the end."""
+
+    id_prefix, object, chunk_object, prompt_field = "chatcmpl-", "chat.completion", "chat.completion.chunk", \
+        "messages"
+
+    def __init__(self, tok: Tokenizer, prepared: Prepared, logprobs: bool):
+        self.tok = tok
+        self.answer = ChatAnswer(split_reasoning=prepared.split_reasoning, opened=prepared.opened_reasoning,
+                                 parse_tools=prepared.parse_tools, max_calls=prepared.max_calls)
+        self.entries: list[dict[str, Any]] | None = [] if logprobs else None
+
+    @property
+    def done(self) -> bool:
+        return self.answer.done
+
+    def first_choices(self) -> list[dict[str, Any]]:
+        return [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]
+
+    def choices(self, out: RequestOutput) -> list[dict[str, Any]]:
+        delta = self.answer.feed(out.text)
+        if out.finished:
+            delta = _merged(delta, self.answer.finish())
+        parts: list[dict[str, Any]] = []
+        if delta.reasoning:
+            parts.append({"reasoning_content": delta.reasoning})
+        if delta.content:
+            parts.append({"content": delta.content})
+        for call in delta.calls:
+            parts += tool_call_deltas(call)
+        logprobs = None
+        if self.entries is not None and out.logprobs:
+            new = chat_entries(self.tok, out.logprobs)
+            self.entries += new
+            logprobs = {"content": new, "refusal": None}
+            parts = parts or [{}]
+        return [{"index": 0, "delta": part, "logprobs": logprobs if i == 0 else None, "finish_reason": None}
+                for i, part in enumerate(parts)]
+
+    def finish_reason(self, reason: str | None) -> str | None:
+        return "tool_calls" if self.answer.calls and reason == "stop" else reason
+
+    def last_choice(self, reason: str | None) -> dict[str, Any]:
+        return {"index": 0, "delta": {}, "logprobs": None, "finish_reason": self.finish_reason(reason)}
+
+    def whole_choice(self, reason: str | None) -> dict[str, Any]:
+        logprobs = None if self.entries is None else {"content": self.entries, "refusal": None}
+        return {"index": 0, "message": self.answer.message(), "logprobs": logprobs,
+                "finish_reason": self.finish_reason(reason)}
+
+
+class _TextView:
+    id_prefix, object, chunk_object, prompt_field = "cmpl-", "text_completion", "text_completion", "prompt"
+
+    def __init__(self, tok: Tokenizer, logprobs: bool):
+        self.tok = tok
+        self.text: list[str] = []
+        self.logprobs = LegacyLogprobs(tok) if logprobs else None  # a stream's, run on chunk by chunk
+        self.entries: list[Any] = []
+
+    done = False  # a text answer ends with the engine's request
+
+    def first_choices(self) -> list[dict[str, Any]]:
+        return []
+
+    def choices(self, out: RequestOutput) -> list[dict[str, Any]]:
+        self.text.append(out.text)
+        block = None
+        if self.logprobs is not None and out.logprobs:
+            self.entries += out.logprobs
+            block = self.logprobs.block(out.logprobs)
+        if not out.text and block is None:
+            return []
+        return [{"index": 0, "text": out.text, "logprobs": block, "finish_reason": None}]
+
+    def finish_reason(self, reason: str | None) -> str | None:
+        return reason
+
+    def last_choice(self, reason: str | None) -> dict[str, Any]:
+        return {"index": 0, "text": "", "logprobs": None, "finish_reason": reason}
+
+    def whole_choice(self, reason: str | None) -> dict[str, Any]:
+        block = LegacyLogprobs(self.tok).block(self.entries) if self.logprobs is not None else None
+        return {"index": 0, "text": "".join(self.text), "logprobs": block, "finish_reason": reason}
+
+
+_View = _ChatView | _TextView
+
+
+# -- running it -------------------------------------------------------------------------------------
+
+async def complete(request: Request, engine: Engine, model: str, body: _Generation, prepared: Prepared,
+                   endpoint: Literal["chat", "text"]) -> JSONResponse | StreamingResponse:
+    logprobs = body.requested_logprobs() is not None
+    view: _View = (_ChatView(engine.tokenizer, prepared, logprobs) if endpoint == "chat"
+                   else _TextView(engine.tokenizer, logprobs))
+    prompt = prepared.prompt
     room = engine.n_ctx - len(prompt)
     max_tokens = body.requested_max_tokens() or room
     if room < 1 or max_tokens > room:
-        raise APIError(400, str(ContextOverflow(len(prompt), max_tokens, engine.n_ctx)), param=shape.prompt_field,
+        raise APIError(400, str(ContextOverflow(len(prompt), max_tokens, engine.n_ctx)), param=view.prompt_field,
                        code="context_length_exceeded", n_prompt_tokens=len(prompt), n_ctx=engine.n_ctx)
     try:
-        params = body.sampling(max_tokens)
+        params = body.sampling(max_tokens, engine.runner.spec.vocab_size, grammar=prepared.grammar,
+                               banned=prepared.banned)
     except ValueError as e:
-        raise APIError(400, str(e)) from None
+        param = "logit_bias" if "logit_bias" in str(e) else None
+        raise APIError(400, str(e), param=param) from None
     loop = asyncio.get_running_loop()
     outputs: asyncio.Queue[RequestOutput] = asyncio.Queue()
-    rid = shape.id_prefix + uuid.uuid4().hex
+    rid = view.id_prefix + uuid.uuid4().hex
+    request.state.request_id = rid
     engine.submit(prompt, params, lambda out: loop.call_soon_threadsafe(outputs.put_nowait, out), request_id=rid)
     created = int(time.time())
     if body.stream:
-        return StreamingResponse(_stream(request, engine, rid, created, model, body, shape, outputs),
+        return StreamingResponse(_stream(request, engine, rid, created, model, body, view, outputs),
                                  media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-    return await _whole(request, engine, rid, created, model, shape, outputs)
+    return await _whole(request, engine, rid, created, model, view, outputs)
 
 
 async def _next(request: Request, engine: Engine, rid: str, outputs: asyncio.Queue[RequestOutput]
@@ -112,30 +278,44 @@ async def _next(request: Request, engine: Engine, rid: str, outputs: asyncio.Que
                 return None
 
 
-def _usage(out: RequestOutput) -> dict[str, int]:
+def _usage(out: RequestOutput) -> dict[str, object]:
+    """OpenAI's usage, with the prompt tokens taken from the prefix cache in its details."""
+    cached = out.timings.cache_n if out.timings else 0
     return {"prompt_tokens": out.n_prompt_tokens, "completion_tokens": out.n_generated,
-            "total_tokens": out.n_prompt_tokens + out.n_generated}
+            "total_tokens": out.n_prompt_tokens + out.n_generated,
+            "prompt_tokens_details": {"cached_tokens": cached}}
 
 
-async def _whole(request: Request, engine: Engine, rid: str, created: int, model: str, shape: Shape,
+def _ended(engine: Engine, rid: str, view: _View, out: RequestOutput) -> str | None:
+    """The finish reason once the answer is over: the engine's, or 'tool_calls' where the answer
+    has all the calls it may have (the rest of the generation is then stopped)."""
+    if out.finished:
+        return out.finish_reason
+    if view.done:
+        engine.abort(rid)
+        return "stop"
+    return None
+
+
+async def _whole(request: Request, engine: Engine, rid: str, created: int, model: str, view: _View,
                  outputs: asyncio.Queue[RequestOutput]) -> JSONResponse:
-    parts = []
     try:
         while True:
             out = await _next(request, engine, rid, outputs)
             if out is None:
                 return JSONResponse(error_body(400, "client disconnected"), status_code=400)
-            parts.append(out.text)
-            if out.finished:
+            if out.finish_reason == "error":
+                raise APIError(out.error_status, f"generation failed: {out.error}")
+            view.choices(out)
+            reason = _ended(engine, rid, view, out)
+            if reason is not None:
                 break
     except asyncio.CancelledError:
         engine.abort(rid)
         raise
-    if out.finish_reason == "error":
-        raise APIError(out.error_status, f"generation failed: {out.error}")
     return JSONResponse({
-        "id": rid, "object": shape.object, "created": created, "model": model,
-        "choices": [shape.whole_choice("".join(parts), out.finish_reason)],
+        "id": rid, "object": view.object, "created": created, "model": model,
+        "choices": [view.whole_choice(reason)],
         "usage": _usage(out), "timings": out.timings.as_dict() if out.timings else None,
     })
 
@@ -146,30 +326,31 @@ def _sse(payload: dict[str, Any] | str) -> bytes:
 
 
 async def _stream(request: Request, engine: Engine, rid: str, created: int, model: str, body: _Generation,
-                  shape: Shape, outputs: asyncio.Queue[RequestOutput]) -> AsyncIterator[bytes]:
-    def chunk(choice: dict[str, Any] | None, **extra: Any) -> bytes:
-        return _sse({"id": rid, "object": shape.chunk_object, "created": created, "model": model,
-                     "choices": [choice] if choice else [], **extra})
+                  view: _View, outputs: asyncio.Queue[RequestOutput]) -> AsyncIterator[bytes]:
+    def chunk(choices: list[dict[str, Any]], **extra: Any) -> bytes:
+        return _sse({"id": rid, "object": view.chunk_object, "created": created, "model": model,
+                     "choices": choices, **extra})
 
     finished = False
     try:
-        if shape.first_choice:
-            yield chunk(shape.first_choice)
+        for choice in view.first_choices():
+            yield chunk([choice])
         while not finished:
             out = await _next(request, engine, rid, outputs)
             if out is None:
                 return
-            finished = out.finished
             if out.finish_reason == "error":
+                finished = True
                 yield _sse(error_body(out.error_status, f"generation failed: {out.error}"))
                 break
-            if out.text:
-                yield chunk(shape.delta_choice(out.text, None))
-            if out.finished:
-                yield chunk(shape.delta_choice(None, out.finish_reason),
-                            timings=out.timings.as_dict() if out.timings else None)
+            for choice in view.choices(out):
+                yield chunk([choice])
+            reason = _ended(engine, rid, view, out)
+            if reason is not None:
+                finished = True
+                yield chunk([view.last_choice(reason)], timings=out.timings.as_dict() if out.timings else None)
                 if body.include_usage:
-                    yield chunk(None, usage=_usage(out))
+                    yield chunk([], usage=_usage(out))
         yield _sse("[DONE]")
     finally:
         if not finished:  # the client went away (or the server is stopping): free the request now

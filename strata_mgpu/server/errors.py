@@ -31,16 +31,36 @@ def error_body(status: int, message: str, *, param: str | None = None, code: str
                       "code": code, **extra}}
 
 
+# pydantic names the member of a union it tried ('str', 'list[int]', a model's class name,
+# 'function-after[...]'): not a field of the request, so not part of the name a client is shown
+_TYPE_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict", "none", "any"})
+
+
+def _field_path(loc: tuple[Any, ...]) -> str:
+    parts = []
+    for p in loc:
+        if p == "body":
+            continue
+        if isinstance(p, int):
+            parts.append(str(p))
+        elif isinstance(p, str) and p.isidentifier() and p.islower() and p not in _TYPE_TAGS:
+            parts.append(p)
+    return ".".join(parts)
+
+
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    """The first error, as 'field.path: what is wrong' (the field is also the error's `param`)."""
     errs = exc.errors()
     if not errs:
         return "invalid request", None
     first = errs[0]
-    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
     if first.get("type") == "json_invalid":
         return f"invalid JSON: {first.get('msg', '')}", None
-    where = ".".join(loc)
-    return (f"{where}: {first.get('msg', 'invalid')}" if where else first.get("msg", "invalid request")), where or None
+    message = str(first.get("msg", "invalid"))
+    for prefix in ("Value error, ", "Assertion failed, "):
+        message = message.removeprefix(prefix)
+    where = _field_path(tuple(first.get("loc", ())))
+    return (f"{where}: {message}" if where else message), where or None
 
 
 def install_error_handlers(app: FastAPI) -> None:

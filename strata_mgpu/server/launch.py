@@ -194,7 +194,7 @@ class Loader:
             with Progress(TextColumn("[bold]loading[/] {task.description}"), BarColumn(), MofNCompleteColumn(),
                           TimeElapsedColumn(), console=Console(stderr=True)) as bar:
                 runner = build_runner(self.f, spec, config.placement, config.engine.chunk_size, cpu_reference=True,
-                                      kv_tokens=config.engine.n_ctx(spec.context_length),
+                                      kv_tokens=config.engine.kv_cells(spec.context_length),
                                       on_progress=self._on_progress(layer_bars(bar)))
             if self._stopping.is_set():  # stopped after the last layer: no engine to start
                 return
@@ -249,7 +249,8 @@ def serve(config: ServerConfig) -> int:
         log.warning(warning)
     config = dataclasses.replace(config, engine=config.engine.for_model(spec.context_length))  # resolved once
     sock = listening_socket(config.host, config.port)
-    state = ServerState(model_name=config.model_name, api_key=config.api_key)
+    state = ServerState(model_name=config.model_name, api_key=config.api_key,
+                        reasoning_format=config.reasoning_format)
     app = create_app(state, max_body_bytes=max_body_bytes(config.engine.n_ctx(spec.context_length)))
     loader = Loader(state, config, f, spec, tokenizer)
     _StopSignal.signum, _StopSignal.server = None, None

@@ -23,6 +23,7 @@ from strata_mgpu.model.kv_cache import SequenceKV
 from strata_mgpu.model.spec import ModelSpec
 from strata_mgpu.split.exchange import Exchange
 from strata_mgpu.split.help_rule import HelpPolicy
+from strata_mgpu.split.kv_blocks import SplitBlocks
 from strata_mgpu.split.peer_prefill import MESSAGES_PER_LAYER, PeerPrefill
 from strata_mgpu.split.rate_model import measure_link_rate, stage_load
 from strata_mgpu.split.workers import StageWorkers, wait_all
@@ -162,6 +163,10 @@ class SplitRunner:
         for s in self.stages:  # each stage's own KV (VRAM, or VRAM and host), made on its own stream
             parts.append(s.new_sequence(max_length))
         return SplitKV(parts)
+
+    def kv_blocks(self, block_tokens: int) -> SplitBlocks:
+        """Each stage keeps its own layers' part of every block."""
+        return SplitBlocks([s.kv_blocks(block_tokens) for s in self.stages])
 
     @torch.inference_mode()
     def prefill(self, kv: SplitKV, tokens: torch.Tensor, whole_prompt: bool = False,

@@ -34,6 +34,7 @@ from strata_mgpu.stage.experts.streamed import StreamedExperts
 from strata_mgpu.stage.graphs.replay import DecodeGraphs
 from strata_mgpu.stage.host.arena import HostExpertArena
 from strata_mgpu.stage.kv.allocator import StageKV
+from strata_mgpu.stage.kv.blocks import StageBlocks
 from strata_mgpu.stage.memory_plan import MemoryPlan
 
 log = logging.getLogger("strata.stage")
@@ -127,6 +128,9 @@ class Stage:
                 want_logits: bool = True) -> torch.Tensor:
         with self.ctx.on_compute():
             return prefill_last_logits(self.model, kv, tokens)
+
+    def kv_blocks(self, block_tokens: int) -> StageBlocks:
+        return StageBlocks(self.ctx, self.spec, self.layers, block_tokens=block_tokens, dtype=self.kv.dtype)
 
     @torch.inference_mode()
     def prefill_many(self, kvs: Sequence[SequenceKV], chunks: Sequence[torch.Tensor]) -> torch.Tensor:

@@ -221,6 +221,11 @@ class TwoTierKV:
     def offset_writes(self) -> bool:
         return False
 
+    @property
+    def rows_in_place(self) -> bool:
+        """Its older rows leave for host RAM: the prefix cache neither saves nor restores it."""
+        return False
+
     # -- the KVCache interface -----------------------------------------------------------------
     def reserve(self, new_tokens: int) -> None:
         if self.closed:

@@ -1,0 +1,77 @@
+"""Fixed-size blocks of a sequence's KV, copied out of and into its cache: what the prefix cache
+keeps (`engine.prefix_cache`).
+
+A block holds `block_tokens` consecutive positions of every layer of one cache layout:
+[L, 2, B, Hkv, Dh] (L = the layers of the runner or stage, 2 = keys and values, B = block
+tokens). `save` copies positions [j B, (j + 1) B) of a sequence out into a new block on the
+cache's device; `offload` moves a block to host RAM (pinned where the device is a GPU, so it
+comes back at the link's rate); `load` copies blocks back into a fresh sequence, in position
+order, and advances it past them, as if its forwards had written those rows. Every copy is queued
+on the caller's current stream, after the forwards that wrote the rows it reads: the caller (a
+stage) picks the stream.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from strata_mgpu.model.kv_cache import SequenceKV
+
+
+class KVBlockStore:
+    """Blocks of caches with `n_layers` layers of [Hkv, Dh] keys and values in `dtype` on `device`."""
+
+    def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, *, block_tokens: int,
+                 device: torch.device, dtype: torch.dtype):
+        assert block_tokens > 0
+        self.shape = (n_layers, 2, block_tokens, n_kv_heads, head_dim)
+        self.block_tokens = block_tokens
+        self.device, self.dtype = device, dtype
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes one block takes, on the device or in host RAM."""
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n * self.dtype.itemsize
+
+    @property
+    def host_tier(self) -> bool:
+        """Blocks can leave the device for host RAM (False where the device is the host)."""
+        return self.device.type != "cpu"
+
+    def cacheable(self, kv: SequenceKV) -> bool:
+        return kv.rows_in_place
+
+    def save(self, kv: SequenceKV, index: int) -> torch.Tensor:
+        """Positions [index B, (index + 1) B) of `kv`, every layer, as a new block on the device."""
+        assert kv.rows_in_place, "a cache whose rows move cannot be saved from"
+        rows = slice(index * self.block_tokens, (index + 1) * self.block_tokens)
+        assert rows.stop <= kv.capacity, f"block {index} is past the cache's {kv.capacity} cells"
+        return torch.stack((kv.k[:, rows], kv.v[:, rows]), dim=1)  # [L, 2, B, Hkv, Dh], a copy
+
+    def offload(self, block: torch.Tensor) -> torch.Tensor:
+        """The block in host RAM (pinned for a GPU; queued, not waited for: a later `load` on the
+        same stream reads it after the copy)."""
+        host = torch.empty(block.shape, dtype=block.dtype, pin_memory=self.host_tier)
+        host.copy_(block, non_blocking=self.host_tier)
+        return host
+
+    def load(self, kv: SequenceKV, blocks: Sequence[torch.Tensor], n_tokens: int) -> None:
+        """Copy `blocks` (device or host) into an empty `kv` at positions 0.. in order and advance it
+        by `n_tokens` (at most the blocks' tokens: a continuation may keep only part of the last)."""
+        assert kv.rows_in_place and kv.length == 0, "blocks load into a fresh cache whose rows stay in place"
+        b = self.block_tokens
+        assert 0 < n_tokens <= b * len(blocks), f"{n_tokens} tokens from {len(blocks)} blocks of {b}"
+        kv.reserve(n_tokens)
+        for j, block in enumerate(blocks):
+            n = min(b, n_tokens - j * b)
+            if n <= 0:
+                break
+            src = block[:, :, :n].to(self.device, non_blocking=True)  # [L, 2, n, Hkv, Dh]
+            kv.k[:, j * b:j * b + n].copy_(src[:, 0])
+            kv.v[:, j * b:j * b + n].copy_(src[:, 1])
+        kv.advance(n_tokens)

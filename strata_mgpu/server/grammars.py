@@ -1,0 +1,124 @@
+"""The grammars of the API's constraints, as llguidance Lark text (compiled by `engine.grammar`).
+
+- `response_format` json_object: any JSON object; json_schema: its schema (`strict` or not: the
+  output follows the schema either way).
+- `tool_choice` required: one or more tool calls in the Hermes/Qwen3 form, `<tool_call>\\n{"name":
+  ..., "arguments": ...}\\n</tool_call>` ("\\n" between calls), each call's arguments following its
+  function's `parameters` schema; a named function: calls of that function only;
+  `parallel_tool_calls` false: exactly one call. With tool_choice auto and a JSON response_format,
+  the answer is either tool calls or the JSON.
+- A chat that may think first (Qwen3 writes `<think>...</think>` before answering) gets the
+  reasoning block free ahead of the constrained answer: optional where the model opens it
+  itself, required to close where the prompt already opened it, absent where thinking is off
+  (`enable_thinking` false) or `--reasoning-format none` leaves the tags in the content.
+
+JSON is written as Python's json.dumps writes it: ", " and ": ", no other whitespace (a free
+whitespace rule would let a model pad forever). A tag the vocabulary holds as one token
+(`<tool_call>`, `<think>`) is matched as that token, as the model writes it.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import threading
+from typing import Any
+
+from gguf.constants import TokenType
+
+from strata_mgpu.engine.engine import Engine
+from strata_mgpu.engine.grammar import GrammarCompiler
+from strata_mgpu.model.tokenizer import Tokenizer
+
+JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+NO_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}
+
+
+class Thinking(enum.Enum):
+    """Where the constrained answer may start."""
+
+    OFF = "off"  # at once
+    OPTIONAL = "optional"  # after a <think>...</think> block, if the model opens one
+    OPENED = "opened"  # after the </think> that closes the block the prompt opened
+
+
+def json_rule(schema: dict[str, Any]) -> str:
+    """A `%json` rule body: the schema, JSON written compactly (its own x-guidance options win)."""
+    options = {**JSON_STYLE, **schema.get("x-guidance", {})}
+    return "%json " + json.dumps({**schema, "x-guidance": options}, ensure_ascii=False)
+
+
+def function_call_schema(function: dict[str, Any]) -> dict[str, Any]:
+    """The JSON of one call of `function` (an OpenAI tool's `function`): its name, then its arguments."""
+    return {"type": "object", "properties": {"name": {"const": function["name"]},
+                                             "arguments": function.get("parameters") or NO_PARAMETERS},
+            "required": ["name", "arguments"], "additionalProperties": False}
+
+
+def chat_grammar(tok: Tokenizer, *, functions: list[dict[str, Any]] | None, parallel: bool,
+                 answer_schema: dict[str, Any] | None, thinking: Thinking) -> str | None:
+    """The grammar of a chat answer, or None where nothing constrains it.
+
+    functions: the callable functions when a call is required (one: that one is named), else None.
+    answer_schema: the JSON schema of a JSON response_format. With both, the answer is calls or JSON.
+    """
+    if functions is None and answer_schema is None:
+        return None
+    rules = []
+    answers = []
+    if functions is not None:
+        calls = 'call ("\\n" call)*' if parallel else "call"
+        rules += [f"calls: {calls}",
+                  f'call: {_tag(tok, "<tool_call>")} "\\n" function "\\n" {_tag(tok, "</tool_call>")}',
+                  "function: " + json_rule({"anyOf": [function_call_schema(f) for f in functions]})]
+        answers.append("calls")
+    if answer_schema is not None:
+        rules.append("json_answer: " + json_rule(answer_schema))
+        answers.append("json_answer")
+    answer = " | ".join(answers)
+    if thinking is Thinking.OFF:
+        return "\n".join([f"start: {answer}", *rules]) + "\n"
+    if _is_token(tok, "</think>"):  # a token no text can spell: the reasoning is any text before it
+        rules.append('reasoning: /(.|\\n)*/ </think> /[ \\n]+/?')
+    else:  # a text tag: the reasoning ends at its first occurrence
+        rules.append('reasoning[lazy]: /(?s:.*)<\\/think>[ \\n]*/')
+    if thinking is Thinking.OPENED:
+        start = f"start: reasoning ({answer})"
+    else:
+        start = f"start: ({_tag(tok, '<think>')} reasoning)? ({answer})"
+    return "\n".join([start, *rules]) + "\n"
+
+
+def text_grammar(answer_schema: dict[str, Any] | None) -> str | None:
+    """The grammar of a text completion: its JSON response_format from the first token."""
+    return None if answer_schema is None else f"start: json_answer\njson_answer: {json_rule(answer_schema)}\n"
+
+
+def _is_token(tok: Tokenizer, tag: str) -> bool:
+    """Whether the vocabulary holds `tag` as one added token (llguidance names those `<...>`)."""
+    try:
+        i = tok.tokens.index(tag)
+    except ValueError:
+        return False
+    return tok.token_types[i] in (TokenType.CONTROL, TokenType.USER_DEFINED)
+
+
+def _tag(tok: Tokenizer, tag: str) -> str:
+    return tag if _is_token(tok, tag) else json.dumps(tag)
+
+
+class Grammars:
+    """The grammar compiler of the engine being served, made at its first use (llguidance reads
+    the vocabulary: ~10 ms for 2K tokens, longer for 150K)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._engine: Engine | None = None
+        self._compiler: GrammarCompiler | None = None
+
+    def compiler(self, engine: Engine) -> GrammarCompiler:
+        with self._lock:
+            if self._compiler is None or self._engine is not engine:
+                self._compiler = GrammarCompiler(engine.tokenizer, engine.runner.spec.vocab_size)
+                self._engine = engine
+            return self._compiler

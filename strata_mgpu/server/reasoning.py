@@ -1,0 +1,98 @@
+"""`reasoning_content` split from `<think>...</think>`, in whole answers and in stream deltas
+(llama-server's `--reasoning-format deepseek`; `none` leaves the tags in the content).
+
+A reasoning block is one at the very start of the answer (after whitespace), or, where the prompt
+itself opened `<think>` (templates that start the assistant's turn thinking), everything up to
+the first `</think>`. `<think>` later in the answer is content. The reasoning is given without the
+whitespace around it, the content without the whitespace that follows `</think>`; an answer with
+no reasoning block keeps its text exactly. An unterminated block (the answer was cut off) is all
+reasoning. Tags split across deltas are held back until they can be told apart.
+"""
+
+from __future__ import annotations
+
+import enum
+
+OPEN, CLOSE = "<think>", "</think>"
+
+
+class _State(enum.Enum):
+    START = "start"  # nothing but whitespace yet: a block may open
+    REASONING = "reasoning"
+    CONTENT = "content"
+
+
+def opens_reasoning(prompt: str) -> bool:
+    """Whether the prompt leaves the answer inside a reasoning block (its last `<think>` unclosed)."""
+    return prompt.rfind(OPEN) > prompt.rfind(CLOSE)
+
+
+def _partial_tail(text: str, tag: str) -> int:
+    """Length of the longest tail of `text` that is a proper prefix of `tag`."""
+    for n in range(min(len(tag) - 1, len(text)), 0, -1):
+        if tag.startswith(text[-n:]):
+            return n
+    return 0
+
+
+class ReasoningSplitter:
+    """Feed the answer's text in pieces; each `feed` returns (reasoning, content) that is new."""
+
+    def __init__(self, opened: bool = False):
+        self._state = _State.REASONING if opened else _State.START
+        self._buffer = ""  # held back: a tag's possible start, or whitespace whose place is not known yet
+        self._lead = True  # in reasoning or content just after a block: leading whitespace is dropped
+        self.saw_block = opened
+
+    def feed(self, delta: str) -> tuple[str, str]:
+        reasoning, content = [], []
+        text = self._buffer + delta
+        self._buffer = ""
+        while text:
+            if self._state is _State.START:
+                stripped = text.lstrip()
+                if stripped.startswith(OPEN):
+                    self._state, self.saw_block, self._lead = _State.REASONING, True, True
+                    text = stripped[len(OPEN):]
+                    continue
+                if OPEN.startswith(stripped):  # whitespace, or the start of the tag: wait
+                    self._buffer = text
+                    break
+                self._state, self._lead = _State.CONTENT, False
+                continue
+            if self._state is _State.REASONING:
+                end = text.find(CLOSE)
+                piece = text if end < 0 else text[:end]
+                if end < 0:  # hold back a possible start of the tag, and trailing whitespace
+                    keep = _partial_tail(piece, CLOSE)
+                    body = piece[:len(piece) - keep]
+                    trimmed = body.rstrip()
+                    self._buffer = body[len(trimmed):] + piece[len(piece) - keep:]
+                    piece = trimmed
+                else:
+                    piece = piece.rstrip()
+                if self._lead:
+                    piece = piece.lstrip()
+                    self._lead = not piece
+                if piece:
+                    reasoning.append(piece)
+                if end < 0:
+                    break
+                self._state, self._lead = _State.CONTENT, True
+                text = text[end + len(CLOSE):]
+                continue
+            if self._lead:  # content after a block starts at its first non-whitespace
+                text = text.lstrip()
+                if not text:
+                    break
+                self._lead = False
+            content.append(text)
+            break
+        return "".join(reasoning), "".join(content)
+
+    def finish(self) -> tuple[str, str]:
+        """(reasoning, content) still held back, once the answer has ended."""
+        held, self._buffer = self._buffer, ""
+        if self._state is _State.REASONING:  # unterminated: its trailing whitespace is dropped
+            return (held.strip() if self._lead else held.rstrip()), ""
+        return "", held  # before any block: the text as it came; after one: nothing is held

@@ -1,0 +1,50 @@
+"""A split's prefix-cache blocks: each stage keeps its own layers' part of every block, on its own
+device (`stage.kv.blocks.StageBlocks`); a block is the tuple of the stages' parts."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import torch
+
+from strata_mgpu.stage.kv.blocks import StageBlocks
+
+if TYPE_CHECKING:
+    from strata_mgpu.split.runner import SplitKV
+
+SplitBlock = tuple[torch.Tensor, ...]  # one part a stage, in stage order
+
+
+class SplitBlocks:
+    """`KVBlocks` of a split's sequences, from each stage's own."""
+
+    def __init__(self, parts: list[StageBlocks]):
+        assert parts and len({p.block_tokens for p in parts}) == 1
+        self.parts = parts
+
+    @property
+    def block_tokens(self) -> int:
+        return self.parts[0].block_tokens
+
+    @property
+    def block_bytes(self) -> int:
+        return sum(p.block_bytes for p in self.parts)
+
+    @property
+    def host_tier(self) -> bool:
+        """Where any stage is a GPU: a CPU stage's part then simply stays where it is."""
+        return any(p.host_tier for p in self.parts)
+
+    def cacheable(self, kv: SplitKV) -> bool:
+        return all(p.cacheable(part) for p, part in zip(self.parts, kv.parts, strict=True))
+
+    def save(self, kv: SplitKV, index: int) -> SplitBlock:
+        return tuple(p.save(part, index) for p, part in zip(self.parts, kv.parts, strict=True))
+
+    def offload(self, block: SplitBlock) -> SplitBlock:
+        return tuple(p.offload(b) if p.host_tier else b for p, b in zip(self.parts, block, strict=True))
+
+    def load(self, kv: SplitKV, blocks: Sequence[SplitBlock], n_tokens: int) -> None:
+        for k, (p, part) in enumerate(zip(self.parts, kv.parts, strict=True)):
+            p.load(part, [b[k] for b in blocks], n_tokens)

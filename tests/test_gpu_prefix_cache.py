@@ -1,0 +1,113 @@
+"""The prefix cache on the GPU (marker `gpu`; skipped without CUDA): a continuation on blocks
+restored from VRAM and from pinned host RAM against the prompt computed whole, on one stage and on
+two stages of one card; the engine's turns with the blocks moved to the host tier between them."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+
+from strata_mgpu.config import EngineConfig, LayerSplit
+from strata_mgpu.engine.engine import Engine, RequestOutput
+from strata_mgpu.engine.prefix_cache import DEVICE, HOST
+from strata_mgpu.engine.sampler import SamplingParams
+from strata_mgpu.model.gguf_reader import GGUFFile
+from strata_mgpu.model.spec import spec_from_gguf
+from strata_mgpu.model.tokenizer import tokenizer_from_gguf
+from strata_mgpu.split.runner import build_split
+from strata_mgpu.stage.build import build_stage
+from strata_mgpu.stage.stage import StageOptions
+
+pytestmark = pytest.mark.gpu
+CUDA = torch.device("cuda", 0)
+# The restored rows are the same bits the forwards wrote; what differs is the chunking (the rest of
+# the prompt as one chunk against the whole prompt as one), whose bf16 GEMMs round differently.
+BF16_TOL = 2e-2  # max|diff| / max|ref|, as in test_gpu.py
+
+
+def rel_err(a: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((a.float() - ref.float()).abs().max() / ref.float().abs().max())
+
+
+@pytest.fixture(scope="module", params=["stage", "split"])
+def runner(request, tiny_gguf):
+    f = GGUFFile(tiny_gguf)
+    spec = spec_from_gguf(f)
+    gc.collect()
+    opts = StageOptions(device=CUDA, max_vram_gib=8, chunk_size=512)
+    if request.param == "stage":
+        return build_stage(f, spec, opts)
+    return build_split(f, spec, [opts, opts], LayerSplit((2,)))
+
+
+def test_a_continuation_on_restored_blocks_equals_the_prompt_computed_whole(runner):
+    g = torch.Generator().manual_seed(11)
+    prompt = torch.randint(0, runner.spec.vocab_size, (300,), generator=g)
+    store = runner.kv_blocks(64)
+    whole = runner.new_sequence(512)
+    want = runner.prefill(whole, prompt)
+    first = runner.new_sequence(512)
+    runner.prefill(first, prompt[:260])
+    blocks = [store.save(first, j) for j in range(4)]  # 256 tokens
+    blocks = [store.offload(b) for b in blocks[:2]] + blocks[2:]  # two from pinned host RAM
+    again = runner.new_sequence(512)
+    store.load(again, blocks, 250)
+    got = runner.prefill(again, prompt[250:])
+    assert rel_err(got, want) < BF16_TOL
+    step = torch.tensor([int(want.argmax())], device=CUDA)
+    a, b = runner.decode([whole], step)[0], runner.decode([again], step)[0]
+    assert rel_err(b, a) < BF16_TOL
+
+
+def run(engine: Engine, prompt: list[int]) -> list[RequestOutput]:
+    outs: list[RequestOutput] = []
+    engine.submit(prompt, SamplingParams(max_tokens=16, temperature=0, ignore_eos=True), outs.append)
+    while not (outs and outs[-1].finished):
+        engine.step()
+    return outs
+
+
+def test_turns_restore_the_same_rows_from_vram_and_from_host_ram(runner, tiny_gguf):
+    """The same turn twice, its prefix restored from VRAM and then from pinned host RAM: the same
+    bits, the same chunk, so the same tokens."""
+    tok = tokenizer_from_gguf(GGUFFile(tiny_gguf))
+    engine = Engine(runner, tok, EngineConfig(ctx_size=1024, prefix_block_tokens=64))
+    g = torch.Generator().manual_seed(12)
+    prompt = torch.randint(0, runner.spec.vocab_size, (400,), generator=g).tolist()
+    run(engine, prompt)
+    turn = prompt + [5, 6, 7]
+    from_vram = run(engine, turn)
+    assert from_vram[-1].timings.cache_n == 384
+    engine.prefix.shrink_device(0)
+    assert engine.prefix.stats.blocks[DEVICE] == 0 and engine.prefix.stats.blocks[HOST] >= 6
+    from_host = run(engine, turn)
+    assert from_host[-1].timings.cache_n == 384
+    assert [t for o in from_host for t in o.token_ids] == [t for o in from_vram for t in o.token_ids]
+
+
+def test_the_helper_takes_a_continuation_that_fits_one_chunk(tiny_gguf):
+    """Two stages of one card, fp32: the rest of a prompt after restored blocks, helped (a fixed
+    share), equals it unhelped within fp32 rounding, and the helper did move rows."""
+    from strata_mgpu.split.help_rule import HelpPolicy
+
+    f = GGUFFile(tiny_gguf)
+    spec = spec_from_gguf(f)
+    opts = StageOptions(device=CUDA, max_vram_gib=4, chunk_size=512, cuda_graphs=False, dtype=torch.float32,
+                        resident_experts=2)
+    runner = build_split(f, spec, [opts, opts], LayerSplit((2,)), help_policy=HelpPolicy())
+    g = torch.Generator().manual_seed(13)
+    prompt = torch.randint(0, spec.vocab_size, (400,), generator=g)
+    store = runner.kv_blocks(64)
+    first = runner.new_sequence(512)
+    runner.prefill(first, prompt[:128], whole_prompt=True)
+    blocks = [store.save(first, j) for j in range(2)]
+    outs = []
+    for policy in (HelpPolicy(enabled=False), HelpPolicy(fixed_share=0.4)):
+        runner.policy = policy
+        kv = runner.new_sequence(512)
+        store.load(kv, blocks, 128)
+        outs.append(runner.prefill(kv, prompt[128:], whole_prompt=True).cpu())
+    assert rel_err(outs[1], outs[0]) <= 1e-5
+    assert all(h.to_helper.bytes_moved > 0 for h in runner.helpers)
