@@ -247,6 +247,7 @@ if has prefixkv; then  # four sessions at once with KV cells for all of them (--
 fi
 if has llama; then  # the same traces against llama-server (.llama/llama-server, carried): all on the card, and
   # at about 16 GiB with the experts of its first layers on the host's cores (--n-cpu-moe)
+  [ -x .llama/llama-server ] || { xz -dc .llama/llama-server.xz > .llama/llama-server && chmod +x .llama/llama-server; }
   export LD_LIBRARY_PATH=$(python3 -c "import nvidia, os; print(':'.join(os.path.join(p, 'cu13/lib') for p in nvidia.__path__))"):${LD_LIBRARY_PATH:-}
   llama_trace() {  # name, llama-server args...
     local name=$1; shift
