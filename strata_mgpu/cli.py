@@ -132,6 +132,9 @@ dtype_option = click.option("--dtype", type=click.Choice(["bf16", "fp32"]), defa
                             help="compute dtype on the GPU (fp32: slower, for checks)")
 
 
+threads_option = click.option("--threads", type=click.IntRange(min=1), default=None,
+                              help="host cores that compute a CPU stage's experts (ggml); default: the physical "
+                                   "cores, less one for each GPU stage's host thread")
 resident_option = click.option("--resident-experts", type=click.IntRange(min=0), default=None,
                                help="force this many resident experts a layer (0: stream every expert, as "
                                     "without residency); default: as many as the VRAM plan holds")
@@ -201,7 +204,7 @@ def _warn_cpu_budget(placement) -> None:
 
 def _placement(devices: str, layer_split: str, max_vram: str | None, dtype: str, cuda_graphs: bool = True,
                prefill_help: bool | None = None, prefill_help_frac: str | None = None,
-               resident_experts: int | None = None):
+               resident_experts: int | None = None, threads: int | None = None):
     from strata_mgpu.config import LayerSplit, Placement
 
     budgets: tuple[float | None, ...] = (None,)
@@ -217,7 +220,7 @@ def _placement(devices: str, layer_split: str, max_vram: str | None, dtype: str,
         return Placement.from_env(_env(), prefill_help=prefill_help, prefill_help_frac=prefill_help_frac,
                                   devices=tuple(d.strip() for d in devices.split(",")),
                                   layer_split=LayerSplit.parse(layer_split), max_vram_gib=budgets, dtype=dtype,
-                                  cuda_graphs=cuda_graphs, resident_experts=resident_experts)
+                                  cuda_graphs=cuda_graphs, resident_experts=resident_experts, threads=threads)
     except ValueError as e:  # EnvError too: a bad --prefill-help-frac
         fail(str(e))
 
@@ -237,6 +240,7 @@ def _placement(devices: str, layer_split: str, max_vram: str | None, dtype: str,
               help="replay batch-1 decode steps as CUDA graphs")
 @help_options
 @resident_option
+@threads_option
 @click.option("--server-decode", default=None,
               help="also decode through the engine as the server does (sampling on, seeded), with this many "
                    "concurrent requests each, e.g. 1,8; --decode-tokens tokens a request (64 if 0)")
@@ -249,8 +253,8 @@ def _placement(devices: str, layer_split: str, max_vram: str | None, dtype: str,
 @click.option("--json", "json_out", type=click.Path(dir_okay=False, path_type=Path), default=None)
 def bench(model: Path, prompt_tokens: str, decode_tokens: int, runs: int, devices: str, layer_split: str,
           max_vram: str | None, dtype: str, chunk_size: int, cuda_graphs: bool, prefill_help: bool | None,
-          prefill_help_frac: str | None, resident_experts: int | None, server_decode: str | None,
-          decode_batch: list[int], decode_context: int, json_out: Path | None) -> None:
+          prefill_help_frac: str | None, resident_experts: int | None, threads: int | None,
+          server_decode: str | None, decode_batch: list[int], decode_context: int, json_out: Path | None) -> None:
     """Prefill tok/s against the PCIe link bound, and decode tok/s (at each --decode-batch size)."""
     from strata_mgpu.env import EnvError
     from strata_mgpu.split.runner import SplitError
@@ -259,7 +263,7 @@ def bench(model: Path, prompt_tokens: str, decode_tokens: int, runs: int, device
 
     lengths = _int_list(prompt_tokens)
     placement = _placement(devices, layer_split, max_vram, dtype, cuda_graphs, prefill_help, prefill_help_frac,
-                           resident_experts)
+                           resident_experts, threads)
     _warn_cpu_budget(placement)
     served = _int_list(server_decode) if server_decode else []
     batches = decode_batch if decode_batch != [1] else []
@@ -408,10 +412,12 @@ def topo() -> None:
 @max_vram_option
 @dtype_option
 @help_options
+@threads_option
 def serve(model: Path | None, host: str, port: int, ctx_size: int | None, chunk_size: int, max_running: int,
           arrival_gap_ms: float, prefix_cache: bool, cache_ram: float, kv_tokens: int | None,
           api_key: str | None, alias: str | None, reasoning_format: str, devices: str, layer_split: str,
-          max_vram: str | None, dtype: str, prefill_help: bool | None, prefill_help_frac: str | None) -> None:
+          max_vram: str | None, dtype: str, prefill_help: bool | None, prefill_help_frac: str | None,
+          threads: int | None) -> None:
     """OpenAI-compatible server. With no MODEL, serves a small built-in demo model.
 
     Ctrl+C or SIGTERM stop it (a load in progress ends after its current layer); the exit status is
@@ -438,7 +444,8 @@ def serve(model: Path | None, host: str, port: int, ctx_size: int | None, chunk_
                                                   arrival_gap_ms=arrival_gap_ms, prefix_cache=prefix_cache,
                                                   cache_ram_gib=cache_ram, kv_tokens=kv_tokens),
                               placement=_placement(devices, layer_split, max_vram, dtype,
-                                                   prefill_help=prefill_help, prefill_help_frac=prefill_help_frac))
+                                                   prefill_help=prefill_help, prefill_help_frac=prefill_help_frac,
+                                                   threads=threads))
         status = launch.serve(config)
     except (GGUFError, EnvError, DeviceError, SplitError, launch.ListenError) as e:
         fail(str(e))

@@ -110,6 +110,7 @@ class Placement:
     kv_prefetch: bool = True  # spilled KV uploaded a layer ahead on a side stream
     stage_threads: bool = True  # a host thread per GPU stage of a split
     decode_graph_batch: int = 8  # the largest decode batch replayed as a CUDA graph
+    threads: int | None = None  # host cores computing a CPU stage's experts (--threads); None: engine.build's default
 
     def __post_init__(self) -> None:
         if not self.devices:
@@ -128,6 +129,8 @@ class Placement:
         if self.resident_experts is not None and self.resident_experts < 0:
             raise ValueError(f"--resident-experts {self.resident_experts}: 0 or more")
         parse_help_frac(self.prefill_help_frac, "--prefill-help-frac")  # EnvError is a ValueError
+        if self.threads is not None and self.threads < 1:
+            raise ValueError(f"--threads {self.threads}: 1 or more")
         if not 1 <= self.decode_graph_batch <= 64:
             raise ValueError(f"decode graph batch {self.decode_graph_batch}: 1 to 64")
 

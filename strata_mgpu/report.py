@@ -112,9 +112,11 @@ def bench_lines(result: BenchResult, chunk_size: int, max_vram: str | None) -> l
         lo, hi = d.prompt_tokens[0], d.prompt_tokens[-1]
         lines.append(f"decode batch {d.batch}: {d.tok_per_s:,.1f} tok/s in all, {d.per_seq_tok_s:,.1f} per sequence "
                      f"({d.steps} steps of random tokens, prompts of {lo}{'' if lo == hi else f'-{hi}'} tokens)")
+    on_host = {cpu.stage for cpu in result.cpu_experts}
     for st in result.stages:
         lines.append(f"stage {st.index}: layers {st.layers} on {st.device}, experts {gb(st.expert_bytes)}, "
-                     f"{100 * st.resident_share:.0f}% resident, a pass streams {gb(st.pass_bytes)}"
+                     + ("computed where they lie in host RAM" if st.index in on_host else
+                        f"{100 * st.resident_share:.0f}% resident, a pass streams {gb(st.pass_bytes)}")
                      + (f", busy {st.busy_s:.3f} s of the longest prompt" if st.busy_s is not None else ""))
         lines.append("  VRAM plan: " + "; ".join(f"{what} {gb(n)}" for what, n in st.plan if n))
     for served in result.server_decode:
@@ -123,6 +125,10 @@ def bench_lines(result: BenchResult, chunk_size: int, max_vram: str | None) -> l
                      f"{served['steady_tok_per_s'] or 0:.1f} tok/s in all while all decode, "
                      f"{min(per, default=0):.1f}-{max(per, default=0):.1f} each, "
                      f"first token {1e3 * served['mean_ttft_s']:.0f} ms mean")
+    for cpu in result.cpu_experts:
+        rates = ", ".join(f"{'batch 1' if r.rows == 1 else f'{r.rows:,} rows'} {r.gb_per_s or 0:.1f} GB/s "
+                          f"({r.ms_per_call or 0:.3f} ms a layer)" for r in cpu.rates)
+        lines.append(f"stage {cpu.stage} experts on the host's cores ({cpu.executor}): {rates or 'no calls'}")
     for i, paths in enumerate(result.paths):
         lines.append(f"stage {i} ran: {paths}")
     if result.overlap_s is not None:

@@ -14,6 +14,7 @@ from click.testing import CliRunner
 from strata_mgpu.cli import main
 from strata_mgpu.config import EngineConfig, Placement, ServerConfig
 from strata_mgpu.engine.build import build_runner, preview_plans
+from strata_mgpu.kernels.cpu_experts import ggml_missing
 from strata_mgpu.kernels.experts import CudaKernels, TorchKernels
 from strata_mgpu.model.gguf_reader import GGUFFile
 from strata_mgpu.model.spec import spec_from_gguf
@@ -29,9 +30,11 @@ def test_chunk_is_resolved_against_the_context():
                                                                                           chunk_size=512)
 
 
-def test_where_the_reference_and_cpu_stages_run(tiny_gguf):
+def test_where_the_reference_and_cpu_stages_run(tiny_gguf, monkeypatch):
     f = GGUFFile(tiny_gguf)
     spec = spec_from_gguf(f)
+    # serve's runner on one CPU device where ggml-python is missing (with it: a CPU stage, tests/test_cpu_experts.py)
+    monkeypatch.setattr("strata_mgpu.engine.build.ggml_missing", lambda: "ggml-python is not installed")
     reference = build_runner(f, spec, Placement(devices=("cpu",)), 64, cpu_reference=True)
     assert launch.where_it_runs(reference) == ("cpu in fp32: the torch reference forward (plain torch ops, every "
                                                "expert in host RAM)")
@@ -113,7 +116,8 @@ def test_the_demo_says_where_it_runs_and_its_chunk(tmp_path, monkeypatch):
     with running_server([], log):
         pass
     text = log.read_text()
-    where = "model strata-demo runs on cpu in fp32: the torch reference forward"
+    where = ("model strata-demo runs on cpu in fp32: the torch reference forward" if ggml_missing() is not None else
+             "model strata-demo runs on cpu in fp32 with plain torch ops, experts from their GGUF bytes by ggml on ")
     ready = "model strata-demo ready: 4 layers, 8 experts (2 used), context 4096, chunk 4096"
     assert where in text and ready in text, text
 

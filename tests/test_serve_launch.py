@@ -64,6 +64,9 @@ def slow_load_weights(*args, on_layer, **kw):
     return load_weights(*args, on_layer=layer_done, **kw)
 
 model_runner.load_weights = slow_load_weights
+import strata_mgpu.stage.build as stage_build  # `--devices cpu` serves a CPU stage where ggml-python is there
+
+stage_build.load_weights = slow_load_weights
 from strata_mgpu.cli import main
 sys.exit(main())
 """

@@ -7,6 +7,8 @@ from collections.abc import Callable
 import torch
 
 from strata_mgpu.config import Placement
+from strata_mgpu.kernels.cpu_experts import default_threads, ggml_missing
+from strata_mgpu.kernels.paths import warn_once
 from strata_mgpu.model.expert_layout import layer_layout
 from strata_mgpu.model.gguf_reader import GGUFFile
 from strata_mgpu.model.runner import DecoderRunner, load_reference_runner
@@ -47,15 +49,26 @@ def check_placement(placement: Placement, spec: ModelSpec) -> None:
 
 def stage_options(placement: Placement, chunk_size: int, kv_tokens: int,
                   devices: list[torch.device] | None = None) -> list[StageOptions]:
-    """Each stage's options: on `devices` (default: the placement's, checked to exist)."""
+    """Each stage's options: on `devices` (default: the placement's, checked to exist). One CPU
+    device (`--devices cpu`) computes its experts on the host's cores (`cpu_experts`); CPU stages of
+    a split, and a CPU stage given `--resident-experts` (residency is the device path's), keep the
+    device path's twins (the ring, the cache and the helper they are the tests of)."""
     devices = resolve_devices(placement) if devices is None else devices
+    cpu_only = len(devices) == 1 and devices[0].type == "cpu" and placement.resident_experts is None
     return [StageOptions(device=d, max_vram_gib=placement.budget(i), chunk_size=chunk_size, kv_tokens=kv_tokens,
                          context=kv_tokens,
                          resident_experts=placement.resident_experts,
                          dtype=torch.float32 if placement.dtype == "fp32" else None,
                          cuda_graphs=placement.cuda_graphs, graph_batch=placement.decode_graph_batch,
-                         kv_prefetch=placement.kv_prefetch)
+                         kv_prefetch=placement.kv_prefetch, cpu_experts=cpu_only,
+                         threads=host_threads(placement, devices))
             for i, d in enumerate(devices)]
+
+
+def host_threads(placement: Placement, devices: list[torch.device]) -> int:
+    """`--threads`, else the physical cores less one for each GPU stage's host thread
+    (`cpu_experts.default_threads`): all of them on a CPU-only run."""
+    return placement.threads or default_threads(sum(d.type == "cuda" for d in devices))
 
 
 def preview_plans(f: GGUFFile, spec: ModelSpec, placement: Placement, chunk_size: int, kv_tokens: int
@@ -82,10 +95,14 @@ def preview_plans(f: GGUFFile, spec: ModelSpec, placement: Placement, chunk_size
 def build_runner(f: GGUFFile, spec: ModelSpec, placement: Placement, chunk_size: int, *,
                  kv_tokens: int | None = None, cpu_reference: bool = False,
                  on_progress: Progress | None = None) -> DecoderRunner | Stage | SplitRunner:
-    """One CPU device with `cpu_reference`: the fp32 oracle forward (what the demo serves);
-    otherwise `build_stages`."""
+    """`build_stages`; with `cpu_reference` (what `serve` asks for), one CPU device where
+    ggml-python is missing serves the fp32 oracle forward instead, as it did before the CPU stage
+    computed its experts in place (said once: the torch twin of that stage dequantizes each picked
+    expert every call, slower than the oracle, which holds them all dequantized)."""
     devices = resolve_devices(placement)
-    if cpu_reference and len(devices) == 1 and devices[0].type == "cpu":
+    missing = ggml_missing() if cpu_reference and len(devices) == 1 and devices[0].type == "cpu" else None
+    if missing is not None:
+        warn_once("serving the fp32 reference forward on the CPU (every expert dequantized in RAM)", missing)
         return load_reference_runner(f, spec, on_progress=(lambda d, t: on_progress("layers", d, t))
                                      if on_progress else None)
     return build_stages(f, spec, placement, chunk_size, kv_tokens=kv_tokens, on_progress=on_progress)

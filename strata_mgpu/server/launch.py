@@ -32,6 +32,7 @@ from strata_mgpu.server.app import ServerState, create_app
 from strata_mgpu.server.body_limit import max_body_bytes
 from strata_mgpu.split.runner import SplitError, SplitRunner
 from strata_mgpu.stage.device import DeviceError
+from strata_mgpu.stage.experts.host_cores import HostCoreExperts
 from strata_mgpu.stage.host.pinned import PinError
 from strata_mgpu.stage.memory_plan import MemoryPlan, PlanError
 from strata_mgpu.stage.stage import Stage
@@ -127,6 +128,8 @@ def _stage_line(stage: Stage, with_layers: bool) -> str:
         path = "the torch twins of the CUDA kernels (no CuPy: slower; pip install 'strata-mgpu[cuda12]')"
     else:
         path = "plain torch ops"
+        if isinstance(stage.experts, HostCoreExperts):
+            path += f", experts from their GGUF bytes by {stage.experts.executor.describe()}"
     where = f"layers {stage.layers.start}-{stage.layers.stop - 1} on " if with_layers else ""
     line = f"{where}{stage.ctx.device} in {dtype} with {path}"
     return line + ("; " + vram_plan_line(stage.plan, stage.report.pass_bytes) if stage.ctx.is_cuda else "")

@@ -6,6 +6,8 @@ plan (`memory_plan`) then fits the rest of the budget around what is placed: the
 resident experts (the expert cache), the KV the engine may fill and the decode graphs' room. The
 decoder's path switches (`static_rows`: short forwards through the fused decode ops) and whether
 decode steps can be captured as graphs follow from the kernels and the card, decided here once.
+A CPU stage with `cpu_experts` keeps only the arena (not pinned) and computes every expert from
+it on the host's cores (`HostCoreExperts`): no ring, no expert cache, no workspace.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from collections.abc import Callable
 
 import torch
 
+from strata_mgpu.kernels.cpu_experts import default_threads, select_cpu_experts
 from strata_mgpu.kernels.decode_ops import ATTN_HEAD_DIMS, ATTN_MIN_CAPABILITY, CudaDecodeOps
 from strata_mgpu.kernels.experts import CudaKernels, TorchKernels, select_kernels
 from strata_mgpu.model.decoder import Decoder
@@ -23,6 +26,7 @@ from strata_mgpu.model.spec import ModelSpec
 from strata_mgpu.model.weights import ModelWeights, load_weights
 from strata_mgpu.stage.device import DeviceContext
 from strata_mgpu.stage.experts.cache import ExpertCache, RefillOnFirstStep
+from strata_mgpu.stage.experts.host_cores import HostCoreExperts
 from strata_mgpu.stage.experts.ring import ExpertRing
 from strata_mgpu.stage.experts.streamed import StreamedExperts
 from strata_mgpu.stage.graphs.replay import DecodeGraphs
@@ -44,6 +48,8 @@ def build_stage(f: GGUFFile, spec: ModelSpec, opts: StageOptions, layers: range 
     assert 0 <= layers.start < layers.stop <= spec.n_layers and layers.step == 1
     first, last = layers.start == 0, layers.stop == spec.n_layers
     ctx = DeviceContext(opts.device, int(opts.max_vram_gib * GiB) if opts.max_vram_gib else None)
+    if opts.cpu_experts and ctx.is_cuda:
+        raise ValueError(f"cpu_experts is a CPU stage's option; the stage is on {ctx.device}")
     dtype = opts.dtype or (torch.bfloat16 if ctx.is_cuda else torch.float32)
 
     def progress(what: str, total: int) -> Callable[[int], None]:
@@ -57,8 +63,14 @@ def build_stage(f: GGUFFile, spec: ModelSpec, opts: StageOptions, layers: range 
     kernels = select_kernels(ctx.device, prefer_cuda=opts.prefer_cuda_kernels)
     plan = _plan(ctx, spec, opts, layers, arena, dense_storage_bytes(dense), dtype)
     ring = ExpertRing(ctx, plan.ring_slot_bytes, opts.ring_slots) if plan.ring else None
-    cache = ExpertCache(ctx, arena, layers, plan.resident_per_layer * len(layers)) if opts.expert_cache else None
-    experts = StreamedExperts(ctx, spec, arena, kernels, ring, cache, layers, dtype=dtype)
+    cache = (ExpertCache(ctx, arena, layers, plan.resident_per_layer * len(layers))
+             if opts.expert_cache and not opts.cpu_experts else None)
+    experts: StreamedExperts | HostCoreExperts
+    if opts.cpu_experts:
+        executor = select_cpu_experts(opts.threads or default_threads(0))
+        experts = HostCoreExperts(arena, executor, kernels, layers)
+    else:
+        experts = StreamedExperts(ctx, spec, arena, kernels, ring, cache, layers, dtype=dtype)
     fused_ops = isinstance(kernels, CudaKernels) and dtype == torch.bfloat16
     ops = CudaDecodeOps(ctx.device, paths=kernels.paths) if fused_ops else None  # one counter for both
     # Short prompts, packed prompts and eager decode batches through the decode step's fused ops:
@@ -73,11 +85,17 @@ def build_stage(f: GGUFFile, spec: ModelSpec, opts: StageOptions, layers: range 
                  prefetch=opts.kv_prefetch)
     report = StageReport(dense_bytes=dense_storage_bytes(dense), arena_bytes=arena.nbytes,
                          ring_bytes=ring.nbytes if ring else 0, workspace_bytes=experts.workspace_bytes,
-                         cache_slots=cache.n_slots if cache else 0, kernels=kernels.describe(), plan=plan,
+                         cache_slots=cache.n_slots if cache else 0, plan=plan,
+                         kernels=kernels.describe() + (f", experts {experts.executor.describe()}"
+                                                       if isinstance(experts, HostCoreExperts) else ""),
                          pass_bytes=experts.pass_bytes())
-    log.info("stage on %s: experts %.2f GB pinned, %d/%d a layer resident, a prompt pass streams %.2f GB, "
-             "kernels %s", ctx.device, arena.nbytes / 1e9, plan.resident_per_layer, spec.n_experts,
-             report.pass_bytes / 1e9, report.kernels)
+    if isinstance(experts, HostCoreExperts):
+        log.info("stage on %s: experts %.2f GB in host RAM, computed there; kernels %s", ctx.device,
+                 arena.nbytes / 1e9, report.kernels)
+    else:
+        log.info("stage on %s: experts %.2f GB pinned, %d/%d a layer resident, a prompt pass streams %.2f GB, "
+                 "kernels %s", ctx.device, arena.nbytes / 1e9, plan.resident_per_layer, spec.n_experts,
+                 report.pass_bytes / 1e9, report.kernels)
     log.info("memory plan of %s: %s", ctx.device, plan.describe())
     return Stage(options=opts, spec=spec, layers=layers, ctx=ctx, arena=arena, plan=plan, kernels=kernels,
                  experts=experts, model=model, kv=kv, graphs=graphs, refill=RefillOnFirstStep(cache), report=report)
@@ -116,11 +134,14 @@ def stage_plan(spec: ModelSpec, opts: StageOptions, layers: range, *, expert_byt
     what a stage plans as it is built, and what `strata info` previews without a GPU. `budget`
     None: uncapped (the CPU), a quarter of each layer resident unless forced. Where the budget
     cannot hold the KV of the whole context, the VRAM KV is halved (down to one chunk) and longer
-    sequences keep their older cells in host RAM."""
+    sequences keep their older cells in host RAM. A stage with `cpu_experts` plans no ring, no
+    resident experts and no workspace: its experts stay in the arena."""
     return plan_stage_memory(spec, kv_tokens=opts.kv_tokens, context=opts.context or opts.kv_tokens,
                              chunk_tokens=opts.chunk_size, on_halved=on_halved, n_layers=len(layers),
-                             expert_bytes=expert_bytes, dense=dense, budget=budget, ring_slots=opts.ring_slots,
-                             elem=elem, resident_per_layer=opts.resident_experts if opts.expert_cache else 0,
+                             expert_bytes=expert_bytes, dense=dense, budget=budget,
+                             ring_slots=0 if opts.cpu_experts else opts.ring_slots, elem=elem,
+                             resident_per_layer=opts.resident_experts if opts.expert_cache and not opts.cpu_experts
+                             else 0, expert_workspace=not opts.cpu_experts,
                              where=where, staging_buffers=2 if opts.kv_prefetch else 1, decode_rows=opts.graph_batch,
                              head=layers.stop == spec.n_layers)
 

@@ -168,20 +168,23 @@ def kv_bytes(spec: ModelSpec, n_layers: int, tokens: int, elem: int = 2) -> int:
 def plan_memory(spec: ModelSpec, *, n_layers: int, expert_bytes: int, dense: int, budget: int | None,
                 chunk_tokens: int, kv_tokens: int, ring_slots: int = 2, elem: int = 2,
                 resident_per_layer: int | None = None, where: str = "the stage", context: int | None = None,
-                staging_buffers: int = 1, decode_rows: int = 8, head: bool = True) -> MemoryPlan:
+                staging_buffers: int = 1, decode_rows: int = 8, head: bool = True,
+                expert_workspace: bool = True) -> MemoryPlan:
     """Place the fixed lines, then as many resident experts a layer as the rest holds.
 
     `kv_tokens` KV cells stay in VRAM; a sequence longer than that (up to `context` tokens) keeps
     its older cells in host RAM and uploads them, a layer at a time, into `staging_buffers`
     buffers of `context` cells (`stage.kv.two_tier`). `decode_rows`: the largest batch decoded as one
-    graph; `head`: the stage holds the output head. `resident_per_layer` forces K (0: stream
+    graph; `head`: the stage holds the output head; `expert_workspace`: it dequantizes a layer's
+    experts for its GEMMs (a CPU stage computing them from their blocks does not; the line is 0).
+    `resident_per_layer` forces K (0: stream
     everything, for measurements); it must still fit. Without a budget (CPU) K defaults to a
     quarter of E, so both read paths stay exercised.
     """
     E = spec.n_experts
     context = max(context or kv_tokens, kv_tokens)
     staging = staging_buffers * 2 * context * spec.kv_dim * elem if context > kv_tokens else 0
-    fixed = dict(dense=dense, workspace=workspace_bytes(spec, elem),
+    fixed = dict(dense=dense, workspace=workspace_bytes(spec, elem) if expert_workspace else 0,
                  activations=activation_bytes(spec, min(chunk_tokens, context), context, elem),
                  kv=kv_bytes(spec, n_layers, kv_tokens, elem), kv_tokens=kv_tokens, kv_staging=staging,
                  decode=decode_bytes(spec, decode_rows, head=head, elem=elem) if budget is not None else 0,

@@ -3,7 +3,8 @@
 - `ctx`: the device, its streams and VRAM budget; `plan`: what the budget holds, line by line;
 - `model`: the decoder forward over the layers' dense weights (the embedding on the first stage,
   the head on the last), its expert backend `experts` (resident experts in place, the rest
-  streamed from the pinned `arena`, or gathered);
+  streamed from the pinned `arena`, or gathered; on a CPU stage with `cpu_experts`, every
+  expert computed on the host's cores from the arena's bytes: `HostCoreExperts`);
 - `kv`: its sequences' caches within the plan; `graphs`: its decode steps as CUDA graphs;
 - `refill`: the expert cache following the routing at each sequence's first decode step.
 
@@ -29,6 +30,7 @@ from strata_mgpu.model.runner import prefill_last_logits, prefill_pack_logits
 from strata_mgpu.model.spec import ModelSpec
 from strata_mgpu.stage.device import DeviceContext
 from strata_mgpu.stage.experts.cache import RefillOnFirstStep
+from strata_mgpu.stage.experts.host_cores import HostCoreExperts
 from strata_mgpu.stage.experts.lending import LentBuffers, PrefillHelper
 from strata_mgpu.stage.experts.streamed import StreamedExperts
 from strata_mgpu.stage.graphs.replay import DecodeGraphs
@@ -55,6 +57,10 @@ class StageOptions:
     cuda_graphs: bool = True  # replay decode steps as captured graphs (one per batch size bucket) where possible
     graph_batch: int = 8  # the largest batch replayed as a graph (STRATA_DECODE_GRAPH_BATCH)
     kv_prefetch: bool = True  # spilled KV uploaded a layer ahead on a side stream (STRATA_KV_PREFETCH)
+    # a CPU stage computes its experts on the host's cores from the arena's GGUF bytes (ggml: no ring,
+    # cache or fp32 workspace) rather than through the device path's twins; `threads` cores (None: all)
+    cpu_experts: bool = False
+    threads: int | None = None
 
     @classmethod
     def from_env(cls, environment: EnvOptions, **fields: Any) -> StageOptions:
@@ -87,7 +93,7 @@ class Stage:
     arena: HostExpertArena
     plan: MemoryPlan
     kernels: TorchKernels
-    experts: StreamedExperts
+    experts: StreamedExperts | HostCoreExperts
     model: Decoder  # its expert backend is `experts`
     kv: StageKV
     graphs: DecodeGraphs
@@ -123,14 +129,14 @@ class Stage:
     def new_sequence(self, max_length: int) -> SequenceKV:
         return self.kv.new_sequence(max_length)
 
+    def kv_blocks(self, block_tokens: int) -> StageBlocks:
+        return StageBlocks(self.ctx, self.spec, self.layers, block_tokens=block_tokens, dtype=self.kv.dtype)
+
     @torch.inference_mode()
     def prefill(self, kv: SequenceKV, tokens: torch.Tensor, whole_prompt: bool = False,
                 want_logits: bool = True) -> torch.Tensor:
         with self.ctx.on_compute():
             return prefill_last_logits(self.model, kv, tokens)
-
-    def kv_blocks(self, block_tokens: int) -> StageBlocks:
-        return StageBlocks(self.ctx, self.spec, self.layers, block_tokens=block_tokens, dtype=self.kv.dtype)
 
     @torch.inference_mode()
     def prefill_many(self, kvs: Sequence[SequenceKV], chunks: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -199,6 +205,9 @@ class Stage:
     def lend(self) -> LentBuffers:
         """The VRAM a helper may borrow while this stage idles: its expert ring and its experts'
         bf16 workspace, both laid out when the stage was built."""
+        if not isinstance(self.experts, StreamedExperts):
+            raise ValueError(f"the stage on {self.ctx.device} computes its experts on the host's cores: it has no "
+                             f"ring or workspace to lend")
         return LentBuffers(workspace=self.experts.workspace, ring=self.experts.ring)
 
     def attach_helper(self, helper: PrefillHelper | None) -> None:

@@ -8,7 +8,9 @@ the busiest link's where chunks pipeline across stages; for a one-chunk prompt o
 stages one after the other, each with the share its helper took: `split_one_chunk_bound`) and
 the compute of the same passes timed without their uploads; the all-streamed link bound too,
 so figures from before residency compare. Then decode tok/s, and with `decode_batches` the same
-at each batch size B: B sequences decoded together, aggregate and per-sequence tok/s.
+at each batch size B: B sequences decoded together, aggregate and per-sequence tok/s. A stage whose
+experts run on the host's cores (`--devices cpu`) reports its executor's expert GB/s for each
+row count it ran (batch-1 decode steps, each prompt's chunk, each decode batch).
 Prompts longer than the chunk size run chunk by chunk, as the engine runs them; with several
 stages the longest prompt is timed per stage too: each stage's busy time and how long two or
 more stages were busy at once (the pipeline's overlap). Runs on the CPU with the tiny model too
@@ -29,6 +31,7 @@ from typing import NamedTuple
 import torch
 
 from strata_mgpu.split.runner import SplitRunner
+from strata_mgpu.stage.experts.host_cores import HostCoreExperts
 from strata_mgpu.stage.experts.ring import ExpertRing, Slot
 from strata_mgpu.stage.stage import Stage
 from strata_mgpu.stage.streams import Mark
@@ -74,6 +77,21 @@ class DecodeBatchResult:
 
 
 @dataclass
+class CpuExpertRate:
+    rows: int  # rows a call: 1 for a batch-1 decode step, a prompt's chunk, a decode batch
+    calls: int  # layer calls with that many rows, since the warm-up
+    gb_per_s: float | None  # distinct picked experts' bytes over the calls' wall time
+    ms_per_call: float | None  # one layer's picks
+
+
+@dataclass
+class CpuExpertsResult:
+    stage: int
+    executor: str  # 'ggml on 2 threads', or the torch twin's name
+    rates: list[CpuExpertRate] = field(default_factory=list)
+
+
+@dataclass
 class BenchResult:
     device: str
     model: str
@@ -96,6 +114,7 @@ class BenchResult:
     decode_batch: list[DecodeBatchResult] = field(default_factory=list)  # --decode-batch sizes other than 1 alone
     decode_host_ms: float | None = None  # batch 1: the host's time to queue a step (the rest it waits on the device)
     decode_context: int = 64  # batch 1: the prompt's tokens before the timed steps
+    cpu_experts: list[CpuExpertsResult] = field(default_factory=list)  # stages whose experts run on the host's cores
     date: str = field(default_factory=lambda: time.strftime("%Y-%m-%d"))
 
     def to_json(self) -> str:
@@ -361,6 +380,9 @@ def run_bench(runner, model_name: str, prompt_tokens: list[int], decode_tokens: 
         all_per_link[s.ctx.device] = all_per_link.get(s.ctx.device, 0) + s.arena.nbytes
     pass_bytes = sum(per_link.values())
     time_prefill(runner, min(min(prompt_tokens), chunk), 1, chunk)  # warm-up: kernels, allocator
+    host = {i: s.experts.executor for i, s in enumerate(stages) if isinstance(s.experts, HostCoreExperts)}
+    for executor in host.values():
+        executor.reset_rates()
     for d in {s.ctx.device for s in stages if s.ctx.is_cuda}:
         torch.cuda.reset_peak_memory_stats(d)
     results = []
@@ -415,7 +437,10 @@ def run_bench(runner, model_name: str, prompt_tokens: list[int], decode_tokens: 
                             pass_bytes=s.experts.pass_bytes(), plan=s.plan.lines(), busy_s=busy.get(i))
                 for i, s in enumerate(stages)],
         overlap_s=overlap, pipeline_s=span, pipeline_tokens=longest if overlap is not None else None,
-        decode_batch=batched)
+        decode_batch=batched,
+        cpu_experts=[CpuExpertsResult(stage=i, executor=x.describe(), rates=[
+            CpuExpertRate(rows=rows, calls=r.calls, gb_per_s=r.gb_per_s, ms_per_call=r.ms_per_call)
+            for rows, r in sorted(x.rates.items())]) for i, x in host.items()])
 
 
 def write_json(result: BenchResult, path: Path) -> None:

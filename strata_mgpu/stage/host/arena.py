@@ -3,11 +3,15 @@
 Layout: layer after layer; inside a layer, expert after expert; inside an expert its raw GGUF
 blocks as [gate | up | down]. So one layer's experts are one contiguous upload, one expert is one
 contiguous slice, and a run of experts is one slice too. Resident memory is the expert bytes
-exactly (one allocation, pinned in place: `stage.host.pinned`).
+exactly (one allocation, pinned in place: `stage.host.pinned`): the file's pages each layer was
+copied from leave the process's resident set once copied (`release_file_pages`), so the experts
+are not counted twice (the page cache keeps them; a later read of the file faults them back).
 """
 
 from __future__ import annotations
 
+import ctypes
+import mmap
 from collections.abc import Callable
 
 import numpy as np
@@ -48,7 +52,9 @@ class HostExpertArena:
         dst = self._host[self.offsets[layer]:self.offsets[layer] + E * lay.expert_bytes].reshape(E, lay.expert_bytes)
         for kind, start, size in ((T.FFN_GATE_EXP, 0, lay.gate_bytes), (T.FFN_UP_EXP, lay.gate_bytes, lay.gate_bytes),
                                   (T.FFN_DOWN_EXP, lay.down_offset, lay.down_bytes)):
-            dst[:, start:start + size] = f.tensor_data(tname(kind, layer)).reshape(E, size)
+            src = f.tensor_data(tname(kind, layer))
+            dst[:, start:start + size] = src.reshape(E, size)
+            release_file_pages(src)
 
     def layer(self, layer: int) -> torch.Tensor:
         """uint8 [E * expert_bytes]: the whole layer, one contiguous upload."""
@@ -74,3 +80,17 @@ class HostExpertArena:
     @property
     def max_expert_bytes(self) -> int:
         return max(lay.expert_bytes for lay in self.layouts.values())
+
+
+def release_file_pages(src: np.ndarray) -> None:
+    """Drop the whole pages `src` spans from this process's resident set, where `src` is a view of
+    a read-only file mapping (`np.memmap` mode 'r', what `GGUFFile.tensor_data` gives): the pages stay
+    in the page cache and come back on the next read. Nothing for any other array (on anonymous
+    memory MADV_DONTNEED would discard the bytes themselves) or where the platform lacks it."""
+    if not (isinstance(src, np.memmap) and not src.flags.writeable and src.flags.c_contiguous)\
+            or not hasattr(mmap, "MADV_DONTNEED"):
+        return
+    start = -(-src.ctypes.data // mmap.PAGESIZE) * mmap.PAGESIZE  # whole pages inside the tensor only
+    stop = (src.ctypes.data + src.nbytes) // mmap.PAGESIZE * mmap.PAGESIZE
+    if stop > start:
+        ctypes.CDLL(None).madvise(ctypes.c_void_p(start), ctypes.c_size_t(stop - start), mmap.MADV_DONTNEED)

@@ -1,0 +1,353 @@
+"""A layer's routed experts computed on the host's cores, read from their GGUF bytes in place.
+
+Shape legend: T = token rows, D = hidden, F = expert width, E = experts a layer, A = picks a row.
+
+Both executors take one layer's experts as the host arena lays them out (`stage.host.arena`:
+expert after expert, each [gate | up | down] in its GGUF blocks) and return the weighted sum of
+every row's picks, [T, D] fp32 (`routing.combine`'s product: the picks' outputs [T, A, D] times
+their weights, summed in fp32).
+
+- `GgmlExperts`: ggml's CPU kernels (ggml-python's low-level bindings). A call is a graph of three
+  ops, `ggml_mul_mat_id` over gate and up at once ([D, 2F, E]: gate and up are adjacent rows of an
+  expert), `ggml_swiglu` (silu of the first half times the second), `ggml_mul_mat_id` over down
+  ([F, D, E]). The weight tensors are views: made in a context without data (no_alloc), their
+  `data` set to the layer's first byte and their expert stride (`nb[2]`) to the arena's expert
+  size, so nothing is copied or dequantized. Activations, ids and results are torch tensors whose
+  addresses the graph's tensors take each call. ggml quantizes each matmul's input to the weight
+  type's vec_dot type first (Q8_K for the K-quants and IQ types, Q8_0 for Q4_0, Q8_0, IQ4_NL and
+  MXFP4, Q8_1 for Q4_1/Q5_x, fp16/bf16 for those float types): that rounding is all that separates
+  it from the twin (tests/test_cpu_experts.py states the tolerance per type).
+- `TorchExperts`: the twin, each picked expert dequantized (`quant.dequant`) and multiplied in fp32,
+  one expert at a time. What a CPU stage runs where ggml-python is missing (`select_cpu_experts`
+  says so once), and what the tests hold ggml to.
+
+Each executor keeps an `ExpertRate` (calls, expert bytes read, seconds) for each number of rows
+its calls had (`rates`; `rate`: all of them): the measurement a caller splitting a layer's picks
+between the cores and a link reads (`bench` reports the batch-1 decode's and the prompts').
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import threading
+import time
+import weakref
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from gguf.constants import GGMLQuantizationType
+
+from strata_mgpu.kernels.paths import warn_once
+from strata_mgpu.model.expert_layout import ExpertLayout
+from strata_mgpu.quant.dequant import dequantize_rows
+
+log = logging.getLogger("strata.kernels")
+Q = GGMLQuantizationType
+ROWS_A_GRAPH = 256  # rows computed by one graph: bounds the intermediates ([T, A, 2F + F + D] fp32, 22 MB of 30B-A3B)
+GRAPHS_KEPT = 32  # graphs kept built, by (layout, rows), the least recently used dropped first
+
+
+@dataclass
+class ExpertRate:
+    """What an executor's calls read and how long they took (wall time of the whole call)."""
+
+    calls: int = 0
+    expert_bytes: int = 0  # each call's distinct picked experts' bytes: what the cores read from RAM
+    seconds: float = 0.0
+
+    @property
+    def gb_per_s(self) -> float | None:
+        return self.expert_bytes / self.seconds / 1e9 if self.seconds > 0 else None
+
+    @property
+    def ms_per_call(self) -> float | None:
+        return 1e3 * self.seconds / self.calls if self.calls else None
+
+    def __add__(self, other: ExpertRate) -> ExpertRate:
+        return ExpertRate(self.calls + other.calls, self.expert_bytes + other.expert_bytes,
+                          self.seconds + other.seconds)
+
+
+class RateCounter:
+    """An executor's rates, one a row count: rows -> ExpertRate."""
+
+    def __init__(self) -> None:
+        self.rates: dict[int, ExpertRate] = {}
+
+    def count(self, rows: int, expert_bytes: int, seconds: float) -> None:
+        rate = self.rates.setdefault(rows, ExpertRate())
+        rate.calls += 1
+        rate.expert_bytes += expert_bytes
+        rate.seconds += seconds
+
+    @property
+    def rate(self) -> ExpertRate:
+        """Every call's, whatever its rows."""
+        return sum(self.rates.values(), ExpertRate())
+
+    def reset_rates(self) -> None:
+        self.rates.clear()
+
+
+class CpuExperts(Protocol):
+    """What computes a layer's routed experts on the host's cores (`GgmlExperts`, `TorchExperts`):
+    a stage's `HostCoreExperts` calls it a layer at a time; a caller sharing picks with a link
+    reads its rates."""
+
+    name: str  # what the stage's kernel set counts its calls under ("cpu_experts:NAME")
+    threads: int  # the cores it computes on (0: torch's own)
+    rates: dict[int, ExpertRate]  # rows a call -> what those calls read and took
+
+    @property
+    def rate(self) -> ExpertRate: ...
+
+    def reset_rates(self) -> None: ...
+
+    def describe(self) -> str: ...
+
+    def moe(self, layer: torch.Tensor, lay: ExpertLayout, h: torch.Tensor, weights: torch.Tensor,
+            experts: torch.Tensor) -> torch.Tensor:
+        """Layer bytes uint8 [E * expert_bytes] (the arena's layout), rows h [T, D], weights [T, A]
+        and experts [T, A] -> the weighted sum of each row's picks [T, D] fp32."""
+        ...
+
+
+class TorchExperts(RateCounter):
+    """The twin: each distinct picked expert dequantized from the layer's bytes and multiplied in fp32."""
+
+    name = "torch"
+    threads = 0  # torch's own
+
+    def describe(self) -> str:
+        return "torch twin (dequantize + matmul)"
+
+    def moe(self, layer: torch.Tensor, lay: ExpertLayout, h: torch.Tensor, weights: torch.Tensor,
+            experts: torch.Tensor) -> torch.Tensor:
+        """Layer bytes uint8 [E * expert_bytes] (the arena's layout), rows h [T, D], weights [T, A]
+        and experts [T, A] -> the weighted sum of each row's picks [T, D] fp32."""
+        t0 = time.perf_counter()
+        n_experts = layer.numel() // lay.expert_bytes
+        assert layer.numel() == n_experts * lay.expert_bytes and layer.dtype == torch.uint8
+        n_picked = distinct(experts, n_experts)
+        y = self._picks(layer.view(n_experts, lay.expert_bytes), lay, h.float(), experts)  # [T, A, D]
+        out = combine_picks(y, weights)
+        self.count(experts.shape[0], n_picked * lay.expert_bytes, time.perf_counter() - t0)
+        return out
+
+    @staticmethod
+    def _picks(experts_bytes: torch.Tensor, lay: ExpertLayout, h: torch.Tensor, experts: torch.Tensor
+               ) -> torch.Tensor:
+        t, a = experts.shape
+        d = h.shape[1]
+        f = lay.gate_weights // d
+        y = torch.empty(t, a, d, dtype=torch.float32)
+        for e in torch.unique(experts).tolist():
+            rows, slot = torch.where(experts == e)
+            src = experts_bytes[e]
+            gu = dequantize_rows(src[:2 * lay.gate_bytes].reshape(2 * f, -1), lay.gate_type, d)  # [2F, D]
+            wd = dequantize_rows(src[lay.down_offset:lay.down_offset + lay.down_bytes].reshape(d, -1),
+                                 lay.down_type, f)  # [D, F]
+            g = h[rows] @ gu.T  # [n, 2F]
+            y[rows, slot] = (F.silu(g[:, :f]) * g[:, f:]) @ wd.T
+        return y
+
+
+def combine_picks(y: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """The picks' outputs y [T, A, D] weighted by weights [T, A] and summed: [T, D] fp32 (a [1, A] x
+    [A, D] product a row, as `routing.combine`)."""
+    return torch.bmm(weights.float().unsqueeze(1), y).squeeze(1)
+
+
+def distinct(experts: torch.Tensor, n_experts: int) -> int:
+    """How many distinct experts experts [T, A] picks; a ValueError for a pick outside 0..n_experts-1
+    (ggml would read past the layer). A decode step's few picks on the host (a list is cheaper than
+    three tensor ops there), a prompt's by a count."""
+    flat = experts.reshape(-1)
+    if flat.numel() <= 256:
+        picked = flat.tolist()
+        lo, hi, n = min(picked), max(picked), len(set(picked))
+    else:
+        lo, hi = (int(v) for v in torch.aminmax(flat))
+        n = int((torch.bincount(flat, minlength=n_experts) > 0).sum()) if lo >= 0 and hi < n_experts else 0
+    if lo < 0 or hi >= n_experts:
+        raise ValueError(f"a pick outside the layer's {n_experts} experts: {lo if lo < 0 else hi}")
+    return n
+
+
+class _MoeGraph:
+    """One layout's graph for `rows` rows, built once: its tensors (views taking addresses each
+    call), the compute plan on the executor's thread pool and the plan's work buffer."""
+
+    def __init__(self, ggml: Any, lay: ExpertLayout, d: int, n_experts: int, n_used: int, rows: int, threads: int,
+                 pool: Any):
+        self.ggml = ggml
+        f = lay.gate_weights // d
+        params = ggml.ggml_init_params(mem_size=16 * ggml.ggml_tensor_overhead() + ggml.ggml_graph_overhead_custom(
+            8, False) + 4096, mem_buffer=None, no_alloc=True)  # metadata only: no tensor has data of its own
+        self.ctx = ggml.ggml_init(params)
+        assert self.ctx is not None, "ggml_init failed"
+        self.w_gate_up = ggml.ggml_new_tensor_3d(self.ctx, int(lay.gate_type), d, 2 * f, n_experts)  # [D, 2F, E]
+        self.w_down = ggml.ggml_new_tensor_3d(self.ctx, int(lay.down_type), f, d, n_experts)  # [F, D, E]
+        for w in (self.w_gate_up, self.w_down):  # experts lie expert_bytes apart in the arena
+            assert w.contents.nb[1] * w.contents.ne[1] <= lay.expert_bytes
+            w.contents.nb[2] = lay.expert_bytes
+            w.contents.nb[3] = lay.expert_bytes * n_experts
+        assert self.w_gate_up.contents.nb[1] * 2 * f == 2 * lay.gate_bytes, "gate rows are whole blocks"
+        self.x = ggml.ggml_new_tensor_3d(self.ctx, ggml.GGML_TYPE_F32, d, 1, rows)  # [D, 1, T]: one row for all picks
+        self.ids = ggml.ggml_new_tensor_2d(self.ctx, ggml.GGML_TYPE_I32, n_used, rows)  # [A, T]
+        self.gate_up = ggml.ggml_mul_mat_id(self.ctx, self.w_gate_up, self.x, self.ids)  # [2F, A, T]
+        self.act = ggml.ggml_swiglu(self.ctx, self.gate_up)  # [F, A, T]: silu(gate) * up
+        self.y = ggml.ggml_mul_mat_id(self.ctx, self.w_down, self.act, self.ids)  # [D, A, T]
+        self.graph = ggml.ggml_new_graph_custom(self.ctx, 8, False)
+        ggml.ggml_build_forward_expand(self.graph, self.y)
+        self.plan = ggml.ggml_graph_plan(self.graph, threads, pool)
+        self.work = np.empty(max(int(self.plan.work_size), 1), dtype=np.uint8)  # quantized inputs, row maps
+        self.plan.work_data = self.work.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8))
+        self.plan_ref = ctypes.byref(self.plan)
+        self.shapes = {"y": (rows, n_used, d)}
+        self.act_offset = rows * n_used * 2 * f  # floats: act follows gate_up in one scratch buffer
+        self.intermediates = rows * n_used * 3 * f
+        self.down_offset = lay.down_offset
+        # the tensors whose `data` each call sets (a `contents` read makes a new ctypes object: kept once)
+        self.structs = [t.contents for t in (self.w_gate_up, self.w_down, self.x, self.ids, self.gate_up, self.act,
+                                             self.y)]
+
+    def run(self, layer: torch.Tensor, h: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """layer uint8 [E * expert_bytes], h [T, D] fp32 and ids [T, A] int32, both contiguous ->
+        the picks' outputs [T, A, D] fp32. The intermediates are torch's, freed on return."""
+        y = torch.empty(self.shapes["y"], dtype=torch.float32)  # returned
+        work = torch.empty(self.intermediates, dtype=torch.float32)  # gate_up [T, A, 2F], then act [T, A, F]
+        base, scratch = layer.data_ptr(), work.data_ptr()
+        w_gate_up, w_down, x, ids_, gate_up, act, out = self.structs
+        w_gate_up.data, w_down.data, x.data, ids_.data = base, base + self.down_offset, h.data_ptr(), ids.data_ptr()
+        gate_up.data, act.data, out.data = scratch, scratch + 4 * self.act_offset, y.data_ptr()
+        status = self.ggml.ggml_graph_compute(self.graph, self.plan_ref)
+        if status != 0:
+            raise RuntimeError(f"ggml_graph_compute failed with status {status}")
+        return y
+
+    def free(self) -> None:
+        if self.ctx is not None:
+            self.ggml.ggml_free(self.ctx)
+            self.ctx = None
+
+
+class GgmlExperts(RateCounter):
+    """ggml's CPU kernels over the experts' bytes in place, on a thread pool of `threads` (see the
+    module docstring). One call at a time (a lock): ctypes lets go of the GIL while ggml computes,
+    so another thread may run Python meanwhile, but not a second graph on the same pool."""
+
+    name = "ggml"
+
+    def __init__(self, threads: int):
+        import ggml  # ggml-python: the optional extra `cpu-experts` (select_cpu_experts checks it is there)
+
+        assert threads >= 1
+        super().__init__()
+        self.ggml = ggml
+        self.threads = threads
+        params = ggml.ggml_threadpool_params_default(threads)
+        params.poll = 0  # idle workers sleep at once rather than spin: torch's ops run on the same cores between calls
+        self._pool = ggml.ggml_threadpool_new(ctypes.byref(params))  # its threads - 1 workers, the caller the first
+        assert self._pool, "ggml_threadpool_new failed"
+        self._graphs: OrderedDict[tuple, _MoeGraph] = OrderedDict()
+        self._lock = threading.Lock()
+        self._free = weakref.finalize(self, _free, ggml, self._graphs, self._pool)  # at collection or exit
+
+    def describe(self) -> str:
+        return f"ggml on {self.threads} thread{'s' if self.threads > 1 else ''}"
+
+    def moe(self, layer: torch.Tensor, lay: ExpertLayout, h: torch.Tensor, weights: torch.Tensor,
+            experts: torch.Tensor) -> torch.Tensor:
+        """As `TorchExperts.moe`: layer bytes uint8 [E * expert_bytes], h [T, D], weights [T, A],
+        experts [T, A] -> [T, D] fp32. Rows go through graphs of at most ROWS_A_GRAPH rows."""
+        t0 = time.perf_counter()
+        n_experts = layer.numel() // lay.expert_bytes
+        t, a = experts.shape
+        d = h.shape[1]
+        assert self._free.alive, "the executor was closed"
+        # ggml aborts the process on a bad shape or id: check here, where it can be raised
+        assert layer.dtype == torch.uint8 and layer.is_contiguous() and layer.numel() == n_experts * lay.expert_bytes
+        assert lay.gate_weights % d == 0 and h.shape[0] == t and weights.shape == (t, a)
+        n_picked = distinct(experts, n_experts)
+        ids = experts.to(torch.int32).contiguous()
+        x = h if h.dtype == torch.float32 and h.is_contiguous() else h.float().contiguous()
+        with self._lock:
+            ys = [self._graph(lay, d, n_experts, a, min(t, start + ROWS_A_GRAPH) - start).run(
+                layer, x[start:start + ROWS_A_GRAPH], ids[start:start + ROWS_A_GRAPH])
+                for start in range(0, t, ROWS_A_GRAPH)]  # [rows, A, D] each
+        out = combine_picks(ys[0] if len(ys) == 1 else torch.cat(ys), weights)
+        self.count(t, n_picked * lay.expert_bytes, time.perf_counter() - t0)
+        return out
+
+    def _graph(self, lay: ExpertLayout, d: int, n_experts: int, n_used: int, rows: int) -> _MoeGraph:
+        # plain ints: a frozen dataclass hashes its fields anew at every lookup (microseconds a layer call)
+        key = (int(lay.gate_type), int(lay.down_type), lay.gate_bytes, lay.down_bytes, d, n_experts, n_used, rows)
+        graph = self._graphs.get(key)
+        if graph is None:
+            graph = self._graphs[key] = _MoeGraph(self.ggml, lay, d, n_experts, n_used, rows, self.threads, self._pool)
+            if len(self._graphs) > GRAPHS_KEPT:
+                self._graphs.popitem(last=False)[1].free()
+        self._graphs.move_to_end(key)
+        return graph
+
+    def close(self) -> None:
+        """Free the graphs and the thread pool (also done when the executor is collected)."""
+        self._free()
+
+
+def _free(ggml: Any, graphs: OrderedDict[tuple, _MoeGraph], pool: Any) -> None:
+    for graph in graphs.values():
+        graph.free()
+    graphs.clear()
+    if pool is not None:
+        ggml.ggml_threadpool_free(pool)
+
+
+def ggml_missing() -> str | None:
+    """Why ggml-python cannot be used here (None: it can)."""
+    try:
+        import ggml  # noqa: F401
+    except (ImportError, OSError) as e:  # OSError: the package is there, its shared libraries not
+        return f"ggml-python is not installed ({type(e).__name__}: {e}); pip install 'strata-mgpu[cpu-experts]'"
+    return None
+
+
+def select_cpu_experts(threads: int) -> CpuExperts:
+    """The executor a CPU stage computes its experts with, chosen once: ggml on `threads` threads,
+    else (ggml-python missing) the torch twin, with one warning a process saying so."""
+    reason = ggml_missing()
+    if reason is not None:
+        warn_once("a CPU stage computes its experts with the torch twin (each picked expert dequantized every call: "
+                  "slower)", reason)
+        return TorchExperts()
+    return GgmlExperts(threads)
+
+
+def physical_cores() -> int:
+    """Physical cores this process may run on (hyper-threads counted once): the (package, core)
+    pairs of the CPUs in its affinity mask, from /sys; the CPU count where /sys does not say."""
+    cpus = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set(range(os.cpu_count() or 1))
+    cores = set()
+    for cpu in cpus:
+        topology = Path(f"/sys/devices/system/cpu/cpu{cpu}/topology")
+        try:
+            cores.add((topology.joinpath("physical_package_id").read_text().strip(),
+                       topology.joinpath("core_id").read_text().strip()))
+        except OSError:
+            return len(cpus)
+    return max(1, len(cores))
+
+
+def default_threads(gpu_stages: int, cores: int | None = None) -> int:
+    """`--threads` when not given: the physical cores less one for each GPU stage's host thread
+    (the thread that queues the stage's work), at least one; on a CPU-only run all of them."""
+    cores = physical_cores() if cores is None else cores
+    return max(1, cores - gpu_stages)

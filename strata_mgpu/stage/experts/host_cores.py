@@ -1,0 +1,73 @@
+"""Routed experts of a CPU stage: every layer's experts computed on the host's cores straight from
+their GGUF bytes in the host arena (`kernels.cpu_experts`: ggml, or its torch twin where
+ggml-python is missing). The `ExpertBackend` of a stage built with `StageOptions.cpu_experts`.
+
+Shape legend: T = token rows, D = hidden, A = experts per token.
+
+Nothing is copied, streamed or dequantized ahead: no ring, no expert cache, no workspace. A prompt
+and a decode step take the same path, the rows' picks read where the arena holds them, so there
+is no whole-layer pass either (`should_stream` is always False). The stage's kernel set counts each
+call under "cpu_experts:ggml" or "cpu_experts:torch".
+"""
+
+from __future__ import annotations
+
+import torch
+
+from strata_mgpu.kernels.cpu_experts import CpuExperts
+from strata_mgpu.kernels.experts import TorchKernels
+from strata_mgpu.stage.experts.cache import ExpertCache
+from strata_mgpu.stage.experts.lending import PrefillHelper
+from strata_mgpu.stage.experts.ring import ExpertRing
+from strata_mgpu.stage.host.arena import HostExpertArena
+
+
+class HostCoreExperts:
+    """The `ExpertBackend` of a CPU stage whose experts run on the host's cores (module docstring).
+    It has what a stage's tools read of `StreamedExperts` (no cache, no ring, nothing streamed)
+    but lends nothing to a helper."""
+
+    cache: ExpertCache | None = None
+    ring: ExpertRing | None = None
+    helper: PrefillHelper | None = None
+    workspace_bytes = 0
+
+    def __init__(self, arena: HostExpertArena, executor: CpuExperts, kernels: TorchKernels, layers: range):
+        self.arena, self.executor, self.kernels = arena, executor, kernels
+        self.layers = layers  # global layer ids, in order; start() gets the index into them
+
+    def should_stream(self, n_rows: int) -> bool:
+        return False
+
+    def in_halves(self, n_rows: int) -> bool:
+        return False
+
+    def begin(self, n_rows: int, stream: bool) -> None:
+        assert not stream, "host-core experts never stream"
+
+    def start(self, i: int, h: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
+              hq: torch.Tensor | None = None, first: bool = True) -> torch.Tensor:
+        """Local layer i's rows h [T, D]: their picks computed from the arena's bytes, weighted and
+        summed, [T, D] in h's dtype (hq unused: the executor quantizes as ggml does)."""
+        layer = self.layers[i]
+        self.kernels.paths.ran("cpu_experts", self.executor.name)
+        out = self.executor.moe(self.arena.layer(layer), self.arena.layouts[layer], h, weights, experts)
+        return out if out.dtype == h.dtype else out.to(h.dtype)
+
+    def finish(self, started: torch.Tensor) -> torch.Tensor:
+        return started
+
+    def abort(self) -> None:
+        pass
+
+    def attach_helper(self, helper: PrefillHelper | None) -> None:
+        """Nothing streams, so there is nothing to help: only None is taken."""
+        if helper is not None:
+            raise ValueError("a stage whose experts run on the host's cores streams nothing: it takes no helper")
+
+    def pass_bytes(self) -> int:
+        """Expert bytes a prompt pass streams over a link: none."""
+        return 0
+
+    def streamed_per_layer(self) -> int:
+        return 0
