@@ -202,18 +202,21 @@ if has x2final; then
   bench x2dec_final $X2 --prompt-tokens 1024 --decode-tokens 128 --runs 1 --server-decode 1,8
   bench long40k --devices 0 --max-vram 16 --prompt-tokens 40000 --decode-tokens 32 --runs 1
 fi
+wait_healthy() {  # port, pid: until the server on the port answers /health with 200 (or its process ends)
+  for _ in $(seq 1 300); do
+    python3 -c "import httpx, sys; sys.exit(httpx.get('http://127.0.0.1:$1/health').status_code != 200)" \
+      2> /dev/null && return
+    kill -0 $2 2> /dev/null || return
+    sleep 1
+  done
+}
 serve_probe() {  # name, serve args...: a server in the background, the probe, then SIGTERM
   local name=$1; shift
   local probe_args=${PROBE_ARGS:-"--prompt-tokens 1500,3000,6000 --max-tokens 128 --chats 8"}
   local port=$((8100 + RANDOM % 500))
   python3 -m strata_mgpu serve $MODEL "$@" --port $port > "$OUT/serve_$name.log" 2>&1 &
   local pid=$!
-  for _ in $(seq 1 300); do
-    python3 -c "import httpx, sys; sys.exit(httpx.get('http://127.0.0.1:$port/health').status_code != 200)" \
-      2> /dev/null && break
-    kill -0 $pid 2> /dev/null || break
-    sleep 1
-  done
+  wait_healthy $port $pid
   python3 -m strata_mgpu.tools.serve_probe "http://127.0.0.1:$port" $probe_args \
     --json "$OUT/serve_$name.json" 2>&1 | tee "$OUT/probe_$name.log" || status=1
   kill $pid 2> /dev/null; wait $pid 2> /dev/null || true
@@ -224,12 +227,7 @@ trace() {  # name, serve args...: a server in the background, tools/agent_trace,
   local port=$((8600 + RANDOM % 300))
   python3 -m strata_mgpu serve $MODEL "$@" --port $port > "$OUT/serve_$name.log" 2>&1 &
   local pid=$!
-  for _ in $(seq 1 300); do
-    python3 -c "import httpx, sys; sys.exit(httpx.get('http://127.0.0.1:$port/health').status_code != 200)" \
-      2> /dev/null && break
-    kill -0 $pid 2> /dev/null || break
-    sleep 1
-  done
+  wait_healthy $port $pid
   python3 -m strata_mgpu.tools.agent_trace "http://127.0.0.1:$port" ${TRACE_ARGS:-} \
     --json "$OUT/trace_$name.json" 2>&1 | tee "$OUT/trace_$name.log" || status=1
   kill $pid 2> /dev/null; wait $pid 2> /dev/null || true
@@ -254,12 +252,7 @@ if has llama; then  # the same traces against llama-server (.llama/llama-server,
     local port=$((8900 + RANDOM % 90))
     .llama/llama-server -m $MODEL --port $port -c 32768 -np 1 -ngl 99 "$@" > "$OUT/llama_$name.log" 2>&1 &
     local pid=$!
-    for _ in $(seq 1 300); do
-      python3 -c "import httpx, sys; sys.exit(httpx.get('http://127.0.0.1:$port/health').status_code != 200)" \
-        2> /dev/null && break
-      kill -0 $pid 2> /dev/null || break
-      sleep 1
-    done
+    wait_healthy $port $pid
     nvidia-smi --query-gpu=memory.used --format=csv >> "$OUT/llama_$name.log"
     python3 -m strata_mgpu.tools.agent_trace "http://127.0.0.1:$port" ${TRACE_ARGS:-} \
       --json "$OUT/trace_llama_$name.json" 2>&1 | tee "$OUT/trace_llama_$name.log" || status=1

@@ -129,3 +129,24 @@ def test_a_directory_as_the_model_is_a_one_line_error(tmp_path, command):
         f"Error: {tmp_path / 'missing.gguf'}: cannot open: No such file or directory"], missing.output
     r = CliRunner().invoke(main, [command, str(tmp_path)])
     assert r.exit_code == 1 and r.stderr.splitlines() == [f"Error: {tmp_path}: cannot open: Is a directory"], r.output
+
+
+def test_the_request_line_shows_a_rate_only_where_there_is_one():
+    from strata_mgpu.engine.output import request_line
+    from strata_mgpu.engine.request import Timings
+
+    def line(**t) -> str:
+        return request_line(SimpleNamespace(id="r", timings=Timings(**t)), "length")
+
+    one = line(prompt_n=1, prompt_ms=0.4, predicted_n=1, predicted_ms=0.1)
+    assert "tok/s" not in one and "decode 1 tok 0.1 ms," in one  # one token: the prompt drew it
+    many = line(cache_n=64, prompt_n=500, prompt_ms=50.0, predicted_n=20, predicted_ms=100.0)
+    assert "prompt 500 tok (+64 cached) 50.0 ms (10000.0 tok/s)" in many
+    assert "decode 20 tok 100.0 ms (200.0 tok/s)" in many
+
+
+def test_the_decode_rate_metric_says_it_is_a_batch_rate():
+    from strata_mgpu.engine.metrics import EngineMetrics
+
+    text = EngineMetrics().render().decode()
+    assert "# HELP strata_decode_tokens_per_second" in text and "batch rate" in text
