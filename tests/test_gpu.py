@@ -42,6 +42,7 @@ def stage_on_its_own_budget(f: GGUFFile, spec, budget_gib: float, **options) -> 
     import gc
 
     gc.collect()
+    torch.cuda.init()  # run first (a test alone), the peak's reset needs the device's context
     base = torch.cuda.memory_reserved(CUDA)
     torch.cuda.reset_peak_memory_stats(CUDA)
     return build_stage(f, spec, StageOptions(device=CUDA, max_vram_gib=budget_gib, **options)), base
