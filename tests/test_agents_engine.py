@@ -21,6 +21,7 @@ from strata_mgpu.model.runner import load_reference_runner
 from strata_mgpu.model.spec import spec_from_gguf
 from strata_mgpu.model.tokenizer import tokenizer_from_gguf
 from strata_mgpu.server.grammars import text_grammar
+from tests import engine_runs
 
 SCHEMA = {"type": "object", "properties": {
     "city": {"type": "string", "maxLength": 12},
@@ -30,23 +31,16 @@ SCHEMA = {"type": "object", "properties": {
     "required": ["city", "days", "unit", "tags"], "additionalProperties": False}
 
 
+def run_all(engine, requests):
+    return engine_runs.run_all(engine, requests, max_steps=5_000)  # as this module always bounded it
+
+
 @pytest.fixture(scope="module")
 def loaded(tiny_gguf):
     f = GGUFFile(tiny_gguf)
     spec = spec_from_gguf(f)
     tok = tokenizer_from_gguf(f)
     return load_reference_runner(f, spec), tok, GrammarCompiler(tok, spec.vocab_size)
-
-
-def run_all(engine: Engine, requests: list[tuple[list[int], SamplingParams]]) -> list[list[RequestOutput]]:
-    outs: list[list[RequestOutput]] = [[] for _ in requests]
-    for i, (prompt, params) in enumerate(requests):
-        engine.submit(prompt, params, outs[i].append)
-    for _ in range(5_000):
-        if all(o and o[-1].finished for o in outs):
-            return outs
-        engine.step()
-    raise AssertionError("engine did not finish")
 
 
 def tokens_of(out: list[RequestOutput]) -> list[int]:

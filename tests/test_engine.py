@@ -16,6 +16,7 @@ from strata_mgpu.model.spec import spec_from_gguf
 from strata_mgpu.model.tokenizer import tokenizer_from_gguf
 from strata_mgpu.stage.build import build_stage
 from strata_mgpu.stage.stage import StageOptions
+from tests.engine_runs import run_all
 from tests.sampling_twin import Sampler
 
 
@@ -24,18 +25,6 @@ def loaded(tiny_gguf):
     f = GGUFFile(tiny_gguf)
     spec = spec_from_gguf(f)
     return load_reference_runner(f, spec), tokenizer_from_gguf(f)
-
-
-def run_all(engine: Engine, requests: list[tuple[list[int], SamplingParams]]) -> list[list[RequestOutput]]:
-    """Submit all, step the engine by hand until every request has finished."""
-    outs: list[list[RequestOutput]] = [[] for _ in requests]
-    for i, (prompt, params) in enumerate(requests):
-        engine.submit(prompt, params, outs[i].append)
-    for _ in range(10_000):
-        if all(o and o[-1].finished for o in outs):
-            return outs
-        engine.step()
-    raise AssertionError("engine did not finish")
 
 
 def greedy_chain(runner, prompt: list[int], n: int) -> list[int]:

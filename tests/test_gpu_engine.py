@@ -17,6 +17,7 @@ from strata_mgpu.model.tokenizer import tokenizer_from_gguf
 from strata_mgpu.stage.build import build_stage
 from strata_mgpu.stage.stage import Stage, StageOptions
 from strata_mgpu.tools.server_decode import measure_server_decode
+from tests.engine_runs import run_all
 from tests.test_gpu import stage_on_its_own_budget
 
 pytestmark = pytest.mark.gpu
@@ -86,17 +87,6 @@ def hand_run(stage: Stage, prompt: list[int], n: int) -> list[int]:
     while len(chain) < n:
         chain.append(int(stage.decode([kv], torch.tensor(chain[-1:]))[0].argmax()))
     return chain
-
-
-def run_all(engine: Engine, requests: list[tuple[list[int], SamplingParams]]) -> list[list[RequestOutput]]:
-    outs: list[list[RequestOutput]] = [[] for _ in requests]
-    for (prompt, params), out in zip(requests, outs, strict=True):
-        engine.submit(prompt, params, out.append)
-    for _ in range(10_000):
-        if all(o and o[-1].finished for o in outs):
-            return outs
-        engine.step()
-    raise AssertionError("engine did not finish")
 
 
 def test_pipelined_engine_on_a_stage_equals_the_hand_run_loop(stage_and_tok):

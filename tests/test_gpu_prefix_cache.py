@@ -19,6 +19,7 @@ from strata_mgpu.model.tokenizer import tokenizer_from_gguf
 from strata_mgpu.split.runner import build_split
 from strata_mgpu.stage.build import build_stage
 from strata_mgpu.stage.stage import StageOptions
+from tests.engine_runs import run_one
 
 pytestmark = pytest.mark.gpu
 CUDA = torch.device("cuda", 0)
@@ -62,11 +63,7 @@ def test_a_continuation_on_restored_blocks_equals_the_prompt_computed_whole(runn
 
 
 def run(engine: Engine, prompt: list[int]) -> list[RequestOutput]:
-    outs: list[RequestOutput] = []
-    engine.submit(prompt, SamplingParams(max_tokens=16, temperature=0, ignore_eos=True), outs.append)
-    while not (outs and outs[-1].finished):
-        engine.step()
-    return outs
+    return run_one(engine, prompt, SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))
 
 
 def test_turns_restore_the_same_rows_from_vram_and_from_host_ram(runner, tiny_gguf):

@@ -22,6 +22,7 @@ from strata_mgpu.model.tokenizer import tokenizer_from_gguf
 from strata_mgpu.split.runner import build_split
 from strata_mgpu.stage.build import build_stage
 from strata_mgpu.stage.stage import StageOptions
+from tests.engine_runs import run_one as run
 
 CPU = StageOptions(device=torch.device("cpu"), chunk_size=256)
 
@@ -68,14 +69,6 @@ def test_continuation_on_cached_blocks_equals_the_prompt_computed_whole(model, k
             logits = runner.decode([kv], torch.tensor(tokens[-1:]))[0]
         chain.append(tokens)
     assert chain[0] == chain[1]
-
-
-def run(engine: Engine, prompt: list[int], params: SamplingParams) -> list[RequestOutput]:
-    outs: list[RequestOutput] = []
-    engine.submit(prompt, params, outs.append)
-    while not (outs and outs[-1].finished):
-        engine.step()
-    return outs
 
 
 def tokens_of(outs: list[RequestOutput]) -> list[int]:

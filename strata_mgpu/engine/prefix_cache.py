@@ -91,8 +91,8 @@ class PrefixCache:
         return self.stats.blocks[DEVICE] * self.block_tokens if self.store.host_tier else 0
 
     def match(self, prompt: Sequence[int]) -> PrefixMatch | None:
-        """The longest chain of cached blocks the prompt starts with, pinned; None when none does
-        (or only its last token would be left... of a one-block prompt)."""
+        """The longest chain of cached blocks the prompt starts with, pinned; None when it starts
+        with none (or is one token: its last token is always computed)."""
         self.stats.queries += 1
         blocks: list[Block] = []
         node, b = self.root, self.block_tokens

@@ -13,6 +13,7 @@ stage) picks the stream.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -33,10 +34,7 @@ class KVBlockStore:
     @property
     def block_bytes(self) -> int:
         """Bytes one block takes, on the device or in host RAM."""
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n * self.dtype.itemsize
+        return math.prod(self.shape) * self.dtype.itemsize
 
     @property
     def host_tier(self) -> bool:

@@ -31,6 +31,8 @@ from dataclasses import asdict, dataclass, field
 
 import httpx
 
+from strata_mgpu.tools.http_client import connect, stream_chunks
+
 WORDS = ("river", "mill", "bridge", "stone", "village", "evening", "boat", "harbour", "market", "bread", "window",
          "garden", "letter", "morning", "winter", "summer", "forest", "valley", "mountain", "road", "station",
          "engine", "signal", "lantern", "table", "chair", "kitchen", "candle", "paper", "pencil", "number", "answer",
@@ -80,11 +82,7 @@ class TraceResult:
 
 class TraceClient:
     def __init__(self, url: str, api_key: str | None = None, timeout_s: float = 900):
-        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self.client = httpx.Client(base_url=url.rstrip("/"), headers=headers, timeout=timeout_s)
-        models = self.client.get("/v1/models")
-        models.raise_for_status()
-        self.model = models.json()["data"][0]["id"]
+        self.client, self.model = connect(url, api_key, timeout_s)
         sample = " ".join(WORDS)
         ids = self.client.post("/tokenize", json={"content": sample})
         ids.raise_for_status()
@@ -103,19 +101,14 @@ class TraceClient:
         text: list[str] = []
         usage: dict = {}
         timings: dict = {}
-        with self.client.stream("POST", "/v1/chat/completions", json=body) as r:
-            r.raise_for_status()
-            for line in r.iter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[6:])
-                for choice in chunk.get("choices") or []:
-                    piece = (choice.get("delta") or {}).get("content")
-                    if piece:
-                        first = first or time.perf_counter()
-                        text.append(piece)
-                usage = chunk.get("usage") or usage
-                timings = chunk.get("timings") or timings
+        for chunk in stream_chunks(self.client, "/v1/chat/completions", body):
+            for choice in chunk.get("choices") or []:
+                piece = (choice.get("delta") or {}).get("content")
+                if piece:
+                    first = first or time.perf_counter()
+                    text.append(piece)
+            usage = chunk.get("usage") or usage
+            timings = chunk.get("timings") or timings
         end = time.perf_counter()
         prompt = int(usage.get("prompt_tokens", 0) or timings.get("prompt_n", 0) + timings.get("cache_n", 0))
         details = usage.get("prompt_tokens_details") or {}

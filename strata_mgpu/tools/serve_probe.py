@@ -25,6 +25,8 @@ from dataclasses import asdict, dataclass, field
 
 import httpx
 
+from strata_mgpu.tools.http_client import connect, stream_chunks
+
 TEXT = ("The river ran past the old mill and under the stone bridge, where the children of the "
         "village gathered every evening to watch the boats come home with the day's catch. ")
 
@@ -60,12 +62,8 @@ class ProbeResult:
 
 class Probe:
     def __init__(self, url: str, api_key: str | None = None, timeout_s: float = 600):
-        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.url = url.rstrip("/")
-        self.client = httpx.Client(base_url=self.url, headers=headers, timeout=timeout_s)
-        models = self.client.get("/v1/models")
-        models.raise_for_status()
-        self.model = models.json()["data"][0]["id"]
+        self.client, self.model = connect(url, api_key, timeout_s)
         ids = self.client.post("/tokenize", json={"content": TEXT * 8})
         ids.raise_for_status()
         self.ids: list[int] = ids.json()["tokens"]
@@ -94,15 +92,10 @@ class Probe:
         t0 = time.perf_counter()
         arrivals: list[float] = []
         timings: dict = {}
-        with self.client.stream("POST", "/v1/completions", json=body) as r:
-            r.raise_for_status()
-            for line in r.iter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[6:])
-                if any(c.get("text") for c in chunk.get("choices", [])):
-                    arrivals.append(time.perf_counter())
-                timings = chunk.get("timings") or timings  # the last chunk carries them
+        for chunk in stream_chunks(self.client, "/v1/completions", body):
+            if any(c.get("text") for c in chunk.get("choices", [])):
+                arrivals.append(time.perf_counter())
+            timings = chunk.get("timings") or timings  # the last chunk carries them
         stamps.extend(arrivals)
         if not arrivals:
             raise RuntimeError("a streamed request returned no text")
