@@ -288,3 +288,23 @@ def test_logprobs_over_the_wire(agents):
         values = [t.logprob for t in entry.top_logprobs]
         assert len(values) == 5 and values == sorted(values, reverse=True) and entry.logprob <= values[0] + 1e-6
         assert bytes(entry.bytes) == entry.token.encode() or "\ufffd" in entry.token
+
+
+def test_the_openai_client_reads_the_cached_tokens_whole_and_streamed(client, server):
+    """A conversation's second turn through the official client: its usage says how much of the
+    prompt came from the prefix cache, in the whole response and in a stream's usage chunk; a bad
+    `max_tokens` still gets a 400 naming it."""
+    system = {"role": "system", "content": "You answer in short sentences about rivers and mills. " * 6}
+    first = client.chat.completions.create(model=MODEL, messages=[system, {"role": "user", "content": "one"}],
+                                           max_tokens=4, temperature=0)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    second = client.chat.completions.create(model=MODEL, messages=[system, {"role": "user", "content": "two"}],
+                                            max_tokens=4, temperature=0)
+    assert second.usage.prompt_tokens_details.cached_tokens >= 64
+    stream = client.chat.completions.create(model=MODEL, messages=[system, {"role": "user", "content": "three"}],
+                                            max_tokens=4, temperature=0, stream=True,
+                                            stream_options={"include_usage": True})
+    usage = [c.usage for c in stream if c.usage is not None]
+    assert len(usage) == 1 and usage[0].prompt_tokens_details.cached_tokens >= 64
+    with pytest.raises(openai.BadRequestError, match="max_tokens"):
+        chat(client, "x", max_tokens="many")
