@@ -607,3 +607,33 @@ def test_a_queued_requests_wait_is_its_queue_time_not_its_prompt_time(loaded, mo
         assert 0 <= t.predicted_ms <= 1e3 * (at("final", i) - at("prefill", i))
     assert t2.queue_ms >= t1.prompt_ms + t1.predicted_ms  # it waited for the whole first request
     assert t2.as_dict()["queue_ms"] == t2.queue_ms
+
+
+def test_a_callback_that_raises_ends_its_request_and_the_engine_goes_on(loaded):
+    """A client whose callback fails (its event loop closed under a late output) loses its request;
+    the engine's thread lives on and serves the next one."""
+    runner, tok = loaded
+    engine = Engine(runner, tok, EngineConfig(arrival_gap_ms=0))
+    engine.start()
+    try:
+        def gone(out: RequestOutput) -> None:
+            raise RuntimeError("Event loop is closed")
+
+        engine.submit(tok.encode("a long story"), SamplingParams(max_tokens=50, ignore_eos=True), gone)
+        done = threading.Event()
+        outs: list[RequestOutput] = []
+
+        def keep(out: RequestOutput) -> None:
+            outs.append(out)
+            if out.finished:
+                done.set()
+
+        engine.submit(tok.encode("Hello"), SamplingParams(max_tokens=4, ignore_eos=True), keep)
+        assert done.wait(60), "the engine's thread died with the first request's callback"
+        assert outs[-1].finish_reason == "length" and engine._thread is not None and engine._thread.is_alive()
+        deadline = time.time() + 30
+        while engine.n_running and time.time() < deadline:
+            time.sleep(0.01)
+        assert engine.n_running == 0  # the failed client's request was ended, not left decoding
+    finally:
+        engine.shutdown()

@@ -96,7 +96,7 @@ class OutputProcessor:
             text += req.stops.feed(req.detok.flush())[0] + req.stops.flush()
             self.finish(req, "stop" if grammar_ended else "length", text=text, token=token)
         else:  # also with no text (mid-character): every token is reported once
-            req.on_output(_output(req, text, [token]))
+            self._notify(req, _output(req, text, [token]))
 
     def finish(self, req: Request, reason: str, *, text: str = "", token: int | None = None, tail: str = "",
                error: str | None = None, error_status: int = 500, notify: bool = True) -> None:
@@ -122,8 +122,18 @@ class OutputProcessor:
             out = _output(req, text + tail, [token] if token is not None else [])
             out.finished, out.finish_reason, out.error, out.timings = True, reason, error, req.timings
             out.error_status = error_status
-            req.on_output(out)
+            self._notify(req, out)
 
+    def _notify(self, req: Request, out: RequestOutput) -> None:
+        """Hand `out` to the request's callback. A callback that raises (its client's event loop
+        closed under a late output, say) ends its request without another answer, logged; the
+        engine's thread goes on with the others."""
+        try:
+            req.on_output(out)
+        except Exception:
+            log.warning("%s: its output callback raised; the request ends here", req.id, exc_info=True)
+            if req.phase is not Phase.DONE:
+                self.finish(req, "abort", notify=False)
 
     def _keep_blocks(self, req: Request, reason: str) -> None:
         """The prefix cache keeps the full blocks of a request that ended normally: the rows its
