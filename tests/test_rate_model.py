@@ -17,12 +17,11 @@ from strata_mgpu.split.rate_model import (
     best_share,
     binding_term,
     link_bounds,
-    link_rate,
-    measure_link_rate,
     one_chunk_link_bound,
     stage_seconds,
 )
 from strata_mgpu.stage.device import DeviceContext
+from strata_mgpu.stage.host.link import link_rate, measure_link_rate
 
 # Issue #13: two H200s (55.4 / 55.3 GB/s pinned H2D), 30b-a3b (48 layers split 24 + 24, 391.6 MB
 # of experts a layer), `strata sweep --devices 0,1 --layer-split auto --max-vram 16,16 --runs 3`:

@@ -28,13 +28,9 @@ cross-checks by hand.
 
 from __future__ import annotations
 
-import statistics
-import weakref
 from dataclasses import dataclass, replace
 
-import torch
-
-from strata_mgpu.stage.device import DeviceContext
+from strata_mgpu.stage.host.link import link_rate, measure_link_rate
 from strata_mgpu.stage.stage import Stage
 
 # issue #13's H200s, see the module docstring
@@ -163,36 +159,6 @@ def one_chunk_link_bound(stages: list[tuple[StageLoad, float, bool, float, float
         helper = max(0.0, f * streamed - early_helper) + load.layers * tokens * load.to_helper_bytes
         total += max(busy / load.link_busy, helper / load.link_helper) if across else (busy + helper) / load.link_busy
     return total
-
-
-# --- the link probe -------------------------------------------------------------------------
-
-_LINK_RATES: weakref.WeakKeyDictionary[DeviceContext, float] = weakref.WeakKeyDictionary()
-
-
-def measure_link_rate(ctx: DeviceContext, nbytes: int = 128 * 2**20, repeats: int = 3) -> float | None:
-    """Pinned host-to-device bytes/s on the stage's upload stream (where its experts go up), the
-    median of `repeats` copies after one warm-up; remembered for `link_rate(ctx)`. None on the
-    CPU. Two stages on one card each see the whole link here: the policy knows they share it."""
-    if not ctx.is_cuda:
-        return None
-    assert ctx.upload is not None
-    src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-    dst = torch.empty(nbytes, dtype=torch.uint8, device=ctx.device)
-    seconds = []
-    with ctx.use(ctx.upload):
-        for _ in range(repeats + 1):
-            start = ctx.mark()
-            dst.copy_(src, non_blocking=True)
-            seconds.append(ctx.mark().seconds_since(start))
-    rate = nbytes / statistics.median(seconds[1:])
-    _LINK_RATES[ctx] = rate
-    return rate
-
-
-def link_rate(ctx: DeviceContext) -> float | None:
-    """The rate `measure_link_rate` found for this stage's context; None if never measured."""
-    return _LINK_RATES.get(ctx)
 
 
 def stage_load(busy: Stage, idle: Stage) -> StageLoad:

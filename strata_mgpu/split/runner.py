@@ -25,10 +25,11 @@ from strata_mgpu.split.exchange import Exchange
 from strata_mgpu.split.help_rule import HelpPolicy
 from strata_mgpu.split.kv_blocks import SplitBlocks
 from strata_mgpu.split.peer_prefill import MESSAGES_PER_LAYER, PeerPrefill
-from strata_mgpu.split.rate_model import measure_link_rate, stage_load
+from strata_mgpu.split.rate_model import stage_load
 from strata_mgpu.split.workers import StageWorkers, wait_all
 from strata_mgpu.stage.build import build_stage
 from strata_mgpu.stage.device import DeviceContext
+from strata_mgpu.stage.host.link import measure_link_rate
 from strata_mgpu.stage.stage import Stage, StageOptions
 from strata_mgpu.stage.streams import Mark
 
