@@ -13,6 +13,7 @@ from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
 
 from strata_mgpu import env, report
+from strata_mgpu.config import KV_CACHE_TYPE_NAMES
 from strata_mgpu.model.gguf_reader import GGUFError, GGUFFile
 from strata_mgpu.progress import layer_bars
 from strata_mgpu.quant.formats import parse_type
@@ -135,6 +136,22 @@ dtype_option = click.option("--dtype", type=click.Choice(["bf16", "fp32"]), defa
 threads_option = click.option("--threads", type=click.IntRange(min=1), default=None,
                               help="host cores that compute a CPU stage's experts (ggml); default: the physical "
                                    "cores, less one for each GPU stage's host thread")
+cpu_experts_option = click.option(
+    "--cpu-experts", default="auto", show_default=True,
+    help="decode: the share of a GPU stage's missing experts (those not resident in VRAM) the host's cores "
+         "compute while the link brings the rest: auto (from the host's and the link's measured rates; none "
+         "where the link alone is faster), off, or a share 0 < F <= 1")
+def cache_type_options(f):
+    """--cache-type-k / --cache-type-v (llama.cpp's names): how the KV cache stores keys and values."""
+    for which in ("v", "k"):
+        f = click.option(f"--cache-type-{which}", type=click.Choice(KV_CACHE_TYPE_NAMES), default="bf16",
+                         show_default=True,
+                         help=f"how the KV cache stores {'keys' if which == 'k' else 'values'}: bf16 (the compute "
+                              "dtype) or q8_0 (ggml's 8-bit blocks: 0.53 of the bytes, so more resident experts "
+                              "or KV at a budget)")(f)
+    return f
+
+
 resident_option = click.option("--resident-experts", type=click.IntRange(min=0), default=None,
                                help="force this many resident experts a layer (0: stream every expert, as "
                                     "without residency); default: as many as the VRAM plan holds")
@@ -151,8 +168,9 @@ resident_option = click.option("--resident-experts", type=click.IntRange(min=0),
               help="KV cells to plan for (default: the model's context)")
 @click.option("--chunk-size", default=8192, show_default=True, type=click.IntRange(min=1))
 @resident_option
+@cache_type_options
 def info(model: Path, link_gbps: float, max_vram: str | None, devices: str, layer_split: str, ctx_size: int | None,
-         chunk_size: int, resident_experts: int | None) -> None:
+         chunk_size: int, resident_experts: int | None, cache_type_k: str, cache_type_v: str) -> None:
     """Shapes, parameters, bytes by type and expert traffic of a GGUF model; with --max-vram, each
     stage's VRAM plan (no GPU needed)."""
     from strata_mgpu.config import EngineConfig
@@ -169,7 +187,7 @@ def info(model: Path, link_gbps: float, max_vram: str | None, devices: str, laye
             plans = []
             if max_vram:
                 placement = _placement(devices if devices != "auto" else "cuda:0", layer_split, max_vram, "bf16",
-                                       resident_experts=resident_experts)
+                                       resident_experts=resident_experts, cache_types=(cache_type_k, cache_type_v))
                 spec = spec_from_gguf(f)
                 engine = EngineConfig(ctx_size=ctx_size, chunk_size=chunk_size).for_model(spec.context_length)
                 plans = preview_plans(f, spec, placement, engine.chunk_size, engine.n_ctx(spec.context_length))
@@ -204,8 +222,9 @@ def _warn_cpu_budget(placement) -> None:
 
 def _placement(devices: str, layer_split: str, max_vram: str | None, dtype: str, cuda_graphs: bool = True,
                prefill_help: bool | None = None, prefill_help_frac: str | None = None,
-               resident_experts: int | None = None, threads: int | None = None):
-    from strata_mgpu.config import LayerSplit, Placement
+               resident_experts: int | None = None, threads: int | None = None, cpu_experts: str = "auto",
+               cache_types: tuple[str, str] = ("bf16", "bf16")):
+    from strata_mgpu.config import HostShare, LayerSplit, Placement, parse_cache_type
 
     budgets: tuple[float | None, ...] = (None,)
     if max_vram:
@@ -217,10 +236,14 @@ def _placement(devices: str, layer_split: str, max_vram: str | None, dtype: str,
             fail(f"--max-vram {max_vram!r}: at least 0.5 GiB a stage")
         budgets = given
     try:
+        host_share = HostShare.parse(cpu_experts)
         return Placement.from_env(_env(), prefill_help=prefill_help, prefill_help_frac=prefill_help_frac,
                                   devices=tuple(d.strip() for d in devices.split(",")),
                                   layer_split=LayerSplit.parse(layer_split), max_vram_gib=budgets, dtype=dtype,
-                                  cuda_graphs=cuda_graphs, resident_experts=resident_experts, threads=threads)
+                                  cuda_graphs=cuda_graphs, resident_experts=resident_experts, threads=threads,
+                                  cpu_experts=host_share,
+                                  cache_type_k=parse_cache_type(cache_types[0], "--cache-type-k"),
+                                  cache_type_v=parse_cache_type(cache_types[1], "--cache-type-v"))
     except ValueError as e:  # EnvError too: a bad --prefill-help-frac
         fail(str(e))
 
@@ -241,6 +264,8 @@ def _placement(devices: str, layer_split: str, max_vram: str | None, dtype: str,
 @help_options
 @resident_option
 @threads_option
+@cpu_experts_option
+@cache_type_options
 @click.option("--server-decode", default=None,
               help="also decode through the engine as the server does (sampling on, seeded), with this many "
                    "concurrent requests each, e.g. 1,8; --decode-tokens tokens a request (64 if 0)")
@@ -253,8 +278,9 @@ def _placement(devices: str, layer_split: str, max_vram: str | None, dtype: str,
 @click.option("--json", "json_out", type=click.Path(dir_okay=False, path_type=Path), default=None)
 def bench(model: Path, prompt_tokens: str, decode_tokens: int, runs: int, devices: str, layer_split: str,
           max_vram: str | None, dtype: str, chunk_size: int, cuda_graphs: bool, prefill_help: bool | None,
-          prefill_help_frac: str | None, resident_experts: int | None, threads: int | None,
-          server_decode: str | None, decode_batch: list[int], decode_context: int, json_out: Path | None) -> None:
+          prefill_help_frac: str | None, resident_experts: int | None, threads: int | None, cpu_experts: str,
+          cache_type_k: str, cache_type_v: str, server_decode: str | None, decode_batch: list[int],
+          decode_context: int, json_out: Path | None) -> None:
     """Prefill tok/s against the PCIe link bound, and decode tok/s (at each --decode-batch size)."""
     from strata_mgpu.env import EnvError
     from strata_mgpu.split.runner import SplitError
@@ -263,7 +289,7 @@ def bench(model: Path, prompt_tokens: str, decode_tokens: int, runs: int, device
 
     lengths = _int_list(prompt_tokens)
     placement = _placement(devices, layer_split, max_vram, dtype, cuda_graphs, prefill_help, prefill_help_frac,
-                           resident_experts, threads)
+                           resident_experts, threads, cpu_experts, (cache_type_k, cache_type_v))
     _warn_cpu_budget(placement)
     served = _int_list(server_decode) if server_decode else []
     batches = decode_batch if decode_batch != [1] else []
@@ -413,11 +439,13 @@ def topo() -> None:
 @dtype_option
 @help_options
 @threads_option
+@cpu_experts_option
+@cache_type_options
 def serve(model: Path | None, host: str, port: int, ctx_size: int | None, chunk_size: int, max_running: int,
           arrival_gap_ms: float, prefix_cache: bool, cache_ram: float, kv_tokens: int | None,
           api_key: str | None, alias: str | None, reasoning_format: str, devices: str, layer_split: str,
           max_vram: str | None, dtype: str, prefill_help: bool | None, prefill_help_frac: str | None,
-          threads: int | None) -> None:
+          threads: int | None, cpu_experts: str, cache_type_k: str, cache_type_v: str) -> None:
     """OpenAI-compatible server. With no MODEL, serves a small built-in demo model.
 
     Ctrl+C or SIGTERM stop it (a load in progress ends after its current layer); the exit status is
@@ -445,7 +473,8 @@ def serve(model: Path | None, host: str, port: int, ctx_size: int | None, chunk_
                                                   cache_ram_gib=cache_ram, kv_tokens=kv_tokens),
                               placement=_placement(devices, layer_split, max_vram, dtype,
                                                    prefill_help=prefill_help, prefill_help_frac=prefill_help_frac,
-                                                   threads=threads))
+                                                   threads=threads, cpu_experts=cpu_experts,
+                                                   cache_types=(cache_type_k, cache_type_v)))
         status = launch.serve(config)
     except (GGUFError, EnvError, DeviceError, SplitError, launch.ListenError) as e:
         fail(str(e))

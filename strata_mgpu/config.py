@@ -7,7 +7,21 @@ import re
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from gguf.constants import GGMLQuantizationType
+
 from strata_mgpu.env import EnvOptions, parse_help_frac
+
+# What a KV cache may store keys or values as (--cache-type-k / --cache-type-v, llama.cpp's names
+# lower-cased): BF16 is the plain cell in the compute dtype, Q8_0 ggml's 8-bit blocks (`model.kv_cache`)
+KV_CACHE_TYPES = (GGMLQuantizationType.BF16, GGMLQuantizationType.Q8_0)
+KV_CACHE_TYPE_NAMES = tuple(t.name.lower() for t in KV_CACHE_TYPES)
+
+
+def parse_cache_type(text: str, option: str) -> GGMLQuantizationType:
+    """'bf16' or 'q8_0' (any case) -> its type; ValueError naming `option` otherwise."""
+    if text.strip().lower() not in KV_CACHE_TYPE_NAMES:
+        raise ValueError(f"{option} {text!r}: one of {', '.join(KV_CACHE_TYPE_NAMES)}")
+    return GGMLQuantizationType[text.strip().upper()]
 
 
 @dataclass(frozen=True)
@@ -93,6 +107,32 @@ AUTO_SPLIT = LayerSplit()
 
 
 @dataclass(frozen=True)
+class HostShare:
+    """`--cpu-experts`, resolved: off, a fixed share of the misses, or `auto` (from measured rates)."""
+
+    mode: str  # "off", "fixed" or "auto"
+    fraction: float = 0.0  # the fixed share, 0 < f <= 1
+
+    @classmethod
+    def parse(cls, text: str) -> HostShare:
+        """'auto', 'off' or a share F with 0 < F <= 1 (ValueError naming the option otherwise)."""
+        text = text.strip().lower()
+        if text in ("auto", "off"):
+            return cls(text)
+        try:
+            f = float(text)
+        except ValueError:
+            f = float("nan")
+        if not 0 < f <= 1:
+            raise ValueError(f"--cpu-experts {text!r}: auto, off, or the share of missing experts the host's cores "
+                             f"compute, 0 < F <= 1")
+        return cls("fixed", f)
+
+    def __str__(self) -> str:
+        return f"{self.fraction:g}" if self.mode == "fixed" else self.mode
+
+
+@dataclass(frozen=True)
 class Placement:
     """Where the model runs and how its stages work: devices (one stage each), how layers split,
     VRAM budgets, and the runtime's switches (from the CLI's flags, else the environment:
@@ -111,6 +151,10 @@ class Placement:
     stage_threads: bool = True  # a host thread per GPU stage of a split
     decode_graph_batch: int = 8  # the largest decode batch replayed as a CUDA graph
     threads: int | None = None  # host cores computing a CPU stage's experts (--threads); None: engine.build's default
+    # the share of a GPU stage's missing experts its host's cores compute in decode (--cpu-experts)
+    cpu_experts: HostShare = HostShare("auto")
+    cache_type_k: GGMLQuantizationType = GGMLQuantizationType.BF16  # how KV cells store keys (--cache-type-k)
+    cache_type_v: GGMLQuantizationType = GGMLQuantizationType.BF16  # and values (--cache-type-v)
 
     def __post_init__(self) -> None:
         if not self.devices:
@@ -133,6 +177,9 @@ class Placement:
             raise ValueError(f"--threads {self.threads}: 1 or more")
         if not 1 <= self.decode_graph_batch <= 64:
             raise ValueError(f"decode graph batch {self.decode_graph_batch}: 1 to 64")
+        for option, t in (("--cache-type-k", self.cache_type_k), ("--cache-type-v", self.cache_type_v)):
+            if t not in KV_CACHE_TYPES:
+                raise ValueError(f"{option} {t.name.lower()}: one of {', '.join(KV_CACHE_TYPE_NAMES)}")
 
     @classmethod
     def from_env(cls, environment: EnvOptions, *, prefill_help: bool | None = None,
@@ -146,6 +193,11 @@ class Placement:
                    prefill_help_frac=frac, help_halves=environment.help_halves,
                    kv_prefetch=environment.kv_prefetch, stage_threads=environment.stage_threads,
                    decode_graph_batch=environment.decode_graph_batch, **fields)  # type: ignore[arg-type]
+
+    @property
+    def kv_types(self) -> tuple[GGMLQuantizationType, GGMLQuantizationType]:
+        """How every stage's KV stores (keys, values)."""
+        return self.cache_type_k, self.cache_type_v
 
     def budget(self, stage: int) -> float | None:
         return self.max_vram_gib[0] if len(self.max_vram_gib) == 1 else self.max_vram_gib[stage]

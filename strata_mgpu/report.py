@@ -129,6 +129,10 @@ def bench_lines(result: BenchResult, chunk_size: int, max_vram: str | None) -> l
         rates = ", ".join(f"{'batch 1' if r.rows == 1 else f'{r.rows:,} rows'} {r.gb_per_s or 0:.1f} GB/s "
                           f"({r.ms_per_call or 0:.3f} ms a layer)" for r in cpu.rates)
         lines.append(f"stage {cpu.stage} experts on the host's cores ({cpu.executor}): {rates or 'no calls'}")
+    for cpu in result.handover:
+        rates = ", ".join(f"{'batch 1' if r.rows == 1 else f'{r.rows:,} rows'} {r.gb_per_s or 0:.1f} GB/s "
+                          f"({r.ms_per_call or 0:.3f} ms a request)" for r in cpu.rates)
+        lines.append(f"stage {cpu.stage} decode hands {cpu.executor}: {rates or 'no requests'}")
     for i, paths in enumerate(result.paths):
         lines.append(f"stage {i} ran: {paths}")
     if result.overlap_s is not None:

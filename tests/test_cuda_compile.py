@@ -26,14 +26,18 @@ def test_the_sources_are_the_files_the_runtime_compiles():
 def kernel_name(entry: str) -> str:
     """A PTX entry as the runtime names the kernel: an instantiation of a `template <int N>`
     kernel from its mangled name, e.g. _Z12dequant_bf16ILi12EEvPKh... -> dequant_bf16<12>
-    (length-prefixed name, then I L i N E E); any other entry as it is, so a plain name matches
-    only an unmangled (extern "C") kernel."""
+    (length-prefixed name, then I L i N E E), bool arguments after it too (L b 0/1 E, e.g.
+    attn_split<128, true, false>); any other entry as it is, so a plain name matches only an
+    unmangled (extern "C") kernel."""
     m = re.match(r"_Z(\d+)", entry)
     if m is None:
         return entry
     name = entry[m.end():m.end() + int(m.group(1))]
-    arg = re.match(r"ILi(\d+)EE", entry[m.end() + len(name):])
-    return f"{name}<{arg.group(1)}>" if arg else entry
+    arg = re.match(r"ILi(\d+)E((?:Lb[01]E)*)E", entry[m.end() + len(name):])
+    if arg is None:
+        return entry
+    flags = [", true" if b == "1" else ", false" for b in re.findall(r"Lb([01])E", arg.group(2))]
+    return f"{name}<{arg.group(1)}{''.join(flags)}>"
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not found")

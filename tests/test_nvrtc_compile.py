@@ -19,6 +19,7 @@ import pytest
 from strata_mgpu.kernels import decode_ops, dense, moe_grouped, nvrtc
 from strata_mgpu.kernels import experts as kernels
 from strata_mgpu.quant import formats
+from strata_mgpu.stage.experts import handover
 
 
 def _libnvrtc() -> ctypes.CDLL | None:
@@ -53,7 +54,8 @@ KERNELS = {
     dense.DENSE_FILE: ((), dense.DENSE_EXPRS),
     moe_grouped.GROUPED_FILE: (moe_grouped.GROUPED_NAMES, moe_grouped.grouped_exprs(kernels.Q8_DOT_TYPES)),
     decode_ops.OPS_FILE: (decode_ops.KERNEL_NAMES, ()),
-    decode_ops.ATTN_FILE: ((), decode_ops.ATTN_EXPRS),
+    decode_ops.ATTN_FILE: ((), decode_ops.ATTN_ALL_EXPRS),  # every pair of cache types
+    handover.HANDOVER_FILE: (handover.KERNELS, ()),
 }
 
 

@@ -282,7 +282,7 @@ def test_the_fused_rotation_reads_the_tables_it_is_given(monkeypatch):
     cos, sin = rope_cos_sin(positions, spec, torch.bfloat16)
     ops.qk_norm_rope_kv(spec, w, 1, q, k, v, positions, cos, sin, kvs)
     [(name, grid, block, args)] = launches
-    sig = re.search(r"__global__ void qk_norm_rope_kv\((.*?)\)\s*{", nvrtc.cuda_source(DO.OPS_FILE), re.S)
+    sig = re.search(r"void qk_norm_rope_kv_row\((.*?)\)\s*{", nvrtc.cuda_source(DO.OPS_FILE), re.S)
     params = [p.split()[-1].lstrip("*") for p in sig.group(1).split(",")]
     assert name == "qk_norm_rope_kv" and len(args) == len(params) and "base" not in params
     assert args[params.index("cos_table")] == cos.data_ptr() and args[params.index("sin_table")] == sin.data_ptr()

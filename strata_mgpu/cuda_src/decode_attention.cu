@@ -3,15 +3,19 @@
 //
 // Row b of the batch is one new token of sequence b: q [B, H, Dh] bf16 (normed and rotated), its
 // keys and values the cells 0..positions[b] of that sequence's cache. The caches are found through
-// a table of B rows (k base, v base, layer stride in elements): layer `layer`'s keys are
-// [capacity, Hkv, Dh] bf16 at k_base + layer * stride.
+// a table of B rows (k base, v base, the keys' layer stride in their elements): layer `layer`'s
+// keys are [capacity, Hkv, Dh] bf16 at k_base + layer * stride. With KQ8 (VQ8) the keys (values)
+// are ggml Q8_0 blocks instead, [capacity, Hkv, Dh / 32 * 34] bytes (fp16 d, 32 int8 q: x = d q),
+// dequantized in the tile load (x rounded to bf16, as the twin's load), the other's layer stride
+// following from the keys' (the same cells).
 //
-//   attn_split<DH>:  grid (Hkv * C, S, B), 32 * WARPS threads, C = ceil(G / HC). Block (g * C + c, s, b)
+//   attn_split<DH, KQ8, VQ8>:  grid (Hkv * C, S, B), 32 * WARPS threads, C = ceil(G / HC). Block (g * C + c, s, b)
 //                    takes query heads [c * HC, min((c + 1) * HC, G)) of KV head g's G = H / Hkv and the
 //                    keys [s * W, min((s + 1) * W, pos + 1)) (W = row_split_keys: the row's own
 //                    keys over all S splits, at most L), in tiles of TK keys, tile i to warp
 //                    i % WARPS. Each warp streams its tiles' keys and values into its own ring of
-//                    shared memory (cp.async, NS tiles in flight, no block barrier in the loop), scores a
+//                    shared memory (cp.async, NS tiles in flight, no block barrier in the loop; Q8_0
+//                    cells through registers, dequantized to bf16 on the way), scores a
 //                    tile on the tensor cores (bf16 products, fp32 sums), keeps a running max and sum
 //                    (online softmax), and adds p * v on the fp32 cores; the warps are merged at the
 //                    end in warp order -> part_o [B, H, S, DH] (the unnormalized sum of 2^(t - m) * v,
@@ -24,6 +28,7 @@
 // 16-term blocks in their own order). Needs sm_80 (mma.sync on bf16, cp.async); the launcher sends
 // older cards to the twin, and here they get kernels that trap.
 #include <cuda_bf16.h>
+#include <cuda_fp16.h>
 
 #include "warp.cuh"
 
@@ -101,6 +106,27 @@ __device__ __forceinline__ void mma_bf16(float (&c)[4], unsigned a0, unsigned a2
 #endif
 }
 
+// The 8 values [8 p, 8 p + 8) of a head's Q8_0 row `src` (Dh / 32 blocks of 34 bytes, 2-byte aligned)
+// as bf16 into 16 bytes of shared memory at dst (zeros where !valid): x = d q in fp32, rounded once.
+__device__ __forceinline__ void load_q8_0_piece(bf16* dst, const unsigned char* src, int p, bool valid) {
+    uint4 w = make_uint4(0u, 0u, 0u, 0u);
+    if (valid) {
+        const unsigned char* blk = src + (p >> 2) * 34;
+        const float d = __half2float(*reinterpret_cast<const __half*>(blk));
+        const unsigned short* qs = reinterpret_cast<const unsigned short*>(blk + 2 + (p & 3) * 8);
+        unsigned u[4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const unsigned short two = qs[i];
+            const __nv_bfloat162 x = __floats2bfloat162_rn((float)(signed char)(two & 0xff) * d,
+                                                           (float)(signed char)(two >> 8) * d);
+            u[i] = *reinterpret_cast<const unsigned*>(&x);
+        }
+        w = make_uint4(u[0], u[1], u[2], u[3]);
+    }
+    *reinterpret_cast<uint4*>(dst) = w;
+}
+
 // Keys each split of a row at `pos` takes: its pos + 1 keys spread over all S splits, in multiples
 // of SPLIT_GRANULE (whole tiles for every warp), at most the launch's L (the plan for the capacity,
 // S * L cells). A row much shorter than the capacity still fills the card: a graph captured for
@@ -112,7 +138,7 @@ __device__ __forceinline__ int row_split_keys(long long pos, int L, int S) {
     return (int)min((long long)L, (per + SPLIT_GRANULE - 1) / SPLIT_GRANULE * SPLIT_GRANULE);
 }
 
-template <int DH>
+template <int DH, bool KQ8, bool VQ8>
 __global__ void __launch_bounds__(32 * WARPS)
     attn_split(const bf16* __restrict__ q, const long long* __restrict__ table, int layer,
                const long long* __restrict__ positions, int H, int Hkv, float scale, int L, int S,
@@ -147,6 +173,14 @@ __global__ void __launch_bounds__(32 * WARPS)
     const bf16* kc = reinterpret_cast<const bf16*>(table[3 * b]) + layer * stride + g * DH;
     const bf16* vc = reinterpret_cast<const bf16*>(table[3 * b + 1]) + layer * stride + g * DH;
     const long long row = (long long)Hkv * DH;  // elements from one position to the next
+    // Q8_0 cells: a head's row of QB bytes, a position's of Hkv * QB; a layer's bytes from the keys' stride
+    constexpr int QB = DH / 32 * 34;
+    const long long k_layer = KQ8 ? stride : 2 * stride;
+    const long long v_layer = KQ8 == VQ8 ? k_layer : KQ8 ? k_layer / QB * (2 * DH) : k_layer / (2 * DH) * QB;
+    const unsigned char* kq = reinterpret_cast<const unsigned char*>(table[3 * b]) + layer * k_layer + g * QB;
+    const unsigned char* vq = reinterpret_cast<const unsigned char*>(table[3 * b + 1]) + layer * v_layer + g * QB;
+    if constexpr (KQ8 && !VQ8)  // bf16 values after Q8_0 keys: their layer stride is not the keys'
+        vc = reinterpret_cast<const bf16*>(table[3 * b + 1] + layer * v_layer) + g * DH;
     const int tiles = (n + TK - 1) / TK, mine = (tiles - warp + WARPS - 1) / WARPS;  // this warp's: warp + k * WARPS
 
     // Tile k of this warp into stage k % NS: lane copies piece f % (DH / 8) of key f / (DH / 8) for
@@ -159,9 +193,12 @@ __global__ void __launch_bounds__(32 * WARPS)
 #pragma unroll
             for (int i = 0; i < KC; ++i) {
                 const int f = i * 32 + lane, jj = f / (DH / 8), pc = f % (DH / 8);
-                const long long at = (j0 + min(k0 + jj, n - 1)) * row + pc * 8;
-                copy16(st + jj * DH + (pc ^ ((jj & 1) << 2)) * 8, kc + at, k0 + jj < n);
-                copy16(st + TILE + jj * DH + pc * 8, vc + at, k0 + jj < n);
+                const long long cell = j0 + min(k0 + jj, n - 1), at = cell * row + pc * 8;
+                bf16* kd = st + jj * DH + (pc ^ ((jj & 1) << 2)) * 8;
+                if constexpr (KQ8) load_q8_0_piece(kd, kq + cell * Hkv * QB, pc, k0 + jj < n);
+                else copy16(kd, kc + at, k0 + jj < n);
+                if constexpr (VQ8) load_q8_0_piece(st + TILE + jj * DH + pc * 8, vq + cell * Hkv * QB, pc, k0 + jj < n);
+                else copy16(st + TILE + jj * DH + pc * 8, vc + at, k0 + jj < n);
             }
         }
         copy_commit();
@@ -331,9 +368,14 @@ __global__ void __launch_bounds__(DH / 4 * CG, 1)  // 1: ptxas then keeps the CU
     }
 }
 
+#define ATTN_SPLIT_INSTANTIATE(DH, KQ8, VQ8)                                                                 \
+    template __global__ void attn_split<DH, KQ8, VQ8>(const bf16*, const long long*, int, const long long*,    \
+                                                      int, int, float, int, int, float*, float*);
 #define ATTN_INSTANTIATE(DH)                                                                                 \
-    template __global__ void attn_split<DH>(const bf16*, const long long*, int, const long long*, int, int,  \
-                                            float, int, int, float*, float*);                                \
+    ATTN_SPLIT_INSTANTIATE(DH, false, false)                                                                 \
+    ATTN_SPLIT_INSTANTIATE(DH, true, false)                                                                  \
+    ATTN_SPLIT_INSTANTIATE(DH, false, true)                                                                  \
+    ATTN_SPLIT_INSTANTIATE(DH, true, true)                                                                   \
     template __global__ void attn_combine<DH>(const float*, const float*, const long long*, int, int, int, bf16*);
 ATTN_INSTANTIATE(64)
 ATTN_INSTANTIATE(128)

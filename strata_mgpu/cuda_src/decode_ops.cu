@@ -9,13 +9,15 @@
 //   add_rms_norm_rows: x [R, N] += y [R, N]; out = rmsnorm(x) * w
 //   qk_norm_rope_kv:   B rows, each one token of its own sequence: q [B, H, Dh], k, v [B, Hkv, Dh]
 //                      -> q normed and rotated by row b's cos/sin [B, Dh] (into q_out); k normed,
-//                      rotated and v written into row b's KV cache at positions[b]
+//                      rotated and v written into row b's KV cache at positions[b]; its _k8, _v8
+//                      and _k8v8 variants store keys, values or both as ggml Q8_0 blocks
 //   route_rows:        h [T, D] bf16, router [E, D] fp32 -> logits [T, E] fp32, then (by the
 //                      last block of each row) the A largest softmax probabilities (renormalized
 //                      over the A when `renorm`) and their experts, largest first
 //   moe_input_rows:    the MoE block's input in one launch: add_rms_norm_rows (into x_out, not in
 //                      place) + route_rows + h quantized for the integer experts (q8_quantize.cuh)
 #include <cuda_bf16.h>
+#include <cuda_fp16.h>
 
 #include "q8_quantize.cuh"
 #include "warp.cuh"
@@ -62,13 +64,32 @@ extern "C" __global__ void add_rms_norm_rows(bf16* x, const bf16* __restrict__ y
     norm_row(x + r, y + r, w, n, eps, out + r);
 }
 
+// One warp: the 32 values x (lane l holding value l of the run) as a ggml Q8_0 block at dst (34
+// bytes: fp16 d, then 32 int8), rounded as ggml's quantize_row_q8_0_ref and the twin
+// (quant/quantize.py): d = amax / 127, q = roundf(x * (1 / d)), 0 where d is 0.
+__device__ __forceinline__ void store_q8_0_run(float x, unsigned char* dst) {
+    const int lane = threadIdx.x & 31;
+    const float amax = warp_max(fabsf(x));
+    const float d = amax / 127.f;  // IEEE division (NVRTC without fast math), as ggml's
+    const float id = d != 0.f ? 1.f / d : 0.f;
+    dst[2 + lane] = (unsigned char)(signed char)(int)roundf(x * id);
+    if (lane == 0) *reinterpret_cast<__half*>(dst) = __float2half_rn(d);  // blocks are 2-byte aligned
+}
+
+// Bytes of a head's Dh values as stored: bf16, or Dh / 32 Q8_0 blocks.
+template <bool Q8>
+__device__ __forceinline__ long long head_bytes(int Dh) { return Q8 ? Dh / 32 * 34 : 2LL * Dh; }
+
 // grid (H + 2 Hkv, B), one warp a head: blocks 0..H-1 are q's heads, H..H+Hkv-1 k's, then v's.
-// Dh <= 256, even. Row b of q, k, v starts at b * its row stride (elements; the three may be
-// column blocks of one fused projection). Row b's cache (`table` row b: k base, v base, layer
-// stride in elements, as in decode_attention.cu): layer `layer`'s rows [capacity, Hkv, Dh]; row
-// positions[b] is written. q's result goes to q_out [B, H, Dh]. Rotation by the host's tables
-// cos, sin [B, Dh] (ops.rope_cos_sin: RoPE's scaling, YaRN's attention factor included, lives there).
-extern "C" __global__ void qk_norm_rope_kv(const bf16* q, long long q_stride, const bf16* __restrict__ k,
+// Dh <= 256, even (a multiple of 32 where a Q8 variant stores it). Row b of q, k, v starts at b *
+// its row stride (elements; the three may be column blocks of one fused projection). Row b's
+// cache (`table` row b: k base, v base, the keys' layer stride in their elements, as in
+// decode_attention.cu, the values' following from it): layer `layer`'s rows [capacity, Hkv, Dh]
+// bf16 (or [capacity, Hkv, Dh / 32 * 34] bytes of Q8_0 blocks, KQ8 / VQ8); row positions[b] is
+// written. q's result goes to q_out [B, H, Dh]. Rotation by the host's tables cos, sin [B, Dh]
+// (ops.rope_cos_sin: RoPE's scaling, YaRN's attention factor included, lives there).
+template <bool KQ8, bool VQ8>
+__device__ __forceinline__ void qk_norm_rope_kv_row(const bf16* q, long long q_stride, const bf16* __restrict__ k,
                                 long long k_stride, const bf16* __restrict__ v, long long v_stride,
                                 const bf16* __restrict__ q_norm, const bf16* __restrict__ k_norm, int H, int Hkv,
                                 int Dh, const long long* __restrict__ positions, const bf16* __restrict__ cos_table,
@@ -82,12 +103,22 @@ extern "C" __global__ void qk_norm_rope_kv(const bf16* q, long long q_stride, co
     q_out += (long long)b * H * Dh;
     cos_table += (long long)b * Dh;
     sin_table += (long long)b * Dh;
-    bf16* k_cache = reinterpret_cast<bf16*>(table[3 * b]) + layer * table[3 * b + 2];
-    bf16* v_cache = reinterpret_cast<bf16*>(table[3 * b + 1]) + layer * table[3 * b + 2];
+    // a layer's bytes: the keys' stride in their elements, the values' the same cells in theirs
+    const long long k_layer = table[3 * b + 2] * (KQ8 ? 1 : 2);
+    const long long v_layer = KQ8 == VQ8 ? k_layer : k_layer / head_bytes<KQ8>(Dh) * head_bytes<VQ8>(Dh);
+    unsigned char* k_bytes = reinterpret_cast<unsigned char*>(table[3 * b]) + layer * k_layer;
+    unsigned char* v_bytes = reinterpret_cast<unsigned char*>(table[3 * b + 1]) + layer * v_layer;
+    bf16* k_cache = reinterpret_cast<bf16*>(k_bytes);
+    bf16* v_cache = reinterpret_cast<bf16*>(v_bytes);
     const long long row = *position * (long long)Hkv * Dh;
-    if (head >= H + Hkv) {  // v: a copy into the cache
+    if (head >= H + Hkv) {  // v: a copy into the cache (quantized a run of 32 at a time)
         const int hv = head - H - Hkv;
-        for (int d = lane; d < Dh; d += 32) v_cache[row + hv * Dh + d] = v[hv * Dh + d];
+        if constexpr (VQ8) {
+            unsigned char* dst = v_bytes + (*position * Hkv + hv) * head_bytes<true>(Dh);
+            for (int j = 0; j < Dh / 32; ++j) store_q8_0_run(__bfloat162float(v[hv * Dh + 32 * j + lane]), dst + 34 * j);
+        } else {
+            for (int d = lane; d < Dh; d += 32) v_cache[row + hv * Dh + d] = v[hv * Dh + d];
+        }
         return;
     }
     const bool is_q = head < H;
@@ -126,10 +157,35 @@ extern "C" __global__ void qk_norm_rope_kv(const bf16* q, long long q_stride, co
             const float rot = d < half ? -partner : partner;  // rotate_half: [-x2, x1]
             out[j] = bf16r(bf16r(nx[j] * c) + bf16r(rot * s));
         }
+    if constexpr (KQ8) {
+        if (!is_q) {  // the rotated key (bf16 values) quantized: block j is value lane of run j
+            unsigned char* kq = k_bytes + (*position * Hkv + (head - H)) * head_bytes<true>(Dh);
+#pragma unroll
+            for (int j = 0; j < 8; ++j)
+                if (j < per) store_q8_0_run(out[j], kq + 34 * j);
+            return;
+        }
+    }
 #pragma unroll
     for (int j = 0; j < 8; ++j)
         if (j < per) dst[lane + 32 * j] = __float2bfloat16_rn(out[j]);
 }
+
+#define QK_NORM_ROPE_KV(NAME, KQ8, VQ8)                                                                          \
+    extern "C" __global__ void NAME(const bf16* q, long long q_stride, const bf16* __restrict__ k,                \
+                                    long long k_stride, const bf16* __restrict__ v, long long v_stride,           \
+                                    const bf16* __restrict__ q_norm, const bf16* __restrict__ k_norm, int H,      \
+                                    int Hkv, int Dh, const long long* __restrict__ positions,                     \
+                                    const bf16* __restrict__ cos_table, const bf16* __restrict__ sin_table,       \
+                                    float eps, const long long* __restrict__ table, int layer,                    \
+                                    bf16* __restrict__ q_out) {                                                   \
+        qk_norm_rope_kv_row<KQ8, VQ8>(q, q_stride, k, k_stride, v, v_stride, q_norm, k_norm, H, Hkv, Dh,          \
+                                      positions, cos_table, sin_table, eps, table, layer, q_out);                 \
+    }
+QK_NORM_ROPE_KV(qk_norm_rope_kv, false, false)
+QK_NORM_ROPE_KV(qk_norm_rope_kv_k8, true, false)
+QK_NORM_ROPE_KV(qk_norm_rope_kv_v8, false, true)
+QK_NORM_ROPE_KV(qk_norm_rope_kv_k8v8, true, true)
 
 // Row t's top A of its E logits (one warp; E <= 512: 16 values a lane; A <= min(32, E)). The
 // logits are read from L2 (__ldcg): other blocks of route_rows wrote them.

@@ -8,6 +8,7 @@
 // Shapes: T tokens, A picks a token, P = T * A picks (pick p = t * A + a), D hidden, F expert width.
 //   moe_gate_up: x [T, D] bf16, picks [P] expert ids -> act [P, F] bf16 = silu(x Wg^T) * (x Wu^T)
 //   moe_down:    act [P, F] bf16, weights [P] fp32 -> out [T, D] bf16 = sum_a w_a (act_a Wd^T)
+// A pick of -1 adds nothing: the host's cores compute that expert (cpu_handover.cu) and add it after.
 // Rounding follows the torch twin (GEMM outputs, SiLU and the product rounded to bf16; routing
 // weights cast to bf16; an fp32 sum over the picks). The dots themselves take one of two paths:
 //   integer (Q8Dot<TYPE>::ok, q8_dot.cuh: Q4_0, Q8_0, Q4_K, Q5_K, Q6_K): the kernel's input is
@@ -168,6 +169,7 @@ __global__ void moe_gate_up(const __nv_bfloat16* __restrict__ x, const unsigned*
     const int warp = threadIdx.x >> 5;
     const long long room = tile_room(rows * row_bytes);
     const long long e = picks[p];
+    if (e < 0) return;  // a pick the host's cores compute (cpu_handover.cu): its act row is never read
     const bool in_vram = slot_of[e] >= 0;
     const u8* expert = expert_at(e, slot_of, host_offset, slots, slot_bytes, arena);
     const u8* gate = stage_bytes(expert + f0 * row_bytes, n * row_bytes, smem, in_vram);
@@ -213,13 +215,15 @@ __global__ void moe_down(const __nv_bfloat16* __restrict__ act, const unsigned* 
     __shared__ u64 tile_src[MAX_PICKS];  // each pick's first row of the tile: looked up at once, not pick by pick
     __shared__ bool tile_in_vram[MAX_PICKS];
     if (threadIdx.x < A) {
-        const long long e = picks[t * A + threadIdx.x];
-        tile_in_vram[threadIdx.x] = slot_of[e] >= 0;
-        tile_src[threadIdx.x] = reinterpret_cast<u64>(expert_at(e, slot_of, host_offset, slots, slot_bytes, arena))
-                                + down_offset + d0 * row_bytes;
+        const long long e = picks[t * A + threadIdx.x];  // < 0: the host's cores compute it, it adds nothing here
+        tile_in_vram[threadIdx.x] = e >= 0 && slot_of[e] >= 0;
+        tile_src[threadIdx.x] = e < 0 ? 0ull
+                                : reinterpret_cast<u64>(expert_at(e, slot_of, host_offset, slots, slot_bytes, arena))
+                                  + down_offset + d0 * row_bytes;
     }
     __syncthreads();
     for (int a = 0; a < A; ++a) {  // every pick's tile and vector in flight at once
+        if (tile_src[a] == 0ull) continue;
         stage_bytes(reinterpret_cast<const u8*>(tile_src[a]), n * row_bytes, smem + a * room, tile_in_vram[a]);
         if constexpr (Q8Dot<TYPE>::ok) stage_q8(aq + ((long long)t * A + a) * vwords, F / 32, v + a * vwords);
         else stage_vector(act + ((long long)t * A + a) * F, F, v + a * vwords);
@@ -228,6 +232,10 @@ __global__ void moe_down(const __nv_bfloat16* __restrict__ act, const unsigned* 
     __syncthreads();
     for (int k = warp; k < n * A; k += warps) {  // dot k: row k / A, pick k % A
         const int r = k / A, a = k % A;
+        if (tile_src[a] == 0ull) {
+            if ((threadIdx.x & 31) == 0) partial[r * A + a] = 0.f;
+            continue;
+        }
         const u8* row = smem + a * room + (tile_src[a] & 15) + r * row_bytes;  // where stage_bytes put it
         float y;
         if constexpr (Q8Dot<TYPE>::ok) {

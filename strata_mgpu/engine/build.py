@@ -60,8 +60,8 @@ def stage_options(placement: Placement, chunk_size: int, kv_tokens: int,
                          resident_experts=placement.resident_experts,
                          dtype=torch.float32 if placement.dtype == "fp32" else None,
                          cuda_graphs=placement.cuda_graphs, graph_batch=placement.decode_graph_batch,
-                         kv_prefetch=placement.kv_prefetch, cpu_experts=cpu_only,
-                         threads=host_threads(placement, devices))
+                         kv_prefetch=placement.kv_prefetch, kv_types=placement.kv_types, cpu_experts=cpu_only,
+                         threads=host_threads(placement, devices), host_share=placement.cpu_experts)
             for i, d in enumerate(devices)]
 
 
@@ -104,7 +104,7 @@ def build_runner(f: GGUFFile, spec: ModelSpec, placement: Placement, chunk_size:
     if missing is not None:
         warn_once("serving the fp32 reference forward on the CPU (every expert dequantized in RAM)", missing)
         return load_reference_runner(f, spec, on_progress=(lambda d, t: on_progress("layers", d, t))
-                                     if on_progress else None)
+                                     if on_progress else None, kv_types=placement.kv_types)
     return build_stages(f, spec, placement, chunk_size, kv_tokens=kv_tokens, on_progress=on_progress)
 
 

@@ -246,15 +246,18 @@ class GgmlExperts(RateCounter):
 
     name = "ggml"
 
-    def __init__(self, threads: int):
+    def __init__(self, threads: int, poll: int = 0):
         import ggml  # ggml-python: the optional extra `cpu-experts` (select_cpu_experts checks it is there)
 
-        assert threads >= 1
+        assert threads >= 1 and 0 <= poll <= 100
         super().__init__()
         self.ggml = ggml
-        self.threads = threads
+        self.threads, self.poll = threads, poll
         params = ggml.ggml_threadpool_params_default(threads)
-        params.poll = 0  # idle workers sleep at once rather than spin: torch's ops run on the same cores between calls
+        # 0: idle workers sleep at once rather than spin (a CPU stage: torch's ops run on the same cores
+        # between calls); more: they spin that long (ggml's polling level, 0-100) before sleeping, so calls
+        # that come every ~0.1 ms (a GPU stage's hand-over, a layer apart) find them awake
+        params.poll = poll
         self._pool = ggml.ggml_threadpool_new(ctypes.byref(params))  # its threads - 1 workers, the caller the first
         assert self._pool, "ggml_threadpool_new failed"
         self._graphs: OrderedDict[tuple, _MoeGraph] = OrderedDict()
@@ -262,7 +265,8 @@ class GgmlExperts(RateCounter):
         self._free = weakref.finalize(self, _free, ggml, self._graphs, self._pool)  # at collection or exit
 
     def describe(self) -> str:
-        return f"ggml on {self.threads} thread{'s' if self.threads > 1 else ''}"
+        return f"ggml on {self.threads} thread{'s' if self.threads > 1 else ''}" + (f", polling {self.poll}"
+                                                                                  if self.poll else "")
 
     def moe(self, layer: torch.Tensor, lay: ExpertLayout, h: torch.Tensor, weights: torch.Tensor,
             experts: torch.Tensor) -> torch.Tensor:
@@ -348,6 +352,8 @@ def physical_cores() -> int:
 
 def default_threads(gpu_stages: int, cores: int | None = None) -> int:
     """`--threads` when not given: the physical cores less one for each GPU stage's host thread
-    (the thread that queues the stage's work), at least one; on a CPU-only run all of them."""
+    (the thread that queues the stage's work) and, beside GPU stages, one for the process's other
+    threads (the server's, CUDA's), at least one: a GPU stage's decode hand-over keeps ggml's pool
+    spinning, and a pool thread that loses its core stalls every request. On a CPU-only run all of them."""
     cores = physical_cores() if cores is None else cores
-    return max(1, cores - gpu_stages)
+    return max(1, cores - gpu_stages - (1 if gpu_stages else 0))

@@ -6,10 +6,14 @@ RMSNorm (with the residual add before it), q/k head norms + RoPE + the KV cache 
 logits, softmax + top-k + renormalization; and attention of a batch of sequences, each up to its
 own position, in two launches a layer (the twin: SDPA per sequence over its whole cache under a
 mask, a dozen launches a sequence, its cost growing with the capacity). A call these kernels do
-not cover (another dtype, a head dim that is not a multiple of 64, more than 512 experts) goes to
-the twin: counted in
+not cover (another dtype, a head dim that is not a multiple of 64, more than 512 experts, caches
+in another `KVFormat` than the ops were built for) goes to the twin: counted in
 `paths` ("rms_norm:cuda", "rms_norm:twin", ...; see `kernels.paths`) and warned once with the
 reason. A prompt's many rows route by the twin's GEMM by design ("route:gemm", no warning).
+
+A stage's caches may store keys and values as ggml Q8_0 blocks (`model.kv_cache.KVFormat`): the
+ops are built for one pair of cache types (`kv_types`), whose kernels `qk_norm_rope_kv` quantizes
+into and `attn_split` dequantizes in its tile loads; the bf16 pair's kernels are the same as before.
 """
 
 from __future__ import annotations
@@ -20,17 +24,23 @@ from collections.abc import Sequence
 
 import numpy as np
 import torch
+from gguf.constants import GGMLQuantizationType
 
 from strata_mgpu.kernels import nvrtc
 from strata_mgpu.kernels.experts import Q8_WORDS
 from strata_mgpu.kernels.paths import PathCounter
-from strata_mgpu.model.kv_cache import SequenceKV
+from strata_mgpu.model.kv_cache import PLAIN_KV, KVFormat, SequenceKV
 from strata_mgpu.model.ops import DecodeOps
 from strata_mgpu.model.spec import ModelSpec
 from strata_mgpu.model.weights import LayerWeights
 
+Q = GGMLQuantizationType
+KVTypes = tuple[GGMLQuantizationType, GGMLQuantizationType]  # (keys, values): how a cache stores them
 OPS_FILE = "decode_ops.cu"
-KERNEL_NAMES = ("rms_norm_rows", "add_rms_norm_rows", "qk_norm_rope_kv", "route_rows", "moe_input_rows")
+# qk_norm_rope_kv's variant for each pair of cache types (keys, values): Q8_0 ones quantize on the way
+QK_NORM_ROPE_KV = {(Q.BF16, Q.BF16): "qk_norm_rope_kv", (Q.Q8_0, Q.BF16): "qk_norm_rope_kv_k8",
+                   (Q.BF16, Q.Q8_0): "qk_norm_rope_kv_v8", (Q.Q8_0, Q.Q8_0): "qk_norm_rope_kv_k8v8"}
+KERNEL_NAMES = ("rms_norm_rows", "add_rms_norm_rows", *QK_NORM_ROPE_KV.values(), "route_rows", "moe_input_rows")
 MOE_INPUT_SHARED_BYTES = 46 * 1024  # moe_input_rows keeps a row of D fp32 in shared memory: D <= 11,776
 NORM_THREADS = 256
 ROUTER_WARPS = 8
@@ -39,7 +49,21 @@ MAX_ROUTED_ROWS = 64  # route_rows re-reads the router for every row: a prompt's
 NOT_BF16 = "a tensor is not a contiguous bfloat16 CUDA tensor"
 ATTN_FILE = "decode_attention.cu"
 ATTN_HEAD_DIMS = (64, 128, 256)
-ATTN_EXPRS = tuple(f"{k}<{d}>" for d in ATTN_HEAD_DIMS for k in ("attn_split", "attn_combine"))
+
+
+def attn_split_expr(head_dim: int, kv_types: KVTypes) -> str:
+    """attn_split's instantiation for this head dim and pair of cache types."""
+    q8 = ("true" if t == Q.Q8_0 else "false" for t in kv_types)
+    return f"attn_split<{head_dim}, {', '.join(q8)}>"
+
+
+def attn_exprs(kv_types: KVTypes) -> tuple[str, ...]:
+    """The attention kernels of caches of `kv_types`, every head dim."""
+    return tuple(e for d in ATTN_HEAD_DIMS for e in (attn_split_expr(d, kv_types), f"attn_combine<{d}>"))
+
+
+ATTN_EXPRS = attn_exprs(PLAIN_KV)
+ATTN_ALL_EXPRS = tuple(dict.fromkeys(e for types in QK_NORM_ROPE_KV for e in attn_exprs(types)))  # every variant
 ATTN_WARPS = 2  # decode_attention.cu's WARPS: warps of attn_split, each streaming its own tiles of keys
 ATTN_HEADS_AT_ONCE = 8  # its HC: query heads a block of attn_split takes; a wider group spans blocks
 ATTN_COMBINE_GROUPS = 8  # its CG: attn_combine's threads are head_dim / 4 dims x this many groups of splits
@@ -66,14 +90,21 @@ def distinct(kvs: Sequence[SequenceKV]) -> list[SequenceKV]:
 
 
 class CudaDecodeOps(DecodeOps):
-    """The fused decode ops on `device`. `paths`: where to count which path each call took (a
-    stage passes its expert kernels' counter, so one report shows both)."""
+    """The fused decode ops on `device`, for caches that store (keys, values) as `kv_types`.
+    `paths`: where to count which path each call took (a stage passes its expert kernels'
+    counter, so one report shows both)."""
 
-    def __init__(self, device: torch.device, paths: PathCounter | None = None):
+    kv_types: KVTypes = PLAIN_KV
+    _format = KVFormat(torch.bfloat16, *PLAIN_KV)  # what _caches_ok compares each cache with
+
+    def __init__(self, device: torch.device, paths: PathCounter | None = None, kv_types: KVTypes = PLAIN_KV):
         self.device = device
         self.paths = PathCounter() if paths is None else paths
+        self.kv_types = kv_types
+        self._format = KVFormat(torch.bfloat16, *kv_types)
+        exprs = attn_exprs(kv_types)
         self._fn = {name: nvrtc.kernel(OPS_FILE, name, (), device) for name in KERNEL_NAMES}
-        self._fn.update({name: nvrtc.kernel(ATTN_FILE, name, ATTN_EXPRS, device) for name in ATTN_EXPRS})
+        self._fn.update({name: nvrtc.kernel(ATTN_FILE, name, exprs, device) for name in exprs})
         # older cards load decode_attention.cu (its kernels trap there) but run the twin
         self._attention_arch_ok = torch.cuda.get_device_capability(device) >= ATTN_MIN_CAPABILITY
         self._tables: OrderedDict[tuple, torch.Tensor] = OrderedDict()
@@ -125,9 +156,10 @@ class CudaDecodeOps(DecodeOps):
         return t.is_cuda and t.dtype == torch.bfloat16 and t.dim() == 2 and t.stride(1) == 1
 
     def kv_table(self, kvs: Sequence[SequenceKV]) -> torch.Tensor:
-        """[B, 3] int64 on the device: each cache's keys' and values' addresses and its layer stride
-        in elements, as the kernels read them. Made eagerly and kept: a graph capture (which may not
-        copy from the host) finds the table its warm-up step made; a cache that moves is a new key."""
+        """[B, 3] int64 on the device: each cache's keys' and values' addresses and its keys' layer
+        stride in their elements (bytes where Q8_0; the values' follows from it), as the kernels read
+        them. Made eagerly and kept: a graph capture (which may not copy from the host) finds the
+        table its warm-up step made; a cache that moves is a new key."""
         key = tuple((kv.k.data_ptr(), kv.v.data_ptr(), kv.k.stride(0)) for kv in kvs)
         table = self._tables.get(key)
         if table is None:
@@ -144,10 +176,17 @@ class CudaDecodeOps(DecodeOps):
         self._tables.move_to_end(key)
         return table
 
+    def _stored_ok(self, t: torch.Tensor, stored: GGMLQuantizationType) -> bool:
+        """A cache tensor as the kernels read it: contiguous bf16 on the device, or its Q8_0 bytes."""
+        return t.is_cuda and t.is_contiguous() and t.dtype == torch.uint8 if stored == Q.Q8_0 else self._ok(t)
+
     def _caches_ok(self, kvs: Sequence[SequenceKV], kv_heads: int, head_dim: int) -> bool:
-        """Every cache bf16 [layers, capacity, kv_heads, head_dim], keys and values alike."""
-        return all(self._ok(kv.k, kv.v) and kv.k.shape[2:] == (kv_heads, head_dim) and kv.k.shape == kv.v.shape
-                   for kv in distinct(kvs))
+        """Every cache in the format these ops were built for, in bf16 where plain: [layers, capacity,
+        kv_heads, head_dim] (or head_dim / 32 * 34 bytes where Q8_0), contiguous on the device."""
+        want = self._format
+        return all(kv.format == want and self._stored_ok(kv.k, want.keys) and self._stored_ok(kv.v, want.values)
+                   and kv.k.shape[2:] == (kv_heads, want.row(want.keys, head_dim)) and kv.k.shape[:2] == kv.v.shape[:2]
+                   and kv.v.shape[2:] == (kv_heads, want.row(want.values, head_dim)) for kv in distinct(kvs))
 
     def qk_norm_rope_kv(self, spec: ModelSpec, w: LayerWeights, layer: int, q: torch.Tensor, k: torch.Tensor,
                         v: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -157,13 +196,14 @@ class CudaDecodeOps(DecodeOps):
                       and self._caches_ok(kvs, spec.n_kv_heads, dh) and all(self._rows_ok(t) for t in (q, k, v)))
         if not (tensors_ok and dh % 64 == 0 and dh <= 256 and positions.dtype == torch.int64
                 and positions.is_contiguous() and q.shape[0] == n):
-            self._twin("qk_norm_rope_kv", NOT_BF16 + " (or cos/sin not [B, Dh])" if not tensors_ok
+            self._twin("qk_norm_rope_kv", NOT_BF16 + " (or cos/sin not [B, Dh], or a cache of another format)"
+                       if not tensors_ok
                        else f"head dim {dh} (multiples of 64 up to 256), positions not int64, or {q.shape[0]} "
                        f"rows for {n} caches")
             return super().qk_norm_rope_kv(spec, w, layer, q, k, v, positions, cos, sin, kvs, table)
         self.paths.ran("qk_norm_rope_kv", "cuda")
         q_out = torch.empty(n, spec.n_heads, dh, dtype=q.dtype, device=q.device)
-        self._launch("qk_norm_rope_kv", (spec.n_heads + 2 * spec.n_kv_heads, n), 32,
+        self._launch(QK_NORM_ROPE_KV[self.kv_types], (spec.n_heads + 2 * spec.n_kv_heads, n), 32,
                      q.data_ptr(), np.int64(q.stride(0)), k.data_ptr(), np.int64(k.stride(0)), v.data_ptr(),
                      np.int64(v.stride(0)), w.q_norm.data_ptr(), w.k_norm.data_ptr(), np.int32(spec.n_heads),
                      np.int32(spec.n_kv_heads), np.int32(dh), positions.data_ptr(), cos.data_ptr(), sin.data_ptr(),
@@ -194,7 +234,7 @@ class CudaDecodeOps(DecodeOps):
         out = torch.empty_like(q)
         table = self.kv_table(kvs) if table is None else table
         chunks = -(-(h // hkv) // ATTN_HEADS_AT_ONCE)  # blocks a KV head's group of query heads takes
-        self._launch(f"attn_split<{dh}>", (hkv * chunks, splits, n), 32 * ATTN_WARPS, q.data_ptr(),
+        self._launch(attn_split_expr(dh, self.kv_types), (hkv * chunks, splits, n), 32 * ATTN_WARPS, q.data_ptr(),
                      table.data_ptr(), np.int32(layer), positions.data_ptr(), np.int32(h), np.int32(hkv),
                      np.float32(1 / math.sqrt(dh)), np.int32(keys), np.int32(splits), part_o.data_ptr(),
                      part_ml.data_ptr())

@@ -138,11 +138,14 @@ class TorchKernels:
                      hq: torch.Tensor | None = None) -> torch.Tensor:
         """Decode's routed experts of local layer i: every row's picks read where they live (a cache
         slot or the host arena), computed and combined. h [T, D], weights [T, A] fp32, experts
-        [T, A] -> [T, D]; hq: h already quantized (`quantize_q8`'s layout) for the integer kernels,
-        or None. The twin dequantizes the M = T * A picks into the workspace (w_gate_up
-        [>= M, 2F, D], w_down [>= M, D, F]) and runs the grouped GEMM pair, one row a group."""
+        [T, A] -> [T, D] (a pick of -1 adds nothing: the host's cores compute it); hq: h already
+        quantized (`quantize_q8`'s layout) for the integer kernels, or None. The twin dequantizes
+        the M = T * A picks into the workspace (w_gate_up [>= M, 2F, D], w_down [>= M, D, F]) and
+        runs the grouped GEMM pair, one row a group."""
         self.paths.ran("moe_gathered", "twin")
         t, a = experts.shape
+        # a pick of -1 is the host's (stage.experts.handover): expert 0 at weight 0 here, no host sync
+        weights, experts = torch.where(experts < 0, 0.0, weights.float()), experts.clamp(min=0)
         flat = experts.reshape(-1)  # [M]: row r * A + k is token r's k-th pick
         m = flat.numel()
         self.gather_experts(cache, i, flat, lay, w_gate_up, w_down)

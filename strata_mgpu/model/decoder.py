@@ -27,9 +27,10 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
+from gguf.constants import GGMLQuantizationType
 
 from strata_mgpu.model.expert_backend import ExpertBackend
-from strata_mgpu.model.kv_cache import KVCache, SequenceKV
+from strata_mgpu.model.kv_cache import PLAIN_KV, KVCache, KVFormat, SequenceKV
 from strata_mgpu.model.ops import PLAIN_OPS, DecodeOps, causal_attention, qk_norm_rope, rms_norm, rope_cos_sin
 from strata_mgpu.model.spec import ModelSpec
 from strata_mgpu.model.weights import LayerWeights, ModelWeights
@@ -152,9 +153,10 @@ class Decoder:
     then routes apart from `ops.moe_input`. None: the decoder's own (`route`)."""
 
     def __init__(self, spec: ModelSpec, weights: ModelWeights, experts: ExpertBackend, ops: DecodeOps | None = None,
-                 static_rows: bool = False):
+                 static_rows: bool = False, kv_types: tuple[GGMLQuantizationType, GGMLQuantizationType] = PLAIN_KV):
         self.spec = spec
         self.w = weights
+        self.kv_format = KVFormat(weights.dtype, *kv_types)  # how its caches store keys and values
         self.experts = experts
         self.ops = ops or DecodeOps()
         self.static_rows = static_rows
@@ -166,8 +168,9 @@ class Decoder:
 
     def new_cache(self, max_length: int, capacity: int = 256) -> KVCache:
         s = self.spec
+        f = self.kv_format
         return KVCache(len(self.w.layers), s.n_kv_heads, s.head_dim, capacity=capacity, max_length=max_length,
-                       device=self.device, dtype=self.w.dtype)
+                       device=self.device, dtype=f.dtype, keys=f.keys, values=f.values)
 
     def forward(self, tokens: torch.Tensor, segments: Sequence[Segment]) -> torch.Tensor:
         """tokens [T] (sequences packed as `segments`) -> final hidden states [T, D]."""

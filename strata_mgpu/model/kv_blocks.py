@@ -1,11 +1,13 @@
 """Fixed-size blocks of a sequence's KV, copied out of and into its cache: what the prefix cache
 keeps (`engine.prefix_cache`).
 
-A block holds `block_tokens` consecutive positions of every layer of one cache layout:
-[L, 2, B, Hkv, Dh] (L = the layers of the runner or stage, 2 = keys and values, B = block
-tokens). `save` copies positions [j B, (j + 1) B) of a sequence out into a new block on the
-cache's device; `offload` moves a block to host RAM (pinned where the device is a GPU, so it
-comes back at the link's rate); `load` copies blocks back into a fresh sequence, in position
+A block holds `block_tokens` consecutive positions of every layer of one cache layout, as the
+cache stores them (`KVFormat`: plain or Q8_0 blocks), in bytes: uint8 [L, B, K + V] (L = the
+layers of the runner or stage, B = block tokens, K and V = the bytes of a position's keys and of
+its values in one layer), so a block is restored byte for byte whatever the format. `save`
+copies positions [j B, (j + 1) B) of a sequence out into a new block on the cache's device;
+`offload` moves a block to host RAM (pinned where the device is a GPU, so it comes back at the
+link's rate); `load` copies blocks back into a fresh sequence, in position
 order, and advances it past them, as if its forwards had written those rows. Every copy is queued
 on the caller's current stream, after the forwards that wrote the rows it reads: the caller (a
 stage) picks the stream.
@@ -18,23 +20,32 @@ from collections.abc import Sequence
 
 import torch
 
-from strata_mgpu.model.kv_cache import SequenceKV
+from strata_mgpu.model.kv_cache import KVFormat, SequenceKV
+
+
+def cell_bytes(cells: torch.Tensor) -> torch.Tensor:
+    """Cells [L, n, Hkv, row] (a view of a cache, its last dims contiguous) as bytes [L, n, Hkv * row
+    * elem]: a view, so writing it writes the cache."""
+    out = cells.flatten(2).view(torch.uint8)
+    assert out.data_ptr() == cells.data_ptr(), "the cells' last dims are not contiguous"
+    return out
 
 
 class KVBlockStore:
-    """Blocks of caches with `n_layers` layers of [Hkv, Dh] keys and values in `dtype` on `device`."""
+    """Blocks of caches with `n_layers` layers of Hkv heads of Dh keys and values, stored as
+    `format` says, on `device`."""
 
     def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, *, block_tokens: int,
-                 device: torch.device, dtype: torch.dtype):
+                 device: torch.device, format: KVFormat):
         assert block_tokens > 0
-        self.shape = (n_layers, 2, block_tokens, n_kv_heads, head_dim)
-        self.block_tokens = block_tokens
-        self.device, self.dtype = device, dtype
+        self.format, self.block_tokens, self.device = format, block_tokens, device
+        self.key_bytes = n_kv_heads * format.row(format.keys, head_dim) * format.storage(format.keys).itemsize
+        self.shape = (n_layers, block_tokens, format.cell_bytes(n_kv_heads * head_dim))  # [L, B, K + V]
 
     @property
     def block_bytes(self) -> int:
         """Bytes one block takes, on the device or in host RAM."""
-        return math.prod(self.shape) * self.dtype.itemsize
+        return math.prod(self.shape)
 
     @property
     def host_tier(self) -> bool:
@@ -49,7 +60,8 @@ class KVBlockStore:
         assert kv.rows_in_place, "a cache whose rows move cannot be saved from"
         rows = slice(index * self.block_tokens, (index + 1) * self.block_tokens)
         assert rows.stop <= kv.capacity, f"block {index} is past the cache's {kv.capacity} cells"
-        return torch.stack((kv.k[:, rows], kv.v[:, rows]), dim=1)  # [L, 2, B, Hkv, Dh], a copy
+        assert kv.format == self.format, f"a {kv.format} cache saved into {self.format} blocks"
+        return torch.cat((cell_bytes(kv.k[:, rows]), cell_bytes(kv.v[:, rows])), dim=2)  # [L, B, K + V], a copy
 
     def offload(self, block: torch.Tensor) -> torch.Tensor:
         """The block in host RAM (pinned for a GPU; queued, not waited for: a later `load` on the
@@ -62,6 +74,7 @@ class KVBlockStore:
         """Copy `blocks` (device or host) into an empty `kv` at positions 0.. in order and advance it
         by `n_tokens` (at most the blocks' tokens: a continuation may keep only part of the last)."""
         assert kv.rows_in_place and kv.length == 0, "blocks load into a fresh cache whose rows stay in place"
+        assert kv.format == self.format, f"{self.format} blocks loaded into a {kv.format} cache"
         b = self.block_tokens
         assert 0 < n_tokens <= b * len(blocks), f"{n_tokens} tokens from {len(blocks)} blocks of {b}"
         kv.reserve(n_tokens)
@@ -69,7 +82,7 @@ class KVBlockStore:
             n = min(b, n_tokens - j * b)
             if n <= 0:
                 break
-            src = block[:, :, :n].to(self.device, non_blocking=True)  # [L, 2, n, Hkv, Dh]
-            kv.k[:, j * b:j * b + n].copy_(src[:, 0])
-            kv.v[:, j * b:j * b + n].copy_(src[:, 1])
+            src = block[:, :n].to(self.device, non_blocking=True)  # [L, n, K + V]
+            cell_bytes(kv.k[:, j * b:j * b + n]).copy_(src[:, :, :self.key_bytes])
+            cell_bytes(kv.v[:, j * b:j * b + n]).copy_(src[:, :, self.key_bytes:])
         kv.advance(n_tokens)

@@ -1,12 +1,90 @@
 """A sequence's KV as the decoder sees it (`SequenceKV`), and its plain form, `KVCache`: keys and
 values of every layer, grown by doubling. A stage's two-tier cache (`stage.kv.two_tier`) keeps
-the older cells in host RAM behind the same contract."""
+the older cells in host RAM behind the same contract. `KVFormat`: how a cache stores its cells
+(`--cache-type-k` / `--cache-type-v`), plain in the compute dtype or as ggml Q8_0 blocks."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
+from gguf.constants import GGMLQuantizationType
+
+from strata_mgpu.config import KV_CACHE_TYPES
+from strata_mgpu.quant.dequant import dequantize_rows
+from strata_mgpu.quant.quantize import Q8_BLOCK, Q8_BYTES, q8_0_row_bytes, quantize_q8_0
+
+Q = GGMLQuantizationType
+# What keys or values may be stored as (`config.KV_CACHE_TYPES`): BF16 is the plain cell in the
+# compute dtype (bf16 on a GPU stage; the fp32 reference keeps fp32).
+PLAIN_KV = (Q.BF16, Q.BF16)  # (keys, values)
+_PLAIN_NAMES = {torch.bfloat16: "bf16", torch.float32: "fp32", torch.float16: "f16"}
+
+
+def kv_cell_bytes(keys: GGMLQuantizationType, values: GGMLQuantizationType, kv_dim: int, elem: int) -> int:
+    """Bytes one position takes in one layer, keys and values (kv_dim = Hkv * Dh values each;
+    `elem`: the compute dtype's bytes, what a plain cell takes a value)."""
+    return sum(q8_0_row_bytes(kv_dim) if t == Q.Q8_0 else kv_dim * elem for t in (keys, values))
+
+
+@dataclass(frozen=True)
+class KVFormat:
+    """How a cache stores keys and values, each on its own (`keys`, `values`):
+    - BF16: plain, [..., Hkv, Dh] in the compute `dtype`;
+    - Q8_0: raw ggml blocks, uint8 [..., Hkv, Dh / 32 * 34]: a head's Dh values as Dh / 32 blocks
+      of [d: fp16][q: int8 x 32] (x = d q, d = max|x| / 127; `quant.quantize`).
+    Whatever moves cells (the prefix cache's blocks, the two-tier cache's host rows and spills)
+    moves them as they are stored; `store` quantizes where a writer puts new cells, `load`
+    dequantizes (to `dtype`) where attention reads them. A zeroed cell reads as zeros either way."""
+
+    dtype: torch.dtype = torch.float32
+    keys: GGMLQuantizationType = Q.BF16
+    values: GGMLQuantizationType = Q.BF16
+
+    def __post_init__(self) -> None:
+        assert self.keys in KV_CACHE_TYPES and self.values in KV_CACHE_TYPES, (self.keys, self.values)
+
+    @property
+    def types(self) -> tuple[GGMLQuantizationType, GGMLQuantizationType]:
+        return self.keys, self.values
+
+    @property
+    def quantized(self) -> bool:
+        return Q.Q8_0 in self.types
+
+    def storage(self, t: GGMLQuantizationType) -> torch.dtype:
+        """The element type of a cache tensor stored as `t`."""
+        return torch.uint8 if t == Q.Q8_0 else self.dtype
+
+    def row(self, t: GGMLQuantizationType, head_dim: int) -> int:
+        """Stored elements of one head's Dh values (its last dim)."""
+        return q8_0_row_bytes(head_dim) if t == Q.Q8_0 else head_dim
+
+    def zeros(self, t: GGMLQuantizationType, *shape: int, device: torch.device | str) -> torch.Tensor:
+        """Cells [..., Hkv, Dh] stored as `t`: shape's last dim is Dh, the tensor's `row(t, Dh)`."""
+        return torch.zeros(*shape[:-1], self.row(t, shape[-1]), device=device, dtype=self.storage(t))
+
+    def cell_bytes(self, kv_dim: int) -> int:
+        """Bytes one position takes in one layer, keys and values."""
+        return kv_cell_bytes(self.keys, self.values, kv_dim, self.dtype.itemsize)
+
+    def store(self, t: GGMLQuantizationType, x: torch.Tensor) -> torch.Tensor:
+        """New cells [..., Dh] as `t` stores them (plain: x itself, cast where it is assigned)."""
+        return quantize_q8_0(x) if t == Q.Q8_0 else x
+
+    def load(self, t: GGMLQuantizationType, cells: torch.Tensor) -> torch.Tensor:
+        """Stored cells [..., row(t, Dh)] -> [..., Dh] in `dtype` (plain: the cells themselves, no copy)."""
+        if t != Q.Q8_0:
+            return cells
+        row = cells.shape[-1]
+        dh = row // Q8_BYTES * Q8_BLOCK
+        return dequantize_rows(cells.reshape(-1, row), Q.Q8_0, dh).to(self.dtype).view(*cells.shape[:-1], dh)
+
+    def describe(self) -> str:
+        """'bf16' (or the plain dtype: 'fp32') or 'q8_0' where keys and values agree, else 'k q8_0, v bf16'."""
+        k, v = ("q8_0" if t == Q.Q8_0 else _PLAIN_NAMES.get(self.dtype, str(self.dtype)) for t in self.types)
+        return k if k == v else f"k {k}, v {v}"
 
 
 class SequenceKV(Protocol):
@@ -14,7 +92,8 @@ class SequenceKV(Protocol):
 
     `length` counts the positions written by completed forwards. A forward reserves its rows,
     writes each layer's keys and values (`write`, which returns every key and value up to them
-    for attention), then advances. `k`/`v` [L, capacity, Hkv, Dh] hold the cells in VRAM; where
+    for attention, dequantized), then advances. `k`/`v` [L, capacity, Hkv, row] hold the cells in
+    VRAM as `format` stores them (row = Dh, or Dh / 32 * 34 bytes of Q8_0 blocks); where
     `graph_capturable` they hold every cell at its own position, so the decode step's kernels may
     read and write them in place by address."""
 
@@ -22,6 +101,7 @@ class SequenceKV(Protocol):
     v: torch.Tensor
     length: int
     max_length: int
+    format: KVFormat
 
     @property
     def capacity(self) -> int: ...
@@ -55,7 +135,7 @@ class SequenceKV(Protocol):
     def write(self, layer: int, k_new: torch.Tensor, v_new: torch.Tensor, at: int = 0
               ) -> tuple[torch.Tensor, torch.Tensor]:
         """Store [T, Hkv, Dh] keys/values `at` rows past the cached ones; all keys/values up to
-        them [length + at + T, Hkv, Dh]."""
+        them [length + at + T, Hkv, Dh], in the compute dtype."""
         ...
 
     def advance(self, n: int) -> None: ...
@@ -73,20 +153,23 @@ class SequenceKV(Protocol):
 class KVCache:
     """Keys and values of one sequence for `n_layers` layers.
 
-    Layout per layer: [capacity, Hkv, Dh]. `length` counts the positions written by completed
-    forwards; a forward writes rows [length, length + T) in every layer, then calls `advance(T)`.
-    Unwritten rows are zeros, never garbage: the static decode step attends over the whole
-    capacity under a mask, and a masked NaN would still poison the softmax and P @ V.
+    Layout per layer: [capacity, Hkv, row] (`KVFormat`: keys as `keys`, values as `values`, in
+    `dtype` where plain). `length` counts the positions written by completed forwards; a forward
+    writes rows [length, length + T) in every layer, then calls `advance(T)`. Unwritten rows are
+    zeros, never garbage: the static decode step attends over the whole capacity under a mask, and
+    a masked NaN would still poison the softmax and P @ V.
     """
 
     def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, *, capacity: int = 256,
-                 max_length: int, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32):
+                 max_length: int, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
+                 keys: GGMLQuantizationType = Q.BF16, values: GGMLQuantizationType = Q.BF16):
         assert capacity > 0 and max_length > 0
         self.max_length = max_length
         self.length = 0
+        self.format = KVFormat(dtype, keys, values)
         cap = min(capacity, max_length)
-        self.k = torch.zeros(n_layers, cap, n_kv_heads, head_dim, device=device, dtype=dtype)
-        self.v = torch.zeros_like(self.k)
+        self.k = self.format.zeros(keys, n_layers, cap, n_kv_heads, head_dim, device=device)
+        self.v = self.format.zeros(values, n_layers, cap, n_kv_heads, head_dim, device=device)
 
     @property
     def capacity(self) -> int:
@@ -107,7 +190,7 @@ class KVCache:
 
     @property
     def nbytes(self) -> int:
-        return self.k.numel() * self.k.element_size() * 2
+        return self.k.numel() * self.k.element_size() + self.v.numel() * self.v.element_size()
 
     def reserve(self, new_tokens: int) -> None:
         need = self.length + new_tokens
@@ -116,8 +199,8 @@ class KVCache:
         if need <= self.capacity:
             return
         cap = min(self.max_length, max(need, 2 * self.capacity))
-        k = torch.zeros(self.k.shape[0], cap, *self.k.shape[2:], device=self.k.device, dtype=self.k.dtype)
-        v = torch.zeros_like(k)
+        k = self.k.new_zeros(self.k.shape[0], cap, *self.k.shape[2:])
+        v = self.v.new_zeros(self.v.shape[0], cap, *self.v.shape[2:])
         k[:, :self.length] = self.k[:, :self.length]
         v[:, :self.length] = self.v[:, :self.length]
         self.k, self.v = k, v
@@ -125,13 +208,15 @@ class KVCache:
     def write(self, layer: int, k_new: torch.Tensor, v_new: torch.Tensor, at: int = 0
               ) -> tuple[torch.Tensor, torch.Tensor]:
         """Store [T, Hkv, Dh] keys/values `at` rows past the cached ones (a forward's later rows,
-        its earlier ones written first); return all of them up to the new ones [length+at+T, Hkv, Dh]."""
+        its earlier ones written first); return all of them up to the new ones [length+at+T, Hkv, Dh]
+        (views of the cache where plain, dequantized copies where Q8_0)."""
         start = self.length + at
         end = start + k_new.shape[0]
         assert end <= self.capacity, "reserve() before writing"
-        self.k[layer, start:end] = k_new
-        self.v[layer, start:end] = v_new
-        return self.k[layer, :end], self.v[layer, :end]
+        f = self.format
+        self.k[layer, start:end] = f.store(f.keys, k_new)
+        self.v[layer, start:end] = f.store(f.values, v_new)
+        return f.load(f.keys, self.k[layer, :end]), f.load(f.values, self.v[layer, :end])
 
     def advance(self, n: int) -> None:
         self.length += n

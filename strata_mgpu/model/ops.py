@@ -142,12 +142,14 @@ class DecodeOps:
                         kvs: Sequence[SequenceKV], table: torch.Tensor | None = None) -> torch.Tensor:
         """B rows, row b one token of sequence kvs[b]: projections q [B, H*Dh], k and v [B, Hkv*Dh].
         q and k normed per head and rotated; row b's k and v written at positions[b] (on the device)
-        of layer `layer` of kvs[b]'s cache [capacity, Hkv, Dh]; returns q [B, H, Dh]."""
+        of layer `layer` of kvs[b]'s cache [capacity, Hkv, R], as its format stores them (Q8_0:
+        quantized from the rounded k and v); returns q [B, H, Dh]."""
         qn, kn = qk_norm_rope(spec, w, q, k, cos, sin)
         for b, kv in enumerate(kvs):
-            r = slice(b, b + 1)
-            kv.k[layer].index_copy_(0, positions[r], kn[r])
-            kv.v[layer].index_copy_(0, positions[r], v[r].view(1, spec.n_kv_heads, spec.head_dim))
+            r, f = slice(b, b + 1), kv.format
+            kv.k[layer].index_copy_(0, positions[r], f.store(f.keys, kn[r]).to(kv.k.dtype))
+            kv.v[layer].index_copy_(0, positions[r], f.store(f.values, v[r].view(1, spec.n_kv_heads,
+                                                                                  spec.head_dim)).to(kv.v.dtype))
         return qn
 
     def kv_table(self, kvs: Sequence[SequenceKV]) -> torch.Tensor | None:
@@ -162,11 +164,14 @@ class DecodeOps:
     def attention(self, layer: int, q: torch.Tensor, positions: torch.Tensor, kvs: Sequence[SequenceKV],
                   table: torch.Tensor | None = None, capacity: int | None = None) -> torch.Tensor:
         """q [B, H, Dh], row b the token at positions[b] of kvs[b], against that cache's cells
-        0..positions[b] of layer `layer` -> [B, H, Dh]. Here: the whole capacity under a mask."""
+        0..positions[b] of layer `layer` -> [B, H, Dh]. Here: the whole capacity under a mask (a
+        Q8_0 cache's cells dequantized to the compute dtype first, as the kernel's tile loads do)."""
         outs = []
         for b, kv in enumerate(kvs):
+            f = kv.format
             visible = torch.arange(kv.capacity, device=positions.device) <= positions[b]  # [S]
-            outs.append(masked_attention(q[b:b + 1], kv.k[layer], kv.v[layer], visible))  # [1, H, Dh]
+            outs.append(masked_attention(q[b:b + 1], f.load(f.keys, kv.k[layer]), f.load(f.values, kv.v[layer]),
+                                         visible))  # [1, H, Dh]
         return outs[0] if len(outs) == 1 else torch.cat(outs)
 
     def route(self, h: torch.Tensor, router: torch.Tensor, n_used: int, renormalize: bool

@@ -8,8 +8,10 @@ from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
+from gguf.constants import GGMLQuantizationType
 
 from strata_mgpu.model.decoder import Decoder
+from strata_mgpu.model.kv_cache import PLAIN_KV
 from strata_mgpu.model.spec import ModelSpec
 from strata_mgpu.model.weights import LayerWeights, ModelWeights
 
@@ -56,5 +58,6 @@ class DenseExperts:
 class ReferenceModel(Decoder):
     """The oracle: dense dequantized weights (fp32 by default), experts one at a time."""
 
-    def __init__(self, spec: ModelSpec, weights: ModelWeights):
-        super().__init__(spec, weights, DenseExperts(weights.layers))
+    def __init__(self, spec: ModelSpec, weights: ModelWeights,
+                 kv_types: tuple[GGMLQuantizationType, GGMLQuantizationType] = PLAIN_KV):
+        super().__init__(spec, weights, DenseExperts(weights.layers), kv_types=kv_types)

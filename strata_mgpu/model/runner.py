@@ -7,11 +7,12 @@ import itertools
 from collections.abc import Callable, Sequence
 
 import torch
+from gguf.constants import GGMLQuantizationType
 
 from strata_mgpu.model.decoder import Decoder, Segment
 from strata_mgpu.model.gguf_reader import GGUFFile
 from strata_mgpu.model.kv_blocks import KVBlockStore
-from strata_mgpu.model.kv_cache import KVCache, SequenceKV
+from strata_mgpu.model.kv_cache import PLAIN_KV, KVCache, SequenceKV
 from strata_mgpu.model.reference import ReferenceModel
 from strata_mgpu.model.spec import ModelSpec
 from strata_mgpu.model.weights import load_weights
@@ -43,7 +44,7 @@ class DecoderRunner:
     def kv_blocks(self, block_tokens: int) -> KVBlockStore:
         s = self.spec
         return KVBlockStore(len(self.model.w.layers), s.n_kv_heads, s.head_dim, block_tokens=block_tokens,
-                            device=self.model.device, dtype=self.model.w.dtype)
+                            device=self.model.device, format=self.model.kv_format)
 
     @torch.inference_mode()
     def prefill(self, kv: SequenceKV, tokens: torch.Tensor, whole_prompt: bool = False,
@@ -76,8 +77,9 @@ def prefill_pack_logits(model: Decoder, kvs: Sequence[SequenceKV], chunks: Seque
     return model.logits(torch.cat([hidden[end - 1:end] for end in ends]))  # slices: no index upload
 
 
-def load_reference_runner(f: GGUFFile, spec: ModelSpec, on_progress: Callable[[int, int], None] | None = None
-                          ) -> DecoderRunner:
-    """Dequantize a validated GGUF's weights to fp32; `on_progress(done, total)` counts layers."""
+def load_reference_runner(f: GGUFFile, spec: ModelSpec, on_progress: Callable[[int, int], None] | None = None,
+                          kv_types: tuple[GGMLQuantizationType, GGMLQuantizationType] = PLAIN_KV) -> DecoderRunner:
+    """Dequantize a validated GGUF's weights to fp32; `on_progress(done, total)` counts layers;
+    `kv_types`: how its caches store keys and values (`KVFormat`)."""
     weights = load_weights(f, spec, on_layer=(lambda i: on_progress(i + 1, spec.n_layers)) if on_progress else None)
-    return DecoderRunner(ReferenceModel(spec, weights))
+    return DecoderRunner(ReferenceModel(spec, weights, kv_types=kv_types))

@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 import torch
 
-from strata_mgpu.kernels.cpu_experts import default_threads, select_cpu_experts
+from strata_mgpu.kernels.cpu_experts import GgmlExperts, default_threads, ggml_missing, select_cpu_experts
 from strata_mgpu.kernels.decode_ops import ATTN_HEAD_DIMS, ATTN_MIN_CAPABILITY, CudaDecodeOps
 from strata_mgpu.kernels.experts import CudaKernels, TorchKernels, select_kernels
 from strata_mgpu.model.decoder import Decoder
@@ -26,11 +26,18 @@ from strata_mgpu.model.spec import ModelSpec
 from strata_mgpu.model.weights import ModelWeights, load_weights
 from strata_mgpu.stage.device import DeviceContext
 from strata_mgpu.stage.experts.cache import ExpertCache, RefillOnFirstStep
+from strata_mgpu.stage.experts.handover import (
+    HANDOVER_POLL,
+    MAX_EXPERTS,
+    CpuHandover,
+    HandoverTwin,
+)
 from strata_mgpu.stage.experts.host_cores import HostCoreExperts
 from strata_mgpu.stage.experts.ring import ExpertRing
 from strata_mgpu.stage.experts.streamed import StreamedExperts
 from strata_mgpu.stage.graphs.replay import DecodeGraphs
 from strata_mgpu.stage.host.arena import HostExpertArena
+from strata_mgpu.stage.host.link import link_rate, measure_link_rate
 from strata_mgpu.stage.kv.allocator import StageKV
 from strata_mgpu.stage.memory_plan import MemoryPlan, plan_stage_memory
 from strata_mgpu.stage.stage import Stage, StageOptions, StageReport
@@ -71,18 +78,20 @@ def build_stage(f: GGUFFile, spec: ModelSpec, opts: StageOptions, layers: range 
         experts = HostCoreExperts(arena, executor, kernels, layers)
     else:
         experts = StreamedExperts(ctx, spec, arena, kernels, ring, cache, layers, dtype=dtype)
+        experts.attach_handover(_handover(ctx, spec, opts, arena, cache, kernels, layers, dtype))
     fused_ops = isinstance(kernels, CudaKernels) and dtype == torch.bfloat16
-    ops = CudaDecodeOps(ctx.device, paths=kernels.paths) if fused_ops else None  # one counter for both
+    ops = CudaDecodeOps(ctx.device, paths=kernels.paths, kv_types=opts.kv_types) if fused_ops else None  # one counter
     # Short prompts, packed prompts and eager decode batches through the decode step's fused ops:
     # the host's launches, not the GPU, bind a short prompt on the segment path
     # (docs/ARCHITECTURE.md). Only where their attention runs fused: its twin costs a dozen
     # launches a row.
-    model = Decoder(spec, dense, experts, ops, static_rows=fused_ops and _attention_fused(ctx, spec))
+    model = Decoder(spec, dense, experts, ops, static_rows=fused_ops and _attention_fused(ctx, spec),
+                    kv_types=opts.kv_types)
     graphs = DecodeGraphs(ctx, model, enabled=(opts.cuda_graphs and cache is not None and dtype == torch.bfloat16
                                                and _decode_never_syncs(kernels, arena, spec)),
                           largest=opts.graph_batch, pad=plan.resident_share >= 1, first=first)
     kv = StageKV(ctx, spec, layers, vram_cells=plan.kv_tokens, context=opts.context or 0, dtype=dtype,
-                 prefetch=opts.kv_prefetch)
+                 prefetch=opts.kv_prefetch, kv_types=opts.kv_types)
     report = StageReport(dense_bytes=dense_storage_bytes(dense), arena_bytes=arena.nbytes,
                          ring_bytes=ring.nbytes if ring else 0, workspace_bytes=experts.workspace_bytes,
                          cache_slots=cache.n_slots if cache else 0, plan=plan,
@@ -99,6 +108,51 @@ def build_stage(f: GGUFFile, spec: ModelSpec, opts: StageOptions, layers: range 
     log.info("memory plan of %s: %s", ctx.device, plan.describe())
     return Stage(options=opts, spec=spec, layers=layers, ctx=ctx, arena=arena, plan=plan, kernels=kernels,
                  experts=experts, model=model, kv=kv, graphs=graphs, refill=RefillOnFirstStep(cache), report=report)
+
+
+def _handover(ctx: DeviceContext, spec: ModelSpec, opts: StageOptions, arena: HostExpertArena,
+              cache: ExpertCache | None, kernels: TorchKernels, layers: range, dtype: torch.dtype
+              ) -> CpuHandover | HandoverTwin | None:
+    """The decode hand-over of missing experts to the host's cores (`experts.handover`), where
+    `opts.host_share` asks for one and it can run: a CUDA stage whose experts are not all resident,
+    every layer through the fused decode kernels in bf16, ggml-python there; `auto` measures the
+    host's and the link's rates and may decline. A CPU stage's device-path twins take a fixed share
+    through `HandoverTwin`. Says what it chose, and why not, in the log."""
+    share = opts.host_share
+    if share.mode == "off" or cache is None or cache.per_layer >= spec.n_experts:
+        return None
+    threads = opts.threads or default_threads(1)
+    if not ctx.is_cuda:
+        if share.mode != "fixed":
+            return None
+        return HandoverTwin(arena, cache, select_cpu_experts(threads), layers, share.fraction)
+    why_not = ggml_missing()
+    if why_not is None and not (isinstance(kernels, CudaKernels) and dtype == torch.bfloat16 and all(
+            kernels.moe_fused(arena.layouts[layer], spec.hidden, spec.n_experts_used) for layer in layers)):
+        why_not = "the fused decode kernels do not serve every layer here"
+    if why_not is None and spec.n_experts > MAX_EXPERTS:
+        why_not = f"{spec.n_experts} experts a layer (at most {MAX_EXPERTS})"
+    if why_not is not None:
+        log.info("stage on %s: decode computes every missing expert over the link (--cpu-experts %s: %s)",
+                 ctx.device, share, why_not)
+        return None
+    executor = GgmlExperts(threads, poll=HANDOVER_POLL)
+    handover = CpuHandover(ctx, arena, cache, executor, layers, share.fraction)
+    if share.mode == "auto":
+        link = link_rate(ctx) or measure_link_rate(ctx) or 0.0
+        fraction = handover.calibrate(link)
+        assert handover.auto is not None
+        host = handover.auto.host
+        log.info("stage on %s: the host's cores compute experts at %.1f GB/s after %.0f us a request (%d threads), "
+                 "the link brings them at %.1f GB/s: --cpu-experts auto takes %s", ctx.device,
+                 host.bytes_per_s / 1e9, 1e6 * host.overhead_s, threads, link / 1e9,
+                 f"{fraction:.2f} of the misses" if fraction else "none (the link alone is faster)")
+        if fraction == 0:
+            handover.close()
+            executor.close()
+            return None
+    log.info("stage on %s: decode hands %s", ctx.device, handover.describe())
+    return handover
 
 
 def dense_storage_bytes(dense: ModelWeights) -> int:
@@ -143,6 +197,7 @@ def stage_plan(spec: ModelSpec, opts: StageOptions, layers: range, *, expert_byt
                              resident_per_layer=opts.resident_experts if opts.expert_cache and not opts.cpu_experts
                              else 0, expert_workspace=not opts.cpu_experts,
                              where=where, staging_buffers=2 if opts.kv_prefetch else 1, decode_rows=opts.graph_batch,
+                             kv_types=opts.kv_types,
                              head=layers.stop == spec.n_layers)
 
 

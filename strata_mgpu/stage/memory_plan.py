@@ -19,7 +19,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import torch
+from gguf.constants import GGMLQuantizationType
+
 from strata_mgpu.kernels.decode_ops import ATTN_SPLITS
+from strata_mgpu.model.kv_cache import PLAIN_KV, KVFormat, kv_cell_bytes
 from strata_mgpu.model.spec import ModelSpec
 
 GiB = 2**30
@@ -52,6 +56,7 @@ class MemoryPlan:
     resident_per_layer: int  # K
     expert_bytes: int  # the largest expert's bytes (a cache slot, a ring position)
     ring_slots: int
+    kv_type: str = "bf16"  # how the KV cells are stored (`KVFormat.describe`: bf16, q8_0, 'k q8_0, v bf16')
 
     @property
     def streamed_per_layer(self) -> int:
@@ -85,7 +90,8 @@ class MemoryPlan:
     def lines(self) -> list[tuple[str, int]]:
         """(what, bytes) in the order they are placed; the budget and what is left last."""
         out = [("dense weights", self.dense), ("expert workspace (bf16, one layer)", self.workspace),
-               ("activations (one chunk)", self.activations), (f"KV cache ({self.kv_tokens:,} tokens)", self.kv),
+               ("activations (one chunk)", self.activations),
+               (f"KV cache ({self.kv_tokens:,} tokens, {self.kv_type})", self.kv),
                ("KV staging (host prefix uploads)", self.kv_staging),
                ("decode graphs and GEMM workspaces", self.decode), ("allocator slack", self.slack),
                (f"expert ring ({self.ring_slots} x {self.streamed_per_layer} experts)", self.ring),
@@ -103,19 +109,21 @@ def workspace_bytes(spec: ModelSpec, elem: int = 2) -> int:
     return spec.n_experts * 3 * spec.expert_ffn * spec.hidden * elem
 
 
-def activation_bytes(spec: ModelSpec, tokens: int, context: int, elem: int = 2) -> int:
+def activation_bytes(spec: ModelSpec, tokens: int, context: int, elem: int = 2, kv_dequantized: bool = False) -> int:
     """Peak of one layer's temporaries for a chunk of `tokens` rows after up to `context` keys.
 
     The residual stream and the block inputs live throughout; on top of them either the MoE
     block (M = T * A routed rows: sorted inputs, gate-up, SiLU product, outputs, and the rows put
     back in order) or attention (q, and the KV heads repeated for the chunked-prefill kernel),
-    whichever is larger: the one's temporaries are freed before the other's. A quarter more for
-    what this count misses (index tensors, router scores, kernel workspaces).
+    whichever is larger: the one's temporaries are freed before the other's. `kv_dequantized`: a
+    quantized cache's keys and values up to the chunk's end, dequantized for attention, live beside
+    those. A quarter more for what this count misses (index tensors, router scores, kernel workspaces).
     """
     m = tokens * spec.n_experts_used
     rows = tokens * (spec.hidden * 4 + spec.q_dim * 2 + spec.kv_dim * 2) * elem  # x, h, q, k, v, attn out
     moe = m * (3 * spec.hidden + 4 * spec.expert_ffn) * elem + m * 8 * 4 + tokens * spec.n_experts * 4
     attention = 2 * context * spec.n_heads * spec.head_dim * elem + tokens * spec.q_dim * elem * 2
+    attention += 2 * context * spec.kv_dim * elem if kv_dequantized else 0
     return int(1.25 * (rows + max(moe, attention)))
 
 
@@ -160,38 +168,45 @@ def plan_stage_memory(spec: ModelSpec, *, kv_tokens: int, context: int, chunk_to
             on_halved(had, kv_tokens)
 
 
-def kv_bytes(spec: ModelSpec, n_layers: int, tokens: int, elem: int = 2) -> int:
-    """Keys and values of `tokens` cells in `n_layers` layers."""
-    return 2 * n_layers * tokens * spec.kv_dim * elem
+def kv_bytes(spec: ModelSpec, n_layers: int, tokens: int, elem: int = 2,
+             kv_types: tuple[GGMLQuantizationType, GGMLQuantizationType] = PLAIN_KV) -> int:
+    """Keys and values of `tokens` cells in `n_layers` layers, stored as `kv_types` (Q8_0: 34
+    bytes for 32 values, 0.53 of bf16's)."""
+    return n_layers * tokens * kv_cell_bytes(*kv_types, spec.kv_dim, elem)
 
 
 def plan_memory(spec: ModelSpec, *, n_layers: int, expert_bytes: int, dense: int, budget: int | None,
                 chunk_tokens: int, kv_tokens: int, ring_slots: int = 2, elem: int = 2,
                 resident_per_layer: int | None = None, where: str = "the stage", context: int | None = None,
                 staging_buffers: int = 1, decode_rows: int = 8, head: bool = True,
-                expert_workspace: bool = True) -> MemoryPlan:
+                expert_workspace: bool = True,
+                kv_types: tuple[GGMLQuantizationType, GGMLQuantizationType] = PLAIN_KV) -> MemoryPlan:
     """Place the fixed lines, then as many resident experts a layer as the rest holds.
 
     `kv_tokens` KV cells stay in VRAM; a sequence longer than that (up to `context` tokens) keeps
     its older cells in host RAM and uploads them, a layer at a time, into `staging_buffers`
     buffers of `context` cells (`stage.kv.two_tier`). `decode_rows`: the largest batch decoded as one
     graph; `head`: the stage holds the output head; `expert_workspace`: it dequantizes a layer's
-    experts for its GEMMs (a CPU stage computing them from their blocks does not; the line is 0).
-    `resident_per_layer` forces K (0: stream
+    experts for its GEMMs (a CPU stage computing them from their blocks does not; the line is 0);
+    `kv_types`: how keys and values are stored (the KV and staging lines count their bytes, so
+    Q8_0's freed bytes go to resident experts). `resident_per_layer` forces K (0: stream
     everything, for measurements); it must still fit. Without a budget (CPU) K defaults to a
     quarter of E, so both read paths stay exercised.
     """
     E = spec.n_experts
     context = max(context or kv_tokens, kv_tokens)
-    staging = staging_buffers * 2 * context * spec.kv_dim * elem if context > kv_tokens else 0
+    cell = kv_cell_bytes(*kv_types, spec.kv_dim, elem)  # a position of one layer, keys and values
+    staging = staging_buffers * context * cell if context > kv_tokens else 0
+    quantized = kv_types != PLAIN_KV
+    kv_type = KVFormat(torch.float32 if elem == 4 else torch.bfloat16, *kv_types).describe()
     fixed = dict(dense=dense, workspace=workspace_bytes(spec, elem) if expert_workspace else 0,
-                 activations=activation_bytes(spec, min(chunk_tokens, context), context, elem),
-                 kv=kv_bytes(spec, n_layers, kv_tokens, elem), kv_tokens=kv_tokens, kv_staging=staging,
+                 activations=activation_bytes(spec, min(chunk_tokens, context), context, elem, quantized),
+                 kv=kv_bytes(spec, n_layers, kv_tokens, elem, kv_types), kv_tokens=kv_tokens, kv_staging=staging,
                  decode=decode_bytes(spec, decode_rows, head=head, elem=elem) if budget is not None else 0,
                  slack=int(ALLOCATOR_SLACK * budget) if budget is not None else 0)
 
     def plan(k: int) -> MemoryPlan:
-        return MemoryPlan(budget=budget, n_layers=n_layers, n_experts=E, resident_per_layer=k,
+        return MemoryPlan(budget=budget, n_layers=n_layers, n_experts=E, resident_per_layer=k, kv_type=kv_type,
                           expert_bytes=expert_bytes, ring_slots=ring_slots, **fixed)
 
     if budget is None:

@@ -21,15 +21,18 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from gguf.constants import GGMLQuantizationType
 
+from strata_mgpu.config import HostShare
 from strata_mgpu.env import EnvOptions
 from strata_mgpu.kernels.experts import TorchKernels
 from strata_mgpu.model.decoder import Decoder, Segment
-from strata_mgpu.model.kv_cache import SequenceKV
+from strata_mgpu.model.kv_cache import PLAIN_KV, SequenceKV
 from strata_mgpu.model.runner import prefill_last_logits, prefill_pack_logits
 from strata_mgpu.model.spec import ModelSpec
 from strata_mgpu.stage.device import DeviceContext
 from strata_mgpu.stage.experts.cache import RefillOnFirstStep
+from strata_mgpu.stage.experts.handover import CpuHandover
 from strata_mgpu.stage.experts.host_cores import HostCoreExperts
 from strata_mgpu.stage.experts.lending import LentBuffers, PrefillHelper
 from strata_mgpu.stage.experts.streamed import StreamedExperts
@@ -57,10 +60,14 @@ class StageOptions:
     cuda_graphs: bool = True  # replay decode steps as captured graphs (one per batch size bucket) where possible
     graph_batch: int = 8  # the largest batch replayed as a graph (STRATA_DECODE_GRAPH_BATCH)
     kv_prefetch: bool = True  # spilled KV uploaded a layer ahead on a side stream (STRATA_KV_PREFETCH)
+    kv_types: tuple[GGMLQuantizationType, GGMLQuantizationType] = PLAIN_KV  # keys, values (--cache-type-k/-v)
     # a CPU stage computes its experts on the host's cores from the arena's GGUF bytes (ggml: no ring,
     # cache or fp32 workspace) rather than through the device path's twins; `threads` cores (None: all)
     cpu_experts: bool = False
     threads: int | None = None
+    # a GPU stage's decode: the share of missing experts its host's cores compute (`experts.handover`);
+    # `fixed` also on a CPU stage's device-path twins (tests)
+    host_share: HostShare = HostShare("off")
 
     @classmethod
     def from_env(cls, environment: EnvOptions, **fields: Any) -> StageOptions:
@@ -130,7 +137,7 @@ class Stage:
         return self.kv.new_sequence(max_length)
 
     def kv_blocks(self, block_tokens: int) -> StageBlocks:
-        return StageBlocks(self.ctx, self.spec, self.layers, block_tokens=block_tokens, dtype=self.kv.dtype)
+        return StageBlocks(self.ctx, self.spec, self.layers, block_tokens=block_tokens, format=self.kv.format)
 
     @torch.inference_mode()
     def prefill(self, kv: SequenceKV, tokens: torch.Tensor, whole_prompt: bool = False,
@@ -167,8 +174,10 @@ class Stage:
     # -- what a split drives ---------------------------------------------------------------------
     def refill_cache(self, kvs: Sequence[SequenceKV]) -> None:
         """The expert cache follows the routing seen so far, before these sequences' first decode
-        step (`RefillOnFirstStep`)."""
+        step (`RefillOnFirstStep`); an `auto` hand-over's share follows the hit rate seen so far."""
         self.refill(kvs)
+        if isinstance(self.experts, StreamedExperts) and isinstance(self.experts.handover, CpuHandover):
+            self.experts.handover.retune()
 
     def decode_rows(self, kvs: Sequence[SequenceKV], inp: torch.Tensor) -> torch.Tensor:
         """One decode step of `kvs` through this stage's layers, on the current stream: token ids
@@ -179,6 +188,8 @@ class Stage:
         from the caches' lengths before it (a step cut short after they advanced would else be
         written one cell on; its KV cells are simply rewritten)."""
         lengths = [kv.length for kv in kvs]
+        if self.experts.arm():  # a replayed graph's hand-overs find the host's worker polling
+            self.graphs.drop()  # the hand-over was detached: captures with its kernels go
         try:
             return self._decode_rows(kvs, inp)
         except torch.OutOfMemoryError:

@@ -31,8 +31,10 @@ from typing import NamedTuple
 import torch
 
 from strata_mgpu.split.runner import SplitRunner
+from strata_mgpu.stage.experts.handover import CpuHandover
 from strata_mgpu.stage.experts.host_cores import HostCoreExperts
 from strata_mgpu.stage.experts.ring import ExpertRing, Slot
+from strata_mgpu.stage.experts.streamed import StreamedExperts
 from strata_mgpu.stage.stage import Stage
 from strata_mgpu.stage.streams import Mark
 
@@ -115,6 +117,9 @@ class BenchResult:
     decode_host_ms: float | None = None  # batch 1: the host's time to queue a step (the rest it waits on the device)
     decode_context: int = 64  # batch 1: the prompt's tokens before the timed steps
     cpu_experts: list[CpuExpertsResult] = field(default_factory=list)  # stages whose experts run on the host's cores
+    # GPU stages handing a share of decode's missing experts to the host's cores: each request's wall
+    # time, from the worker seeing it to its answer (stage.experts.handover), over the timed decode
+    handover: list[CpuExpertsResult] = field(default_factory=list)
     date: str = field(default_factory=lambda: time.strftime("%Y-%m-%d"))
 
     def to_json(self) -> str:
@@ -412,7 +417,14 @@ def run_bench(runner, model_name: str, prompt_tokens: list[int], decode_tokens: 
         finally:
             runner.on_stage = None
         busy, overlap, span = busy_and_overlap(timeline.intervals())
+    handing = {i: s.experts.handover for i, s in enumerate(stages)
+               if isinstance(s.experts, StreamedExperts) and isinstance(s.experts.handover, CpuHandover)}
+    for h in handing.values():
+        h.worker.counter.reset_rates()
     dec = time_decode(runner, decode_tokens, prompt_tokens=decode_context, chunk=chunk) if decode_tokens else None
+    handed = [CpuExpertsResult(stage=i, executor=h.describe(), rates=[
+        CpuExpertRate(rows=rows, calls=r.calls, gb_per_s=r.gb_per_s, ms_per_call=r.ms_per_call)
+        for rows, r in sorted(h.worker.counter.rates.items())]) for i, h in handing.items()]
     batched = []
     for b in decode_batches if decode_batches and decode_batches != [1] else []:
         steps = decode_tokens or 64
@@ -437,7 +449,7 @@ def run_bench(runner, model_name: str, prompt_tokens: list[int], decode_tokens: 
                             pass_bytes=s.experts.pass_bytes(), plan=s.plan.lines(), busy_s=busy.get(i))
                 for i, s in enumerate(stages)],
         overlap_s=overlap, pipeline_s=span, pipeline_tokens=longest if overlap is not None else None,
-        decode_batch=batched,
+        decode_batch=batched, handover=handed,
         cpu_experts=[CpuExpertsResult(stage=i, executor=x.describe(), rates=[
             CpuExpertRate(rows=rows, calls=r.calls, gb_per_s=r.gb_per_s, ms_per_call=r.ms_per_call)
             for rows, r in sorted(x.rates.items())]) for i, x in host.items()])

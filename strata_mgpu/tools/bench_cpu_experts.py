@@ -3,7 +3,10 @@ file: the layer's picks at each batch size, fresh experts every repetition, and 
 expert bytes that gives (each call's distinct picked experts' bytes over its wall time).
 
     python3 -m strata_mgpu.tools.bench_cpu_experts [--preset 30b-a3b] [--gate-type Q4_K]
-        [--threads N] [--batch 1,8] [--reps 64] [--json OUT]
+        [--threads N] [--batch 1,8] [--picks K] [--poll P] [--reps 64] [--json OUT]
+
+`--picks K`: K picks a row rather than the preset's A (a GPU stage's hand-over sends the host one
+or two a layer); `--poll P`: ggml's polling level for the pool's idle workers (0: they sleep).
 
 The layer is the synthetic writer's valid blocks (`tools.bench_kernels.expert_layer`, down of the
 type files pair with gate's) in the arena's layout. Repetition r of a batch of B rows picks B x A
@@ -24,7 +27,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 from gguf.constants import GGMLQuantizationType as Q
 
-from strata_mgpu.kernels.cpu_experts import TorchExperts, default_threads, select_cpu_experts
+from strata_mgpu.kernels.cpu_experts import GgmlExperts, TorchExperts, default_threads, ggml_missing, select_cpu_experts
 from strata_mgpu.model.expert_layout import ExpertLayout
 from strata_mgpu.model.synthetic import PRESETS
 from strata_mgpu.tools.bench_kernels import expert_layer
@@ -90,6 +93,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gate-type", default="Q4_K", help="experts' gate/up type (down: what files pair with it)")
     p.add_argument("--threads", type=int, default=None, help="default: every physical core")
     p.add_argument("--batch", default="1", help="rows a call, comma-separated")
+    p.add_argument("--picks", type=int, default=None, help="picks a row (default: the preset's experts per token)")
+    p.add_argument("--poll", type=int, default=0, help="ggml's polling level of idle workers, 0-100")
     p.add_argument("--reps", type=int, default=64)
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
@@ -98,18 +103,21 @@ def main(argv: list[str] | None = None) -> int:
     threads = args.threads or default_threads(0)
     lay, blocks = expert_layer(args.preset, gate_type)
     layer = torch.from_numpy(blocks.reshape(-1))
-    executor = select_cpu_experts(threads)
+    polled = args.poll and ggml_missing() is None
+    executor = GgmlExperts(threads, poll=args.poll) if polled else select_cpu_experts(threads)
+    n_used = args.picks or spec.n_experts_used
     gen = torch.Generator().manual_seed(1)
-    h, w = torch.randn(1, spec.hidden, generator=gen), torch.rand(1, spec.n_experts_used, generator=gen)
-    picks = fresh_picks(0, 1, spec.n_experts_used, spec.n_experts)
+    h, w = torch.randn(1, spec.hidden, generator=gen), torch.rand(1, n_used, generator=gen)
+    picks = fresh_picks(0, 1, n_used, spec.n_experts)
     got, want = executor.moe(layer, lay, h, w, picks), TorchExperts().moe(layer, lay, h, w, picks)
     rel = float((got - want).abs().max() / want.abs().max())
     report = CpuExpertReport(preset=args.preset, gate_type=lay.gate_type.name, down_type=lay.down_type.name,
                              executor=executor.describe(), threads=executor.threads, expert_bytes=lay.expert_bytes,
                              rel_err=rel)
-    report.timings = time_batches(executor, layer, lay, spec.hidden, spec.n_experts_used,
+    report.timings = time_batches(executor, layer, lay, spec.hidden, n_used,
                                   [int(b) for b in args.batch.split(",")], args.reps)
-    print(f"{args.preset} experts {lay.gate_type.name}/{lay.down_type.name}, {lay.expert_bytes / 1e6:.2f} MB each; "
+    print(f"{args.preset} experts {lay.gate_type.name}/{lay.down_type.name}, {lay.expert_bytes / 1e6:.2f} MB each, "
+          f"{n_used} picks a row; "
           f"{report.executor}; against the twin {rel:.2e}")
     for t in report.timings:
         print(f"  batch {t.batch:4d}: {t.ms:8.3f} ms a layer, {t.expert_bytes / 1e6:8.1f} MB of experts, "

@@ -45,6 +45,10 @@ class HostCoreExperts:
     def begin(self, n_rows: int, stream: bool) -> None:
         assert not stream, "host-core experts never stream"
 
+    def arm(self) -> bool:
+        """Before a decode step: nothing to wake (the experts run in the step's own thread)."""
+        return False
+
     def start(self, i: int, h: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
               hq: torch.Tensor | None = None, first: bool = True) -> torch.Tensor:
         """Local layer i's rows h [T, D]: their picks computed from the arena's bytes, weighted and

@@ -24,6 +24,8 @@ Two ways through a layer, picked per forward by how many picks (rows x A) it has
 
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 import torch
 
@@ -31,6 +33,7 @@ from strata_mgpu.kernels.experts import CudaKernels, TorchKernels
 from strata_mgpu.model.spec import ModelSpec
 from strata_mgpu.stage.device import DeviceContext
 from strata_mgpu.stage.experts.cache import ExpertCache
+from strata_mgpu.stage.experts.handover import CpuHandover, HandoverTwin
 from strata_mgpu.stage.experts.lending import PrefillHelper
 from strata_mgpu.stage.experts.parts import (
     ExpertWorkspace,
@@ -44,6 +47,8 @@ from strata_mgpu.stage.experts.parts import (
 )
 from strata_mgpu.stage.experts.ring import ExpertRing, LayerFeed
 from strata_mgpu.stage.host.arena import HostExpertArena
+
+log = logging.getLogger("strata.stage")
 
 # Where every expert is resident, a pass of fewer picks than these gathers. A whole-layer pass
 # first dequantizes all E experts and then runs the grouped GEMMs; a gathered pass computes only the
@@ -87,11 +92,29 @@ class StreamedExperts:
         self._tables: PartTables | None = None
         self.streaming = False
         self.helper: PrefillHelper | None = None  # attached by a split (`attach_helper`)
+        # a share of a gathered pass's missing experts computed on the host's cores (`attach_handover`)
+        self.handover: CpuHandover | HandoverTwin | None = None
         plans = [kernels.moe_fused(arena.layouts[layer], D, spec.n_experts_used) if isinstance(kernels, CudaKernels)
                  else None for layer in layers]
         fused = dtype == torch.bfloat16 and all(plan is not None for plan in plans)
         grouped = fused and all(plan is not None and CudaKernels.grouped_serves(plan, D) for plan in plans)
         self.gather_picks = gather_pick_limit(E, cache is not None and cache.per_layer >= E, fused, grouped)
+
+    def attach_handover(self, handover: CpuHandover | HandoverTwin | None) -> None:
+        """Gathered passes of up to `handover.max_rows` rows hand a share of their missing experts to
+        the host's cores (None: the GPU computes every pick)."""
+        self.handover = handover
+
+    def arm(self) -> bool:
+        """Before a decode step (eager or replayed): the hand-over's worker polls while it runs.
+        True where the hand-over was detached just now (`auto` declined it): graphs captured with
+        its kernels must go."""
+        if self.handover is None or self.handover.arm():
+            return False
+        log.info("--cpu-experts auto: the link alone is faster here; decode stops handing experts to the host")
+        self.handover.close()
+        self.handover = None
+        return True
 
     def attach_helper(self, helper: PrefillHelper | None) -> None:
         """The helper that takes a share of this stage's streamed passes while bound (None: none)."""
@@ -134,6 +157,8 @@ class StreamedExperts:
         self.streaming = stream
         self._feed = self._tables = None
         if not self.streaming:
+            if self.handover is not None:
+                self.handover.arm()  # wakes the worker (a decline takes effect at the next decode step)
             return
         helper = self.helper if self.helped else None
         n_help = helper.n_experts if helper is not None else 0
@@ -174,7 +199,13 @@ class StreamedExperts:
             assert self.cache is not None
             ws = self.workspace
             self.ctx.access((ws.w_gate_up, ws.w_down), "w")
-            return self.kernels.moe_gathered(self.cache, i, lay, h, weights, experts, ws.w_gate_up, ws.w_down, hq=hq)
+            handover = self.handover if self.handover is not None and self.handover.takes(h.shape[0]) else None
+            if handover is None:
+                return self.kernels.moe_gathered(self.cache, i, lay, h, weights, experts, ws.w_gate_up, ws.w_down,
+                                                 hq=hq)
+            own = handover.send(i, h, weights, experts)  # the host's picks -1: it computes them meanwhile
+            return handover.add(self.kernels.moe_gathered(self.cache, i, lay, h, weights, own, ws.w_gate_up,
+                                                          ws.w_down, hq=hq))
         if self.helped:
             return self._helped_rows(i, h, weights, experts, first)
         feed, tables = self._feed, self._tables

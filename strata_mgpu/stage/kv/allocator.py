@@ -10,8 +10,9 @@ first long sequence and sized for the longest the stage planned for.
 from __future__ import annotations
 
 import torch
+from gguf.constants import GGMLQuantizationType
 
-from strata_mgpu.model.kv_cache import KVCache
+from strata_mgpu.model.kv_cache import PLAIN_KV, KVCache, KVFormat
 from strata_mgpu.model.spec import ModelSpec
 from strata_mgpu.stage.device import DeviceContext
 from strata_mgpu.stage.kv.two_tier import KVStaging, TwoTierKV, make_kv_cache
@@ -20,11 +21,14 @@ from strata_mgpu.stage.kv.two_tier import KVStaging, TwoTierKV, make_kv_cache
 class StageKV:
     """Makes each sequence's KV for a stage's `layers`: VRAM cells `vram_cells` (the plan's KV
     line) for all sequences together, sequences of up to `context` tokens (beyond the VRAM cells
-    with a host tier); `prefetch`: spilled cells uploaded a layer ahead on a side stream."""
+    with a host tier); `prefetch`: spilled cells uploaded a layer ahead on a side stream; `kv_types`:
+    how the cells are stored (`KVFormat`, in `dtype` where plain)."""
 
     def __init__(self, ctx: DeviceContext, spec: ModelSpec, layers: range, *, vram_cells: int, context: int,
-                 dtype: torch.dtype, prefetch: bool):
+                 dtype: torch.dtype, prefetch: bool,
+                 kv_types: tuple[GGMLQuantizationType, GGMLQuantizationType] = PLAIN_KV):
         self.ctx, self.spec, self.layers, self.dtype, self.prefetch = ctx, spec, layers, dtype, prefetch
+        self.format = KVFormat(dtype, *kv_types)
         self.vram_cells = vram_cells
         self.max_context = max(context, vram_cells)  # the longest sequence planned for
         self._staging: KVStaging | None = None
@@ -44,7 +48,8 @@ class StageKV:
             if max_length > self.vram_cells:
                 if self._staging is None:  # one buffer for the planned context, as the plan counted it
                     self._staging = KVStaging.for_model(self.spec, self.max_context, ctx=self.ctx, dtype=self.dtype,
+                                                        kv_types=self.format.types,
                                                         prefetch=self.prefetch)
                 staging = self._staging
             return make_kv_cache(self.spec, self.layers, self.vram_cells, max_length, device=self.ctx.device,
-                                 dtype=self.dtype, staging=staging)
+                                 dtype=self.dtype, staging=staging, kv_types=self.format.types)

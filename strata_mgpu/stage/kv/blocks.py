@@ -9,19 +9,19 @@ from collections.abc import Sequence
 import torch
 
 from strata_mgpu.model.kv_blocks import KVBlockStore
-from strata_mgpu.model.kv_cache import SequenceKV
+from strata_mgpu.model.kv_cache import KVFormat, SequenceKV
 from strata_mgpu.model.spec import ModelSpec
 from strata_mgpu.stage.device import DeviceContext
 
 
 class StageBlocks:
-    """`KVBlocks` of one stage's sequences: its `layers`' keys and values in `dtype`."""
+    """`KVBlocks` of one stage's sequences: its `layers`' keys and values as `format` stores them."""
 
     def __init__(self, ctx: DeviceContext, spec: ModelSpec, layers: range, *, block_tokens: int,
-                 dtype: torch.dtype):
+                 format: KVFormat):
         self.ctx = ctx
         self.store = KVBlockStore(len(layers), spec.n_kv_heads, spec.head_dim, block_tokens=block_tokens,
-                                  device=ctx.device, dtype=dtype)
+                                  device=ctx.device, format=format)
 
     @property
     def block_tokens(self) -> int:

@@ -2,7 +2,12 @@
 on CUDA), assembled layer by layer in a staging buffer on the device for attention.
 
 Shape legend: L = layers of the stage, W = window cells, C = host rows allocated, S = staging
-cells (the longest sequence), Hkv = KV heads, Dh = head dim.
+cells (the longest sequence), Hkv = KV heads, Dh = head dim, R = a head's stored row (Dh, or
+Dh / 32 * 34 bytes of Q8_0 blocks: `KVFormat`).
+
+The ring, the host rows and the staging buffers hold cells as the cache's `KVFormat` stores them:
+every copy between them moves those bytes; `write` quantizes its new rows and dequantizes what it
+returns for attention (for Q8_0, a copy in the compute dtype: staging stays at half the bytes).
 
 Where cell p lives (per layer i, `host_rows[i]` = h): positions [0, h) in host rows [0, h);
 positions [h, length) in the VRAM ring at slot p % W (at most W of them). Before the first
@@ -33,13 +38,15 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import math
 import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
+from gguf.constants import GGMLQuantizationType
 
-from strata_mgpu.model.kv_cache import KVCache
+from strata_mgpu.model.kv_cache import PLAIN_KV, KVCache, KVFormat, kv_cell_bytes
 from strata_mgpu.model.spec import ModelSpec
 from strata_mgpu.stage.device import DeviceContext
 from strata_mgpu.stage.host.pool import HostBufferPool
@@ -58,18 +65,23 @@ class Hold:
 
 class KVStaging:
     """Device buffers where a spilled sequence's keys and values of one layer are put in position
-    order for attention: per buffer, keys and values [2, S, Hkv, Dh], one allocation each so that
-    the ordering twin tells the buffers apart. One per stage, shared by its two-tier caches (the
-    forward attends one segment at a time). With prefetch there are two buffers and a side stream
-    of `ctx`: layer i + 1's host prefix uploads into one while layer i attends from the other.
+    order for attention: per buffer, keys [S, Hkv, R] and values [S, Hkv, R] as `format` stores
+    them, views of one allocation each (bytes) so that the ordering twin tells the buffers apart.
+    One per stage, shared by its two-tier caches (the forward attends one segment at a time). With
+    prefetch there are two buffers and a side stream of `ctx`: layer i + 1's host prefix uploads
+    into one while layer i attends from the other.
     """
 
     def __init__(self, n_kv_heads: int, head_dim: int, max_cells: int, *, ctx: DeviceContext,
-                 dtype: torch.dtype, prefetch: bool):
+                 dtype: torch.dtype, prefetch: bool,
+                 kv_types: tuple[GGMLQuantizationType, GGMLQuantizationType] = PLAIN_KV):
         self.ctx, self.device, self.prefetch = ctx, ctx.device, prefetch
+        self.format = KVFormat(dtype, *kv_types)
+        self.max_cells, self._heads, self._head_dim = max_cells, n_kv_heads, head_dim
         n = 2 if prefetch else 1
-        self.buffers = [ctx.label(torch.zeros(2, max_cells, n_kv_heads, head_dim, device=ctx.device, dtype=dtype),
-                                  f"kv staging {b}") for b in range(n)]  # [2, S, Hkv, Dh] each
+        size = cells_nbytes(self.format, max_cells, n_kv_heads, head_dim)
+        self.buffers = [ctx.label(torch.zeros(size, device=ctx.device, dtype=torch.uint8), f"kv staging {b}")
+                        for b in range(n)]  # S cells' keys, then their values, in bytes
         self.side = ctx.new_stream("kv side") if prefetch else None  # None on the plain CPU too
         self.ready = [ctx.event(f"kv staging {b} ready") if prefetch else None for b in range(n)]
         self.released = [ctx.event(f"kv staging {b} released") if prefetch else None for b in range(n)]
@@ -78,24 +90,18 @@ class KVStaging:
 
     @classmethod
     def for_model(cls, spec: ModelSpec, max_cells: int, *, ctx: DeviceContext, dtype: torch.dtype,
-                  prefetch: bool) -> KVStaging:
-        return cls(spec.n_kv_heads, spec.head_dim, max_cells, ctx=ctx, dtype=dtype, prefetch=prefetch)
+                  prefetch: bool, kv_types: tuple[GGMLQuantizationType, GGMLQuantizationType] = PLAIN_KV
+                  ) -> KVStaging:
+        return cls(spec.n_kv_heads, spec.head_dim, max_cells, ctx=ctx, dtype=dtype, prefetch=prefetch,
+                   kv_types=kv_types)
 
     def kv(self, b: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Buffer b's keys and values, [S, Hkv, Dh] each."""
-        return self.buffers[b][0], self.buffers[b][1]
-
-    @property
-    def max_cells(self) -> int:
-        return self.buffers[0].shape[1]
+        """Buffer b's keys and values, [S, Hkv, R] each (views of its bytes)."""
+        return split_cells(self.buffers[b], self.format, self.max_cells, self._heads, self._head_dim)
 
     @property
     def n_buffers(self) -> int:
         return len(self.buffers)
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.buffers[0].dtype
 
     @property
     def nbytes(self) -> int:
@@ -165,13 +171,15 @@ class TwoTierKV:
     """
 
     def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, *, window: int, max_length: int,
-                 staging: KVStaging, capacity: int = 256, dtype: torch.dtype = torch.float32):
+                 staging: KVStaging, capacity: int = 256, dtype: torch.dtype = torch.float32,
+                 kv_types: tuple[GGMLQuantizationType, GGMLQuantizationType] = PLAIN_KV):
         if not 0 < window < max_length:
             raise ValueError(f"a two-tier cache needs 0 < window ({window}) < max_length ({max_length})")
         if staging.max_cells < max_length:
             raise ValueError(f"the staging buffer holds {staging.max_cells} cells, the sequence may reach "
                              f"{max_length}")
-        assert staging.dtype == dtype, "staging and cache dtypes differ"
+        self.format = KVFormat(dtype, *kv_types)
+        assert staging.format == self.format, "staging and cache formats differ"
         self.window, self.max_length, self.length = window, max_length, 0
         self.staging, self.ctx = staging, staging.ctx
         self.device = staging.device
@@ -179,10 +187,11 @@ class TwoTierKV:
         # Declared per layer: a layer's spill and another layer's upload touch disjoint rows.
         self._host_rows_name = [f"{self.ctx.name} kv {self.owner} host rows of layer {i}" for i in range(n_layers)]
         cap = min(capacity, window)
-        self.k = torch.zeros(n_layers, cap, n_kv_heads, head_dim, device=self.device, dtype=dtype)
-        self.v = torch.zeros_like(self.k)
+        self.k = self.format.zeros(self.format.keys, n_layers, cap, n_kv_heads, head_dim, device=self.device)
+        self.v = self.format.zeros(self.format.values, n_layers, cap, n_kv_heads, head_dim, device=self.device)
+        self._heads, self._head_dim = n_kv_heads, head_dim
         self.host_rows = [0] * n_layers  # per layer: positions [0, h) are on the host
-        self.host_k: torch.Tensor | None = None  # [L, C, Hkv, Dh], allocated at the first spill
+        self.host_k: torch.Tensor | None = None  # [L, C, Hkv, R], allocated at the first spill
         self.host_v: torch.Tensor | None = None
         self._host_buffers: list[torch.Tensor] = []  # the pool's buffer host_k and host_v view (0 or 1)
         # This cache's last spill on the side stream: an upload on the compute stream waits for it.
@@ -202,11 +211,12 @@ class TwoTierKV:
     @property
     def nbytes(self) -> int:
         """VRAM of the ring (the shared staging is counted once per stage: `KVStaging.nbytes`)."""
-        return 2 * self.k.numel() * self.k.element_size()
+        return self.k.numel() * self.k.element_size() + self.v.numel() * self.v.element_size()
 
     @property
     def host_nbytes(self) -> int:
-        return 0 if self.host_k is None else 2 * self.host_k.numel() * self.host_k.element_size()
+        host_k, host_v = self.host_k, self.host_v
+        return 0 if host_k is None or host_v is None else sum(x.numel() * x.element_size() for x in (host_k, host_v))
 
     @property
     def spilled(self) -> bool:
@@ -235,8 +245,8 @@ class TwoTierKV:
             raise ValueError(f"sequence of {need} tokens exceeds the context of {self.max_length}")
         if need > self.capacity and self.capacity < self.window:  # never spilled: cell p sits in slot p
             cap = min(self.window, max(need, 2 * self.capacity))
-            k = torch.zeros(self.n_layers, cap, *self.k.shape[2:], device=self.device, dtype=self.k.dtype)
-            v = torch.zeros_like(k)
+            k = self.k.new_zeros(self.n_layers, cap, *self.k.shape[2:])
+            v = self.v.new_zeros(self.n_layers, cap, *self.v.shape[2:])
             k[:, :self.length] = self.k[:, :self.length]
             v[:, :self.length] = self.v[:, :self.length]
             self.k, self.v = k, v
@@ -251,17 +261,19 @@ class TwoTierKV:
         layer's attention has been queued). Rows go right after the cached ones (`at` 0: no
         `offset_writes`)."""
         assert at == 0, "a two-tier cache writes a forward's rows at once"
+        f = self.format
         start, end = self.length, self.length + k_new.shape[0]
+        k_new, v_new = f.store(f.keys, k_new), f.store(f.values, v_new)  # [T, Hkv, R]: as the cells are stored
         h = min(self.host_rows[layer], start)  # host rows past `length` are a failed forward's: rewritten
         if h == 0 and end <= self.capacity:
             self.k[layer, start:end] = k_new
             self.v[layer, start:end] = v_new
             self.host_rows[layer] = 0  # a failed forward may have spilled rows that are not the sequence's
-            return self.k[layer, :end], self.v[layer, :end]
+            return f.load(f.keys, self.k[layer, :end]), f.load(f.values, self.v[layer, :end])
         assert self.capacity == self.window, "reserve() before writing"
         st, ctx = self.staging, self.ctx
         b = st.buffer_for(layer)
-        k_buf, v_buf = st.kv(b)  # [S, Hkv, Dh]
+        k_buf, v_buf = st.kv(b)  # [S, Hkv, R]
         prefetched = st.take(self.owner, layer, h, b)  # (this stream now waits for the side stream's use of b)
         ctx.access(st.buffers[b], "w")  # the host rows unless prefetched, the ring's cells, the new rows
         if not prefetched and h > 0:  # upload it on this stream
@@ -288,7 +300,7 @@ class TwoTierKV:
             self.v[layer, ring] = v_new[rows]
         self.host_rows[layer] = new_h
         ctx.access(st.buffers[b], "r")  # attention reads them next, on this stream
-        return k_buf[:end], v_buf[:end]
+        return f.load(f.keys, k_buf[:end]), f.load(f.values, v_buf[:end])
 
     def advance(self, n: int) -> None:
         self.length += n
@@ -323,14 +335,14 @@ class TwoTierKV:
             self._finalizer()
         else:
             self.staging.drain(self.owner)
-        self.k = torch.zeros(self.n_layers, 0, *self.k.shape[2:], device=self.device, dtype=self.k.dtype)
-        self.v = torch.zeros_like(self.k)
+        self.k = self.k.new_zeros(self.n_layers, 0, *self.k.shape[2:])
+        self.v = self.v.new_zeros(self.n_layers, 0, *self.v.shape[2:])
         self.host_k = self.host_v = None
         self.closed = True
 
     # -- internals -----------------------------------------------------------------------------
     def _host_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The host rows, keys and values [L, C, Hkv, Dh]: there once `reserve` made room for a spill."""
+        """The host rows, keys and values [L, C, Hkv, R]: there once `reserve` made room for a spill."""
         assert self.host_k is not None and self.host_v is not None, "reserve() makes the host rows before a spill"
         return self.host_k, self.host_v
 
@@ -362,17 +374,17 @@ class TwoTierKV:
         their buffer goes back to the pool."""
         old = 0 if self.host_k is None else self.host_k.shape[1]
         cap = min(self.max_length - self.window, max(rows, 2 * old))
-        row_bytes = 2 * self.n_layers * self.k[0, 0].numel() * self.k.element_size()  # a position, keys and values
-        flat = self.staging.pool.take(cap * row_bytes)
-        cap = min(self.max_length - self.window, flat.numel() // row_bytes)  # all the rows the buffer holds
-        shape = (2, self.n_layers, cap, *self.k.shape[2:])
-        kv = flat[:cap * row_bytes].view(self.k.dtype).view(shape)  # [2, L, C, Hkv, Dh]: keys, then values
+        row_bytes = self.n_layers * self.format.cell_bytes(self._heads * self._head_dim)  # a position, keys and values
+        pad = self.format.storage(self.format.values).itemsize  # more than aligning the values may cost
+        flat = self.staging.pool.take(cap * row_bytes + pad)
+        cap = min(self.max_length - self.window, (flat.numel() - pad) // row_bytes)  # all the rows the buffer holds
+        k, v = split_cells(flat, self.format, cap, self._heads, self._head_dim, self.n_layers)  # [L, C, Hkv, R]
         if self.host_k is not None:
             _drain_before_free(self.staging, self.owner)
             host_k, host_v = self._host_rows()
-            kv[0, :, :old] = host_k  # host to host: done when this returns
-            kv[1, :, :old] = host_v
-        self.host_k, self.host_v = kv[0], kv[1]
+            k[:, :old] = host_k  # host to host: done when this returns
+            v[:, :old] = host_v
+        self.host_k, self.host_v = k, v
         while self._host_buffers:
             self.staging.pool.give(self._host_buffers.pop())
         self._host_buffers.append(flat)
@@ -381,27 +393,55 @@ class TwoTierKV:
             self._finalizer.atexit = False
 
 
-def window_bytes(spec: ModelSpec, n_layers: int, cells: int, elem: int = 2) -> int:
+def _spans(format: KVFormat, n_rows: int, head_dim: int) -> tuple[int, int]:
+    """Bytes of `n_rows` head rows of keys, padded to the values' alignment, and of values."""
+    f = format
+    k_bytes = n_rows * f.row(f.keys, head_dim) * f.storage(f.keys).itemsize
+    v_item = f.storage(f.values).itemsize
+    return -(-k_bytes // v_item) * v_item, n_rows * f.row(f.values, head_dim) * v_item
+
+
+def cells_nbytes(format: KVFormat, cells: int, n_kv_heads: int, head_dim: int, *lead: int) -> int:
+    """Bytes `split_cells` takes for these cells."""
+    return sum(_spans(format, math.prod(lead) * cells * n_kv_heads, head_dim))
+
+
+def split_cells(flat: torch.Tensor, format: KVFormat, cells: int, n_kv_heads: int, head_dim: int,
+                *lead: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values [*lead, cells, Hkv, R] as `format` stores them, views of the bytes `flat`
+    (keys first, then values: `cells_nbytes` of them at least)."""
+    f = format
+    k_span, v_bytes = _spans(f, math.prod(lead) * cells * n_kv_heads, head_dim)
+    k = flat[:k_span].view(f.storage(f.keys))[:math.prod(lead) * cells * n_kv_heads * f.row(f.keys, head_dim)]
+    v = flat[k_span:k_span + v_bytes].view(f.storage(f.values))
+    return (k.view(*lead, cells, n_kv_heads, f.row(f.keys, head_dim)),
+            v.view(*lead, cells, n_kv_heads, f.row(f.values, head_dim)))
+
+
+def window_bytes(spec: ModelSpec, n_layers: int, cells: int, elem: int = 2,
+                 kv_types: tuple[GGMLQuantizationType, GGMLQuantizationType] = PLAIN_KV) -> int:
     """VRAM of `cells` KV cells in every one of `n_layers` layers (keys and values)."""
-    return 2 * n_layers * cells * spec.kv_dim * elem
+    return n_layers * cells * kv_cell_bytes(*kv_types, spec.kv_dim, elem)
 
 
-def staging_bytes(spec: ModelSpec, max_length: int, prefetch: bool, elem: int = 2) -> int:
+def staging_bytes(spec: ModelSpec, max_length: int, prefetch: bool, elem: int = 2,
+                  kv_types: tuple[GGMLQuantizationType, GGMLQuantizationType] = PLAIN_KV) -> int:
     """VRAM of a stage's `KVStaging` for sequences of up to `max_length` tokens."""
-    return (2 if prefetch else 1) * 2 * max_length * spec.kv_dim * elem
+    return (2 if prefetch else 1) * max_length * kv_cell_bytes(*kv_types, spec.kv_dim, elem)
 
 
 def make_kv_cache(spec: ModelSpec, layers: range, vram_cells: int, max_length: int, *, device: torch.device,
-                  dtype: torch.dtype, staging: KVStaging | None) -> KVCache | TwoTierKV:
+                  dtype: torch.dtype, staging: KVStaging | None,
+                  kv_types: tuple[GGMLQuantizationType, GGMLQuantizationType] = PLAIN_KV) -> KVCache | TwoTierKV:
     """A sequence's KV for a stage's `layers`: a plain `KVCache` when `max_length` fits in
     `vram_cells`, else a `TwoTierKV` with that window, assembling in the stage's `staging`."""
     # Laid out whole at once: growing by doubling would hold the old and the new cache together
     # for a moment (1.5x the cells the plan counted): more than the VRAM plan leaves a long prompt.
     if max_length <= vram_cells:
         return KVCache(len(layers), spec.n_kv_heads, spec.head_dim, capacity=max_length, max_length=max_length,
-                       device=device, dtype=dtype)
+                       device=device, dtype=dtype, keys=kv_types[0], values=kv_types[1])
     if staging is None:
         raise ValueError(f"a sequence of {max_length} tokens needs host KV beyond {vram_cells} VRAM cells, "
                          f"and no staging buffer was given")
     return TwoTierKV(len(layers), spec.n_kv_heads, spec.head_dim, window=vram_cells, max_length=max_length,
-                     staging=staging, capacity=vram_cells, dtype=dtype)
+                     staging=staging, capacity=vram_cells, dtype=dtype, kv_types=kv_types)
