@@ -42,6 +42,14 @@
 #   llama   the agent trace against llama-server (.llama/llama-server, built from the llama-cpp-python
 #           sdist's vendor/llama.cpp with CUDA for sm_90; carried), all layers on the card, and with
 #           --n-cpu-moe 18 (about 16 GiB of VRAM)
+#   cpudec  decode with a share of the missing experts on the host's cores (--cpu-experts): batch 1 and one
+#           server-shaped request at --max-vram 16 and 8, off / auto / fixed shares (CPUSHARES)
+#   cpurates tools/bench_cpu_experts on the host's cores: 30b-a3b and 235b-a22b layers, 1, 2 and 8 picks a row,
+#           4 / 8 / 15 threads, ggml's idle workers sleeping (poll 0) and spinning (poll 50)
+#   cpu235  the 235b-a22b preset capped to 24 layers (gen in the background: MODEL235): bench at --max-vram 22,
+#           --cpu-experts off and auto (and CPUSHARES235)
+#   q8kv    a 32K-token prompt and decode after it at --max-vram 16 with bf16 KV and with q8_0 keys and values
+#           (--cache-type-k/-v): speed, and the resident experts the freed bytes buy (the plan's lines)
 #   tol     scripts/tol_probe.py: the fused expert kernels' error against their twin over 200 random
 #           passes per type pair (what FUSED_TOL in tests/test_gpu_quant.py is set from)
 #   kbench  tools/bench_kernels: the fused expert kernels, decode attention and a layer's dequant on
@@ -98,6 +106,41 @@ if has long; then
 fi
 has short && bench short40 --max-vram 40 --prompt-tokens 1,16,64,128,160,192,256,512 --decode-tokens 0 --runs 5
 has dec40 && bench dec40 --max-vram 40 --prompt-tokens 1024 --decode-tokens 128 --runs 1 --server-decode 1,8 --decode-batch 1,8
+if has cpudec; then
+  lscpu | grep -E "Model name|^CPU\(s\)|Thread|Core|Socket|NUMA node\(s\)|Flags" | cut -c1-200 > "$OUT/lscpu.txt"
+  for vram in ${CPUVRAM:-16 8}; do
+    for share in off auto ${CPUSHARES:-0.3 0.5}; do
+      bench "cpu${vram}_$share" --max-vram $vram --cpu-experts $share --prompt-tokens 1024 --decode-tokens 64 \
+        --runs 1 --server-decode 1
+    done
+  done
+fi
+if has cpurates; then
+  lscpu | grep -E "Model name|^CPU\(s\)|Thread|Core|Socket|NUMA node\(s\)|Flags" | cut -c1-2000 > "$OUT/lscpu.txt"
+  for preset in ${RATEPRESETS:-30b-a3b 235b-a22b}; do
+    for threads in ${RATETHREADS:-4 8 15}; do
+      for poll in 0 50; do
+        for picks in 1 2 8; do
+          python3 -m strata_mgpu.tools.bench_cpu_experts --preset $preset --threads $threads --poll $poll \
+            --picks $picks --reps 24 2>&1 | tail -1 | sed "s/^/$preset threads $threads poll $poll picks $picks: /"
+        done
+      done
+    done
+  done 2>&1 | tee "$OUT/cpurates.log"
+fi
+if has cpu235; then
+  M235=${MODEL235:-/tmp/q235x24.gguf}
+  [ -f $M235 ] || python3 -m strata_mgpu gen-model $M235 --preset 235b-a22b --layers 24 --seed 0 > "$OUT/gen235.log" 2>&1
+  for share in off auto ${CPUSHARES235:-}; do
+    MODEL=$M235 bench "235_22_$share" --max-vram 22 --cpu-experts $share --prompt-tokens 2048 --decode-tokens 32 \
+      --runs 1
+  done
+fi
+if has q8kv; then
+  for t in bf16 q8_0; do
+    bench "kv_$t" --max-vram 16 --cache-type-k $t --cache-type-v $t --prompt-tokens 32768 --decode-tokens 32 --runs 1
+  done
+fi
 has tol && { python3 scripts/tol_probe.py 200 2>&1 | tee "$OUT/tol.log" || status=1; }
 if has oom16; then
   python3 scripts/oom_probe.py "$OUT/oom16" -- bench $MODEL --max-vram 16 --prompt-tokens 1024 --decode-tokens 128 \
