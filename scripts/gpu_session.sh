@@ -48,6 +48,9 @@
 #           4 / 8 / 15 threads, ggml's idle workers sleeping (poll 0) and spinning (poll 50)
 #   cpu235  the 235b-a22b preset capped to 24 layers (gen in the background: MODEL235): bench at --max-vram 22,
 #           --cpu-experts off and auto (and CPUSHARES235)
+#   cpuonly the CPU-only stage (--devices cpu: experts by ggml from the file's bytes) on the host's cores
+#           against llama.cpp's llama-bench -ngl 0 on the same file (.llamabench/llama-bench.xz, carried:
+#           built from the llama-cpp-python 0.3.36 sdist's vendor/llama.cpp, as llama-server)
 #   q8kv    a 32K-token prompt and decode after it at --max-vram 16 with bf16 KV and with q8_0 keys and values
 #           (--cache-type-k/-v): speed, and the resident experts the freed bytes buy (the plan's lines)
 #   tol     scripts/tol_probe.py: the fused expert kernels' error against their twin over 200 random
@@ -135,6 +138,13 @@ if has cpu235; then
     MODEL=$M235 bench "235_22_$share" --max-vram 22 --cpu-experts $share --prompt-tokens 2048 --decode-tokens 32 \
       --runs 1
   done
+fi
+if has cpuonly; then
+  bench cpuonly --devices cpu --prompt-tokens 512 --decode-tokens 32 --runs 1
+  [ -x .llamabench/llama-bench ] || { xz -dc .llamabench/llama-bench.xz > .llamabench/llama-bench \
+    && chmod +x .llamabench/llama-bench; }
+  .llamabench/llama-bench -m $MODEL -ngl 0 -p 512 -n 32 -r 2 -t ${CPUTHREADS:-16} 2>&1 | tee "$OUT/llamabench_cpu.log" \
+    | tail -8 || status=1
 fi
 if has q8kv; then
   for t in bf16 q8_0; do

@@ -153,6 +153,7 @@ class Placement:
     threads: int | None = None  # host cores computing a CPU stage's experts (--threads); None: engine.build's default
     # the share of a GPU stage's missing experts its host's cores compute in decode (--cpu-experts)
     cpu_experts: HostShare = HostShare("auto")
+    host_prompt_help: bool = False  # few-row streamed prompts share experts with the host too (STRATA_HOST_PROMPT_HELP)
     cache_type_k: GGMLQuantizationType = GGMLQuantizationType.BF16  # how KV cells store keys (--cache-type-k)
     cache_type_v: GGMLQuantizationType = GGMLQuantizationType.BF16  # and values (--cache-type-v)
 
@@ -192,7 +193,8 @@ class Placement:
         return cls(prefill_help=environment.prefill_help if prefill_help is None else prefill_help,
                    prefill_help_frac=frac, help_halves=environment.help_halves,
                    kv_prefetch=environment.kv_prefetch, stage_threads=environment.stage_threads,
-                   decode_graph_batch=environment.decode_graph_batch, **fields)  # type: ignore[arg-type]
+                   decode_graph_batch=environment.decode_graph_batch,
+                   host_prompt_help=environment.host_prompt_help, **fields)  # type: ignore[arg-type]
 
     @property
     def kv_types(self) -> tuple[GGMLQuantizationType, GGMLQuantizationType]:

@@ -58,8 +58,13 @@ DECODE_GRAPH_BATCH = EnvVar("STRATA_DECODE_GRAPH_BATCH", "8",
                             "two (1, 2, 4, 8, ...), its spare rows padded, elsewhere the graph of its own size; "
                             "graphs are captured when the engine starts, or at a size's first use")
 
+HOST_PROMPT_HELP = EnvVar("STRATA_HOST_PROMPT_HELP", "0",
+                          "1 lets a GPU stage whose decode hands experts to the host's cores (--cpu-experts) also "
+                          "give a streamed prompt pass of at most 64 rows a share of each layer's streamed experts "
+                          "there (the link streams fewer); 0 (default): off until measured on a GPU")
+
 ALL = (CACHE_DIR, LOG_LEVEL, PREFILL_HELP, PREFILL_HELP_FRAC, HELP_HALVES, KV_PREFETCH, STAGE_THREADS,
-       DECODE_GRAPH_BATCH)
+       DECODE_GRAPH_BATCH, HOST_PROMPT_HELP)
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
@@ -121,6 +126,7 @@ class EnvOptions:
     kv_prefetch: bool = True
     stage_threads: bool = True
     decode_graph_batch: int = 8
+    host_prompt_help: bool = False
 
     @property
     def demo_dir(self) -> Path:
@@ -153,6 +159,7 @@ def read(environ: Mapping[str, str] | None = None) -> EnvOptions:
         stage_threads=_zero_or_one(raw(STAGE_THREADS), STAGE_THREADS.name),
         decode_graph_batch=_whole_number(raw(DECODE_GRAPH_BATCH), DECODE_GRAPH_BATCH.name, 1, 64,
                                          "a whole number from 1 to 64"),
+        host_prompt_help=_zero_or_one(raw(HOST_PROMPT_HELP), HOST_PROMPT_HELP.name),
     )
 
 

@@ -130,3 +130,24 @@ def test_auto_measures_both_rates_and_says_what_it_chose(tiny_gguf, caplog):
     if handover is not None:
         assert 0.1 <= handover.share_value <= 1
         handover.close()
+
+
+@pytest.mark.parametrize("share", ["0.5", "1"])
+def test_a_few_row_prompt_with_the_host_helping_agrees_with_the_reference(tiny_gguf, share):
+    """A 24-token prompt streams whole layers: the host's cores take the share of each layer's
+    streamed experts (HostPrefillHelper: handover_rows, handover_send with the fixed choice, the
+    sums collected after the GPU's own part), the ring uploads the rest; logits near the reference's."""
+    f, spec, stage = stage_with(tiny_gguf, share, host_prompt_help=True)
+    handover, helper = stage.experts.handover, stage.experts.host_helper
+    assert isinstance(handover, CpuHandover) and helper is not None
+    ref = load_reference_runner(f, spec)
+    torch.manual_seed(6)
+    prompt = torch.randint(0, spec.vocab_size, (24,))
+    before = handover.worker.counter.rate.calls
+    a = ref.prefill(ref.new_sequence(64), prompt)
+    b = stage.prefill(stage.new_sequence(64), prompt).cpu()
+    torch.cuda.synchronize()
+    assert helper.n_experts == round(float(share) * (spec.n_experts - 2))
+    assert 0 < handover.worker.counter.rate.calls - before <= spec.n_layers  # a layer whose host experts were picked
+    assert torch.isfinite(b).all() and rel_err(b, a) <= STEP_TOL
+    handover.close()

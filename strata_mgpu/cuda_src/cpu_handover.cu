@@ -10,6 +10,8 @@
 //   (the GPU computes its own picks meanwhile: moe_decode.cu)
 //   handover_add   waits until the host's done number equals the request, then adds the host's sums.
 // A layer where the host takes nothing writes nothing to the host and waits for nothing.
+// A few-row prompt pass that streams whole layers (handover_rows + handover_send_fixed, below) gives
+// the host a fixed set of each layer's streamed experts instead, and waits for its sums the same way.
 //
 // Shapes: T rows, A picks a row, P = T * A picks (pick p = t * A + a), D hidden, E experts a layer.
 // Ordering: the mailbox's payload is written and fenced (__threadfence_system) before the request
@@ -24,6 +26,20 @@ __device__ __forceinline__ unsigned long long global_ns() {
     unsigned long long t;
     asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
     return t;
+}
+
+// Thread 0, once the block's payload is written and fenced: the layer's host picks for
+// handover_add, and where there are any the meta, fenced, then the next request number.
+__device__ __forceinline__ void post_request(int n, int T, int A, int layer, long long* counter, int* n_host,
+                                             int* meta, volatile long long* request) {
+    *n_host = n;
+    if (n > 0) {
+        meta[0] = T, meta[1] = A, meta[2] = layer, meta[3] = n;
+        __threadfence_system();
+        const long long c = *counter + 1;
+        *counter = c;
+        *request = c;
+    }
 }
 
 // grid 1, block 512 (any multiple of 32). experts, weights [P]; h [T, D] bf16; slot_of [E]: the
@@ -78,16 +94,44 @@ extern "C" __global__ void handover_send(const long long* __restrict__ experts, 
         for (long long i = threadIdx.x; i < (long long)T * D; i += blockDim.x) h_host[i] = __bfloat162float(h[i]);
     __threadfence_system();
     __syncthreads();
-    if (threadIdx.x == 0) {
-        *n_host = n;
-        if (n > 0) {
-            meta[0] = T, meta[1] = A, meta[2] = layer, meta[3] = n;
-            __threadfence_system();
-            const long long c = *counter + 1;
-            *counter = c;
-            *request = c;
-        }
+    if (threadIdx.x == 0) post_request(n, T, A, layer, counter, n_host, meta, request);
+}
+
+// A prompt pass's rows (HostPrefillHelper, stage/experts/handover.py): the host takes a fixed set
+// of each layer's streamed experts rather than a share of the misses, and a chunk of rows is too
+// many for one block, so the rows go first, from many blocks:
+// grid (any), block 256: h [n] bf16 into the mailbox's h_host [n] fp32, each thread's writes
+// fenced before it ends (handover_send_fixed, next in the stream, then bumps the request).
+extern "C" __global__ void handover_rows(const __nv_bfloat16* __restrict__ h, float* h_host, long long n) {
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x)
+        h_host[i] = __bfloat162float(h[i]);
+    __threadfence_system();
+}
+
+// grid 1, block 512. The picks of the experts host_of [E] marks (1) go to the host: picks_host [P]
+// (their ids, -1 elsewhere), w_host [P], meta (T, A, local layer, host picks), then the request
+// where there is any; n_host for handover_add. The GPU computes its own part of the layer apart
+// (stage/experts/parts.py), so no GPU picks come back.
+extern "C" __global__ void handover_send_fixed(const long long* __restrict__ experts,
+                                               const float* __restrict__ weights,
+                                               const unsigned char* __restrict__ host_of, int T, int A, int layer,
+                                               long long* counter, int* n_host, int* picks_host, float* w_host,
+                                               int* meta, volatile long long* request) {
+    __shared__ int n;
+    if (threadIdx.x == 0) n = 0;
+    __syncthreads();
+    int mine = 0;
+    for (int p = threadIdx.x; p < T * A; p += blockDim.x) {
+        const long long e = experts[p];
+        const bool host = host_of[e] != 0;
+        picks_host[p] = host ? (int)e : -1;
+        w_host[p] = weights[p];
+        mine += host;
     }
+    if (mine) atomicAdd(&n, mine);
+    __threadfence_system();
+    __syncthreads();
+    if (threadIdx.x == 0) post_request(n, T, A, layer, counter, n_host, meta, request);
 }
 
 // grid (<= 16 blocks), block 256. out [T * D] bf16 (the GPU's picks' sums) += out_host [T * D] fp32

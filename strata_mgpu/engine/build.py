@@ -61,7 +61,8 @@ def stage_options(placement: Placement, chunk_size: int, kv_tokens: int,
                          dtype=torch.float32 if placement.dtype == "fp32" else None,
                          cuda_graphs=placement.cuda_graphs, graph_batch=placement.decode_graph_batch,
                          kv_prefetch=placement.kv_prefetch, kv_types=placement.kv_types, cpu_experts=cpu_only,
-                         threads=host_threads(placement, devices), host_share=placement.cpu_experts)
+                         threads=host_threads(placement, devices), host_share=placement.cpu_experts,
+                         host_prompt_help=placement.host_prompt_help)
             for i, d in enumerate(devices)]
 
 

@@ -78,7 +78,8 @@ def build_stage(f: GGUFFile, spec: ModelSpec, opts: StageOptions, layers: range 
         experts = HostCoreExperts(arena, executor, kernels, layers)
     else:
         experts = StreamedExperts(ctx, spec, arena, kernels, ring, cache, layers, dtype=dtype)
-        experts.attach_handover(_handover(ctx, spec, opts, arena, cache, kernels, layers, dtype))
+        experts.attach_handover(_handover(ctx, spec, opts, arena, cache, kernels, layers, dtype),
+                                prompts=opts.host_prompt_help)
     fused_ops = isinstance(kernels, CudaKernels) and dtype == torch.bfloat16
     ops = CudaDecodeOps(ctx.device, paths=kernels.paths, kv_types=opts.kv_types) if fused_ops else None  # one counter
     # Short prompts, packed prompts and eager decode batches through the decode step's fused ops:

@@ -68,6 +68,7 @@ class StageOptions:
     # a GPU stage's decode: the share of missing experts its host's cores compute (`experts.handover`);
     # `fixed` also on a CPU stage's device-path twins (tests)
     host_share: HostShare = HostShare("off")
+    host_prompt_help: bool = False  # ... and its few-row streamed prompt passes too (`HostPrefillHelper`)
 
     @classmethod
     def from_env(cls, environment: EnvOptions, **fields: Any) -> StageOptions:

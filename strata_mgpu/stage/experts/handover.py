@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import logging
 import statistics
+import sys
 import threading
 import time
 from collections import deque
@@ -51,15 +52,17 @@ from strata_mgpu.kernels.cpu_experts import CpuExperts, RateCounter
 from strata_mgpu.model.expert_layout import ExpertLayout
 from strata_mgpu.stage.device import DeviceContext
 from strata_mgpu.stage.experts.cache import ExpertCache
+from strata_mgpu.stage.experts.parts import LayerPart
 from strata_mgpu.stage.host.arena import HostExpertArena
 from strata_mgpu.stage.host.pinned import host_buffer
 
 log = logging.getLogger("strata.stage")
 T = TypeVar("T")
 HANDOVER_FILE = "cpu_handover.cu"
-KERNELS = ("handover_send", "handover_add")
+KERNELS = ("handover_send", "handover_add", "handover_rows", "handover_send_fixed")
 SEND_THREADS = 512
 ADD_BLOCKS, ADD_THREADS = 16, 256  # handover_add: few blocks, each polling the done number once
+ROWS_BLOCKS = 64  # handover_rows: a prompt's rows into the mailbox
 MAX_ROWS = 64  # rows a hand-over takes: decode batches and short prompts; a larger pass stays on the GPU
 MAX_EXPERTS = 4096  # cpu_handover.cu's table of where each expert of a layer goes
 TIMEOUT_S = 30.0  # a host that has not answered by then has failed (its first call may build ggml graphs)
@@ -70,6 +73,10 @@ RETUNE_SAMPLES = 512  # requests it keeps for that (the latest)
 ROUND_TRIP_S = 30e-6  # the mailbox's: the GPU's writes seen by the polling worker, its answer seen by the GPU
 HANDOVER_POLL = 50  # ggml's polling level for the hand-over's pool: requests come a layer (~0.1 ms) apart
 PROBE_REPEATS = 6
+# The worker is a Python thread: while the engine's thread runs Python (queuing the next step), a
+# request waits for the GIL up to the interpreter's switch interval (5 ms by default, the length of
+# a whole decode step). A stage with a hand-over lowers it for the process to this.
+SWITCH_INTERVAL_S = 5e-5
 
 
 @dataclass(frozen=True)
@@ -118,6 +125,14 @@ class AutoShare:
         f = min(1.0, (link_s - self.host.overhead_s) / (link_s + host_s))
         return f if f >= AUTO_MIN_SHARE else 0.0
 
+    def prompt_experts(self, streamed: int) -> int:
+        """Of a few-row prompt pass's `streamed` experts a layer, how many the host computes so that it
+        finishes with the link: (S - n) b / link = overhead + n b / host (each expert read once, its
+        few rows riding along); 0 where fewer than AUTO_MIN_SHARE of them."""
+        per_link, per_host = self.expert_bytes / self.link_bytes_per_s, self.expert_bytes / self.host.bytes_per_s
+        n = int((streamed * per_link - self.host.overhead_s) / (per_link + per_host))
+        return n if n >= AUTO_MIN_SHARE * streamed else 0
+
 
 def assign_host(experts: list[int], resident: np.ndarray, share: float, carry: float) -> tuple[set[int], float]:
     """Which experts of a pass's picks (in pick order) the host computes, and the carry after them:
@@ -145,19 +160,28 @@ def host_sums(executor: CpuExperts, arena: HostExpertArena, layer: int, h: torch
     elsewhere), weights [T, A], rows h [T, D] -> (the sums of the rows that have host picks [R, D]
     fp32, those rows' indices [R]). A row's picks are padded to the widest row's count with its own
     first pick at weight 0 (ggml computes [R, A'] picks; a repeated expert's bytes are read once)."""
+    if picks.shape[0] == 1:  # a decode step's one row: no padding, no row selection (host time a layer)
+        sel = np.flatnonzero(picks[0] >= 0)
+        ids1, w1 = picks[:, sel], weights[:, sel]
+        return executor.moe(arena.layer(layer), arena.layouts[layer], h, torch.from_numpy(w1),
+                            torch.from_numpy(ids1)), ONE_ROW
     mine = picks >= 0
     counts = mine.sum(axis=1)
     rows = np.flatnonzero(counts)
     width = int(counts.max())
-    ids = np.empty((len(rows), width), dtype=np.int32)
-    w = np.zeros((len(rows), width), dtype=np.float32)
-    for j, r in enumerate(rows.tolist()):
-        sel = np.flatnonzero(mine[r])
-        ids[j, :len(sel)], ids[j, len(sel):] = picks[r, sel], picks[r, sel[0]]
-        w[j, :len(sel)] = weights[r, sel]
+    # each row's own picks first (a stable sort on "not mine"), then its first pick again at weight 0
+    order = np.argsort(~mine[rows], axis=1, kind="stable")[:, :width]
+    ids = np.take_along_axis(picks[rows], order, axis=1).astype(np.int32)
+    w = np.take_along_axis(weights[rows], order, axis=1).astype(np.float32)
+    pad = np.arange(width)[None, :] >= counts[rows][:, None]
+    ids = np.where(pad, ids[:, :1], ids).astype(np.int32)
+    w = np.where(pad, np.float32(0), w).astype(np.float32)
     x = h[torch.from_numpy(rows)] if len(rows) < h.shape[0] else h
     out = executor.moe(arena.layer(layer), arena.layouts[layer], x, torch.from_numpy(w), torch.from_numpy(ids))
     return out, rows
+
+
+ONE_ROW = np.zeros(1, dtype=np.int64)  # host_sums' rows where the pass has one
 
 
 def probe_host_rate(executor: CpuExperts, arena: HostExpertArena, layer: int, n_used: int, d: int,
@@ -202,6 +226,8 @@ class Mailbox:
         self.meta = host_buffer(16, pin=pin).view(torch.int32)  # T, A, local layer, host picks
         self.out = host_buffer(4 * max_rows * hidden, pin=pin).view(torch.float32)
         self.flags_np = self.flags.numpy()
+        # numpy views made once: the worker reads them every request
+        self.meta_np, self.picks_np, self.weights_np = self.meta.numpy(), self.picks.numpy(), self.weights.numpy()
         self.hidden = hidden
 
     def address(self, what: str, index: int = 0) -> int:
@@ -299,9 +325,10 @@ class HandoverWorker:
 
     def _answer(self) -> tuple[int, int]:
         box = self.mailbox
-        t, a, i, _ = (int(v) for v in box.meta.tolist())
-        picks = box.picks[:t * a].numpy().reshape(t, a)
-        weights = box.weights[:t * a].numpy().reshape(t, a)
+        meta = box.meta_np
+        t, a, i = int(meta[0]), int(meta[1]), int(meta[2])
+        picks = box.picks_np[:t * a].reshape(t, a)
+        weights = box.weights_np[:t * a].reshape(t, a)
         h = box.h[:t * box.hidden].view(t, box.hidden)
         out = box.out[:t * box.hidden].view(t, box.hidden)
         layer = self.layers[i]
@@ -311,7 +338,8 @@ class HandoverWorker:
             out[torch.from_numpy(rows)] = sums
         else:
             out.copy_(sums)
-        n_experts = len(set(picks[picks >= 0].tolist()))
+        mine = picks[picks >= 0]
+        n_experts = len(mine) if t == 1 else len(np.unique(mine))  # a row's picks are distinct
         return t, n_experts * self.arena.layouts[layer].expert_bytes
 
 
@@ -333,6 +361,8 @@ class CpuHandover:
         self.n_host = torch.zeros(1, dtype=torch.int32, device=device)
         self.mailbox = Mailbox(max_rows, spec.n_experts_used, spec.hidden, pin=True)
         self.worker = HandoverWorker(self.mailbox, executor, arena, layers)
+        if sys.getswitchinterval() > SWITCH_INTERVAL_S:
+            sys.setswitchinterval(SWITCH_INTERVAL_S)
         self._fn = {name: nvrtc.kernel(HANDOVER_FILE, name, (), device) for name in KERNELS}
         self.share_value = share
 
@@ -407,6 +437,25 @@ class CpuHandover:
                       box.address("meta"), box.address("flags", 0)), self.ctx.device)
         return gpu
 
+    def send_prompt(self, i: int, h: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
+                    host_of: torch.Tensor) -> None:
+        """A prompt pass's rows of local layer i: the picks of the experts host_of [E] (uint8 on the
+        device) marks go to the host (the rows by handover_rows' many blocks first)."""
+        t, a = experts.shape
+        box = self.mailbox
+        h, weights, experts = h.contiguous(), weights.float().contiguous(), experts.contiguous()
+        nvrtc.launch(self._fn["handover_rows"], min(ROWS_BLOCKS, -(-h.numel() // ADD_THREADS)), ADD_THREADS,
+                     (h.data_ptr(), box.address("h"), np.int64(h.numel())), self.ctx.device)
+        nvrtc.launch(self._fn["handover_send_fixed"], 1, SEND_THREADS,
+                     (experts.data_ptr(), weights.data_ptr(), host_of.data_ptr(), np.int32(t), np.int32(a),
+                      np.int32(i), self.counter.data_ptr(), self.n_host.data_ptr(), box.address("picks"),
+                      box.address("weights"), box.address("meta"), box.address("flags", 0)), self.ctx.device)
+
+    def collect(self, rows: int, hidden: int) -> torch.Tensor:
+        """The host's sums [rows, D] bf16 of the last `send_prompt`, once it answered (zeros where it
+        had no picks)."""
+        return self.add(torch.zeros(rows, hidden, dtype=torch.bfloat16, device=self.ctx.device))
+
     def add(self, out: torch.Tensor) -> torch.Tensor:
         """The GPU's sums out [T, D] bf16 plus the host's, once the host answered (in place)."""
         assert out.dtype == torch.bfloat16 and out.is_contiguous()
@@ -464,5 +513,82 @@ class HandoverTwin:
             return out
         return (out.float() + self._pending.to(out.device)).to(out.dtype)
 
+    def send_prompt(self, i: int, h: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
+                    host_of: torch.Tensor) -> None:
+        is_host = host_of[experts].bool()
+        self._pending = torch.zeros(h.shape, dtype=torch.float32)
+        if bool(is_host.any()):
+            picks = torch.where(is_host, experts, -1).numpy().astype(np.int32)
+            sums, rows = host_sums(self.executor, self.arena, self.layers[i], h.float(), picks, weights.float().numpy())
+            self._pending[torch.from_numpy(rows)] = sums
+            self.host_picks += int(is_host.sum())
+
+    def collect(self, rows: int, hidden: int) -> torch.Tensor:
+        assert self._pending is not None and self._pending.shape == (rows, hidden)
+        out, self._pending = self._pending, None
+        return out
+
     def close(self) -> None:
         pass
+
+
+class HostPrefillHelper:
+    """A streamed prompt pass of few rows (at most the mailbox's) gives the last `n_experts` streamed
+    experts of each layer to the host's cores: the `PrefillHelper` contract, as the split's PeerPrefill,
+    with the hand-over's mailbox and worker as the other device. The link streams fewer experts; the
+    host reads its ones once from the pinned arena, their few rows riding along. `takes` sets the
+    pass's share (the fixed `--cpu-experts F` of the streamed experts, or `AutoShare.prompt_experts`);
+    each layer's rows go over at `hand_over`, and the GPU waits for the host's sums at `collect`,
+    after it queued its own part of the layer."""
+
+    halves_from = 0  # one hand-over a layer
+
+    def __init__(self, handover: CpuHandover | HandoverTwin):
+        self.handover = handover
+        self.n_experts = 0  # this pass's share of each layer's streamed experts (`takes`)
+        self._host_of: torch.Tensor | None = None  # [L, E] uint8: the host's experts of each local layer
+        self._rows: list[int] = []  # hand-overs not yet collected: their rows
+
+    @property
+    def bound(self) -> bool:
+        return self.n_experts > 0
+
+    def takes(self, n_rows: int, streamed: int) -> bool:
+        """Does a streamed pass of n_rows (`streamed` experts a layer) give the host a share? Sets it."""
+        handover = self.handover
+        if n_rows > handover.max_rows or streamed <= 0:
+            self.n_experts = 0
+        elif isinstance(handover, CpuHandover) and handover.auto is not None:
+            self.n_experts = min(streamed, handover.auto.prompt_experts(streamed))
+        else:
+            self.n_experts = min(streamed, round(handover.share_value * streamed))
+        return self.n_experts > 0
+
+    def begin(self, parts: list[LayerPart]) -> None:
+        """The host's part of each local layer (the streamed experts split_layer gave it)."""
+        n_experts = self.handover.arena.spec.n_experts
+        host_of = torch.zeros(len(parts), n_experts, dtype=torch.uint8)
+        for i, part in enumerate(parts):
+            host_of[i, list(part.streamed)] = 1
+        device = self.handover.cache.slot_of.device
+        pinned = host_of if device.type == "cpu" else host_of.pin_memory()  # no host wait for the copy
+        self._host_of = pinned.to(device, non_blocking=True)
+        self._rows = []
+        self.handover.arm()
+
+    def hand_over(self, i: int, h: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
+                  first: bool = True) -> None:
+        assert self._host_of is not None, "begin() first"
+        self.handover.send_prompt(i, h, weights, experts, self._host_of[i])
+        self._rows.append(h.shape[0])
+
+    def collect(self) -> torch.Tensor:
+        rows = self._rows.pop(0)
+        return self.handover.collect(rows, self.handover.arena.spec.hidden)
+
+    def abort(self) -> None:
+        """Nothing is held but the pending hand-overs' sums: dropped (a host still computing answers
+        into the mailbox, which the next request overwrites)."""
+        self._rows = []
+        self._host_of = None
+

@@ -33,7 +33,7 @@ from strata_mgpu.kernels.experts import CudaKernels, TorchKernels
 from strata_mgpu.model.spec import ModelSpec
 from strata_mgpu.stage.device import DeviceContext
 from strata_mgpu.stage.experts.cache import ExpertCache
-from strata_mgpu.stage.experts.handover import CpuHandover, HandoverTwin
+from strata_mgpu.stage.experts.handover import CpuHandover, HandoverTwin, HostPrefillHelper
 from strata_mgpu.stage.experts.lending import PrefillHelper
 from strata_mgpu.stage.experts.parts import (
     ExpertWorkspace,
@@ -92,6 +92,9 @@ class StreamedExperts:
         self._tables: PartTables | None = None
         self.streaming = False
         self.helper: PrefillHelper | None = None  # attached by a split (`attach_helper`)
+        # the host's cores as a few-row prompt pass's helper where no split's helper is bound (`attach_handover`)
+        self.host_helper: HostPrefillHelper | None = None
+        self._active: PrefillHelper | None = None  # this pass's helper, if any (`begin`)
         # a share of a gathered pass's missing experts computed on the host's cores (`attach_handover`)
         self.handover: CpuHandover | HandoverTwin | None = None
         plans = [kernels.moe_fused(arena.layouts[layer], D, spec.n_experts_used) if isinstance(kernels, CudaKernels)
@@ -100,10 +103,12 @@ class StreamedExperts:
         grouped = fused and all(plan is not None and CudaKernels.grouped_serves(plan, D) for plan in plans)
         self.gather_picks = gather_pick_limit(E, cache is not None and cache.per_layer >= E, fused, grouped)
 
-    def attach_handover(self, handover: CpuHandover | HandoverTwin | None) -> None:
+    def attach_handover(self, handover: CpuHandover | HandoverTwin | None, prompts: bool = False) -> None:
         """Gathered passes of up to `handover.max_rows` rows hand a share of their missing experts to
-        the host's cores (None: the GPU computes every pick)."""
+        the host's cores, and with `prompts` streamed ones of as few rows give it a share of their
+        streamed experts (`HostPrefillHelper`); None: the GPU computes every pick."""
         self.handover = handover
+        self.host_helper = HostPrefillHelper(handover) if handover is not None and prompts else None
 
     def arm(self) -> bool:
         """Before a decode step (eager or replayed): the hand-over's worker polls while it runs.
@@ -113,7 +118,7 @@ class StreamedExperts:
             return False
         log.info("--cpu-experts auto: the link alone is faster here; decode stops handing experts to the host")
         self.handover.close()
-        self.handover = None
+        self.handover = self.host_helper = None
         return True
 
     def attach_helper(self, helper: PrefillHelper | None) -> None:
@@ -146,8 +151,8 @@ class StreamedExperts:
 
     @property
     def helped(self) -> bool:
-        """This pass streams, and a helper is bound to take a share of it."""
-        return self.streaming and self._helper_bound
+        """This pass streams, and a helper (the split's, or the host's cores) takes a share of it."""
+        return self.streaming and self._active is not None
 
     @property
     def _helper_bound(self) -> bool:
@@ -155,12 +160,16 @@ class StreamedExperts:
 
     def begin(self, n_rows: int, stream: bool) -> None:
         self.streaming = stream
-        self._feed = self._tables = None
+        self._feed = self._tables = self._active = None
         if not self.streaming:
             if self.handover is not None:
                 self.handover.arm()  # wakes the worker (a decline takes effect at the next decode step)
             return
-        helper = self.helper if self.helped else None
+        if self._helper_bound:
+            self._active = self.helper
+        elif self.host_helper is not None and self.host_helper.takes(n_rows, self.streamed_per_layer()):
+            self._active = self.host_helper
+        helper = self._active
         n_help = helper.n_experts if helper is not None else 0
         own: list[LayerPart] = []
         helped: list[LayerPart] = []
@@ -181,9 +190,9 @@ class StreamedExperts:
         helper's too, so the next prompt can stream."""
         if self._feed is not None:
             self._feed.abort()
-        if self.helped and self.helper is not None:
-            self.helper.abort()
-        self._feed = self._tables = None
+        if self.helped and self._active is not None:
+            self._active.abort()
+        self._feed = self._tables = self._active = None
 
     def start(self, i: int, h: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
               hq: torch.Tensor | None = None, first: bool = True) -> torch.Tensor:
@@ -223,7 +232,7 @@ class StreamedExperts:
                      ) -> torch.Tensor:
         """The helper handed its inputs first (it works while we do), then this stage's part of the
         rows: its experts loaded on the layer's `first` hand-over, its rows' partial sums [t, D]."""
-        helper = self.helper
+        helper = self._active
         assert self.helped and helper is not None
         helper.hand_over(i, h, weights, experts, first)
         feed, tables = self._feed, self._tables
@@ -236,6 +245,6 @@ class StreamedExperts:
     def finish(self, started: torch.Tensor) -> torch.Tensor:
         """A `start`'s outputs [t, D]: where helped, this stage's partial sums plus the helper's,
         which arrive in the order the starts were made."""
-        if self.helped and self.helper is not None:
-            return started + self.helper.collect()
+        if self.helped and self._active is not None:
+            return started + self._active.collect()
         return started
