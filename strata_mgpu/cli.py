@@ -137,10 +137,10 @@ threads_option = click.option("--threads", type=click.IntRange(min=1), default=N
                               help="host cores that compute a CPU stage's experts (ggml); default: the physical "
                                    "cores, less one for each GPU stage's host thread")
 cpu_experts_option = click.option(
-    "--cpu-experts", default="auto", show_default=True,
+    "--cpu-experts", default="off", show_default=True,
     help="decode: the share of a GPU stage's missing experts (those not resident in VRAM) the host's cores "
          "compute while the link brings the rest: auto (from the host's and the link's measured rates; none "
-         "where the link alone is faster), off, or a share 0 < F <= 1")
+         "where the link alone is faster), off, or a share 0 < F <= 1 (needs the cpu-experts extra)")
 def cache_type_options(f):
     """--cache-type-k / --cache-type-v (llama.cpp's names): how the KV cache stores keys and values."""
     for which in ("v", "k"):
@@ -222,7 +222,7 @@ def _warn_cpu_budget(placement) -> None:
 
 def _placement(devices: str, layer_split: str, max_vram: str | None, dtype: str, cuda_graphs: bool = True,
                prefill_help: bool | None = None, prefill_help_frac: str | None = None,
-               resident_experts: int | None = None, threads: int | None = None, cpu_experts: str = "auto",
+               resident_experts: int | None = None, threads: int | None = None, cpu_experts: str = "off",
                cache_types: tuple[str, str] = ("bf16", "bf16")):
     from strata_mgpu.config import HostShare, LayerSplit, Placement, parse_cache_type
 

@@ -174,18 +174,25 @@ def test_the_worker_answers_each_request_and_sleeps_between_steps(tiny):
             assert torch.equal(out[torch.from_numpy(rows)], sums), step
             assert not out[0].any()
         assert worker.counter.rate.calls == 3
-        time.sleep(0.4)  # past IDLE_SPIN_S: asleep
+        time.sleep(0.4)  # past IDLE_SPIN_S: it only checks every IDLE_POLL_S now
         assert not worker._wake.is_set()
-        worker.arm()
         request = post(box, 1, a, 0, torch.randn(1, d), np.full((1, a), 2, dtype=np.int32),
                        np.ones((1, a), dtype=np.float32))
-        wait_done(box, request)
+        wait_done(box, request, timeout=1.0)  # not armed (queued behind long work): answered all the same
+        worker.arm()
+        request = post(box, 1, a, 0, torch.randn(1, d), np.full((1, a), -1, dtype=np.int32),
+                       np.ones((1, a), dtype=np.float32))
+        wait_done(box, request)  # a request without host picks is no request: answered with zeros, an error
+        assert isinstance(worker.error, RuntimeError) and "overwritten" in str(worker.error)
+        worker.error = None
+        box.share_np[0] = 0.5
         worker.executor = Failing()
         worker.arm()
         request = post(box, 1, a, 0, torch.randn(1, d), np.full((1, a), 2, dtype=np.int32),
                        np.ones((1, a), dtype=np.float32))
         wait_done(box, request)
-        assert isinstance(worker.error, RuntimeError) and not box.out[:d].any()
+        assert isinstance(worker.error, RuntimeError) and "boom" in str(worker.error) and not box.out[:d].any()
+        assert box.share_np[0] == 0.0  # later layers give the host nothing
     finally:
         worker.close()
     assert not any(th.name == "strata cpu experts" and th.is_alive() for th in threading.enumerate()

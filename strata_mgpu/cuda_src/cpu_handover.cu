@@ -136,13 +136,15 @@ extern "C" __global__ void handover_send_fixed(const long long* __restrict__ exp
 
 // grid (<= 16 blocks), block 256. out [T * D] bf16 (the GPU's picks' sums) += out_host [T * D] fp32
 // (the host's), once done == counter. A host that does not answer within timeout_ns sets *status
-// to 1 and leaves out as it is: the stage reads status after the step and fails it.
+// to 1 and leaves out as it is; later waits return at once, and the stage's next arm() detaches the
+// hand-over (stage/experts/handover.py).
 extern "C" __global__ void handover_add(__nv_bfloat16* __restrict__ out, const float* out_host,
                                         const volatile long long* done, const long long* __restrict__ counter,
                                         const int* __restrict__ n_host, volatile int* status, long long timeout_ns,
                                         long long n_elems) {
     __shared__ int answered;
     if (*n_host == 0) return;  // the whole grid returns: nothing was asked of the host
+    if (*status != 0) return;  // a wait timed out before: the hand-over is broken, waiting again would only stall
     if (threadIdx.x == 0) {
         const long long want = *counter;
         const unsigned long long start = global_ns();

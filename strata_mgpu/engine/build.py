@@ -55,13 +55,17 @@ def stage_options(placement: Placement, chunk_size: int, kv_tokens: int,
     device path's twins (the ring, the cache and the helper they are the tests of)."""
     devices = resolve_devices(placement) if devices is None else devices
     cpu_only = len(devices) == 1 and devices[0].type == "cpu" and placement.resident_experts is None
+    n_cuda = sum(d.type == "cuda" for d in devices)
+    threads = host_threads(placement, devices)
+    # a CUDA stage's threads are its decode hand-over's pool: the GPU stages share the host's cores
+    cuda_threads = max(1, threads // max(1, n_cuda))
     return [StageOptions(device=d, max_vram_gib=placement.budget(i), chunk_size=chunk_size, kv_tokens=kv_tokens,
                          context=kv_tokens,
                          resident_experts=placement.resident_experts,
                          dtype=torch.float32 if placement.dtype == "fp32" else None,
                          cuda_graphs=placement.cuda_graphs, graph_batch=placement.decode_graph_batch,
                          kv_prefetch=placement.kv_prefetch, kv_types=placement.kv_types, cpu_experts=cpu_only,
-                         threads=host_threads(placement, devices), host_share=placement.cpu_experts,
+                         threads=cuda_threads if d.type == "cuda" else threads, host_share=placement.cpu_experts,
                          host_prompt_help=placement.host_prompt_help)
             for i, d in enumerate(devices)]
 

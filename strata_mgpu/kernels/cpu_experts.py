@@ -112,6 +112,10 @@ class CpuExperts(Protocol):
 
     def describe(self) -> str: ...
 
+    def close(self) -> None:
+        """Free what it holds (ggml's graphs and pool); no call may come after."""
+        ...
+
     def moe(self, layer: torch.Tensor, lay: ExpertLayout, h: torch.Tensor, weights: torch.Tensor,
             experts: torch.Tensor) -> torch.Tensor:
         """Layer bytes uint8 [E * expert_bytes] (the arena's layout), rows h [T, D], weights [T, A]
@@ -127,6 +131,9 @@ class TorchExperts(RateCounter):
 
     def describe(self) -> str:
         return "torch twin (dequantize + matmul)"
+
+    def close(self) -> None:
+        """Nothing held."""
 
     def moe(self, layer: torch.Tensor, lay: ExpertLayout, h: torch.Tensor, weights: torch.Tensor,
             experts: torch.Tensor) -> torch.Tensor:

@@ -13,6 +13,7 @@ it on the host's cores (`HostCoreExperts`): no ring, no expert cache, no workspa
 from __future__ import annotations
 
 import logging
+import platform
 from collections.abc import Callable
 
 import torch
@@ -131,6 +132,8 @@ def _handover(ctx: DeviceContext, spec: ModelSpec, opts: StageOptions, arena: Ho
     if why_not is None and not (isinstance(kernels, CudaKernels) and dtype == torch.bfloat16 and all(
             kernels.moe_fused(arena.layouts[layer], spec.hidden, spec.n_experts_used) for layer in layers)):
         why_not = "the fused decode kernels do not serve every layer here"
+    if why_not is None and platform.machine().lower() not in ("x86_64", "amd64"):
+        why_not = f"a {platform.machine()} host (its flags are plain loads and stores, in order on x86 only)"
     if why_not is None and spec.n_experts > MAX_EXPERTS:
         why_not = f"{spec.n_experts} experts a layer (at most {MAX_EXPERTS})"
     if why_not is not None:

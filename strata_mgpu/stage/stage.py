@@ -32,7 +32,6 @@ from strata_mgpu.model.runner import prefill_last_logits, prefill_pack_logits
 from strata_mgpu.model.spec import ModelSpec
 from strata_mgpu.stage.device import DeviceContext
 from strata_mgpu.stage.experts.cache import RefillOnFirstStep
-from strata_mgpu.stage.experts.handover import CpuHandover
 from strata_mgpu.stage.experts.host_cores import HostCoreExperts
 from strata_mgpu.stage.experts.lending import LentBuffers, PrefillHelper
 from strata_mgpu.stage.experts.streamed import StreamedExperts
@@ -175,10 +174,8 @@ class Stage:
     # -- what a split drives ---------------------------------------------------------------------
     def refill_cache(self, kvs: Sequence[SequenceKV]) -> None:
         """The expert cache follows the routing seen so far, before these sequences' first decode
-        step (`RefillOnFirstStep`); an `auto` hand-over's share follows the hit rate seen so far."""
+        step (`RefillOnFirstStep`)."""
         self.refill(kvs)
-        if isinstance(self.experts, StreamedExperts) and isinstance(self.experts.handover, CpuHandover):
-            self.experts.handover.retune()
 
     def decode_rows(self, kvs: Sequence[SequenceKV], inp: torch.Tensor) -> torch.Tensor:
         """One decode step of `kvs` through this stage's layers, on the current stream: token ids

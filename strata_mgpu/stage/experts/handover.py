@@ -18,14 +18,20 @@ rows; `cuda_src/cpu_handover.cu` is the GPU's side:
 4. `handover_add` waits until done equals the request and adds the host's sums.
 
 No step waits on the host's side of CUDA, so a decode step with hand-overs is still captured and
-replayed as one graph. The worker polls only while steps are in flight (`arm` before each, then
-IDLE_SPIN_S), sleeping otherwise. A worker that fails (or a host that does not answer within
-TIMEOUT_S) fails the step that asked, and the next `arm` raises with the reason.
+replayed as one graph. The worker spins while steps are in flight (`arm` before each, then
+IDLE_SPIN_S after the last request) and otherwise checks the request number every IDLE_POLL_S, so
+a request queued behind long work (a prompt chunk before the decode step) is answered late, never
+missed. A worker that fails answers with zeros and sets the share to 0, so later layers give the
+host nothing; a host that does not answer within TIMEOUT_S sets the status word, and every later
+wait returns at once. The layer that met the failure lacks the host's part: not detected for that
+step's tokens (known weakness); the next `arm` reports it in the log and the stage detaches the
+hand-over (link only from then on). The flags are plain loads and stores on the host's side, which
+x86 keeps in order (the build refuses other hosts).
 
 `share`: `--cpu-experts F` fixes it (`config.HostShare`); `auto` (`AutoShare`) takes it from
 measured rates, a request's cost on the host's cores (`probe_host_rate`: a fixed part and its
-experts' bytes/s) against the link's, at the hit rate the expert cache sees (`retune`, at each of
-its refills), and declines where the host's fixed cost outweighs what it would take off the link
+experts' bytes/s) against the link's, at the hit rate the expert cache sees (`retune`, every
+RETUNE_STEPS decode steps), and declines where the host's fixed cost outweighs what it would take off the link
 (AUTO_MIN_SHARE); `off` builds none of this. `HandoverTwin` is the same arithmetic on a CPU
 stage's device-path twins, for tests: picks chosen as the kernel chooses them, the host's sums
 computed at once.
@@ -66,7 +72,8 @@ ROWS_BLOCKS = 64  # handover_rows: a prompt's rows into the mailbox
 MAX_ROWS = 64  # rows a hand-over takes: decode batches and short prompts; a larger pass stays on the GPU
 MAX_EXPERTS = 4096  # cpu_handover.cu's table of where each expert of a layer goes
 TIMEOUT_S = 30.0  # a host that has not answered by then has failed (its first call may build ggml graphs)
-IDLE_SPIN_S = 0.25  # the worker polls this long after the last step was armed, then sleeps until the next
+IDLE_SPIN_S = 0.25  # the worker spins this long after the last step was armed or answered ...
+IDLE_POLL_S = 1e-3  # ... then checks the request number this often
 AUTO_MIN_SHARE = 0.1  # `auto` below this share is not worth a round trip a layer: it declines
 RETUNE_STEPS = 256  # `auto` refits the host's rate to its answered requests every this many decode steps
 RETUNE_SAMPLES = 512  # requests it keeps for that (the latest)
@@ -219,12 +226,17 @@ class Mailbox:
     weights and meta the GPU writes, and the sums [T, D] the host writes back."""
 
     def __init__(self, max_rows: int, n_used: int, hidden: int, *, pin: bool):
+        self.max_rows = max_rows
         self.flags = host_buffer(256, pin=pin).view(torch.int64)  # [32]: request at 0, done at 8, status at 16
         self.h = host_buffer(4 * max_rows * hidden, pin=pin).view(torch.float32)
         self.picks = host_buffer(4 * max_rows * n_used, pin=pin).view(torch.int32)
         self.weights = host_buffer(4 * max_rows * n_used, pin=pin).view(torch.float32)
         self.meta = host_buffer(16, pin=pin).view(torch.int32)  # T, A, local layer, host picks
         self.out = host_buffer(4 * max_rows * hidden, pin=pin).view(torch.float32)
+        # the share of misses the host takes: handover_send reads it each launch, the host writes it
+        # (`set_share`, and 0 where the worker failed), no kernel needed, so a graph replays the latest
+        self.share = host_buffer(16, pin=pin).view(torch.float32)
+        self.share_np = self.share.numpy()
         self.flags_np = self.flags.numpy()
         # numpy views made once: the worker reads them every request
         self.meta_np, self.picks_np, self.weights_np = self.meta.numpy(), self.picks.numpy(), self.weights.numpy()
@@ -298,22 +310,22 @@ class HandoverWorker:
                 except BaseException as e:
                     done.set_exception(e)
                 continue
-            if time.monotonic() > self._armed_until:
-                self._wake.clear()
-                if time.monotonic() > self._armed_until and self._task is None:  # armed meanwhile: go on
-                    self._wake.wait()
-                continue
             request = box.request
             if request == last:
-                time.sleep(0)  # lets the engine's thread have the GIL between polls
+                if time.monotonic() > self._armed_until:  # idle: a wake from arm(), or the next check
+                    self._wake.wait(IDLE_POLL_S)
+                    self._wake.clear()
+                else:
+                    time.sleep(0)  # lets the engine's thread have the GIL between polls
                 continue
             last = request
             t0 = time.perf_counter()
             try:
                 rows, nbytes = self._answer()
-            except BaseException as e:  # the step that asked fails; the next arm() raises this
+            except BaseException as e:  # later layers give the host nothing; the next arm() detaches
                 log.exception("the host's cores failed a hand-over")
                 self.error = e
+                box.share_np[0] = 0.0
                 box.out.zero_()
                 rows, nbytes = 0, 0
             self._armed_until = time.monotonic() + IDLE_SPIN_S
@@ -332,6 +344,8 @@ class HandoverWorker:
         h = box.h[:t * box.hidden].view(t, box.hidden)
         out = box.out[:t * box.hidden].view(t, box.hidden)
         layer = self.layers[i]
+        if not 0 < t <= box.max_rows or not (picks >= 0).any():  # not a request as handover_send writes them
+            raise RuntimeError(f"a hand-over request of {t} rows with no host picks: the mailbox was overwritten")
         sums, rows = host_sums(self.executor, self.arena, layer, h, picks, weights)
         if len(rows) < t:
             out.zero_()
@@ -355,11 +369,11 @@ class CpuHandover:
         self.arena, self.layers = arena, layers
         self._steps = 0  # arms: decode steps and gathered passes
         device = ctx.device
-        self.share = torch.full((1,), share, dtype=torch.float32, device=device)
         self.carry = torch.zeros(1, dtype=torch.float32, device=device)
         self.counter = torch.zeros(1, dtype=torch.int64, device=device)
         self.n_host = torch.zeros(1, dtype=torch.int32, device=device)
         self.mailbox = Mailbox(max_rows, spec.n_experts_used, spec.hidden, pin=True)
+        self.mailbox.share_np[0] = share
         self.worker = HandoverWorker(self.mailbox, executor, arena, layers)
         if sys.getswitchinterval() > SWITCH_INTERVAL_S:
             sys.setswitchinterval(SWITCH_INTERVAL_S)
@@ -374,9 +388,9 @@ class CpuHandover:
         return rows <= self.max_rows
 
     def set_share(self, share: float) -> None:
-        """A new share from the next step on (a launch on the current stream: graphs read it)."""
+        """A new share for the layers not yet sent (written into the mailbox: graphs read it there)."""
         assert 0 <= share <= 1
-        self.share.fill_(share)
+        self.mailbox.share_np[0] = share
         self.share_value = share
 
     def calibrate(self, link_bytes_per_s: float) -> float:
@@ -408,14 +422,22 @@ class CpuHandover:
             self.set_share(share)
 
     def arm(self) -> bool:
-        """Before a step that may hand over: raise what failed the last one, wake the worker; every
-        RETUNE_STEPS, `auto` retunes. False once `auto` declined (its share fell to 0): the stage
-        then detaches the hand-over and its graphs are captured again without it."""
-        if self.worker.error is not None:
-            raise RuntimeError(f"the host's cores failed an expert hand-over: {self.worker.error}")
-        if self.mailbox.status != 0:
-            raise RuntimeError(f"the host's cores did not answer an expert hand-over within {TIMEOUT_S:.0f} s")
+        """Before a step that may hand over: wake the worker; every RETUNE_STEPS, `auto` retunes.
+        False where the hand-over should go: the worker failed, the host did not answer in time
+        (both said in the log), or `auto` declined (its share fell to 0). The stage then detaches it
+        (`StreamedExperts.arm`) and its graphs are captured again without it. Inside a graph
+        capture it only wakes the worker: nothing else may be recorded there."""
         self.worker.arm()
+        if torch.cuda.is_current_stream_capturing():
+            return True
+        if self.worker.error is not None:
+            log.error("the host's cores failed an expert hand-over (%s): decode goes on over the link alone",
+                      self.worker.error)
+            return False
+        if self.mailbox.status != 0:
+            log.error("the host's cores did not answer an expert hand-over within %.0f s: decode goes on over the "
+                      "link alone", TIMEOUT_S)
+            return False
         self._steps += 1
         if self.auto is not None and self._steps % RETUNE_STEPS == 0:
             self.retune()
@@ -432,7 +454,8 @@ class CpuHandover:
         nvrtc.launch(self._fn["handover_send"], 1, SEND_THREADS,
                      (experts.data_ptr(), weights.data_ptr(), h.data_ptr(), slot_of.data_ptr(), np.int32(t),
                       np.int32(a), np.int32(h.shape[1]), np.int32(slot_of.shape[0]), np.int32(i),
-                      self.share.data_ptr(), self.carry.data_ptr(), self.counter.data_ptr(), self.n_host.data_ptr(),
+                      self.mailbox.address("share"), self.carry.data_ptr(), self.counter.data_ptr(),
+                      self.n_host.data_ptr(),
                       gpu.data_ptr(), box.address("h"), box.address("picks"), box.address("weights"),
                       box.address("meta"), box.address("flags", 0)), self.ctx.device)
         return gpu
@@ -468,7 +491,11 @@ class CpuHandover:
         return out
 
     def close(self) -> None:
+        """Stop the worker and free its pool. The caller has waited for every step that used it
+        (`StreamedExperts.arm`): a kernel still in flight would write into freed pinned memory."""
+        self.set_share(0.0)
         self.worker.close()
+        self.executor.close()
 
 
 class HandoverTwin:

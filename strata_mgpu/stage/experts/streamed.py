@@ -116,7 +116,9 @@ class StreamedExperts:
         its kernels must go."""
         if self.handover is None or self.handover.arm():
             return False
-        log.info("--cpu-experts auto: the link alone is faster here; decode stops handing experts to the host")
+        log.info("decode stops handing experts to the host's cores on %s", self.ctx.device)
+        self.handover.set_share(0.0)  # the layers of steps in flight not yet sent give the host nothing
+        self.ctx.synchronize_device()  # the steps in flight end, the worker answering what they sent
         self.handover.close()
         self.handover = self.host_helper = None
         return True
