@@ -30,6 +30,7 @@ from typing import NamedTuple
 
 import torch
 
+from strata_mgpu.kernels.cpu_experts import ExpertRate
 from strata_mgpu.split.runner import SplitRunner
 from strata_mgpu.stage.experts.handover import CpuHandover
 from strata_mgpu.stage.experts.host_cores import HostCoreExperts
@@ -124,6 +125,13 @@ class BenchResult:
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2)
+
+
+def cpu_rates(stage: int, executor: str, rates: dict[int, ExpertRate]) -> CpuExpertsResult:
+    """A stage's host-core rates (an executor's, or its hand-over worker's), by rows a call."""
+    return CpuExpertsResult(stage=stage, executor=executor, rates=[
+        CpuExpertRate(rows=rows, calls=r.calls, gb_per_s=r.gb_per_s, ms_per_call=r.ms_per_call)
+        for rows, r in sorted(rates.items())])
 
 
 def sync_stages(stages: list[Stage]) -> None:
@@ -422,9 +430,7 @@ def run_bench(runner, model_name: str, prompt_tokens: list[int], decode_tokens: 
     for h in handing.values():
         h.worker.counter.reset_rates()
     dec = time_decode(runner, decode_tokens, prompt_tokens=decode_context, chunk=chunk) if decode_tokens else None
-    handed = [CpuExpertsResult(stage=i, executor=h.describe(), rates=[
-        CpuExpertRate(rows=rows, calls=r.calls, gb_per_s=r.gb_per_s, ms_per_call=r.ms_per_call)
-        for rows, r in sorted(h.worker.counter.rates.items())]) for i, h in handing.items()]
+    handed = [cpu_rates(i, h.describe(), h.worker.counter.rates) for i, h in handing.items()]
     batched = []
     for b in decode_batches if decode_batches and decode_batches != [1] else []:
         steps = decode_tokens or 64
@@ -450,9 +456,7 @@ def run_bench(runner, model_name: str, prompt_tokens: list[int], decode_tokens: 
                 for i, s in enumerate(stages)],
         overlap_s=overlap, pipeline_s=span, pipeline_tokens=longest if overlap is not None else None,
         decode_batch=batched, handover=handed,
-        cpu_experts=[CpuExpertsResult(stage=i, executor=x.describe(), rates=[
-            CpuExpertRate(rows=rows, calls=r.calls, gb_per_s=r.gb_per_s, ms_per_call=r.ms_per_call)
-            for rows, r in sorted(x.rates.items())]) for i, x in host.items()])
+        cpu_experts=[cpu_rates(i, x.describe(), x.rates) for i, x in host.items()])
 
 
 def write_json(result: BenchResult, path: Path) -> None:

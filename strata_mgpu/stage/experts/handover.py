@@ -242,9 +242,18 @@ class Mailbox:
         self.meta_np, self.picks_np, self.weights_np = self.meta.numpy(), self.picks.numpy(), self.weights.numpy()
         self.hidden = hidden
 
-    def address(self, what: str, index: int = 0) -> int:
-        t = getattr(self, what)
-        return t.data_ptr() + index * t.element_size()
+    # what the kernels take: host addresses, which the device reads and writes through the mapping
+    @property
+    def request_at(self) -> int:
+        return self.flags.data_ptr()
+
+    @property
+    def done_at(self) -> int:
+        return self.flags.data_ptr() + 8 * 8
+
+    @property
+    def status_at(self) -> int:
+        return self.flags.data_ptr() + 16 * 8
 
     @property
     def request(self) -> int:
@@ -421,8 +430,13 @@ class CpuHandover:
                      1e6 * self.auto.host.overhead_s)
             self.set_share(share)
 
+    def wake(self) -> None:
+        """Before a pass that may hand over (a gathered or few-row prompt pass, eager): the worker
+        polls while it runs. `arm` does this for a decode step and more."""
+        self.worker.arm()
+
     def arm(self) -> bool:
-        """Before a step that may hand over: wake the worker; every RETUNE_STEPS, `auto` retunes.
+        """Before a decode step (eager or replayed): wake the worker; every RETUNE_STEPS, `auto` retunes.
         False where the hand-over should go: the worker failed, the host did not answer in time
         (both said in the log), or `auto` declined (its share fell to 0). The stage then detaches it
         (`StreamedExperts.arm`) and its graphs are captured again without it. Inside a graph
@@ -454,10 +468,10 @@ class CpuHandover:
         nvrtc.launch(self._fn["handover_send"], 1, SEND_THREADS,
                      (experts.data_ptr(), weights.data_ptr(), h.data_ptr(), slot_of.data_ptr(), np.int32(t),
                       np.int32(a), np.int32(h.shape[1]), np.int32(slot_of.shape[0]), np.int32(i),
-                      self.mailbox.address("share"), self.carry.data_ptr(), self.counter.data_ptr(),
+                      self.mailbox.share.data_ptr(), self.carry.data_ptr(), self.counter.data_ptr(),
                       self.n_host.data_ptr(),
-                      gpu.data_ptr(), box.address("h"), box.address("picks"), box.address("weights"),
-                      box.address("meta"), box.address("flags", 0)), self.ctx.device)
+                      gpu.data_ptr(), box.h.data_ptr(), box.picks.data_ptr(), box.weights.data_ptr(),
+                      box.meta.data_ptr(), box.request_at), self.ctx.device)
         return gpu
 
     def send_prompt(self, i: int, h: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
@@ -468,11 +482,11 @@ class CpuHandover:
         box = self.mailbox
         h, weights, experts = h.contiguous(), weights.float().contiguous(), experts.contiguous()
         nvrtc.launch(self._fn["handover_rows"], min(ROWS_BLOCKS, -(-h.numel() // ADD_THREADS)), ADD_THREADS,
-                     (h.data_ptr(), box.address("h"), np.int64(h.numel())), self.ctx.device)
+                     (h.data_ptr(), box.h.data_ptr(), np.int64(h.numel())), self.ctx.device)
         nvrtc.launch(self._fn["handover_send_fixed"], 1, SEND_THREADS,
                      (experts.data_ptr(), weights.data_ptr(), host_of.data_ptr(), np.int32(t), np.int32(a),
-                      np.int32(i), self.counter.data_ptr(), self.n_host.data_ptr(), box.address("picks"),
-                      box.address("weights"), box.address("meta"), box.address("flags", 0)), self.ctx.device)
+                      np.int32(i), self.counter.data_ptr(), self.n_host.data_ptr(), box.picks.data_ptr(),
+                      box.weights.data_ptr(), box.meta.data_ptr(), box.request_at), self.ctx.device)
 
     def collect(self, rows: int, hidden: int) -> torch.Tensor:
         """The host's sums [rows, D] bf16 of the last `send_prompt`, once it answered (zeros where it
@@ -485,8 +499,8 @@ class CpuHandover:
         n = out.numel()
         blocks = min(ADD_BLOCKS, -(-n // ADD_THREADS))
         nvrtc.launch(self._fn["handover_add"], blocks, ADD_THREADS,
-                     (out.data_ptr(), self.mailbox.address("out"), self.mailbox.address("flags", 8),
-                      self.counter.data_ptr(), self.n_host.data_ptr(), self.mailbox.address("flags", 16),
+                     (out.data_ptr(), self.mailbox.out.data_ptr(), self.mailbox.done_at,
+                      self.counter.data_ptr(), self.n_host.data_ptr(), self.mailbox.status_at,
                       np.int64(int(TIMEOUT_S * 1e9)), np.int64(n)), self.ctx.device)
         return out
 
@@ -507,6 +521,7 @@ class HandoverTwin:
                  share: float, max_rows: int = MAX_ROWS):
         self.arena, self.cache, self.executor, self.layers, self.max_rows = arena, cache, executor, layers, max_rows
         self.share_value, self.carry = share, 0.0
+        self.auto: AutoShare | None = None  # a fixed share only
         self._pending: torch.Tensor | None = None
         self.host_picks = 0  # picks the host computed, over every call (tests read it)
 
@@ -518,6 +533,9 @@ class HandoverTwin:
 
     def set_share(self, share: float) -> None:
         self.share_value = share
+
+    def wake(self) -> None:
+        pass
 
     def arm(self) -> bool:
         return True
@@ -585,7 +603,7 @@ class HostPrefillHelper:
         handover = self.handover
         if n_rows > handover.max_rows or streamed <= 0:
             self.n_experts = 0
-        elif isinstance(handover, CpuHandover) and handover.auto is not None:
+        elif handover.auto is not None:
             self.n_experts = min(streamed, handover.auto.prompt_experts(streamed))
         else:
             self.n_experts = min(streamed, round(handover.share_value * streamed))
@@ -601,7 +619,7 @@ class HostPrefillHelper:
         pinned = host_of if device.type == "cpu" else host_of.pin_memory()  # no host wait for the copy
         self._host_of = pinned.to(device, non_blocking=True)
         self._rows = []
-        self.handover.arm()
+        self.handover.wake()
 
     def hand_over(self, i: int, h: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
                   first: bool = True) -> None:

@@ -165,7 +165,7 @@ class StreamedExperts:
         self._feed = self._tables = self._active = None
         if not self.streaming:
             if self.handover is not None:
-                self.handover.arm()  # wakes the worker (a decline takes effect at the next decode step)
+                self.handover.wake()  # the worker polls (a decode step's arm, in Stage.decode_rows, counts it)
             return
         if self._helper_bound:
             self._active = self.helper
