@@ -44,6 +44,10 @@
 #           --n-cpu-moe 18 (about 16 GiB of VRAM)
 #   cpudec  decode with a share of the missing experts on the host's cores (--cpu-experts): batch 1 and one
 #           server-shaped request at --max-vram 16 and 8, off / auto / fixed shares (CPUSHARES)
+#   cpuauto decode at --max-vram 16 and 8 (CPUVRAM), --cpu-experts off and auto, long enough (320 tokens, then 320
+#           server-shaped) for auto's refit every 256 steps to run and, where the host loses, to detach the hand-over
+#   hostprompt few-row streamed prompts (16, 32, 64 tokens) at --max-vram 8 with --cpu-experts auto and 0.3:
+#           STRATA_HOST_PROMPT_HELP=0 (link only) against =1 (the host's cores take a share of the streamed experts)
 #   cpurates tools/bench_cpu_experts on the host's cores: 30b-a3b and 235b-a22b layers, 1, 2 and 8 picks a row,
 #           4 / 8 / 15 threads, ggml's idle workers sleeping (poll 0) and spinning (poll 50)
 #   cpu235  the 235b-a22b preset capped to 24 layers (gen in the background: MODEL235): bench at --max-vram 22,
@@ -89,7 +93,7 @@ if has gen && [ ! -f $MODEL ]; then
 fi
 status=0
 if has tests; then
-  python3 -m pytest -q -m gpu ${TESTS:-tests} -p no:cacheprovider 2>&1 \
+  timeout ${TESTS_TIMEOUT:-3000} python3 -m pytest -q -m gpu ${TESTS:-tests} -p no:cacheprovider 2>&1 \
     | tee "$OUT/gpu_tests.log" || status=$?
 fi
 [ -n "$gen_pid" ] && wait $gen_pid
@@ -115,6 +119,22 @@ if has cpudec; then
     for share in off auto ${CPUSHARES:-0.3 0.5}; do
       bench "cpu${vram}_$share" --max-vram $vram --cpu-experts $share --prompt-tokens 1024 --decode-tokens 64 \
         --runs 1 --server-decode 1
+    done
+  done
+fi
+if has cpuauto; then
+  for vram in ${CPUVRAM:-16 8}; do
+    for share in off auto; do
+      bench "cpuauto${vram}_$share" --max-vram $vram --cpu-experts $share --prompt-tokens 1024 --decode-tokens 320 \
+        --runs 1 --server-decode 1
+    done
+  done
+fi
+if has hostprompt; then
+  for share in auto 0.3; do
+    for help in 0 1; do
+      STRATA_HOST_PROMPT_HELP=$help bench "hostprompt_${share}_$help" --max-vram 8 --cpu-experts $share \
+        --prompt-tokens 16,32,64 --decode-tokens 0 --runs 5
     done
   done
 fi
