@@ -54,7 +54,10 @@
 #           --cpu-experts off and auto (and CPUSHARES235)
 #   cpuonly the CPU-only stage (--devices cpu: experts by ggml from the file's bytes) on the host's cores
 #           against llama.cpp's llama-bench -ngl 0 on the same file (.llamabench/llama-bench.xz, carried:
-#           built from the llama-cpp-python 0.3.36 sdist's vendor/llama.cpp, as llama-server)
+#           built from the llama-cpp-python 0.3.36 sdist's vendor/llama.cpp for the CPU alone: `cmake -B build
+#           -DBUILD_SHARED_LIBS=OFF -DGGML_NATIVE=OFF -DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON
+#           -DGGML_AMX_TILE=ON -DGGML_AMX_INT8=ON -DLLAMA_CURL=OFF && cmake --build build --target llama-bench`,
+#           xz'd, with the build machine's libgomp.so.1 beside it)
 #   q8kv    a 32K-token prompt and decode after it at --max-vram 16 with bf16 KV and with q8_0 keys and values
 #           (--cache-type-k/-v): speed, and the resident experts the freed bytes buy (the plan's lines)
 #   tol     scripts/tol_probe.py: the fused expert kernels' error against their twin over 200 random
@@ -163,7 +166,8 @@ if has cpuonly; then
   bench cpuonly --devices cpu --prompt-tokens 512 --decode-tokens 32 --runs 1
   [ -x .llamabench/llama-bench ] || { xz -dc .llamabench/llama-bench.xz > .llamabench/llama-bench \
     && chmod +x .llamabench/llama-bench; }
-  .llamabench/llama-bench -m $MODEL -ngl 0 -p 512 -n 32 -r 2 -t ${CPUTHREADS:-16} 2>&1 | tee "$OUT/llamabench_cpu.log" \
+  LD_LIBRARY_PATH=$PWD/.llamabench .llamabench/llama-bench -m $MODEL -ngl 0 -p 512 -n 32 -r 2 -t ${CPUTHREADS:-16} 2>&1 \
+    | tee "$OUT/llamabench_cpu.log" \
     | tail -8 || status=1
 fi
 if has q8kv; then
