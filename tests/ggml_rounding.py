@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from gguf.constants import GGMLQuantizationType as Q
 
-from strata_mgpu.kernels.cpu_experts import RateCounter, combine_picks
+from strata_mgpu.kernels.cpu_experts import DEQUANT_ROWS, RateCounter, combine_picks
 from strata_mgpu.model.expert_layout import ExpertLayout
 from strata_mgpu.quant.dequant import dequantize_rows
 
@@ -78,3 +78,10 @@ class RoundingTwin(RateCounter):
             y[rows, slot] = (vec_dot_values(act, VEC_DOT[lay.down_type]).double() @ wd.T).float()
         self.count(t, 0, 0.0)
         return combine_picks(y, weights)
+
+    def matmul(self, x: torch.Tensor, raw: torch.Tensor, ggml_type: Q, k: int) -> torch.Tensor:
+        """x [T, K] times W.T as `GgmlExperts.matmul` rounds it: x as W's vec_dot type takes it
+        below DEQUANT_ROWS rows; from there W dequantized and x as it is."""
+        w = dequantize_rows(raw, ggml_type, k).double()  # [N, K]
+        xq = x.float() if x.shape[0] >= DEQUANT_ROWS else vec_dot_values(x.float(), VEC_DOT[ggml_type])
+        return (xq.double() @ w.T).float()

@@ -14,6 +14,9 @@ seeds a type, the tests' own shapes; the bounds carry a margin of 2-7x over the 
   last fp32 bit differs (so the median row is bounded tightly, the worst row loosely); Q4_1/Q5_1
   3.7e-3, worst row 9.8e-3 (ggml keeps Q8_1's block sums in fp16); F16 1.4e-3, worst 2e-3 (fp16
   products and sums on CPUs with AVX512-FP16, as this one).
+The same executor multiplies a CPU stage's projections from their blocks (`matmul`): below
+DEQUANT_ROWS rows through ggml_mul_mat, its input rounded as above, so within the same bounds; from
+there W dequantized by ggml and multiplied by torch in fp32, so within FP32_TOL of the twin.
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ from strata_mgpu.cli import main
 from strata_mgpu.config import Placement
 from strata_mgpu.engine.build import build_runner
 from strata_mgpu.kernels import cpu_experts
-from strata_mgpu.kernels.cpu_experts import GgmlExperts, TorchExperts, default_threads, physical_cores
+from strata_mgpu.kernels.cpu_experts import DEQUANT_ROWS, GgmlExperts, TorchExperts, default_threads, physical_cores
 from strata_mgpu.kernels.paths import _warned
 from strata_mgpu.model.expert_layout import ExpertLayout
 from strata_mgpu.model.gguf_reader import GGUFFile
@@ -42,9 +45,10 @@ from strata_mgpu.model.reference import moe_reference
 from strata_mgpu.model.runner import DecoderRunner, load_reference_runner
 from strata_mgpu.model.spec import spec_from_gguf
 from strata_mgpu.model.synthetic import TensorPlan, make_tensor, write_model
+from strata_mgpu.model.weights import BlockMatrix, load_weights
 from strata_mgpu.quant.dequant import dequantize_rows
 from strata_mgpu.quant.formats import SUPPORTED_TYPES, block_format
-from strata_mgpu.stage.build import build_stage
+from strata_mgpu.stage.build import build_stage, dense_storage_bytes
 from strata_mgpu.stage.experts.host_cores import HostCoreExperts
 from strata_mgpu.stage.stage import Stage, StageOptions
 from tests.ggml_rounding import VEC_DOT, RoundingTwin
@@ -130,6 +134,33 @@ def test_ggml_equals_the_twins(executor, ggml_type):
         f"seed {seed}: rows {errs.tolist()}"
 
 
+@ggml_needed
+@pytest.mark.parametrize("ggml_type", SUPPORTED_TYPES, ids=lambda t: t.name)
+def test_ggml_matmul_equals_the_twins(executor, ggml_type):
+    """x [T, K] times a projection W [N, K] kept as blocks, at a decode step's rows, a few, and a
+    prompt's (the dequantizing path): against the plain twin within the input's rounding (fp32
+    alike from DEQUANT_ROWS on), against the rounding twin row by row."""
+    seed = fresh_seed()
+    n, k = 96, 2 * D
+    raw = torch.from_numpy(np.ascontiguousarray(
+        make_tensor(TensorPlan("w", (n, k), ggml_type, std=k ** -0.5), seed).reshape(n, -1).view(np.uint8)))
+    g = torch.Generator().manual_seed(seed)
+    for rows in (1, 5, DEQUANT_ROWS):
+        x = torch.randn(rows, k, generator=g) * (0.5 + 4 * torch.rand(rows, 1, generator=g))
+        got = executor.matmul(x, raw, ggml_type, k)
+        twin = TorchExperts().matmul(x, raw, ggml_type, k)
+        assert got.shape == (rows, n) and got.dtype == torch.float32 and torch.isfinite(got).all()
+        tol = FP32_TOL if rows >= DEQUANT_ROWS else TWIN_TOL[VEC_DOT[ggml_type]]
+        assert rel_err(got, twin) <= tol, f"seed {seed}, {rows} rows"
+        errs = row_errs(got, RoundingTwin().matmul(x, raw, ggml_type, k))
+        median_tol = ROUNDED_MEDIAN_TOL.get(ggml_type, ROUNDED_TOL)
+        assert float(errs.median()) <= median_tol and float(errs.max()) <= max(ROUNDED_WORST_TOL, median_tol), \
+            f"seed {seed}, {rows} rows: {errs.tolist()}"
+    for rows in (1, DEQUANT_ROWS):  # rows of another width than W's bytes hold: refused, not read past
+        with pytest.raises(AssertionError, match=f"rows of {k + 256} values take"):
+            executor.matmul(torch.randn(rows, k + 256), raw, ggml_type, k + 256)
+
+
 def test_the_twin_is_the_reference_moe():
     """The twin over the arena's bytes equals the oracle's experts over the same weights dequantized."""
     layer, lay = random_layer(Q.Q4_K, Q.Q6_K, 3)
@@ -206,6 +237,14 @@ def test_devices_cpu_builds_a_stage_of_arena_and_host_cores(tiny_gguf):
         assert isinstance(stage, Stage) and isinstance(stage.experts, HostCoreExperts)
         assert isinstance(stage.experts.executor, GgmlExperts) and stage.experts.executor.threads == 1
     assert stage.experts.cache is None and stage.experts.ring is None and not stage.arena.pinned
+    # its projections, head and embedding stay as the file's blocks, counted as their bytes
+    layer = stage.model.w.layers[0]
+    assert all(isinstance(m, BlockMatrix) for m in (layer.wqkv, layer.wq, layer.wk, layer.wv, layer.wo,
+                                                     stage.model.w.output, stage.model.w.embed))
+    assert isinstance(layer.wqkv, BlockMatrix) and layer.wqkv.raw.shape == (spec.q_dim + 2 * spec.kv_dim,
+                                                                          f.tensor("blk.0.attn_q.weight").row_bytes)
+    floats = dense_storage_bytes(load_weights(f, spec, with_experts=False))  # fp32 copies: 4 bytes a weight
+    assert stage.report.dense_bytes < 0.4 * floats  # Q8_0: 1.06
     assert stage.plan.workspace == stage.plan.ring == stage.plan.resident == 0
     assert stage.report.kernels == "torch, experts ggml on 1 thread" and stage.report.pass_bytes == 0
     with pytest.raises(ValueError, match="no ring or workspace to lend"):

@@ -21,6 +21,11 @@ their weights, summed in fp32).
   one expert at a time. What a CPU stage runs where ggml-python is missing (`select_cpu_experts`
   says so once), and what the tests hold ggml to.
 
+Both also multiply a CPU stage's dense projections from their blocks (`matmul`: x [T, K] times
+W [N, K] of any served type -> [T, N] fp32), ggml through `ggml_mul_mat` over the bytes in place
+(its input quantized as above), the twin by dequantizing W each call: a stage's projections then
+read 1.06 bytes a weight (Q8_0) rather than the 4 of fp32 copies, and take that much less RAM.
+
 Each executor keeps an `ExpertRate` (calls, expert bytes read, seconds) for each number of rows
 its calls had (`rates`; `rate`: all of them): the measurement a caller splitting a layer's picks
 between the cores and a link reads (`bench` reports the batch-1 decode's and the prompts').
@@ -52,6 +57,11 @@ log = logging.getLogger("strata.kernels")
 Q = GGMLQuantizationType
 ROWS_A_GRAPH = 256  # rows computed by one graph: bounds the intermediates ([T, A, 2F + F + D] fp32, 22 MB of 30B-A3B)
 GRAPHS_KEPT = 32  # graphs kept built, by (layout, rows), the least recently used dropped first
+# `matmul` from this many rows on: W dequantized by ggml (`to_float`, into a kept fp32 buffer), then
+# torch's GEMM, which outruns ggml_mul_mat's quantized dots at a prompt's rows (docs/BENCHMARKS.md);
+# W of at most DEQUANT_MAX_VALUES (the projections; a prompt's head takes only its last rows)
+DEQUANT_ROWS = 64
+DEQUANT_MAX_VALUES = 64 << 20
 
 
 @dataclass
@@ -122,6 +132,11 @@ class CpuExperts(Protocol):
         and experts [T, A] -> the weighted sum of each row's picks [T, D] fp32."""
         ...
 
+    def matmul(self, x: torch.Tensor, raw: torch.Tensor, ggml_type: GGMLQuantizationType, k: int) -> torch.Tensor:
+        """x [T, K] times W.T, W [N, K] given as its blocks raw [N, row_bytes] uint8 of ggml_type
+        -> [T, N] fp32 (not counted in the rates: those are the experts')."""
+        ...
+
 
 class TorchExperts(RateCounter):
     """The twin: each distinct picked expert dequantized from the layer's bytes and multiplied in fp32."""
@@ -147,6 +162,10 @@ class TorchExperts(RateCounter):
         out = combine_picks(y, weights)
         self.count(experts.shape[0], n_picked * lay.expert_bytes, time.perf_counter() - t0)
         return out
+
+    def matmul(self, x: torch.Tensor, raw: torch.Tensor, ggml_type: GGMLQuantizationType, k: int) -> torch.Tensor:
+        """As `CpuExperts.matmul`: W dequantized in fp32, then x @ W.T."""
+        return x.float() @ dequantize_rows(raw, ggml_type, k).T
 
     @staticmethod
     def _picks(experts_bytes: torch.Tensor, lay: ExpertLayout, h: torch.Tensor, experts: torch.Tensor
@@ -246,6 +265,46 @@ class _MoeGraph:
             self.ctx = None
 
 
+class _MatmulGraph:
+    """x [T, K] f32 times W [N, K] of one type (`ggml_mul_mat`): ggml's W is [K, N] (ne0 = K), its
+    product [N, T], which is x @ W.T [T, N] row-major. Built once per (type, K, N, T); W's, x's and
+    the product's addresses taken each call."""
+
+    def __init__(self, ggml: Any, ggml_type: int, k: int, n: int, rows: int, threads: int, pool: Any):
+        self.ggml = ggml
+        params = ggml.ggml_init_params(mem_size=4 * ggml.ggml_tensor_overhead() + ggml.ggml_graph_overhead_custom(
+            4, False) + 4096, mem_buffer=None, no_alloc=True)
+        self.ctx = ggml.ggml_init(params)
+        assert self.ctx is not None, "ggml_init failed"
+        w = ggml.ggml_new_tensor_2d(self.ctx, ggml_type, k, n)  # [K, N]
+        x = ggml.ggml_new_tensor_2d(self.ctx, ggml.GGML_TYPE_F32, k, rows)  # [K, T]
+        y = ggml.ggml_mul_mat(self.ctx, w, x)  # [N, T]
+        self.graph = ggml.ggml_new_graph_custom(self.ctx, 4, False)
+        ggml.ggml_build_forward_expand(self.graph, y)
+        self.plan = ggml.ggml_graph_plan(self.graph, threads, pool)
+        self.work = np.empty(max(int(self.plan.work_size), 1), dtype=np.uint8)  # x quantized to W's dot type
+        self.plan.work_data = self.work.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8))
+        self.plan_ref = ctypes.byref(self.plan)
+        self.row_bytes = int(w.contents.nb[1])
+        self.shape = (rows, n)
+        self.structs = [t.contents for t in (w, x, y)]
+
+    def run(self, raw: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """raw [N, row_bytes] uint8 and x [T, K] f32, both contiguous -> [T, N] f32."""
+        y = torch.empty(self.shape, dtype=torch.float32)
+        w_, x_, y_ = self.structs
+        w_.data, x_.data, y_.data = raw.data_ptr(), x.data_ptr(), y.data_ptr()
+        status = self.ggml.ggml_graph_compute(self.graph, self.plan_ref)
+        if status != 0:
+            raise RuntimeError(f"ggml_graph_compute failed with status {status}")
+        return y
+
+    def free(self) -> None:
+        if self.ctx is not None:
+            self.ggml.ggml_free(self.ctx)
+            self.ctx = None
+
+
 class GgmlExperts(RateCounter):
     """ggml's CPU kernels over the experts' bytes in place, on a thread pool of `threads` (see the
     module docstring). One call at a time (a lock): ctypes lets go of the GIL while ggml computes,
@@ -267,7 +326,8 @@ class GgmlExperts(RateCounter):
         params.poll = poll
         self._pool = ggml.ggml_threadpool_new(ctypes.byref(params))  # its threads - 1 workers, the caller the first
         assert self._pool, "ggml_threadpool_new failed"
-        self._graphs: OrderedDict[tuple, _MoeGraph] = OrderedDict()
+        self._graphs: OrderedDict[tuple, _MoeGraph | _MatmulGraph] = OrderedDict()
+        self._dequant_buffer = torch.empty(0, dtype=torch.float32)  # `_dequantized`'s, grown as needed
         self._lock = threading.Lock()
         self._free = weakref.finalize(self, _free, ggml, self._graphs, self._pool)  # at collection or exit
 
@@ -298,15 +358,57 @@ class GgmlExperts(RateCounter):
         self.count(t, n_picked * lay.expert_bytes, time.perf_counter() - t0)
         return out
 
+    def matmul(self, x: torch.Tensor, raw: torch.Tensor, ggml_type: GGMLQuantizationType, k: int) -> torch.Tensor:
+        """As `CpuExperts.matmul`, through `ggml_mul_mat` over raw's blocks in place."""
+        t, n = x.shape[0], raw.shape[0]
+        assert self._free.alive, "the executor was closed"
+        assert x.shape[1] == k and raw.dtype == torch.uint8 and raw.is_contiguous(), "x [T, K], raw [N, row_bytes]"
+        xf = x if x.dtype == torch.float32 and x.is_contiguous() else x.float().contiguous()
+        key = ("matmul", int(ggml_type), k, n, t)
+        with self._lock:
+            if t >= DEQUANT_ROWS and n * k <= DEQUANT_MAX_VALUES:
+                return xf @ self._dequantized(raw, ggml_type, k).T
+            graph = self._graphs.get(key)
+            if graph is None:
+                graph = self._keep(key, _MatmulGraph(self.ggml, int(ggml_type), k, n, t, self.threads, self._pool))
+            assert isinstance(graph, _MatmulGraph)
+            # ggml reads raw.shape[1] bytes a row: a mismatch would read past the matrix
+            assert raw.shape[1] == graph.row_bytes, f"{ggml_type.name} rows of {k} values take {graph.row_bytes} bytes"
+            self._graphs.move_to_end(key)
+            return graph.run(raw, xf)
+
+    def _dequantized(self, raw: torch.Tensor, ggml_type: GGMLQuantizationType, k: int) -> torch.Tensor:
+        """W [N, K] fp32 from raw's blocks by ggml's own dequantization, in a buffer kept for the
+        next call (valid until then)."""
+        values = raw.shape[0] * k
+        if ggml_type == Q.F32:  # its own values (ggml has no conversion for it)
+            assert raw.shape[1] == 4 * k, f"F32 rows of {k} values take {4 * k} bytes"
+            return raw.view(torch.float32)
+        if self._dequant_buffer.numel() < values:
+            self._dequant_buffer = torch.empty(values, dtype=torch.float32)
+        out = self._dequant_buffer[:values]
+        traits = self.ggml.ggml_get_type_traits(int(ggml_type)).contents
+        assert traits.type_size * (k // traits.blck_size) == raw.shape[1], \
+            f"{ggml_type.name} rows of {k} values take {traits.type_size * (k // traits.blck_size)} bytes"
+        traits.to_float(ctypes.c_void_p(raw.data_ptr()), ctypes.cast(out.data_ptr(), ctypes.POINTER(ctypes.c_float)),
+                        values)
+        return out.view(raw.shape[0], k)
+
     def _graph(self, lay: ExpertLayout, d: int, n_experts: int, n_used: int, rows: int) -> _MoeGraph:
         # plain ints: a frozen dataclass hashes its fields anew at every lookup (microseconds a layer call)
         key = (int(lay.gate_type), int(lay.down_type), lay.gate_bytes, lay.down_bytes, d, n_experts, n_used, rows)
         graph = self._graphs.get(key)
         if graph is None:
-            graph = self._graphs[key] = _MoeGraph(self.ggml, lay, d, n_experts, n_used, rows, self.threads, self._pool)
-            if len(self._graphs) > GRAPHS_KEPT:
-                self._graphs.popitem(last=False)[1].free()
+            graph = self._keep(key, _MoeGraph(self.ggml, lay, d, n_experts, n_used, rows, self.threads, self._pool))
+        assert isinstance(graph, _MoeGraph)
         self._graphs.move_to_end(key)
+        return graph
+
+    def _keep(self, key: tuple, graph: _MoeGraph | _MatmulGraph) -> _MoeGraph | _MatmulGraph:
+        """A new graph kept, the least recently used one freed past GRAPHS_KEPT."""
+        self._graphs[key] = graph
+        if len(self._graphs) > GRAPHS_KEPT:
+            self._graphs.popitem(last=False)[1].free()
         return graph
 
     def close(self) -> None:
@@ -314,7 +416,7 @@ class GgmlExperts(RateCounter):
         self._free()
 
 
-def _free(ggml: Any, graphs: OrderedDict[tuple, _MoeGraph], pool: Any) -> None:
+def _free(ggml: Any, graphs: OrderedDict[tuple, _MoeGraph | _MatmulGraph], pool: Any) -> None:
     for graph in graphs.values():
         graph.free()
     graphs.clear()

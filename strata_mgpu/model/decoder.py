@@ -33,10 +33,26 @@ from strata_mgpu.model.expert_backend import ExpertBackend
 from strata_mgpu.model.kv_cache import PLAIN_KV, KVCache, KVFormat, SequenceKV
 from strata_mgpu.model.ops import PLAIN_OPS, DecodeOps, causal_attention, qk_norm_rope, rms_norm, rope_cos_sin
 from strata_mgpu.model.spec import ModelSpec
-from strata_mgpu.model.weights import LayerWeights, ModelWeights
+from strata_mgpu.model.weights import BlockMatrix, LayerWeights, Matrix, ModelWeights
+from strata_mgpu.quant.dequant import dequantize_rows
 
 # (local layer, h [T, D], router [E, D]) -> (weights [T, A] fp32, experts [T, A])
 Routing = Callable[[int, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+
+class DenseMatmul(Protocol):
+    """How a forward multiplies its projections (q, k, v, o, the head): x [T, K] and W [N, K] ->
+    x @ W.T [T, N] in x's dtype. `float_matmul` for float tensors; a stage whose projections are
+    blocks (`BlockMatrix`) passes what multiplies those (`stage.experts.host_cores.HostDense`)."""
+
+    def __call__(self, x: torch.Tensor, w: Matrix) -> torch.Tensor: ...
+
+
+def float_matmul(x: torch.Tensor, w: Matrix) -> torch.Tensor:
+    """x [T, K] @ W.T for a float W [N, K] (the decoder's default)."""
+    if isinstance(w, BlockMatrix):
+        raise TypeError("a projection kept as blocks needs the stage's DenseMatmul")
+    return x @ w.T
 
 
 @dataclass
@@ -76,13 +92,13 @@ class SegmentAttention:
     and values written after its cached ones, then SDPA over them, a segment at a time. Every
     cache's layer i + 1 is prefetched (`SequenceKV.prefetch`) before layer i attends."""
 
-    def __init__(self, spec: ModelSpec, cos: torch.Tensor, sin: torch.Tensor):
-        self.spec, self.cos, self.sin = spec, cos, sin  # [T, Dh] each
+    def __init__(self, spec: ModelSpec, cos: torch.Tensor, sin: torch.Tensor, dense: DenseMatmul = float_matmul):
+        self.spec, self.cos, self.sin, self.dense = spec, cos, sin, dense  # cos, sin [T, Dh] each
 
     def __call__(self, i: int, w: LayerWeights, h: torch.Tensor, part: Rows) -> torch.Tensor:
-        s = self.spec
-        q, k = qk_norm_rope(s, w, h @ w.wq.T, h @ w.wk.T, self.cos[part.rows], self.sin[part.rows])
-        v = (h @ w.wv.T).view(h.shape[0], s.n_kv_heads, s.head_dim)
+        s, mm = self.spec, self.dense
+        q, k = qk_norm_rope(s, w, mm(h, w.wq), mm(h, w.wk), self.cos[part.rows], self.sin[part.rows])
+        v = mm(h, w.wv).view(h.shape[0], s.n_kv_heads, s.head_dim)
         for seg in part.segments:  # layer i + 1's keys arrive while layer i attends and runs its experts
             seg.kv.prefetch(i + 1)
         if len(part.segments) == 1:
@@ -93,7 +109,7 @@ class SegmentAttention:
                 rows = slice(seg.start, seg.end)
                 k_all, v_all = seg.kv.write(i, k[rows], v[rows], at=part.at)  # [S, Hkv, Dh]
                 out[rows] = causal_attention(q[rows], k_all, v_all)
-        return out.reshape(-1, s.q_dim) @ w.wo.T
+        return mm(out.reshape(-1, s.q_dim), w.wo)
 
 
 class RowAttention:
@@ -106,20 +122,21 @@ class RowAttention:
     covers, above every position it reads."""
 
     def __init__(self, spec: ModelSpec, ops: DecodeOps, positions: torch.Tensor, kvs: Sequence[SequenceKV],
-                 table: torch.Tensor | None, capacity: int | None, cos: torch.Tensor, sin: torch.Tensor):
+                 table: torch.Tensor | None, capacity: int | None, cos: torch.Tensor, sin: torch.Tensor,
+                 dense: DenseMatmul = float_matmul):
         self.spec, self.ops, self.positions, self.kvs = spec, ops, positions, kvs
-        self.table, self.capacity, self.cos, self.sin = table, capacity, cos, sin
+        self.table, self.capacity, self.cos, self.sin, self.dense = table, capacity, cos, sin, dense
 
     def __call__(self, i: int, w: LayerWeights, h: torch.Tensor, part: Rows) -> torch.Tensor:
-        s = self.spec
+        s, mm = self.spec, self.dense
         if w.wqkv is not None:  # one GEMM: [B, (H + 2 Hkv) * Dh], split into column blocks
-            q, k, v = (h @ w.wqkv.T).split([s.q_dim, s.kv_dim, s.kv_dim], dim=1)
+            q, k, v = mm(h, w.wqkv).split([s.q_dim, s.kv_dim, s.kv_dim], dim=1)
         else:
-            q, k, v = h @ w.wq.T, h @ w.wk.T, h @ w.wv.T
+            q, k, v = mm(h, w.wq), mm(h, w.wk), mm(h, w.wv)
         q = self.ops.qk_norm_rope_kv(s, w, i, q, k, v, self.positions, self.cos, self.sin, self.kvs,
                                      self.table)  # [B, H, Dh]
         out = self.ops.attention(i, q, self.positions, self.kvs, self.table, self.capacity)  # [B, H, Dh]
-        return out.reshape(h.shape[0], s.q_dim) @ w.wo.T
+        return mm(out.reshape(h.shape[0], s.q_dim), w.wo)
 
 
 @dataclass(frozen=True)
@@ -150,12 +167,17 @@ class Decoder:
     bound a short prompt.
 
     `routing`: where set, replaces every layer's routing (tests record or force it); the row path
-    then routes apart from `ops.moe_input`. None: the decoder's own (`route`)."""
+    then routes apart from `ops.moe_input`. None: the decoder's own (`route`).
+
+    `dense`: what multiplies the projections (`DenseMatmul`): float tensors by default; a stage
+    whose weights keep them as blocks passes its own."""
 
     def __init__(self, spec: ModelSpec, weights: ModelWeights, experts: ExpertBackend, ops: DecodeOps | None = None,
-                 static_rows: bool = False, kv_types: tuple[GGMLQuantizationType, GGMLQuantizationType] = PLAIN_KV):
+                 static_rows: bool = False, kv_types: tuple[GGMLQuantizationType, GGMLQuantizationType] = PLAIN_KV,
+                 dense: DenseMatmul = float_matmul):
         self.spec = spec
         self.w = weights
+        self.dense = dense
         self.kv_format = KVFormat(weights.dtype, *kv_types)  # how its caches store keys and values
         self.experts = experts
         self.ops = ops or DecodeOps()
@@ -177,8 +199,11 @@ class Decoder:
         return self.run(self.embed(tokens), segments)
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
-        assert self.w.embed is not None, "only the first stage embeds"
-        return self.w.embed[tokens]  # [T, D]
+        table = self.w.embed
+        assert table is not None, "only the first stage embeds"
+        if isinstance(table, BlockMatrix):  # the picked rows' blocks, dequantized
+            return dequantize_rows(table.raw[tokens], table.ggml_type, table.k).to(self.w.dtype)  # [T, D]
+        return table[tokens]  # [T, D]
 
     def run(self, x: torch.Tensor, segments: Sequence[Segment]) -> torch.Tensor:
         """This decoder's layers over hidden rows x [T, D] -> [T, D] (x may be overwritten).
@@ -201,7 +226,8 @@ class Decoder:
             cos, sin = rope_cos_sin(positions, self.spec, self.w.dtype)  # [T, Dh]
             halves = (streams and len(segments) == 1 and segments[0].kv.offset_writes and n >= 2
                       and self.experts.in_halves(n))
-            path = ForwardPath(ops=PLAIN_OPS, attention=SegmentAttention(self.spec, cos, sin), fused_moe_input=False,
+            path = ForwardPath(ops=PLAIN_OPS, attention=SegmentAttention(self.spec, cos, sin, self.dense),
+                               fused_moe_input=False,
                                streams=streams, halves=halves, prefetched=tuple(seg.kv for seg in segments))
         x = self._layers(x, segments, path)
         for seg in segments:
@@ -230,8 +256,8 @@ class Decoder:
         s = self.spec
         cos, sin = rope_cos_sin(positions, s, self.w.dtype)  # [B, Dh]
         table = self.ops.kv_table(kvs) if table is None else table
-        return ForwardPath(ops=self.ops, attention=RowAttention(s, self.ops, positions, kvs, table, capacity, cos, sin),
-                           fused_moe_input=True, streams=streams)
+        attention = RowAttention(s, self.ops, positions, kvs, table, capacity, cos, sin, self.dense)
+        return ForwardPath(ops=self.ops, attention=attention, fused_moe_input=True, streams=streams)
 
     def _layers(self, x: torch.Tensor, segments: Sequence[Segment], path: ForwardPath) -> torch.Tensor:
         """Every layer over x [T, D] on `path`; the experts begun here. Where the forward fails,
@@ -307,7 +333,7 @@ class Decoder:
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, D] final hidden rows -> [N, V] logits (final norm, then the head)."""
         assert self.w.output is not None and self.w.out_norm is not None, "only the last stage has the head"
-        return rms_norm(hidden, self.w.out_norm, self.spec.rms_eps) @ self.w.output.T
+        return self.dense(rms_norm(hidden, self.w.out_norm, self.spec.rms_eps), self.w.output)
 
     def prefill(self, tokens: torch.Tensor, kv: SequenceKV) -> torch.Tensor:
         """All-position logits [T, V] of one sequence's new tokens."""

@@ -1,15 +1,41 @@
-"""Dense float weights of a model (or a layer range of it), dequantized from GGUF."""
+"""Dense weights of a model (or a layer range of it) from GGUF: dequantized to a float dtype, or,
+for the projections of a stage that multiplies blocks in place (a CPU stage through ggml), kept as
+their GGUF blocks (`BlockMatrix`)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
+from gguf.constants import GGMLQuantizationType
 
 from strata_mgpu.model.gguf_reader import GGUFFile
 from strata_mgpu.model.spec import ModelSpec, T, tname
 from strata_mgpu.quant.dequant import dequantize
+
+
+@dataclass(frozen=True)
+class BlockMatrix:
+    """A projection W [N, K] kept as the file stores it: raw [N, row_bytes] uint8, each row K
+    values in blocks of `ggml_type`. What multiplies it is the decoder's `DenseMatmul`."""
+
+    raw: torch.Tensor  # [N, row_bytes] uint8
+    ggml_type: GGMLQuantizationType
+    k: int  # values a row
+
+    @property
+    def n(self) -> int:
+        return self.raw.shape[0]
+
+    def row_block(self, start: int, stop: int) -> BlockMatrix:
+        """Rows [start, stop) of W: a view of the same bytes."""
+        return BlockMatrix(self.raw[start:stop], self.ggml_type, self.k)
+
+
+# A projection as the decoder multiplies it: a float tensor [N, K], or its blocks
+Matrix = torch.Tensor | BlockMatrix
 
 
 @dataclass
@@ -17,10 +43,10 @@ class LayerWeights:
     """One decoder layer. Shapes: D hidden, E experts, F expert width, Hkv*Dh = KV width."""
 
     attn_norm: torch.Tensor  # [D]
-    wq: torch.Tensor  # [H*Dh, D]
-    wk: torch.Tensor  # [Hkv*Dh, D]
-    wv: torch.Tensor  # [Hkv*Dh, D]
-    wo: torch.Tensor  # [D, H*Dh]
+    wq: Matrix  # [H*Dh, D]
+    wk: Matrix  # [Hkv*Dh, D]
+    wv: Matrix  # [Hkv*Dh, D]
+    wo: Matrix  # [D, H*Dh]
     q_norm: torch.Tensor  # [Dh]
     k_norm: torch.Tensor  # [Dh]
     ffn_norm: torch.Tensor  # [D]
@@ -30,7 +56,7 @@ class LayerWeights:
     down: torch.Tensor | None = None  # [E, D, F]
     # [(H + 2 Hkv) * Dh, D]: the three projections in one matrix (wq, wk, wv are its row blocks),
     # so that a decode step reads them in one GEMM; None where they were made apart
-    wqkv: torch.Tensor | None = None
+    wqkv: Matrix | None = None
 
 
 @dataclass
@@ -38,47 +64,83 @@ class ModelWeights:
     """The dense weights of a layer range; the embedding where it is the first stage, the final
     norm and head where it is the last (None elsewhere)."""
 
-    embed: torch.Tensor | None  # [V, D]
+    embed: Matrix | None  # [V, D]: rows looked up by token
     layers: list[LayerWeights]
     out_norm: torch.Tensor | None  # [D]
-    output: torch.Tensor | None  # [V, D]; the embedding itself when tied
+    output: Matrix | None  # [V, D]; the embedding itself when tied
 
     @property
     def device(self) -> torch.device:
-        return self.layers[0].wq.device
+        return self.layers[0].attn_norm.device
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.layers[0].wq.dtype
+        return self.layers[0].attn_norm.dtype
 
 
 def load_weights(f: GGUFFile, spec: ModelSpec, *, dtype: torch.dtype = torch.float32,
                  device: torch.device | str = "cpu", with_experts: bool = True, layers: range | None = None,
-                 embed: bool = True, head: bool = True,
+                 embed: bool = True, head: bool = True, blocks: bool = False,
                  on_layer: Callable[[int], None] | None = None) -> ModelWeights:
     """Dequantize the tensors of `layers` (default: all) to `dtype` on `device` (the router stays
     fp32); without experts when they are streamed; the embedding and the head only if asked.
+    `blocks` (the CPU only): the projections (q, k, v, o, the head) and the embedding stay as their
+    blocks (`BlockMatrix`, copied out of the file's map), q, k and v one matrix where their types agree.
     `on_layer(i)` reports progress."""
+    assert not blocks or torch.device(device).type == "cpu", "blocks are multiplied on the host's cores"
 
     def get(kind: T, layer: int | None = None, as_dtype: torch.dtype = dtype) -> torch.Tensor:
         name = tname(kind, layer)
         info = f.tensor(name)
         return dequantize(f.tensor_data(name), info.ggml_type, info.shape, device).to(as_dtype)
 
+    def raw(*kinds_layer: tuple[T, int | None]) -> BlockMatrix:
+        """The blocks of one tensor, or of several of one type and width stacked by rows."""
+        infos = [f.tensor(tname(kind, layer)) for kind, layer in kinds_layer]
+        data = np.concatenate([f.tensor_data(tname(kind, layer)) for kind, layer in kinds_layer])
+        return BlockMatrix(torch.from_numpy(data), infos[0].ggml_type, infos[0].shape[-1])
+
+    def same_blocks(*kinds_layer: tuple[T, int | None]) -> bool:
+        infos = [f.tensor(tname(kind, layer)) for kind, layer in kinds_layer]
+        return len({(info.ggml_type, info.shape[-1]) for info in infos}) == 1
+
     out_layers = []
     for i in layers if layers is not None else range(spec.n_layers):
-        wqkv = torch.cat([get(T.ATTN_Q, i), get(T.ATTN_K, i), get(T.ATTN_V, i)])
-        wq, wk, wv = wqkv.split([spec.q_dim, spec.kv_dim, spec.kv_dim])
+        qkv = ((T.ATTN_Q, i), (T.ATTN_K, i), (T.ATTN_V, i))
+        wqkv: Matrix | None
+        wq: Matrix
+        wk: Matrix
+        wv: Matrix
+        wo: Matrix
+        if blocks and same_blocks(*qkv):
+            wqkv = raw(*qkv)
+            wq, wk, wv = (wqkv.row_block(a, b) for a, b in _row_ranges(spec.q_dim, spec.kv_dim, spec.kv_dim))
+        elif blocks:
+            wqkv, (wq, wk, wv) = None, (raw(kl) for kl in qkv)
+        else:
+            wqkv = torch.cat([get(T.ATTN_Q, i), get(T.ATTN_K, i), get(T.ATTN_V, i)])
+            wq, wk, wv = wqkv.split([spec.q_dim, spec.kv_dim, spec.kv_dim])
+        wo = raw((T.ATTN_OUT, i)) if blocks else get(T.ATTN_OUT, i)
         lw = LayerWeights(
             attn_norm=get(T.ATTN_NORM, i), wq=wq, wk=wk, wv=wv, wqkv=wqkv,
-            wo=get(T.ATTN_OUT, i), q_norm=get(T.ATTN_Q_NORM, i), k_norm=get(T.ATTN_K_NORM, i),
+            wo=wo, q_norm=get(T.ATTN_Q_NORM, i), k_norm=get(T.ATTN_K_NORM, i),
             ffn_norm=get(T.FFN_NORM, i), router=get(T.FFN_GATE_INP, i, torch.float32))
         if with_experts:
             lw.gate, lw.up, lw.down = get(T.FFN_GATE_EXP, i), get(T.FFN_UP_EXP, i), get(T.FFN_DOWN_EXP, i)
         out_layers.append(lw)
         if on_layer:
             on_layer(i)
-    embedding = get(T.TOKEN_EMBD) if embed or (head and spec.tied_output) else None
-    output = (embedding if spec.tied_output else get(T.OUTPUT)) if head else None
+    embedding: Matrix | None = None
+    if embed or (head and spec.tied_output):
+        embedding = raw((T.TOKEN_EMBD, None)) if blocks else get(T.TOKEN_EMBD)
+    output: Matrix | None = None
+    if head:
+        output = embedding if spec.tied_output else raw((T.OUTPUT, None)) if blocks else get(T.OUTPUT)
     return ModelWeights(embed=embedding if embed else None, layers=out_layers,
                         out_norm=get(T.OUTPUT_NORM) if head else None, output=output)
+
+
+def _row_ranges(*sizes: int) -> list[tuple[int, int]]:
+    """[start, stop) of consecutive row blocks of these sizes."""
+    ends = np.cumsum(sizes).tolist()
+    return list(zip([0, *ends[:-1]], ends, strict=True))

@@ -21,10 +21,10 @@ import torch
 from strata_mgpu.kernels.cpu_experts import GgmlExperts, default_threads, ggml_missing, select_cpu_experts
 from strata_mgpu.kernels.decode_ops import ATTN_HEAD_DIMS, ATTN_MIN_CAPABILITY, CudaDecodeOps
 from strata_mgpu.kernels.experts import CudaKernels, TorchKernels, select_kernels
-from strata_mgpu.model.decoder import Decoder
+from strata_mgpu.model.decoder import Decoder, float_matmul
 from strata_mgpu.model.gguf_reader import GGUFFile
 from strata_mgpu.model.spec import ModelSpec
-from strata_mgpu.model.weights import ModelWeights, load_weights
+from strata_mgpu.model.weights import BlockMatrix, ModelWeights, load_weights
 from strata_mgpu.stage.device import DeviceContext
 from strata_mgpu.stage.experts.cache import ExpertCache, RefillOnFirstStep
 from strata_mgpu.stage.experts.handover import (
@@ -33,7 +33,7 @@ from strata_mgpu.stage.experts.handover import (
     CpuHandover,
     HandoverTwin,
 )
-from strata_mgpu.stage.experts.host_cores import HostCoreExperts
+from strata_mgpu.stage.experts.host_cores import HostCoreExperts, HostDense
 from strata_mgpu.stage.experts.ring import ExpertRing
 from strata_mgpu.stage.experts.streamed import StreamedExperts
 from strata_mgpu.stage.graphs.replay import DecodeGraphs
@@ -65,8 +65,12 @@ def build_stage(f: GGUFFile, spec: ModelSpec, opts: StageOptions, layers: range 
         return (lambda i: on_progress(what, i - layers.start + 1, total)) if on_progress else (lambda i: None)
 
     tag = "" if first and last else f" {layers.start}-{layers.stop - 1} on {ctx.device}"
+    # a CPU stage computing on the host's cores through ggml multiplies its projections from their
+    # blocks too (`HostDense`); the torch twin would dequantize them every call: floats there
+    executor = select_cpu_experts(opts.threads or default_threads(0)) if opts.cpu_experts else None
+    blocks = isinstance(executor, GgmlExperts)
     dense = load_weights(f, spec, dtype=dtype, device=ctx.device, with_experts=False, layers=layers, embed=first,
-                         head=last, on_layer=progress("dense weights" + tag, len(layers)))
+                         head=last, blocks=blocks, on_layer=progress("dense weights" + tag, len(layers)))
     arena = HostExpertArena(f, spec, layers, pin=ctx.is_cuda, on_layer=progress("experts" + tag, len(layers)))
     kernels = select_kernels(ctx.device, prefer_cuda=opts.prefer_cuda_kernels)
     plan = _plan(ctx, spec, opts, layers, arena, dense_storage_bytes(dense), dtype)
@@ -74,8 +78,7 @@ def build_stage(f: GGUFFile, spec: ModelSpec, opts: StageOptions, layers: range 
     cache = (ExpertCache(ctx, arena, layers, plan.resident_per_layer * len(layers))
              if opts.expert_cache and not opts.cpu_experts else None)
     experts: StreamedExperts | HostCoreExperts
-    if opts.cpu_experts:
-        executor = select_cpu_experts(opts.threads or default_threads(0))
+    if executor is not None:
         experts = HostCoreExperts(arena, executor, kernels, layers)
     else:
         experts = StreamedExperts(ctx, spec, arena, kernels, ring, cache, layers, dtype=dtype)
@@ -88,7 +91,8 @@ def build_stage(f: GGUFFile, spec: ModelSpec, opts: StageOptions, layers: range 
     # (docs/ARCHITECTURE.md). Only where their attention runs fused: its twin costs a dozen
     # launches a row.
     model = Decoder(spec, dense, experts, ops, static_rows=fused_ops and _attention_fused(ctx, spec),
-                    kv_types=opts.kv_types)
+                    kv_types=opts.kv_types,
+                    dense=HostDense(experts) if blocks and isinstance(experts, HostCoreExperts) else float_matmul)
     graphs = DecodeGraphs(ctx, model, enabled=(opts.cuda_graphs and cache is not None and dtype == torch.bfloat16
                                                and _decode_never_syncs(kernels, arena, spec)),
                           largest=opts.graph_batch, pad=plan.resident_share >= 1, first=first)
@@ -161,9 +165,9 @@ def _handover(ctx: DeviceContext, spec: ModelSpec, opts: StageOptions, arena: Ho
 
 def dense_storage_bytes(dense: ModelWeights) -> int:
     """Bytes of every storage of the dense weights once (wq/wk/wv are views of wqkv; a tied head
-    is the embedding)."""
-    tensors = [t for lw in dense.layers for t in vars(lw).values() if isinstance(t, torch.Tensor)]
-    tensors += [x for x in (dense.embed, dense.output, dense.out_norm) if x is not None]
+    is the embedding; blocks count their bytes)."""
+    held = [*(t for lw in dense.layers for t in vars(lw).values()), dense.embed, dense.output, dense.out_norm]
+    tensors = [t.raw if isinstance(t, BlockMatrix) else t for t in held if isinstance(t, torch.Tensor | BlockMatrix)]
     return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values())
 
 

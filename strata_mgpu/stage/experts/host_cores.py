@@ -8,6 +8,8 @@ Nothing is copied, streamed or dequantized ahead: no ring, no expert cache, no w
 and a decode step take the same path, the rows' picks read where the arena holds them, so there
 is no whole-layer pass either (`should_stream` is always False). The stage's kernel set counts each
 call under "cpu_experts:ggml" or "cpu_experts:torch".
+
+`HostDense` multiplies the same stage's projections where it keeps them as blocks (ggml there).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import torch
 
 from strata_mgpu.kernels.cpu_experts import CpuExperts
 from strata_mgpu.kernels.experts import TorchKernels
+from strata_mgpu.model.weights import BlockMatrix, Matrix
 from strata_mgpu.stage.experts.cache import ExpertCache
 from strata_mgpu.stage.experts.lending import PrefillHelper
 from strata_mgpu.stage.experts.ring import ExpertRing
@@ -75,3 +78,18 @@ class HostCoreExperts:
 
     def streamed_per_layer(self) -> int:
         return 0
+
+
+class HostDense:
+    """A CPU stage's `DenseMatmul`: projections kept as blocks (`BlockMatrix`) multiplied from their
+    bytes by the executor that computes the stage's experts (one executor: a test that swaps it
+    swaps both); float ones by torch."""
+
+    def __init__(self, experts: HostCoreExperts):
+        self.experts = experts
+
+    def __call__(self, x: torch.Tensor, w: Matrix) -> torch.Tensor:
+        if not isinstance(w, BlockMatrix):
+            return x @ w.T
+        out = self.experts.executor.matmul(x, w.raw, w.ggml_type, w.k)
+        return out if out.dtype == x.dtype else out.to(x.dtype)
