@@ -61,7 +61,7 @@ DECODE_GRAPH_BATCH = EnvVar("STRATA_DECODE_GRAPH_BATCH", "8",
 HOST_PROMPT_HELP = EnvVar("STRATA_HOST_PROMPT_HELP", "0",
                           "1 lets a GPU stage whose decode hands experts to the host's cores (--cpu-experts) also "
                           "give a streamed prompt pass of at most 64 rows a share of each layer's streamed experts "
-                          "there (the link streams fewer); 0 (default): off until measured on a GPU")
+                          "there (the link streams fewer); 0 (default): on one H200 it made such prompts 3-6x slower")
 
 ALL = (CACHE_DIR, LOG_LEVEL, PREFILL_HELP, PREFILL_HELP_FRAC, HELP_HALVES, KV_PREFETCH, STAGE_THREADS,
        DECODE_GRAPH_BATCH, HOST_PROMPT_HELP)
