@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import threading
 import time
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -19,6 +20,7 @@ from strata_mgpu.model.spec import spec_from_gguf
 from strata_mgpu.stage.build import build_stage
 from strata_mgpu.stage.experts.handover import (
     AutoShare,
+    CpuHandover,
     HandoverTwin,
     HandoverWorker,
     HostRate,
@@ -193,6 +195,11 @@ def test_the_worker_answers_each_request_and_sleeps_between_steps(tiny):
         wait_done(box, request)
         assert isinstance(worker.error, RuntimeError) and "boom" in str(worker.error) and not box.out[:d].any()
         assert box.share_np[0] == 0.0  # later layers give the host nothing
+        # what the layers went on past, as the engine reads it: the failed worker, then a timed-out wait too
+        as_stage_sees_it = SimpleNamespace(mailbox=box, worker=worker)
+        assert CpuHandover.silent_faults(as_stage_sees_it) == 1  # type: ignore[arg-type]
+        box.flags_np[16] = 1  # the status word handover_add sets when the host does not answer in time
+        assert box.status == 1 and CpuHandover.silent_faults(as_stage_sees_it) == 2  # type: ignore[arg-type]
     finally:
         worker.close()
     assert not any(th.name == "strata cpu experts" and th.is_alive() for th in threading.enumerate()
@@ -275,9 +282,13 @@ def test_a_declined_hand_over_is_detached_and_its_graphs_dropped(tiny_gguf, monk
     monkeypatch.setattr(handover, "arm", lambda: False)  # the share fell to 0
     closed = []
     monkeypatch.setattr(handover, "close", lambda: closed.append(True))
+    assert shared.silent_faults() == 0
+    monkeypatch.setattr(handover, "silent_faults", lambda: 1)  # as a host that did not answer in time
+    assert shared.silent_faults() == 1
     token = torch.tensor([int(a.argmax())])
     a, b = plain.decode([kv_p], token)[0], shared.decode([kv_s], token)[0]
     assert shared.experts.handover is None and dropped == [True] and closed == [True]
+    assert shared.silent_faults() == 1  # the detached hand-over's failure stays counted
     assert rel_err(b, a) <= 1e-5
 
 

@@ -303,6 +303,10 @@ class ScriptedRunner:
     script: list[int]
     events: list[tuple] = field(default_factory=list)
     kv_token_budget: int | None = None
+    faults: int = 0  # `silent_faults`: what a test raises where the device would fail without raising
+
+    def silent_faults(self) -> int:
+        return self.faults
 
     @property
     def max_context(self) -> int:
@@ -426,6 +430,34 @@ def test_a_failed_decode_ends_its_requests_and_the_engine_goes_on(loaded):
     assert first[-1].n_generated == 3  # the tokens drawn before the failed step still landed
     second, = run_all(engine, [([3, 4], params)])
     assert second[-1].finish_reason == "length" and second[-1].n_generated == 8
+
+
+def test_a_step_whose_work_failed_silently_ends_its_requests_not_with_its_tokens(loaded):
+    """A failure the device goes on past (a hand-over the host never answered) during a decode
+    step: every step that lands after the count rose and was launched before it may hold wrong
+    tokens and KV, so its requests end with an error (500, saying why) rather than take them; the
+    tokens landed before stay theirs, and a request admitted afterwards runs to its end."""
+    tok = loaded[1]
+    script = tok.encode("one two three four five six seven eight nine ten", add_special=False)[:10]
+    engine, fake = scripted(loaded, script, ctx_size=64)
+    real_decode, calls = fake.decode, []
+
+    def failing_silently(kvs, tokens):
+        calls.append(len(kvs))
+        if len(calls) == 3:
+            fake.faults += 1  # as a hand-over's status word set while the third step runs
+        return real_decode(kvs, tokens)
+
+    fake.decode = failing_silently
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    first, = run_all(engine, [([1, 2], params)])
+    assert first[-1].finish_reason == "error" and "expert hand-over" in first[-1].error
+    assert first[-1].error_status == 500
+    # the prompt's token and the first step's landed; the fault was seen (here at once, as the third
+    # step was queued) before the second step landed, which was in flight with the third: both dropped
+    assert [t for o in first for t in o.token_ids] == script[:2]
+    second, = run_all(engine, [([3, 4], params)])
+    assert second[-1].finish_reason == "length" and [t for o in second for t in o.token_ids] == script[:8]
 
 
 def test_admission_keeps_within_the_kv_budget(loaded):

@@ -119,12 +119,15 @@ def test_a_failing_host_is_detached_and_decode_goes_on_over_the_link(tiny_gguf):
     handover.worker.executor = Failing()
     kv = stage.new_sequence(32)
     stage.prefill(kv, torch.arange(4))
+    assert stage.silent_faults() == 0
     out = stage.decode([kv], torch.tensor([1]))  # the host answers with zeros and keeps the error
     torch.cuda.synchronize()
     assert torch.isfinite(out).all() and handover.worker.error is not None and handover.share_value == 1.0
     assert float(handover.mailbox.share_np[0]) == 0.0
+    assert stage.silent_faults() == 1  # the step went on without the host's part: the engine fails its requests
     out = stage.decode([kv], torch.tensor([2]))
     assert stage.experts.handover is None and torch.isfinite(out).all()
+    assert stage.silent_faults() == 1  # counted still, the hand-over detached
 
 
 def test_auto_measures_both_rates_and_says_what_it_chose(tiny_gguf, caplog):

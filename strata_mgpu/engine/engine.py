@@ -18,7 +18,10 @@ its mask needs the token drawn before it, so a decode step with such a row lands
 flight between its forward and its draw (`_decode`); its grammar's end stops it at once.
 
 A model call that fails ends its requests with an error once the step in flight has landed (the
-tokens drawn before the failure are theirs); the engine goes on with the others.
+tokens drawn before the failure are theirs); the engine goes on with the others. So does a step
+during which the runner's work failed without raising (`ModelRunner.silent_faults` rose between
+its launch and its landing: a layer went on without the host's part of a hand-over): its tokens,
+and the KV written for them, may be wrong.
 
 The prefix cache (`PrefixCache`, unless `config.prefix_cache` is off): admission matches a prompt
 against it, the first chunk's launch copies the matched blocks into the new sequence and computes
@@ -158,8 +161,9 @@ class Engine:
         self.scheduler.retire_finished()
 
     def _land(self, step: StepTokens) -> None:
-        """The host's part of a step (`OutputProcessor.land`)."""
-        self.output.land(step)
+        """The host's part of a step (`OutputProcessor.land`), unless the runner's work failed
+        without raising while it ran."""
+        self.output.land(step, self.runner.silent_faults)
 
     def _end_failed_calls(self) -> None:
         """This step's failed model calls end their requests, now that the step before has landed."""
@@ -181,6 +185,7 @@ class Engine:
         """Queue the plan's prefill call and decode step with their draws; start the tokens' copy
         to the host. Waits for the device where a prompt ends (its first tokens are landed at
         once) and where the runner itself does."""
+        faults = self.runner.silent_faults()  # before anything of this step is queued
         if plan.prefill:
             ended = self._guarded(plan.prefilling, lambda: self._prefill(plan.prefill))
             if ended is not None:
@@ -188,7 +193,7 @@ class Engine:
                 # first token of the prompt alone (not of the next decode step too, a new sequence's
                 # graph capture among it). One wait, at a prompt's end; the decode steps pipeline.
                 done, first = ended
-                firsts = self._guarded(done, lambda: StepTokens.send(done, first, 0, time.perf_counter()))
+                firsts = self._guarded(done, lambda: StepTokens.send(done, first, 0, time.perf_counter(), faults))
                 if firsts is not None:
                     self._land(firsts)
                 self._guarded(done, lambda: self._save_prompts(done))
@@ -199,7 +204,7 @@ class Engine:
         tokens = self._guarded(decoding, lambda: self._decode(decoding))
         if tokens is None:
             return None
-        return self._guarded(decoding, lambda: StepTokens.send(decoding, tokens, len(decoding), t_decode))
+        return self._guarded(decoding, lambda: StepTokens.send(decoding, tokens, len(decoding), t_decode, faults))
 
     def _prefill(self, pack: list[PrefillChunk]) -> tuple[list[Request], Draw] | None:
         """Run the pack's chunks; the prompts now complete and their first tokens, drawn (None: none

@@ -6,7 +6,8 @@ running: the prompt's timings end at its first token; the token advances the req
 the grammar's end or `max_tokens` finish the request, else its text (possibly empty,
 mid-character) goes to its callback, with the token's logprobs where asked for. A row already done when its token
 lands (it stopped, or was aborted, after the step was launched) drops the token: the one-step-late
-stop. An error of the device work surfaces in the wait and ends the step's rows.
+stop. An error of the device work surfaces in the wait and ends the step's rows; so does a failure
+the device went on past (the runner's `silent_faults` rose while the step ran).
 
 `finish` is the one way a request ends: the prefix cache keeps its full blocks (prompt and
 answer, where it ended normally), its KV is freed by dropping the reference, its draw state goes
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 
 from strata_mgpu.engine.device_sampler import BatchSampler, TokenLogprobs
 from strata_mgpu.engine.metrics import EngineMetrics
@@ -28,6 +30,10 @@ from strata_mgpu.engine.step_tokens import StepTokens
 from strata_mgpu.model.tokenizer import Tokenizer
 
 log = logging.getLogger("strata.engine")
+# what a request whose step failed without raising is told (HTTP 500: nothing the client did)
+SILENT_FAULT = Failure("the device's work for this request failed without an error of its own (the host's cores "
+                       "did not answer an expert hand-over), so its last tokens may be wrong: it was ended; retry it",
+                       500)
 
 
 class OutputProcessor:
@@ -39,13 +45,21 @@ class OutputProcessor:
         self.prefix = prefix
         self._t_landed = 0.0  # when the last step's tokens reached the host
 
-    def land(self, step: StepTokens) -> None:
-        """Wait for the step's tokens, then text, stops and outputs."""
+    def land(self, step: StepTokens, silent_faults: Callable[[], int] = lambda: 0) -> None:
+        """Wait for the step's tokens, then text, stops and outputs. `silent_faults`: the runner's
+        count (`ModelRunner.silent_faults`), read once the tokens are here: past the count before
+        the step, the step's requests end with an error rather than take tokens that may be wrong
+        (and whose KV may be)."""
         try:
             ids = step.wait()
             logprobs = step.logprobs()
         except Exception as e:  # an error of the device work surfaces here
             self.fail(step.rows, Failure.of(e))
+            return
+        if silent_faults() > step.faults_before:
+            log.error("a step's device work failed without raising (an expert hand-over to the host's cores); its "
+                      "%d requests end with an error", len(step.rows))
+            self.fail(step.rows, SILENT_FAULT)
             return
         now = time.perf_counter()
         n_decoded = 0

@@ -123,3 +123,10 @@ class ModelRunner(Protocol[S]):
         """Prepare what decode replays (CUDA graphs) for sequences of up to `context` tokens,
         before the first request; the batch sizes made ready (none where nothing is replayed)."""
         ...
+
+    def silent_faults(self) -> int:
+        """Failures the runner's queued work met without raising, counted since it was built (a
+        host that did not answer a decode's expert hand-over: that layer went on without the
+        host's part). Read after a step's results reached the host: where it rose since before the
+        step was launched, the step's results may be wrong."""
+        ...

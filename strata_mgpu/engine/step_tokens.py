@@ -23,17 +23,20 @@ class StepTokens:
     copy: HostCopy  # the ids [N] int64 on their way to the host
     n_decode_rows: int  # the last n rows came from the decode step
     t_decode: float  # perf_counter() when the decode step was launched
+    faults_before: int  # the runner's `silent_faults` before the step was launched
     logprob_rows: list[int] = field(default_factory=list)  # rows with a logprob entry, in the table's order
     top_counts: list[int] = field(default_factory=list)  # alternatives each of those rows asked for
     logprob_copy: HostCopy | None = None  # [L, 1 + 2K] fp64: see `device_sampler.Draw`
     _ids: list[int] | None = None
 
     @classmethod
-    def send(cls, rows: list[Any], drawn: Draw, n_decode_rows: int, t_decode: float) -> StepTokens:
+    def send(cls, rows: list[Any], drawn: Draw, n_decode_rows: int, t_decode: float, faults_before: int
+             ) -> StepTokens:
         tokens = drawn.tokens
         assert tokens.dim() == 1 and tokens.shape[0] == len(rows)
         table = HostCopy(drawn.logprobs) if drawn.logprobs is not None else None
-        return cls(rows, HostCopy(tokens), n_decode_rows, t_decode, drawn.logprob_rows, drawn.top_counts, table)
+        return cls(rows, HostCopy(tokens), n_decode_rows, t_decode, faults_before, drawn.logprob_rows,
+                   drawn.top_counts, table)
 
     def wait(self) -> list[int]:
         """The token ids; blocks until the device has drawn them and the copy has landed."""

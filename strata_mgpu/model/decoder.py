@@ -97,8 +97,12 @@ class SegmentAttention:
 
     def __call__(self, i: int, w: LayerWeights, h: torch.Tensor, part: Rows) -> torch.Tensor:
         s, mm = self.spec, self.dense
-        q, k = qk_norm_rope(s, w, mm(h, w.wq), mm(h, w.wk), self.cos[part.rows], self.sin[part.rows])
-        v = mm(h, w.wv).view(h.shape[0], s.n_kv_heads, s.head_dim)
+        if isinstance(w.wqkv, BlockMatrix):  # blocks: one product rather than three calls into the host's kernels
+            q, k, v = mm(h, w.wqkv).split([s.q_dim, s.kv_dim, s.kv_dim], dim=1)
+        else:
+            q, k, v = mm(h, w.wq), mm(h, w.wk), mm(h, w.wv)
+        q, k = qk_norm_rope(s, w, q, k, self.cos[part.rows], self.sin[part.rows])
+        v = v.reshape(h.shape[0], s.n_kv_heads, s.head_dim)
         for seg in part.segments:  # layer i + 1's keys arrive while layer i attends and runs its experts
             seg.kv.prefetch(i + 1)
         if len(part.segments) == 1:

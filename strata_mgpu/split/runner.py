@@ -159,6 +159,9 @@ class SplitRunner:
         sizes = [set(stage.warm_decode_graphs(context)) for stage in self.stages]
         return sorted(set.intersection(*sizes))
 
+    def silent_faults(self) -> int:
+        return sum(stage.silent_faults() for stage in self.stages)
+
     def new_sequence(self, max_length: int) -> SplitKV:
         parts = []
         for s in self.stages:  # each stage's own KV (VRAM, or VRAM and host), made on its own stream

@@ -171,6 +171,11 @@ class Stage:
                 if cache is not None and picks is not None:
                     cache.picks.copy_(picks)
 
+    def silent_faults(self) -> int:
+        """Hand-overs of decode's experts to the host's cores that failed without raising
+        (`StreamedExperts.silent_faults`); 0 for experts computed on the host's cores in order."""
+        return self.experts.silent_faults()
+
     # -- what a split drives ---------------------------------------------------------------------
     def refill_cache(self, kvs: Sequence[SequenceKV]) -> None:
         """The expert cache follows the routing seen so far, before these sequences' first decode

@@ -23,9 +23,10 @@ IDLE_SPIN_S after the last request) and otherwise checks the request number ever
 a request queued behind long work (a prompt chunk before the decode step) is answered late, never
 missed. A worker that fails answers with zeros and sets the share to 0, so later layers give the
 host nothing; a host that does not answer within TIMEOUT_S sets the status word, and every later
-wait returns at once. The layer that met the failure lacks the host's part: not detected for that
-step's tokens (known weakness); the next `arm` reports it in the log and the stage detaches the
-hand-over (link only from then on). The flags are plain loads and stores on the host's side, which
+wait returns at once. The layer that met the failure lacks the host's part: `silent_faults` counts
+the failure, and the engine fails the requests of every step in flight then (their tokens and KV
+may be wrong); the next `arm` reports it in the log and the stage detaches the hand-over (link
+only from then on). The flags are plain loads and stores on the host's side, which
 x86 keeps in order (the build refuses other hosts).
 
 `share`: `--cpu-experts F` fixes it (`config.HostShare`); `auto` (`AutoShare`) takes it from
@@ -396,6 +397,12 @@ class CpuHandover:
     def takes(self, rows: int) -> bool:
         return rows <= self.max_rows
 
+    def silent_faults(self) -> int:
+        """Failures the GPU's layers went on past (both stay set until the hand-over is closed): a
+        host that did not answer in time (the status word; later waits then skip the host's part)
+        and a worker that failed (it answered zeros)."""
+        return int(self.mailbox.status != 0) + int(self.worker.error is not None)
+
     def set_share(self, share: float) -> None:
         """A new share for the layers not yet sent (written into the mailbox: graphs read it there)."""
         assert 0 <= share <= 1
@@ -530,6 +537,9 @@ class HandoverTwin:
 
     def takes(self, rows: int) -> bool:
         return rows <= self.max_rows
+
+    def silent_faults(self) -> int:
+        return 0  # the host's sums are computed in the call: a failure raises
 
     def set_share(self, share: float) -> None:
         self.share_value = share

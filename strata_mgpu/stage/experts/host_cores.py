@@ -48,6 +48,9 @@ class HostCoreExperts:
     def begin(self, n_rows: int, stream: bool) -> None:
         assert not stream, "host-core experts never stream"
 
+    def silent_faults(self) -> int:
+        return 0  # computed in the step's own thread: a failure raises
+
     def arm(self) -> bool:
         """Before a decode step: nothing to wake (the experts run in the step's own thread)."""
         return False

@@ -97,6 +97,7 @@ class StreamedExperts:
         self._active: PrefillHelper | None = None  # this pass's helper, if any (`begin`)
         # a share of a gathered pass's missing experts computed on the host's cores (`attach_handover`)
         self.handover: CpuHandover | HandoverTwin | None = None
+        self._closed_faults = 0  # silent failures of hand-overs detached since
         plans = [kernels.moe_fused(arena.layouts[layer], D, spec.n_experts_used) if isinstance(kernels, CudaKernels)
                  else None for layer in layers]
         fused = dtype == torch.bfloat16 and all(plan is not None for plan in plans)
@@ -110,6 +111,11 @@ class StreamedExperts:
         self.handover = handover
         self.host_helper = HostPrefillHelper(handover) if handover is not None and prompts else None
 
+    def silent_faults(self) -> int:
+        """The hand-overs' failures that layers went on past (`CpuHandover.silent_faults`), those of
+        detached ones included: the count only rises."""
+        return self._closed_faults + (self.handover.silent_faults() if self.handover is not None else 0)
+
     def arm(self) -> bool:
         """Before a decode step (eager or replayed): the hand-over's worker polls while it runs.
         True where the hand-over was detached just now (`auto` declined it): graphs captured with
@@ -119,6 +125,7 @@ class StreamedExperts:
         log.info("decode stops handing experts to the host's cores on %s", self.ctx.device)
         self.handover.set_share(0.0)  # the layers of steps in flight not yet sent give the host nothing
         self.ctx.synchronize_device()  # the steps in flight end, the worker answering what they sent
+        self._closed_faults += self.handover.silent_faults()
         self.handover.close()
         self.handover = self.host_helper = None
         return True
