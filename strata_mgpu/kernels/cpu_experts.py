@@ -207,18 +207,49 @@ def distinct(experts: torch.Tensor, n_experts: int) -> int:
     return n
 
 
-class _MoeGraph:
-    """One layout's graph for `rows` rows, built once: its tensors (views taking addresses each
-    call), the compute plan on the executor's thread pool and the plan's work buffer."""
+class _Graph:
+    """A ggml graph built once, in a context of its own holding metadata only (no tensor has data
+    of its own: each call sets their addresses), planned on the executor's thread pool with the
+    plan's work buffer (the inputs quantized to the weights' dot type, row maps)."""
+
+    N_TENSORS, N_NODES = 16, 8
+
+    def __init__(self, ggml: Any):
+        self.ggml = ggml
+        params = ggml.ggml_init_params(mem_size=self.N_TENSORS * ggml.ggml_tensor_overhead()
+                                       + ggml.ggml_graph_overhead_custom(self.N_NODES, False) + 4096,
+                                       mem_buffer=None, no_alloc=True)
+        self.ctx = ggml.ggml_init(params)
+        assert self.ctx is not None, "ggml_init failed"
+
+    def _plan(self, out: Any, threads: int, pool: Any) -> None:
+        """The graph that computes `out`, and its plan."""
+        ggml = self.ggml
+        self.graph = ggml.ggml_new_graph_custom(self.ctx, self.N_NODES, False)
+        ggml.ggml_build_forward_expand(self.graph, out)
+        self.plan = ggml.ggml_graph_plan(self.graph, threads, pool)
+        self.work = np.empty(max(int(self.plan.work_size), 1), dtype=np.uint8)
+        self.plan.work_data = self.work.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8))
+        self.plan_ref = ctypes.byref(self.plan)
+
+    def _compute(self) -> None:
+        status = self.ggml.ggml_graph_compute(self.graph, self.plan_ref)
+        if status != 0:
+            raise RuntimeError(f"ggml_graph_compute failed with status {status}")
+
+    def free(self) -> None:
+        if self.ctx is not None:
+            self.ggml.ggml_free(self.ctx)
+            self.ctx = None
+
+
+class _MoeGraph(_Graph):
+    """One layout's graph for `rows` rows: gate and up at once, swiglu, down, over the picks."""
 
     def __init__(self, ggml: Any, lay: ExpertLayout, d: int, n_experts: int, n_used: int, rows: int, threads: int,
                  pool: Any):
-        self.ggml = ggml
+        super().__init__(ggml)
         f = lay.gate_weights // d
-        params = ggml.ggml_init_params(mem_size=16 * ggml.ggml_tensor_overhead() + ggml.ggml_graph_overhead_custom(
-            8, False) + 4096, mem_buffer=None, no_alloc=True)  # metadata only: no tensor has data of its own
-        self.ctx = ggml.ggml_init(params)
-        assert self.ctx is not None, "ggml_init failed"
         self.w_gate_up = ggml.ggml_new_tensor_3d(self.ctx, int(lay.gate_type), d, 2 * f, n_experts)  # [D, 2F, E]
         self.w_down = ggml.ggml_new_tensor_3d(self.ctx, int(lay.down_type), f, d, n_experts)  # [F, D, E]
         for w in (self.w_gate_up, self.w_down):  # experts lie expert_bytes apart in the arena
@@ -231,12 +262,7 @@ class _MoeGraph:
         self.gate_up = ggml.ggml_mul_mat_id(self.ctx, self.w_gate_up, self.x, self.ids)  # [2F, A, T]
         self.act = ggml.ggml_swiglu(self.ctx, self.gate_up)  # [F, A, T]: silu(gate) * up
         self.y = ggml.ggml_mul_mat_id(self.ctx, self.w_down, self.act, self.ids)  # [D, A, T]
-        self.graph = ggml.ggml_new_graph_custom(self.ctx, 8, False)
-        ggml.ggml_build_forward_expand(self.graph, self.y)
-        self.plan = ggml.ggml_graph_plan(self.graph, threads, pool)
-        self.work = np.empty(max(int(self.plan.work_size), 1), dtype=np.uint8)  # quantized inputs, row maps
-        self.plan.work_data = self.work.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8))
-        self.plan_ref = ctypes.byref(self.plan)
+        self._plan(self.y, threads, pool)
         self.shapes = {"y": (rows, n_used, d)}
         self.act_offset = rows * n_used * 2 * f  # floats: act follows gate_up in one scratch buffer
         self.intermediates = rows * n_used * 3 * f
@@ -254,37 +280,22 @@ class _MoeGraph:
         w_gate_up, w_down, x, ids_, gate_up, act, out = self.structs
         w_gate_up.data, w_down.data, x.data, ids_.data = base, base + self.down_offset, h.data_ptr(), ids.data_ptr()
         gate_up.data, act.data, out.data = scratch, scratch + 4 * self.act_offset, y.data_ptr()
-        status = self.ggml.ggml_graph_compute(self.graph, self.plan_ref)
-        if status != 0:
-            raise RuntimeError(f"ggml_graph_compute failed with status {status}")
+        self._compute()
         return y
 
-    def free(self) -> None:
-        if self.ctx is not None:
-            self.ggml.ggml_free(self.ctx)
-            self.ctx = None
 
-
-class _MatmulGraph:
+class _MatmulGraph(_Graph):
     """x [T, K] f32 times W [N, K] of one type (`ggml_mul_mat`): ggml's W is [K, N] (ne0 = K), its
-    product [N, T], which is x @ W.T [T, N] row-major. Built once per (type, K, N, T); W's, x's and
-    the product's addresses taken each call."""
+    product [N, T], which is x @ W.T [T, N] row-major. Built once per (type, K, N, T)."""
+
+    N_TENSORS, N_NODES = 4, 4
 
     def __init__(self, ggml: Any, ggml_type: int, k: int, n: int, rows: int, threads: int, pool: Any):
-        self.ggml = ggml
-        params = ggml.ggml_init_params(mem_size=4 * ggml.ggml_tensor_overhead() + ggml.ggml_graph_overhead_custom(
-            4, False) + 4096, mem_buffer=None, no_alloc=True)
-        self.ctx = ggml.ggml_init(params)
-        assert self.ctx is not None, "ggml_init failed"
+        super().__init__(ggml)
         w = ggml.ggml_new_tensor_2d(self.ctx, ggml_type, k, n)  # [K, N]
         x = ggml.ggml_new_tensor_2d(self.ctx, ggml.GGML_TYPE_F32, k, rows)  # [K, T]
         y = ggml.ggml_mul_mat(self.ctx, w, x)  # [N, T]
-        self.graph = ggml.ggml_new_graph_custom(self.ctx, 4, False)
-        ggml.ggml_build_forward_expand(self.graph, y)
-        self.plan = ggml.ggml_graph_plan(self.graph, threads, pool)
-        self.work = np.empty(max(int(self.plan.work_size), 1), dtype=np.uint8)  # x quantized to W's dot type
-        self.plan.work_data = self.work.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8))
-        self.plan_ref = ctypes.byref(self.plan)
+        self._plan(y, threads, pool)
         self.row_bytes = int(w.contents.nb[1])
         self.shape = (rows, n)
         self.structs = [t.contents for t in (w, x, y)]
@@ -294,15 +305,8 @@ class _MatmulGraph:
         y = torch.empty(self.shape, dtype=torch.float32)
         w_, x_, y_ = self.structs
         w_.data, x_.data, y_.data = raw.data_ptr(), x.data_ptr(), y.data_ptr()
-        status = self.ggml.ggml_graph_compute(self.graph, self.plan_ref)
-        if status != 0:
-            raise RuntimeError(f"ggml_graph_compute failed with status {status}")
+        self._compute()
         return y
-
-    def free(self) -> None:
-        if self.ctx is not None:
-            self.ggml.ggml_free(self.ctx)
-            self.ctx = None
 
 
 class GgmlExperts(RateCounter):
@@ -326,7 +330,7 @@ class GgmlExperts(RateCounter):
         params.poll = poll
         self._pool = ggml.ggml_threadpool_new(ctypes.byref(params))  # its threads - 1 workers, the caller the first
         assert self._pool, "ggml_threadpool_new failed"
-        self._graphs: OrderedDict[tuple, _MoeGraph | _MatmulGraph] = OrderedDict()
+        self._graphs: OrderedDict[tuple, _Graph] = OrderedDict()
         self._dequant_buffer = torch.empty(0, dtype=torch.float32)  # `_dequantized`'s, grown as needed
         self._lock = threading.Lock()
         self._free = weakref.finalize(self, _free, ggml, self._graphs, self._pool)  # at collection or exit
@@ -404,7 +408,7 @@ class GgmlExperts(RateCounter):
         self._graphs.move_to_end(key)
         return graph
 
-    def _keep(self, key: tuple, graph: _MoeGraph | _MatmulGraph) -> _MoeGraph | _MatmulGraph:
+    def _keep(self, key: tuple, graph: _Graph) -> _Graph:
         """A new graph kept, the least recently used one freed past GRAPHS_KEPT."""
         self._graphs[key] = graph
         if len(self._graphs) > GRAPHS_KEPT:
@@ -416,7 +420,7 @@ class GgmlExperts(RateCounter):
         self._free()
 
 
-def _free(ggml: Any, graphs: OrderedDict[tuple, _MoeGraph | _MatmulGraph], pool: Any) -> None:
+def _free(ggml: Any, graphs: OrderedDict[tuple, _Graph], pool: Any) -> None:
     for graph in graphs.values():
         graph.free()
     graphs.clear()
