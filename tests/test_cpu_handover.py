@@ -19,12 +19,16 @@ from strata_mgpu.model.gguf_reader import GGUFFile
 from strata_mgpu.model.spec import spec_from_gguf
 from strata_mgpu.stage.build import build_stage
 from strata_mgpu.stage.experts.handover import (
+    RETUNE_STEPS,
+    TRIAL_BLOCK,
+    TRIAL_STEPS,
     AutoShare,
     CpuHandover,
     HandoverTwin,
     HandoverWorker,
     HostRate,
     Mailbox,
+    ShareTrial,
     assign_host,
     host_sums,
 )
@@ -320,3 +324,60 @@ def test_a_few_row_prompt_gives_the_host_its_share_of_the_streamed_experts(tiny_
         expert = shared.arena.layouts[0].expert_bytes
         assert shared.experts.ring.uploaded_bytes - up_s == (plain.experts.ring.uploaded_bytes - up_p
                                                             - took * spec.n_layers * expert), n
+
+
+def run_trial(share: float, with_host_s: float, without_s: float, outliers: dict[int, float] | None = None
+              ) -> tuple[ShareTrial, list[float]]:
+    """A ShareTrial driven as the engine drives it: steps run back to back on the device (a step's
+    time: with_host_s where it ran at a share, else without_s, plus any outlier of its index), and
+    the arm of step n comes as step n - 2 ends (one step in flight, the one before it landed)."""
+    trial, shares = ShareTrial(share), []
+    ends: list[float] = []  # when each step ended
+    while True:
+        n = len(shares)
+        now = ends[n - 2] + 1e-6 if n >= 2 else 0.0
+        got = trial.step(now)
+        if got is None:
+            return trial, shares
+        shares.append(got)
+        start = max(ends[-1] if ends else 0.0, now)
+        ends.append(start + (with_host_s if got > 0 else without_s) + (outliers or {}).get(n, 0.0))
+        assert n < 10 * TRIAL_STEPS, "the trial never decided"
+
+
+def test_auto_keeps_its_share_only_where_the_clock_says_the_host_shortens_the_steps():
+    """`auto`'s trial: blocks without the host and with it, alternating; the share kept where the
+    steps with the host are shorter by more than the margin (a prompt chunk's long step among them
+    changes nothing), declined (0) where they are not, or are longer."""
+    trial, shares = run_trial(0.4, 1e-3, 1.3e-3, outliers={9: 0.05, 30: 0.08})
+    assert shares[:TRIAL_BLOCK] == [0.0] * TRIAL_BLOCK and shares[TRIAL_BLOCK:2 * TRIAL_BLOCK] == [0.4] * TRIAL_BLOCK
+    assert trial.verdict == 0.4 and len(shares) == TRIAL_STEPS + 1  # one step more, queued while the last ran
+    # each step timed as itself: its own duration, never a neighbour's of the other kind
+    assert all(abs(t - 1e-3) < 1e-5 for t in trial.times[True] if t < 0.01)
+    assert all(abs(t - 1.3e-3) < 1e-5 for t in trial.times[False])
+    assert sum(t > 0.01 for t in trial.times[True]) == 1  # step 30's; step 9 is among a block's first, not counted
+    assert run_trial(0.4, 0.99e-3, 1e-3)[0].verdict == 0.0  # 1% shorter: within the margin
+    assert run_trial(0.22, 1.09e-3, 1e-3)[0].verdict == 0.0  # longer (30B-A3B at 8 GiB on the H200: 8% longer)
+
+
+def test_auto_tries_its_share_after_the_first_retune_and_detaches_where_it_loses():
+    """CpuHandover's side, over plain memory: at the first retune a trial starts, the mailbox's
+    share follows its blocks, and its verdict becomes the share (0: the next arm says to detach)."""
+    box = SimpleNamespace(share_np=np.full(1, 0.3, dtype=np.float32))
+    retunes = []
+    fake = SimpleNamespace(_trial=None, _steps=0, mailbox=box, share_value=0.3, retune=lambda: retunes.append(1))
+    fake.set_share = lambda share: (setattr(fake, "share_value", share), box.share_np.__setitem__(0, share))
+    fake._tune = lambda now: CpuHandover._tune(fake, now)  # type: ignore[arg-type]
+    ends: list[float] = []
+    in_mailbox = []
+    for _ in range(RETUNE_STEPS + TRIAL_STEPS + 8):
+        fake._steps += 1  # as arm() counts
+        n = len(in_mailbox)
+        fake._tune(ends[n - 2] + 1e-6 if n >= 2 else 0.0)
+        in_mailbox.append(float(box.share_np[0]))
+        ends.append((ends[-1] if ends else 0.0) + (1.1e-3 if in_mailbox[-1] > 0 else 1e-3))
+    first = RETUNE_STEPS - 1  # the step queued at the first retune's arm
+    assert retunes == [1] and in_mailbox[:first] == pytest.approx([0.3] * first)
+    assert in_mailbox[first:first + TRIAL_BLOCK] == [0.0] * TRIAL_BLOCK
+    assert in_mailbox[first + TRIAL_BLOCK:first + 2 * TRIAL_BLOCK] == pytest.approx([0.3] * TRIAL_BLOCK)
+    assert fake._trial is None and fake.share_value == 0.0 and in_mailbox[-1] == 0.0  # declined: arm() says detach

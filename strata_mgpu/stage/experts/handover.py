@@ -33,8 +33,11 @@ x86 keeps in order (the build refuses other hosts).
 measured rates, a request's cost on the host's cores (`probe_host_rate`: a fixed part and its
 experts' bytes/s) against the link's, at the hit rate the expert cache sees (`retune`, every
 RETUNE_STEPS decode steps), and declines where the host's fixed cost outweighs what it would take off the link
-(AUTO_MIN_SHARE); `off` builds none of this. `HandoverTwin` is the same arithmetic on a CPU
-stage's device-path twins, for tests: picks chosen as the kernel chooses them, the host's sums
+(AUTO_MIN_SHARE). A model of rates does not see what the host's reads cost the GPU's (the same RAM),
+so after the first retune `auto` tries its share by the clock (`ShareTrial`: decode steps with and
+without the host, interleaved) and keeps it only where the steps with the host are shorter, trying
+again every TRIAL_EVERY_STEPS; `off` builds none of this. `HandoverTwin` is the same arithmetic on a
+CPU stage's device-path twins, for tests: picks chosen as the kernel chooses them, the host's sums
 computed at once.
 """
 
@@ -78,6 +81,14 @@ IDLE_POLL_S = 1e-3  # ... then checks the request number this often
 AUTO_MIN_SHARE = 0.1  # `auto` below this share is not worth a round trip a layer: it declines
 RETUNE_STEPS = 256  # `auto` refits the host's rate to its answered requests every this many decode steps
 RETUNE_SAMPLES = 512  # requests it keeps for that (the latest)
+# `auto` then checks its share by the clock (`ShareTrial`): blocks of TRIAL_BLOCK decode steps with the host
+# and without it, TRIAL_BLOCKS of each, interleaved, the first TRIAL_SKIP steps of a block not counted. Step n's
+# time is the interval between the arms of steps n + 1 and n + 2 (TRIAL_LAG): the engine queues step n + 1,
+# then waits for step n - 1's tokens, so the arm of n + 2 comes as step n ends.
+TRIAL_BLOCK, TRIAL_BLOCKS, TRIAL_SKIP, TRIAL_LAG = 8, 6, 2, 2
+TRIAL_STEPS = 2 * TRIAL_BLOCKS * TRIAL_BLOCK
+TRIAL_EVERY_STEPS = 16 * RETUNE_STEPS  # a kept share is tried again this often (the first: at the first retune)
+TRIAL_MARGIN = 0.03  # the host must save more than this of a step: the steps without it still run its two kernels
 ROUND_TRIP_S = 30e-6  # the mailbox's: the GPU's writes seen by the polling worker, its answer seen by the GPU
 HANDOVER_POLL = 50  # ggml's polling level for the hand-over's pool: requests come a layer (~0.1 ms) apart
 PROBE_REPEATS = 6
@@ -140,6 +151,45 @@ class AutoShare:
         per_link, per_host = self.expert_bytes / self.link_bytes_per_s, self.expert_bytes / self.host.bytes_per_s
         n = int((streamed * per_link - self.host.overhead_s) / (per_link + per_host))
         return n if n >= AUTO_MIN_SHARE * streamed else 0
+
+
+class ShareTrial:
+    """`auto`'s share checked by the clock rather than by its model: decode steps run in blocks,
+    alternately at the share and at 0 (the host given nothing), each step timed from its `arm` to
+    the next; once TRIAL_BLOCKS of each have run, the share stays only where the median step with
+    the host is shorter by more than TRIAL_MARGIN, else the trial answers 0 (`auto` declines).
+
+    `step(now)` is called at each arm with the time (perf_counter seconds) and answers the share
+    the step about to be queued runs at, or None once the trial has decided (`verdict`)."""
+
+    def __init__(self, share: float):
+        assert share > 0
+        self.share = share
+        self.times: dict[bool, list[float]] = {True: [], False: []}  # with the host -> its steps' seconds
+        self.verdict: float | None = None
+        self._n = 0  # steps queued within the trial
+        self._last: float | None = None
+
+    def step(self, now: float) -> float | None:
+        if self.verdict is not None:
+            return None
+        n = self._n  # the step about to be queued, counted from the trial's first
+        ran = n - TRIAL_LAG  # the step whose time ends now
+        if self._last is not None and 0 <= ran < TRIAL_STEPS and ran % TRIAL_BLOCK >= TRIAL_SKIP:
+            self.times[self._with_host(ran)].append(now - self._last)
+        self._last = now
+        if ran == TRIAL_STEPS - 1:
+            with_host, without = (statistics.median(self.times[k]) for k in (True, False))
+            self.verdict = self.share if with_host < (1 - TRIAL_MARGIN) * without else 0.0
+            return None
+        self._n += 1
+        return self.share if self._with_host(n) else 0.0
+
+    @staticmethod
+    def _with_host(step: int) -> bool:
+        """Blocks alternate, the first without the host; the steps queued while the last ones'
+        times are awaited run with it."""
+        return (step // TRIAL_BLOCK) % 2 == 1 or step >= TRIAL_STEPS
 
 
 def assign_host(experts: list[int], resident: np.ndarray, share: float, carry: float) -> tuple[set[int], float]:
@@ -377,7 +427,8 @@ class CpuHandover:
         assert spec.n_experts <= MAX_EXPERTS and 0 <= share <= 1
         self.ctx, self.cache, self.executor, self.max_rows, self.auto = ctx, cache, executor, max_rows, auto
         self.arena, self.layers = arena, layers
-        self._steps = 0  # arms: decode steps and gathered passes
+        self._steps = 0  # arms: decode steps
+        self._trial: ShareTrial | None = None  # `auto`'s check by the clock, while it runs
         device = ctx.device
         self.carry = torch.zeros(1, dtype=torch.float32, device=device)
         self.counter = torch.zeros(1, dtype=torch.int64, device=device)
@@ -460,9 +511,32 @@ class CpuHandover:
                       "link alone", TIMEOUT_S)
             return False
         self._steps += 1
-        if self.auto is not None and self._steps % RETUNE_STEPS == 0:
-            self.retune()
+        if self.auto is not None:
+            self._tune(time.perf_counter())
         return self.auto is None or self.share_value > 0
+
+    def _tune(self, now: float) -> None:
+        """`auto` at a decode step's arm: every RETUNE_STEPS its model again (`retune`); after the
+        first retune and every TRIAL_EVERY_STEPS after, the share tried by the clock (`ShareTrial`),
+        whose verdict stands (0: declined, detached at this arm). The step about to be queued runs
+        at the share left in the mailbox."""
+        if self._trial is not None:
+            share = self._trial.step(now)
+            if share is not None:
+                self.mailbox.share_np[0] = share
+                return
+            trial, self._trial = self._trial, None
+            with_host, without = (statistics.median(trial.times[k]) for k in (True, False))
+            log.info("--cpu-experts auto: decode steps took %.2f ms with %.2f of the missing experts on the host's "
+                     "cores, %.2f ms without: %s", 1e3 * with_host, trial.share, 1e3 * without,
+                     "kept" if trial.verdict else "the link alone from now on")
+            self.set_share(trial.verdict or 0.0)
+            return
+        if self._steps % RETUNE_STEPS == 0:
+            self.retune()
+            if self.share_value > 0 and self._steps % TRIAL_EVERY_STEPS == RETUNE_STEPS:
+                self._trial = ShareTrial(self.share_value)
+                self._tune(now)  # the trial's first step
 
     def send(self, i: int, h: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         """Local layer i's picks experts [T, A] split: the host's go to the mailbox; returns the GPU's
