@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from gguf.constants import GGMLQuantizationType as Q
 
-from strata_mgpu.kernels.cpu_experts import DEQUANT_ROWS, RateCounter, combine_picks
+from strata_mgpu.kernels.cpu_experts import DEQUANT_MAX_VALUES, DEQUANT_ROWS, RateCounter, combine_picks
 from strata_mgpu.model.expert_layout import ExpertLayout
 from strata_mgpu.quant.dequant import dequantize_rows
 
@@ -81,7 +81,9 @@ class RoundingTwin(RateCounter):
 
     def matmul(self, x: torch.Tensor, raw: torch.Tensor, ggml_type: Q, k: int) -> torch.Tensor:
         """x [T, K] times W.T as `GgmlExperts.matmul` rounds it: x as W's vec_dot type takes it
-        below DEQUANT_ROWS rows; from there W dequantized and x as it is."""
+        below DEQUANT_ROWS rows (and for a W of more than DEQUANT_MAX_VALUES); else W dequantized
+        and x as it is."""
         w = dequantize_rows(raw, ggml_type, k).double()  # [N, K]
-        xq = x.float() if x.shape[0] >= DEQUANT_ROWS else vec_dot_values(x.float(), VEC_DOT[ggml_type])
+        dequantizes = x.shape[0] >= DEQUANT_ROWS and raw.shape[0] * k <= DEQUANT_MAX_VALUES
+        xq = x.float() if dequantizes else vec_dot_values(x.float(), VEC_DOT[ggml_type])
         return (xq.double() @ w.T).float()

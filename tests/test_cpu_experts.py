@@ -25,6 +25,7 @@ import json
 import logging
 import os
 import sys
+from dataclasses import replace
 from types import SimpleNamespace
 
 import numpy as np
@@ -39,6 +40,7 @@ from strata_mgpu.engine.build import build_runner
 from strata_mgpu.kernels import cpu_experts
 from strata_mgpu.kernels.cpu_experts import DEQUANT_ROWS, GgmlExperts, TorchExperts, default_threads, physical_cores
 from strata_mgpu.kernels.paths import _warned
+from strata_mgpu.model import synthetic
 from strata_mgpu.model.expert_layout import ExpertLayout
 from strata_mgpu.model.gguf_reader import GGUFFile
 from strata_mgpu.model.reference import moe_reference
@@ -280,6 +282,45 @@ def test_cpu_stage_agrees_with_the_reference(tmp_path, expert_type, down_type):
         token = torch.tensor([int(a.argmax())])
         logits = [r.decode([kv], token)[0] for r, kv in zip(runners, kvs, strict=True)]
     assert stage.kernels.paths["cpu_experts:ggml"] == spec.n_layers * 4  # the prompt, then three steps
+
+
+@ggml_needed
+def test_cpu_stage_with_a_q4_k_m_file_s_dense_types_and_a_long_prompt(tmp_path, monkeypatch):
+    """Dense types as a Q4_K_M file has them (attn_v and the head Q6_K, the rest Q4_K), so q, k and
+    v stay three matrices, and a prompt of more than DEQUANT_ROWS tokens (the dequantizing path):
+    the stage against the reference as test_cpu_stage_agrees_with_the_reference holds it."""
+    plain_plans = synthetic.plan_tensors
+
+    def q4_k_m(*args, **kwargs):
+        def kind(p: TensorPlan) -> Q:
+            if ".attn_v." in p.name or p.name.startswith("output."):
+                return Q.Q6_K
+            return Q.Q4_K if p.ggml_type == Q.Q8_0 else p.ggml_type
+        return [replace(p, ggml_type=kind(p)) for p in plain_plans(*args, **kwargs)]
+
+    monkeypatch.setattr(synthetic, "plan_tensors", q4_k_m)
+    path = tmp_path / "m.gguf"
+    write_model(path, "tiny", seed=11)
+    f = GGUFFile(path)
+    spec = spec_from_gguf(f)
+    opts = StageOptions(device=CPU, cpu_experts=True, threads=2, kv_tokens=128, context=128, chunk_size=128)
+    ref, stage, rounded, twin = (load_reference_runner(f, spec), build_stage(f, spec, opts), build_stage(f, spec, opts),
+                                 build_stage(f, spec, opts))
+    rounded.experts.executor, twin.experts.executor = RoundingTwin(), TorchExperts()
+    layer = stage.model.w.layers[0]
+    assert layer.wqkv is None and isinstance(layer.wv, BlockMatrix) and layer.wv.ggml_type == Q.Q6_K
+    assert isinstance(layer.wq, BlockMatrix) and layer.wq.ggml_type == Q.Q4_K
+    assert isinstance(stage.model.w.output, BlockMatrix) and stage.model.w.output.ggml_type == Q.Q6_K
+    runners = [ref, stage, rounded, twin]
+    prompt = torch.randint(0, spec.vocab_size, (DEQUANT_ROWS + 6,), generator=torch.Generator().manual_seed(11))
+    kvs = [r.new_sequence(DEQUANT_ROWS + 16) for r in runners]
+    logits = [r.prefill(kv, prompt) for r, kv in zip(runners, kvs, strict=True)]
+    for step in range(3):
+        a, b, c, d = logits
+        assert rel_err(d, a) <= FP32_TOL, step
+        assert torch.isfinite(b).all() and rel_err(b, c) <= ROUNDED_WORST_TOL and rel_err(b, a) <= STAGE_TOL, step
+        token = torch.tensor([int(a.argmax())])
+        logits = [r.decode([kv], token)[0] for r, kv in zip(runners, kvs, strict=True)]
 
 
 @ggml_needed

@@ -296,6 +296,29 @@ def test_a_declined_hand_over_is_detached_and_its_graphs_dropped(tiny_gguf, monk
     assert rel_err(b, a) <= 1e-5
 
 
+def test_a_hand_over_that_has_failed_takes_no_pass(tiny_gguf, monkeypatch):
+    """Once the hand-over has failed (counted in silent_faults, not yet detached: a prompt's pass
+    comes before the next decode step's arm), a pass gives the host nothing and computes every pick
+    itself, as the link-only stage does: no layer goes on without the host's part unnoticed."""
+    f = GGUFFile(tiny_gguf)
+    spec = spec_from_gguf(f)
+    plain = build_stage(f, spec, StageOptions(device=CPU, resident_experts=2))
+    shared = build_stage(f, spec, StageOptions(device=CPU, resident_experts=2, host_share=HostShare("fixed", 1.0)))
+    handover = shared.experts.handover
+    assert isinstance(handover, HandoverTwin)
+    handover.executor = TorchExperts()
+    prompt = torch.randint(0, spec.vocab_size, (6,))
+    kv_p, kv_s = plain.new_sequence(64), shared.new_sequence(64)
+    a, _ = plain.prefill(kv_p, prompt), shared.prefill(kv_s, prompt)
+    token = torch.tensor([int(a.argmax())])
+    plain.decode([kv_p], token), shared.decode([kv_s], token)
+    taken = handover.host_picks
+    assert taken > 0
+    monkeypatch.setattr(handover, "silent_faults", lambda: 1)
+    a, b = plain.decode([kv_p], token)[0], shared.decode([kv_s], token)[0]
+    assert handover.host_picks == taken and rel_err(b, a) <= 1e-5
+
+
 @pytest.mark.parametrize("share", [0.5, 1.0])
 def test_a_few_row_prompt_gives_the_host_its_share_of_the_streamed_experts(tiny_gguf, share):
     """A streamed pass of at most the mailbox's rows: the host's cores take `share` of each layer's

@@ -460,6 +460,28 @@ def test_a_step_whose_work_failed_silently_ends_its_requests_not_with_its_tokens
     assert second[-1].finish_reason == "length" and [t for o in second for t in o.token_ids] == script[:8]
 
 
+def test_a_prompt_whose_earlier_chunk_failed_silently_ends_when_its_first_token_lands(loaded):
+    """A fault while a prompt's first chunk ran (a chunk that draws no token) still fails the
+    request, when its first token lands after the last chunk; a prompt begun after it does not."""
+    engine, fake = scripted(loaded, [7] * 10, ctx_size=64, chunk_size=4)
+    real_prefill = fake.prefill
+
+    def failing_in_the_first_chunk(kv, tokens, whole_prompt=False, want_logits=True):
+        out = real_prefill(kv, tokens, whole_prompt, want_logits)
+        if kv.length == len(tokens):  # the first chunk of its sequence
+            fake.faults += 1
+        return out
+
+    fake.prefill = failing_in_the_first_chunk
+    params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+    first, = run_all(engine, [(list(range(1, 11)), params)])  # three chunks: 4, 4, 2 tokens
+    assert first[-1].finish_reason == "error" and "expert hand-over" in first[-1].error
+    assert [t for o in first for t in o.token_ids] == []
+    fake.prefill = real_prefill
+    second, = run_all(engine, [(list(range(1, 11)), params)])
+    assert second[-1].finish_reason == "length" and second[-1].n_generated == 3
+
+
 def test_admission_keeps_within_the_kv_budget(loaded):
     tok = loaded[1]
     script = tok.encode("a b c d e f g h i j k l m n o p q r s t", add_special=False)

@@ -187,13 +187,14 @@ class Engine:
         once) and where the runner itself does."""
         faults = self.runner.silent_faults()  # before anything of this step is queued
         if plan.prefill:
-            ended = self._guarded(plan.prefilling, lambda: self._prefill(plan.prefill))
+            ended = self._guarded(plan.prefilling, lambda: self._prefill(plan.prefill, faults))
             if ended is not None:
                 # The prompts' first tokens land now, before the decode step is launched: a time to
                 # first token of the prompt alone (not of the next decode step too, a new sequence's
                 # graph capture among it). One wait, at a prompt's end; the decode steps pipeline.
                 done, first = ended
-                firsts = self._guarded(done, lambda: StepTokens.send(done, first, 0, time.perf_counter(), faults))
+                since = min(r.faults_at_first_chunk for r in done)  # the counts only rise: the earliest
+                firsts = self._guarded(done, lambda: StepTokens.send(done, first, 0, time.perf_counter(), since))
                 if firsts is not None:
                     self._land(firsts)
                 self._guarded(done, lambda: self._save_prompts(done))
@@ -206,12 +207,13 @@ class Engine:
             return None
         return self._guarded(decoding, lambda: StepTokens.send(decoding, tokens, len(decoding), t_decode, faults))
 
-    def _prefill(self, pack: list[PrefillChunk]) -> tuple[list[Request], Draw] | None:
+    def _prefill(self, pack: list[PrefillChunk], faults: int) -> tuple[list[Request], Draw] | None:
         """Run the pack's chunks; the prompts now complete and their first tokens, drawn (None: none
-        complete)."""
+        complete). `faults`: the runner's `silent_faults` before this step."""
         for chunk in pack:
             req = chunk.request
             if req.kv is None:
+                req.faults_at_first_chunk = faults
                 req.t_first_chunk = time.perf_counter()
                 req.timings.queue_ms = 1e3 * (req.t_first_chunk - req.t_submit)
                 req.kv = self.runner.new_sequence(req.kv_tokens)  # never more than admission counted

@@ -127,6 +127,9 @@ class Request:
     timings: Timings = field(default_factory=Timings)
     t_submit: float = field(default_factory=time.perf_counter)
     t_first_chunk: float = 0.0
+    # the runner's `silent_faults` before the prompt's first chunk was launched: a fault while any
+    # chunk of it ran fails the request when its first token lands
+    faults_at_first_chunk: int = 0
     t_prompt_done: float = 0.0
 
     @property

@@ -98,6 +98,7 @@ class StreamedExperts:
         # a share of a gathered pass's missing experts computed on the host's cores (`attach_handover`)
         self.handover: CpuHandover | HandoverTwin | None = None
         self._closed_faults = 0  # silent failures of hand-overs detached since
+        self._handing_over = False  # this pass hands picks over (`begin`: a hand-over that has not failed)
         plans = [kernels.moe_fused(arena.layouts[layer], D, spec.n_experts_used) if isinstance(kernels, CudaKernels)
                  else None for layer in layers]
         fused = dtype == torch.bfloat16 and all(plan is not None for plan in plans)
@@ -170,13 +171,17 @@ class StreamedExperts:
     def begin(self, n_rows: int, stream: bool) -> None:
         self.streaming = stream
         self._feed = self._tables = self._active = None
+        # a hand-over that has failed (the next decode step's arm detaches it) takes no pass: the
+        # layers would go on without the host's part, and the fault count would not rise again
+        self._handing_over = self.handover is not None and self.handover.silent_faults() == 0
         if not self.streaming:
             if self.handover is not None:
                 self.handover.wake()  # the worker polls (a decode step's arm, in Stage.decode_rows, counts it)
             return
         if self._helper_bound:
             self._active = self.helper
-        elif self.host_helper is not None and self.host_helper.takes(n_rows, self.streamed_per_layer()):
+        elif (self.host_helper is not None and self._handing_over
+              and self.host_helper.takes(n_rows, self.streamed_per_layer())):
             self._active = self.host_helper
         helper = self._active
         n_help = helper.n_experts if helper is not None else 0
@@ -217,7 +222,8 @@ class StreamedExperts:
             assert self.cache is not None
             ws = self.workspace
             self.ctx.access((ws.w_gate_up, ws.w_down), "w")
-            handover = self.handover if self.handover is not None and self.handover.takes(h.shape[0]) else None
+            handover = (self.handover if self.handover is not None and self._handing_over
+                        and self.handover.takes(h.shape[0]) else None)
             if handover is None:
                 return self.kernels.moe_gathered(self.cache, i, lay, h, weights, experts, ws.w_gate_up, ws.w_down,
                                                  hq=hq)
