@@ -55,9 +55,10 @@
 #   cpuonly the CPU-only stage (--devices cpu: experts by ggml from the file's bytes) on the host's cores
 #           against llama.cpp's llama-bench -ngl 0 on the same file (.llamabench/llama-bench.xz, carried:
 #           built from the llama-cpp-python 0.3.36 sdist's vendor/llama.cpp for the CPU alone: `cmake -B build
-#           -DBUILD_SHARED_LIBS=OFF -DGGML_NATIVE=OFF -DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON
-#           -DGGML_AMX_TILE=ON -DGGML_AMX_INT8=ON -DLLAMA_CURL=OFF && cmake --build build --target llama-bench`,
-#           xz'd, with the build machine's libgomp.so.1 beside it)
+#           -DBUILD_SHARED_LIBS=OFF -DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON
+#           -DLLAMA_CURL=OFF && cmake --build build --target llama-bench`: AVX2, as the carried ggml-python wheel;
+#           a build with AVX-512 BF16 and AMX died there of an illegal instruction), xz'd, with the build
+#           machine's libgomp.so.1 beside it)
 #   q8kv    a 32K-token prompt and decode after it at --max-vram 16 with bf16 KV and with q8_0 keys and values
 #           (--cache-type-k/-v): speed, and the resident experts the freed bytes buy (the plan's lines)
 #   tol     scripts/tol_probe.py: the fused expert kernels' error against their twin over 200 random
