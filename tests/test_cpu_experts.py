@@ -163,6 +163,34 @@ def test_ggml_matmul_equals_the_twins(executor, ggml_type):
             executor.matmul(torch.randn(rows, k + 256), raw, ggml_type, k + 256)
 
 
+@ggml_needed
+def test_a_serving_stage_s_projection_graphs_stay_built(monkeypatch):
+    """A CPU stage that serves meets every decode batch size and short prompt length: each
+    projection's graph for each row count below DEQUANT_ROWS is built once and kept (its experts'
+    graphs beside, not evicting them), so a step rebuilds nothing."""
+    built = []
+
+    class Counted(cpu_experts._MatmulGraph):
+        def __init__(self, *args, **kwargs):
+            built.append(args[2:5])  # (K, N, rows)
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(cpu_experts, "_MatmulGraph", Counted)
+    executor = GgmlExperts(1)
+    shapes = [(32, D), (48, D), (64, 2 * D), (16, D)]  # N, K: as q/k/v, o and the head of a small model
+    mats = [torch.from_numpy(np.ascontiguousarray(make_tensor(TensorPlan(f"w{i}", (n, k), Q.Q8_0, std=0.1), i)
+                                                  .reshape(n, -1).view(np.uint8))) for i, (n, k) in enumerate(shapes)]
+    layer, lay = random_layer(Q.Q4_K, Q.Q6_K, 1)
+    for _ in range(2):
+        for rows in range(1, DEQUANT_ROWS):
+            for (_, k), raw in zip(shapes, mats, strict=True):
+                executor.matmul(torch.randn(rows, k), raw, Q.Q8_0, k)
+        h, weights, experts = random_rows(1, A, 1)
+        executor.moe(layer, lay, h, weights, experts)
+    assert len(built) == len(shapes) * (DEQUANT_ROWS - 1) == len(set(built))  # the second round built none
+    executor.close()
+
+
 def test_the_twin_is_the_reference_moe():
     """The twin over the arena's bytes equals the oracle's experts over the same weights dequantized."""
     layer, lay = random_layer(Q.Q4_K, Q.Q6_K, 3)

@@ -56,7 +56,11 @@ from strata_mgpu.quant.dequant import dequantize_rows
 log = logging.getLogger("strata.kernels")
 Q = GGMLQuantizationType
 ROWS_A_GRAPH = 256  # rows computed by one graph: bounds the intermediates ([T, A, 2F + F + D] fp32, 22 MB of 30B-A3B)
-GRAPHS_KEPT = 32  # graphs kept built, by (layout, rows), the least recently used dropped first
+GRAPHS_KEPT = 32  # expert graphs kept built, by (layout, rows), the least recently used dropped first
+# projection graphs kept built, by (type, K, N, rows below DEQUANT_ROWS): a serving CPU stage meets every
+# decode batch size and short prompt length, and rebuilding a layer's few graphs each step would cost more
+# than the step's Python (their work buffers hold one quantized input: small below DEQUANT_ROWS rows)
+MATMUL_GRAPHS_KEPT = 512  # a Q4_K_M file: 5 shapes (q, k, v of two types, o, head) x 63 row counts
 # `matmul` from this many rows on: W dequantized by ggml (`to_float`, into a kept fp32 buffer), then
 # torch's GEMM, which outruns ggml_mul_mat's quantized dots at a prompt's rows (docs/BENCHMARKS.md);
 # W of at most DEQUANT_MAX_VALUES (the projections; a prompt's head takes only its last rows)
@@ -330,10 +334,11 @@ class GgmlExperts(RateCounter):
         params.poll = poll
         self._pool = ggml.ggml_threadpool_new(ctypes.byref(params))  # its threads - 1 workers, the caller the first
         assert self._pool, "ggml_threadpool_new failed"
-        self._graphs: OrderedDict[tuple, _Graph] = OrderedDict()
+        self._graphs: OrderedDict[tuple, _Graph] = OrderedDict()  # the experts'
+        self._matmuls: OrderedDict[tuple, _Graph] = OrderedDict()  # the projections'
         self._dequant_buffer = torch.empty(0, dtype=torch.float32)  # `_dequantized`'s, grown as needed
         self._lock = threading.Lock()
-        self._free = weakref.finalize(self, _free, ggml, self._graphs, self._pool)  # at collection or exit
+        self._free = weakref.finalize(self, _free, ggml, [self._graphs, self._matmuls], self._pool)  # at exit too
 
     def describe(self) -> str:
         return f"ggml on {self.threads} thread{'s' if self.threads > 1 else ''}" + (f", polling {self.poll}"
@@ -372,13 +377,14 @@ class GgmlExperts(RateCounter):
         with self._lock:
             if t >= DEQUANT_ROWS and n * k <= DEQUANT_MAX_VALUES:
                 return xf @ self._dequantized(raw, ggml_type, k).T
-            graph = self._graphs.get(key)
+            graph = self._matmuls.get(key)
             if graph is None:
-                graph = self._keep(key, _MatmulGraph(self.ggml, int(ggml_type), k, n, t, self.threads, self._pool))
+                graph = _keep(self._matmuls, key, MATMUL_GRAPHS_KEPT,
+                              _MatmulGraph(self.ggml, int(ggml_type), k, n, t, self.threads, self._pool))
             assert isinstance(graph, _MatmulGraph)
             # ggml reads raw.shape[1] bytes a row: a mismatch would read past the matrix
             assert raw.shape[1] == graph.row_bytes, f"{ggml_type.name} rows of {k} values take {graph.row_bytes} bytes"
-            self._graphs.move_to_end(key)
+            self._matmuls.move_to_end(key)
             return graph.run(raw, xf)
 
     def _dequantized(self, raw: torch.Tensor, ggml_type: GGMLQuantizationType, k: int) -> torch.Tensor:
@@ -403,27 +409,31 @@ class GgmlExperts(RateCounter):
         key = (int(lay.gate_type), int(lay.down_type), lay.gate_bytes, lay.down_bytes, d, n_experts, n_used, rows)
         graph = self._graphs.get(key)
         if graph is None:
-            graph = self._keep(key, _MoeGraph(self.ggml, lay, d, n_experts, n_used, rows, self.threads, self._pool))
+            graph = _keep(self._graphs, key, GRAPHS_KEPT,
+                          _MoeGraph(self.ggml, lay, d, n_experts, n_used, rows, self.threads, self._pool))
         assert isinstance(graph, _MoeGraph)
         self._graphs.move_to_end(key)
         return graph
 
-    def _keep(self, key: tuple, graph: _Graph) -> _Graph:
-        """A new graph kept, the least recently used one freed past GRAPHS_KEPT."""
-        self._graphs[key] = graph
-        if len(self._graphs) > GRAPHS_KEPT:
-            self._graphs.popitem(last=False)[1].free()
-        return graph
 
     def close(self) -> None:
         """Free the graphs and the thread pool (also done when the executor is collected)."""
         self._free()
 
 
-def _free(ggml: Any, graphs: OrderedDict[tuple, _Graph], pool: Any) -> None:
-    for graph in graphs.values():
-        graph.free()
-    graphs.clear()
+def _keep(graphs: OrderedDict[tuple, _Graph], key: tuple, most: int, graph: _Graph) -> _Graph:
+    """A new graph kept, the least recently used one freed past `most`."""
+    graphs[key] = graph
+    if len(graphs) > most:
+        graphs.popitem(last=False)[1].free()
+    return graph
+
+
+def _free(ggml: Any, kept: list[OrderedDict[tuple, _Graph]], pool: Any) -> None:
+    for graphs in kept:
+        for graph in graphs.values():
+            graph.free()
+        graphs.clear()
     if pool is not None:
         ggml.ggml_threadpool_free(pool)
 
