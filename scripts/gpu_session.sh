@@ -101,9 +101,21 @@ if has tests; then
     | tee "$OUT/gpu_tests.log" || status=$?
 fi
 [ -n "$gen_pid" ] && wait $gen_pid
+# `strata bench` sets up no logging; BENCH_LOG=1 shows the engine's and stages' INFO lines too (what
+# `--cpu-experts auto` chose, its trial's verdict, a detach)
+strata_bench() {
+  if [ "${BENCH_LOG:-0}" = 1 ]; then
+    python3 -c "import logging, sys; logging.basicConfig(level=logging.INFO, format='%(levelname)s %(name)s: %(message)s')
+sys.argv[0] = 'strata'
+from strata_mgpu.cli import main
+main()" bench "$@"
+  else
+    python3 -m strata_mgpu bench "$@"
+  fi
+}
 bench() {  # name, args...
   local name=$1; shift
-  (time python3 -m strata_mgpu bench $MODEL --json "$OUT/bench_$name.json" "$@") 2>&1 | tee "$OUT/bench_$name.log" \
+  (time strata_bench $MODEL --json "$OUT/bench_$name.json" "$@") 2>&1 | tee "$OUT/bench_$name.log" \
     | tail -30 || status=1  # a failed bench is reported, and the next one still runs
 }
 has b16 && bench 16 --max-vram 16 --prompt-tokens 2048,4096,8192 --decode-tokens 64 --runs 3
@@ -129,7 +141,7 @@ fi
 if has cpuauto; then
   for vram in ${CPUVRAM:-16 8}; do
     for share in off auto; do
-      bench "cpuauto${vram}_$share" --max-vram $vram --cpu-experts $share --prompt-tokens 1024 --decode-tokens 320 \
+      BENCH_LOG=1 bench "cpuauto${vram}_$share" --max-vram $vram --cpu-experts $share --prompt-tokens 1024 --decode-tokens 320 \
         --runs 1 --server-decode 1
     done
   done
@@ -159,7 +171,7 @@ if has cpu235; then
   M235=${MODEL235:-/tmp/q235x24.gguf}
   [ -f $M235 ] || python3 -m strata_mgpu gen-model $M235 --preset 235b-a22b --layers 24 --seed 0 > "$OUT/gen235.log" 2>&1
   for share in off auto ${CPUSHARES235:-}; do
-    MODEL=$M235 bench "235_22_$share" --max-vram 22 --cpu-experts $share --prompt-tokens 2048 --decode-tokens 32 \
+    BENCH_LOG=1 MODEL=$M235 bench "235_22_$share" --max-vram 22 --cpu-experts $share --prompt-tokens 2048 --decode-tokens 32 \
       --runs 1
   done
 fi
