@@ -25,6 +25,7 @@ import json
 import logging
 import os
 import sys
+from collections.abc import Callable
 from dataclasses import replace
 from types import SimpleNamespace
 
@@ -295,13 +296,26 @@ def test_cpu_stage_agrees_with_the_reference(tmp_path, expert_type, down_type):
     write_model(path, "tiny", expert_type=expert_type, down_type=down_type, seed=int(expert_type) + 200)
     f = GGUFFile(path)
     spec = spec_from_gguf(f)
-    opts = StageOptions(device=CPU, cpu_experts=True, threads=2, kv_tokens=64, context=64, chunk_size=64)
+    stage = stage_against_the_reference(f, spec, 9, seed=int(expert_type))
+    assert stage.kernels.paths["cpu_experts:ggml"] == spec.n_layers * 4  # the prompt, then three steps
+
+
+def stage_against_the_reference(f: GGUFFile, spec, prompt_tokens: int, seed: int,
+                                check: Callable[[Stage], None] = lambda stage: None) -> Stage:
+    """A CPU stage (ggml), the same with the rounding twin and with the plain twin as executor, and
+    the fp32 reference: a prompt of `prompt_tokens` and three decode steps, their logits held to
+    FP32_TOL (plain twin), ROUNDED_WORST_TOL (rounding twin) and STAGE_TOL (ggml against the
+    reference). `check` looks at the stage first. Returns the ggml stage."""
+    cells = prompt_tokens + 16
+    opts = StageOptions(device=CPU, cpu_experts=True, threads=2, kv_tokens=2 * cells, context=2 * cells,
+                        chunk_size=2 * cells)
     runners = [load_reference_runner(f, spec), build_stage(f, spec, opts), build_stage(f, spec, opts),
                build_stage(f, spec, opts)]
     ref, stage, rounded, twin = runners
     rounded.experts.executor, twin.experts.executor = RoundingTwin(), TorchExperts()
-    prompt = torch.randint(0, spec.vocab_size, (9,), generator=torch.Generator().manual_seed(int(expert_type)))
-    kvs = [r.new_sequence(32) for r in runners]
+    check(stage)
+    prompt = torch.randint(0, spec.vocab_size, (prompt_tokens,), generator=torch.Generator().manual_seed(seed))
+    kvs = [r.new_sequence(cells) for r in runners]
     logits = [r.prefill(kv, prompt) for r, kv in zip(runners, kvs, strict=True)]
     for step in range(3):
         a, b, c, d = logits
@@ -309,7 +323,7 @@ def test_cpu_stage_agrees_with_the_reference(tmp_path, expert_type, down_type):
         assert torch.isfinite(b).all() and rel_err(b, c) <= ROUNDED_WORST_TOL and rel_err(b, a) <= STAGE_TOL, step
         token = torch.tensor([int(a.argmax())])
         logits = [r.decode([kv], token)[0] for r, kv in zip(runners, kvs, strict=True)]
-    assert stage.kernels.paths["cpu_experts:ggml"] == spec.n_layers * 4  # the prompt, then three steps
+    return stage
 
 
 @ggml_needed
@@ -330,25 +344,14 @@ def test_cpu_stage_with_a_q4_k_m_file_s_dense_types_and_a_long_prompt(tmp_path, 
     path = tmp_path / "m.gguf"
     write_model(path, "tiny", seed=11)
     f = GGUFFile(path)
-    spec = spec_from_gguf(f)
-    opts = StageOptions(device=CPU, cpu_experts=True, threads=2, kv_tokens=128, context=128, chunk_size=128)
-    ref, stage, rounded, twin = (load_reference_runner(f, spec), build_stage(f, spec, opts), build_stage(f, spec, opts),
-                                 build_stage(f, spec, opts))
-    rounded.experts.executor, twin.experts.executor = RoundingTwin(), TorchExperts()
-    layer = stage.model.w.layers[0]
-    assert layer.wqkv is None and isinstance(layer.wv, BlockMatrix) and layer.wv.ggml_type == Q.Q6_K
-    assert isinstance(layer.wq, BlockMatrix) and layer.wq.ggml_type == Q.Q4_K
-    assert isinstance(stage.model.w.output, BlockMatrix) and stage.model.w.output.ggml_type == Q.Q6_K
-    runners = [ref, stage, rounded, twin]
-    prompt = torch.randint(0, spec.vocab_size, (DEQUANT_ROWS + 6,), generator=torch.Generator().manual_seed(11))
-    kvs = [r.new_sequence(DEQUANT_ROWS + 16) for r in runners]
-    logits = [r.prefill(kv, prompt) for r, kv in zip(runners, kvs, strict=True)]
-    for step in range(3):
-        a, b, c, d = logits
-        assert rel_err(d, a) <= FP32_TOL, step
-        assert torch.isfinite(b).all() and rel_err(b, c) <= ROUNDED_WORST_TOL and rel_err(b, a) <= STAGE_TOL, step
-        token = torch.tensor([int(a.argmax())])
-        logits = [r.decode([kv], token)[0] for r, kv in zip(runners, kvs, strict=True)]
+
+    def q_k_v_apart(stage: Stage) -> None:
+        layer = stage.model.w.layers[0]
+        assert layer.wqkv is None and isinstance(layer.wv, BlockMatrix) and layer.wv.ggml_type == Q.Q6_K
+        assert isinstance(layer.wq, BlockMatrix) and layer.wq.ggml_type == Q.Q4_K
+        assert isinstance(stage.model.w.output, BlockMatrix) and stage.model.w.output.ggml_type == Q.Q6_K
+
+    stage_against_the_reference(f, spec_from_gguf(f), DEQUANT_ROWS + 6, seed=11, check=q_k_v_apart)
 
 
 @ggml_needed

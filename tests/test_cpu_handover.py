@@ -16,7 +16,7 @@ from strata_mgpu.config import HostShare
 from strata_mgpu.kernels.cpu_experts import TorchExperts
 from strata_mgpu.kernels.experts import TorchKernels
 from strata_mgpu.model.gguf_reader import GGUFFile
-from strata_mgpu.model.spec import spec_from_gguf
+from strata_mgpu.model.spec import ModelSpec, spec_from_gguf
 from strata_mgpu.stage.build import build_stage
 from strata_mgpu.stage.experts.handover import (
     RETUNE_STEPS,
@@ -33,7 +33,7 @@ from strata_mgpu.stage.experts.handover import (
     host_sums,
 )
 from strata_mgpu.stage.host.arena import HostExpertArena
-from strata_mgpu.stage.stage import StageOptions
+from strata_mgpu.stage.stage import Stage, StageOptions
 
 CPU = torch.device("cpu")
 STAGE_TOL = 0.5  # tests/test_cpu_experts.py: ggml's rounding against fp32, a routing flip included
@@ -265,9 +265,9 @@ def test_the_hosts_rate_refits_to_what_its_answered_requests_took():
     assert same.bytes_per_s == 50e9 and same.overhead_s == pytest.approx(300e-6 - 3e6 / 50e9)
 
 
-def test_a_declined_hand_over_is_detached_and_its_graphs_dropped(tiny_gguf, monkeypatch):
-    """Where `auto` declines mid-run (arm() says False), the stage detaches the hand-over before the
-    step, drops the graphs captured with its kernels, and decodes as the link-only stage does."""
+def link_only_and_shared(tiny_gguf) -> tuple[ModelSpec, Stage, Stage, HandoverTwin]:
+    """Two CPU stages with 2 experts a layer resident: one link-only, one handing all its missing
+    experts to the host (HandoverTwin, the plain twin as executor)."""
     f = GGUFFile(tiny_gguf)
     spec = spec_from_gguf(f)
     plain = build_stage(f, spec, StageOptions(device=CPU, resident_experts=2))
@@ -275,6 +275,13 @@ def test_a_declined_hand_over_is_detached_and_its_graphs_dropped(tiny_gguf, monk
     handover = shared.experts.handover
     assert isinstance(handover, HandoverTwin)
     handover.executor = TorchExperts()
+    return spec, plain, shared, handover
+
+
+def test_a_declined_hand_over_is_detached_and_its_graphs_dropped(tiny_gguf, monkeypatch):
+    """Where `auto` declines mid-run (arm() says False), the stage detaches the hand-over before the
+    step, drops the graphs captured with its kernels, and decodes as the link-only stage does."""
+    spec, plain, shared, handover = link_only_and_shared(tiny_gguf)
     dropped = []
     monkeypatch.setattr(shared.graphs, "drop", lambda: dropped.append(True))
     prompt = torch.randint(0, spec.vocab_size, (12,))
@@ -300,13 +307,7 @@ def test_a_hand_over_that_has_failed_takes_no_pass(tiny_gguf, monkeypatch):
     """Once the hand-over has failed (counted in silent_faults, not yet detached: a prompt's pass
     comes before the next decode step's arm), a pass gives the host nothing and computes every pick
     itself, as the link-only stage does: no layer goes on without the host's part unnoticed."""
-    f = GGUFFile(tiny_gguf)
-    spec = spec_from_gguf(f)
-    plain = build_stage(f, spec, StageOptions(device=CPU, resident_experts=2))
-    shared = build_stage(f, spec, StageOptions(device=CPU, resident_experts=2, host_share=HostShare("fixed", 1.0)))
-    handover = shared.experts.handover
-    assert isinstance(handover, HandoverTwin)
-    handover.executor = TorchExperts()
+    spec, plain, shared, handover = link_only_and_shared(tiny_gguf)
     prompt = torch.randint(0, spec.vocab_size, (6,))
     kv_p, kv_s = plain.new_sequence(64), shared.new_sequence(64)
     a, _ = plain.prefill(kv_p, prompt), shared.prefill(kv_s, prompt)
