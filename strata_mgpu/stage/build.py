@@ -21,7 +21,7 @@ import torch
 from strata_mgpu.kernels.cpu_experts import GgmlExperts, default_threads, ggml_missing, select_cpu_experts
 from strata_mgpu.kernels.decode_ops import ATTN_HEAD_DIMS, ATTN_MIN_CAPABILITY, CudaDecodeOps
 from strata_mgpu.kernels.experts import CudaKernels, TorchKernels, select_kernels
-from strata_mgpu.model.decoder import Decoder, float_matmul
+from strata_mgpu.model.decoder import Decoder, DenseMatmul, float_matmul
 from strata_mgpu.model.gguf_reader import GGUFFile
 from strata_mgpu.model.spec import ModelSpec
 from strata_mgpu.model.weights import BlockMatrix, ModelWeights, load_weights
@@ -78,8 +78,11 @@ def build_stage(f: GGUFFile, spec: ModelSpec, opts: StageOptions, layers: range 
     cache = (ExpertCache(ctx, arena, layers, plan.resident_per_layer * len(layers))
              if opts.expert_cache and not opts.cpu_experts else None)
     experts: StreamedExperts | HostCoreExperts
+    dense_matmul: DenseMatmul = float_matmul
     if executor is not None:
         experts = HostCoreExperts(arena, executor, kernels, layers)
+        if blocks:
+            dense_matmul = HostDense(experts)
     else:
         experts = StreamedExperts(ctx, spec, arena, kernels, ring, cache, layers, dtype=dtype)
         experts.attach_handover(_handover(ctx, spec, opts, arena, cache, kernels, layers, dtype),
@@ -91,8 +94,7 @@ def build_stage(f: GGUFFile, spec: ModelSpec, opts: StageOptions, layers: range 
     # (docs/ARCHITECTURE.md). Only where their attention runs fused: its twin costs a dozen
     # launches a row.
     model = Decoder(spec, dense, experts, ops, static_rows=fused_ops and _attention_fused(ctx, spec),
-                    kv_types=opts.kv_types,
-                    dense=HostDense(experts) if blocks and isinstance(experts, HostCoreExperts) else float_matmul)
+                    kv_types=opts.kv_types, dense=dense_matmul)
     graphs = DecodeGraphs(ctx, model, enabled=(opts.cuda_graphs and cache is not None and dtype == torch.bfloat16
                                                and _decode_never_syncs(kernels, arena, spec)),
                           largest=opts.graph_batch, pad=plan.resident_share >= 1, first=first)

@@ -167,6 +167,7 @@ class ShareTrial:
         self.share = share
         self.times: dict[bool, list[float]] = {True: [], False: []}  # with the host -> its steps' seconds
         self.verdict: float | None = None
+        self.medians: tuple[float, float] = (0.0, 0.0)  # seconds a step, with the host and without (decided)
         self._n = 0  # steps queued within the trial
         self._last: float | None = None
 
@@ -179,7 +180,8 @@ class ShareTrial:
             self.times[self._with_host(ran)].append(now - self._last)
         self._last = now
         if ran == TRIAL_STEPS - 1:
-            with_host, without = (statistics.median(self.times[k]) for k in (True, False))
+            with_host, without = self.medians = (statistics.median(self.times[True]),
+                                                 statistics.median(self.times[False]))
             self.verdict = self.share if with_host < (1 - TRIAL_MARGIN) * without else 0.0
             return None
         self._n += 1
@@ -526,7 +528,7 @@ class CpuHandover:
                 self.mailbox.share_np[0] = share
                 return
             trial, self._trial = self._trial, None
-            with_host, without = (statistics.median(trial.times[k]) for k in (True, False))
+            with_host, without = trial.medians
             log.info("--cpu-experts auto: decode steps took %.2f ms with %.2f of the missing experts on the host's "
                      "cores, %.2f ms without: %s", 1e3 * with_host, trial.share, 1e3 * without,
                      "kept" if trial.verdict else "the link alone from now on")
