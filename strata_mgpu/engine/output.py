@@ -1,6 +1,6 @@
 """The host's side of a step: its drawn tokens turned into text, stops, outputs and ends.
 
-`OutputProcessor.land(step)` waits for a step's tokens on the host, then for each row still
+`OutputProcessor.land(step, silent_faults)` waits for a step's tokens on the host, then for each row still
 running: the prompt's timings end at its first token; the token advances the request's grammar
 (if it has one), is detokenized and fed to the stop strings; EOS (unless ignored), a stop string,
 the grammar's end or `max_tokens` finish the request, else its text (possibly empty,
@@ -45,7 +45,7 @@ class OutputProcessor:
         self.prefix = prefix
         self._t_landed = 0.0  # when the last step's tokens reached the host
 
-    def land(self, step: StepTokens, silent_faults: Callable[[], int] = lambda: 0) -> None:
+    def land(self, step: StepTokens, silent_faults: Callable[[], int]) -> None:
         """Wait for the step's tokens, then text, stops and outputs. `silent_faults`: the runner's
         count (`ModelRunner.silent_faults`), read once the tokens are here: past the count before
         the step, the step's requests end with an error rather than take tokens that may be wrong
