@@ -8,6 +8,8 @@
 #           STRATA_KV_PREFETCH=0 and 1)
 #   short   prompts of 1-512 tokens at --max-vram 40 (all resident: the static rows and grouped experts' range)
 #   dec40   decode at --max-vram 40 (all resident): bench batch 1, then 1 and 8 requests as the server does
+#   dense   STRATA_DENSE_BLOCKS=0 (bf16 copies of the projections and head) against 1 (the file's blocks): prompts of
+#           1 / 16 / 1K / 4K tokens and decode at --max-vram 40, decode at 16 (the VRAM the blocks free holds experts)
 #   served  decode through the engine as the server does (sampling on), 1 and 8 requests, at 40 and 16
 #   split   two stages on one card, --max-vram 8,8 (total 16) and 20,20 (all resident)
 #   splitdec decode on two stages of one card, all resident (--max-vram 20,20): batch 1 and 8, and 1
@@ -129,6 +131,14 @@ if has long; then
 fi
 has short && bench short40 --max-vram 40 --prompt-tokens 1,16,64,128,160,192,256,512 --decode-tokens 0 --runs 5
 has dec40 && bench dec40 --max-vram 40 --prompt-tokens 1024 --decode-tokens 128 --runs 1 --server-decode 1,8 --decode-batch 1,8
+if has dense; then  # projections and head as the file's blocks (default) against bf16 copies, same machine
+  for blocks in 0 1; do
+    STRATA_DENSE_BLOCKS=$blocks bench "dense40_$blocks" --max-vram 40 --prompt-tokens 1,16,1024,4096 --decode-tokens 128 \
+      --runs 2 --server-decode 1,8 --decode-batch 1,8
+    STRATA_DENSE_BLOCKS=$blocks bench "dense16_$blocks" --max-vram 16 --prompt-tokens 1024 --decode-context 1024 \
+      --decode-tokens 64 --runs 1
+  done
+fi
 if has cpudec; then
   lscpu | grep -E "Model name|^CPU\(s\)|Thread|Core|Socket|NUMA node\(s\)|Flags" | cut -c1-200 > "$OUT/lscpu.txt"
   for vram in ${CPUVRAM:-16 8}; do

@@ -154,6 +154,7 @@ class Placement:
     # the share of a GPU stage's missing experts its host's cores compute in decode (--cpu-experts)
     cpu_experts: HostShare = HostShare("off")
     host_prompt_help: bool = False  # few-row streamed prompts share experts with the host too (STRATA_HOST_PROMPT_HELP)
+    dense_blocks: bool = True  # GPU stages keep projections and head as the file's blocks (STRATA_DENSE_BLOCKS)
     cache_type_k: GGMLQuantizationType = GGMLQuantizationType.BF16  # how KV cells store keys (--cache-type-k)
     cache_type_v: GGMLQuantizationType = GGMLQuantizationType.BF16  # and values (--cache-type-v)
 
@@ -194,7 +195,8 @@ class Placement:
                    prefill_help_frac=frac, help_halves=environment.help_halves,
                    kv_prefetch=environment.kv_prefetch, stage_threads=environment.stage_threads,
                    decode_graph_batch=environment.decode_graph_batch,
-                   host_prompt_help=environment.host_prompt_help, **fields)  # type: ignore[arg-type]
+                   host_prompt_help=environment.host_prompt_help, dense_blocks=environment.dense_blocks,
+                   **fields)  # type: ignore[arg-type]
 
     @property
     def kv_types(self) -> tuple[GGMLQuantizationType, GGMLQuantizationType]:

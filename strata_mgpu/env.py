@@ -63,8 +63,13 @@ HOST_PROMPT_HELP = EnvVar("STRATA_HOST_PROMPT_HELP", "0",
                           "give a streamed prompt pass of at most 64 rows a share of each layer's streamed experts "
                           "there (the link streams fewer); 0 (default): on one H200 it made such prompts 3-6x slower")
 
+DENSE_BLOCKS = EnvVar("STRATA_DENSE_BLOCKS", "1",
+                      "1 (default) keeps a GPU stage's attention projections and head as the file's blocks where "
+                      "they are Q4_0, Q8_0, Q4_K, Q5_K or Q6_K (decode multiplies them in place, prompts through a "
+                      "transient bf16 copy); 0: bf16 copies of every one (twice Q8_0's VRAM)")
+
 ALL = (CACHE_DIR, LOG_LEVEL, PREFILL_HELP, PREFILL_HELP_FRAC, HELP_HALVES, KV_PREFETCH, STAGE_THREADS,
-       DECODE_GRAPH_BATCH, HOST_PROMPT_HELP)
+       DECODE_GRAPH_BATCH, HOST_PROMPT_HELP, DENSE_BLOCKS)
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
@@ -127,6 +132,7 @@ class EnvOptions:
     stage_threads: bool = True
     decode_graph_batch: int = 8
     host_prompt_help: bool = False
+    dense_blocks: bool = True
 
     @property
     def demo_dir(self) -> Path:
@@ -160,6 +166,7 @@ def read(environ: Mapping[str, str] | None = None) -> EnvOptions:
         decode_graph_batch=_whole_number(raw(DECODE_GRAPH_BATCH), DECODE_GRAPH_BATCH.name, 1, 64,
                                          "a whole number from 1 to 64"),
         host_prompt_help=_zero_or_one(raw(HOST_PROMPT_HELP), HOST_PROMPT_HELP.name),
+        dense_blocks=_zero_or_one(raw(DENSE_BLOCKS), DENSE_BLOCKS.name),
     )
 
 

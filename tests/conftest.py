@@ -38,6 +38,32 @@ def tiny_gguf(tmp_path_factory) -> Path:
     return path
 
 
+@pytest.fixture(scope="session")
+def q4_k_m_gguf(tmp_path_factory) -> Path:
+    """The tiny preset with the dense types of a Q4_K_M file: attn_v and the head Q6_K, q, k, o and
+    the embedding Q4_K (so q, k and v are three matrices where a stage keeps blocks)."""
+    from dataclasses import replace
+
+    from gguf.constants import GGMLQuantizationType as Q
+
+    from strata_mgpu.model import synthetic
+
+    plain_plans = synthetic.plan_tensors
+
+    def q4_k_m(*args, **kwargs):
+        def kind(p: synthetic.TensorPlan) -> Q:
+            if ".attn_v." in p.name or p.name.startswith("output."):
+                return Q.Q6_K
+            return Q.Q4_K if p.ggml_type == Q.Q8_0 else p.ggml_type
+        return [replace(p, ggml_type=kind(p)) for p in plain_plans(*args, **kwargs)]
+
+    path = tmp_path_factory.mktemp("models") / "q4_k_m.gguf"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(synthetic, "plan_tensors", q4_k_m)
+        write_model(path, "tiny", seed=11)
+    return path
+
+
 @pytest.fixture(scope="module")
 def kernels():
     """The CUDA kernel set of cuda:0 (GPU tests only: it needs CUDA and CuPy)."""

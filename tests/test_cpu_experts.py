@@ -26,7 +26,6 @@ import logging
 import os
 import sys
 from collections.abc import Callable
-from dataclasses import replace
 from types import SimpleNamespace
 
 import numpy as np
@@ -41,7 +40,6 @@ from strata_mgpu.engine.build import build_runner
 from strata_mgpu.kernels import cpu_experts
 from strata_mgpu.kernels.cpu_experts import DEQUANT_ROWS, GgmlExperts, TorchExperts, default_threads, physical_cores
 from strata_mgpu.kernels.paths import _warned
-from strata_mgpu.model import synthetic
 from strata_mgpu.model.expert_layout import ExpertLayout
 from strata_mgpu.model.gguf_reader import GGUFFile
 from strata_mgpu.model.reference import moe_reference
@@ -327,23 +325,11 @@ def stage_against_the_reference(f: GGUFFile, spec, prompt_tokens: int, seed: int
 
 
 @ggml_needed
-def test_cpu_stage_with_a_q4_k_m_file_s_dense_types_and_a_long_prompt(tmp_path, monkeypatch):
+def test_cpu_stage_with_a_q4_k_m_file_s_dense_types_and_a_long_prompt(q4_k_m_gguf):
     """Dense types as a Q4_K_M file has them (attn_v and the head Q6_K, the rest Q4_K), so q, k and
     v stay three matrices, and a prompt of more than DEQUANT_ROWS tokens (the dequantizing path):
     the stage against the reference as test_cpu_stage_agrees_with_the_reference holds it."""
-    plain_plans = synthetic.plan_tensors
-
-    def q4_k_m(*args, **kwargs):
-        def kind(p: TensorPlan) -> Q:
-            if ".attn_v." in p.name or p.name.startswith("output."):
-                return Q.Q6_K
-            return Q.Q4_K if p.ggml_type == Q.Q8_0 else p.ggml_type
-        return [replace(p, ggml_type=kind(p)) for p in plain_plans(*args, **kwargs)]
-
-    monkeypatch.setattr(synthetic, "plan_tensors", q4_k_m)
-    path = tmp_path / "m.gguf"
-    write_model(path, "tiny", seed=11)
-    f = GGUFFile(path)
+    f = GGUFFile(q4_k_m_gguf)
 
     def q_k_v_apart(stage: Stage) -> None:
         layer = stage.model.w.layers[0]

@@ -40,6 +40,8 @@ def test_defaults_are_the_variables_own():
     ("STRATA_PREFILL_HELP_FRAC", "0.35", "prefill_help_frac", 0.35),
     ("STRATA_LOG_LEVEL", "debug", "log_level", "DEBUG"),
     ("STRATA_CACHE_DIR", "/tmp/strata-cache", "cache_dir", Path("/tmp/strata-cache")),
+    ("STRATA_DENSE_BLOCKS", "0", "dense_blocks", False),
+    ("STRATA_DENSE_BLOCKS", " 1", "dense_blocks", True),
 ])
 def test_values(name, raw, field, want):
     assert getattr(env.read({name: raw}), field) == want
@@ -58,6 +60,7 @@ def test_values(name, raw, field, want):
     ("STRATA_HELP_HALVES", "-1", "whole number of tokens"),
     ("STRATA_HELP_HALVES", "\u00b2", "whole number of tokens"),
     ("STRATA_PREFILL_HELP", "sometimes", "expected 0 or 1"),
+    ("STRATA_DENSE_BLOCKS", "yes", "expected 0 or 1"),
     ("STRATA_PREFILL_HELP_FRAC", "fast", "expected auto, rule or a number"),
     ("STRATA_LOG_LEVEL", "LOUD", "expected DEBUG, INFO"),
 ])

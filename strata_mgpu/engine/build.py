@@ -8,11 +8,12 @@ import torch
 
 from strata_mgpu.config import Placement
 from strata_mgpu.kernels.cpu_experts import default_threads, ggml_missing
+from strata_mgpu.kernels.dense import keeps_blocks
 from strata_mgpu.kernels.paths import warn_once
 from strata_mgpu.model.expert_layout import layer_layout
 from strata_mgpu.model.gguf_reader import GGUFFile
 from strata_mgpu.model.runner import DecoderRunner, load_reference_runner
-from strata_mgpu.model.spec import ModelSpec
+from strata_mgpu.model.spec import ModelSpec, T, tname
 from strata_mgpu.split.help_rule import HelpPolicy
 from strata_mgpu.split.runner import SplitRunner, build_split, plan_layers
 from strata_mgpu.stage.build import build_stage, stage_plan
@@ -66,7 +67,7 @@ def stage_options(placement: Placement, chunk_size: int, kv_tokens: int,
                          cuda_graphs=placement.cuda_graphs, graph_batch=placement.decode_graph_batch,
                          kv_prefetch=placement.kv_prefetch, kv_types=placement.kv_types, cpu_experts=cpu_only,
                          threads=cuda_threads if d.type == "cuda" else threads, host_share=placement.cpu_experts,
-                         host_prompt_help=placement.host_prompt_help)
+                         host_prompt_help=placement.host_prompt_help, dense_blocks=placement.dense_blocks)
             for i, d in enumerate(devices)]
 
 
@@ -80,7 +81,8 @@ def preview_plans(f: GGUFFile, spec: ModelSpec, placement: Placement, chunk_size
                   ) -> list[tuple[str, range, MemoryPlan]]:
     """Each stage's VRAM plan from the file alone (no GPU needed): what `strata info --max-vram`
     prints, and what a stage built on a card with that budget free would plan (its dense bytes
-    are estimated from the shapes, as the stage would lay them out in bf16)."""
+    from the shapes and the file's types, laid out as a stage with the CUDA kernels would:
+    `dense_layout_bytes`)."""
     names = [d.strip() for d in placement.devices]
     options = stage_options(placement, chunk_size, kv_tokens, devices=[parse_device(n) for n in names])
     budgets = [placement.budget(i) for i in range(len(names))]
@@ -90,11 +92,27 @@ def preview_plans(f: GGUFFile, spec: ModelSpec, placement: Placement, chunk_size
     out = []
     for name, opts, layers in zip(names, options, ranges, strict=True):
         largest = max(layer_layout(f, spec, i).expert_bytes for i in layers)
-        dense = dense_bytes(spec, len(layers), embed=layers.start == 0, head=layers.stop == spec.n_layers, elem=elem)
+        dense = dense_layout_bytes(f, spec, layers, elem=elem, blocks=placement.dense_blocks and elem == 2)
         budget = int(opts.max_vram_gib * GiB) if opts.max_vram_gib else None
         out.append((name, layers, stage_plan(spec, opts, layers, expert_bytes=largest, dense=dense, budget=budget,
                                              elem=elem, where=f"stage on {name}")))
     return out
+
+
+def dense_layout_bytes(f: GGUFFile, spec: ModelSpec, layers: range, *, elem: int, blocks: bool) -> int:
+    """A GPU stage's dense weights (`memory_plan.dense_bytes`), with the projections and head it
+    keeps as the file's blocks (`blocks`: `kernels.dense.keeps_blocks`) counted at their blocks' bytes."""
+    embed, head = layers.start == 0, layers.stop == spec.n_layers
+    total = dense_bytes(spec, len(layers), embed=embed, head=head, elem=elem)
+    if not blocks:
+        return total
+    names = [tname(kind, i) for i in layers for kind in (T.ATTN_Q, T.ATTN_K, T.ATTN_V, T.ATTN_OUT)]
+    if head and not spec.tied_output:
+        names.append(tname(T.OUTPUT))
+    for info in map(f.tensor, names):
+        if keeps_blocks(info.ggml_type, info.shape[-1]):
+            total -= info.n_elements * elem - info.nbytes
+    return total
 
 
 def build_runner(f: GGUFFile, spec: ModelSpec, placement: Placement, chunk_size: int, *,

@@ -1,16 +1,22 @@
-"""Decode's dense projections straight from their GGML blocks (`cuda_src/dense_decode.cu`), and the
-torch twin they are held to.
+"""A GPU stage's dense projections straight from their GGML blocks (`cuda_src/dense_decode.cu`),
+and the torch twin they are held to.
 
 A decode step at batch 1 reads every dense weight once: with bf16 copies that is 2 bytes a weight
 (30B-A3B: ~38 MB of attention a layer and a 622 MB head a token); the file's own Q8_0 is 1.06
 bytes, Q4_K 0.56. `dense_q8` multiplies the blocks as they are, its input quantized to 8 bits
 (`CudaKernels._quantize_q8`), for the integer types of `q8_dot.cuh` (`Q8_DOT_TYPES`).
 
-Not yet wired into the decoder: `tools.bench_kernels` times it against the bf16 GEMM it would
-replace, so the gain is measured before the weights' storage changes.
+`DeviceDense` is the decoder's `DenseMatmul` on a GPU stage that keeps its projections as blocks
+(`keeps_blocks` says which; the rest stay bf16): up to DENSE_Q8_ROWS rows (decode steps, short
+prompts) through `dense_q8`; more rows (prompts) dequantize the matrix into a transient
+bf16 copy, at most DENSE_SCRATCH_VALUES values at a time, and take one GEMM per slice: a prompt's
+GEMM is bound by its arithmetic, not by reading W, and the copy costs what reading W twice does.
+The twin of the whole: bf16 weights (`load_weights` without blocks) and torch's GEMM.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -18,6 +24,7 @@ from gguf.constants import GGMLQuantizationType
 
 from strata_mgpu.kernels import nvrtc
 from strata_mgpu.kernels.experts import Q8_DOT_TYPES, Q8_WORDS, CudaKernels, q8_values
+from strata_mgpu.model.weights import BlockMatrix, Matrix
 from strata_mgpu.quant.dequant import dequantize_rows
 from strata_mgpu.quant.formats import block_format
 
@@ -26,6 +33,11 @@ DENSE_EXPRS = tuple(f"dense_q8<{int(t)}>" for t in sorted(Q8_DOT_TYPES))
 DENSE_THREADS = 256  # 8 warps, a warp a row of W
 DENSE_MAX_ROWS = 8  # dense_decode.cu's DENSE_MAX_ROWS: rows of x a launch takes
 DENSE_SHARED_BYTES = 46 * 1024  # x quantized, staged in shared memory, under what every card gives a block
+# Rows up to which DeviceDense multiplies blocks by dense_q8 (a launch every DENSE_MAX_ROWS, each
+# reading W): four reads of Q8_0 (4 x 1.06 bytes a weight) cost less than a bf16 copy's write and
+# read after the blocks' own (1.06 + 2 x 2); every decode graph's batch takes one launch
+DENSE_Q8_ROWS = 4 * DENSE_MAX_ROWS
+DENSE_SCRATCH_VALUES = 16 << 20  # a prompt's transient bf16 copy of W, at most 32 MB at a time
 
 
 def dense_reference(x: torch.Tensor, raw: torch.Tensor, ggml_type: GGMLQuantizationType) -> torch.Tensor:
@@ -44,23 +56,32 @@ def rows_a_launch(k: int) -> int:
     return min(DENSE_MAX_ROWS, DENSE_SHARED_BYTES // (k // 32 * Q8_WORDS * 4))
 
 
-def dense_q8(kernels: CudaKernels, x: torch.Tensor, raw: torch.Tensor, ggml_type: GGMLQuantizationType
-             ) -> torch.Tensor:
+def keeps_blocks(ggml_type: GGMLQuantizationType, k: int) -> bool:
+    """Does a GPU stage keep a projection of this type and width as blocks (`load_weights`'s
+    `blocks`)? Where `dense_q8` takes it."""
+    fmt = block_format(ggml_type)
+    return ggml_type in Q8_DOT_TYPES and k % fmt.block_size == 0 and rows_a_launch(k) > 0
+
+
+def dense_q8(kernels: CudaKernels, x: torch.Tensor, raw: torch.Tensor, ggml_type: GGMLQuantizationType,
+             xq: torch.Tensor | None = None) -> torch.Tensor:
     """x [T, K] bf16 (on the device) times W, raw [N, row_bytes] uint8 blocks of an integer type
     in device memory -> [T, N] bf16: one launch every DENSE_MAX_ROWS rows of x (or fewer, where a
-    wide x fills the shared memory first)."""
+    wide x fills the shared memory first). `xq`: x already quantized (`CudaKernels._quantize_q8`)."""
     t, k = x.shape
     n, row_bytes = raw.shape
     fmt = block_format(ggml_type)
     per_launch = rows_a_launch(k)
-    if ggml_type not in Q8_DOT_TYPES or k % fmt.block_size or row_bytes != fmt.row_bytes(k) or not per_launch:
+    if not keeps_blocks(ggml_type, k) or row_bytes != fmt.row_bytes(k):
         raise ValueError(f"dense_q8 takes {', '.join(sorted(q.name for q in Q8_DOT_TYPES))} rows of K = {k}; "
                          f"got {ggml_type.name} rows of {row_bytes} bytes")
     assert x.dtype == torch.bfloat16 and x.is_contiguous() and raw.is_contiguous() and raw.dtype == torch.uint8
     out = torch.empty(t, n, dtype=torch.bfloat16, device=x.device)
     if t == 0 or n == 0:
         return out  # nothing to launch (a grid of no blocks is an error)
-    xq = kernels._quantize_q8(x)  # [T, K / 32 * Q8_WORDS]
+    if xq is None:
+        xq = kernels._quantize_q8(x)  # [T, K / 32 * Q8_WORDS]
+    assert xq.shape == (t, k // 32 * Q8_WORDS)
     fn = nvrtc.kernel(DENSE_FILE, f"dense_q8<{int(ggml_type)}>", DENSE_EXPRS, kernels.device)
     warps = DENSE_THREADS // 32
     for t0 in range(0, t, per_launch):
@@ -71,3 +92,44 @@ def dense_q8(kernels: CudaKernels, x: torch.Tensor, raw: torch.Tensor, ggml_type
                      shared_mem=rows * (k // 32) * Q8_WORDS * 4)
     kernels.paths.ran("dense", "q8")
     return out
+
+
+class DeviceDense:
+    """A GPU stage's `DenseMatmul` (model.decoder): float projections by torch's GEMM; blocks by
+    `dense_q8` up to DENSE_Q8_ROWS rows, else dequantized slice by slice for a GEMM (the module
+    docstring). Every call is capturable in a CUDA graph: no host waits, fixed launches."""
+
+    def __init__(self, kernels: CudaKernels):
+        self.kernels = kernels
+        for expr in DENSE_EXPRS:  # compiled and loaded now: a decode graph's capture may be its first use
+            nvrtc.kernel(DENSE_FILE, expr, DENSE_EXPRS, kernels.device)
+
+    def __call__(self, x: torch.Tensor, w: Matrix) -> torch.Tensor:
+        return self.many(x, (w,))[0]
+
+    def many(self, x: torch.Tensor, ws: Sequence[Matrix]) -> list[torch.Tensor]:
+        x = x.contiguous()
+        xq: torch.Tensor | None = None  # x quantized once for every dense_q8 of the call
+        out = []
+        for w in ws:
+            if not isinstance(w, BlockMatrix):
+                out.append(x @ w.T)
+            elif x.shape[0] <= DENSE_Q8_ROWS:
+                if xq is None and x.shape[0]:
+                    xq = self.kernels._quantize_q8(x)
+                out.append(dense_q8(self.kernels, x, w.raw, w.ggml_type, xq))
+            else:
+                out.append(self._dequantized_product(x, w))
+        return out
+
+    def _dequantized_product(self, x: torch.Tensor, w: BlockMatrix) -> torch.Tensor:
+        """x [T, K] @ W.T through transient bf16 slices of W's rows -> [T, N]."""
+        self.kernels.paths.ran("dense", "dequant")
+        rows = max(1, DENSE_SCRATCH_VALUES // w.k)
+        parts = []
+        for r0 in range(0, w.n, rows):
+            part = w.raw[r0:r0 + rows]
+            wf = torch.empty(part.shape[0], w.k, dtype=x.dtype, device=x.device)
+            self.kernels.dequant(part, w.ggml_type, 1, part.shape[0] * w.k, 0, wf.view(-1))
+            parts.append(x @ wf.T)
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)

@@ -43,16 +43,29 @@ Routing = Callable[[int, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.
 class DenseMatmul(Protocol):
     """How a forward multiplies its projections (q, k, v, o, the head): x [T, K] and W [N, K] ->
     x @ W.T [T, N] in x's dtype. `float_matmul` for float tensors; a stage whose projections are
-    blocks (`BlockMatrix`) passes what multiplies those (`stage.experts.host_cores.HostDense`)."""
+    blocks (`BlockMatrix`) passes what multiplies those (`stage.experts.host_cores.HostDense` on
+    the CPU, `kernels.dense.DeviceDense` on a GPU)."""
 
     def __call__(self, x: torch.Tensor, w: Matrix) -> torch.Tensor: ...
 
+    def many(self, x: torch.Tensor, ws: Sequence[Matrix]) -> list[torch.Tensor]:
+        """x times each of `ws` (what x's preparation, e.g. its quantization, is done once for)."""
+        ...
 
-def float_matmul(x: torch.Tensor, w: Matrix) -> torch.Tensor:
+
+class FloatMatmul:
     """x [T, K] @ W.T for a float W [N, K] (the decoder's default)."""
-    if isinstance(w, BlockMatrix):
-        raise TypeError("a projection kept as blocks needs the stage's DenseMatmul")
-    return x @ w.T
+
+    def __call__(self, x: torch.Tensor, w: Matrix) -> torch.Tensor:
+        if isinstance(w, BlockMatrix):
+            raise TypeError("a projection kept as blocks needs the stage's DenseMatmul")
+        return x @ w.T
+
+    def many(self, x: torch.Tensor, ws: Sequence[Matrix]) -> list[torch.Tensor]:
+        return [self(x, w) for w in ws]
+
+
+float_matmul = FloatMatmul()
 
 
 @dataclass
@@ -97,10 +110,10 @@ class SegmentAttention:
 
     def __call__(self, i: int, w: LayerWeights, h: torch.Tensor, part: Rows) -> torch.Tensor:
         s, mm = self.spec, self.dense
-        if isinstance(w.wqkv, BlockMatrix):  # blocks: one product rather than three calls into the host's kernels
+        if isinstance(w.wqkv, BlockMatrix):  # blocks: one product rather than three calls into the kernels
             q, k, v = mm(h, w.wqkv).split([s.q_dim, s.kv_dim, s.kv_dim], dim=1)
         else:
-            q, k, v = mm(h, w.wq), mm(h, w.wk), mm(h, w.wv)
+            q, k, v = mm.many(h, (w.wq, w.wk, w.wv))
         q, k = qk_norm_rope(s, w, q, k, self.cos[part.rows], self.sin[part.rows])
         v = v.reshape(h.shape[0], s.n_kv_heads, s.head_dim)
         for seg in part.segments:  # layer i + 1's keys arrive while layer i attends and runs its experts
@@ -135,8 +148,8 @@ class RowAttention:
         s, mm = self.spec, self.dense
         if w.wqkv is not None:  # one GEMM: [B, (H + 2 Hkv) * Dh], split into column blocks
             q, k, v = mm(h, w.wqkv).split([s.q_dim, s.kv_dim, s.kv_dim], dim=1)
-        else:
-            q, k, v = mm(h, w.wq), mm(h, w.wk), mm(h, w.wv)
+        else:  # made apart (blocks of different types): h prepared once for the three
+            q, k, v = mm.many(h, (w.wq, w.wk, w.wv))
         q = self.ops.qk_norm_rope_kv(s, w, i, q, k, v, self.positions, self.cos, self.sin, self.kvs,
                                      self.table)  # [B, H, Dh]
         out = self.ops.attention(i, q, self.positions, self.kvs, self.table, self.capacity)  # [B, H, Dh]

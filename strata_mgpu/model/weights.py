@@ -1,6 +1,7 @@
 """Dense weights of a model (or a layer range of it) from GGUF: dequantized to a float dtype, or,
-for the projections of a stage that multiplies blocks in place (a CPU stage through ggml), kept as
-their GGUF blocks (`BlockMatrix`)."""
+for the projections of a stage that multiplies blocks in place, kept as their GGUF blocks
+(`BlockMatrix`): a CPU stage through ggml (every type), a GPU stage through `dense_q8` (the integer
+types it dots) where decode reads each projection once a step and the blocks are half the bytes."""
 
 from __future__ import annotations
 
@@ -36,6 +37,13 @@ class BlockMatrix:
 
 # A projection as the decoder multiplies it: a float tensor [N, K], or its blocks
 Matrix = torch.Tensor | BlockMatrix
+# (a projection's type, K) -> whether the stage keeps it as blocks (what its DenseMatmul multiplies)
+KeepBlocks = Callable[[GGMLQuantizationType, int], bool]
+
+
+def every_type(ggml_type: GGMLQuantizationType, k: int) -> bool:
+    """Keep every projection as blocks (a CPU stage: ggml multiplies every type)."""
+    return True
 
 
 @dataclass
@@ -80,14 +88,14 @@ class ModelWeights:
 
 def load_weights(f: GGUFFile, spec: ModelSpec, *, dtype: torch.dtype = torch.float32,
                  device: torch.device | str = "cpu", with_experts: bool = True, layers: range | None = None,
-                 embed: bool = True, head: bool = True, blocks: bool = False,
-                 on_layer: Callable[[int], None] | None = None) -> ModelWeights:
+                 embed: bool = True, head: bool = True, blocks: KeepBlocks | None = None,
+                 embed_blocks: bool = False, on_layer: Callable[[int], None] | None = None) -> ModelWeights:
     """Dequantize the tensors of `layers` (default: all) to `dtype` on `device` (the router stays
     fp32); without experts when they are streamed; the embedding and the head only if asked.
-    `blocks` (the CPU only): the projections (q, k, v, o, the head) and the embedding stay as their
-    blocks (`BlockMatrix`, copied out of the file's map), q, k and v one matrix where their types agree.
-    `on_layer(i)` reports progress."""
-    assert not blocks or torch.device(device).type == "cpu", "blocks are multiplied on the host's cores"
+    `blocks`: the projections (q, k, v, o, the head) it takes stay as their blocks (`BlockMatrix`,
+    copied out of the file's map onto `device`), q, k and v one matrix where all three are kept and
+    their types agree (floats: one matrix always); `embed_blocks`: the embedding too (the CPU: a
+    lookup dequantizes the picked rows). `on_layer(i)` reports progress."""
 
     def get(kind: T, layer: int | None = None, as_dtype: torch.dtype = dtype) -> torch.Tensor:
         name = tname(kind, layer)
@@ -98,7 +106,14 @@ def load_weights(f: GGUFFile, spec: ModelSpec, *, dtype: torch.dtype = torch.flo
         """The blocks of one tensor, or of several of one type and width stacked by rows."""
         infos = [f.tensor(tname(kind, layer)) for kind, layer in kinds_layer]
         data = np.concatenate([f.tensor_data(tname(kind, layer)) for kind, layer in kinds_layer])
-        return BlockMatrix(torch.from_numpy(data), infos[0].ggml_type, infos[0].shape[-1])
+        return BlockMatrix(torch.from_numpy(data).to(device), infos[0].ggml_type, infos[0].shape[-1])
+
+    def kept(kind: T, layer: int | None = None) -> bool:
+        info = f.tensor(tname(kind, layer))
+        return blocks is not None and blocks(info.ggml_type, info.shape[-1])
+
+    def matrix(kind: T, layer: int | None = None) -> Matrix:
+        return raw((kind, layer)) if kept(kind, layer) else get(kind, layer)
 
     def same_blocks(*kinds_layer: tuple[T, int | None]) -> bool:
         infos = [f.tensor(tname(kind, layer)) for kind, layer in kinds_layer]
@@ -112,15 +127,16 @@ def load_weights(f: GGUFFile, spec: ModelSpec, *, dtype: torch.dtype = torch.flo
         wk: Matrix
         wv: Matrix
         wo: Matrix
-        if blocks and same_blocks(*qkv):
+        keep = [kept(*kl) for kl in qkv]
+        if all(keep) and same_blocks(*qkv):
             wqkv = raw(*qkv)
             wq, wk, wv = (wqkv.row_block(a, b) for a, b in _row_ranges(spec.q_dim, spec.kv_dim, spec.kv_dim))
-        elif blocks:
-            wqkv, (wq, wk, wv) = None, (raw(kl) for kl in qkv)
-        else:
+        elif not any(keep):
             wqkv = torch.cat([get(T.ATTN_Q, i), get(T.ATTN_K, i), get(T.ATTN_V, i)])
             wq, wk, wv = wqkv.split([spec.q_dim, spec.kv_dim, spec.kv_dim])
-        wo = raw((T.ATTN_OUT, i)) if blocks else get(T.ATTN_OUT, i)
+        else:
+            wqkv, (wq, wk, wv) = None, (matrix(*kl) for kl in qkv)
+        wo = matrix(T.ATTN_OUT, i)
         lw = LayerWeights(
             attn_norm=get(T.ATTN_NORM, i), wq=wq, wk=wk, wv=wv, wqkv=wqkv,
             wo=wo, q_norm=get(T.ATTN_Q_NORM, i), k_norm=get(T.ATTN_K_NORM, i),
@@ -132,10 +148,10 @@ def load_weights(f: GGUFFile, spec: ModelSpec, *, dtype: torch.dtype = torch.flo
             on_layer(i)
     embedding: Matrix | None = None
     if embed or (head and spec.tied_output):
-        embedding = raw((T.TOKEN_EMBD, None)) if blocks else get(T.TOKEN_EMBD)
+        embedding = raw((T.TOKEN_EMBD, None)) if embed_blocks else get(T.TOKEN_EMBD)
     output: Matrix | None = None
     if head:
-        output = embedding if spec.tied_output else raw((T.OUTPUT, None)) if blocks else get(T.OUTPUT)
+        output = embedding if spec.tied_output else matrix(T.OUTPUT)
     return ModelWeights(embed=embedding if embed else None, layers=out_layers,
                         out_norm=get(T.OUTPUT_NORM) if head else None, output=output)
 

@@ -20,11 +20,12 @@ import torch
 
 from strata_mgpu.kernels.cpu_experts import GgmlExperts, default_threads, ggml_missing, select_cpu_experts
 from strata_mgpu.kernels.decode_ops import ATTN_HEAD_DIMS, ATTN_MIN_CAPABILITY, CudaDecodeOps
+from strata_mgpu.kernels.dense import DeviceDense, keeps_blocks
 from strata_mgpu.kernels.experts import CudaKernels, TorchKernels, select_kernels
 from strata_mgpu.model.decoder import Decoder, DenseMatmul, float_matmul
 from strata_mgpu.model.gguf_reader import GGUFFile
 from strata_mgpu.model.spec import ModelSpec
-from strata_mgpu.model.weights import BlockMatrix, ModelWeights, load_weights
+from strata_mgpu.model.weights import BlockMatrix, ModelWeights, every_type, load_weights
 from strata_mgpu.stage.device import DeviceContext
 from strata_mgpu.stage.experts.cache import ExpertCache, RefillOnFirstStep
 from strata_mgpu.stage.experts.handover import (
@@ -65,23 +66,30 @@ def build_stage(f: GGUFFile, spec: ModelSpec, opts: StageOptions, layers: range 
         return (lambda i: on_progress(what, i - layers.start + 1, total)) if on_progress else (lambda i: None)
 
     tag = "" if first and last else f" {layers.start}-{layers.stop - 1} on {ctx.device}"
-    # a CPU stage computing on the host's cores through ggml multiplies its projections from their
-    # blocks too (`HostDense`); the torch twin would dequantize them every call: floats there
     executor = select_cpu_experts(opts.threads or default_threads(0)) if opts.cpu_experts else None
-    blocks = isinstance(executor, GgmlExperts)
-    dense = load_weights(f, spec, dtype=dtype, device=ctx.device, with_experts=False, layers=layers, embed=first,
-                         head=last, blocks=blocks, on_layer=progress("dense weights" + tag, len(layers)))
-    arena = HostExpertArena(f, spec, layers, pin=ctx.is_cuda, on_layer=progress("experts" + tag, len(layers)))
     kernels = select_kernels(ctx.device, prefer_cuda=opts.prefer_cuda_kernels)
+    # Which projections stay as the file's blocks: a CPU stage computing on the host's cores through
+    # ggml multiplies every type from its blocks (`HostDense`; the torch twin would dequantize them
+    # every call: floats there); a bf16 GPU stage with the CUDA kernels those dense_q8 dots
+    # (`DeviceDense`): decode reads them at half bf16's bytes or less, and they take that much less VRAM
+    host_blocks = isinstance(executor, GgmlExperts)
+    device_blocks = opts.dense_blocks and isinstance(kernels, CudaKernels) and dtype == torch.bfloat16
+    dense = load_weights(f, spec, dtype=dtype, device=ctx.device, with_experts=False, layers=layers, embed=first,
+                         head=last, blocks=every_type if host_blocks else keeps_blocks if device_blocks else None,
+                         embed_blocks=host_blocks, on_layer=progress("dense weights" + tag, len(layers)))
+    arena = HostExpertArena(f, spec, layers, pin=ctx.is_cuda, on_layer=progress("experts" + tag, len(layers)))
     plan = _plan(ctx, spec, opts, layers, arena, dense_storage_bytes(dense), dtype)
     ring = ExpertRing(ctx, plan.ring_slot_bytes, opts.ring_slots) if plan.ring else None
     cache = (ExpertCache(ctx, arena, layers, plan.resident_per_layer * len(layers))
              if opts.expert_cache and not opts.cpu_experts else None)
     experts: StreamedExperts | HostCoreExperts
     dense_matmul: DenseMatmul = float_matmul
+    if device_blocks:
+        assert isinstance(kernels, CudaKernels)
+        dense_matmul = DeviceDense(kernels)
     if executor is not None:
         experts = HostCoreExperts(arena, executor, kernels, layers)
-        if blocks:
+        if host_blocks:
             dense_matmul = HostDense(experts)
     else:
         experts = StreamedExperts(ctx, spec, arena, kernels, ring, cache, layers, dtype=dtype)

@@ -68,12 +68,16 @@ class StageOptions:
     # `fixed` also on a CPU stage's device-path twins (tests)
     host_share: HostShare = HostShare("off")
     host_prompt_help: bool = False  # ... and its few-row streamed prompt passes too (`HostPrefillHelper`)
+    # a bf16 GPU stage with the CUDA kernels keeps its projections and head as the file's blocks where
+    # dense_q8 takes their type (`kernels.dense.DeviceDense`); False: bf16 copies (STRATA_DENSE_BLOCKS)
+    dense_blocks: bool = True
 
     @classmethod
     def from_env(cls, environment: EnvOptions, **fields: Any) -> StageOptions:
         """Options whose switches come from the environment (`env.read()`): what a tool that builds
         one stage itself uses, as `Placement.from_env` is for the CLI's commands."""
-        return cls(graph_batch=environment.decode_graph_batch, kv_prefetch=environment.kv_prefetch, **fields)
+        return cls(graph_batch=environment.decode_graph_batch, kv_prefetch=environment.kv_prefetch,
+                   dense_blocks=environment.dense_blocks, **fields)
 
 
 @dataclass

@@ -14,6 +14,8 @@ call under "cpu_experts:ggml" or "cpu_experts:torch".
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from strata_mgpu.kernels.cpu_experts import CpuExperts
@@ -96,3 +98,6 @@ class HostDense:
             return x @ w.T
         out = self.experts.executor.matmul(x, w.raw, w.ggml_type, w.k)
         return out if out.dtype == x.dtype else out.to(x.dtype)
+
+    def many(self, x: torch.Tensor, ws: Sequence[Matrix]) -> list[torch.Tensor]:
+        return [self(x, w) for w in ws]
