@@ -213,6 +213,7 @@ class CardCapabilities:
     host_pointers: bool  # kernels read registered host memory at its host address (UVA): decode relies on it
     grouped_mm: bool  # torch._grouped_mm works here
     grouped_mm_sync_free: bool  # ... without copying its offsets to the host (capturable)
+    multiprocessors: int = 132  # the card's SMs (what a launch's grid should fill); probed
 
     @classmethod
     def probe(cls, device: torch.device) -> CardCapabilities:
@@ -222,7 +223,8 @@ class CardCapabilities:
         # (pytorch/pytorch#186620): it works, but a step that uses it cannot be captured.
         uva = cupy.cuda.runtime.deviceGetAttribute(CUDA_ATTR_HOST_POINTER_FOR_REGISTERED_MEM, device.index or 0) == 1
         return cls(host_pointers=uva, grouped_mm=grouped,
-                   grouped_mm_sync_free=grouped and torch.cuda.get_device_capability(device) >= (9, 0))
+                   grouped_mm_sync_free=grouped and torch.cuda.get_device_capability(device) >= (9, 0),
+                   multiprocessors=torch.cuda.get_device_properties(device).multi_processor_count)
 
 
 class CudaKernels(TorchKernels):
@@ -238,6 +240,7 @@ class CudaKernels(TorchKernels):
         self.use_grouped_mm = caps.grouped_mm
         self.grouped_mm_sync_free = caps.grouped_mm_sync_free
         self.host_pointers = caps.host_pointers
+        self.multiprocessors = caps.multiprocessors
         self._expert_ids: torch.Tensor | None = None  # made by compile()
 
     def describe(self) -> str:
@@ -461,7 +464,8 @@ def q8_values(x: torch.Tensor) -> torch.Tensor:
     quantized to integers q in [-127, 127] with the scale dx = max|x| / 127 (fp32), q = x / dx
     rounded to nearest even (quantize_q8's), returned as fp32 q * dx."""
     runs = x.float().reshape(-1, 32)
-    dx = runs.abs().amax(1, keepdim=True) / 127
+    amax = runs.abs().amax(1, keepdim=True)
+    dx = amax / torch.full_like(amax, 127.0)  # true division on CUDA too (quant.quantize.quantize_q8_0 says why)
     q = torch.where(dx > 0, torch.round(runs / torch.where(dx > 0, dx, 1.0)), 0.0)
     return (q * dx).reshape(x.shape)
 

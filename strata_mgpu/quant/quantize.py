@@ -32,7 +32,10 @@ def quantize_q8_0(x: torch.Tensor) -> torch.Tensor:
     """x [..., N] (any float dtype; N a multiple of 32) -> [..., N / 32 * 34] uint8 Q8_0 blocks."""
     n = x.shape[-1]
     blocks = x.float().reshape(*x.shape[:-1], q8_0_row_bytes(n) // Q8_BYTES, Q8_BLOCK)  # [..., nb, 32]
-    d = blocks.abs().amax(dim=-1, keepdim=True) / 127  # [..., nb, 1]
+    amax = blocks.abs().amax(dim=-1, keepdim=True)  # [..., nb, 1]
+    # a tensor divisor: torch on CUDA divides by a Python number as a multiply by its reciprocal,
+    # an ulp off ggml's division in a few percent of blocks (and then a byte off now and then)
+    d = amax / torch.full_like(amax, 127.0)
     inv = torch.where(d > 0, 1.0 / d, torch.zeros_like(d))
     q = round_half_away(blocks * inv).to(torch.int8)  # |x * inv| <= 127 (+ an ulp): no clamp needed
     out = torch.empty(*blocks.shape[:-1], Q8_BYTES, dtype=torch.uint8, device=x.device)  # [..., nb, 34]
