@@ -26,18 +26,19 @@ def test_the_sources_are_the_files_the_runtime_compiles():
 def kernel_name(entry: str) -> str:
     """A PTX entry as the runtime names the kernel: an instantiation of a `template <int N>`
     kernel from its mangled name, e.g. _Z12dequant_bf16ILi12EEvPKh... -> dequant_bf16<12>
-    (length-prefixed name, then I L i N E E), bool arguments after it too (L b 0/1 E, e.g.
-    attn_split<128, true, false>); any other entry as it is, so a plain name matches only an
-    unmangled (extern "C") kernel."""
+    (length-prefixed name, then I L i N E E), int and bool arguments after it too (L i N E, e.g.
+    dense_q8<8, 4>; L b 0/1 E, e.g. attn_split<128, true, false>); any other entry as it is, so a
+    plain name matches only an unmangled (extern "C") kernel."""
     m = re.match(r"_Z(\d+)", entry)
     if m is None:
         return entry
     name = entry[m.end():m.end() + int(m.group(1))]
-    arg = re.match(r"ILi(\d+)E((?:Lb[01]E)*)E", entry[m.end() + len(name):])
+    arg = re.match(r"ILi(\d+)E((?:L[ib]\d+E)*)E", entry[m.end() + len(name):])
     if arg is None:
         return entry
-    flags = [", true" if b == "1" else ", false" for b in re.findall(r"Lb([01])E", arg.group(2))]
-    return f"{name}<{arg.group(1)}{''.join(flags)}>"
+    more = [f", {v}" if kind == "i" else ", true" if v == "1" else ", false"
+            for kind, v in re.findall(r"L([ib])(\d+)E", arg.group(2))]
+    return f"{name}<{arg.group(1)}{''.join(more)}>"
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not found")

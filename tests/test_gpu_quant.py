@@ -233,7 +233,7 @@ def _paths_of(stage) -> dict[str, int]:
 FAST_PATHS = {"dequant:cuda", "dequant_addressed:cuda", "gather_experts:cuda", "moe_gathered:fused",
               "moe_gathered:grouped", "grouped_mlp:grouped_mm", "copy_wide:copy_f32_wide", "rms_norm:cuda",
               "add_rms_norm:cuda", "qk_norm_rope_kv:cuda", "route:cuda", "route:gemm", "moe_input:cuda", "dense:q8",
-              "attention:cuda"}
+              "dense:dequant", "attention:cuda"}
 
 
 def test_bf16_stage_runs_only_fast_paths(tiny_gguf):

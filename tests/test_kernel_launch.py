@@ -171,6 +171,17 @@ def test_the_twin_moe_input_is_add_rms_norm_then_route():
     assert torch.equal(weights, w_want) and torch.equal(experts, e_want)
 
 
+def test_dense_rows_a_warp_grow_with_x_while_the_grid_fills_the_card():
+    from strata_mgpu.kernels.dense import w_rows_a_warp
+
+    sms = 132  # an H200's
+    assert w_rows_a_warp(1, 151_936, sms) == 1  # one vector: the bytes bound it, every warp in flight
+    assert [w_rows_a_warp(t, 151_936, sms) for t in (2, 3, 4, 8)] == [2, 2, 4, 4]  # a head: 4 rows a warp
+    assert w_rows_a_warp(8, 5_120, sms) == 2  # q/k/v: 320 blocks at 2, 160 at 4
+    assert w_rows_a_warp(8, 2_048, sms) == 1  # o: 256 blocks already
+    assert w_rows_a_warp(8, 2_048, 16) == 4  # a smaller card fills sooner
+
+
 def test_dense_projection_launches_take_at_most_what_shared_memory_holds(monkeypatch):
     """dense_q8: x quantized once, then one launch every few rows (8, or fewer for a wide x), each
     with the kernel's arguments; types without an integer dot are refused in one line."""
@@ -191,9 +202,11 @@ def test_dense_projection_launches_take_at_most_what_shared_memory_holds(monkeyp
         assert out.shape == (t, n) and dense.rows_a_launch(kdim) == per
         quantize, *runs = launches
         assert quantize[0] == "quantize_q8" and len(runs) == -(-t // per)
-        assert all(fn == "dense_q8<8>" and len(args) == n_params and grid == -(-n // 8)
-                   for fn, grid, _, args, _ in runs)
-        assert [args[1] for *_, args, _ in runs] == [min(per, t - i) for i in range(0, t, per)]
+        rows = [min(per, t - i) for i in range(0, t, per)]
+        assert [args[1] for *_, args, _ in runs] == rows
+        for (fn, grid, _, args, _), x_rows in zip(runs, rows, strict=True):
+            r = dense.w_rows_a_warp(x_rows, n, k.multiprocessors)
+            assert fn == f"dense_q8<8, {r}>" and len(args) == n_params and grid == -(-n // (8 * r))
         assert all(smem <= dense.DENSE_SHARED_BYTES for *_, smem in runs)
     raw = torch.zeros(4, block_format(Q.IQ4_XS).row_bytes(256), dtype=torch.uint8)
     with pytest.raises(ValueError, match="dense_q8 takes"):

@@ -29,8 +29,12 @@ from strata_mgpu.quant.dequant import dequantize_rows
 from strata_mgpu.quant.formats import block_format
 
 DENSE_FILE = "dense_decode.cu"
-DENSE_EXPRS = tuple(f"dense_q8<{int(t)}>" for t in sorted(Q8_DOT_TYPES))
-DENSE_THREADS = 256  # 8 warps, a warp a row of W
+W_ROWS_A_WARP = (1, 2, 4)  # dense_q8's R: rows of W a warp takes (instantiated for each)
+DENSE_EXPRS = tuple(f"dense_q8<{int(t)}, {r}>" for t in sorted(Q8_DOT_TYPES) for r in W_ROWS_A_WARP)
+DENSE_THREADS = 256  # 8 warps, a warp R rows of W
+# blocks a launch keeps at least, a multiprocessor's worth twice over, when it gives a warp more
+# rows of W (fewer warps: each one's loads wait their latency with fewer others beside them)
+BLOCKS_A_MULTIPROCESSOR = 2
 DENSE_MAX_ROWS = 8  # dense_decode.cu's DENSE_MAX_ROWS: rows of x a launch takes
 DENSE_SHARED_BYTES = 46 * 1024  # x quantized, staged in shared memory, under what every card gives a block
 # Rows up to which DeviceDense multiplies blocks by dense_q8 (a launch every DENSE_MAX_ROWS, each
@@ -54,6 +58,16 @@ def rows_a_launch(k: int) -> int:
     if k < 32 or k % 32:
         return 0
     return min(DENSE_MAX_ROWS, DENSE_SHARED_BYTES // (k // 32 * Q8_WORDS * 4))
+
+
+def w_rows_a_warp(x_rows: int, n: int, multiprocessors: int) -> int:
+    """dense_q8's R for x_rows rows of x and N rows of W: one where x has one row (a weight meets
+    one vector: the bytes bound it, and more warps keep more of them in flight); else the most,
+    up to x_rows, that leaves the grid BLOCKS_A_MULTIPROCESSOR blocks a multiprocessor."""
+    warps = DENSE_THREADS // 32
+    fits = [r for r in W_ROWS_A_WARP
+            if r <= x_rows and -(-n // (warps * r)) >= BLOCKS_A_MULTIPROCESSOR * multiprocessors]
+    return max(fits, default=1)
 
 
 def keeps_blocks(ggml_type: GGMLQuantizationType, k: int) -> bool:
@@ -82,11 +96,12 @@ def dense_q8(kernels: CudaKernels, x: torch.Tensor, raw: torch.Tensor, ggml_type
     if xq is None:
         xq = kernels._quantize_q8(x)  # [T, K / 32 * Q8_WORDS]
     assert xq.shape == (t, k // 32 * Q8_WORDS)
-    fn = nvrtc.kernel(DENSE_FILE, f"dense_q8<{int(ggml_type)}>", DENSE_EXPRS, kernels.device)
     warps = DENSE_THREADS // 32
     for t0 in range(0, t, per_launch):
         rows = min(per_launch, t - t0)
-        nvrtc.launch(fn, -(-n // warps), DENSE_THREADS,
+        r = w_rows_a_warp(rows, n, kernels.multiprocessors)
+        fn = nvrtc.kernel(DENSE_FILE, f"dense_q8<{int(ggml_type)}, {r}>", DENSE_EXPRS, kernels.device)
+        nvrtc.launch(fn, -(-n // (warps * r)), DENSE_THREADS,
                      (xq[t0].data_ptr(), np.int32(rows), np.int32(k), raw.data_ptr(), np.int64(row_bytes),
                       np.int32(n), out[t0].data_ptr()), kernels.device,
                      shared_mem=rows * (k // 32) * Q8_WORDS * 4)
