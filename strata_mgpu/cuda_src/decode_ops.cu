@@ -261,6 +261,44 @@ __device__ void pick_when_last(const float* logits, int t, int E, int A, int ren
     }
 }
 
+// One expert's logit: the warp's dot of a row of h (D values, h(i) the i-th as fp32) with its router
+// row re [D] fp32. Each lane reads the router four values a load (16 bytes: D a multiple of 4, re
+// 16-byte aligned) and issues ROUTER_LOADS loads before it multiplies any: a lane reading one value
+// a load, each after the last one's sum, waited a memory latency per load. Every lane gets the sum.
+constexpr int ROUTER_LOADS = 8;
+template <typename H>
+__device__ __forceinline__ float router_dot(const H& h, const float* __restrict__ re, int D) {
+    const int lane = threadIdx.x & 31;
+    float acc = 0.f;
+    for (int i0 = 4 * lane; i0 < D; i0 += 128 * ROUTER_LOADS) {
+        float4 r[ROUTER_LOADS];
+#pragma unroll
+        for (int u = 0; u < ROUTER_LOADS; ++u)
+            r[u] = i0 + 128 * u < D ? __ldg(reinterpret_cast<const float4*>(re + i0 + 128 * u))
+                                    : make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+        for (int u = 0; u < ROUTER_LOADS; ++u) {
+            const int i = i0 + 128 * u;
+            if (i < D) {
+                acc = fmaf(h(i), r[u].x, acc);
+                acc = fmaf(h(i + 1), r[u].y, acc);
+                acc = fmaf(h(i + 2), r[u].z, acc);
+                acc = fmaf(h(i + 3), r[u].w, acc);
+            }
+        }
+    }
+    return warp_sum(acc);
+}
+
+struct GlobalRow {  // a bf16 row in global memory
+    const bf16* x;
+    __device__ float operator()(int i) const { return __bfloat162float(x[i]); }
+};
+struct SharedRow {  // an fp32 row in shared memory
+    const float* x;
+    __device__ float operator()(int i) const { return x[i]; }
+};
+
 // grid (ceil(E / warps), T): one warp an expert's logit, then the row's last block picks its
 // experts (pick_when_last): one launch a layer for routing, not two.
 extern "C" __global__ void route_rows(const bf16* __restrict__ h, const float* __restrict__ router, int D, int E,
@@ -268,11 +306,7 @@ extern "C" __global__ void route_rows(const bf16* __restrict__ h, const float* _
                                       long long* __restrict__ experts, int* __restrict__ rows_done) {
     const int t = blockIdx.y, e = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5), lane = threadIdx.x & 31;
     if (e < E) {
-        const bf16* x = h + (long long)t * D;
-        const float* r = router + (long long)e * D;
-        float acc = 0.f;
-        for (int i = lane; i < D; i += 32) acc = fmaf(__bfloat162float(x[i]), r[i], acc);
-        acc = warp_sum(acc);
+        const float acc = router_dot(GlobalRow{h + (long long)t * D}, router + (long long)e * D, D);
         if (lane == 0) logits[(long long)t * E + e] = acc;
     }
     pick_when_last(logits, t, E, A, renorm, weights, experts, rows_done);
@@ -312,10 +346,7 @@ extern "C" __global__ void moe_input_rows(const bf16* __restrict__ x, const bf16
     __syncthreads();
     const int e = blockIdx.x * warps + warp;
     if (e < E) {
-        const float* re = router + (long long)e * D;
-        float acc = 0.f;
-        for (int i = lane; i < D; i += 32) acc = fmaf(hs[i], re[i], acc);
-        acc = warp_sum(acc);
+        const float acc = router_dot(SharedRow{hs}, router + (long long)e * D, D);
         if (lane == 0) logits[(long long)t * E + e] = acc;
     }
     if (hq != nullptr)

@@ -251,8 +251,9 @@ class CudaDecodeOps(DecodeOps):
         e = router.shape[0]
         if not (x.dim() == 2 and x.shape == y.shape and weight.numel() == x.shape[1] == router.shape[1]
                 and self._ok(x, y, weight) and router.dtype == torch.float32 and router.is_contiguous()
-                and e <= MAX_EXPERTS and n_used <= min(32, e) and x.shape[0] <= MAX_ROUTED_ROWS
-                and x.shape[1] % 32 == 0 and 4 * x.shape[1] <= MOE_INPUT_SHARED_BYTES):
+                and router.data_ptr() % 16 == 0 and e <= MAX_EXPERTS and n_used <= min(32, e)
+                and x.shape[0] <= MAX_ROUTED_ROWS and x.shape[1] % 32 == 0
+                and 4 * x.shape[1] <= MOE_INPUT_SHARED_BYTES):
             return super().moe_input(x, y, weight, eps, router, n_used, renormalize)
         t, d = x.shape
         self.paths.ran("moe_input", "cuda")
@@ -275,9 +276,10 @@ class CudaDecodeOps(DecodeOps):
             self.paths.ran("route", "gemm")
             return super().route(h, router, n_used, renormalize)
         if not (self._ok(h) and router.dtype == torch.float32 and router.is_contiguous() and e <= MAX_EXPERTS
-                and n_used <= min(32, e)):
-            self._twin("route", NOT_BF16 if not self._ok(h) else f"router {router.dtype} (contiguous fp32), "
-                       f"{e} experts (<= {MAX_EXPERTS}) or {n_used} picks (<= 32)")
+                and n_used <= min(32, e) and d % 4 == 0 and router.data_ptr() % 16 == 0):
+            self._twin("route", NOT_BF16 if not self._ok(h) else f"router {router.dtype} (contiguous fp32, 16-byte "
+                       f"aligned, rows a multiple of 4 wide: {d}), {e} experts (<= {MAX_EXPERTS}) or {n_used} picks "
+                       f"(<= 32)")
             return super().route(h, router, n_used, renormalize)
         self.paths.ran("route", "cuda")
         t = h.shape[0]

@@ -46,6 +46,7 @@ Q8_WORDS = 12  # words (int32) of one quantized 32-value sub-block: 32 int8, the
 Q8_THREADS = 256  # quantize_q8: a warp a sub-block
 MOE_NAMES = ("quantize_q8",)  # moe_decode.cu's plain (extern "C") kernels
 MOE_THREADS = 256  # 8 warps: a block's tile has at most 8 rows, one a warp
+MOE_DOWN_ROWS = MOE_THREADS // 32  # rows of D a block of moe_down takes at most (for every pick)
 MOE_SHARED_BYTES = 46 * 1024  # under the 48 KiB every card gives a block without opting in
 MAX_EXPERTS = 4096  # experts a layer the grouped kernels' expert table covers
 MOE_MAX_PICKS = 64  # moe_down's MAX_PICKS: experts a token it takes (its static shared tables: 576 bytes)
@@ -309,7 +310,7 @@ class CudaKernels(TorchKernels):
         gate_row, down_row = lay.gate_bytes // ffn, lay.down_bytes // hidden
         gate_vector = _vector_bytes(hidden, lay.gate_type)
         rows_gu = min(((MOE_SHARED_BYTES - gate_vector) // 2 - 32) // gate_row, MOE_THREADS // 32)
-        rows_down = max((r for r in range(1, MOE_THREADS // 32 + 1)
+        rows_down = max((r for r in range(1, min(MOE_DOWN_ROWS, MOE_THREADS // 32) + 1)
                          if _down_shared(r, down_row, ffn, n_used, lay.down_type) <= MOE_SHARED_BYTES), default=0)
         if rows_gu < 1 or rows_down < 1:
             return None

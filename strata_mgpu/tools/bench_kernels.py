@@ -172,8 +172,20 @@ def grouped_from(picks: int):
         experts.GROUPED_MIN_PICKS = was
 
 
+@contextlib.contextmanager
+def down_rows_at_most(rows: int):
+    """moe_down's blocks take at most `rows` rows of D (experts.MOE_DOWN_ROWS), for the block's duration."""
+    from strata_mgpu.kernels import experts
+
+    was, experts.MOE_DOWN_ROWS = experts.MOE_DOWN_ROWS, rows
+    try:
+        yield
+    finally:
+        experts.MOE_DOWN_ROWS = was
+
+
 def run(preset: str, batches: list[int], contexts: list[int], iters: int, host_share: float,
-        device: torch.device, expert_rows: tuple[int, ...] = ()) -> KernelReport:
+        device: torch.device, expert_rows: tuple[int, ...] = (), down_rows: tuple[int, ...] = ()) -> KernelReport:
     from strata_mgpu.kernels.decode_ops import CudaDecodeOps
     from strata_mgpu.kernels.experts import CardCapabilities, CudaKernels, TorchKernels
     from strata_mgpu.model.kv_cache import KVCache
@@ -224,7 +236,27 @@ def run(preset: str, batches: list[int], contexts: list[int], iters: int, host_s
                     exact = 0.0 if torch.equal(grouped, by_pick) else float("inf")
                     report.timings.append(KernelTiming(f"experts by expert ({where})", b, us, nbytes, bound(nbytes),
                                                        exact))
+    for rows in down_rows:  # the same passes with moe_down's blocks taking fewer rows of D
+        with down_rows_at_most(rows), grouped_from(10**9):
+            plan = kernels.moe_fused(lay, d, a)
+            assert plan is not None
+            for b in batches:
+                weights, experts = random_routing(b, e, a, g)
+                weights, experts = weights.to(device), experts.to(device)
+                h = torch.randn(b, d, generator=g).to(device, torch.bfloat16)
+                none = torch.empty(0, device=device)
+                us = time_us(ctx, partial(kernels.moe_gathered, cache, 0, lay, h, weights, experts, none, none), iters)
+                nbytes = int(torch.unique(experts).numel()) * lay.expert_bytes
+                report.timings.append(KernelTiming(f"fused experts, moe_down {plan.rows_down} rows a block", b, us,
+                                                   nbytes, bound(nbytes)))
     ops, twin = CudaDecodeOps(device), DecodeOps()
+    router = torch.randn(e, d, generator=g).to(device) / 16
+    norm_w = (torch.rand(d, generator=g) + 0.5).to(device, torch.bfloat16)
+    for b in batches:  # the MoE block's input: residual add, norm, routing, h quantized (one launch)
+        x, y = (torch.randn(b, d, generator=g).to(device, torch.bfloat16) for _ in range(2))
+        us = time_us(ctx, partial(ops.moe_input, x, y, norm_w, 1e-6, router, a, True), iters)
+        nbytes = router.numel() * 4 + 4 * x.numel() * 2
+        report.timings.append(KernelTiming("MoE input (add, norm, route, quantize)", b, us, nbytes, bound(nbytes)))
     for n in contexts:
         for b in batches:
             kvs = []
@@ -283,6 +315,8 @@ def main() -> None:
     ap.add_argument("--contexts", default="1024,8192,32768", help="attention key counts, comma-separated")
     ap.add_argument("--expert-rows", default="8,16,32,64,128,256,512",
                     help="rows of a gathered pass whose experts are timed pick by pick and expert by expert")
+    ap.add_argument("--down-rows", default="", help="moe_down's rows a block to time the fused experts at too, "
+                    "comma-separated (default: the plan's only)")
     ap.add_argument("--iters", type=int, default=100)
     ap.add_argument("--host-share", type=float, default=0.0, help="share of experts read from pinned host memory")
     ap.add_argument("--json", default=None)
@@ -295,9 +329,13 @@ def main() -> None:
         batches = [int(x) for x in args.batch.split(",")]
         contexts = [int(x) for x in args.contexts.split(",")]
         expert_rows = tuple(int(x) for x in args.expert_rows.split(",") if x)
+        down_rows = tuple(int(x) for x in args.down_rows.split(",") if x)
     except ValueError:
-        sys.exit("--batch, --contexts and --expert-rows take comma-separated whole numbers")
-    report = run(args.preset, batches, contexts, args.iters, args.host_share, torch.device("cuda", 0), expert_rows)
+        sys.exit("--batch, --contexts, --expert-rows and --down-rows take comma-separated whole numbers")
+    if any(r < 1 for r in down_rows):
+        sys.exit("--down-rows: 1 or more")
+    report = run(args.preset, batches, contexts, args.iters, args.host_share, torch.device("cuda", 0), expert_rows,
+                 down_rows)
     print_report(report)
     bad = [t for t in report.timings if t.rel_err is not None and not t.rel_err <= BF16_TOL]
     if args.json:
