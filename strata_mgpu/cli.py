@@ -137,7 +137,7 @@ threads_option = click.option("--threads", type=click.IntRange(min=1), default=N
                               help="host cores that compute a CPU stage's experts (ggml); default: the physical "
                                    "cores, less one for each GPU stage's host thread")
 cpu_experts_option = click.option(
-    "--cpu-experts", default="off", show_default=True,
+    "--cpu-experts", default="auto", show_default=True,
     help="decode: the share of a GPU stage's missing experts (those not resident in VRAM) the host's cores "
          "compute while the link brings the rest: auto (from the host's and the link's measured rates; none "
          "where the link alone is faster), off, or a share 0 < F <= 1 (needs the cpu-experts extra)")

@@ -152,7 +152,7 @@ class Placement:
     decode_graph_batch: int = 8  # the largest decode batch replayed as a CUDA graph
     threads: int | None = None  # host cores computing a CPU stage's experts (--threads); None: engine.build's default
     # the share of a GPU stage's missing experts its host's cores compute in decode (--cpu-experts)
-    cpu_experts: HostShare = HostShare("off")
+    cpu_experts: HostShare = HostShare("auto")
     host_prompt_help: bool = False  # few-row streamed prompts share experts with the host too (STRATA_HOST_PROMPT_HELP)
     dense_blocks: bool = True  # GPU stages keep projections and head as the file's blocks (STRATA_DENSE_BLOCKS)
     cache_type_k: GGMLQuantizationType = GGMLQuantizationType.BF16  # how KV cells store keys (--cache-type-k)
