@@ -47,3 +47,24 @@ def test_tally_counts_each_pick_where_it_was_read_across_refills(tiny_gguf):
         assert cache.tally() == (vram, total)
         cache.refill()
     assert cache.swapped > 0  # residency did change between tallies
+
+
+def test_a_cache_of_every_expert_counts_nothing_and_reads_all_from_vram(tiny_gguf):
+    """Where every expert is resident there is nothing to learn: no count (a launch a layer saved
+    in every decode step), and the share read from VRAM is 1 without one."""
+    from strata_mgpu.stage.experts.cache import vram_share
+
+    f = GGUFFile(tiny_gguf)
+    spec = spec_from_gguf(f)
+    full = build_stage(f, spec, StageOptions(device=torch.device("cpu"), resident_experts=spec.n_experts))
+    part = build_stage(f, spec, StageOptions(device=torch.device("cpu"), resident_experts=2))
+    assert full.experts.cache.holds_every_expert and not part.experts.cache.holds_every_expert
+    prompt = torch.randint(0, spec.vocab_size, (12,), generator=torch.Generator().manual_seed(2))
+    for stage in (full, part):
+        stage.prefill(stage.new_sequence(32), prompt)
+    assert not full.experts.cache.picks.any()
+    assert float(part.experts.cache.picks.sum()) == 12 * spec.n_experts_used * spec.n_layers
+    caches = [full.experts.cache]
+    assert vram_share(caches, *full.experts.cache.tally()) == 1.0
+    assert vram_share([part.experts.cache], 30.0, 40.0) == 0.75
+    assert vram_share([], 0.0, 0.0) is None and vram_share([part.experts.cache], 0.0, 0.0) is None

@@ -11,7 +11,7 @@ import torch
 from gguf.constants import GGMLQuantizationType as Q
 
 from strata_mgpu.kernels import dense
-from strata_mgpu.kernels.dense import DENSE_Q8_ROWS, DeviceDense, dense_reference
+from strata_mgpu.kernels.dense import DeviceDense, dense_reference, rows_a_launch, w_rows_a_warp
 from strata_mgpu.kernels.experts import Q8_DOT_TYPES
 from strata_mgpu.model.decoder import Segment
 from strata_mgpu.model.gguf_reader import GGUFFile
@@ -40,33 +40,36 @@ def random_matrix(ggml_type, n: int, k: int, rng: np.random.Generator) -> BlockM
     return BlockMatrix(torch.from_numpy(raw.copy()).to(CUDA), ggml_type, k)
 
 
-@pytest.mark.parametrize("rows", [1, 5, 9, DENSE_Q8_ROWS, DENSE_Q8_ROWS + 1])
+@pytest.mark.parametrize("k,rows", [(512, 1), (512, 3), (512, 5), (512, 8), (512, 9), (4096, 8), (8192, 5)])
 @pytest.mark.parametrize("ggml_type", sorted(Q8_DOT_TYPES), ids=lambda t: t.name)
-def test_device_dense_against_its_twins(kernels, ggml_type, rows):
-    """Up to DENSE_Q8_ROWS rows: dense_q8, held to dense_reference; more: the dequantized copy's
-    GEMM, held to torch's dequantization and GEMM."""
+def test_device_dense_against_its_twins(kernels, ggml_type, k, rows, monkeypatch):
+    """Up to one launch's rows (`rows_a_launch`): dense_q8, held to dense_reference, with up to 4
+    rows of W a warp (a card of one multiprocessor, here, gives a warp the most) over 101 rows
+    (the last warp's rows past the end); more: the dequantized copy's GEMM, held to torch's
+    dequantization and GEMM."""
+    monkeypatch.setattr(kernels, "multiprocessors", 1)
     seed = fresh_seed()
     rng = np.random.default_rng(seed)
-    k = 512
-    w = random_matrix(ggml_type, 96, k, rng)
+    w = random_matrix(ggml_type, 101, k, rng)
     x = torch.from_numpy(rng.standard_normal((rows, k)).astype(np.float32)).to(CUDA).bfloat16()
     before = dict(kernels.paths)
     got = DeviceDense(kernels)(x, w)
-    if rows <= DENSE_Q8_ROWS:
+    if rows <= rows_a_launch(k):
+        assert w_rows_a_warp(rows, 101, 1) == {1: 1, 3: 2, 5: 4, 8: 4}[rows]
         want, tol, path = dense_reference(x, w.raw, ggml_type), FUSED_TOL, "dense:q8"
     else:
         wf = dequantize_rows(w.raw.cpu(), ggml_type, k).to(CUDA).bfloat16()
         want, tol, path = x @ wf.T, DEQUANT_TOL, "dense:dequant"
     torch.cuda.synchronize()
-    assert got.shape == (rows, 96) and got.dtype == torch.bfloat16 and torch.isfinite(got).all()
+    assert got.shape == (rows, 101) and got.dtype == torch.bfloat16 and torch.isfinite(got).all()
     assert rel_err(got, want) <= tol, f"{ggml_type.name}, seed {seed}"
     assert kernels.paths[path] == before.get(path, 0) + 1
 
 
-@pytest.mark.parametrize("rows", [3, DENSE_Q8_ROWS + 8])
+@pytest.mark.parametrize("rows", [3, 20])
 def test_many_quantizes_once_and_equals_one_at_a_time(kernels, rows, monkeypatch):
     """q, k, v of three types (a Q4_K_M file's) in one `many`: each result equal to its own call
-    (past DENSE_Q8_ROWS: through slices of a few rows' copy, made small here)."""
+    (past one launch's rows: through slices of a few rows' copy, made small here)."""
     monkeypatch.setattr(dense, "DENSE_SCRATCH_VALUES", 32 * 256)  # 32 rows of K = 256 a slice
     rng = np.random.default_rng(fresh_seed())
     k = 256
@@ -77,11 +80,11 @@ def test_many_quantizes_once_and_equals_one_at_a_time(kernels, rows, monkeypatch
     quantize = kernels._quantize_q8
     monkeypatch.setattr(kernels, "_quantize_q8", lambda t: calls.append(t) or quantize(t))
     together = mm.many(x, ws)
-    assert len(calls) == (1 if rows <= DENSE_Q8_ROWS else 0)
+    assert len(calls) == (1 if rows <= rows_a_launch(k) else 0)
     for got, w in zip(together, ws, strict=True):
         alone = mm(x, w)
         assert got.shape == (rows, w.n)
-        if rows <= DENSE_Q8_ROWS:
+        if rows <= rows_a_launch(k):
             assert torch.equal(got, alone)
         else:  # sliced against the whole copy: the same bf16 weights, GEMMs of other shapes
             wf = dequantize_rows(w.raw.cpu(), w.ggml_type, k).to(CUDA).bfloat16()
@@ -92,8 +95,8 @@ def test_many_quantizes_once_and_equals_one_at_a_time(kernels, rows, monkeypatch
 def test_stage_keeping_blocks_matches_bf16_copies_on_shared_routing(which, request):
     """Two stages of one file, one keeping its projections and head as blocks, one with bf16 copies;
     the first picks each layer's experts as the second did. A prompt through whole layers (the
-    dequantized copies), 48 and 20 tokens on the row path (copies; dense_q8 in three launches),
-    each followed by decode steps (dense_q8): logits within BLOCKS_TOL. The blocks take less VRAM."""
+    dequantized copies), 20 and 6 tokens on the row path (copies; dense_q8), each followed by
+    decode steps (dense_q8): logits within BLOCKS_TOL. The blocks take less VRAM."""
     f = GGUFFile(request.getfixturevalue(which))
     spec = spec_from_gguf(f)
     opts = StageOptions(device=CUDA, max_vram_gib=8, cuda_graphs=False)  # the routing hooks sync
@@ -117,7 +120,7 @@ def test_stage_keeping_blocks_matches_bf16_copies_on_shared_routing(which, reque
 
     plain.model.routing, blocks.model.routing = recording, forced
     g = torch.Generator().manual_seed(fresh_seed())
-    for n in (plain.experts.gather_picks // spec.n_experts_used + 8, DENSE_Q8_ROWS + 16, 20):
+    for n in (plain.experts.gather_picks // spec.n_experts_used + 8, 20, 6):
         prompt = torch.randint(0, spec.vocab_size, (n,), generator=g)
         kv_p, kv_b = plain.new_sequence(n + 8), blocks.new_sequence(n + 8)
         a = plain.model.logits(plain.model.forward(prompt.to(CUDA), [Segment(0, n, kv_p)]))

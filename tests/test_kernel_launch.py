@@ -32,7 +32,7 @@ def layout(gate_type: Q, down_type: Q, d: int, f: int) -> ExpertLayout:
 def fake_kernels() -> K.CudaKernels:
     # no CuPy, no device, nothing compiled: only the launch arithmetic is used
     return K.CudaKernels(torch.device("cpu"), K.CardCapabilities(host_pointers=True, grouped_mm=False,
-                                                                  grouped_mm_sync_free=False))
+                                                                  grouped_mm_sync_free=False, multiprocessors=132))
 
 
 def kernel_params(name: str, file: str = K.MOE_FILE) -> int:
@@ -195,7 +195,7 @@ def test_dense_projection_launches_take_at_most_what_shared_memory_holds(monkeyp
     src = nvrtc.cuda_source(dense.DENSE_FILE)
     assert f"constexpr int DENSE_MAX_ROWS = {dense.DENSE_MAX_ROWS};" in src
     n_params = re.search(r"__global__ void dense_q8\((.*?)\)\s*{", src, re.S).group(1).count(",") + 1
-    for t, kdim, n, per in ((1, 2048, 5120, 8), (11, 2048, 5120, 8), (8, 4096, 2048, 7)):
+    for t, kdim, n, per in ((1, 2048, 5120, 8), (11, 2048, 5120, 8), (8, 4096, 2048, 8), (8, 8192, 4096, 4)):
         launches.clear()
         raw = torch.zeros(n, block_format(Q.Q8_0).row_bytes(kdim), dtype=torch.uint8)
         out = dense.dense_q8(k, torch.zeros(t, kdim, dtype=torch.bfloat16), raw, Q.Q8_0)

@@ -23,7 +23,8 @@ CPU = torch.device("cpu")
 def cuda_kernels_without_a_gpu() -> K.CudaKernels:
     """A CudaKernels as a card without mapped host memory and without torch._grouped_mm would get
     (no CuPy, no device: every call must take a fallback, and none may launch)."""
-    return K.CudaKernels(CPU, K.CardCapabilities(host_pointers=False, grouped_mm=False, grouped_mm_sync_free=False))
+    return K.CudaKernels(CPU, K.CardCapabilities(host_pointers=False, grouped_mm=False, grouped_mm_sync_free=False,
+                                                 multiprocessors=132))
 
 
 def warnings_of(caplog) -> list[str]:

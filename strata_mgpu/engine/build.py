@@ -8,7 +8,7 @@ import torch
 
 from strata_mgpu.config import Placement
 from strata_mgpu.kernels.cpu_experts import default_threads, ggml_missing
-from strata_mgpu.kernels.dense import keeps_blocks
+from strata_mgpu.kernels.dense import DeviceDense, keeps_blocks
 from strata_mgpu.kernels.paths import warn_once
 from strata_mgpu.model.expert_layout import layer_layout
 from strata_mgpu.model.gguf_reader import GGUFFile
@@ -100,8 +100,10 @@ def preview_plans(f: GGUFFile, spec: ModelSpec, placement: Placement, chunk_size
 
 
 def dense_layout_bytes(f: GGUFFile, spec: ModelSpec, layers: range, *, elem: int, blocks: bool) -> int:
-    """A GPU stage's dense weights (`memory_plan.dense_bytes`), with the projections and head it
-    keeps as the file's blocks (`blocks`: `kernels.dense.keeps_blocks`) counted at their blocks' bytes."""
+    """A GPU stage's dense weights as its plan counts them (`memory_plan.dense_bytes`), with the
+    projections and head it keeps as the file's blocks (`blocks`: `kernels.dense.keeps_blocks`)
+    counted at their blocks' bytes, and then a prompt's transient bf16 copy of one
+    (`DeviceDense.scratch_bytes`)."""
     embed, head = layers.start == 0, layers.stop == spec.n_layers
     total = dense_bytes(spec, len(layers), embed=embed, head=head, elem=elem)
     if not blocks:
@@ -109,10 +111,9 @@ def dense_layout_bytes(f: GGUFFile, spec: ModelSpec, layers: range, *, elem: int
     names = [tname(kind, i) for i in layers for kind in (T.ATTN_Q, T.ATTN_K, T.ATTN_V, T.ATTN_OUT)]
     if head and not spec.tied_output:
         names.append(tname(T.OUTPUT))
-    for info in map(f.tensor, names):
-        if keeps_blocks(info.ggml_type, info.shape[-1]):
-            total -= info.n_elements * elem - info.nbytes
-    return total
+    kept = [info for info in map(f.tensor, names) if keeps_blocks(info.ggml_type, info.shape[-1])]
+    return total - sum(info.n_elements * elem - info.nbytes for info in kept) + (DeviceDense.scratch_bytes
+                                                                                 if kept else 0)
 
 
 def build_runner(f: GGUFFile, spec: ModelSpec, placement: Placement, chunk_size: int, *,

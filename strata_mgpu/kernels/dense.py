@@ -7,11 +7,13 @@ bytes, Q4_K 0.56. `dense_q8` multiplies the blocks as they are, its input quanti
 (`CudaKernels._quantize_q8`), for the integer types of `q8_dot.cuh` (`Q8_DOT_TYPES`).
 
 `DeviceDense` is the decoder's `DenseMatmul` on a GPU stage that keeps its projections as blocks
-(`keeps_blocks` says which; the rest stay bf16): up to DENSE_Q8_ROWS rows (decode steps, short
-prompts) through `dense_q8`; more rows (prompts) dequantize the matrix into a transient
-bf16 copy, at most DENSE_SCRATCH_VALUES values at a time, and take one GEMM per slice: a prompt's
-GEMM is bound by its arithmetic, not by reading W, and the copy costs what reading W twice does.
-The twin of the whole: bf16 weights (`load_weights` without blocks) and torch's GEMM.
+(`keeps_blocks` says which; the rest stay bf16): the rows one launch of `dense_q8` takes
+(`rows_a_launch`: 8 up to a 4,096-wide x, a default decode graph's batch) through it; more rows
+(prompts) dequantize the matrix into a transient bf16 copy, at most DENSE_SCRATCH_VALUES values at
+a time, and take a GEMM per slice. A second launch would read W again, and already at 8 rows the
+vectors' shared-memory loads, not W's bytes, bound a launch (docs/BENCHMARKS.md); a prompt's GEMM
+is bound by its arithmetic, and the copy costs about what reading W twice does. The twin of the
+whole: bf16 weights (`load_weights` without blocks) and torch's GEMM.
 """
 
 from __future__ import annotations
@@ -36,12 +38,10 @@ DENSE_THREADS = 256  # 8 warps, a warp R rows of W
 # rows of W (fewer warps: each one's loads wait their latency with fewer others beside them)
 BLOCKS_A_MULTIPROCESSOR = 2
 DENSE_MAX_ROWS = 8  # dense_decode.cu's DENSE_MAX_ROWS: rows of x a launch takes
-DENSE_SHARED_BYTES = 46 * 1024  # x quantized, staged in shared memory, under what every card gives a block
-# Rows up to which DeviceDense multiplies blocks by dense_q8 (a launch every DENSE_MAX_ROWS, each
-# reading W): four reads of Q8_0 (4 x 1.06 bytes a weight) cost less than a bf16 copy's write and
-# read after the blocks' own (1.06 + 2 x 2); every decode graph's batch takes one launch
-DENSE_Q8_ROWS = 4 * DENSE_MAX_ROWS
-DENSE_SCRATCH_VALUES = 16 << 20  # a prompt's transient bf16 copy of W, at most 32 MB at a time
+# x quantized, staged in shared memory: dense_q8 has no static shared memory, so all of the 48 KiB a
+# block gets without opting in (8 rows of a 4,096-wide x)
+DENSE_SHARED_BYTES = 48 * 1024
+DENSE_SCRATCH_VALUES = 16 << 20  # a prompt's transient bf16 copy of W, at most this many values at a time
 
 
 def dense_reference(x: torch.Tensor, raw: torch.Tensor, ggml_type: GGMLQuantizationType) -> torch.Tensor:
@@ -111,8 +111,11 @@ def dense_q8(kernels: CudaKernels, x: torch.Tensor, raw: torch.Tensor, ggml_type
 
 class DeviceDense:
     """A GPU stage's `DenseMatmul` (model.decoder): float projections by torch's GEMM; blocks by
-    `dense_q8` up to DENSE_Q8_ROWS rows, else dequantized slice by slice for a GEMM (the module
-    docstring). Every call is capturable in a CUDA graph: no host waits, fixed launches."""
+    `dense_q8` up to the rows of one launch (`rows_a_launch`), else dequantized slice by slice
+    for a GEMM (the module docstring). Every call is capturable in a CUDA graph: no host waits,
+    fixed launches. `scratch_bytes`: the most a copy holds at once (the VRAM plan counts it)."""
+
+    scratch_bytes = 2 * DENSE_SCRATCH_VALUES  # bf16
 
     def __init__(self, kernels: CudaKernels):
         self.kernels = kernels
@@ -129,7 +132,7 @@ class DeviceDense:
         for w in ws:
             if not isinstance(w, BlockMatrix):
                 out.append(x @ w.T)
-            elif x.shape[0] <= DENSE_Q8_ROWS:
+            elif x.shape[0] <= rows_a_launch(w.k):
                 if xq is None and x.shape[0]:
                     xq = self.kernels._quantize_q8(x)
                 out.append(dense_q8(self.kernels, x, w.raw, w.ggml_type, xq))

@@ -214,7 +214,7 @@ class CardCapabilities:
     host_pointers: bool  # kernels read registered host memory at its host address (UVA): decode relies on it
     grouped_mm: bool  # torch._grouped_mm works here
     grouped_mm_sync_free: bool  # ... without copying its offsets to the host (capturable)
-    multiprocessors: int = 132  # the card's SMs (what a launch's grid should fill); probed
+    multiprocessors: int  # the card's SMs (what a launch's grid should fill)
 
     @classmethod
     def probe(cls, device: torch.device) -> CardCapabilities:

@@ -78,13 +78,15 @@ def build_stage(f: GGUFFile, spec: ModelSpec, opts: StageOptions, layers: range 
                          head=last, blocks=every_type if host_blocks else keeps_blocks if device_blocks else None,
                          embed_blocks=host_blocks, on_layer=progress("dense weights" + tag, len(layers)))
     arena = HostExpertArena(f, spec, layers, pin=ctx.is_cuda, on_layer=progress("experts" + tag, len(layers)))
-    plan = _plan(ctx, spec, opts, layers, arena, dense_storage_bytes(dense), dtype)
+    # the dense line counts a prompt's transient bf16 copy of a projection kept as blocks
+    plan = _plan(ctx, spec, opts, layers, arena, dense_storage_bytes(dense)
+                 + (DeviceDense.scratch_bytes if device_blocks and holds_blocks(dense) else 0), dtype)
     ring = ExpertRing(ctx, plan.ring_slot_bytes, opts.ring_slots) if plan.ring else None
     cache = (ExpertCache(ctx, arena, layers, plan.resident_per_layer * len(layers))
              if opts.expert_cache and not opts.cpu_experts else None)
     experts: StreamedExperts | HostCoreExperts
     dense_matmul: DenseMatmul = float_matmul
-    if device_blocks:
+    if device_blocks and holds_blocks(dense):  # a file of other dense types keeps none: nothing to compile
         assert isinstance(kernels, CudaKernels)
         dense_matmul = DeviceDense(kernels)
     if executor is not None:
@@ -171,6 +173,12 @@ def _handover(ctx: DeviceContext, spec: ModelSpec, opts: StageOptions, arena: Ho
             return None
     log.info("stage on %s: decode hands %s", ctx.device, handover.describe())
     return handover
+
+
+def holds_blocks(dense: ModelWeights) -> bool:
+    """Does any projection or the head stay as blocks (`BlockMatrix`)?"""
+    return any(isinstance(m, BlockMatrix) for lw in dense.layers for m in (lw.wq, lw.wk, lw.wv, lw.wo)) or \
+        isinstance(dense.output, BlockMatrix)
 
 
 def dense_storage_bytes(dense: ModelWeights) -> int:

@@ -32,6 +32,7 @@ import torch
 
 from strata_mgpu.kernels.cpu_experts import ExpertRate
 from strata_mgpu.split.runner import SplitRunner
+from strata_mgpu.stage.experts.cache import vram_share
 from strata_mgpu.stage.experts.handover import CpuHandover
 from strata_mgpu.stage.experts.host_cores import HostCoreExperts
 from strata_mgpu.stage.experts.ring import ExpertRing, Slot
@@ -305,7 +306,7 @@ def time_decode(runner, n: int, prompt_tokens: int = 64, seed: int = 0, chunk: i
     picked = [(c.picks - b).cpu() for c, b in zip(caches, before, strict=True)]  # no refill in between
     total = sum(float(p.sum()) for p in picked)
     hits = sum(float((p * (c.slot_of_host >= 0)).sum()) for p, c in zip(picked, caches, strict=True))
-    return DecodeTiming(n / seconds, hits / total if total else None, 1e3 * issue / n)
+    return DecodeTiming(n / seconds, vram_share(caches, hits, total), 1e3 * issue / n)
 
 
 def decode_batch_prompts(batch: int, prompt_tokens: int = 64, step: int = 7) -> list[int]:

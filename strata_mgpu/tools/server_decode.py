@@ -22,6 +22,7 @@ from strata_mgpu.engine.runner import ModelRunner
 from strata_mgpu.engine.sampler import SamplingParams
 from strata_mgpu.model.tokenizer import Tokenizer
 from strata_mgpu.split.runner import SplitRunner
+from strata_mgpu.stage.experts.cache import vram_share
 from strata_mgpu.stage.stage import Stage
 
 
@@ -120,7 +121,7 @@ def measure_server_decode(runner: ModelRunner, tokenizer: Tokenizer, n_requests:
     vram = sum(a[0] - b[0] for a, b in zip(after, before, strict=True))
     picks = sum(a[1] - b[1] for a, b in zip(after, before, strict=True))
     report = _report(tracks, t0, t_end, max_tokens, prompt_tokens, config.max_running)
-    return replace(report, hit_rate=vram / picks if picks else None)
+    return replace(report, hit_rate=vram_share(caches, vram, picks))
 
 
 def _run(engine: Engine, prompts: list[list[int]], max_tokens: int, temperature: float, seed: int,

@@ -7,7 +7,8 @@ with no copy to wait for. `slot_of[layer, expert]` (-1: not resident) and `host_
 device build each expert's address itself, so a decode step never synchronizes the host.
 
 Which experts stay: an even share of every layer, K each. They start as the first K; every
-forward counts each layer's picks on the device (`observe`, no sync), and when a sequence
+forward counts each layer's picks on the device (`observe`, no sync; not where every expert is
+resident: nothing to learn, and a launch a layer saved), and when a sequence
 starts decoding `refill` swaps in experts picked clearly more often (its prompt's picks counted
 too) than the resident ones they replace (a margin, and a cap on the bytes moved, keep near-ties
 from churning): trained models route with locality, which this follows. The synthetic models route almost uniformly,
@@ -95,8 +96,16 @@ class ExpertCache:
         host = self.host.data_ptr() + self.host_offset[i, picks]
         return torch.where(slot >= 0, cached, host)
 
+    @property
+    def holds_every_expert(self) -> bool:
+        """Every expert of every layer resident: every pick reads VRAM, and no refill has anything to move."""
+        return self.per_layer == self.arena.spec.n_experts
+
     def observe(self, i: int, experts: torch.Tensor) -> None:
-        """Count local layer i's picks [T, A] (a device op; never synchronizes)."""
+        """Count local layer i's picks [T, A] (a device op; never synchronizes), where some
+        experts are not resident (`holds_every_expert`: no count is needed)."""
+        if self.holds_every_expert:
+            return
         flat = experts.reshape(-1)
         # one tensor for every call, never replaced: a captured decode graph reads it at its address
         self.picks[i].index_add_(0, flat, self._one.expand(flat.numel()))  # one launch
@@ -167,3 +176,11 @@ class RefillOnFirstStep:
         if self.cache is not None and new:
             self.cache.refill()
         self._decoding.update(new)
+
+
+def vram_share(caches: Sequence[ExpertCache], from_vram: float, picks: float) -> float | None:
+    """The share of `picks` read from VRAM, counted by `caches`' tallies: 1 where every cache holds
+    every expert (they count nothing), None where there were no caches or no picks."""
+    if picks:
+        return from_vram / picks
+    return 1.0 if caches and all(c.holds_every_expert for c in caches) else None
