@@ -90,6 +90,8 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     t, s = q.shape[0], k.shape[0]
+    if t == 1 and q.device.type == "cpu" and q.dtype == torch.float32 and s > 1:
+        return one_query_attention(q, k, v)
     qh, kh, vh = q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None]
     if t == s:
         out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, enable_gqa=True)
@@ -103,6 +105,16 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         kh, vh = kh.repeat_interleave(group, dim=1), vh.repeat_interleave(group, dim=1)
         out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=causal_lower_right(t, s))
     return out[0].transpose(0, 1)
+
+
+def one_query_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """One query row q [1, H, Dh] over every key of k, v [S, Hkv, Dh] -> [1, H, Dh]: each KV head's
+    group of query heads in one batched product, a softmax, another product. A CPU decode step's
+    attention: torch's CPU SDPA tiles for many queries and takes several times as long for one
+    (docs/BENCHMARKS.md); the same arithmetic in fp32, summed in another order."""
+    h, dh, hkv = q.shape[1], q.shape[2], k.shape[1]
+    scores = torch.bmm(q[0].reshape(hkv, h // hkv, dh), k.permute(1, 2, 0)) * dh ** -0.5  # [Hkv, G, S]
+    return torch.bmm(torch.softmax(scores, dim=-1), v.transpose(0, 1)).view(1, h, dh)
 
 
 def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
