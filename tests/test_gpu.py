@@ -248,7 +248,8 @@ def model(request, tmp_path_factory):
 
 def _share_routing(stage, ref) -> None:
     """From now on the reference picks, in each layer, the experts the stage just picked there
-    (weights from its own router over them): only arithmetic differences remain to bound."""
+    (weights from its own router over them): only arithmetic differences remain to bound. `ref`
+    may be another stage, on any device."""
     picked: dict[int, torch.Tensor] = {}
     stage_route = stage.model.route
 
@@ -258,9 +259,10 @@ def _share_routing(stage, ref) -> None:
         return weights, experts
 
     def forced(i, h, router):
+        experts = picked[i].to(h.device)
         probs = torch.softmax(h.float() @ router.float().T, dim=-1)
-        weights = probs.gather(1, picked[i])
-        return weights / weights.sum(-1, keepdim=True), picked[i]
+        weights = probs.gather(1, experts)
+        return weights / weights.sum(-1, keepdim=True), experts
 
     stage.model.routing, ref.model.routing = recording, forced
 

@@ -21,6 +21,7 @@ from strata_mgpu.quant.dequant import dequantize_rows
 from strata_mgpu.quant.formats import block_format
 from strata_mgpu.stage.build import build_stage
 from strata_mgpu.stage.stage import StageOptions
+from tests.test_gpu import _share_routing
 from tests.test_gpu_quant import FUSED_TOL, rel_err
 from tests.test_quant import fresh_seed, raw_blocks
 
@@ -104,21 +105,7 @@ def test_stage_keeping_blocks_matches_bf16_copies_on_shared_routing(which, reque
     blocks = build_stage(f, spec, opts)
     assert isinstance(blocks.model.w.output, BlockMatrix) and isinstance(plain.model.w.output, torch.Tensor)
     assert blocks.report.dense_bytes < 0.8 * plain.report.dense_bytes
-    picked: dict[int, list[torch.Tensor]] = {}
-    plain_route = plain.model.route
-
-    def recording(i, h, router):
-        weights, experts = plain_route(i, h, router)
-        picked.setdefault(i, []).append(experts)
-        return weights, experts
-
-    def forced(i, h, router):
-        experts = picked[i].pop(0)
-        probs = torch.softmax(h.float() @ router.float().T, dim=-1)
-        weights = probs.gather(1, experts)
-        return weights / weights.sum(-1, keepdim=True), experts
-
-    plain.model.routing, blocks.model.routing = recording, forced
+    _share_routing(plain, blocks)  # each forward runs on `plain` first, then on `blocks`
     g = torch.Generator().manual_seed(fresh_seed())
     for n in (plain.experts.gather_picks // spec.n_experts_used + 8, 20, 6):
         prompt = torch.randint(0, spec.vocab_size, (n,), generator=g)

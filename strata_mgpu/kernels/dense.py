@@ -26,6 +26,7 @@ from gguf.constants import GGMLQuantizationType
 
 from strata_mgpu.kernels import nvrtc
 from strata_mgpu.kernels.experts import Q8_DOT_TYPES, Q8_WORDS, CudaKernels, q8_values
+from strata_mgpu.model.decoder import DenseMatmul
 from strata_mgpu.model.weights import BlockMatrix, Matrix
 from strata_mgpu.quant.dequant import dequantize_rows
 from strata_mgpu.quant.formats import block_format
@@ -109,7 +110,7 @@ def dense_q8(kernels: CudaKernels, x: torch.Tensor, raw: torch.Tensor, ggml_type
     return out
 
 
-class DeviceDense:
+class DeviceDense(DenseMatmul):
     """A GPU stage's `DenseMatmul` (model.decoder): float projections by torch's GEMM; blocks by
     `dense_q8` up to the rows of one launch (`rows_a_launch`), else dequantized slice by slice
     for a GEMM (the module docstring). Every call is capturable in a CUDA graph: no host waits,

@@ -49,20 +49,18 @@ class DenseMatmul(Protocol):
     def __call__(self, x: torch.Tensor, w: Matrix) -> torch.Tensor: ...
 
     def many(self, x: torch.Tensor, ws: Sequence[Matrix]) -> list[torch.Tensor]:
-        """x times each of `ws` (what x's preparation, e.g. its quantization, is done once for)."""
-        ...
+        """x times each of `ws` (what x's preparation, e.g. its quantization, is done once for;
+        one call each where there is none: the default of a class that names this protocol)."""
+        return [self(x, w) for w in ws]
 
 
-class FloatMatmul:
+class FloatMatmul(DenseMatmul):
     """x [T, K] @ W.T for a float W [N, K] (the decoder's default)."""
 
     def __call__(self, x: torch.Tensor, w: Matrix) -> torch.Tensor:
         if isinstance(w, BlockMatrix):
             raise TypeError("a projection kept as blocks needs the stage's DenseMatmul")
         return x @ w.T
-
-    def many(self, x: torch.Tensor, ws: Sequence[Matrix]) -> list[torch.Tensor]:
-        return [self(x, w) for w in ws]
 
 
 float_matmul = FloatMatmul()

@@ -77,18 +77,18 @@ def build_stage(f: GGUFFile, spec: ModelSpec, opts: StageOptions, layers: range 
     dense = load_weights(f, spec, dtype=dtype, device=ctx.device, with_experts=False, layers=layers, embed=first,
                          head=last, blocks=every_type if host_blocks else keeps_blocks if device_blocks else None,
                          embed_blocks=host_blocks, on_layer=progress("dense weights" + tag, len(layers)))
+    # a file of other dense types keeps none: then nothing to compile
+    device_dense = (DeviceDense(kernels) if device_blocks and isinstance(kernels, CudaKernels) and holds_blocks(dense)
+                    else None)
     arena = HostExpertArena(f, spec, layers, pin=ctx.is_cuda, on_layer=progress("experts" + tag, len(layers)))
     # the dense line counts a prompt's transient bf16 copy of a projection kept as blocks
-    plan = _plan(ctx, spec, opts, layers, arena, dense_storage_bytes(dense)
-                 + (DeviceDense.scratch_bytes if device_blocks and holds_blocks(dense) else 0), dtype)
+    plan = _plan(ctx, spec, opts, layers, arena,
+                 dense_storage_bytes(dense) + (device_dense.scratch_bytes if device_dense else 0), dtype)
     ring = ExpertRing(ctx, plan.ring_slot_bytes, opts.ring_slots) if plan.ring else None
     cache = (ExpertCache(ctx, arena, layers, plan.resident_per_layer * len(layers))
              if opts.expert_cache and not opts.cpu_experts else None)
     experts: StreamedExperts | HostCoreExperts
-    dense_matmul: DenseMatmul = float_matmul
-    if device_blocks and holds_blocks(dense):  # a file of other dense types keeps none: nothing to compile
-        assert isinstance(kernels, CudaKernels)
-        dense_matmul = DeviceDense(kernels)
+    dense_matmul: DenseMatmul = device_dense or float_matmul
     if executor is not None:
         experts = HostCoreExperts(arena, executor, kernels, layers)
         if host_blocks:

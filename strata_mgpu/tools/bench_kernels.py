@@ -224,6 +224,14 @@ def run(preset: str, batches: list[int], contexts: list[int], iters: int, host_s
             err = rel_err(by_pick, TorchKernels().moe_fused_reference(cache, 0, lay, h, weights, experts, w_gu, w_d))
         if b in batches:
             report.timings.append(KernelTiming(f"fused experts ({where})", b, us, nbytes, bound(nbytes), err))
+            for rows in down_rows:  # the same pass with moe_down's blocks taking fewer rows of D
+                with down_rows_at_most(rows), grouped_from(10**9):
+                    plan = kernels.moe_fused(lay, d, a)
+                    assert plan is not None
+                    us_rows = time_us(ctx, partial(kernels.moe_gathered, cache, 0, lay, h, weights, experts, w_gu,
+                                                   w_d), iters)
+                report.timings.append(KernelTiming(f"fused experts, moe_down {plan.rows_down} rows a block", b,
+                                                   us_rows, nbytes, bound(nbytes)))
         if b in expert_rows:
             report.timings.append(KernelTiming(f"experts pick by pick ({where})", b, us, nbytes, bound(nbytes), err))
             with grouped_from(0):  # expert by expert, held to the pick-by-pick kernels (bit for bit)
@@ -236,19 +244,6 @@ def run(preset: str, batches: list[int], contexts: list[int], iters: int, host_s
                     exact = 0.0 if torch.equal(grouped, by_pick) else float("inf")
                     report.timings.append(KernelTiming(f"experts by expert ({where})", b, us, nbytes, bound(nbytes),
                                                        exact))
-    for rows in down_rows:  # the same passes with moe_down's blocks taking fewer rows of D
-        with down_rows_at_most(rows), grouped_from(10**9):
-            plan = kernels.moe_fused(lay, d, a)
-            assert plan is not None
-            for b in batches:
-                weights, experts = random_routing(b, e, a, g)
-                weights, experts = weights.to(device), experts.to(device)
-                h = torch.randn(b, d, generator=g).to(device, torch.bfloat16)
-                none = torch.empty(0, device=device)
-                us = time_us(ctx, partial(kernels.moe_gathered, cache, 0, lay, h, weights, experts, none, none), iters)
-                nbytes = int(torch.unique(experts).numel()) * lay.expert_bytes
-                report.timings.append(KernelTiming(f"fused experts, moe_down {plan.rows_down} rows a block", b, us,
-                                                   nbytes, bound(nbytes)))
     ops, twin = CudaDecodeOps(device), DecodeOps()
     router = torch.randn(e, d, generator=g).to(device) / 16
     norm_w = (torch.rand(d, generator=g) + 0.5).to(device, torch.bfloat16)

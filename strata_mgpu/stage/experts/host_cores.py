@@ -14,12 +14,11 @@ call under "cpu_experts:ggml" or "cpu_experts:torch".
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
 
 from strata_mgpu.kernels.cpu_experts import CpuExperts
 from strata_mgpu.kernels.experts import TorchKernels
+from strata_mgpu.model.decoder import DenseMatmul
 from strata_mgpu.model.weights import BlockMatrix, Matrix
 from strata_mgpu.stage.experts.cache import ExpertCache
 from strata_mgpu.stage.experts.lending import PrefillHelper
@@ -85,7 +84,7 @@ class HostCoreExperts:
         return 0
 
 
-class HostDense:
+class HostDense(DenseMatmul):
     """A CPU stage's `DenseMatmul`: projections kept as blocks (`BlockMatrix`) multiplied from their
     bytes by the executor that computes the stage's experts (one executor: a test that swaps it
     swaps both); float ones by torch."""
@@ -98,6 +97,3 @@ class HostDense:
             return x @ w.T
         out = self.experts.executor.matmul(x, w.raw, w.ggml_type, w.k)
         return out if out.dtype == x.dtype else out.to(x.dtype)
-
-    def many(self, x: torch.Tensor, ws: Sequence[Matrix]) -> list[torch.Tensor]:
-        return [self(x, w) for w in ws]
