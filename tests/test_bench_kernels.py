@@ -78,7 +78,8 @@ def test_a_short_run_on_the_gpu_reports_every_kernel_within_its_twins_tolerance(
     few iterations: the tool exits 0 (it exits 1 where a checked kernel differs from its twin by
     more than BF16_TOL), prints a line for each figure and writes them to --json. Every figure is
     there: the fused experts at each decode batch, the 16-row pass pick by pick and expert by
-    expert (every expert resident: the grouped kernels take it, bit for bit), attention, both
+    expert (every expert resident: the grouped kernels take it, bit for bit), the MoE input (its
+    norm and routing against the twin's), attention, both
     dense projections each way, a layer's dequant; times, bytes and bounds positive and finite;
     each error checked against the twin is finite and within BF16_TOL, the grouped one 0."""
     out = tmp_path / "kbench.json"
@@ -94,7 +95,8 @@ def test_a_short_run_on_the_gpu_reports_every_kernel_within_its_twins_tolerance(
     want = {(f"fused experts {where}", 1): "twin", (f"fused experts {where}", 3): "twin",
             (f"experts pick by pick {where}", 16): None, (f"experts by expert {where}", 16): "exact",
             ("attention at 256 keys", 1): "twin", ("attention at 256 keys", 3): "twin",
-            ("dequantize a whole layer to bf16", spec.n_experts): None}
+            ("dequantize a whole layer to bf16", spec.n_experts): None,
+            **{("MoE input (add, norm, route, quantize)", b): "twin" for b in (1, 3)}}
     for what, check in (("q/k/v projection", "twin"), ("output head", None)):
         for b in (1, 3):
             want[(f"{what}, bf16 weights (torch GEMM)", b)] = None

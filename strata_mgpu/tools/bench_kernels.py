@@ -184,6 +184,15 @@ def down_rows_at_most(rows: int):
         experts.MOE_DOWN_ROWS = was
 
 
+def routing_err(got: tuple[torch.Tensor, torch.Tensor], want: tuple[torch.Tensor, torch.Tensor], n_experts: int
+                ) -> float:
+    """Two routings (weights [T, A] at experts [T, A]) as [T, E] weights, compared: a different
+    pick is an error as large as its weight, whatever the order of the picks."""
+    def by_expert(weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        return torch.zeros(weights.shape[0], n_experts, device=weights.device).scatter_(1, experts, weights.float())
+    return rel_err(by_expert(*got), by_expert(*want))
+
+
 def run(preset: str, batches: list[int], contexts: list[int], iters: int, host_share: float,
         device: torch.device, expert_rows: tuple[int, ...] = (), down_rows: tuple[int, ...] = ()) -> KernelReport:
     from strata_mgpu.kernels.decode_ops import CudaDecodeOps
@@ -249,9 +258,11 @@ def run(preset: str, batches: list[int], contexts: list[int], iters: int, host_s
     norm_w = (torch.rand(d, generator=g) + 0.5).to(device, torch.bfloat16)
     for b in batches:  # the MoE block's input: residual add, norm, routing, h quantized (one launch)
         x, y = (torch.randn(b, d, generator=g).to(device, torch.bfloat16) for _ in range(2))
+        got, want = (o.moe_input(x, y, norm_w, 1e-6, router, a, True) for o in (ops, twin))
         us = time_us(ctx, partial(ops.moe_input, x, y, norm_w, 1e-6, router, a, True), iters)
         nbytes = router.numel() * 4 + 4 * x.numel() * 2
-        report.timings.append(KernelTiming("MoE input (add, norm, route, quantize)", b, us, nbytes, bound(nbytes)))
+        report.timings.append(KernelTiming("MoE input (add, norm, route, quantize)", b, us, nbytes, bound(nbytes),
+                                           max(rel_err(got[1], want[1]), routing_err(got[2:4], want[2:4], e))))
     for n in contexts:
         for b in batches:
             kvs = []
