@@ -46,8 +46,9 @@ def endless_schema(min_items: int) -> dict:
 
 
 def decode_rate(engine: Engine, prompts: list[list[int]], max_tokens: int, grammar: Grammar | None,
-                seed: int) -> float:
-    """Tokens per second landed in the window in which every request is past its first token."""
+                seed: int, constrained_rows: int | None = None) -> float:
+    """Tokens per second landed in the window in which every request is past its first token; the
+    first `constrained_rows` requests (None: all) under `grammar`."""
     done = threading.Event()
     arrivals: dict[str, list[tuple[float, int]]] = {f"r{i}": [] for i in range(len(prompts))}
     ended: dict[str, str | None] = {}
@@ -63,8 +64,9 @@ def decode_rate(engine: Engine, prompts: list[list[int]], max_tokens: int, gramm
 
     with lock:
         for i, prompt in enumerate(prompts):
+            constrained = constrained_rows is None or i < constrained_rows
             params = SamplingParams(max_tokens=max_tokens, temperature=0.8, seed=seed + i, ignore_eos=True,
-                                    grammar=grammar)
+                                    grammar=grammar if constrained else None)
             engine.submit(prompt, params, on_output, request_id=f"r{i}")
     if not done.wait(600):
         raise RuntimeError("the run did not finish in 600 s")
@@ -106,7 +108,12 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--devices", default="cpu")
+    ap.add_argument("--max-vram", type=float, default=None, help="GiB, as strata serve's")
+    ap.add_argument("--constrained-rows", type=int, default=None,
+                    help="rows of each batch under the grammar (default: all), the rest free")
     args = ap.parse_args()
+    if args.constrained_rows is not None and args.constrained_rows < 1:
+        ap.error(f"--constrained-rows {args.constrained_rows}: 1 or more")
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(args.model) if args.model else Path(tmp) / f"{args.preset}.gguf"
         if not args.model:
@@ -117,7 +124,8 @@ def main() -> None:
         spec = spec_from_gguf(f)
         tok = tokenizer_from_gguf(f)
         batches = [int(b) for b in args.batch.split(",")]
-        placement = Placement.from_env(environment, devices=tuple(args.devices.split(",")))
+        placement = Placement.from_env(environment, devices=tuple(args.devices.split(",")),
+                                       max_vram_gib=(args.max_vram,))
         runner = build_runner(f, spec, placement, 256, kv_tokens=64 + args.tokens + 8, cpu_reference=True)
         grammar = GrammarCompiler(tok, spec.vocab_size).compile(
             "start: %json " + json.dumps(endless_schema(args.tokens)) + "\n")
@@ -132,12 +140,15 @@ def main() -> None:
                 free, constrained = [], []
                 for r in range(args.rounds):
                     free.append(decode_rate(engine, prompts, args.tokens, None, 100 * r))
-                    constrained.append(decode_rate(engine, prompts, args.tokens, grammar, 100 * r))
+                    constrained.append(decode_rate(engine, prompts, args.tokens, grammar, 100 * r,
+                                                   args.constrained_rows))
             finally:
                 engine.shutdown()
             a, b = statistics.median(free), statistics.median(constrained)
-            host = host_cost_us(grammar, spec.vocab_size, batch, args.tokens)
-            print(f"batch {batch}: free {a:.1f} tok/s, json-schema {b:.1f} tok/s: {100 * (1 - b / a):+.1f}% "
+            rows = batch if args.constrained_rows is None else min(batch, args.constrained_rows)
+            host = host_cost_us(grammar, spec.vocab_size, rows, args.tokens)
+            print(f"batch {batch}: free {a:.1f} tok/s, json-schema on {rows} row(s) {b:.1f} tok/s: "
+                  f"{100 * (1 - b / a):+.1f}% "
                   f"(free runs {', '.join(f'{x:.1f}' for x in free)}; constrained "
                   f"{', '.join(f'{x:.1f}' for x in constrained)}); host work {host:.0f} us a step "
                   f"(masks, their bits on the CPU, advancing), a step free {1e6 * batch / a:.0f} us")
