@@ -10,6 +10,8 @@
 #   dec40   decode at --max-vram 40 (all resident): bench batch 1, then 1 and 8 requests as the server does
 #   dense   STRATA_DENSE_BLOCKS=0 (bf16 copies of the projections and head) against 1 (the file's blocks): prompts of
 #           1 / 16 / 1K / 4K tokens and decode at --max-vram 40, decode at 16 (the VRAM the blocks free holds experts)
+#   grammar the constrained-decoding mask on $MODEL: tests/test_gpu_grammar.py at --max-vram 16 and 40
+#           (STRATA_GPU_MODEL), then tools/grammar_cost at batch 8 with one row and with every row constrained
 #   served  decode through the engine as the server does (sampling on), 1 and 8 requests, at 40 and 16
 #   split   two stages on one card, --max-vram 8,8 (total 16) and 20,20 (all resident)
 #   splitdec decode on two stages of one card, all resident (--max-vram 20,20): batch 1 and 8, and 1
@@ -137,6 +139,16 @@ if has dense; then  # projections and head as the file's blocks (default) agains
       --runs 2 --server-decode 1,8 --decode-batch 1,8
     STRATA_DENSE_BLOCKS=$blocks bench "dense16_$blocks" --max-vram 16 --prompt-tokens 1024 --decode-context 1024 \
       --decode-tokens 64 --runs 1
+  done
+fi
+if has grammar; then
+  STRATA_GPU_MODEL=$MODEL timeout 1200 python3 -m pytest -q tests/test_gpu_grammar.py -p no:cacheprovider 2>&1 \
+    | tee "$OUT/gpu_grammar_tests.log" | tail -5 || status=1
+  for vram in 16 40; do
+    for rows in 1 8; do
+      python3 -m strata_mgpu.tools.grammar_cost $MODEL --devices 0 --max-vram $vram --batch 8 --tokens 128 --rounds 3 \
+        --constrained-rows $rows 2>&1 | tee "$OUT/grammar_${vram}_$rows.log" | tail -2 || status=1
+    done
   done
 fi
 if has cpudec; then
