@@ -213,7 +213,8 @@ def test_short_prompts_are_packed_beside_a_chunk(loaded):
     engine = Engine(counting, tok, EngineConfig(chunk_size=12, max_running=4))
     params = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
     outs = run_all(engine, [(p, params) for p in prompts])
-    assert counting.calls == [("prefill", [12]), ("prefill_many", [8, 3]), ("prefill_many", [4, 2])]
+    # the shorts whose rests fit half the chunk go beside the long prompt's first chunk (SHORT_SHARE)
+    assert counting.calls == [("prefill_many", [7, 3, 2]), ("prefill_many", [8, 4]), ("prefill", [5])]
     for prompt, out in zip(prompts, outs, strict=True):
         assert [t for o in out for t in o.token_ids] == greedy_chain(runner, prompt, 5)
 
@@ -514,9 +515,10 @@ def test_a_request_the_shrunken_budget_can_never_hold_ends_with_an_error(loaded)
 
 
 def test_each_steps_plan_says_what_its_calls_run(loaded):
-    """The scheduler's plan of each step: the prefill call's chunks (the first prompt's next chunk,
-    whole prompts packed into its room) and the decode rows, those whose prompt this step's
-    prefill ends among them unless their first token is their last; the calls follow it."""
+    """The scheduler's plan of each step: the prefill call's chunks (the first prompt's next chunk
+    after the later prompts whose rests fit half the chunk, whole; then whole prompts in the room
+    left) and the decode rows, those whose prompt this step's prefill ends among them unless their
+    first token is their last; the calls follow it."""
     engine, fake = scripted(loaded, [7] * 20, chunk_size=12, max_running=5, ctx_size=64)
     params = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
     ids = [engine.submit(p, params, lambda o: None) for p in (list(range(5, 25)), [30, 31, 32], [40, 41, 42, 43])]
@@ -527,10 +529,38 @@ def test_each_steps_plan_says_what_its_calls_run(loaded):
         plans.append(engine.scheduler.plan())
         engine.step()
     chunks = [[(c.request.id, c.start, len(c.tokens)) for c in plan.prefill] for plan in plans]
-    assert chunks == [[(ids[0], 0, 12)], [(ids[0], 12, 8), (ids[1], 0, 3)], [(ids[2], 0, 4), (ids[3], 0, 2)]]
-    assert [[r.id for r in plan.decode] for plan in plans] == [[], ids[:2], ids[:3]]  # ids[3]: one token, drawn
-    assert fake.events == [("prefill", 12), ("prefill_many", [8, 3]), ("decode", 2), ("prefill_many", [4, 2]),
-                           ("decode", 3)]
+    # half of 12 holds the 3- and 2-token prompts (not the 4 beside the 3); the 20 takes the other 7
+    assert chunks == [[(ids[0], 0, 7), (ids[1], 0, 3), (ids[3], 0, 2)], [(ids[0], 7, 8), (ids[2], 0, 4)],
+                      [(ids[0], 15, 5)]]
+    # ids[3]: its one token drawn by its prefill
+    assert [[r.id for r in plan.decode] for plan in plans] == [[ids[1]], ids[1:3], ids[:3]]
+    assert fake.events == [("prefill_many", [7, 3, 2]), ("decode", 1), ("prefill_many", [8, 4]), ("decode", 2),
+                           ("prefill", 5), ("decode", 3)]
+
+
+def test_a_short_request_sent_during_a_long_prompt_does_not_wait_for_its_end(loaded):
+    """A 3-token request sent while a 160-token prompt computes in 16-token chunks gets its first
+    token from the step after it arrives (the long prompt has eight chunks to go); the long
+    prompt's greedy tokens are those it gets alone, its chunks cut elsewhere."""
+    runner, tok = loaded
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    long_prompt = [5 + i % 200 for i in range(160)]
+    (alone,) = run_all(Engine(runner, tok, EngineConfig(chunk_size=16)), [(long_prompt, params)])
+    engine = Engine(runner, tok, EngineConfig(chunk_size=16, max_running=4))
+    long_out: list[RequestOutput] = []
+    short_out: list[RequestOutput] = []
+    engine.submit(long_prompt, params, long_out.append)
+    for _ in range(2):
+        engine.step()
+    engine.submit(tok.encode("Hi"), params, short_out.append)
+    steps = 0
+    while not short_out:
+        engine.step()
+        steps += 1
+    assert steps <= 2 and not long_out  # landed a step after its launch, the long prompt still computing
+    while not (long_out and long_out[-1].finished and short_out[-1].finished):
+        engine.step()
+    assert [t for o in long_out for t in o.token_ids] == [t for o in alone for t in o.token_ids]
 
 
 def test_a_step_launched_by_hand_lands_like_a_step(loaded):

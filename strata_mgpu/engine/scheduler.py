@@ -35,6 +35,9 @@ from strata_mgpu.engine.request import ContextOverflow, Phase, Request
 from strata_mgpu.engine.runner import ModelRunner
 
 ARRIVAL_WINDOW_TURNS = 8  # an idle engine's wait for a burst: at most this many arrival gaps
+# the share of a step's chunk that later prompts' whole rests may take ahead of the first prompt's
+# next chunk: short requests do not wait behind a long prompt, which keeps at least the rest
+SHORT_SHARE = 0.5
 
 
 @dataclass(frozen=True)
@@ -60,8 +63,8 @@ class StepPlan:
     """What one step launches.
 
     prefill: the prefill call's chunks, in call order: the next chunk of the first prompt still in
-        prefill, then each later prompt whose rest fits the chunk's remaining room, whole (empty:
-        no prefill call).
+        prefill, then later prompts' rests, whole (`Scheduler._prefill_pack` says which; empty: no
+        prefill call).
     decode: the decode step's rows, in running order: every request past its prompt with a token
         left to draw, and every prompt this prefill ends with more than its first token to draw.
         A row whose prefill call failed, or whose first token ended it, is left out at launch.
@@ -240,21 +243,36 @@ class Scheduler:
         return StepPlan(prefill=prefill, decode=decode)
 
     def _prefill_pack(self) -> list[PrefillChunk]:
-        """The next chunk of the first prompt in prefill, then every later prompt whose rest fits
-        the chunk's remaining room, whole (`prefill_many`). Short prompts arriving together so
-        reach their first token in one call instead of one step each."""
+        """The step's prompt tokens, at most a chunk: later prompts whose rest fits whole within
+        SHORT_SHARE of the chunk (in admission order), the first prompt in prefill's next chunk in
+        the room they leave, then every later prompt whose rest fits what is left, whole
+        (`prefill_many`). A short request sent while a long prompt computes so gets its first
+        token a step after it is admitted, not after the long prompt's last chunk; the long one
+        keeps at least the rest of every chunk. Only the first chunk may leave its prompt unfinished."""
         prefilling = [r for r in self.running if r.phase is Phase.PREFILL]
         if not prefilling:
             return []
-        first = prefilling[0]
+        first, later = prefilling[0], prefilling[1:]
         assert first.n_prefilled < len(first.prompt), f"{first.id} is in prefill with its prompt prefilled"
-        start = first.n_prefilled
-        pack = [PrefillChunk(first, start, first.prompt[start:start + self.config.chunk_size])]
-        room = self.config.chunk_size - len(pack[0].tokens)
-        for r in prefilling[1:]:
+
+        def whole(r: Request) -> PrefillChunk:
+            return PrefillChunk(r, r.n_prefilled, r.prompt[r.n_prefilled:])
+
+        shorts, short_room = [], int(self.config.chunk_size * SHORT_SHARE)
+        for r in later:
             rest = len(r.prompt) - r.n_prefilled
-            if rest <= room:
-                pack.append(PrefillChunk(r, r.n_prefilled, r.prompt[r.n_prefilled:]))
+            if rest <= short_room:
+                shorts.append(whole(r))
+                short_room -= rest
+        room = self.config.chunk_size - sum(len(c.tokens) for c in shorts)
+        start = first.n_prefilled
+        pack = [PrefillChunk(first, start, first.prompt[start:start + room]), *shorts]
+        room -= len(pack[0].tokens)
+        packed = {id(c.request) for c in shorts}
+        for r in later:
+            rest = len(r.prompt) - r.n_prefilled
+            if id(r) not in packed and rest <= room:
+                pack.append(whole(r))
                 room -= rest
         return pack
 
