@@ -22,25 +22,35 @@ from strata_mgpu.server.app import ServerState, create_app
 
 
 class ScriptedRunner(DecoderRunner):
-    """Every sequence says `script` (token ids), greedily: the logits put the mass on its next
-    token. No forward runs (the KV stays empty: the prefix cache is off here); each prompt is kept."""
+    """Each prompt is answered with the next of `scripts` (token ids; the last one again once they
+    run out), greedily: the logits put the mass on its next token. No forward runs (the KV stays
+    empty: the prefix cache is off here); each prompt is kept."""
 
     def __init__(self, inner: DecoderRunner):
         super().__init__(inner.model)
-        self.script: list[int] = []
+        self.scripts: list[list[int]] = [[0]]
         self.prompts: list[list[int]] = []
-        self._said: dict[int, int] = {}  # id(kv) -> tokens of the script given to it
+        self._answered = 0  # prompts answered since the scripts were set
+        self._said: dict[int, tuple[list[int], int]] = {}  # id(kv) -> (its script, tokens of it given)
+
+    @property
+    def script(self) -> list[int]:
+        return self.scripts[-1]
+
+    def set_scripts(self, scripts: list[list[int]]) -> None:
+        self.scripts, self._answered = scripts, 0
 
     def _row(self, kv) -> torch.Tensor:
-        n = self._said.get(id(kv), 0)
-        self._said[id(kv)] = n + 1
+        script, n = self._said[id(kv)]
+        self._said[id(kv)] = (script, n + 1)
         row = torch.zeros(self.spec.vocab_size)
-        row[self.script[min(n, len(self.script) - 1)]] = 30.0
+        row[script[min(n, len(script) - 1)]] = 30.0
         return row
 
     def prefill(self, kv, tokens, whole_prompt=False, want_logits=True):
         self.prompts.append(tokens.tolist())
-        self._said[id(kv)] = 0
+        self._said[id(kv)] = (self.scripts[min(self._answered, len(self.scripts) - 1)], 0)
+        self._answered += 1
         return self._row(kv)
 
     def prefill_many(self, kvs, chunks):
@@ -72,10 +82,12 @@ def client_for(engine: Engine, **state) -> openai.OpenAI:
                          http_client=http_client(engine, **state))
 
 
-def say(engine: Engine, runner: ScriptedRunner, text: str) -> None:
-    """The model's next answers are `text`, then the end of its turn."""
+def say(engine: Engine, runner: ScriptedRunner, *texts: str) -> None:
+    """The model's next answers are `texts`, one a prompt (the last one from then on), each then
+    the end of its turn."""
     tok = engine.tokenizer
-    runner.script = [*tok.encode(text, add_special=False), tok.tokens.index("<|im_end|>")]
+    end = tok.tokens.index("<|im_end|>")
+    runner.set_scripts([[*tok.encode(text, add_special=False), end] for text in texts])
 
 
 def prompt_text(engine: Engine, runner: ScriptedRunner) -> str:

@@ -74,10 +74,12 @@ def prepare_chat(engine: Engine, grammars: Grammars, body: ChatCompletionRequest
     except ValueError as e:
         raise APIError(400, str(e), param="messages") from None
     split = reasoning_format == "deepseek"
-    if not split or body.chat_template_kwargs.get("enable_thinking") is False:
+    if opens_reasoning(text):  # a template that always opens one (Qwen3-Thinking-2507's) ignores enable_thinking
+        thinking = Thinking.OPENED
+    elif not split or body.chat_template_kwargs.get("enable_thinking") is False:
         thinking = Thinking.OFF
     else:
-        thinking = Thinking.OPENED if opens_reasoning(text) else Thinking.OPTIONAL
+        thinking = Thinking.OPTIONAL
     answer_schema = body.response_format.schema_of_answer if body.response_format else None
     if functions is not None and body.tool_choice not in (None, "auto"):
         answer_schema = None  # a call is required: the answer is calls
