@@ -65,8 +65,8 @@ def served(request, template_gguf):
 def test_the_openai_client_round_trip(request, served):
     model, engine, runner = served
     calls_expected(request, model)
-    say(engine, runner, model.thinks("Paris: one call.") + model.calls(("get_weather", {"city": "Paris"})),
-        model.thinks("It said sunny.") + "Sunny in Paris.")
+    call = model.thinks("Paris: one call.") + model.calls(("get_weather", {"city": "Paris"}))
+    say(engine, runner, call, call, model.thinks("It said sunny.") + "Sunny in Paris.")  # whole, streamed, then
     client = client_for(engine)
     messages: list[dict] = [{"role": "user", "content": ASK}]
     r = client.chat.completions.create(model="m", messages=messages, tools=[WEATHER], temperature=0, max_tokens=64)
@@ -77,6 +77,12 @@ def test_the_openai_client_round_trip(request, served):
     assert not choice.message.content
     if model.template != "qwen3-coder":
         assert choice.message.model_extra["reasoning_content"] == "Paris: one call."
+    with client.chat.completions.stream(model="m", messages=messages, tools=[WEATHER], temperature=0,
+                                        max_tokens=64) as stream:
+        streamed = stream.get_final_completion().choices[0]
+    assert streamed.finish_reason == "tool_calls"
+    assert [(c.function.name, c.function.arguments) for c in streamed.message.tool_calls] == [
+        (c.function.name, c.function.arguments) for c in calls]
     messages += [{"role": "assistant", "content": None, "tool_calls": [c.model_dump() for c in calls]},
                  {"role": "tool", "tool_call_id": calls[0].id, "content": "sunny, 21 C"}]
     r = client.chat.completions.create(model="m", messages=messages, tools=[WEATHER], temperature=0, max_tokens=64)
