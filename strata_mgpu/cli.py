@@ -46,6 +46,14 @@ def _size(value: str | None) -> int:
     return int(float(m[1]) * {"": 1, "K": 1e3, "M": 1e6, "G": 1e9}[m[2].upper()])
 
 
+def _template_file(path: Path) -> str:
+    """A chat template file's text (ValueError: not UTF-8)."""
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"--chat-template {path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+
+
 def _model_file(_ctx: click.Context, _param: click.Parameter, value: Path | None) -> Path | None:
     """A directory given as the model: the one-line error of any model that cannot be opened
     (GGUFError's words), not a usage error."""
@@ -88,10 +96,15 @@ def _env() -> env.EnvOptions:
                    "context is then FACTOR x ORIGINAL (ORIGINAL: the preset's context)")
 @click.option("--seed", default=0, show_default=True, type=int)
 @click.option("--split-max-size", default=None, help="split into shards of at most this size (e.g. 2G)")
+@click.option("--chat-template", "chat_template_file", default=None,
+              type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="a jinja chat template file to write as the model's (default: the synthetic ChatML one)")
 def gen_model(out_path: Path, preset: str, layers: int | None, expert_type: str, down_type: str | None,
-              mix: str | None, dense_type: str, rope_scaling: str, seed: int, split_max_size: str | None) -> None:
+              mix: str | None, dense_type: str, rope_scaling: str, seed: int, split_max_size: str | None,
+              chat_template_file: Path | None) -> None:
     """Write a synthetic qwen3moe GGUF with real quantized blocks."""
     from strata_mgpu.model import synthetic as syn
+    from strata_mgpu.model.tokenizer import ChatTemplate
 
     e_type, d_type, dn_type = _type_option(expert_type), _type_option(dense_type), _type_option(down_type)
     down = syn.DEFAULT_DOWN.get(e_type, e_type) if dn_type is None else dn_type  # F32 is 0: no `or`
@@ -100,6 +113,8 @@ def gen_model(out_path: Path, preset: str, layers: int | None, expert_type: str,
         spec = syn.preset_spec(preset, layers, rope)
         types = syn.mix_option(mix, spec.n_layers) if mix else None
         total = sum(p.nbytes for p in syn.plan_tensors(spec, e_type, down, d_type, types))
+        template = syn.CHAT_TEMPLATE if chat_template_file is None else _template_file(chat_template_file)
+        ChatTemplate(template)  # a template that does not parse is refused here, not at load
     except ValueError as e:
         fail(str(e))
     with Progress(TextColumn("[bold]writing[/] {task.description}"), BarColumn(), DownloadColumn(),
@@ -107,7 +122,7 @@ def gen_model(out_path: Path, preset: str, layers: int | None, expert_type: str,
         task = bar.add_task(out_path.name, total=total)
         syn.write_model(out_path, preset, expert_type=e_type, down_type=down, dense_type=d_type, seed=seed,
                         split_max_bytes=_size(split_max_size), layers=layers, rope=rope, mix=types,
-                        on_tensor=lambda _name, nbytes: bar.advance(task, nbytes))
+                        chat_template=template, on_tensor=lambda _name, nbytes: bar.advance(task, nbytes))
     scaled = f", RoPE {report.rope_text(rope)}" if rope != syn.NO_ROPE_SCALING else ""
     err.print(f"wrote {out_path} ({preset}, {spec.n_layers} layers, experts {e_type.name}/{down.name}"
               f"{' outside --mix' if types else ''}, dense {d_type.name}{scaled}, {report.gb(total)} of tensors, "

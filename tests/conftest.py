@@ -38,6 +38,24 @@ def tiny_gguf(tmp_path_factory) -> Path:
     return path
 
 
+TEMPLATES = Path(__file__).parent / "data" / "templates"
+REAL_TEMPLATES = ("qwen3", "qwen3-coder", "qwen3-thinking-2507")  # tests/data/templates/NAME.jinja
+
+
+@pytest.fixture(scope="session")
+def template_gguf(tmp_path_factory):
+    """template_gguf(name): the tiny preset (tiny_gguf's weights) carrying the real chat template
+    tests/data/templates/NAME.jinja, as a user's file does; written once a session."""
+    made: dict[str, Path] = {}
+
+    def path(name: str) -> Path:
+        if name not in made:
+            made[name] = tmp_path_factory.mktemp("models") / f"tiny-{name}.gguf"
+            write_model(made[name], "tiny", seed=7, chat_template=(TEMPLATES / f"{name}.jinja").read_text("utf-8"))
+        return made[name]
+    return path
+
+
 @pytest.fixture(scope="session")
 def q4_k_m_gguf(tmp_path_factory) -> Path:
     """The tiny preset with the dense types of a Q4_K_M file: attn_v and the head Q6_K, q, k, o and

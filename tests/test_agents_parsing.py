@@ -13,6 +13,7 @@ from transformers.utils.chat_template_utils import render_jinja_template
 from strata_mgpu.model.gguf_reader import GGUFFile
 from strata_mgpu.model.tokenizer import ChatTemplate, tokenizer_from_gguf
 from strata_mgpu.model.vocab import CHAT_TEMPLATE
+from strata_mgpu.server import messages
 from strata_mgpu.server.chat_output import ChatAnswer
 from strata_mgpu.server.reasoning import ReasoningSplitter, opens_reasoning
 from strata_mgpu.server.schemas import ChatCompletionRequest
@@ -58,7 +59,7 @@ Two cities: two calls.
 {"name": "get_weather", "arguments": {"city": "Paris"}}
 </tool_call>
 <tool_call>
-{"name": "get_weather", "arguments": {"city":"Köln"}}
+{"name": "get_weather", "arguments": {"city": "Köln"}}
 </tool_call><|im_end|>
 <|im_start|>user
 <tool_response>
@@ -77,7 +78,7 @@ def tok(tiny_gguf):
 
 
 def template_messages(body: dict) -> list[dict]:
-    return [m.as_template_dict() for m in ChatCompletionRequest.model_validate(body).messages]
+    return messages.template_messages(ChatCompletionRequest.model_validate(body).messages)
 
 
 def test_a_conversation_with_tools_and_results_renders_in_qwen3s_form(tok):

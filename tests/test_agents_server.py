@@ -11,16 +11,8 @@ import logging
 
 import openai
 import pytest
-import torch
-from fastapi.testclient import TestClient
 
-from strata_mgpu.config import EngineConfig
-from strata_mgpu.engine.engine import Engine
-from strata_mgpu.model.gguf_reader import GGUFFile
-from strata_mgpu.model.runner import DecoderRunner, load_reference_runner
-from strata_mgpu.model.spec import spec_from_gguf
-from strata_mgpu.model.tokenizer import tokenizer_from_gguf
-from strata_mgpu.server.app import ServerState, create_app
+from tests.scripted import client_for, http_client, prompt_text, say, scripted_engine
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
@@ -28,54 +20,10 @@ WEATHER = {"type": "function", "function": {
 USER = [{"role": "user", "content": "Weather in Paris?"}]
 
 
-class ScriptedRunner(DecoderRunner):
-    """Every sequence says `script` (token ids), greedily: the logits put the mass on its next
-    token. No forward runs (the KV stays empty: the prefix cache is off here); each prompt is kept."""
-
-    def __init__(self, inner: DecoderRunner):
-        super().__init__(inner.model)
-        self.script: list[int] = []
-        self.prompts: list[list[int]] = []
-        self._said: dict[int, int] = {}  # id(kv) -> tokens of the script given to it
-
-    def _row(self, kv) -> torch.Tensor:
-        n = self._said.get(id(kv), 0)
-        self._said[id(kv)] = n + 1
-        row = torch.zeros(self.spec.vocab_size)
-        row[self.script[min(n, len(self.script) - 1)]] = 30.0
-        return row
-
-    def prefill(self, kv, tokens, whole_prompt=False, want_logits=True):
-        self.prompts.append(tokens.tolist())
-        self._said[id(kv)] = 0
-        return self._row(kv)
-
-    def prefill_many(self, kvs, chunks):
-        return torch.stack([self.prefill(kv, c) for kv, c in zip(kvs, chunks, strict=True)])
-
-    def decode(self, kvs, tokens):
-        return torch.stack([self._row(kv) for kv in kvs])
-
-
 @pytest.fixture(scope="module")
 def scripted(tiny_gguf):
-    f = GGUFFile(tiny_gguf)
-    runner = ScriptedRunner(load_reference_runner(f, spec_from_gguf(f)))
-    engine = Engine(runner, tokenizer_from_gguf(f), EngineConfig(ctx_size=2048, prefix_cache=False))
-    engine.start()
-    yield engine, runner
-    engine.shutdown()
-
-
-def client_for(engine: Engine, **state) -> openai.OpenAI:
-    app = create_app(ServerState(model_name="m", engine=engine, **state))
-    return openai.OpenAI(base_url="http://testserver/v1", api_key="k", max_retries=0,
-                         http_client=TestClient(app, raise_server_exceptions=False))
-
-
-def say(engine: Engine, runner: ScriptedRunner, text: str) -> None:
-    tok = engine.tokenizer
-    runner.script = [*tok.encode(text, add_special=False), tok.tokens.index("<|im_end|>")]
+    with scripted_engine(tiny_gguf) as engine_and_runner:
+        yield engine_and_runner
 
 
 REASONED = "<think>\nThe user wants 2 + 2.\n</think>\n\nIt is 4."
@@ -135,7 +83,7 @@ def test_a_tool_call_round_trip_whole_and_streamed(scripted):
               *({"role": "tool", "tool_call_id": c.id, "content": f"result {i}"} for i, c in enumerate(calls))]
     r = client.chat.completions.create(model="m", messages=follow, tools=[WEATHER], temperature=0)
     assert r.choices[0].finish_reason == "stop" and r.choices[0].message.content == "Sunny in Paris, rain in Köln."
-    prompt = engine.tokenizer.decode(runner.prompts[-1], skip_special=False)
+    prompt = prompt_text(engine, runner)
     assert ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "when": ["today"]}}\n</tool_call>'
             in prompt)
     assert "<|im_start|>user\n<tool_response>\nresult 0\n</tool_response>\n<tool_response>\nresult 1\n" \
@@ -176,7 +124,7 @@ def test_tool_choice_none_offers_no_tools_and_cannot_call(scripted):
     r = client.chat.completions.create(model="m", messages=USER, tools=[WEATHER], tool_choice="none",
                                        temperature=0, max_tokens=12)
     assert r.choices[0].message.tool_calls is None and "<tool_call>" not in r.choices[0].message.content
-    assert "<tools>" not in engine.tokenizer.decode(runner.prompts[-1], skip_special=False)
+    assert "<tools>" not in prompt_text(engine, runner)
 
 
 def test_chat_logprobs_stream_with_their_tokens(scripted):
@@ -198,7 +146,7 @@ def test_chat_logprobs_stream_with_their_tokens(scripted):
 
 @pytest.fixture(scope="module")
 def http(scripted):
-    return TestClient(create_app(ServerState(model_name="m", engine=scripted[0])), raise_server_exceptions=False)
+    return http_client(scripted[0])
 
 
 CHAT = {"messages": USER, "max_tokens": 2}
@@ -232,8 +180,8 @@ CHAT = {"messages": USER, "max_tokens": 2}
     ("chat", {"temperature": "hot"}, "temperature", "valid number"),
     ("chat", {"stop": 5}, "stop", "a string or a list of strings"),
     ("chat", {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
-     "messages.0.content", "this model takes text only"),
-    ("chat", {"messages": [{"role": "tool", "content": "x"}]}, "messages.0", "tool_call_id"),
+     "messages[0].content[0].type", "this model takes text only"),
+    ("chat", {"messages": [{"role": "tool", "content": "x"}]}, "messages[0]", "tool_call_id"),
     ("chat", {"chat_template_kwargs": {"tools": []}}, "chat_template_kwargs", "'tools'"),
     ("text", {"prompt": ["one", "two"]}, "prompt", "a list of prompts is not supported; send one prompt a request"),
     ("text", {"prompt": 5}, "prompt", "a string or a list of token ids"),

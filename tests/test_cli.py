@@ -30,6 +30,22 @@ def test_gen_model_split(tmp_path):
     assert r.exit_code == 0 and f"in {len(shards)} file(s)" in r.output
 
 
+def test_gen_model_writes_a_chat_template_given_as_a_file(tmp_path):
+    from strata_mgpu.model.gguf_reader import GGUFFile
+    from strata_mgpu.model.tokenizer import tokenizer_from_gguf
+    from tests.conftest import TEMPLATES
+
+    out, source = tmp_path / "m.gguf", TEMPLATES / "qwen3-coder.jinja"
+    r = CliRunner().invoke(main, ["gen-model", str(out), "--chat-template", str(source)])
+    assert r.exit_code == 0, r.output
+    template = tokenizer_from_gguf(GGUFFile(out)).chat_template
+    assert template is not None and template.source == source.read_text("utf-8")
+    bad, never = tmp_path / "bad.jinja", tmp_path / "x.gguf"
+    bad.write_text("{% for %}")
+    r = CliRunner().invoke(main, ["gen-model", str(never), "--chat-template", str(bad)])
+    assert r.exit_code == 1 and "chat template does not parse: line 1" in r.output and not never.exists()
+
+
 def test_bad_arguments_are_one_line_errors(tmp_path):
     r = CliRunner().invoke(main, ["gen-model", str(tmp_path / "x.gguf"), "--expert-type", "Q9"])
     assert r.exit_code == 2 and "unknown tensor type 'Q9'" in r.output

@@ -318,10 +318,11 @@ def write_model(path: str | Path, preset_name: str, *, expert_type: Q = Q.Q4_K, 
                 dense_type: Q = Q.Q8_0, seed: int = 0, split_max_bytes: int = 0,
                 on_tensor: Callable[[str, int], None] | None = None, workers: int | None = None,
                 layers: int | None = None, rope: RopeScaling = NO_ROPE_SCALING,
-                mix: dict[int, tuple[Q, Q]] | None = None) -> ModelSpec:
+                mix: dict[int, tuple[Q, Q]] | None = None, chat_template: str = CHAT_TEMPLATE) -> ModelSpec:
     """Write a synthetic qwen3moe GGUF; `on_tensor(name, nbytes)` is called after each tensor.
     `workers`: threads making tensors ahead of the writer (None: up to 8, one a core); the file
-    is the same for any number. `layers`, `rope`: as `preset_spec`; `mix`: as `plan_tensors`."""
+    is the same for any number. `layers`, `rope`: as `preset_spec`; `mix`: as `plan_tensors`;
+    `chat_template`: the jinja source written as `tokenizer.chat_template` (a model's own, to test it)."""
     down_type = DEFAULT_DOWN.get(expert_type, expert_type) if down_type is None else down_type  # F32 is 0
     spec = preset_spec(preset_name, layers, rope)
     plans = plan_tensors(spec, expert_type, down_type, dense_type, mix)
@@ -360,7 +361,7 @@ def write_model(path: str | Path, preset_name: str, *, expert_type: Q = Q.Q4_K, 
     w.add_pad_token_id(vocab.id_of("<|endoftext|>"))
     w.add_bos_token_id(vocab.id_of("<|endoftext|>"))
     w.add_add_bos_token(False)
-    w.add_chat_template(CHAT_TEMPLATE)
+    w.add_chat_template(chat_template)
 
     for p in plans:
         fmt = block_format(p.ggml_type)

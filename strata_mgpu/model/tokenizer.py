@@ -160,6 +160,8 @@ class ChatTemplate:
             return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt, **kwargs)
         except jinja2.TemplateError as e:
             raise ValueError(f"chat template failed: {e}") from None
+        except Exception as e:  # the template's own Python on these messages: `'x' in None`, `None + 'x'`
+            raise ValueError(f"chat template failed on these messages: {type(e).__name__}: {e}") from None
 
 
 def _joined_text_parts(message: dict[str, Any]) -> dict[str, Any]:

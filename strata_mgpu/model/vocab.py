@@ -18,7 +18,8 @@ from tokenizers import Regex, Tokenizer, models, pre_tokenizers, trainers
 
 from strata_mgpu.model.tokenizer import BYTE_TO_UNICODE, QWEN2_SPLIT
 
-# (text, type) in Qwen3's order.
+# (text, type) in Qwen3's order: the added tokens its chat templates and code completion write (no vision or
+# repository tokens).
 SPECIAL_TOKENS: tuple[tuple[str, TokenType], ...] = (
     ("<|endoftext|>", TokenType.CONTROL),
     ("<|im_start|>", TokenType.CONTROL),
@@ -29,6 +30,8 @@ SPECIAL_TOKENS: tuple[tuple[str, TokenType], ...] = (
     ("<|fim_pad|>", TokenType.CONTROL),
     ("<tool_call>", TokenType.USER_DEFINED),
     ("</tool_call>", TokenType.USER_DEFINED),
+    ("<tool_response>", TokenType.USER_DEFINED),
+    ("</tool_response>", TokenType.USER_DEFINED),
     ("<think>", TokenType.USER_DEFINED),
     ("</think>", TokenType.USER_DEFINED),
 )

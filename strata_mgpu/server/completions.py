@@ -1,7 +1,7 @@
 """`/v1/chat/completions` and `/v1/completions`: a request -> its prompt, constraints and sampling ->
 the engine -> JSON or SSE.
 
-A chat's messages reach the template whole (`ChatMessage.as_template_dict`), with the tools it
+A chat's messages reach the template as templates read them (`messages.py`), with the tools it
 offers; `tool_choice` required or a named function, and a JSON `response_format`, become a
 grammar (`grammars.py`) the engine's sampler follows; the answer's text is split into
 reasoning, content and tool calls as it arrives (`chat_output.py`). Prompt, grammar and template
@@ -28,6 +28,7 @@ from strata_mgpu.server.chat_output import ChatAnswer, ChatDelta, tool_call_delt
 from strata_mgpu.server.errors import APIError, error_body
 from strata_mgpu.server.grammars import Grammars, Thinking, chat_grammar, text_grammar
 from strata_mgpu.server.logprobs import LegacyLogprobs, chat_entries
+from strata_mgpu.server.messages import template_messages, template_tools
 from strata_mgpu.server.reasoning import opens_reasoning
 from strata_mgpu.server.schemas import ChatCompletionRequest, CompletionRequest, NamedToolChoice, _Generation
 
@@ -64,19 +65,21 @@ def prepare_chat(engine: Engine, grammars: Grammars, body: ChatCompletionRequest
         raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
     functions = _called_functions(body)
     tok = engine.tokenizer
-    messages = [m.as_template_dict() for m in body.messages]
+    messages = template_messages(body.messages)
     kwargs = dict(body.chat_template_kwargs)
     if body.offered_tools:
-        kwargs["tools"] = [t.model_dump(exclude_unset=True) for t in body.offered_tools]
+        kwargs["tools"] = template_tools(body.offered_tools)
     try:
         text = tok.apply_chat_template(messages, add_generation_prompt=True, **kwargs)
     except ValueError as e:
         raise APIError(400, str(e), param="messages") from None
     split = reasoning_format == "deepseek"
-    if not split or body.chat_template_kwargs.get("enable_thinking") is False:
+    if opens_reasoning(text):  # a template that always opens one (Qwen3-Thinking-2507's) ignores enable_thinking
+        thinking = Thinking.OPENED
+    elif not split or body.chat_template_kwargs.get("enable_thinking") is False:
         thinking = Thinking.OFF
     else:
-        thinking = Thinking.OPENED if opens_reasoning(text) else Thinking.OPTIONAL
+        thinking = Thinking.OPTIONAL
     answer_schema = body.response_format.schema_of_answer if body.response_format else None
     if functions is not None and body.tool_choice not in (None, "auto"):
         answer_schema = None  # a call is required: the answer is calls

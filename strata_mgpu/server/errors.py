@@ -37,15 +37,16 @@ _TYPE_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict", "none", "
 
 
 def _field_path(loc: tuple[Any, ...]) -> str:
-    parts = []
+    """pydantic's ('body', 'messages', 2, 'content') -> 'messages[2].content'."""
+    path = ""
     for p in loc:
         if p == "body":
             continue
         if isinstance(p, int):
-            parts.append(str(p))
+            path += f"[{p}]"
         elif isinstance(p, str) and p.isidentifier() and p.islower() and p not in _TYPE_TAGS:
-            parts.append(p)
-    return ".".join(parts)
+            path += f".{p}" if path else p
+    return path
 
 
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:

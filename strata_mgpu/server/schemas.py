@@ -4,11 +4,13 @@ Strict: a known field of the wrong type or value is a 400 naming it (no "5" for 
 true); a known option this server has not built (`n` > 1, `echo`, `best_of`, `suffix`, audio,
 predicted outputs, the legacy `functions` / `function_call`, ...) is a 400 naming it and saying
 what to send instead; a field nobody knows is accepted, and logged once per name. Checks that need
-the model (token ids in range) or several fields together are the handlers' (`completions.py`).
+the model (token ids in range) or several fields together are the handlers' (`completions.py`), those
+of a chat's messages as a whole (content parts, tool history) `messages.py`'s.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import threading
@@ -21,9 +23,6 @@ from strata_mgpu.engine.sampler import MAX_TOP_LOGPROBS, SamplingParams
 
 log = logging.getLogger("strata.server")
 
-NON_TEXT_PARTS = frozenset({"image_url", "image", "input_image", "input_audio", "audio", "file", "input_file",
-                            "video", "video_url"})
-REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")  # what a client may call an answer's reasoning
 MAX_LEGACY_LOGPROBS = 5  # OpenAI's bound on completions' logprobs
 MAX_LOGIT_BIAS = 100.0
 
@@ -52,7 +51,22 @@ class _Strict(BaseModel):
 
 class FunctionCallIn(_Strict):
     name: str
-    arguments: str | dict[str, Any]  # as given: a JSON string (OpenAI's), or an object
+    arguments: dict[str, Any]  # given as OpenAI's JSON string (or as an object), kept parsed
+
+    @field_validator("arguments", mode="before")
+    @classmethod
+    def _json_object(cls, v: Any) -> Any:
+        if isinstance(v, str):
+            try:
+                v = json.loads(v)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"not JSON ({e.msg} at character {e.pos}): a call's arguments are a JSON "
+                                 f"object, as a string") from None
+            if not isinstance(v, dict):
+                raise ValueError(f"a call's arguments are a JSON object, not {type(v).__name__} {v!r}")
+        elif not isinstance(v, dict):
+            raise ValueError("expected the call's arguments as a JSON object in a string (or as an object)")
+        return v
 
 
 class ToolCallIn(_Strict):
@@ -62,8 +76,11 @@ class ToolCallIn(_Strict):
 
 
 class ChatMessage(_Strict):
+    """One message as given. Its content parts are checked, and the message made what templates read,
+    by `messages.template_messages` (it knows the message's place in the chat, for the errors' names)."""
+
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[dict[str, Any]] | None = None
+    content: str | list[Any] | None = None
     name: str | None = None
     tool_calls: list[ToolCallIn] | None = None
     tool_call_id: str | None = None
@@ -72,21 +89,9 @@ class ChatMessage(_Strict):
     @field_validator("content", mode="before")
     @classmethod
     def _content(cls, v: Any) -> Any:
-        if v is None or isinstance(v, str):
+        if v is None or isinstance(v, str | list):
             return v
-        if not isinstance(v, list):
-            raise ValueError("expected a string or a list of content parts")
-        for i, part in enumerate(v):
-            kind = part.get("type") if isinstance(part, dict) else None
-            if not isinstance(kind, str):
-                raise ValueError(f"content part {i} must be an object with a 'type'")
-            if kind in NON_TEXT_PARTS:
-                raise ValueError(f"this model takes text only (content part {i} is {kind!r})")
-            if kind != "text":
-                raise ValueError(f"content part {i} has type {kind!r}: only 'text' parts are known")
-            if not isinstance(part.get("text"), str):
-                raise ValueError(f"content part {i}: a text part needs a string 'text'")
-        return v
+        raise ValueError("expected a string, a list of content parts or null")
 
     @model_validator(mode="after")
     def _by_role(self) -> ChatMessage:
@@ -94,21 +99,7 @@ class ChatMessage(_Strict):
             raise ValueError("a tool message needs the 'tool_call_id' of the call it answers")
         if self.tool_calls is not None and self.role != "assistant":
             raise ValueError("only assistant messages carry 'tool_calls'")
-        if self.content is None and not (self.role == "assistant" and self.tool_calls):
-            raise ValueError(f"a {self.role} message needs its 'content'")
         return self
-
-    def as_template_dict(self) -> dict[str, Any]:
-        """The message as given (what apply_chat_template is passed), `developer` read as `system`,
-        and, as transformers does, reasoning under any of its names also as `reasoning_content`
-        and `thinking` (the names templates read)."""
-        message = self.model_dump(exclude_unset=True)
-        if message["role"] == "developer":
-            message["role"] = "system"
-        reasoning = next((message[k] for k in REASONING_FIELDS if message.get(k) is not None), None)
-        if reasoning is not None:
-            message = {"thinking": reasoning, **message, "reasoning_content": reasoning}
-        return message
 
 
 # -- tools, response formats --------------------------------------------------------------------------
