@@ -61,6 +61,8 @@ class LoadCancelled(Exception):
 
 def setup_logging(level: str) -> None:
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if logging.getLogger().getEffectiveLevel() > logging.DEBUG:  # gguf's writer says what it writes at INFO
+        logging.getLogger("gguf").setLevel(logging.WARNING)
 
 
 def demo_model_path(cache_dir: Path) -> Path:
