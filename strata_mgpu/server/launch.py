@@ -196,7 +196,7 @@ class Loader:
 
     def _load(self) -> None:
         state, config, spec = self.state, self.config, self.spec
-        log.info("loading %s: /health answers 503 until it is ready", config.model_path)
+        log.info("loading %s (/health answers 503 meanwhile)", config.model_path)
         started = time.perf_counter()
         try:
             with Progress(TextColumn("[bold]loading[/] {task.description}"), BarColumn(), MofNCompleteColumn(),
