@@ -121,6 +121,9 @@ def _ram_gib(_ctx: click.Context | None, _param: click.Parameter | None, value: 
     if not m or m[2].lower() not in _RAM_UNITS:
         raise click.BadParameter(f"{value!r} is not a size like 8GiB, 8192MiB or 8G (a bare number is MiB, "
                                  f"as llama-server reads it)")
+    if not m[2] and 0 < float(m[1]) < 1024:  # strata's older reading of a bare number was GiB
+        err.print(f"warning: --cache-ram {value.strip()} is {value.strip()} MiB (a bare number is MiB, as "
+                  f"llama-server reads it); write {value.strip()}GiB for GiB")
     return float(m[1]) * _RAM_UNITS[m[2].lower()] / 2**30
 
 

@@ -82,6 +82,15 @@ def test_cache_ram_takes_units_and_a_bare_number_is_mib(served, tiny_gguf, given
     assert config is not None and config.engine.cache_ram_gib == pytest.approx(gib)
 
 
+def test_a_small_bare_cache_ram_says_it_is_mib(served, tiny_gguf, monkeypatch):
+    monkeypatch.setattr(cli, "err", cli.Console(stderr=True, width=200))
+    config, output, _ = served(str(tiny_gguf), "--cache-ram", "8")
+    assert config is not None and config.engine.cache_ram_gib == 8 / 1024
+    assert "warning: --cache-ram 8 is 8 MiB (a bare number is MiB, as llama-server reads it); write 8GiB" in output
+    _, output, _ = served(str(tiny_gguf), "--cache-ram", "8192")
+    assert "warning" not in output
+
+
 @pytest.mark.parametrize("given", ["8 parsecs", "-1", "GiB", "1e3", "-2"])
 def test_a_bad_cache_ram_is_a_usage_error(served, tiny_gguf, given):
     _, output, status = served(str(tiny_gguf), "--cache-ram", given)
