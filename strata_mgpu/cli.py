@@ -72,14 +72,16 @@ NO_COUNTERPART = {
     ("-fa", "--flash-attn"): "attention always runs fused here: drop it",
     ("-hf", "--hf-repo"): "give the path of a GGUF file",
 }
-ACCEPTED_AS_IS = ("--jinja",)  # llama-server's switch to the GGUF's chat template, which strata always uses
+# llama-server's switches for what strata always does: the GGUF's chat template, continuous batching,
+# /metrics, one KV for all sequences (and no web UI to turn off)
+ACCEPTED_AS_IS = ("--jinja", "-cb", "--cont-batching", "--metrics", "-kvu", "--kv-unified", "--no-webui")
 
 
 class LlamaCppSpellings(click.Command):
     """A command that also reads llama.cpp's habits: `-m FILE` / `--model FILE` as the model argument,
-    `--jinja` as what is done anyway, and for its options with no counterpart (`NO_COUNTERPART`) a
-    usage error naming the option and what to use. Its short spellings with the same meaning (`-c`,
-    `-np`, `-ctk`, ...) are the options' own names."""
+    `--jinja` and the like as what is done anyway (`ACCEPTED_AS_IS`), and for its options with no
+    counterpart (`NO_COUNTERPART`) a usage error naming the option and what to use. Its short
+    spellings with the same meaning (`-c`, `-np`, `-ctk`, ...) are the options' own names."""
 
     def __init__(self, *args: Any, **kwargs: Any):
         kwargs.setdefault("epilog", "llama.cpp's spellings: -m FILE is the model; --jinja is what strata does "
@@ -519,7 +521,7 @@ def topo() -> None:
                    "gaps), so a burst's prompts run as one prefill; 0: start at once")
 @click.option("--prefix-cache/--no-prefix-cache", default=True, show_default=True,
               help="keep conversations' KV blocks so a turn computes only what is new")
-@click.option("--cache-ram", default="8GiB", show_default=True, metavar="SIZE", callback=_ram_gib,
+@click.option("--cache-ram", "-cram", default="8GiB", show_default=True, metavar="SIZE", callback=_ram_gib,
               help="host RAM for prefix-cache blocks moved out of VRAM, e.g. 8GiB, 8192MiB, 8G; a bare number "
                    "is MiB, as llama-server reads it (at most half the RAM free at start; 0: none)")
 @click.option("--kv-tokens", default=None, type=click.IntRange(min=1),

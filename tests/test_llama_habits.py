@@ -41,9 +41,11 @@ def test_llama_server_spellings_mean_ours(served, tiny_gguf):
     assert config is not None and config.model_path == tiny_gguf and config.model_name == "my-model"
     assert config.engine.ctx_size == 1024 and config.engine.max_running == 4
     assert config.placement.kv_types == (Q.Q8_0, Q.Q8_0) and config.placement.threads == 1
-    config, output, status = served(f"--model={tiny_gguf}", "--parallel", "2", "--ctx-size=512", "-c256")
+    config, output, status = served(f"--model={tiny_gguf}", "--parallel", "2", "--ctx-size=512", "-c256", "-cb",
+                                    "-kvu", "--metrics", "-cram", "4096")
     assert status == 0, output
     assert config is not None and config.engine.max_running == 2 and config.engine.ctx_size == 256  # the last wins
+    assert config.engine.cache_ram_gib == 4
 
 
 def test_bench_takes_llama_bench_spellings(tiny_gguf, tmp_path):
