@@ -53,8 +53,10 @@ cuda=""
 if [[ -n "$dev" ]]; then
     extras="dev"
 else
-    cuda_major="$(python -c "import torch; print((torch.version.cuda or '').split('.')[0])")"
-    if [[ "$cuda_major" == 12 || "$cuda_major" == 13 ]]; then cuda="cuda$cuda_major"; fi
+    if has_gpu; then
+        cuda_major="$(python -c "import torch; print((torch.version.cuda or '').split('.')[0])")"
+        if [[ "$cuda_major" == 12 || "$cuda_major" == 13 ]]; then cuda="cuda$cuda_major"; fi
+    fi
     extras="cpu-experts${cuda:+,$cuda}"
 fi
 stamp=".venv/strata-setup-${extras//,/-}"
