@@ -90,6 +90,9 @@ class LlamaCppSpellings(click.Command):
 
     def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
         hints = {name: hint for names, hint in NO_COUNTERPART.items() for name in names}
+        options = [p for p in self.get_params(ctx) if isinstance(p, click.Option)]
+        known = {name for p in options for name in (*p.opts, *p.secondary_opts)}
+        valued = {name for p in options if not p.is_flag and not p.count for name in p.opts}
         kept: list[str] = []
         rest = iter(args)
         for arg in rest:
@@ -104,9 +107,24 @@ class LlamaCppSpellings(click.Command):
                 if model is None:
                     raise click.UsageError(f"{name} needs the model's file", ctx)
                 kept.append(model)
-            elif arg not in ACCEPTED_AS_IS:
-                kept.append(arg)
+                continue
+            if arg in ACCEPTED_AS_IS:
+                continue
+            if _clustered(arg, known, valued):
+                raise click.UsageError(f"no such option: {arg} (--help lists the options)", ctx)
+            kept.append(arg)
+            if name in valued and not eq:  # its value, whatever it looks like (`--api-key -fa` is a key)
+                kept += [v for v in (next(rest, None),) if v is not None]
         return super().parse_args(ctx, kept)
+
+
+def _clustered(arg: str, known: set[str], valued: set[str]) -> bool:
+    """An unknown word after one dash (`-cnv`), which click would read as a cluster of one-letter
+    options (`-c nv`) and fault on one of them: not a name, nor a one-letter option and its number
+    written together (`-c4096`)."""
+    if not arg.startswith("-") or arg.startswith("--") or len(arg) <= 2 or arg.partition("=")[0] in known:
+        return False
+    return not (arg[:2] in valued and re.fullmatch(r"\d+(\.\d+)?", arg[2:]))
 
 
 _RAM_UNITS = {"": 2**20, "k": 2**10, "kib": 2**10, "m": 2**20, "mib": 2**20, "g": 2**30, "gib": 2**30,

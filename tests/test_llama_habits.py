@@ -68,6 +68,19 @@ def test_options_without_a_counterpart_are_one_usage_error_naming_them(tiny_gguf
     assert "No such option" not in r.output and "Traceback" not in r.output
 
 
+@pytest.mark.parametrize("command", ["serve", "bench"])
+def test_an_unknown_word_after_one_dash_is_named_whole_not_as_click_s_cluster(tiny_gguf, command):
+    r = CliRunner().invoke(main, [command, str(tiny_gguf), "-cnv"])
+    errors = [line for line in r.output.splitlines() if line.startswith("Error:")]
+    assert r.exit_code == 2 and errors == ["Error: no such option: -cnv (--help lists the options)"], r.output
+
+
+def test_an_option_s_value_is_never_read_as_an_option(served, tiny_gguf):
+    config, output, status = served(str(tiny_gguf), "--api-key", "-fa", "--alias", "-ngl")
+    assert status == 0 and config is not None, output
+    assert config.api_key == "-fa" and config.model_name == "-ngl"
+
+
 def test_a_spelling_after_the_double_dash_is_left_alone(served):
     config, output, status = served("--", "-ngl")
     assert status == 0 and config is not None and str(config.model_path) == "-ngl", output  # a file's name
