@@ -25,7 +25,6 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 log = logging.getLogger("strata.server")
 ERROR_BODY_BYTES = 8192  # an error body is read for its message up to this much
 PROBED_PATHS = frozenset({"/health"})
-CLIENT_CLOSED = 499  # nginx's status for a request whose client disconnected before the answer
 
 
 def level(path: str, status: int, code: str | None = None) -> int:
