@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Create or reuse the virtual environment .venv at the repository's root, install into it what is
-# missing (torch, then the project; with --dev also what the tests need), then run the command given,
-# inside it:
+# missing (torch, then the project with ggml's CPU kernels, the `cpu-experts` extra, and where torch is
+# a CUDA build CuPy for its CUDA kernels; with --dev instead what the tests need, ggml included), then
+# run the command given, inside it:
 #
 #   bash scripts/setup.sh strata serve
 #   bash scripts/setup.sh --dev python -m pytest -q
@@ -9,16 +10,18 @@
 # torch: one already in .venv is kept (install the build you want there first to choose it yourself).
 # Otherwise, with an NVIDIA GPU: PyPI's wheel, which on Linux is the CUDA build; without one: the CPU
 # build from PyTorch's CPU index (a plain `pip install torch` would fetch several GB of CUDA libraries).
-# The project is installed again only when pyproject.toml has changed since the last run.
+# The project is installed again only when pyproject.toml has changed since the last run. ggml-python
+# builds ggml from source (about a minute, a C compiler); where that fails the project is installed
+# without it, said once: a CPU stage then runs slower torch code.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
 TORCH_VERSION=2.13.0  # the CPU build's version: the one CI tests (.ci/run)
 CPU_INDEX=https://download.pytorch.org/whl/cpu
 
-extras=""
+dev=""
 if [[ "${1:-}" == "--dev" ]]; then
-    extras="[dev]"
+    dev=1
     shift
 fi
 
@@ -44,13 +47,33 @@ elif has_gpu && python -c "import sys, torch; sys.exit(torch.version.cuda is not
         "(.venv/bin/pip uninstall -y torch, then run this again)"
 fi
 
-stamp=".venv/strata-setup${extras:+-dev}"
+# What to install with the project: the test tools (ggml-python among them), or what serves fastest
+# here: ggml's CPU kernels, and CuPy of torch's CUDA major where torch is a CUDA build
+cuda=""
+if [[ -n "$dev" ]]; then
+    extras="dev"
+else
+    if has_gpu; then
+        cuda_major="$(python -c "import torch; print((torch.version.cuda or '').split('.')[0])")"
+        if [[ "$cuda_major" == 12 || "$cuda_major" == 13 ]]; then cuda="cuda$cuda_major"; fi
+    fi
+    extras="cpu-experts${cuda:+,$cuda}"
+fi
+stamp=".venv/strata-setup-${extras//,/-}"
 want="$(cksum < pyproject.toml)"
 if [[ "$(cat "$stamp" 2>/dev/null)" != "$want" ]]; then
-    say "installing the project${extras:+ with its test tools} (pip install -e '.$extras')"
-    python -m pip install -q -e ".$extras"
+    building=""  # ggml-python compiles ggml as it installs, unless a build of it is here already
+    python -c "import ggml" 2>/dev/null || building=": ggml-python builds ggml from source, about a minute"
+    say "installing the project with ${dev:+its test tools and }ggml's CPU kernels" \
+        "(pip install -e '.[$extras]')$building"
+    if ! python -m pip install -q -e ".[$extras]"; then
+        [[ -z "$dev" ]] || exit 1
+        say "ggml could not be built (it needs a C compiler; pip said why above): installing without it, so" \
+            "a CPU stage runs torch code, several times slower (pip install -e '.[cpu-experts]' to try again)"
+        python -m pip install -q -e ".${cuda:+[$cuda]}"
+    fi
     echo "$want" > "$stamp"
-    if [[ -n "$extras" ]]; then echo "$want" > .venv/strata-setup; fi  # the base install is part of it
+    if [[ -n "$dev" ]]; then echo "$want" > .venv/strata-setup-cpu-experts; fi  # ggml-python is a test tool
 fi
 
 if [[ $# -gt 0 ]]; then

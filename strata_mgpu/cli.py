@@ -7,6 +7,7 @@ import os
 import re
 import sys
 from pathlib import Path
+from typing import Any
 
 import click
 from rich.console import Console
@@ -60,6 +61,98 @@ def _model_file(_ctx: click.Context, _param: click.Parameter, value: Path | None
     if value is not None and value.is_dir():
         fail(f"{value}: cannot open: {os.strerror(errno.EISDIR)}")
     return value
+
+
+# llama.cpp's options with no counterpart here, and what to use instead. Checked before click parses,
+# since click would read `-ngl` as the cluster `-n -g -l` ("No such option: -n") or, where `-n` is an
+# option, as `-n gl`.
+NO_COUNTERPART = {
+    ("-ngl", "--n-gpu-layers", "--gpu-layers"): (
+        "strata places by VRAM budget, not by layers: dense weights go to the GPU and as many experts as "
+        "the budget holds; give --max-vram GiB (and --devices)"),
+    ("-ncmoe", "--n-cpu-moe", "-cmoe", "--cpu-moe"): (
+        "every expert lives in host RAM and streams to the GPU; --cpu-experts auto|off|F says what share of "
+        "the experts missing from VRAM the host's cores compute"),
+    ("-ot", "--override-tensor"): "experts stay in host RAM by design; see --max-vram and --cpu-experts",
+    ("-ts", "--tensor-split", "-sm", "--split-mode"): "use --devices 0,1 with --layer-split and --max-vram 16,12",
+    ("-dev", "--device"): "use --devices (cpu, cuda:N or N, comma-separated)",
+    ("-b", "--batch-size", "-ub", "--ubatch-size"): "use --chunk-size (prompt tokens per prefill step)",
+    ("-fa", "--flash-attn"): "attention always runs fused here: drop it",
+    ("-hf", "--hf-repo"): "give the path of a GGUF file",
+}
+# llama-server's switches for what strata always does: the GGUF's chat template, continuous batching,
+# /metrics, one KV for all sequences (and no web UI to turn off)
+ACCEPTED_AS_IS = ("--jinja", "-cb", "--cont-batching", "--metrics", "-kvu", "--kv-unified", "--no-webui")
+
+
+class LlamaCppSpellings(click.Command):
+    """A command that also reads llama.cpp's habits: `-m FILE` / `--model FILE` as the model argument,
+    `--jinja` and the like as what is done anyway (`ACCEPTED_AS_IS`), and for its options with no
+    counterpart (`NO_COUNTERPART`) a usage error naming the option and what to use. Its short
+    spellings with the same meaning (`-c`, `-np`, `-ctk`, ...) are the options' own names."""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        kwargs.setdefault("epilog", "llama.cpp's spellings: -m FILE is the model; --jinja is what strata does "
+                                    "anyway; -ngl: use --max-vram; --n-cpu-moe / --cpu-moe: use --cpu-experts.")
+        super().__init__(*args, **kwargs)
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        hints = {name: hint for names, hint in NO_COUNTERPART.items() for name in names}
+        options = [p for p in self.get_params(ctx) if isinstance(p, click.Option)]
+        known = {name for p in options for name in (*p.opts, *p.secondary_opts)}
+        valued = {name for p in options if not p.is_flag and not p.count for name in p.opts}
+        kept: list[str] = []
+        rest = iter(args)
+        for arg in rest:
+            if arg == "--":
+                kept += [arg, *rest]
+                break
+            name, eq, value = arg.partition("=")
+            if name in hints:
+                raise click.UsageError(f"{name}: llama.cpp's option, not strata's: {hints[name]}", ctx)
+            if name in ("-m", "--model"):
+                model = value if eq else next(rest, None)
+                if model is None:
+                    raise click.UsageError(f"{name} needs the model's file", ctx)
+                kept.append(model)
+                continue
+            if arg in ACCEPTED_AS_IS:
+                continue
+            if _clustered(arg, known, valued):
+                raise click.UsageError(f"no such option: {arg} (--help lists the options)", ctx)
+            kept.append(arg)
+            if name in valued and not eq:  # its value, whatever it looks like (`--api-key -fa` is a key)
+                kept += [v for v in (next(rest, None),) if v is not None]
+        return super().parse_args(ctx, kept)
+
+
+def _clustered(arg: str, known: set[str], valued: set[str]) -> bool:
+    """An unknown word after one dash (`-cnv`), which click would read as a cluster of one-letter
+    options (`-c nv`) and fault on one of them: not a name, nor a one-letter option and its number
+    written together (`-c4096`)."""
+    if not arg.startswith("-") or arg.startswith("--") or len(arg) <= 2 or arg.partition("=")[0] in known:
+        return False
+    return not (arg[:2] in valued and re.fullmatch(r"\d+(\.\d+)?", arg[2:]))
+
+
+_RAM_UNITS = {"": 2**20, "k": 2**10, "kib": 2**10, "m": 2**20, "mib": 2**20, "g": 2**30, "gib": 2**30,
+              "t": 2**40, "tib": 2**40, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12}
+
+
+def _ram_gib(_ctx: click.Context | None, _param: click.Parameter | None, value: str) -> float:
+    """'8GiB', '8192MiB', '8G', '512M' (K, M, G, T binary, as llama.cpp and free -h have them; KB, MB,
+    GB decimal); a bare number is MiB, as llama-server reads --cache-ram -> GiB."""
+    if value.strip() == "-1":
+        raise click.BadParameter("llama-server's -1 (no limit) has no counterpart: give a size, such as 8GiB (a "
+                                 "bare number is MiB); the cache never takes more than half the RAM free")
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-z]*)\s*", value, re.IGNORECASE)
+    if not m or m[2].lower() not in _RAM_UNITS:
+        raise click.BadParameter(f"{value!r} is not a size like 8GiB, 8192MiB or 8G (a bare number is MiB, "
+                                 f"as llama-server reads it)")
+    if not m[2] and 0 < float(m[1]) < 1024:  # strata's older reading of a bare number was GiB
+        err.print(f"warning: --cache-ram {value.strip()} is {value.strip()} MiB (a bare number is MiB, as "
+                  f"llama-server reads it); write {value.strip()}GiB for GiB")
+    return float(m[1]) * _RAM_UNITS[m[2].lower()] / 2**30
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -148,9 +241,22 @@ dtype_option = click.option("--dtype", type=click.Choice(["bf16", "fp32"]), defa
                             help="compute dtype on the GPU (fp32: slower, for checks)")
 
 
-threads_option = click.option("--threads", type=click.IntRange(min=1), default=None,
-                              help="host cores that compute a CPU stage's experts (ggml); default: the physical "
-                                   "cores, less one for each GPU stage's host thread")
+def _threads(_ctx: click.Context, _param: click.Parameter, value: int | None) -> int | None:
+    """--threads, at most the CPUs this process may use (said once, on stderr)."""
+    if value is None:
+        return None
+    from strata_mgpu.kernels.cpu_experts import clamp_threads
+
+    threads, warning = clamp_threads(value)
+    if warning:
+        err.print(f"warning: {warning}")
+    return threads
+
+
+threads_option = click.option("--threads", "-t", type=click.IntRange(min=1), default=None, callback=_threads,
+                              help="host cores that compute a CPU stage's experts (ggml), at most the CPUs this "
+                                   "process may use; default: the physical cores, less one for each GPU stage's "
+                                   "host thread")
 cpu_experts_option = click.option(
     "--cpu-experts", default="auto", show_default=True,
     help="decode: the share of a GPU stage's missing experts (those not resident in VRAM) the host's cores "
@@ -159,8 +265,8 @@ cpu_experts_option = click.option(
 def cache_type_options(f):
     """--cache-type-k / --cache-type-v (llama.cpp's names): how the KV cache stores keys and values."""
     for which in ("v", "k"):
-        f = click.option(f"--cache-type-{which}", type=click.Choice(KV_CACHE_TYPE_NAMES), default="bf16",
-                         show_default=True,
+        f = click.option(f"--cache-type-{which}", f"-ct{which}", type=click.Choice(KV_CACHE_TYPE_NAMES),
+                         default="bf16", show_default=True,
                          help=f"how the KV cache stores {'keys' if which == 'k' else 'values'}: bf16 (the compute "
                               "dtype) or q8_0 (ggml's 8-bit blocks: 0.53 of the bytes, so more resident experts "
                               "or KV at a budget)")(f)
@@ -263,11 +369,12 @@ def _placement(devices: str, layer_split: str, max_vram: str | None, dtype: str,
         fail(str(e))
 
 
-@main.command()
+@main.command(cls=LlamaCppSpellings)
 @click.argument("model", type=click.Path(path_type=Path), callback=_model_file)
-@click.option("--prompt-tokens", default="1024,2048,4096,8192", show_default=True, help="one-chunk prompt lengths")
-@click.option("--decode-tokens", default=64, show_default=True, type=click.IntRange(min=0))
-@click.option("--runs", default=3, show_default=True, type=click.IntRange(min=1), help="median of this many")
+@click.option("--prompt-tokens", "-p", default="1024,2048,4096,8192", show_default=True,
+              help="one-chunk prompt lengths (at most the model's context)")
+@click.option("--decode-tokens", "-n", default=64, show_default=True, type=click.IntRange(min=0))
+@click.option("--runs", "-r", default=3, show_default=True, type=click.IntRange(min=1), help="median of this many")
 @devices_option
 @layer_split_option
 @max_vram_option
@@ -298,11 +405,18 @@ def bench(model: Path, prompt_tokens: str, decode_tokens: int, runs: int, device
           decode_context: int, json_out: Path | None) -> None:
     """Prefill tok/s against the PCIe link bound, and decode tok/s (at each --decode-batch size)."""
     from strata_mgpu.env import EnvError
+    from strata_mgpu.model.spec import spec_from_gguf
     from strata_mgpu.split.runner import SplitError
     from strata_mgpu.stage.device import DeviceError
-    from strata_mgpu.tools.bench import decode_batch_kv_tokens, run_bench, write_json
+    from strata_mgpu.tools.bench import decode_batch_kv_tokens, prompts_within, run_bench, write_json
 
-    lengths = _int_list(prompt_tokens)
+    try:
+        with GGUFFile(model) as f:
+            lengths, warning = prompts_within(_int_list(prompt_tokens), spec_from_gguf(f).context_length)
+    except GGUFError as e:
+        fail(str(e))
+    if warning:
+        err.print(f"warning: {warning}")
     placement = _placement(devices, layer_split, max_vram, dtype, cuda_graphs, prefill_help, prefill_help_frac,
                            resident_experts, threads, cpu_experts, (cache_type_k, cache_type_v))
     _warn_cpu_budget(placement)
@@ -424,28 +538,30 @@ def topo() -> None:
                 fail(f"could not read nvidia-smi's PCI bus ids: {e}")
     out.print(*report.topo_lines(m, cuda), sep="\n")
 
-@main.command()
+@main.command(cls=LlamaCppSpellings)
 @click.argument("model", required=False, type=click.Path(path_type=Path), callback=_model_file)
 @click.option("--host", default="127.0.0.1", show_default=True)
 @click.option("--port", default=8080, show_default=True, type=click.IntRange(0, 65535))
-@click.option("--ctx-size", default=None, type=click.IntRange(min=1),
-              help="tokens per sequence (default: the model's context length)")
+@click.option("--ctx-size", "-c", default=None, type=click.IntRange(min=1),
+              help="tokens per sequence (default: the model's context length); all sequences share one "
+                   "context's KV unless --kv-tokens says more")
 @click.option("--chunk-size", default=8192, show_default=True, type=click.IntRange(min=1),
               help="prompt tokens per prefill step")
-@click.option("--max-running", default=16, show_default=True, type=click.IntRange(min=1),
-              help="sequences decoded together")
+@click.option("--max-running", "-np", "--parallel", "max_running", default=16, show_default=True,
+              type=click.IntRange(min=1), help="sequences decoded together (llama-server's -np)")
 @click.option("--arrival-gap-ms", default=2.0, show_default=True, type=click.FloatRange(0, 100),
               help="an idle server's first request waits while more arrive at most this far apart (up to 8 "
                    "gaps), so a burst's prompts run as one prefill; 0: start at once")
 @click.option("--prefix-cache/--no-prefix-cache", default=True, show_default=True,
               help="keep conversations' KV blocks so a turn computes only what is new")
-@click.option("--cache-ram", default=8.0, show_default=True, type=click.FloatRange(min=0), metavar="GiB",
-              help="host RAM for prefix-cache blocks moved out of VRAM (at most half the RAM free at start)")
+@click.option("--cache-ram", "-cram", default="8GiB", show_default=True, metavar="SIZE", callback=_ram_gib,
+              help="host RAM for prefix-cache blocks moved out of VRAM, e.g. 8GiB, 8192MiB, 8G; a bare number "
+                   "is MiB, as llama-server reads it (at most half the RAM free at start; 0: none)")
 @click.option("--kv-tokens", default=None, type=click.IntRange(min=1),
               help="KV cells kept in VRAM for all requests together (default: one --ctx-size); more lets "
                    "long conversations run at once, at the cost of resident experts")
 @click.option("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
-@click.option("--alias", default=None, help="model name clients use (default: the file name)")
+@click.option("--alias", "-a", default=None, help="model name clients use (default: the file name)")
 @click.option("--reasoning-format", type=click.Choice(["deepseek", "none"]), default="deepseek", show_default=True,
               help="deepseek: <think> blocks go to reasoning_content; none: they stay in the content")
 @devices_option

@@ -5,13 +5,16 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from rich import box
 from rich.table import Table
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from strata_mgpu.model.info import ModelInfo
     from strata_mgpu.model.spec import RopeScaling
     from strata_mgpu.stage.memory_plan import MemoryPlan
-    from strata_mgpu.tools.bench import BenchResult, CpuExpertRate
+    from strata_mgpu.tools.bench import BenchResult, CpuExpertRate, PrefillResult
     from strata_mgpu.tools.share_sweep import SweepResult
     from strata_mgpu.topo import CudaView, P2PMatrix
 
@@ -80,37 +83,64 @@ def plan_table(device: str, layers: range, plan: MemoryPlan, n_experts: int) -> 
     return t
 
 
+def _gb_per_s(x: float | None) -> str:
+    """'9.6 GB/s', '0.049 GB/s': two figures at least, so a slow rate does not read 0.0."""
+    return "n/a" if x is None else f"{x:.1f} GB/s" if x >= 1 else f"{x:.2g} GB/s"
+
+
 def _cpu_rates(rates: list[CpuExpertRate], per: str) -> str:
     """The host's cores' rates by rows a call: 'batch 1 9.6 GB/s (2.510 ms a layer), ...'."""
-    return ", ".join(f"{'batch 1' if r.rows == 1 else f'{r.rows:,} rows'} {r.gb_per_s or 0:.1f} GB/s "
+    return ", ".join(f"{'batch 1' if r.rows == 1 else f'{r.rows:,} rows'} {_gb_per_s(r.gb_per_s)} "
                      f"({r.ms_per_call or 0:.3f} ms {per})" for r in rates)
 
 
+def _narrow_table(title: str, columns: list[str]) -> Table:
+    """Right-aligned columns no narrower than their headers' longest word, in a box without vertical
+    rules: eight columns fit 80 characters, their headers wrapped between words."""
+    t = Table(title=title, box=box.SIMPLE_HEAD, collapse_padding=True, pad_edge=False, min_width=len(title))
+    for col in columns:
+        t.add_column(col, justify="right", min_width=max(map(len, col.split())))
+    return t
+
+
 def bench_lines(result: BenchResult, chunk_size: int, max_vram: str | None) -> list[Table | str]:
+    """What `strata bench` prints: only what applies to the run's devices. A run with no GPU stage
+    has no link (no bound, ratio, pinned H2D, VRAM); one whose stages stream no experts (a CPU
+    stage computing them where they lie) has no streamed bytes or compute-alone time."""
+    on_gpu = any(st.device.startswith("cuda") for st in result.stages)
+    streams = any(st.pass_bytes for st in result.stages)
+    link = result.link_gb_per_s is not None
     title = f"{result.model} on {result.device} ({result.kernels})"
-    if result.link_gb_per_s:
+    if link:
         title += f", experts {gb(result.expert_bytes)}, pinned H2D {result.link_gb_per_s:.1f} GB/s"
-    t = Table(title=title)
-    for col in ("prompt tokens", "prefill tok/s", "seconds", "streamed GB", "link bound s", "compute s",
-                "ratio to bound", "all-streamed bound s"):
-        t.add_column(col, justify="right")
 
     def sec(x: float | None) -> str:
         return f"{x:.3f}" if x is not None else "n/a"
 
+    columns: list[tuple[str, Callable[[PrefillResult], str]]] = [
+        ("prompt tokens", lambda r: f"{r.tokens:,}"), ("prefill tok/s", lambda r: f"{r.tok_per_s:,.0f}"),
+        ("seconds", lambda r: f"{r.seconds:.3f}")]
+    if streams:
+        columns.append(("streamed GB", lambda r: f"{r.streamed_bytes / 1e9:.2f}"))
+    if link:
+        columns.append(("link bound s", lambda r: sec(r.link_bound_s)))
+    if streams:
+        columns.append(("compute s", lambda r: sec(r.compute_s)))
+    if link:
+        columns += [("ratio to bound", lambda r: f"{r.ratio_to_bound:.2f}" if r.ratio_to_bound else "n/a"),
+                    ("all streamed bound s", lambda r: sec(r.all_streamed_bound_s))]
+    t = _narrow_table(title, [name for name, _ in columns])
     for r in result.prefill:
-        t.add_row(f"{r.tokens:,}", f"{r.tok_per_s:,.0f}", f"{r.seconds:.3f}", f"{r.streamed_bytes / 1e9:.2f}",
-                  sec(r.link_bound_s), sec(r.compute_s), f"{r.ratio_to_bound:.2f}" if r.ratio_to_bound else "n/a",
-                  sec(r.all_streamed_bound_s))
+        t.add_row(*(cell(r) for _, cell in columns))
     lines: list[Table | str] = [t]
     if result.decode_tok_per_s is not None:
-        hit = (f", {100 * result.decode_resident_share:.0f}% of each layer's experts resident in VRAM"
-               if result.decode_resident_share is not None else "")
+        hit = (f", {100 * result.decode_resident_share:.0f}% of each layer's experts resident"
+               + (" in VRAM" if on_gpu else "") if result.decode_resident_share is not None else "")
         if result.decode_hit_rate is not None:
-            hit += f", {100 * result.decode_hit_rate:.0f}% of picks read from VRAM"
+            hit += f", {100 * result.decode_hit_rate:.0f}% of picks read from {'VRAM' if on_gpu else 'them'}"
         lines.append(f"decode: {result.decode_tok_per_s:.1f} tok/s ({result.decode_tokens} random tokens after a "
                      f"{result.decode_context:,}-token prompt, batch 1{hit})")
-        if result.decode_host_ms is not None:
+        if result.decode_host_ms is not None and on_gpu:  # on the CPU the host's time is all of a step
             step_ms = 1e3 / result.decode_tok_per_s
             lines.append(f"decode host time: {result.decode_host_ms:.2f} ms of each {step_ms:.2f} ms step queues it "
                          f"({100 * result.decode_host_ms / step_ms:.0f}%); the rest the host waits for the device")
@@ -124,7 +154,8 @@ def bench_lines(result: BenchResult, chunk_size: int, max_vram: str | None) -> l
                      + ("computed where they lie in host RAM" if st.index in on_host else
                         f"{100 * st.resident_share:.0f}% resident, a pass streams {gb(st.pass_bytes)}")
                      + (f", busy {st.busy_s:.3f} s of the longest prompt" if st.busy_s is not None else ""))
-        lines.append("  VRAM plan: " + "; ".join(f"{what} {gb(n)}" for what, n in st.plan if n))
+        plan = "VRAM plan" if st.device.startswith("cuda") else "memory plan (host RAM)"
+        lines.append(f"  {plan}: " + "; ".join(f"{what} {gb(n)}" for what, n in st.plan if n))
     for served in result.server_decode:
         per = [r["decode_tok_per_s"] for r in served["requests"] if r["decode_tok_per_s"] is not None]
         lines.append(f"server-shaped decode, {served['n_requests']} request(s): "

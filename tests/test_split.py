@@ -219,7 +219,8 @@ def test_bench_cli_with_two_cpu_stages(tiny_gguf, tmp_path):
     assert r.exit_code == 0, r.output
     assert "stage 0: layers 0-1 on cpu" in r.output and "stage 1: layers 2-3 on cpu" in r.output
     assert "stages busy at the same time" in r.output
-    assert "25% resident" in r.output and "VRAM plan: dense weights" in r.output  # the CPU plan: a quarter
+    assert "25% resident" in r.output and "memory plan (host RAM): dense weights" in r.output  # a quarter
+    assert "VRAM" not in r.output and "n/a" not in r.output and "pinned H2D" not in r.output  # no GPU, no link
     r = CliRunner().invoke(main, ["bench", str(tiny_gguf), "--devices", "cpu", "--prompt-tokens", "64",
                                   "--decode-tokens", "2", "--runs", "1", "--resident-experts", "0", "--json",
                                   str(tmp_path / "b.json")])

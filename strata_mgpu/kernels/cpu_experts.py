@@ -473,6 +473,22 @@ def physical_cores() -> int:
     return max(1, len(cores))
 
 
+def usable_cpus() -> int:
+    """CPUs this process may run on: its affinity mask (taskset's, a container's cpuset)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def clamp_threads(threads: int, cpus: int | None = None) -> tuple[int, str | None]:
+    """`--threads` cut to the CPUs the process may use, and the warning saying so (None if it fits).
+    ggml's workers spin while they wait for each other: with more of them than CPUs they take
+    turns, and every graph waits for the one that lost its CPU."""
+    cpus = usable_cpus() if cpus is None else cpus
+    if threads <= cpus:
+        return threads, None
+    return cpus, (f"--threads {threads} is more than the {cpus} CPU{'s' if cpus > 1 else ''} this process may use "
+                  f"(its affinity): using {cpus}; more threads than CPUs make ggml's workers take turns")
+
+
 def default_threads(gpu_stages: int, cores: int | None = None) -> int:
     """`--threads` when not given: the physical cores less one for each GPU stage's host thread
     (the thread that queues the stage's work) and, beside GPU stages, one for the process's other

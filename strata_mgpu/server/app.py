@@ -39,7 +39,9 @@ class ServerState:
 
 def create_app(state: ServerState, max_body_bytes: int = MIN_BODY_BYTES) -> FastAPI:
     """The API over `state`; request bodies over `max_body_bytes` get a 413."""
-    app = FastAPI(title="strata-mgpu", version="0.1.0")
+    # No Swagger UI or ReDoc: both load their scripts from a CDN (a blank page offline) and FastAPI serves
+    # them without the API key. The schema itself is served below, behind the key.
+    app = FastAPI(title="strata-mgpu", version="0.1.0", docs_url=None, redoc_url=None, openapi_url=None)
     install_error_handlers(app)
     app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
     app.add_middleware(RequestLog)  # added last: outermost, so it sees the body cap's 413s too
@@ -71,10 +73,26 @@ def create_app(state: ServerState, max_body_bytes: int = MIN_BODY_BYTES) -> Fast
             return JSONResponse(status, status_code=503)
         return JSONResponse({"status": "ok"})
 
+    def model_card() -> dict:
+        return {"id": state.model_name, "object": "model", "created": state.created, "owned_by": "strata-mgpu"}
+
     @app.get("/v1/models", dependencies=auth)
     async def models() -> dict:
-        return {"object": "list", "data": [{"id": state.model_name, "object": "model", "created": state.created,
-                                            "owned_by": "strata-mgpu"}]}
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model_id:path}", dependencies=auth)
+    async def model(model_id: str) -> dict:
+        check_model(model_id)
+        return model_card()
+
+    @app.post("/v1/embeddings", dependencies=auth)
+    async def embeddings() -> None:
+        raise APIError(404, "embeddings are not served by this server: it serves /v1/chat/completions and "
+                            "/v1/completions", code="endpoint_not_served")
+
+    @app.get("/openapi.json", dependencies=auth, include_in_schema=False)
+    async def openapi() -> dict:
+        return app.openapi()
 
     # Templates and tokenizers run in worker threads: a long prompt takes seconds, and on the event
     # loop it would hold up every other client (health checks and streams included) meanwhile.

@@ -306,7 +306,7 @@ async def _whole(request: Request, engine: Engine, rid: str, created: int, model
         while True:
             out = await _next(request, engine, rid, outputs)
             if out is None:
-                return JSONResponse(error_body(400, "client disconnected"), status_code=400)
+                return JSONResponse(error_body(499, "client disconnected"), status_code=499)  # nginx's code
             if out.finish_reason == "error":
                 raise APIError(out.error_status, f"generation failed: {out.error}")
             view.choices(out)

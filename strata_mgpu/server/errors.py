@@ -75,5 +75,8 @@ def install_error_handlers(app: FastAPI) -> None:
         return JSONResponse(error_body(400, message, param=param), status_code=400)
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return JSONResponse(error_body(exc.status_code, str(exc.detail)), status_code=exc.status_code)
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        message = str(exc.detail)
+        if exc.status_code == 404 and message == "Not Found":  # no such route: say which one was asked for
+            message = f"{request.method} {request.url.path} is not served by this server"
+        return JSONResponse(error_body(exc.status_code, message), status_code=exc.status_code)

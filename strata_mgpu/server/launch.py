@@ -10,6 +10,7 @@ import shutil
 import signal
 import socket
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
@@ -60,6 +61,8 @@ class LoadCancelled(Exception):
 
 def setup_logging(level: str) -> None:
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if logging.getLogger().getEffectiveLevel() > logging.DEBUG:  # gguf's writer says what it writes at INFO
+        logging.getLogger("gguf").setLevel(logging.WARNING)
 
 
 def demo_model_path(cache_dir: Path) -> Path:
@@ -193,6 +196,8 @@ class Loader:
 
     def _load(self) -> None:
         state, config, spec = self.state, self.config, self.spec
+        log.info("loading %s (/health answers 503 meanwhile)", config.model_path)
+        started = time.perf_counter()
         try:
             with Progress(TextColumn("[bold]loading[/] {task.description}"), BarColumn(), MofNCompleteColumn(),
                           TimeElapsedColumn(), console=Console(stderr=True)) as bar:
@@ -205,8 +210,9 @@ class Loader:
             engine.start()
             state.engine = engine
             log.info("model %s runs on %s", state.model_name, where_it_runs(runner))
-            log.info("model %s ready: %d layers, %d experts (%d used), context %d, chunk %d", state.model_name,
-                     spec.n_layers, spec.n_experts, spec.n_experts_used, engine.n_ctx, config.engine.chunk_size)
+            log.info("model %s ready: %d layers, %d experts (%d used), context %d, chunk %d (loaded in %.1f s)",
+                     state.model_name, spec.n_layers, spec.n_experts, spec.n_experts_used, engine.n_ctx,
+                     config.engine.chunk_size, time.perf_counter() - started)
         except LoadCancelled:
             log.info("loading %s stopped: the server is shutting down", config.model_path)
         except (DeviceError, PinError, SplitError, PlanError) as e:  # the machine cannot hold it: say so in one line

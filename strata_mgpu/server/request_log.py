@@ -6,6 +6,12 @@ request's id is `request.state.request_id`: set here (`req-` + hex), replaced by
 names the request itself (`chatcmpl-...`, the id the engine's own log line carries). A success is
 logged as its response starts (a stream's errors arrive inside it, as events); an error once its
 body is out, with the body's `error.message`.
+
+Levels (`level`): a 5xx is an ERROR, but a probe is no error: `/health` is polled (a load balancer,
+a script waiting for the model) and is logged at DEBUG whatever it answers (the loader logs its
+start, its end and a failed load itself, once); a request turned away while the model loads
+(code `model_loading`) is a WARNING; a client that left before its answer was sent, 499 (nginx's
+and llama-server's code), is INFO.
 """
 
 from __future__ import annotations
@@ -18,6 +24,16 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 log = logging.getLogger("strata.server")
 ERROR_BODY_BYTES = 8192  # an error body is read for its message up to this much
+PROBED_PATHS = frozenset({"/health"})
+
+
+def level(path: str, status: int, code: str | None = None) -> int:
+    """The level of a request's log line (see the module's docstring)."""
+    if path in PROBED_PATHS:
+        return logging.DEBUG
+    if code == "model_loading":
+        return logging.WARNING
+    return logging.ERROR if status >= 500 else logging.INFO
 
 
 class RequestLog:
@@ -34,11 +50,11 @@ class RequestLog:
         body = bytearray()
         logged = False
 
-        def line(reason: str) -> None:
+        def line(reason: str, code: str | None = None) -> None:
             nonlocal logged
             logged = True
-            level = logging.INFO if status < 500 else logging.ERROR
-            log.log(level, "%s %s %d %s%s", scope.get("method", ""), scope.get("path", ""), status,
+            path = scope.get("path", "")
+            log.log(level(path, status, code), "%s %s %d %s%s", scope.get("method", ""), path, status,
                     state.get("request_id", "-"), f": {reason}" if reason else "")
 
         async def logging_send(message: Message) -> None:
@@ -51,7 +67,7 @@ class RequestLog:
                 if len(body) < ERROR_BODY_BYTES:
                     body.extend(message.get("body", b"")[:ERROR_BODY_BYTES - len(body)])
                 if not message.get("more_body", False):
-                    line(_reason(bytes(body)))
+                    line(*_reason(bytes(body)))
             await send(message)
 
         try:
@@ -62,9 +78,10 @@ class RequestLog:
                 line("no response was sent")
 
 
-def _reason(body: bytes) -> str:
+def _reason(body: bytes) -> tuple[str, str | None]:
+    """An error body's message and code (OpenAI's shape), else its first bytes and no code."""
     try:
         error = json.loads(body)["error"]
-        return str(error.get("message") or error)
+        return str(error.get("message") or error), error.get("code")
     except (ValueError, KeyError, TypeError, AttributeError):
-        return body[:200].decode("utf-8", errors="replace")
+        return body[:200].decode("utf-8", errors="replace"), None

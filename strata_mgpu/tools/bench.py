@@ -14,7 +14,7 @@ row count it ran (batch-1 decode steps, each prompt's chunk, each decode batch).
 Prompts longer than the chunk size run chunk by chunk, as the engine runs them; with several
 stages the longest prompt is timed per stage too: each stage's busy time and how long two or
 more stages were busy at once (the pipeline's overlap). Runs on the CPU with the tiny model too
-(bandwidth then reads 'n/a').
+(no link there: no bandwidth, no link bound).
 """
 
 from __future__ import annotations
@@ -377,6 +377,17 @@ def split_one_chunk_bound(runner, tokens: int) -> float | None:
     return one_chunk_link_bound(parts, tokens)
 
 
+def prompts_within(lengths: list[int], context: int) -> tuple[list[int], str | None]:
+    """The prompt lengths a model of `context` tokens can run (longer ones cut to the context, each
+    length once), and the warning that says so (None where all fit)."""
+    fitted = list(dict.fromkeys(min(n, context) for n in lengths))
+    longer = [n for n in lengths if n > context]
+    if not longer:
+        return fitted, None
+    return fitted, (f"--prompt-tokens {','.join(map(str, longer))}: more than the model's context of {context:,} "
+                    f"tokens; benched at {context:,}")
+
+
 def run_bench(runner, model_name: str, prompt_tokens: list[int], decode_tokens: int, runs: int, chunk: int,
               on_step: Callable[[str], None] = lambda s: None, decode_batches: list[int] | None = None,
               decode_context: int = 64) -> BenchResult:
@@ -385,7 +396,8 @@ def run_bench(runner, model_name: str, prompt_tokens: list[int], decode_tokens: 
     `decode_context` tokens."""
     stages: list[Stage] = runner.stages
     bw = measure_h2d(stages[0])
-    on_step(f"pinned H2D: {bw:.1f} GB/s" if bw else "pinned H2D: n/a (CPU)")
+    if bw:  # a CPU stage has no link to measure
+        on_step(f"pinned H2D: {bw:.1f} GB/s")
     expert_bytes = sum(s.arena.nbytes for s in stages)
     per_link: dict[torch.device, int] = {}  # bytes a pass streams over each card's link (stages on one card share it)
     all_per_link: dict[torch.device, int] = {}
@@ -414,7 +426,7 @@ def run_bench(runner, model_name: str, prompt_tokens: list[int], decode_tokens: 
             streamed_bytes=passes * pass_bytes, link_bound_s=link, compute_s=compute, bound_s=bound,
             ratio_to_bound=bound / med if bound else None,
             all_streamed_bound_s=passes * max(all_per_link.values()) / (bw * 1e9) if bw else None, runs=times))
-        on_step(f"prefill {n}: {n / med:,.0f} tok/s" + (f" (compute alone {compute:.3f} s)" if compute else ""))
+        on_step(f"prefill {n}: {n / med:,.0f} tok/s" + (f" (compute alone {compute:.3f} s)" if pass_bytes else ""))
     busy: dict[int, float] = {}
     overlap = span = None
     longest = max(prompt_tokens)

@@ -27,7 +27,14 @@ from dataclasses import asdict, dataclass, field
 import torch
 from gguf.constants import GGMLQuantizationType as Q
 
-from strata_mgpu.kernels.cpu_experts import GgmlExperts, TorchExperts, default_threads, ggml_missing, select_cpu_experts
+from strata_mgpu.kernels.cpu_experts import (
+    GgmlExperts,
+    TorchExperts,
+    clamp_threads,
+    default_threads,
+    ggml_missing,
+    select_cpu_experts,
+)
 from strata_mgpu.model.expert_layout import ExpertLayout
 from strata_mgpu.model.synthetic import PRESETS
 from strata_mgpu.tools.bench_kernels import expert_layer
@@ -101,6 +108,9 @@ def main(argv: list[str] | None = None) -> int:
     spec = PRESETS[args.preset].spec(args.preset)
     gate_type = Q[args.gate_type.upper()]
     threads = args.threads or default_threads(0)
+    threads, warning = clamp_threads(threads)
+    if warning:
+        print(f"warning: {warning}", file=sys.stderr)
     lay, blocks = expert_layer(args.preset, gate_type)
     layer = torch.from_numpy(blocks.reshape(-1))
     polled = args.poll and ggml_missing() is None
