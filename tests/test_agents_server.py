@@ -372,10 +372,11 @@ def test_enable_thinking_false_is_honoured_on_every_path(scripted, path):
     template's default): a grammar lets the model open one before its answer."""
     from strata_mgpu.server.completions import ChatOptions, prepare_chat
     from strata_mgpu.server.grammars import Grammars
+    from strata_mgpu.server.hermes import HERMES
     from strata_mgpu.server.schemas import ChatCompletionRequest
     engine, _ = scripted
     tok = engine.tokenizer
-    grammars, options = Grammars(), ChatOptions.of(tok)
+    grammars, options = Grammars(), ChatOptions(HERMES)
     think = tok.tokens.index("<think>")
     for kwargs in (NO_THINK, {}):
         body = ChatCompletionRequest.model_validate({"messages": USER, "chat_template_kwargs": kwargs,

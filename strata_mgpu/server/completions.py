@@ -26,7 +26,7 @@ from strata_mgpu.engine.engine import ContextOverflow, Engine, RequestOutput
 from strata_mgpu.engine.grammar import Grammar, GrammarError
 from strata_mgpu.model.tokenizer import Tokenizer
 from strata_mgpu.server.chat_output import ChatAnswer, ChatDelta, tool_call_delta
-from strata_mgpu.server.dialects import ToolDialect, dialect_of_template
+from strata_mgpu.server.dialects import ToolDialect
 from strata_mgpu.server.errors import APIError, error_body
 from strata_mgpu.server.grammars import Grammars, Thinking, chat_grammar, text_grammar
 from strata_mgpu.server.logprobs import LegacyLogprobs, chat_entries
@@ -48,11 +48,6 @@ class ChatOptions:
     dialect: ToolDialect
     reasoning_format: str = "deepseek"
     strict_json: bool = True
-
-    @classmethod
-    def of(cls, tok: Tokenizer, **kwargs: Any) -> ChatOptions:
-        """The options of a model whose dialect its template says (`dialects.dialect_of_template`)."""
-        return cls(dialect_of_template(tok.chat_template.source if tok.chat_template else None), **kwargs)
 
 
 @dataclass(frozen=True)
