@@ -14,7 +14,7 @@ from strata_mgpu.model.gguf_reader import GGUFFile
 from strata_mgpu.model.tokenizer import ChatTemplate, tokenizer_from_gguf
 from strata_mgpu.model.vocab import CHAT_TEMPLATE
 from strata_mgpu.server.chat_output import ChatAnswer
-from strata_mgpu.server.hermes import HERMES
+from strata_mgpu.server.dialects import HERMES
 from strata_mgpu.server.reasoning import ReasoningSplitter, opens_reasoning
 from strata_mgpu.server.schemas import ChatCompletionRequest
 from strata_mgpu.server.tool_calls import ToolCallParser

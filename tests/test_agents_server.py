@@ -21,6 +21,10 @@ from strata_mgpu.model.runner import DecoderRunner, load_reference_runner
 from strata_mgpu.model.spec import spec_from_gguf
 from strata_mgpu.model.tokenizer import tokenizer_from_gguf
 from strata_mgpu.server.app import ServerState, create_app
+from strata_mgpu.server.completions import ChatOptions, prepare_chat
+from strata_mgpu.server.dialects import HERMES
+from strata_mgpu.server.grammars import Grammars
+from strata_mgpu.server.schemas import ChatCompletionRequest
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
@@ -370,10 +374,6 @@ PATHS = {"required": REQUIRED,
 def test_enable_thinking_false_is_honoured_on_every_path(scripted, path):
     """Thinking off: the prompt closes the reasoning block and no grammar lets one open; on (the
     template's default): a grammar lets the model open one before its answer."""
-    from strata_mgpu.server.completions import ChatOptions, prepare_chat
-    from strata_mgpu.server.grammars import Grammars
-    from strata_mgpu.server.hermes import HERMES
-    from strata_mgpu.server.schemas import ChatCompletionRequest
     engine, _ = scripted
     tok = engine.tokenizer
     grammars, options = Grammars(), ChatOptions(HERMES)

@@ -25,11 +25,10 @@ from strata_mgpu.model.spec import spec_from_gguf
 from strata_mgpu.model.tokenizer import tokenizer_from_gguf
 from strata_mgpu.model.vocab import CHAT_TEMPLATE
 from strata_mgpu.server.app import ServerState
-from strata_mgpu.server.dialects import DIALECTS, ToolDialect, choose_dialect, dialect_of_template
+from strata_mgpu.server.dialects import DIALECTS, HERMES, QWEN3_CODER, ToolDialect, choose_dialect, dialect_of_template
 from strata_mgpu.server.grammars import Thinking, chat_grammar, text_grammar
-from strata_mgpu.server.hermes import HERMES
 from strata_mgpu.server.json_schema import strict_schema
-from strata_mgpu.server.qwen3_coder import QWEN3_CODER, value_json
+from strata_mgpu.server.qwen3_coder import value_json
 from strata_mgpu.server.tool_calls import ToolCallParser
 from tests import engine_runs
 
@@ -103,6 +102,12 @@ ANSWERS = {"hermes": hermes_answer(), "qwen3_coder": xml_answer()}
 SETTINGS = settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
+def drawn(data, name: str) -> tuple[ToolDialect, str, list[tuple[str, dict]]]:
+    """The dialect of `name`, and an answer in it with the calls it writes."""
+    text, written = data.draw(ANSWERS[name])
+    return DIALECTS[name], text, written
+
+
 def splits(draw, text: str) -> list[str]:
     cuts = sorted(draw(st.lists(st.integers(0, len(text)), max_size=12)))
     return [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True)]
@@ -112,8 +117,7 @@ def splits(draw, text: str) -> list[str]:
 @SETTINGS
 @given(data=st.data())
 def test_any_split_reads_as_the_whole_and_the_deltas_join_to_the_arguments(name, data):
-    text, written = data.draw(ANSWERS[name])
-    dialect = DIALECTS[name]
+    dialect, text, written = drawn(data, name)
     whole = read(dialect, [text])
     assert [(n, json.loads(a)) for n, a in whole[1]] == written  # the values as written, typed
     assert dialect.call_open not in whole[0]
@@ -129,8 +133,7 @@ def test_any_split_reads_as_the_whole_and_the_deltas_join_to_the_arguments(name,
 @SETTINGS
 @given(data=st.data())
 def test_a_cut_anywhere_leaves_no_markup_and_closes_the_call_it_was_in(name, data):
-    text, written = data.draw(ANSWERS[name])
-    dialect = DIALECTS[name]
+    dialect, text, _ = drawn(data, name)
     at = data.draw(st.integers(0, len(text)))
     content, calls, _, _, cut_call = read(dialect, splits(data.draw, text[:at]), cut=True)
     assert dialect.call_open not in content and "<function=" not in content and "<parameter=" not in content

@@ -15,11 +15,11 @@ the model's chat template writes (`<function=` and `<parameter=`: qwen3_coder; e
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any, Protocol
 
-from strata_mgpu.server.hermes import HERMES
-from strata_mgpu.server.qwen3_coder import QWEN3_CODER
+from strata_mgpu.server import hermes, qwen3_coder
 
 
 class CallReader(Protocol):
@@ -70,6 +70,27 @@ class ToolDialect(Protocol):
         the JSON schemas read strictly (`json_schema.strict_schema`)."""
 
 
+@dataclass(frozen=True)
+class Dialect:
+    """A ToolDialect in the Qwen family's tags, with its own reader and grammar."""
+
+    name: str
+    read: Callable[[Mapping[str, dict[str, Any]] | None], CallReader]
+    rules: Callable[[list[dict[str, Any]], bool], list[str]]
+    call_open: str = "<tool_call>"
+    call_close: str = "</tool_call>"
+    think_open: str = "<think>"
+    think_close: str = "</think>"
+
+    def reader(self, functions: Mapping[str, dict[str, Any]] | None) -> CallReader:
+        return self.read(functions)
+
+    def function_rules(self, functions: list[dict[str, Any]], *, strict: bool) -> list[str]:
+        return self.rules(functions, strict)
+
+
+HERMES: ToolDialect = Dialect("hermes", hermes.HermesReader, hermes.function_rules)
+QWEN3_CODER: ToolDialect = Dialect("qwen3_coder", qwen3_coder.Qwen3CoderReader, qwen3_coder.function_rules)
 DIALECTS: dict[str, ToolDialect] = {d.name: d for d in (HERMES, QWEN3_CODER)}
 AUTO = "auto"
 PARSER_NAMES = (AUTO, *DIALECTS)

@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any
 
 from strata_mgpu.server.json_prefix import JsonPrefix
@@ -100,19 +99,6 @@ def function_call_schema(function: dict[str, Any]) -> dict[str, Any]:
             "required": ["name", "arguments"], "additionalProperties": False}
 
 
-@dataclass(frozen=True)
-class HermesDialect:
-    name: str = "hermes"
-    call_open: str = "<tool_call>"
-    call_close: str = "</tool_call>"
-    think_open: str = "<think>"
-    think_close: str = "</think>"
-
-    def reader(self, functions: Mapping[str, dict[str, Any]] | None) -> HermesReader:
-        return HermesReader(functions)
-
-    def function_rules(self, functions: list[dict[str, Any]], *, strict: bool) -> list[str]:
-        return ["function: " + json_rule({"anyOf": [function_call_schema(f) for f in functions]}, strict=strict)]
-
-
-HERMES = HermesDialect()
+def function_rules(functions: list[dict[str, Any]], strict: bool) -> list[str]:
+    """The grammar's `function`: one call's JSON, its arguments following the function's schema."""
+    return ["function: " + json_rule({"anyOf": [function_call_schema(f) for f in functions]}, strict=strict)]

@@ -29,7 +29,6 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any
 
 from strata_mgpu.server.json_schema import json_rule, strict_schema
@@ -262,22 +261,10 @@ def _function_rules(i: int, function: dict[str, Any], strict: bool) -> list[str]
     return [f'fn{i}: {head} {" ".join(seq)} "</function>"', *rules]
 
 
-@dataclass(frozen=True)
-class Qwen3CoderDialect:
-    name: str = "qwen3_coder"
-    call_open: str = "<tool_call>"
-    call_close: str = "</tool_call>"
-    think_open: str = "<think>"
-    think_close: str = "</think>"
-
-    def reader(self, functions: Mapping[str, dict[str, Any]] | None) -> Qwen3CoderReader:
-        return Qwen3CoderReader(functions)
-
-    def function_rules(self, functions: list[dict[str, Any]], *, strict: bool) -> list[str]:
-        rules = ["function: " + " | ".join(f"fn{i}" for i in range(len(functions))), _NO_TAG]
-        for i, function in enumerate(functions):
-            rules += _function_rules(i, function, strict)
-        return rules
-
-
-QWEN3_CODER = Qwen3CoderDialect()
+def function_rules(functions: list[dict[str, Any]], strict: bool) -> list[str]:
+    """The grammar's `function`: one call of one of `functions`, its listed parameters in their
+    order, the required ones present, each value as its schema allows."""
+    rules = ["function: " + " | ".join(f"fn{i}" for i in range(len(functions))), _NO_TAG]
+    for i, function in enumerate(functions):
+        rules += _function_rules(i, function, strict)
+    return rules
