@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+from pathlib import Path
 
 import openai
 import pytest
@@ -19,7 +20,7 @@ from strata_mgpu.engine.engine import Engine
 from strata_mgpu.model.gguf_reader import GGUFFile
 from strata_mgpu.model.runner import DecoderRunner, load_reference_runner
 from strata_mgpu.model.spec import spec_from_gguf
-from strata_mgpu.model.tokenizer import tokenizer_from_gguf
+from strata_mgpu.model.tokenizer import ChatTemplate, tokenizer_from_gguf
 from strata_mgpu.server.app import ServerState, create_app
 from strata_mgpu.server.completions import ChatOptions, prepare_chat
 from strata_mgpu.server.dialects import HERMES
@@ -388,3 +389,25 @@ def test_enable_thinking_false_is_honoured_on_every_path(scripted, path):
             assert prepared.grammar is None
         else:
             assert prepared.grammar.matcher().accept(think) is (kwargs != NO_THINK), kwargs
+
+
+def test_qwen3_coders_own_template_chooses_its_dialect_and_a_required_call_follows_it(scripted, monkeypatch):
+    """The tiny model given Qwen3-Coder's published template: `auto` picks the XML dialect, the
+    tools reach the prompt in its form, and a required call is held to its grammar and read back."""
+    engine, runner = scripted
+    source = (Path(__file__).parent / "data" / "templates" / "qwen3-coder.jinja").read_text()
+    monkeypatch.setattr(engine.tokenizer, "chat_template", ChatTemplate(source))
+    state = ServerState(model_name="m", engine=engine)
+    assert state.chat_options(engine).dialect.name == "qwen3_coder"
+    call = XML_CALL.removeprefix("Let me see.\n")
+    say(engine, runner, call)
+    client = openai.OpenAI(base_url="http://testserver/v1", api_key="k", max_retries=0,
+                           http_client=TestClient(create_app(state), raise_server_exceptions=False))
+    for choice in ("auto", "required", {"type": "function", "function": {"name": "get_weather"}}):
+        r = client.chat.completions.create(model="m", messages=USER, tools=[TYPED_WEATHER], tool_choice=choice,
+                                           temperature=0, max_tokens=80)
+        assert r.choices[0].finish_reason == "tool_calls", (choice, r.choices[0])
+        (got,) = r.choices[0].message.tool_calls
+        assert json.loads(got.function.arguments) == {"city": "San Francisco", "days": 3}
+    prompt = engine.tokenizer.decode(runner.prompts[-1], skip_special=False)
+    assert "<function>\n<name>get_weather</name>" in prompt and "<parameter=example_parameter_1>" in prompt
