@@ -411,3 +411,17 @@ def test_qwen3_coders_own_template_chooses_its_dialect_and_a_required_call_follo
         assert json.loads(got.function.arguments) == {"city": "San Francisco", "days": 3}
     prompt = engine.tokenizer.decode(runner.prompts[-1], skip_special=False)
     assert "<function>\n<name>get_weather</name>" in prompt and "<parameter=example_parameter_1>" in prompt
+
+
+def test_a_forced_call_cannot_invent_keys_unless_the_server_reads_schemas_leniently(scripted):
+    """The model would add a key WEATHER's schema does not list (it states no additionalProperties,
+    as LangChain's do): strict, the grammar closes the arguments after the declared key; with
+    --lenient-json-schema the key goes through."""
+    engine, runner = scripted
+    say(engine, runner, '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "wind": 3}}\n</tool_call>')
+    kw = dict(model="m", messages=USER, tools=[WEATHER], tool_choice="required", parallel_tool_calls=False,
+              temperature=0, max_tokens=60, extra_body={"chat_template_kwargs": NO_THINK})
+    for lenient, expected in ((False, {"city": "Paris"}), (True, {"city": "Paris", "wind": 3})):
+        r = client_for(engine, lenient_json_schema=lenient).chat.completions.create(**kw)
+        (call,) = r.choices[0].message.tool_calls
+        assert r.choices[0].finish_reason == "tool_calls" and json.loads(call.function.arguments) == expected
