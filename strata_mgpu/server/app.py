@@ -45,7 +45,7 @@ class ServerState:
             raise ValueError(f"tool call parser {self.tool_call_parser!r}: one of {', '.join(PARSER_NAMES)}")
 
     def chat_options(self, engine: Engine) -> ChatOptions:
-        """How chats are read for `engine`: chosen once, at its first request."""
+        """How chats are read for `engine`: chosen once for it (the loader asks as the model loads)."""
         if self._options is None or self._options[0] is not engine:
             template = engine.tokenizer.chat_template
             dialect = choose_dialect(self.tool_call_parser, template.source if template else None)
