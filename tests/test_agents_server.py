@@ -397,12 +397,10 @@ def test_qwen3_coders_own_template_chooses_its_dialect_and_a_required_call_follo
     engine, runner = scripted
     source = (Path(__file__).parent / "data" / "templates" / "qwen3-coder.jinja").read_text()
     monkeypatch.setattr(engine.tokenizer, "chat_template", ChatTemplate(source))
-    state = ServerState(model_name="m", engine=engine)
-    assert state.chat_options(engine).dialect.name == "qwen3_coder"
+    assert ServerState(model_name="m", engine=engine).chat_options(engine).dialect.name == "qwen3_coder"
     call = XML_CALL.removeprefix("Let me see.\n")
     say(engine, runner, call)
-    client = openai.OpenAI(base_url="http://testserver/v1", api_key="k", max_retries=0,
-                           http_client=TestClient(create_app(state), raise_server_exceptions=False))
+    client = client_for(engine)  # tool_call_parser auto
     for choice in ("auto", "required", {"type": "function", "function": {"name": "get_weather"}}):
         r = client.chat.completions.create(model="m", messages=USER, tools=[TYPED_WEATHER], tool_choice=choice,
                                            temperature=0, max_tokens=80)
