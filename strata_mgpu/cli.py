@@ -564,6 +564,12 @@ def topo() -> None:
 @click.option("--alias", "-a", default=None, help="model name clients use (default: the file name)")
 @click.option("--reasoning-format", type=click.Choice(["deepseek", "none"]), default="deepseek", show_default=True,
               help="deepseek: <think> blocks go to reasoning_content; none: they stay in the content")
+@click.option("--tool-call-parser", type=click.Choice(["auto", "hermes", "qwen3_coder"]), default="auto",
+              show_default=True, help="the tool calls' dialect (vLLM's names): hermes for Qwen3's JSON calls, "
+                                      "qwen3_coder for Qwen3-Coder's XML; auto: the one the chat template shows")
+@click.option("--lenient-json-schema", is_flag=True,
+              help="tool arguments and JSON answers may hold keys a schema does not list where it does not say "
+                   "additionalProperties (default: they may not)")
 @devices_option
 @layer_split_option
 @max_vram_option
@@ -574,7 +580,8 @@ def topo() -> None:
 @cache_type_options
 def serve(model: Path | None, host: str, port: int, ctx_size: int | None, chunk_size: int, max_running: int,
           arrival_gap_ms: float, prefix_cache: bool, cache_ram: float, kv_tokens: int | None,
-          api_key: str | None, alias: str | None, reasoning_format: str, devices: str, layer_split: str,
+          api_key: str | None, alias: str | None, reasoning_format: str, tool_call_parser: str,
+          lenient_json_schema: bool, devices: str, layer_split: str,
           max_vram: str | None, dtype: str, prefill_help: bool | None, prefill_help_frac: str | None,
           threads: int | None, cpu_experts: str, cache_type_k: str, cache_type_v: str) -> None:
     """OpenAI-compatible server. With no MODEL, serves a small built-in demo model.
@@ -599,6 +606,7 @@ def serve(model: Path | None, host: str, port: int, ctx_size: int | None, chunk_
             alias = alias or launch.DEMO_NAME
         config = ServerConfig(model_path=model, host=host, port=port, api_key=api_key, alias=alias,
                               log_level=environment.log_level, reasoning_format=reasoning_format,
+                              tool_call_parser=tool_call_parser, lenient_json_schema=lenient_json_schema,
                               engine=EngineConfig(ctx_size=ctx_size, chunk_size=chunk_size, max_running=max_running,
                                                   arrival_gap_ms=arrival_gap_ms, prefix_cache=prefix_cache,
                                                   cache_ram_gib=cache_ram, kv_tokens=kv_tokens),

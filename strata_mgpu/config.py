@@ -218,6 +218,8 @@ class ServerConfig:
     placement: Placement = field(default_factory=Placement)
     log_level: str = "INFO"
     reasoning_format: str = "deepseek"  # deepseek: <think> blocks -> reasoning_content; none: left in the content
+    tool_call_parser: str = "auto"  # the tool dialect (hermes, qwen3_coder); auto: from the chat template
+    lenient_json_schema: bool = False  # an unstated additionalProperties admits any key (default: none)
 
     @property
     def model_name(self) -> str:

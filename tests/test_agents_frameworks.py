@@ -7,7 +7,7 @@ with content null and the tool's result sent back: the shape that was a 500 on Q
 The model is scripted (tests/scripted.py): it writes what the template's model writes, reasoning
 and calls in that template's markup, so each test is deterministic and fails where the server
 mis-renders, mis-parses or mis-constrains. Qwen3-Coder writes its calls as XML
-(`<function=...><parameter=...>`), a dialect the server does not parse yet."""
+(`<function=...><parameter=...>`), which the server reads in that dialect (server/dialects.py)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,6 @@ import pytest
 
 from tests.scripted import client_for, http_client, prompt_text, say, scripted_engine
 
-XML_DIALECT = pytest.mark.xfail(strict=False, reason="Qwen3-Coder XML dialect: helper B")
 TEMPLATES = ["qwen3", "qwen3-thinking-2507", "qwen3-coder"]
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city",
@@ -49,12 +48,6 @@ class Model:
                          for name, args in calls)
 
 
-def calls_expected(request, model: Model) -> None:
-    """The test reads the model's calls: not yet where they are in a dialect the server cannot parse."""
-    if model.template == "qwen3-coder":
-        request.applymarker(XML_DIALECT)
-
-
 @pytest.fixture(scope="module", params=TEMPLATES)
 def served(request, template_gguf):
     """(Model, engine, runner) on a scripted tiny model carrying that real template."""
@@ -62,9 +55,8 @@ def served(request, template_gguf):
         yield Model(request.param), engine, runner
 
 
-def test_the_openai_client_round_trip(request, served):
+def test_the_openai_client_round_trip(served):
     model, engine, runner = served
-    calls_expected(request, model)
     call = model.thinks("Paris: one call.") + model.calls(("get_weather", {"city": "Paris"}))
     say(engine, runner, call, call, model.thinks("It said sunny.") + "Sunny in Paris.")  # whole, streamed, then
     client = client_for(engine)
@@ -92,12 +84,11 @@ def test_the_openai_client_round_trip(request, served):
 
 
 @pytest.mark.parametrize("tool_choice", ["required", "auto"])
-def test_thinking_off_is_asked_of_every_template_and_the_call_still_comes(request, served, tool_choice):
+def test_thinking_off_is_asked_of_every_template_and_the_call_still_comes(served, tool_choice):
     """`enable_thinking: false`, as clients send it to any Qwen3 server: Qwen3's template then
     writes an empty think block; Qwen3-Thinking-2507's ignores it and opens one, so its model
     still reasons first, and a required call must be let through after the block closes."""
     model, engine, runner = served
-    calls_expected(request, model)
     thinking = model.thinks("Paris: one call.") if model.template == "qwen3-thinking-2507" else ""
     say(engine, runner, thinking + model.calls(("get_weather", {"city": "Paris"})))
     r = client_for(engine).chat.completions.create(
@@ -125,11 +116,10 @@ def chat_model(served):
 
 
 @pytest.mark.parametrize("tool_choice", ["get_weather", "auto"])
-def test_langchain_bind_tools_forced_and_auto_then_the_result_sent_back(request, served, chat_model, tool_choice):
+def test_langchain_bind_tools_forced_and_auto_then_the_result_sent_back(served, chat_model, tool_choice):
     from langchain_core.messages import HumanMessage, ToolMessage
 
     model, engine, runner = served
-    calls_expected(request, model)
     say(engine, runner, model.thinks("Paris: one call.") + model.calls(("get_weather", {"city": "Paris"})),
         model.thinks("It said sunny.") + "Sunny in Paris.")
     bound = chat_model.bind_tools([get_weather], tool_choice=tool_choice)
@@ -161,14 +151,13 @@ def test_langchain_structured_output_json_schema_strict(served, chat_model):
 
 # -- the OpenAI Agents SDK ---------------------------------------------------------------------------
 
-def test_an_openai_agents_sdk_agent_runs_a_tool_to_its_final_answer(request, served):
+def test_an_openai_agents_sdk_agent_runs_a_tool_to_its_final_answer(served):
     agents = pytest.importorskip("agents")
     from openai import AsyncOpenAI
 
     from strata_mgpu.server.app import ServerState, create_app
 
     model, engine, runner = served
-    calls_expected(request, model)
     say(engine, runner, model.thinks("Paris: one call.") + model.calls(("get_weather", {"city": "Paris"})),
         model.thinks("It said sunny.") + "Sunny in Paris.")
     asked: list[str] = []

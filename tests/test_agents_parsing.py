@@ -1,6 +1,6 @@
 """Agents' text formats on the host: the chat template with tools and tool results (against
-transformers' own renderer), the tool-call parser and the reasoning splitter, whole and streamed
-in every split (a fuzz)."""
+transformers' own renderer), the Hermes tool-call parser and the reasoning splitter, whole and
+streamed in every split (a fuzz). The dialects' own properties: tests/test_tool_dialects.py."""
 
 from __future__ import annotations
 
@@ -15,9 +15,12 @@ from strata_mgpu.model.tokenizer import ChatTemplate, tokenizer_from_gguf
 from strata_mgpu.model.vocab import CHAT_TEMPLATE
 from strata_mgpu.server import messages
 from strata_mgpu.server.chat_output import ChatAnswer
+from strata_mgpu.server.dialects import HERMES
 from strata_mgpu.server.reasoning import ReasoningSplitter, opens_reasoning
 from strata_mgpu.server.schemas import ChatCompletionRequest
 from strata_mgpu.server.tool_calls import ToolCallParser
+
+THINK = (HERMES.think_open, HERMES.think_close)
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city",
@@ -122,28 +125,35 @@ ANSWER = ('Let me look that up.\n\n<tool_call>\n{"name": "get_weather", "argumen
           'Then <tool_call>{not json}</tool_call> and <tool_call>{"name": 3}</tool_call> done.  ')
 
 
-def parse(chunks: list[str], max_calls: int | None = None) -> tuple[str, list[tuple[str, str]], list[tuple[str, ...]]]:
-    p = ToolCallParser(max_calls)
-    content, calls = "", []
-    for c in chunks:
-        out = p.feed(c)
+def parse(chunks: list[str], max_calls: int | None = None, cut: bool = False
+          ) -> tuple[str, list[tuple[str, str]], list[list[str]]]:
+    """(content, calls, each call's argument deltas) of an answer fed in `chunks`."""
+    p = ToolCallParser(HERMES, max_calls=max_calls)
+    content, calls, deltas = "", [], []
+    for c in [*chunks, None]:
+        out = p.feed(c) if c is not None else p.finish(cut)
         content += out.content
         calls += out.calls
-    out = p.finish()
-    content, calls = content + out.content, calls + out.calls
+        deltas += out.deltas
     assert [c.index for c in calls] == list(range(len(calls)))
     assert all(c.id.startswith("call_") for c in calls) and len({c.id for c in calls}) == len(calls)
-    assert all("".join(c.pieces) == c.arguments for c in calls)
-    return content, [(c.name, c.arguments) for c in calls], [c.pieces for c in calls]
+    heads = [d for d in deltas if d.id is not None]
+    assert [(d.index, d.id, d.name) for d in heads] == [(c.index, c.id, c.name) for c in calls]
+    pieces = [[d.arguments for d in deltas if d.index == c.index and d.id is None] for c in calls]
+    assert all("".join(p) == c.arguments and all(p) for p, c in zip(pieces, calls, strict=True))
+    assert all(isinstance(json.loads(c.arguments), dict) for c in calls)
+    return content, [(c.name, c.arguments) for c in calls], pieces
 
 
 def test_calls_are_parsed_out_and_the_rest_is_content():
     content, calls, _ = parse([ANSWER])
-    # the string inside the arguments that looks like a closing tag ends the block early: that
-    # block is malformed JSON, so it comes back as content; the rest parse
-    assert calls == [("lookup", '{"q": "日本語 ✓"}')]
-    assert content.startswith("Let me look that up.\n\n<tool_call>\n{\"name\": \"get_weather\"")
-    assert content.endswith("\nThen <tool_call>{not json}</tool_call> and <tool_call>{\"name\": 3}</tool_call> done.")
+    # the string inside the first call's arguments that looks like a closing tag ends its block
+    # early: the call was sure (its name read), so it is closed with what parsed, and the text
+    # after that tag is content; the JSON-string call parses whole; the malformed blocks are content
+    assert calls == [("get_weather", '{"city": "Zürich", "when": {"days": [1, 2, {"deep": "x}y"}]}, '
+                                     '"note": "a \\"quoted\\" "}'), ("lookup", '{"q": "日本語 ✓"}')]
+    assert content == ('Let me look that up.\n\ninside"}}\n</tool_call>\nThen <tool_call>{not json}</tool_call> and '
+                       '<tool_call>{"name": 3}</tool_call> done.')
 
 
 def test_nested_json_and_unicode_arguments_keep_the_models_text():
@@ -172,13 +182,20 @@ def test_every_split_of_the_stream_parses_as_the_whole(text):
     one_char = parse(list(text))
     assert one_char[:2] == whole[:2]
     for call_pieces, (_, arguments) in zip(one_char[2], one_char[1], strict=True):
-        if arguments in text:  # an object as the model wrote it (not a JSON string): it comes as it arrived
-            assert len(call_pieces) == len(arguments)
+        if arguments in text:  # an object as the model wrote it: it streams as it arrives, in many pieces
+            assert len(call_pieces) > len(arguments) // 3
 
 
-def test_an_unterminated_call_is_content():
+def test_an_unterminated_call_is_closed_with_what_parsed_or_is_content():
+    """A call whose name was read was streamed already: the answer's end closes it with what parsed.
+    A block that had not got so far is content where the model ended it, nothing where the length
+    limit cut it (no markup leaks into content)."""
     text = 'Sure.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Pa'
-    assert parse([text]) == (text, [], [])
+    for cut in (False, True):
+        assert parse([text], cut=cut)[:2] == ("Sure.", [("get_weather", '{"city": "Pa"}')])
+    early = 'Sure.\n<tool_call>\n{"name": "get_wea'
+    assert parse([early])[:2] == (early, [])
+    assert parse([early], cut=True)[:2] == ("Sure.", [])
 
 
 def test_a_plain_answer_is_kept_exactly():
@@ -194,7 +211,7 @@ def test_at_most_one_call_without_parallel_calls():
 # -- reasoning -----------------------------------------------------------------------------------------
 
 def split(chunks: list[str], opened: bool = False) -> tuple[str, str]:
-    s = ReasoningSplitter(opened)
+    s = ReasoningSplitter(THINK, opened)
     reasoning, content = "", ""
     for c in chunks:
         r, t = s.feed(c)
@@ -221,22 +238,22 @@ def test_reasoning_is_split_in_every_split_of_the_stream(text, opened, expected)
 
 
 def test_whether_a_prompt_opened_a_reasoning_block():
-    assert opens_reasoning("<|im_start|>assistant\n<think>\n")
-    assert not opens_reasoning("<|im_start|>assistant\n<think>\n\n</think>\n\n")
-    assert not opens_reasoning("<|im_start|>assistant\n")
+    assert opens_reasoning("<|im_start|>assistant\n<think>\n", THINK)
+    assert not opens_reasoning("<|im_start|>assistant\n<think>\n\n</think>\n\n", THINK)
+    assert not opens_reasoning("<|im_start|>assistant\n", THINK)
 
 
 def test_a_chat_answer_splits_reasoning_then_calls():
     text = ('<think>\nThe user wants weather.\n</think>\n\n<tool_call>\n{"name": "get_weather", "arguments": '
             '{"city": "Paris"}}\n</tool_call>')
-    whole = ChatAnswer(split_reasoning=True, opened=False, parse_tools=True)
+    whole = ChatAnswer(HERMES, split_reasoning=True, opened=False, parse_tools=True)
     whole.feed(text)
     whole.finish()
     message = whole.message()
     assert message["reasoning_content"] == "The user wants weather." and message["content"] is None
     assert [(c["function"]["name"], c["function"]["arguments"]) for c in message["tool_calls"]] == [
         ("get_weather", '{"city": "Paris"}')]
-    raw = ChatAnswer(split_reasoning=False, opened=False, parse_tools=False)  # --reasoning-format none, no tools
+    raw = ChatAnswer(HERMES, split_reasoning=False, opened=False, parse_tools=False)  # reasoning-format none, no tools
     raw.feed(text)
     raw.finish()
     assert raw.message() == {"role": "assistant", "content": text}

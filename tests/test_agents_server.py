@@ -8,10 +8,18 @@ from __future__ import annotations
 
 import json
 import logging
+from pathlib import Path
 
 import openai
 import pytest
 
+from strata_mgpu.engine.engine import Engine
+from strata_mgpu.model.tokenizer import ChatTemplate
+from strata_mgpu.server.app import ServerState
+from strata_mgpu.server.completions import ChatOptions, prepare_chat
+from strata_mgpu.server.dialects import HERMES
+from strata_mgpu.server.grammars import Grammars
+from strata_mgpu.server.schemas import ChatCompletionRequest
 from tests.scripted import client_for, http_client, prompt_text, say, scripted_engine
 
 WEATHER = {"type": "function", "function": {
@@ -218,3 +226,151 @@ def test_every_request_leaves_a_log_line_and_unknown_fields_are_logged_once(http
     assert len(ok) == 2 and len({m.split()[-1] for m in ok}) == 2
     assert sum("'frobnicate'" in m for m in lines) == 1
     assert any("POST /v1/chat/completions 400 req-" in m and "invalid JSON" in m for m in lines)
+
+
+# -- cut short, the dialects, thinking off -----------------------------------------------------------------
+
+def streamed_calls(chunks) -> list[tuple[str, str]]:
+    """(name, arguments) of each call a stream's deltas build."""
+    calls: dict[int, list[str]] = {}
+    for c in chunks:
+        for t in (c.choices[0].delta.tool_calls or []) if c.choices else []:
+            entry = calls.setdefault(t.index, ["", ""])
+            entry[0] += t.function.name or ""
+            entry[1] += t.function.arguments or ""
+    return [tuple(calls[i]) for i in sorted(calls)]
+
+
+def tokens_until(engine: Engine, text: str, marker: str) -> int:
+    """How many of the text's tokens the model says before `marker` is complete."""
+    tok = engine.tokenizer
+    ids = tok.encode(text, add_special=False)
+    return next(k for k in range(len(ids) + 1) if marker in tok.decode(ids[:k], skip_special=False))
+
+
+ANSWER_OF_TWO = '<think>\nWeather.\n</think>\n\nChecking.\n' + CALLS.removeprefix("Checking.\n")
+
+
+@pytest.mark.parametrize("marker, finish, calls", [
+    ('{"na', "length", []),  # cut before the call's name: the block is dropped
+    ('"Paris", "wh', "length", [("get_weather", {"city": "Paris"})]),  # in the arguments: closed with what parsed
+    ('"Köln"', "length", [("get_weather", {"city": "Paris", "when": ["today"]}), ("get_weather", {"city": "Köln"})]),
+    ('"Köln"}}\n</tool_call>', "tool_calls", [("get_weather", {"city": "Paris", "when": ["today"]}),
+                                               ("get_weather", {"city": "Köln"})]),
+])
+def test_a_call_cut_by_the_length_limit_leaks_no_markup_whole_and_streamed(scripted, marker, finish, calls):
+    """At the limit: the reasoning kept, no call markup in the content, a call cut short closed
+    with what parsed and `length`; calls complete before the limit: `tool_calls`."""
+    engine, runner = scripted
+    say(engine, runner, ANSWER_OF_TWO + "\nand then some more words")
+    max_tokens = tokens_until(engine, ANSWER_OF_TWO, marker)
+    client = client_for(engine)
+    r = client.chat.completions.create(model="m", messages=USER, tools=[WEATHER], temperature=0, max_tokens=max_tokens)
+    choice = r.choices[0]
+    assert choice.finish_reason == finish and choice.message.content == "Checking."
+    assert choice.message.model_extra["reasoning_content"] == "Weather."
+    got = [(c.function.name, c.function.arguments) for c in choice.message.tool_calls or []]
+    assert [(n, json.loads(a)) for n, a in got] == calls
+    content, reasoning, finishes, chunks = streamed(client, messages=USER, tools=[WEATHER], temperature=0,
+                                                    max_tokens=max_tokens)
+    assert (content, reasoning, finishes) == ("Checking.", "Weather.", [finish])
+    assert streamed_calls(chunks) == got
+
+
+def test_a_json_answer_cut_by_the_limit_ends_with_length(scripted):
+    engine, runner = scripted
+    say(engine, runner, '{"city": "Paris", "days": 3}')
+    schema = {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}}
+    kw = dict(messages=USER, temperature=0, max_tokens=4, extra_body={"chat_template_kwargs": NO_THINK},
+              response_format={"type": "json_schema", "json_schema": {"name": "w", "schema": schema}})
+    client = client_for(engine)
+    r = client.chat.completions.create(model="m", **kw)
+    text = r.choices[0].message.content
+    assert r.choices[0].finish_reason == "length" and '{"city": "Paris"'.startswith(text) and len(text) > 2
+    assert streamed(client, **kw)[::2] == (text, ["length"])
+
+
+XML_CALL = ("Let me see.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nSan Francisco\n</parameter>\n"
+            "<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>")
+TYPED_WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}, "required": ["city"]}}}
+
+
+def test_the_qwen3_coder_dialect_through_the_server_whole_and_streamed(scripted):
+    engine, runner = scripted
+    say(engine, runner, XML_CALL)
+    client = client_for(engine, tool_call_parser="qwen3_coder")
+    r = client.chat.completions.create(model="m", messages=USER, tools=[TYPED_WEATHER], temperature=0)
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content == "Let me see."
+    (call,) = choice.message.tool_calls
+    assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {
+        "city": "San Francisco", "days": 3}
+    content, _, finishes, chunks = streamed(client, messages=USER, tools=[TYPED_WEATHER], temperature=0)
+    assert (content, finishes) == ("Let me see.", ["tool_calls"])
+    assert streamed_calls(chunks) == [("get_weather", call.function.arguments)]
+    # the hermes dialect (the tiny model's template) reads the same text as content
+    r = client_for(engine).chat.completions.create(model="m", messages=USER, tools=[TYPED_WEATHER], temperature=0)
+    assert r.choices[0].message.content == XML_CALL and r.choices[0].message.tool_calls is None
+
+
+NO_THINK = {"enable_thinking": False}
+REQUIRED = {"tools": [WEATHER], "tool_choice": "required"}
+PATHS = {"required": REQUIRED,
+         "named": {"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "get_weather"}}},
+         "response_format": {"response_format": {"type": "json_object"}},
+         "auto": {"tools": [WEATHER]}}
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_enable_thinking_false_is_honoured_on_every_path(scripted, path):
+    """Thinking off: the prompt closes the reasoning block and no grammar lets one open; on (the
+    template's default): a grammar lets the model open one before its answer."""
+    engine, _ = scripted
+    tok = engine.tokenizer
+    grammars, options = Grammars(), ChatOptions(HERMES)
+    think = tok.tokens.index("<think>")
+    for kwargs in (NO_THINK, {}):
+        body = ChatCompletionRequest.model_validate({"messages": USER, "chat_template_kwargs": kwargs,
+                                                     **PATHS[path]})
+        prepared = prepare_chat(engine, grammars, body, options)
+        prompt = tok.decode(prepared.prompt, skip_special=False)
+        assert prompt.endswith("<think>\n\n</think>\n\n") is (kwargs == NO_THINK)
+        if path == "auto":
+            assert prepared.grammar is None
+        else:
+            assert prepared.grammar.matcher().accept(think) is (kwargs != NO_THINK), kwargs
+
+
+def test_qwen3_coders_own_template_chooses_its_dialect_and_a_required_call_follows_it(scripted, monkeypatch):
+    """The tiny model given Qwen3-Coder's published template: `auto` picks the XML dialect, the
+    tools reach the prompt in its form, and a required call is held to its grammar and read back."""
+    engine, runner = scripted
+    source = (Path(__file__).parent / "data" / "templates" / "qwen3-coder.jinja").read_text()
+    monkeypatch.setattr(engine.tokenizer, "chat_template", ChatTemplate(source))
+    assert ServerState(model_name="m", engine=engine).chat_options(engine).dialect.name == "qwen3_coder"
+    call = XML_CALL.removeprefix("Let me see.\n")
+    say(engine, runner, call)
+    client = client_for(engine)  # tool_call_parser auto
+    for choice in ("auto", "required", {"type": "function", "function": {"name": "get_weather"}}):
+        r = client.chat.completions.create(model="m", messages=USER, tools=[TYPED_WEATHER], tool_choice=choice,
+                                           temperature=0, max_tokens=80)
+        assert r.choices[0].finish_reason == "tool_calls", (choice, r.choices[0])
+        (got,) = r.choices[0].message.tool_calls
+        assert json.loads(got.function.arguments) == {"city": "San Francisco", "days": 3}
+    prompt = engine.tokenizer.decode(runner.prompts[-1], skip_special=False)
+    assert "<function>\n<name>get_weather</name>" in prompt and "<parameter=example_parameter_1>" in prompt
+
+
+def test_a_forced_call_cannot_invent_keys_unless_the_server_reads_schemas_leniently(scripted):
+    """The model would add a key WEATHER's schema does not list (it states no additionalProperties,
+    as LangChain's do): strict, the grammar closes the arguments after the declared key; with
+    --lenient-json-schema the key goes through."""
+    engine, runner = scripted
+    say(engine, runner, '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "wind": 3}}\n</tool_call>')
+    kw = dict(model="m", messages=USER, tools=[WEATHER], tool_choice="required", parallel_tool_calls=False,
+              temperature=0, max_tokens=60, extra_body={"chat_template_kwargs": NO_THINK})
+    for lenient, expected in ((False, {"city": "Paris"}), (True, {"city": "Paris", "wind": 3})):
+        r = client_for(engine, lenient_json_schema=lenient).chat.completions.create(**kw)
+        (call,) = r.choices[0].message.tool_calls
+        assert r.choices[0].finish_reason == "tool_calls" and json.loads(call.function.arguments) == expected

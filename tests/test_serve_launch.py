@@ -25,6 +25,7 @@ from strata_mgpu.model.gguf_reader import GGUFFile
 from strata_mgpu.model.spec import spec_from_gguf
 from strata_mgpu.progress import layer_bars
 from strata_mgpu.server import launch
+from strata_mgpu.server.dialects import PARSER_NAMES
 from tests.server_proc import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -212,3 +213,17 @@ def test_loading_bars_of_a_second_stage_end_at_their_own_total(tiny_gguf):
         shown = {t.description: (t.completed, t.total) for t in bar.tasks}
     assert shown == {f"{what} {layers} on cpu": (2, 2) for what in ("dense weights", "experts")
                      for layers in ("0-1", "2-3")}
+
+
+def test_serve_takes_the_tool_call_parser_and_the_lenient_schemas(tiny_gguf, monkeypatch):
+    served = []
+    monkeypatch.setattr(launch, "serve", lambda config: served.append(config) or 0)
+    r = CliRunner().invoke(main, ["serve", str(tiny_gguf), "--tool-call-parser", "qwen3_coder",
+                                  "--lenient-json-schema"])
+    assert r.exit_code == 0, r.output
+    (config,) = served
+    assert config.tool_call_parser == "qwen3_coder" and config.lenient_json_schema
+    r = CliRunner().invoke(main, ["serve", str(tiny_gguf)])
+    assert served[-1].tool_call_parser == "auto" and not served[-1].lenient_json_schema
+    r = CliRunner().invoke(main, ["serve", str(tiny_gguf), "--tool-call-parser", "mistral"])
+    assert r.exit_code == 2 and ", ".join(map(repr, PARSER_NAMES)) in r.stderr  # the CLI names every dialect

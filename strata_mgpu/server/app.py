@@ -12,7 +12,8 @@ from fastapi.responses import JSONResponse, Response
 
 from strata_mgpu.engine.engine import Engine
 from strata_mgpu.server.body_limit import MIN_BODY_BYTES, BodyLimit
-from strata_mgpu.server.completions import REASONING_FORMATS, complete, prepare_chat, prepare_text
+from strata_mgpu.server.completions import REASONING_FORMATS, ChatOptions, complete, prepare_chat, prepare_text
+from strata_mgpu.server.dialects import PARSER_NAMES, choose_dialect
 from strata_mgpu.server.errors import APIError, install_error_handlers
 from strata_mgpu.server.grammars import Grammars
 from strata_mgpu.server.request_log import RequestLog
@@ -22,7 +23,9 @@ from strata_mgpu.server.schemas import ChatCompletionRequest, CompletionRequest,
 @dataclass
 class ServerState:
     """What the routes share. `engine` is None until the model has loaded. `reasoning_format`:
-    'deepseek' splits <think> blocks into reasoning_content, 'none' leaves them in the content."""
+    'deepseek' splits <think> blocks into reasoning_content, 'none' leaves them in the content.
+    `tool_call_parser`: the tool dialect's name, or 'auto' (the engine's chat template says it).
+    `lenient_json_schema`: an unstated additionalProperties admits any key."""
 
     model_name: str
     api_key: str | None = None
@@ -31,10 +34,23 @@ class ServerState:
     created: int = field(default_factory=lambda: int(time.time()))
     reasoning_format: str = "deepseek"
     grammars: Grammars = field(default_factory=Grammars)
+    tool_call_parser: str = "auto"
+    lenient_json_schema: bool = False
+    _options: tuple[Engine, ChatOptions] | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.reasoning_format not in REASONING_FORMATS:
             raise ValueError(f"reasoning format {self.reasoning_format!r}: one of {', '.join(REASONING_FORMATS)}")
+        if self.tool_call_parser not in PARSER_NAMES:
+            raise ValueError(f"tool call parser {self.tool_call_parser!r}: one of {', '.join(PARSER_NAMES)}")
+
+    def chat_options(self, engine: Engine) -> ChatOptions:
+        """How chats are read for `engine`: chosen once for it (the loader asks as the model loads)."""
+        if self._options is None or self._options[0] is not engine:
+            template = engine.tokenizer.chat_template
+            dialect = choose_dialect(self.tool_call_parser, template.source if template else None)
+            self._options = (engine, ChatOptions(dialect, self.reasoning_format, not self.lenient_json_schema))
+        return self._options[1]
 
 
 def create_app(state: ServerState, max_body_bytes: int = MIN_BODY_BYTES) -> FastAPI:
@@ -100,14 +116,14 @@ def create_app(state: ServerState, max_body_bytes: int = MIN_BODY_BYTES) -> Fast
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         check_model(body.model)
         eng = engine()
-        prepared = await asyncio.to_thread(prepare_chat, eng, state.grammars, body, state.reasoning_format)
+        prepared = await asyncio.to_thread(prepare_chat, eng, state.grammars, body, state.chat_options(eng))
         return await complete(request, eng, state.model_name, body, prepared, "chat")
 
     @app.post("/v1/completions", dependencies=auth)
     async def completions(body: CompletionRequest, request: Request):
         check_model(body.model)
         eng = engine()
-        prepared = await asyncio.to_thread(prepare_text, eng, state.grammars, body)
+        prepared = await asyncio.to_thread(prepare_text, eng, state.grammars, body, not state.lenient_json_schema)
         return await complete(request, eng, state.model_name, body, prepared, "text")
 
     @app.post("/tokenize", dependencies=auth)

@@ -1,30 +1,37 @@
 """A chat answer as the engine's text arrives: reasoning split off, then tool calls parsed out of
-the rest (each step only where the request has it on). One object serves a whole response and a
-stream alike: `feed` and `finish` give what is new, and it keeps the whole for `message`."""
+the rest (each step only where the request has it on), in the served model's tool dialect. One
+object serves a whole response and a stream alike: `feed` and `finish` give what is new, and it
+keeps the whole for `message`."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from strata_mgpu.server.dialects import ToolDialect
 from strata_mgpu.server.reasoning import ReasoningSplitter
-from strata_mgpu.server.tool_calls import ToolCall, ToolCallParser
+from strata_mgpu.server.tool_calls import CallDelta, ToolCall, ToolCallParser
 
 
 @dataclass
 class ChatDelta:
     reasoning: str = ""
     content: str = ""
-    calls: list[ToolCall] = field(default_factory=list)
+    deltas: list[CallDelta] = field(default_factory=list)  # the calls' pieces, as they stream
+    calls: list[ToolCall] = field(default_factory=list)  # the calls that ended
 
 
 class ChatAnswer:
-    """split_reasoning: `<think>` blocks become reasoning_content (`opened`: the prompt opened one).
-    parse_tools: tool calls are parsed out (`max_calls`: at most that many, then `done`)."""
+    """split_reasoning: the dialect's reasoning blocks become reasoning_content (`opened`: the
+    prompt opened one). parse_tools: tool calls are parsed out (`functions`: the offered ones'
+    parameter schemas by name; `max_calls`: at most that many, then `done`)."""
 
-    def __init__(self, *, split_reasoning: bool, opened: bool, parse_tools: bool, max_calls: int | None = None):
-        self._splitter = ReasoningSplitter(opened) if split_reasoning else None
-        self._parser = ToolCallParser(max_calls) if parse_tools else None
+    def __init__(self, dialect: ToolDialect, *, split_reasoning: bool, opened: bool, parse_tools: bool,
+                 functions: Mapping[str, dict[str, Any]] | None = None, max_calls: int | None = None):
+        tags = (dialect.think_open, dialect.think_close)
+        self._splitter = ReasoningSplitter(tags, opened) if split_reasoning else None
+        self._parser = ToolCallParser(dialect, functions, max_calls) if parse_tools else None
         self.reasoning: list[str] = []
         self.content: list[str] = []
         self.calls: list[ToolCall] = []
@@ -34,29 +41,34 @@ class ChatAnswer:
         """The answer has all the calls it may have: what follows is not wanted."""
         return self._parser is not None and self._parser.done
 
+    @property
+    def cut_call(self) -> bool:
+        """The answer ended inside a call (closed with what parsed)."""
+        return self._parser is not None and self._parser.cut_call
+
     def feed(self, text: str) -> ChatDelta:
         reasoning, content = self._splitter.feed(text) if self._splitter else ("", text)
-        return self._record(reasoning, *self._parse(content, final=False))
+        return self._record(reasoning, content, final=False, cut=False)
 
-    def finish(self) -> ChatDelta:
+    def finish(self, cut: bool = False) -> ChatDelta:
+        """The answer has ended (`cut`: at the length limit, so a call it was in is no content)."""
         reasoning, content = self._splitter.finish() if self._splitter else ("", "")
-        return self._record(reasoning, *self._parse(content, final=True))
+        return self._record(reasoning, content, final=True, cut=cut)
 
-    def _parse(self, content: str, final: bool) -> tuple[str, list[ToolCall]]:
-        if self._parser is None:
-            return content, []
-        parsed = self._parser.feed(content)
-        text, calls = parsed.content, parsed.calls
-        if final:
-            rest = self._parser.finish()
-            text, calls = text + rest.content, calls + rest.calls
-        return text, calls
-
-    def _record(self, reasoning: str, content: str, calls: list[ToolCall]) -> ChatDelta:
-        self.reasoning.append(reasoning)
-        self.content.append(content)
-        self.calls += calls
-        return ChatDelta(reasoning, content, calls)
+    def _record(self, reasoning: str, content: str, final: bool, cut: bool) -> ChatDelta:
+        delta = ChatDelta(reasoning, content)
+        if self._parser is not None:
+            parsed = self._parser.feed(content)
+            delta.content, delta.deltas, delta.calls = parsed.content, parsed.deltas, parsed.calls
+            if final:
+                rest = self._parser.finish(cut)
+                delta.content += rest.content
+                delta.deltas += rest.deltas
+                delta.calls += rest.calls
+        self.reasoning.append(delta.reasoning)
+        self.content.append(delta.content)
+        self.calls += delta.calls
+        return delta
 
     def message(self) -> dict[str, Any]:
         """The whole answer as an OpenAI assistant message (reasoning_content where there was any)."""
@@ -74,8 +86,9 @@ def tool_call_json(call: ToolCall) -> dict[str, Any]:
     return {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
 
 
-def tool_call_deltas(call: ToolCall) -> list[dict[str, Any]]:
-    """A call as OpenAI streams it: index, id, type and name once, then the arguments in pieces."""
-    head = {"index": call.index, "id": call.id, "type": "function", "function": {"name": call.name, "arguments": ""}}
-    return [{"tool_calls": [head]},
-            *({"tool_calls": [{"index": call.index, "function": {"arguments": piece}}]} for piece in call.pieces)]
+def tool_call_delta(piece: CallDelta) -> dict[str, Any]:
+    """A call's piece as OpenAI streams it: index, id, type and name once, then the arguments."""
+    if piece.id is not None:
+        return {"tool_calls": [{"index": piece.index, "id": piece.id, "type": "function",
+                                "function": {"name": piece.name, "arguments": piece.arguments}}]}
+    return {"tool_calls": [{"index": piece.index, "function": {"arguments": piece.arguments}}]}

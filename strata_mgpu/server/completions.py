@@ -4,7 +4,8 @@ the engine -> JSON or SSE.
 A chat's messages reach the template as templates read them (`messages.py`), with the tools it
 offers; `tool_choice` required or a named function, and a JSON `response_format`, become a
 grammar (`grammars.py`) the engine's sampler follows; the answer's text is split into
-reasoning, content and tool calls as it arrives (`chat_output.py`). Prompt, grammar and template
+reasoning, content and tool calls as it arrives (`chat_output.py`), in the tool dialect the
+server chose at load (`ChatOptions`). Prompt, grammar and template
 run off the event loop (`prepare_chat`, `prepare_text`).
 """
 
@@ -14,7 +15,7 @@ import asyncio
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -24,7 +25,8 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from strata_mgpu.engine.engine import ContextOverflow, Engine, RequestOutput
 from strata_mgpu.engine.grammar import Grammar, GrammarError
 from strata_mgpu.model.tokenizer import Tokenizer
-from strata_mgpu.server.chat_output import ChatAnswer, ChatDelta, tool_call_deltas
+from strata_mgpu.server.chat_output import ChatAnswer, ChatDelta, tool_call_delta
+from strata_mgpu.server.dialects import ToolDialect
 from strata_mgpu.server.errors import APIError, error_body
 from strata_mgpu.server.grammars import Grammars, Thinking, chat_grammar, text_grammar
 from strata_mgpu.server.logprobs import LegacyLogprobs, chat_entries
@@ -40,6 +42,16 @@ TEMPLATE_ARGUMENTS = frozenset({"messages", "add_generation_prompt", "bos_token"
 
 
 @dataclass(frozen=True)
+class ChatOptions:
+    """How the server reads chats, fixed at load: its tool dialect, `--reasoning-format`, and
+    whether JSON schemas are read strictly (not `--lenient-json-schema`)."""
+
+    dialect: ToolDialect
+    reasoning_format: str = "deepseek"
+    strict_json: bool = True
+
+
+@dataclass(frozen=True)
 class Prepared:
     """A request made ready off the event loop: its prompt, and what constrains and shapes its answer."""
 
@@ -49,12 +61,14 @@ class Prepared:
     split_reasoning: bool = False  # <think> blocks become reasoning_content
     opened_reasoning: bool = False  # the prompt opened a <think> block
     parse_tools: bool = False
+    functions: Mapping[str, dict[str, Any]] | None = None  # the offered functions' parameter schemas, by name
     max_calls: int | None = None  # parallel_tool_calls false: 1
+    dialect: ToolDialect | None = None  # a chat's
 
 
 # -- preparing a request (worker threads) -------------------------------------------------------------
 
-def prepare_chat(engine: Engine, grammars: Grammars, body: ChatCompletionRequest, reasoning_format: str) -> Prepared:
+def prepare_chat(engine: Engine, grammars: Grammars, body: ChatCompletionRequest, options: ChatOptions) -> Prepared:
     """The chat's prompt tokens and constraints. Slow for a long chat (template, tokenizer, a new
     schema's compile): call it off the event loop."""
     reserved = sorted(TEMPLATE_ARGUMENTS & body.chat_template_kwargs.keys())
@@ -73,8 +87,10 @@ def prepare_chat(engine: Engine, grammars: Grammars, body: ChatCompletionRequest
         text = tok.apply_chat_template(messages, add_generation_prompt=True, **kwargs)
     except ValueError as e:
         raise APIError(400, str(e), param="messages") from None
-    split = reasoning_format == "deepseek"
-    if opens_reasoning(text):  # a template that always opens one (Qwen3-Thinking-2507's) ignores enable_thinking
+    dialect = options.dialect
+    split = options.reasoning_format == "deepseek"
+    opened = opens_reasoning(text, (dialect.think_open, dialect.think_close))
+    if opened:  # a template that always opens one (Qwen3-Thinking-2507's) ignores enable_thinking
         thinking = Thinking.OPENED
     elif not split or body.chat_template_kwargs.get("enable_thinking") is False:
         thinking = Thinking.OFF
@@ -83,15 +99,17 @@ def prepare_chat(engine: Engine, grammars: Grammars, body: ChatCompletionRequest
     answer_schema = body.response_format.schema_of_answer if body.response_format else None
     if functions is not None and body.tool_choice not in (None, "auto"):
         answer_schema = None  # a call is required: the answer is calls
-    lark = chat_grammar(tok, functions=functions, parallel=body.parallel_tool_calls, answer_schema=answer_schema,
-                        thinking=thinking)
+    lark = chat_grammar(tok, dialect, functions=functions, parallel=body.parallel_tool_calls,
+                        answer_schema=answer_schema, thinking=thinking, strict=options.strict_json)
     banned: tuple[int, ...] = ()
-    if body.tool_choice == "none" and body.tools and "<tool_call>" in tok.tokens:
-        banned = (tok.tokens.index("<tool_call>"),)  # OpenAI's none: the model must not call
+    if body.tool_choice == "none" and body.tools and dialect.call_open in tok.tokens:
+        banned = (tok.tokens.index(dialect.call_open),)  # OpenAI's none: the model must not call
+    offered = {t.function.name: t.function.parameters or {} for t in body.offered_tools}
     return Prepared(prompt=tok.encode(text), grammar=_compiled(engine, grammars, lark, "tools" if functions else
                                                                 "response_format"),
-                    banned=banned, split_reasoning=split, opened_reasoning=split and opens_reasoning(text),
-                    parse_tools=bool(body.offered_tools), max_calls=None if body.parallel_tool_calls else 1)
+                    banned=banned, split_reasoning=split, opened_reasoning=split and opened,
+                    parse_tools=bool(body.offered_tools), functions=offered,
+                    max_calls=None if body.parallel_tool_calls else 1, dialect=dialect)
 
 
 def _called_functions(body: ChatCompletionRequest) -> list[dict[str, Any]] | None:
@@ -130,8 +148,9 @@ def _compiled(engine: Engine, grammars: Grammars, lark: str | None, param: str) 
         raise APIError(400, f"{param}: the schema cannot be followed: {e}", param=param) from None
 
 
-def prepare_text(engine: Engine, grammars: Grammars, body: CompletionRequest) -> Prepared:
-    """The prompt's tokens (and its JSON grammar). Slow for a long text: call it off the event loop."""
+def prepare_text(engine: Engine, grammars: Grammars, body: CompletionRequest, strict_json: bool = True) -> Prepared:
+    """The prompt's tokens (and its JSON grammar, its schema read strictly unless `strict_json` is
+    false). Slow for a long text: call it off the event loop."""
     if isinstance(body.prompt, str):
         prompt = engine.tokenizer.encode(body.prompt)
     else:
@@ -140,13 +159,14 @@ def prepare_text(engine: Engine, grammars: Grammars, body: CompletionRequest) ->
             raise APIError(400, f"prompt token ids must be in 0..{vocab - 1}", param="prompt")
         prompt = list(body.prompt)
     schema = body.response_format.schema_of_answer if body.response_format else None
-    return Prepared(prompt=prompt, grammar=_compiled(engine, grammars, text_grammar(schema), "response_format"))
+    return Prepared(prompt=prompt, grammar=_compiled(engine, grammars, text_grammar(schema, strict=strict_json),
+                                                     "response_format"))
 
 
 # -- how each endpoint words its answer ----------------------------------------------------------------
 
 def _merged(a: ChatDelta, b: ChatDelta) -> ChatDelta:
-    return ChatDelta(a.reasoning + b.reasoning, a.content + b.content, a.calls + b.calls)
+    return ChatDelta(a.reasoning + b.reasoning, a.content + b.content, a.deltas + b.deltas, a.calls + b.calls)
 
 
 class _ChatView:
@@ -157,8 +177,10 @@ class _ChatView:
 
     def __init__(self, tok: Tokenizer, prepared: Prepared, logprobs: bool):
         self.tok = tok
-        self.answer = ChatAnswer(split_reasoning=prepared.split_reasoning, opened=prepared.opened_reasoning,
-                                 parse_tools=prepared.parse_tools, max_calls=prepared.max_calls)
+        assert prepared.dialect is not None, "a chat is prepared with its dialect"
+        self.answer = ChatAnswer(prepared.dialect, split_reasoning=prepared.split_reasoning,
+                                 opened=prepared.opened_reasoning, parse_tools=prepared.parse_tools,
+                                 functions=prepared.functions, max_calls=prepared.max_calls)
         self.entries: list[dict[str, Any]] | None = [] if logprobs else None
 
     @property
@@ -171,14 +193,13 @@ class _ChatView:
     def choices(self, out: RequestOutput) -> list[dict[str, Any]]:
         delta = self.answer.feed(out.text)
         if out.finished:
-            delta = _merged(delta, self.answer.finish())
+            delta = _merged(delta, self.answer.finish(cut=out.finish_reason == "length"))
         parts: list[dict[str, Any]] = []
         if delta.reasoning:
             parts.append({"reasoning_content": delta.reasoning})
         if delta.content:
             parts.append({"content": delta.content})
-        for call in delta.calls:
-            parts += tool_call_deltas(call)
+        parts += [tool_call_delta(piece) for piece in delta.deltas]
         logprobs = None
         if self.entries is not None and out.logprobs:
             new = chat_entries(self.tok, out.logprobs)
@@ -189,7 +210,11 @@ class _ChatView:
                 for i, part in enumerate(parts)]
 
     def finish_reason(self, reason: str | None) -> str | None:
-        return "tool_calls" if self.answer.calls and reason == "stop" else reason
+        """'tool_calls' where the answer made calls and ended (or ran to the limit after them);
+        'length' where the limit cut a call short."""
+        if self.answer.calls and (reason == "stop" or reason == "length" and not self.answer.cut_call):
+            return "tool_calls"
+        return reason
 
     def last_choice(self, reason: str | None) -> dict[str, Any]:
         return {"index": 0, "delta": {}, "logprobs": None, "finish_reason": self.finish_reason(reason)}

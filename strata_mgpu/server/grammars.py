@@ -2,19 +2,19 @@
 
 - `response_format` json_object: any JSON object; json_schema: its schema (`strict` or not: the
   output follows the schema either way).
-- `tool_choice` required: one or more tool calls in the Hermes/Qwen3 form, `<tool_call>\\n{"name":
-  ..., "arguments": ...}\\n</tool_call>` ("\\n" between calls), each call's arguments following its
-  function's `parameters` schema; a named function: calls of that function only;
+- `tool_choice` required: one or more tool calls in the served model's dialect (`dialects.py`:
+  each call between the dialect's tags, "\\n" between calls), each call's arguments following
+  its function's `parameters` schema; a named function: calls of that function only;
   `parallel_tool_calls` false: exactly one call. With tool_choice auto and a JSON response_format,
   the answer is either tool calls or the JSON.
 - A chat that may think first (Qwen3 writes `<think>...</think>` before answering) gets the
-  reasoning block free ahead of the constrained answer: optional where the model opens it
-  itself, required to close where the prompt already opened it, absent where thinking is off
+  reasoning block free ahead of the constrained answer, unbounded: optional where the model opens
+  it itself, required to close where the prompt already opened it, absent where thinking is off
   (`enable_thinking` false) or `--reasoning-format none` leaves the tags in the content.
 
-JSON is written as Python's json.dumps writes it: ", " and ": ", no other whitespace (a free
-whitespace rule would let a model pad forever). A tag the vocabulary holds as one token
-(`<tool_call>`, `<think>`) is matched as that token, as the model writes it.
+JSON schemas are read strictly unless `strict` is false (`json_schema.py`: an unstated
+additionalProperties admits no other key) and written compactly. A tag the vocabulary holds as
+one token (`<tool_call>`, `<think>`) is matched as that token, as the model writes it.
 """
 
 from __future__ import annotations
@@ -29,38 +29,25 @@ from gguf.constants import TokenType
 from strata_mgpu.engine.engine import Engine
 from strata_mgpu.engine.grammar import GrammarCompiler
 from strata_mgpu.model.tokenizer import Tokenizer
-
-JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
-NO_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}
+from strata_mgpu.server.dialects import ToolDialect
+from strata_mgpu.server.json_schema import json_rule
 
 
 class Thinking(enum.Enum):
     """Where the constrained answer may start."""
 
     OFF = "off"  # at once
-    OPTIONAL = "optional"  # after a <think>...</think> block, if the model opens one
-    OPENED = "opened"  # after the </think> that closes the block the prompt opened
+    OPTIONAL = "optional"  # after a reasoning block, if the model opens one
+    OPENED = "opened"  # after the close tag of the block the prompt opened
 
 
-def json_rule(schema: dict[str, Any]) -> str:
-    """A `%json` rule body: the schema, JSON written compactly (its own x-guidance options win)."""
-    options = {**JSON_STYLE, **schema.get("x-guidance", {})}
-    return "%json " + json.dumps({**schema, "x-guidance": options}, ensure_ascii=False)
-
-
-def function_call_schema(function: dict[str, Any]) -> dict[str, Any]:
-    """The JSON of one call of `function` (an OpenAI tool's `function`): its name, then its arguments."""
-    return {"type": "object", "properties": {"name": {"const": function["name"]},
-                                             "arguments": function.get("parameters") or NO_PARAMETERS},
-            "required": ["name", "arguments"], "additionalProperties": False}
-
-
-def chat_grammar(tok: Tokenizer, *, functions: list[dict[str, Any]] | None, parallel: bool,
-                 answer_schema: dict[str, Any] | None, thinking: Thinking) -> str | None:
+def chat_grammar(tok: Tokenizer, dialect: ToolDialect, *, functions: list[dict[str, Any]] | None, parallel: bool,
+                 answer_schema: dict[str, Any] | None, thinking: Thinking, strict: bool = True) -> str | None:
     """The grammar of a chat answer, or None where nothing constrains it.
 
     functions: the callable functions when a call is required (one: that one is named), else None.
     answer_schema: the JSON schema of a JSON response_format. With both, the answer is calls or JSON.
+    strict: JSON schemas read strictly (`json_schema.strict_schema`).
     """
     if functions is None and answer_schema is None:
         return None
@@ -69,29 +56,39 @@ def chat_grammar(tok: Tokenizer, *, functions: list[dict[str, Any]] | None, para
     if functions is not None:
         calls = 'call ("\\n" call)*' if parallel else "call"
         rules += [f"calls: {calls}",
-                  f'call: {_tag(tok, "<tool_call>")} "\\n" function "\\n" {_tag(tok, "</tool_call>")}',
-                  "function: " + json_rule({"anyOf": [function_call_schema(f) for f in functions]})]
+                  f'call: {_tag(tok, dialect.call_open)} "\\n" function "\\n" {_tag(tok, dialect.call_close)}',
+                  *dialect.function_rules(functions, strict=strict)]
         answers.append("calls")
     if answer_schema is not None:
-        rules.append("json_answer: " + json_rule(answer_schema))
+        rules.append("json_answer: " + json_rule(answer_schema, strict=strict))
         answers.append("json_answer")
     answer = " | ".join(answers)
     if thinking is Thinking.OFF:
         return "\n".join([f"start: {answer}", *rules]) + "\n"
-    if _is_token(tok, "</think>"):  # a token no text can spell: the reasoning is any text before it
-        rules.append('reasoning: /(.|\\n)*/ </think> /[ \\n]+/?')
+    close = dialect.think_close
+    if _is_token(tok, close):  # a token no text can spell: the reasoning is any text before it
+        rules.append(f'reasoning: /(.|\\n)*/ {close} /[ \\n]+/?')
     else:  # a text tag: the reasoning ends at its first occurrence
-        rules.append('reasoning[lazy]: /(?s:.*)<\\/think>[ \\n]*/')
+        rules.append(f'reasoning[lazy]: /(?s:.*){_regex_text(close)}[ \\n]*/')
     if thinking is Thinking.OPENED:
         start = f"start: reasoning ({answer})"
     else:
-        start = f"start: ({_tag(tok, '<think>')} reasoning)? ({answer})"
+        start = f"start: ({_tag(tok, dialect.think_open)} reasoning)? ({answer})"
     return "\n".join([start, *rules]) + "\n"
 
 
-def text_grammar(answer_schema: dict[str, Any] | None) -> str | None:
+def text_grammar(answer_schema: dict[str, Any] | None, strict: bool = True) -> str | None:
     """The grammar of a text completion: its JSON response_format from the first token."""
-    return None if answer_schema is None else f"start: json_answer\njson_answer: {json_rule(answer_schema)}\n"
+    return None if answer_schema is None else \
+        f"start: json_answer\njson_answer: {json_rule(answer_schema, strict=strict)}\n"
+
+
+_REGEX_META = frozenset("\\.+*?()|[]{}^$/#&~-")
+
+
+def _regex_text(text: str) -> str:
+    """`text` matched literally inside a Lark /regex/."""
+    return "".join("\\" + c if c in _REGEX_META else c for c in text)
 
 
 def _is_token(tok: Tokenizer, tag: str) -> bool:

@@ -208,8 +208,10 @@ class Loader:
                 return
             engine = Engine(runner, self.tokenizer, config.engine)
             engine.start()
+            options = state.chat_options(engine)  # the tool dialect, chosen once
             state.engine = engine
-            log.info("model %s runs on %s", state.model_name, where_it_runs(runner))
+            log.info("model %s runs on %s; tool calls in the %s dialect", state.model_name, where_it_runs(runner),
+                     options.dialect.name)
             log.info("model %s ready: %d layers, %d experts (%d used), context %d, chunk %d (loaded in %.1f s)",
                      state.model_name, spec.n_layers, spec.n_experts, spec.n_experts_used, engine.n_ctx,
                      config.engine.chunk_size, time.perf_counter() - started)
@@ -259,7 +261,8 @@ def serve(config: ServerConfig) -> int:
     config = dataclasses.replace(config, engine=config.engine.for_model(spec.context_length))  # resolved once
     sock = listening_socket(config.host, config.port)
     state = ServerState(model_name=config.model_name, api_key=config.api_key,
-                        reasoning_format=config.reasoning_format)
+                        reasoning_format=config.reasoning_format, tool_call_parser=config.tool_call_parser,
+                        lenient_json_schema=config.lenient_json_schema)
     app = create_app(state, max_body_bytes=max_body_bytes(config.engine.n_ctx(spec.context_length)))
     loader = Loader(state, config, f, spec, tokenizer)
     _StopSignal.signum, _StopSignal.server = None, None

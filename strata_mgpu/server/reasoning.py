@@ -1,5 +1,6 @@
-"""`reasoning_content` split from `<think>...</think>`, in whole answers and in stream deltas
-(llama-server's `--reasoning-format deepseek`; `none` leaves the tags in the content).
+"""`reasoning_content` split from a reasoning block (`<think>...</think>`: the tags are the tool
+dialect's, `dialects.py`), in whole answers and in stream deltas (llama-server's
+`--reasoning-format deepseek`; `none` leaves the tags in the content).
 
 A reasoning block is one at the very start of the answer (after whitespace), or, where the prompt
 itself opened `<think>` (templates that start the assistant's turn thinking), everything up to
@@ -13,8 +14,6 @@ from __future__ import annotations
 
 import enum
 
-OPEN, CLOSE = "<think>", "</think>"
-
 
 class _State(enum.Enum):
     START = "start"  # nothing but whitespace yet: a block may open
@@ -22,9 +21,9 @@ class _State(enum.Enum):
     CONTENT = "content"
 
 
-def opens_reasoning(prompt: str) -> bool:
-    """Whether the prompt leaves the answer inside a reasoning block (its last `<think>` unclosed)."""
-    return prompt.rfind(OPEN) > prompt.rfind(CLOSE)
+def opens_reasoning(prompt: str, tags: tuple[str, str]) -> bool:
+    """Whether the prompt leaves the answer inside a reasoning block (its last open tag unclosed)."""
+    return prompt.rfind(tags[0]) > prompt.rfind(tags[1])
 
 
 def _partial_tail(text: str, tag: str) -> int:
@@ -36,9 +35,11 @@ def _partial_tail(text: str, tag: str) -> int:
 
 
 class ReasoningSplitter:
-    """Feed the answer's text in pieces; each `feed` returns (reasoning, content) that is new."""
+    """Feed the answer's text in pieces; each `feed` returns (reasoning, content) that is new.
+    tags: the block's open and close tags; opened: the prompt opened a block."""
 
-    def __init__(self, opened: bool = False):
+    def __init__(self, tags: tuple[str, str], opened: bool = False):
+        self._open, self._close = tags
         self._state = _State.REASONING if opened else _State.START
         self._buffer = ""  # held back: a tag's possible start, or whitespace whose place is not known yet
         self._lead = True  # in reasoning or content just after a block: leading whitespace is dropped
@@ -51,20 +52,20 @@ class ReasoningSplitter:
         while text:
             if self._state is _State.START:
                 stripped = text.lstrip()
-                if stripped.startswith(OPEN):
+                if stripped.startswith(self._open):
                     self._state, self.saw_block, self._lead = _State.REASONING, True, True
-                    text = stripped[len(OPEN):]
+                    text = stripped[len(self._open):]
                     continue
-                if OPEN.startswith(stripped):  # whitespace, or the start of the tag: wait
+                if self._open.startswith(stripped):  # whitespace, or the start of the tag: wait
                     self._buffer = text
                     break
                 self._state, self._lead = _State.CONTENT, False
                 continue
             if self._state is _State.REASONING:
-                end = text.find(CLOSE)
+                end = text.find(self._close)
                 piece = text if end < 0 else text[:end]
                 if end < 0:  # hold back a possible start of the tag, and trailing whitespace
-                    keep = _partial_tail(piece, CLOSE)
+                    keep = _partial_tail(piece, self._close)
                     body = piece[:len(piece) - keep]
                     trimmed = body.rstrip()
                     self._buffer = body[len(trimmed):] + piece[len(piece) - keep:]
@@ -79,7 +80,7 @@ class ReasoningSplitter:
                 if end < 0:
                     break
                 self._state, self._lead = _State.CONTENT, True
-                text = text[end + len(CLOSE):]
+                text = text[end + len(self._close):]
                 continue
             if self._lead:  # content after a block starts at its first non-whitespace
                 text = text.lstrip()

@@ -1,27 +1,28 @@
-"""Tool calls parsed out of an answer in the Hermes/Qwen3 form, whole or streamed.
+"""Tool calls parsed out of an answer, whole or streamed, in a model's dialect (`dialects.py`).
 
-    <tool_call>
-    {"name": "get_weather", "arguments": {"city": "Paris"}}
-    </tool_call>
+The parser finds the blocks between the dialect's tags; a `CallReader` reads each block's text.
+Text outside the blocks stays content, but for whitespace at its start or end beside a call (text
+on both sides of a call keeps the whitespace before the call between them); text that may be the
+start of a tag is held back until it can be told apart.
 
-Each well-formed block becomes a `ToolCall` (an id `call_...`, the function's name, its arguments
-as a JSON string: the object's text as the model wrote it, or the string it gave); several blocks
-are several calls. Text outside the blocks stays content, but for whitespace at its start or end
-beside a call (text on both sides of a call keeps the whitespace before the call between them).
-A block that is not a JSON object with a string `name` and object (or JSON-string) `arguments`,
-or that never closes, comes back as content, tags and all: a model's malformed call is never an
-error. Streamed, a call is given once its `</tool_call>` has arrived (only then is it known to be
-well formed), its arguments in the pieces they arrived in; text that may be the start of a tag is
-held back until it can be told apart.
+A call is given out as soon as its reader is sure of it (its function's name is read, and is one
+offered): its head (index, id, name), then its arguments in deltas as the reader reads them; the
+deltas joined are the call's final arguments, a JSON object's text. A block the reader is not
+sure of while it runs is read whole at its close tag: a call then, or content, tags and all (a
+model's malformed call is never an error). Where the answer ends inside a block: a call that was
+given out is closed with what parsed (`cut_call` says so); a block that was not is content, or
+dropped where the answer was cut at the length limit (`finish(cut=True)`: no markup in content).
+Every split of the text into deltas gives the same calls and content as the whole.
 """
 
 from __future__ import annotations
 
-import json
 import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
-OPEN, CLOSE = "<tool_call>", "</tool_call>"
+from strata_mgpu.server.dialects import CallReader, ToolDialect
 
 
 @dataclass(frozen=True)
@@ -29,15 +30,26 @@ class ToolCall:
     index: int  # its place among the answer's calls, from 0
     id: str
     name: str
-    arguments: str  # JSON text
-    pieces: tuple[str, ...]  # `arguments` as it arrived, piece by piece (joined, they are it)
+    arguments: str  # a JSON object's text
+
+
+@dataclass(frozen=True)
+class CallDelta:
+    """A piece of a streamed call: its head (id and name set) on the first, then arguments."""
+
+    index: int
+    arguments: str
+    id: str | None = None
+    name: str | None = None
 
 
 @dataclass
 class Parsed:
-    """What one `feed` (or `finish`) adds: content text, then complete calls, in answer order."""
+    """What one `feed` (or `finish`) adds: content text, the calls' deltas, and the calls that
+    ended in it, in answer order."""
 
     content: str = ""
+    deltas: list[CallDelta] = field(default_factory=list)
     calls: list[ToolCall] = field(default_factory=list)
 
 
@@ -53,16 +65,25 @@ def _partial_tail(text: str, tag: str) -> int:
 
 
 class ToolCallParser:
-    """Feed the answer's text in pieces. `max_calls` (1 for parallel_tool_calls false): once that
-    many calls are out, the rest of the answer is ignored (`done`)."""
+    """Feed the answer's text in pieces. functions: the offered functions' parameter schemas by
+    name (None: any name). `max_calls` (1 for parallel_tool_calls false): once that many calls
+    are out, the rest of the answer is ignored (`done`)."""
 
-    def __init__(self, max_calls: int | None = None):
+    def __init__(self, dialect: ToolDialect, functions: Mapping[str, dict[str, Any]] | None = None,
+                 max_calls: int | None = None):
+        self._dialect = dialect
+        self._functions = functions
+        self._open, self._close = dialect.call_open, dialect.call_close
         self.max_calls = max_calls
         self.n_calls = 0
+        self.cut_call = False  # the answer ended inside a call that was given out
         self._text = ""  # outside a block: not yet given out (a tag's possible start)
         self._gap = ""  # whitespace given out only if content follows it
         self._block: str | None = None  # inside a block: its text so far
-        self._cuts: list[int] = []  # where in the block each delta ended
+        self._fed = 0  # how much of the block its reader has
+        self._reader: CallReader | None = None
+        self._id: str | None = None  # the call's id, once its head is out
+        self._given = ""  # its arguments given out
         self._after_call = False  # whitespace right after a call separates, it is not content
 
     @property
@@ -75,49 +96,87 @@ class ToolCallParser:
             return out
         if self._block is not None:
             self._block += delta
-            self._cuts.append(len(self._block))
         else:
             self._text += delta
         while not self.done:
             if self._block is None:
-                start = self._text.find(OPEN)
+                start = self._text.find(self._open)
                 if start < 0:
-                    keep = _partial_tail(self._text, OPEN)
+                    keep = _partial_tail(self._text, self._open)
                     self._content(out, self._text[:len(self._text) - keep])
                     self._text = self._text[len(self._text) - keep:]
                     break
                 self._content(out, self._text[:start])
-                self._block, self._cuts = self._text[start + len(OPEN):], []
-                self._cuts.append(len(self._block))
+                self._block, self._fed = self._text[start + len(self._open):], 0
+                self._reader, self._id, self._given = self._dialect.reader(self._functions), None, ""
                 self._text = ""
-            end = self._block.find(CLOSE)
+            end = self._block.find(self._close, max(0, self._fed - len(self._close) + 1))
+            upto = end if end >= 0 else len(self._block) - _partial_tail(self._block, self._close)
+            self._read(out, self._block[self._fed:upto])
+            self._fed = upto
             if end < 0:
                 break
-            body, rest = self._block[:end], self._block[end + len(CLOSE):]
-            call = self._call(body)
-            if call is None:  # malformed: the block is content as it stands
-                self._content(out, OPEN + body + CLOSE)
-            else:
-                out.calls.append(call)
-                self.n_calls += 1
-                self._after_call = True
-            self._block, self._text = None, rest
+            body, rest = self._block[:end], self._block[end + len(self._close):]
+            self._end(out, body, closed=True)
+            self._text = rest
         return out
 
-    def finish(self) -> Parsed:
-        """The answer has ended: an open block and any held text are content."""
+    def finish(self, cut: bool = False) -> Parsed:
+        """The answer has ended (`cut`: at the length limit): an open block is closed or dropped,
+        held text is content."""
         out = Parsed()
         if self.done:
             return out
         if self._block is not None:
-            self._content(out, OPEN + self._block)
-            self._block = None
+            self._read(out, self._block[self._fed:])
+            self._fed = len(self._block)
+            if self._id is not None:
+                self.cut_call = True
+            self._end(out, self._block, closed=False, cut=cut)
         self._content(out, self._text)
         self._text = ""
         if not self.n_calls:  # whitespace at the very end of a plain answer is its own; beside a call, not
             out.content += self._gap
         self._gap = ""
         return out
+
+    def _read(self, out: Parsed, text: str) -> None:
+        reader = self._reader
+        assert reader is not None
+        if text:
+            reader.feed(text)
+        if reader.name is None:
+            return
+        if self._id is None:
+            self._id = new_call_id()
+            out.deltas.append(CallDelta(self.n_calls, "", self._id, reader.name))
+        arguments = reader.arguments
+        if len(arguments) > len(self._given):
+            out.deltas.append(CallDelta(self.n_calls, arguments[len(self._given):]))
+            self._given = arguments
+
+    def _end(self, out: Parsed, body: str, closed: bool, cut: bool = False) -> None:
+        reader = self._reader
+        assert reader is not None
+        self._block = self._reader = None
+        call = reader.end(closed)
+        if call is None:  # no call: the block is content as it stands (none where the answer was cut)
+            if cut:
+                self._gap = ""  # the whitespace before dropped markup goes with it
+            else:
+                self._content(out, self._open + body + (self._close if closed else ""))
+            return
+        name, arguments = call
+        if self._id is None:
+            self._id = new_call_id()
+            out.deltas.append(CallDelta(self.n_calls, "", self._id, name))
+        assert arguments.startswith(self._given), "a reader took back arguments it had given"
+        if len(arguments) > len(self._given):
+            out.deltas.append(CallDelta(self.n_calls, arguments[len(self._given):]))
+        out.calls.append(ToolCall(index=self.n_calls, id=self._id, name=name, arguments=arguments))
+        self.n_calls += 1
+        self._after_call = True
+        self._id = None
 
     def _content(self, out: Parsed, text: str) -> None:
         """Give out text outside the blocks; whitespace at its end waits for what follows it."""
@@ -134,68 +193,3 @@ class ToolCallParser:
             self._gap = text[len(body):]
         else:
             self._gap += text
-
-    def _call(self, body: str) -> ToolCall | None:
-        parsed = _parse_call(body)
-        if parsed is None:
-            return None
-        name, arguments, span = parsed
-        if span is None:
-            pieces: tuple[str, ...] = (arguments,)
-        else:
-            a, b = span
-            cuts = [a, *(c for c in self._cuts if a < c < b), b]
-            pieces = tuple(body[x:y] for x, y in zip(cuts, cuts[1:], strict=False) if y > x)
-        return ToolCall(index=self.n_calls, id=new_call_id(), name=name, arguments=arguments, pieces=pieces)
-
-
-def _skip_space(text: str, i: int) -> int:
-    while i < len(text) and text[i] in " \t\r\n":
-        i += 1
-    return i
-
-
-def _parse_call(body: str) -> tuple[str, str, tuple[int, int] | None] | None:
-    """(name, arguments JSON, the arguments' span in body, None where they were a JSON string)."""
-    decoder = json.JSONDecoder()
-    start = _skip_space(body, 0)
-    try:
-        obj, end = decoder.raw_decode(body, start)
-    except json.JSONDecodeError:
-        return None
-    if body[end:].strip() or not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-        return None
-    arguments = obj.get("arguments", {})
-    if isinstance(arguments, str):  # arguments given as a JSON string: it must hold an object
-        try:
-            inner = json.loads(arguments)
-        except json.JSONDecodeError:
-            return None
-        return (obj["name"], arguments, None) if isinstance(inner, dict) else None
-    if not isinstance(arguments, dict):
-        return None
-    span = _value_span(body, start, "arguments")
-    if span is None:  # no "arguments" key: a call without arguments
-        return obj["name"], "{}", None
-    return obj["name"], body[span[0]:span[1]], span
-
-
-def _value_span(text: str, i: int, key: str) -> tuple[int, int] | None:
-    """The span of the value of `key` in the JSON object at text[i] (known to be valid); the
-    last one where the key repeats, as json.loads keeps."""
-    decoder = json.JSONDecoder()
-    found = None
-    i = _skip_space(text, i) + 1  # past '{'
-    while True:
-        i = _skip_space(text, i)
-        if text[i] == "}":
-            return found
-        name, i = decoder.raw_decode(text, i)
-        i = _skip_space(text, i) + 1  # past ':'
-        a = _skip_space(text, i)
-        _, b = decoder.raw_decode(text, a)
-        if name == key:
-            found = (a, b)
-        i = _skip_space(text, b)
-        if text[i] == ",":
-            i += 1

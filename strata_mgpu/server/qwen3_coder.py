@@ -1,0 +1,270 @@
+"""The Qwen3-Coder tool dialect: a call is XML-like markup, each parameter's value plain text,
+
+    <tool_call>
+    <function=write_file>
+    <parameter=path>
+    notes.txt
+    </parameter>
+    <parameter=lines>
+    3
+    </parameter>
+    </function>
+    </tool_call>
+
+as Qwen3-Coder's chat template teaches (tests/data/templates/qwen3-coder.jinja). Read as vLLM's
+`qwen3_coder` parser reads it: a value runs to `</parameter>` (or to the next `<parameter=` or
+`</function>`), one newline at each end dropped; it becomes the JSON type its parameter's schema
+declares (a string stays a string; integer, number, boolean, object, array and null are parsed
+as JSON, a value that does not parse stays a string), so `arguments` is a JSON object's text.
+
+Streamed: once the block starts `<function=NAME>` with NAME an offered function, the call is sure;
+its arguments are given out as they are read: `{`, each string value's characters as they arrive
+(a newline at the value's end held back until it is known not to be the last), each other value
+when it is whole, `}` at the block's end. A block cut short is closed with what it has. A block
+naming a function not offered is read once whole (a call then); any other shape is no call.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Mapping
+from typing import Any
+
+from strata_mgpu.server.json_schema import json_rule, strict_schema
+
+_HEAD = re.compile(r"\s*<function=([^>\n]*)>")
+_OPEN_FUNCTION, _OPEN_PARAMETER = "<function=", "<parameter="
+_CLOSE_PARAMETER, _CLOSE_FUNCTION = "</parameter>", "</function>"
+_VALUE_ENDS = (_CLOSE_PARAMETER, _OPEN_PARAMETER, _CLOSE_FUNCTION)
+NAME_LIMIT = 256  # a function's or parameter's name is read within this many characters
+
+
+def declared_types(schema: Any) -> set[str]:
+    """The JSON types a parameter's schema declares (`type`, enum and const values, anyOf /
+    oneOf members); empty where it declares none."""
+    if not isinstance(schema, dict):
+        return set()
+    kind = schema.get("type")
+    types = {kind} if isinstance(kind, str) else {t for t in kind if isinstance(t, str)} if isinstance(kind, list) \
+        else set()
+    values = schema.get("enum", []) + ([schema["const"]] if "const" in schema else [])
+    types |= {_json_type(v) for v in values}
+    for key in ("anyOf", "oneOf"):
+        for member in schema.get(key, []) if isinstance(schema.get(key), list) else []:
+            types |= declared_types(member)
+    return types
+
+
+def _json_type(value: Any) -> str:
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, int | float):
+        return "number"
+    if isinstance(value, str):
+        return "string"
+    return "null" if value is None else "array" if isinstance(value, list) else "object"
+
+
+def is_text(schema: Any) -> bool:
+    """Whether a parameter's value is given as a JSON string (it declares string, or nothing)."""
+    types = declared_types(schema)
+    return not types or "string" in types
+
+
+def value_json(value: str, schema: Any) -> str:
+    """A parameter's text as JSON of the type its schema declares (a string where it does not parse)."""
+    if not is_text(schema):
+        text = value.strip()
+        for candidate in (text, text.lower()):  # "True" for a boolean
+            try:
+                return json.dumps(json.loads(candidate), ensure_ascii=False)
+            except json.JSONDecodeError:
+                continue
+    return json.dumps(value, ensure_ascii=False)
+
+
+def _partial_tail(text: str, tags: tuple[str, ...]) -> int:
+    """Length of the longest tail of `text` that is a proper prefix of one of `tags`."""
+    best = 0
+    for tag in tags:
+        for n in range(min(len(tag) - 1, len(text)), best, -1):
+            if tag.startswith(text[-n:]):
+                best = n
+                break
+    return best
+
+
+class Qwen3CoderReader:
+    def __init__(self, functions: Mapping[str, dict[str, Any]] | None, any_name: bool = False):
+        self._functions = functions
+        self._any_name = any_name or functions is None
+        self._body = ""
+        self._decided = False
+        self._name: str | None = None
+        self._properties: dict[str, Any] = {}
+        self._pos = 0  # the body is read up to here
+        self._out = ""  # the arguments given out
+        self._members = 0
+        self._param: str | None = None  # the parameter whose value is being read
+        self._sent = 0  # a text value's characters given out (after its leading newline)
+        self._function_done = False
+
+    @property
+    def name(self) -> str | None:
+        return self._name
+
+    @property
+    def arguments(self) -> str:
+        return self._out
+
+    def feed(self, text: str) -> None:
+        self._body += text
+        if not self._decided:
+            self._read_head()
+        if self._name is not None:
+            self._read(final=False)
+
+    def _read_head(self) -> None:
+        m = _HEAD.match(self._body)
+        if m is not None:
+            self._decided = True
+            name = m[1].strip()
+            if self._any_name or name in (self._functions or {}):
+                self._name, self._pos, self._out = name, m.end(), "{"
+                schema = (self._functions or {}).get(name) or {}
+                properties = schema.get("properties") if isinstance(schema, dict) else None
+                self._properties = properties if isinstance(properties, dict) else {}
+            return
+        head = self._body.lstrip()
+        viable = _OPEN_FUNCTION.startswith(head) if len(head) < len(_OPEN_FUNCTION) else \
+            head.startswith(_OPEN_FUNCTION) and "\n" not in head and len(head) <= NAME_LIMIT
+        self._decided = not viable
+
+    def _read(self, final: bool) -> None:
+        while not self._function_done:
+            rest = self._body[self._pos:]
+            if self._param is not None:
+                if not self._read_value(rest, final):
+                    return
+                continue
+            lt = rest.find("<")
+            if lt < 0:
+                self._pos = len(self._body)  # text between parameters is not part of the call
+                return
+            rest = rest[lt:]
+            self._pos += lt
+            if rest.startswith(_CLOSE_FUNCTION):
+                self._function_done = True
+                return
+            if rest.startswith(_OPEN_PARAMETER):
+                gt = rest.find(">", len(_OPEN_PARAMETER))
+                if 0 <= gt <= NAME_LIMIT:
+                    self._start_value(rest[len(_OPEN_PARAMETER):gt])
+                    self._pos += gt + 1
+                    continue
+                if gt < 0 and len(rest) <= NAME_LIMIT and not final:
+                    return  # the name is still arriving
+            elif not final and any(tag.startswith(rest) for tag in (_OPEN_PARAMETER, _CLOSE_FUNCTION)):
+                return  # a tag's start
+            self._pos += 1  # a "<" that opens no tag
+
+    def _start_value(self, param: str) -> None:
+        self._param, self._sent = param, 0
+        if is_text(self._properties.get(param)):
+            self._out += self._separator() + json.dumps(param, ensure_ascii=False) + ': "'
+
+    def _separator(self) -> str:
+        self._members += 1
+        return ", " if self._members > 1 else ""
+
+    def _read_value(self, rest: str, final: bool) -> bool:
+        """Read the value being read; True once it is whole."""
+        assert self._param is not None
+        ends = [(i, tag) for tag in _VALUE_ENDS if (i := rest.find(tag)) >= 0]
+        text = is_text(self._properties.get(self._param))
+        if ends or final:
+            i, tag = min(ends) if ends else (len(rest) - _partial_tail(rest, _VALUE_ENDS), "")
+            value = rest[:i]
+            value = value[1:] if value.startswith("\n") else value
+            value = value[:-1] if value.endswith("\n") else value
+            if text:
+                self._out += json.dumps(value[self._sent:], ensure_ascii=False)[1:]
+            else:
+                self._out += self._separator() + json.dumps(self._param, ensure_ascii=False) + ": " + \
+                    value_json(value, self._properties.get(self._param))
+            self._pos += i + (len(tag) if tag == _CLOSE_PARAMETER else 0)
+            self._param = None
+            return True
+        if text and rest:
+            avail = rest[:len(rest) - _partial_tail(rest, _VALUE_ENDS)]
+            lead = 1 if avail.startswith("\n") else 0
+            upto = len(avail) - 1 if avail.endswith("\n") else len(avail)
+            if upto - lead > self._sent:
+                self._out += json.dumps(avail[lead + self._sent:upto], ensure_ascii=False)[1:-1]
+                self._sent = upto - lead
+        return False
+
+    def end(self, closed: bool) -> tuple[str, str] | None:
+        if self._name is not None:
+            self._read(final=True)
+            return self._name, self._out + "}"
+        if not closed:
+            return None
+        whole = Qwen3CoderReader(self._functions, any_name=True)  # a name not offered: read whole
+        whole.feed(self._body)
+        return whole.end(True) if whole.name is not None else None
+
+
+# -- its grammar ----------------------------------------------------------------------------------------
+
+# a text value: anything without the tags that would end it early
+_NO_TAG = r"NO_TAG: ~/(?s:.*)(<\/parameter>|<parameter=|<\/function>|<\/tool_call>)(?s:.*)/"
+
+
+def _literal(text: str) -> str:
+    return json.dumps(text, ensure_ascii=False)
+
+
+def _value_rules(rule: str, schema: Any, strict: bool) -> list[str]:
+    """Rules for `rule`: a parameter's value then "\\n</parameter>"."""
+    if not is_text(schema):
+        body = schema if isinstance(schema, dict) else {}
+        return [f"{rule}: {rule}_json \"\\n</parameter>\"", f"{rule}_json: {json_rule(body, strict=strict)}"]
+    enum = schema.get("enum") if isinstance(schema, dict) else None
+    if isinstance(enum, list) and enum and all(isinstance(v, str) for v in enum):
+        return [f"{rule}: ({' | '.join(_literal(v) for v in enum)}) \"\\n</parameter>\""]
+    low = schema.get("minLength", 0) if isinstance(schema, dict) else 0
+    high = schema.get("maxLength") if isinstance(schema, dict) else None
+    if isinstance(low, int) and low > 0 or isinstance(high, int):
+        token = f"{rule.upper()}_TEXT"
+        bound = f"{{{int(low)},{int(high) if isinstance(high, int) else ''}}}"
+        return [f'{rule}[lazy]: {token} "\\n</parameter>"', f"{token}: /(?s:.{bound})/ & NO_TAG"]
+    return [f'{rule}[lazy]: NO_TAG "\\n</parameter>"']
+
+
+def _function_rules(i: int, function: dict[str, Any], strict: bool) -> list[str]:
+    parameters = function.get("parameters") or {}
+    if strict:
+        parameters = strict_schema(parameters)
+    properties = parameters.get("properties") or {}
+    required = set(parameters.get("required") or ())
+    head = _literal(f"<function={function['name']}>\n")
+    if not properties:
+        return [f'fn{i}: {head} "</function>"']
+    rules, seq = [], []
+    for j, (param, schema) in enumerate(properties.items()):
+        rule = f"fn{i}_p{j}"
+        rules.append(f"{rule}: {_literal(f'<parameter={param}>' + chr(10))} {rule}_v \"\\n\"")
+        rules += _value_rules(f"{rule}_v", schema, strict)
+        seq.append(rule if param in required else f"{rule}?")
+    return [f'fn{i}: {head} {" ".join(seq)} "</function>"', *rules]
+
+
+def function_rules(functions: list[dict[str, Any]], strict: bool) -> list[str]:
+    """The grammar's `function`: one call of one of `functions`, its listed parameters in their
+    order, the required ones present, each value as its schema allows."""
+    rules = ["function: " + " | ".join(f"fn{i}" for i in range(len(functions))), _NO_TAG]
+    for i, function in enumerate(functions):
+        rules += _function_rules(i, function, strict)
+    return rules

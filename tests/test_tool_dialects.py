@@ -1,0 +1,333 @@
+"""The tool dialects (Hermes/Qwen3's JSON calls, Qwen3-Coder's XML calls) on the host: any split of
+an answer into deltas reads as the whole does; the argument deltas joined are the final arguments
+and parse; calls stream before their close tag; a cut anywhere leaves no markup in the content and
+closes a streamed call with JSON that parses; XML values take their schema's types; the dialect
+chosen from a template; the grammars of calls (token by token, through llguidance) strict unless
+lenient, and what they admit the reader reads into arguments that validate."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jsonschema
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from strata_mgpu.config import EngineConfig
+from strata_mgpu.engine.engine import Engine
+from strata_mgpu.engine.grammar import GrammarCompiler
+from strata_mgpu.engine.sampler import SamplingParams
+from strata_mgpu.model.gguf_reader import GGUFFile
+from strata_mgpu.model.runner import load_reference_runner
+from strata_mgpu.model.spec import spec_from_gguf
+from strata_mgpu.model.tokenizer import tokenizer_from_gguf
+from strata_mgpu.model.vocab import CHAT_TEMPLATE
+from strata_mgpu.server.app import ServerState
+from strata_mgpu.server.dialects import DIALECTS, HERMES, QWEN3_CODER, ToolDialect, choose_dialect, dialect_of_template
+from strata_mgpu.server.grammars import Thinking, chat_grammar, text_grammar
+from strata_mgpu.server.json_schema import strict_schema
+from strata_mgpu.server.qwen3_coder import value_json
+from strata_mgpu.server.tool_calls import ToolCallParser
+from tests import engine_runs
+
+TEMPLATES = Path(__file__).parent / "data" / "templates"
+TYPED = {"type": "object", "properties": {
+    "s": {"type": "string"}, "i": {"type": "integer"}, "n": {"type": "number"}, "b": {"type": "boolean"},
+    "a": {"type": "array"}, "o": {"type": "object"}}}
+FUNCTIONS = {"f": TYPED, "g": {"type": "object", "properties": {"s": {"type": "string"}}}}
+
+
+def read(dialect: ToolDialect, chunks: list[str], functions=FUNCTIONS, cut: bool = False):
+    """(content, [(name, arguments)], the argument deltas of each call, where in `chunks` each
+    call's first argument delta came, cut_call) of an answer fed in `chunks`."""
+    p = ToolCallParser(dialect, functions)
+    content, calls, deltas, first = "", [], [], {}
+    for i, c in enumerate([*chunks, None]):
+        out = p.feed(c) if c is not None else p.finish(cut)
+        content += out.content
+        calls += out.calls
+        deltas += out.deltas
+        for d in out.deltas:
+            if d.id is None:
+                first.setdefault(d.index, i)
+    heads = [d for d in deltas if d.id is not None]
+    assert [(d.index, d.id, d.name) for d in heads] == [(c.index, c.id, c.name) for c in calls]
+    pieces = [[d.arguments for d in deltas if d.index == c.index and d.id is None] for c in calls]
+    for call, call_pieces in zip(calls, pieces, strict=True):
+        assert "".join(call_pieces) == call.arguments and all(call_pieces)
+        assert isinstance(json.loads(call.arguments), dict)
+    return content, [(c.name, c.arguments) for c in calls], pieces, first, p.cut_call
+
+
+# -- answers as each dialect writes them --------------------------------------------------------------
+
+TEXT = st.text(alphabet="ab é\"\\\n{}[]<>/=:,", max_size=8)  # no letters of a tag: content never opens one
+JSON_VALUES = st.recursive(st.none() | st.booleans() | st.integers(-10**6, 10**6) | TEXT,
+                           lambda inner: st.lists(inner, max_size=3) | st.dictionaries(TEXT, inner, max_size=3),
+                           max_leaves=6)
+TYPED_VALUES = {"s": TEXT, "i": st.integers(-10**9, 10**9), "b": st.booleans(),
+                "n": st.floats(allow_nan=False, allow_infinity=False, width=32),
+                "a": st.lists(JSON_VALUES, max_size=3), "o": st.dictionaries(TEXT, JSON_VALUES, max_size=3)}
+
+
+@st.composite
+def hermes_answer(draw) -> tuple[str, list[tuple[str, dict]]]:
+    parts, calls = [draw(TEXT)], []
+    for _ in range(draw(st.integers(0, 3))):
+        name = draw(st.sampled_from(["f", "g"]))
+        arguments = draw(st.dictionaries(TEXT, JSON_VALUES, max_size=4))
+        obj = json.dumps({"name": name, "arguments": arguments}, ensure_ascii=draw(st.booleans()))
+        parts += [f"<tool_call>\n{obj}\n</tool_call>", draw(TEXT)]
+        calls.append((name, arguments))
+    return "".join(parts), calls
+
+
+@st.composite
+def xml_answer(draw) -> tuple[str, list[tuple[str, dict]]]:
+    parts, calls = [draw(TEXT)], []
+    for _ in range(draw(st.integers(0, 3))):
+        name = draw(st.sampled_from(["f", "g"]))
+        keys = draw(st.lists(st.sampled_from(sorted(FUNCTIONS[name]["properties"])), unique=True, max_size=6))
+        arguments = {k: draw(TYPED_VALUES[k]) for k in keys}
+        params = "".join(f"<parameter={k}>\n{v if isinstance(v, str) else json.dumps(v)}\n</parameter>\n"
+                         for k, v in arguments.items())
+        parts += [f"<tool_call>\n<function={name}>\n{params}</function>\n</tool_call>", draw(TEXT)]
+        calls.append((name, arguments))
+    return "".join(parts), calls
+
+
+ANSWERS = {"hermes": hermes_answer(), "qwen3_coder": xml_answer()}
+SETTINGS = settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+def drawn(data, name: str) -> tuple[ToolDialect, str, list[tuple[str, dict]]]:
+    """The dialect of `name`, and an answer in it with the calls it writes."""
+    text, written = data.draw(ANSWERS[name])
+    return DIALECTS[name], text, written
+
+
+def splits(draw, text: str) -> list[str]:
+    cuts = sorted(draw(st.lists(st.integers(0, len(text)), max_size=12)))
+    return [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True)]
+
+
+@pytest.mark.parametrize("name", DIALECTS)
+@SETTINGS
+@given(data=st.data())
+def test_any_split_reads_as_the_whole_and_the_deltas_join_to_the_arguments(name, data):
+    dialect, text, written = drawn(data, name)
+    whole = read(dialect, [text])
+    assert [(n, json.loads(a)) for n, a in whole[1]] == written  # the values as written, typed
+    assert dialect.call_open not in whole[0]
+    chunks = splits(data.draw, text)
+    assert read(dialect, chunks)[:2] == whole[:2]
+    anyone = read(dialect, [text], functions=None)  # any name: the same calls (XML values untyped: strings)
+    assert anyone[0] == whole[0] and [n for n, _ in anyone[1]] == [n for n, _ in whole[1]]
+    if dialect is HERMES:
+        assert anyone[1] == whole[1]
+
+
+@pytest.mark.parametrize("name", DIALECTS)
+@SETTINGS
+@given(data=st.data())
+def test_a_cut_anywhere_leaves_no_markup_and_closes_the_call_it_was_in(name, data):
+    dialect, text, _ = drawn(data, name)
+    at = data.draw(st.integers(0, len(text)))
+    content, calls, _, _, cut_call = read(dialect, splits(data.draw, text[:at]), cut=True)
+    assert dialect.call_open not in content and "<function=" not in content and "<parameter=" not in content
+    whole = read(dialect, [text])[1]
+    complete = text[:at].count(dialect.call_close)
+    assert calls[:complete] == whole[:complete]  # the calls before the cut, as the whole has them
+    assert len(calls) - complete == int(cut_call) and len(calls) <= len(whole)
+    assert all(n == w for (n, _), (w, _) in zip(calls, whole, strict=False))
+
+
+@pytest.mark.parametrize("dialect, text", [
+    (HERMES, '<tool_call>\n{"name": "g", "arguments": {"s": "a long value,\\nwritten token by token"}}\n</tool_call>'),
+    (QWEN3_CODER, "<tool_call>\n<function=g>\n<parameter=s>\na long value,\nwritten token by token\n</parameter>\n"
+                  "</function>\n</tool_call>"),
+])
+def test_arguments_stream_as_they_are_generated_not_when_the_call_closes(dialect, text):
+    chunks = [text[i:i + 3] for i in range(0, len(text), 3)]
+    close = text.index("</tool_call>") // 3  # the chunk the close tag starts in
+    _, calls, pieces, first, _ = read(dialect, chunks)
+    assert json.loads(calls[0][1]) == {"s": "a long value,\nwritten token by token"}
+    assert first[0] < close - 8 and len(pieces[0]) > 8  # the value came in pieces, long before the close
+
+
+# -- the XML dialect's reading -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("value, schema, expected", [
+    ("Paris", {"type": "string"}, "Paris"), ("12", {"type": "string"}, "12"), ("12", {}, "12"),
+    ("12", {"type": "integer"}, 12), (" -3.5e2 ", {"type": "number"}, -350.0), ("True", {"type": "boolean"}, True),
+    ("false", {"type": "boolean"}, False), ('{"a": [1]}', {"type": "object"}, {"a": [1]}),
+    ("[1, 2]", {"type": "array"}, [1, 2]), ("null", {"type": ["integer", "null"]}, None),
+    ("twelve", {"type": "integer"}, "twelve"), ("{'a': 1}", {"type": "object"}, "{'a': 1}"),
+    ("2", {"enum": [1, 2]}, 2), ("x", {"anyOf": [{"type": "string"}, {"type": "integer"}]}, "x"),
+])
+def test_xml_values_take_the_type_their_schema_declares(value, schema, expected):
+    assert json.loads(value_json(value, schema)) == expected
+
+
+@pytest.mark.parametrize("text, content, calls", [
+    # a value ended by the next parameter or by </function>, as vLLM's reader takes it
+    ("<tool_call>\n<function=f>\n<parameter=i>\n7\n<parameter=s>\nx\n</function>\n</tool_call>", "",
+     [("f", {"i": 7, "s": "x"})]),
+    # a function not offered: read whole at its close, a call then
+    ("<tool_call>\n<function=other>\n<parameter=q>\n1\n</parameter>\n</function>\n</tool_call>", "",
+     [("other", {"q": "1"})]),
+    # not the dialect's shape: content, tags and all
+    ("ok <tool_call>\n{\"name\": \"f\"}\n</tool_call>", "ok <tool_call>\n{\"name\": \"f\"}\n</tool_call>", []),
+    ("<tool_call>\n<function=f\nbroken>\n</tool_call> x", "<tool_call>\n<function=f\nbroken>\n</tool_call> x", []),
+    # junk between parameters is not part of the call
+    ("<tool_call>\n<function=g>\nhm <b> <parameter=s>\nv\n</parameter>\n</function>\n</tool_call>", "",
+     [("g", {"s": "v"})]),
+])
+def test_xml_calls_are_read_as_vllm_reads_them(text, content, calls):
+    got = read(QWEN3_CODER, [text])
+    assert got[0] == content and [(n, json.loads(a)) for n, a in got[1]] == calls
+    assert read(QWEN3_CODER, list(text))[:2] == got[:2]
+
+
+def test_a_streamed_call_that_breaks_is_closed_with_what_parsed():
+    text = '<tool_call>\n{"name": "g", "arguments": {"s": "ab", "t": nope}}\n</tool_call> after'
+    content, calls, _, _, cut = read(HERMES, list(text))
+    assert calls == [("g", '{"s": "ab"}')] and content == "after" and not cut
+
+
+# -- which dialect ---------------------------------------------------------------------------------------
+
+def test_the_dialect_comes_from_the_template_and_the_option_overrides_it():
+    assert dialect_of_template((TEMPLATES / "qwen3-coder.jinja").read_text()) is QWEN3_CODER
+    assert dialect_of_template((TEMPLATES / "qwen3.jinja").read_text()) is HERMES
+    assert dialect_of_template(CHAT_TEMPLATE) is HERMES and dialect_of_template(None) is HERMES
+    assert choose_dialect("qwen3_coder", CHAT_TEMPLATE) is QWEN3_CODER
+    assert choose_dialect("auto", (TEMPLATES / "qwen3-coder.jinja").read_text()) is QWEN3_CODER
+    with pytest.raises(ValueError, match="hermes, qwen3_coder"):
+        choose_dialect("mistral", None)
+    with pytest.raises(ValueError, match="tool call parser 'mistral'"):
+        ServerState(model_name="m", tool_call_parser="mistral")
+
+
+# -- grammars ------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def loaded(tiny_gguf):
+    f = GGUFFile(tiny_gguf)
+    spec = spec_from_gguf(f)
+    tok = tokenizer_from_gguf(f)
+    return f, spec, tok, GrammarCompiler(tok, spec.vocab_size)
+
+
+def admits(loaded, lark: str, text: str) -> bool:
+    """Whether the grammar takes `text` (as the tokenizer spells it) and then may end there."""
+    _, _, tok, compiler = loaded
+    m = compiler.compile(lark).matcher()
+    return all(m.accept(t) for t in tok.encode(text, add_special=False)) and m.native.is_accepting()
+
+
+LANGCHAIN_ARGS = {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"},
+                                                   "where": {"type": "object", "properties": {"lat": {
+                                                       "type": "number"}}}}, "required": ["city"]}
+WEATHER = {"name": "get_weather", "parameters": LANGCHAIN_ARGS}
+
+
+def calls_grammar(loaded, dialect, functions, strict=True, parallel=True):
+    return chat_grammar(loaded[2], dialect, functions=functions, parallel=parallel, answer_schema=None,
+                        thinking=Thinking.OFF, strict=strict)
+
+
+def test_strict_schemas_refuse_keys_nobody_declared_and_the_lenient_reading_admits_them(loaded):
+    """LangChain's schemas say nothing of additionalProperties: read strictly, an extra key (at
+    the top or in a nested object) is refused, in tool arguments and JSON answers alike."""
+    good = '{"city": "Paris", "where": {"lat": 1.5}}'
+    extra = '{"city": "Paris", "wind": 3}'
+    nested = '{"city": "Paris", "where": {"lat": 1.5, "lon": 2}}'
+    for strict in (True, False):
+        calls = calls_grammar(loaded, HERMES, [WEATHER], strict=strict)
+        answer = text_grammar(LANGCHAIN_ARGS, strict=strict)
+
+        def call(args: str) -> str:
+            return f'<tool_call>\n{{"name": "get_weather", "arguments": {args}}}\n</tool_call>'
+        assert admits(loaded, calls, call(good)) and admits(loaded, answer, good)
+        for bad in (extra, nested):
+            assert admits(loaded, calls, call(bad)) is not strict
+            assert admits(loaded, answer, bad) is not strict
+    # an object parameter of the XML dialect is JSON: strict the same way
+    xml = "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n<parameter=where>\n{}\n" \
+          "</parameter>\n</function>\n</tool_call>"
+    for strict in (True, False):
+        lark = calls_grammar(loaded, QWEN3_CODER, [WEATHER], strict=strict)
+        assert admits(loaded, lark, xml.format('{"lat": 1.5}'))
+        assert admits(loaded, lark, xml.format('{"lat": 1.5, "lon": 2}')) is not strict
+
+
+def test_strictness_closes_every_listed_object_and_leaves_stated_ones_and_allof():
+    schema = {"type": "object", "properties": {"a": {"type": "array", "items": {"properties": {"x": {}}}}},
+              "$defs": {"d": {"properties": {"y": {}}}}, "anyOf": [{"properties": {"z": {}}}],
+              "allOf": [{"properties": {"w": {}}}]}
+    out = strict_schema(schema)
+    assert out["additionalProperties"] is False and out["properties"]["a"]["items"]["additionalProperties"] is False
+    assert out["$defs"]["d"]["additionalProperties"] is False and out["anyOf"][0]["additionalProperties"] is False
+    assert "additionalProperties" not in out["allOf"][0] and "additionalProperties" not in schema  # input kept
+    kept = {"properties": {"a": {}}, "additionalProperties": {"type": "integer"}}
+    assert strict_schema(kept) == kept
+    assert strict_schema({"properties": {}, "patternProperties": {"^x": {}}}).get("additionalProperties") is None
+
+
+def test_json_whitespace_is_bounded_and_the_object_can_end(loaded):
+    schema = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+    lark = text_grammar(schema)
+    assert admits(loaded, lark, '{"city": "Paris"}')
+    for padded in ('{ "city": "Paris"}', '{"city":  "Paris"}', '{"city": "Paris"\n}', '{"city": "Paris"} '):
+        assert not admits(loaded, lark, padded), padded
+
+
+def test_the_xml_grammar_holds_calls_to_the_offered_functions_and_their_parameters(loaded):
+    unit = {"name": "convert", "parameters": {"type": "object", "properties": {
+        "value": {"type": "number"}, "unit": {"enum": ["C", "F"]}, "note": {"type": "string", "maxLength": 5}},
+        "required": ["value", "unit"]}}
+    lark = calls_grammar(loaded, QWEN3_CODER, [WEATHER, unit])
+
+    def call(name: str, params: str) -> str:
+        return f"<tool_call>\n<function={name}>\n{params}</function>\n</tool_call>"
+
+    def param(k: str, v: str) -> str:
+        return f"<parameter={k}>\n{v}\n</parameter>\n"
+    two = call("get_weather", param("city", "Paris\nand <b>more</b>")) + "\n" + \
+        call("convert", param("value", "21.5") + param("unit", "C") + param("note", "warm"))
+    assert admits(loaded, lark, two)
+    for bad in [call("nope", param("city", "x")),  # not offered
+                call("convert", param("value", "21.5")),  # a required parameter missing
+                call("convert", param("value", "hot") + param("unit", "C")),  # not a number
+                call("convert", param("value", "1") + param("unit", "K")),  # not in the enum
+                call("convert", param("value", "1") + param("unit", "C") + param("note", "too long")),
+                call("get_weather", param("city", "a</parameter>b")),  # a value cannot hold its end tag
+                call("get_weather", param("city", "x") + param("wind", "3"))]:  # not a parameter
+        assert not admits(loaded, lark, bad), bad
+    assert not admits(loaded, calls_grammar(loaded, QWEN3_CODER, [WEATHER], parallel=False), two)
+
+
+@pytest.mark.parametrize("dialect", [HERMES, QWEN3_CODER], ids=lambda d: d.name)
+def test_constrained_calls_on_the_random_model_read_into_arguments_that_validate(loaded, dialect):
+    """What the grammar lets the random model write, the dialect's reader reads into calls whose
+    arguments validate against the (strict) schema."""
+    f, spec, tok, compiler = loaded
+    weather = {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
+                                         "days": {"type": "integer", "minimum": 1, "maximum": 7},
+                                         "unit": {"enum": ["C", "F"]}}, "required": ["city", "days"]}}
+    grammar = compiler.compile(calls_grammar(loaded, dialect, [weather], parallel=False))
+    runner = load_reference_runner(f, spec)
+    requests = [(tok.encode(f"Call number {i}:"), SamplingParams(max_tokens=80, temperature=t, seed=i,
+                                                                 grammar=grammar))
+                for i, t in enumerate([0.0, 0.8, 1.2])]
+    outs = engine_runs.run_all(Engine(runner, tok, EngineConfig(prefix_cache=False)), requests, max_steps=2_000)
+    for out in outs:
+        assert out[-1].finish_reason == "stop"
+        text = tok.decode([t for o in out for t in o.token_ids], skip_special=False)
+        content, calls, _, _, _ = read(dialect, [text], functions={"get_weather": weather["parameters"]})
+        assert content == "" and len(calls) == 1 and calls[0][0] == "get_weather"
+        jsonschema.validate(json.loads(calls[0][1]), strict_schema(weather["parameters"]))
