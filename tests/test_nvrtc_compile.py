@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from strata_mgpu.kernels import decode_ops, dense, moe_grouped, nvrtc
+from strata_mgpu.kernels import decode_ops, dense, moe_grouped, nvrtc, q8
 from strata_mgpu.kernels import experts as kernels
 from strata_mgpu.quant import formats
 from strata_mgpu.stage.experts import handover
@@ -49,10 +49,10 @@ CUDA_INCLUDE = _cuda_include()
 # file -> (names looked up as they are, template name expressions)
 KERNELS = {
     kernels.DEQUANT_FILE: ((), kernels._DEQUANT_EXPRS),
-    kernels.MOE_FILE: (kernels.MOE_NAMES, kernels._MOE_EXPRS),
+    q8.MOE_FILE: (q8.MOE_NAMES, q8.MOE_EXPRS),
     kernels.COPY_FILE: (("copy_f32_wide",), ()),
     dense.DENSE_FILE: ((), dense.DENSE_EXPRS),
-    moe_grouped.GROUPED_FILE: (moe_grouped.GROUPED_NAMES, moe_grouped.grouped_exprs(kernels.Q8_DOT_TYPES)),
+    moe_grouped.GROUPED_FILE: (moe_grouped.GROUPED_NAMES, moe_grouped.grouped_exprs(q8.Q8_DOT_TYPES)),
     decode_ops.OPS_FILE: (decode_ops.KERNEL_NAMES, ()),
     decode_ops.ATTN_FILE: ((), decode_ops.ATTN_ALL_EXPRS),  # every pair of cache types
     handover.HANDOVER_FILE: (handover.KERNELS, ()),
@@ -114,7 +114,7 @@ def test_cuda_type_list_is_the_format_tables():
     listed = re.search(r"#define GGML_CUDA_TYPES\(X\)(.*)", src).group(1)
     assert sorted(int(t) for t in re.findall(r"X\((\d+)\)", listed)) == sorted(formats.CUDA_DEQUANT_TYPES)
     assert set(formats.FUSED_DECODE_TYPES) <= set(formats.CUDA_DEQUANT_TYPES)
-    for file in (kernels.DEQUANT_FILE, kernels.MOE_FILE):
+    for file in (kernels.DEQUANT_FILE, q8.MOE_FILE):
         assert "GGML_CUDA_TYPES(" in nvrtc.cuda_source(file).split("#define")[-1], file
 
 

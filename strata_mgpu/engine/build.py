@@ -15,13 +15,17 @@ from strata_mgpu.model.gguf_reader import GGUFFile
 from strata_mgpu.model.runner import DecoderRunner, load_reference_runner
 from strata_mgpu.model.spec import ModelSpec, T, tname
 from strata_mgpu.split.help_rule import HelpPolicy
-from strata_mgpu.split.runner import SplitRunner, build_split, plan_layers
+from strata_mgpu.split.runner import SplitError, SplitRunner, build_split, plan_layers
 from strata_mgpu.stage.build import build_stage, stage_plan
-from strata_mgpu.stage.device import check_device, parse_device
-from strata_mgpu.stage.memory_plan import GiB, MemoryPlan, dense_bytes
+from strata_mgpu.stage.device import DeviceError, check_device, parse_device
+from strata_mgpu.stage.host.pinned import PinError
+from strata_mgpu.stage.memory_plan import GiB, MemoryPlan, PlanError, dense_bytes
 from strata_mgpu.stage.stage import Stage, StageOptions
 
 Progress = Callable[[str, int, int], None]
+# What a machine that cannot hold a placement raises while it is checked or built: one line to the
+# user, no traceback (DeviceError alone: a device that is not there)
+PLACEMENT_ERRORS = (DeviceError, PinError, SplitError, PlanError)
 
 
 def resolve_devices(placement: Placement) -> list[torch.device]:

@@ -25,10 +25,10 @@ from gguf.constants import GGMLQuantizationType
 
 from strata_mgpu.config import HostShare
 from strata_mgpu.env import EnvOptions
-from strata_mgpu.kernels.experts import TorchKernels
+from strata_mgpu.kernels.experts import CudaKernels, TorchKernels
 from strata_mgpu.model.decoder import Decoder, Segment
 from strata_mgpu.model.kv_cache import PLAIN_KV, SequenceKV
-from strata_mgpu.model.runner import prefill_last_logits, prefill_pack_logits
+from strata_mgpu.model.runner import dtype_name, prefill_last_logits, prefill_pack_logits
 from strata_mgpu.model.spec import ModelSpec
 from strata_mgpu.stage.device import DeviceContext
 from strata_mgpu.stage.experts.cache import RefillOnFirstStep
@@ -39,7 +39,7 @@ from strata_mgpu.stage.graphs.replay import DecodeGraphs
 from strata_mgpu.stage.host.arena import HostExpertArena
 from strata_mgpu.stage.kv.allocator import StageKV
 from strata_mgpu.stage.kv.blocks import StageBlocks
-from strata_mgpu.stage.memory_plan import MemoryPlan
+from strata_mgpu.stage.memory_plan import MemoryPlan, vram_plan_line
 
 log = logging.getLogger("strata.stage")
 
@@ -179,6 +179,22 @@ class Stage:
         """Hand-overs of decode's experts to the host's cores that failed without raising
         (`StreamedExperts.silent_faults`); 0 for experts computed on the host's cores in order."""
         return self.experts.silent_faults()
+
+    def describe(self, with_layers: bool = False) -> str:
+        """Its device, dtype and kernels (`with_layers`: its layers first), and on a GPU its VRAM plan."""
+        kernels = self.kernels
+        if isinstance(kernels, CudaKernels):
+            path = "CUDA kernels (CuPy/NVRTC" + (", grouped GEMM by torch._grouped_mm)" if kernels.use_grouped_mm
+                                                 else ", grouped GEMM expert by expert)")
+        elif self.ctx.is_cuda:
+            path = "the torch twins of the CUDA kernels (no CuPy: slower; pip install 'strata-mgpu[cuda12]')"
+        else:
+            path = "plain torch ops"
+            if isinstance(self.experts, HostCoreExperts):
+                path += f", experts from their GGUF bytes by {self.experts.executor.describe()}"
+        where = f"layers {self.layers.start}-{self.layers.stop - 1} on " if with_layers else ""
+        line = f"{where}{self.ctx.device} in {dtype_name(self.model.w.dtype)} with {path}"
+        return line + ("; " + vram_plan_line(self.plan, self.report.pass_bytes) if self.ctx.is_cuda else "")
 
     # -- what a split drives ---------------------------------------------------------------------
     def refill_cache(self, kvs: Sequence[SequenceKV]) -> None:
