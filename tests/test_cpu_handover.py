@@ -18,19 +18,17 @@ from strata_mgpu.kernels.experts import TorchKernels
 from strata_mgpu.model.gguf_reader import GGUFFile
 from strata_mgpu.model.spec import ModelSpec, spec_from_gguf
 from strata_mgpu.stage.build import build_stage
-from strata_mgpu.stage.experts.handover import (
+from strata_mgpu.stage.experts.cpu_handover import CpuHandover
+from strata_mgpu.stage.experts.handover_twin import HandoverTwin
+from strata_mgpu.stage.experts.mailbox import HandoverWorker, Mailbox, host_sums
+from strata_mgpu.stage.experts.share_policy import (
     RETUNE_STEPS,
     TRIAL_BLOCK,
     TRIAL_STEPS,
     AutoShare,
-    CpuHandover,
-    HandoverTwin,
-    HandoverWorker,
     HostRate,
-    Mailbox,
     ShareTrial,
     assign_host,
-    host_sums,
 )
 from strata_mgpu.stage.host.arena import HostExpertArena
 from strata_mgpu.stage.stage import Stage, StageOptions

@@ -14,7 +14,8 @@ from strata_mgpu.model.gguf_reader import GGUFFile
 from strata_mgpu.model.runner import load_reference_runner
 from strata_mgpu.model.spec import spec_from_gguf
 from strata_mgpu.stage.build import build_stage
-from strata_mgpu.stage.experts.handover import CpuHandover, assign_host
+from strata_mgpu.stage.experts.cpu_handover import CpuHandover
+from strata_mgpu.stage.experts.share_policy import assign_host
 from strata_mgpu.stage.stage import StageOptions
 
 pytestmark = pytest.mark.gpu

@@ -19,7 +19,7 @@ import pytest
 from strata_mgpu.kernels import decode_ops, dense, moe_grouped, nvrtc, q8
 from strata_mgpu.kernels import experts as kernels
 from strata_mgpu.quant import formats
-from strata_mgpu.stage.experts import handover
+from strata_mgpu.stage.experts import cpu_handover
 
 
 def _libnvrtc() -> ctypes.CDLL | None:
@@ -55,7 +55,7 @@ KERNELS = {
     moe_grouped.GROUPED_FILE: (moe_grouped.GROUPED_NAMES, moe_grouped.grouped_exprs(q8.Q8_DOT_TYPES)),
     decode_ops.OPS_FILE: (decode_ops.KERNEL_NAMES, ()),
     decode_ops.ATTN_FILE: ((), decode_ops.ATTN_ALL_EXPRS),  # every pair of cache types
-    handover.HANDOVER_FILE: (handover.KERNELS, ()),
+    cpu_handover.HANDOVER_FILE: (cpu_handover.KERNELS, ()),
 }
 
 
@@ -127,3 +127,4 @@ def test_block_sizes_in_cuda_equal_gguf():
         fmt = formats.block_format(t)
         want = (32, 32 * fmt.type_size) if fmt.is_float else (fmt.block_size, fmt.type_size)
         assert sizes.get(int(t)) == want, t.name
+

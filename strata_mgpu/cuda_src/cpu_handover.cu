@@ -1,7 +1,7 @@
 // A decode layer's routed experts shared with the host's cores, from inside the GPU's stream: no
 // host sync and no host launch a layer, so a captured decode graph replays it as it is.
 //
-// Per layer of a gathered pass (stage/experts/handover.py says the protocol from the host's side):
+// Per layer of a gathered pass (stage/experts/handover.py says the protocol, cpu_handover.py launches these):
 //   handover_send  decides which picks the host computes: experts not resident in VRAM, a share of
 //                  them by a running carry (so the share holds across layers and steps, one pick at a
 //                  time); writes their ids, the rows' weights and the rows (fp32) into the mailbox in
@@ -19,7 +19,7 @@
 // waiting block reads them only after it saw that number, with loads that skip the caches.
 #include <cuda_bf16.h>
 
-constexpr int MAX_EXPERTS = 4096;  // handover.py checks
+constexpr int MAX_EXPERTS = 4096;  // handover.py's MAX_EXPERTS: the build checks
 constexpr int ON_GPU = 1, ON_HOST = 2;
 
 __device__ __forceinline__ unsigned long long global_ns() {
@@ -97,7 +97,7 @@ extern "C" __global__ void handover_send(const long long* __restrict__ experts, 
     if (threadIdx.x == 0) post_request(n, T, A, layer, counter, n_host, meta, request);
 }
 
-// A prompt pass's rows (HostPrefillHelper, stage/experts/handover.py): the host takes a fixed set
+// A prompt pass's rows (HostPrefillHelper, stage/experts/host_prompt.py): the host takes a fixed set
 // of each layer's streamed experts rather than a share of the misses, and a chunk of rows is too
 // many for one block, so the rows go first, from many blocks:
 // grid (any), block 256: h [n] bf16 into the mailbox's h_host [n] fp32, each thread's writes

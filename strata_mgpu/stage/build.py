@@ -28,12 +28,9 @@ from strata_mgpu.model.spec import ModelSpec
 from strata_mgpu.model.weights import BlockMatrix, ModelWeights, every_type, load_weights
 from strata_mgpu.stage.device import DeviceContext
 from strata_mgpu.stage.experts.cache import ExpertCache, RefillOnFirstStep
-from strata_mgpu.stage.experts.handover import (
-    HANDOVER_POLL,
-    MAX_EXPERTS,
-    CpuHandover,
-    HandoverTwin,
-)
+from strata_mgpu.stage.experts.cpu_handover import HANDOVER_POLL, CpuHandover
+from strata_mgpu.stage.experts.handover import MAX_EXPERTS, Handover
+from strata_mgpu.stage.experts.handover_twin import HandoverTwin
 from strata_mgpu.stage.experts.host_cores import HostCoreExperts, HostDense
 from strata_mgpu.stage.experts.ring import ExpertRing
 from strata_mgpu.stage.experts.streamed import StreamedExperts
@@ -131,7 +128,7 @@ def build_stage(f: GGUFFile, spec: ModelSpec, opts: StageOptions, layers: range 
 
 def _handover(ctx: DeviceContext, spec: ModelSpec, opts: StageOptions, arena: HostExpertArena,
               cache: ExpertCache | None, kernels: TorchKernels, layers: range, dtype: torch.dtype
-              ) -> CpuHandover | HandoverTwin | None:
+              ) -> Handover | None:
     """The decode hand-over of missing experts to the host's cores (`experts.handover`), where
     `opts.switches.cpu_experts` asks for one and it can run: a CUDA stage whose experts are not all resident,
     every layer through the fused decode kernels in bf16, ggml-python there; `auto` measures the
