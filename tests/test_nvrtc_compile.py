@@ -128,3 +128,36 @@ def test_block_sizes_in_cuda_equal_gguf():
         want = (32, 32 * fmt.type_size) if fmt.is_float else (fmt.block_size, fmt.type_size)
         assert sizes.get(int(t)) == want, t.name
 
+
+@pytest.mark.skipif(NVRTC is None or CUDA_INCLUDE is None,
+                    reason="libnvrtc (pip install nvidia-cuda-nvrtc) or the CUDA headers not found")
+def test_handover_send_argument_is_laid_out_as_its_struct():
+    """SEND_ARGS (what CuPy copies into handover_send's one argument) against cpu_handover.cu's
+    HandoverSend, compiled: every field's offset and the size, as NVRTC lays the struct out. A
+    field left out, moved or retyped on either side fails to compile; so does a wrong assertion
+    (the last case: the check can fail)."""
+    def asserting(offsets: dict[str, int], size: int) -> str:
+        checks = "".join(f"static_assert(__builtin_offsetof(HandoverSend, {name}) == {at}, \"{name}\");\n"
+                         for name, at in offsets.items())
+        return (nvrtc.cuda_source(cpu_handover.HANDOVER_FILE) + checks +
+                f"static_assert(sizeof(HandoverSend) == {size}, \"size\");\n")
+
+    offsets, size = cpu_handover.SEND_OFFSETS, cpu_handover.SEND_ARGS.itemsize
+    assert set(offsets) >= set(cpu_handover.SEND_LAYER_PTRS) | set(cpu_handover.SEND_SIZES)
+    compile_ptx(asserting(offsets, size), (), "compute_90")
+    with pytest.raises(AssertionError, match="compile"):
+        compile_ptx(asserting({**offsets, "T": offsets["T"] + 4}, size), (), "compute_90")
+
+
+def test_send_args_fill_writes_every_field():
+    """SendArgs' flat views write the named fields: a layer's five addresses and five sizes, the
+    hand-over's fixed ones kept."""
+    per_layer = cpu_handover.SEND_LAYER_PTRS + cpu_handover.SEND_SIZES
+    fixed = {name: 1000 + k for k, name in enumerate(n for n in cpu_handover.SEND_ARGS.names if n not in per_layer)}
+    args = cpu_handover.SendArgs(**fixed)
+    value = args.fill(2**40 + 1, 2**40 + 2, 2**40 + 3, 2**40 + 4, 2**40 + 5, 3, 8, 2048, 128, 7)
+    assert value.shape == (1,) and value.dtype == cpu_handover.SEND_ARGS
+    got = {name: int(value[name][0]) for name in cpu_handover.SEND_ARGS.names}
+    want = {**fixed, **dict(zip(cpu_handover.SEND_LAYER_PTRS, range(2**40 + 1, 2**40 + 6), strict=True)),
+            **dict(zip(cpu_handover.SEND_SIZES, (3, 8, 2048, 128, 7), strict=True))}
+    assert got == want

@@ -38,6 +38,44 @@ HANDOVER_POLL = 50  # ggml's polling level for the hand-over's pool: requests co
 # request waits for the GIL up to the interpreter's switch interval (5 ms by default, the length of
 # a whole decode step). A stage with a hand-over lowers it for the process to this.
 SWITCH_INTERVAL_S = 5e-5
+# handover_send's one argument, cpu_handover.cu's HandoverSend field by field (C's layout: align=True):
+# a layer's tensors and sizes, the mailbox's and the device state's addresses between them
+_PTR = np.uint64
+SEND_ARGS = np.dtype([("experts", _PTR), ("weights", _PTR), ("h", _PTR), ("slot_of", _PTR), ("gpu_picks", _PTR),
+                      ("share", _PTR), ("carry", _PTR), ("counter", _PTR), ("n_host", _PTR), ("h_host", _PTR),
+                      ("picks_host", _PTR), ("w_host", _PTR), ("meta", _PTR), ("request", _PTR),
+                      ("T", np.int32), ("A", np.int32), ("D", np.int32), ("E", np.int32), ("layer", np.int32)],
+                     align=True)
+SEND_LAYER_PTRS = ("experts", "weights", "h", "slot_of", "gpu_picks")  # a layer's, first
+SEND_SIZES = ("T", "A", "D", "E", "layer")
+SEND_OFFSETS = {name: field[1] for name, field in (SEND_ARGS.fields or {}).items()}  # field -> its byte offset
+
+
+class SendArgs:
+    """`handover_send`'s argument as CuPy passes it by value (a numpy array of one SEND_ARGS record):
+    the hand-over's fixed addresses written once, a layer's at each `fill` through two flat views
+    (a launch copies its arguments, so the one record is filled again for the next)."""
+
+    def __init__(self, **fixed: int):
+        assert set(fixed) == set(SEND_OFFSETS) - set(SEND_LAYER_PTRS) - set(SEND_SIZES)
+        self.value = np.zeros(1, dtype=SEND_ARGS)
+        for name, address in fixed.items():
+            self.value[name] = address
+        raw = self.value.view(np.uint8)
+        offsets = [SEND_OFFSETS[n] for n in (*SEND_LAYER_PTRS, *SEND_SIZES)]
+        ptrs_at, sizes_at = offsets[0], offsets[len(SEND_LAYER_PTRS)]
+        # each group of fields lies packed, in order: one slice assignment writes it
+        assert offsets[:len(SEND_LAYER_PTRS)] == list(range(ptrs_at, ptrs_at + 8 * len(SEND_LAYER_PTRS), 8))
+        assert offsets[len(SEND_LAYER_PTRS):] == list(range(sizes_at, sizes_at + 4 * len(SEND_SIZES), 4))
+        self._ptrs = raw[ptrs_at:ptrs_at + 8 * len(SEND_LAYER_PTRS)].view(np.uint64)
+        self._sizes = raw[sizes_at:sizes_at + 4 * len(SEND_SIZES)].view(np.int32)
+
+    def fill(self, experts: int, weights: int, h: int, slot_of: int, gpu_picks: int, t: int, a: int, d: int,
+             e: int, layer: int) -> np.ndarray:
+        self._ptrs[:] = (experts, weights, h, slot_of, gpu_picks)
+        self._sizes[:] = (t, a, d, e, layer)
+        return self.value
+
 
 class CpuHandover:
     """A CUDA stage's hand-over (`handover.Handover`): the device's share and carry, the mailbox,
@@ -61,6 +99,11 @@ class CpuHandover:
         if sys.getswitchinterval() > SWITCH_INTERVAL_S:
             sys.setswitchinterval(SWITCH_INTERVAL_S)
         self._fn = {name: nvrtc.kernel(HANDOVER_FILE, name, (), device) for name in KERNELS}
+        box = self.mailbox
+        self._send_args = SendArgs(share=box.share.data_ptr(), carry=self.carry.data_ptr(),
+                                   counter=self.counter.data_ptr(), n_host=self.n_host.data_ptr(),
+                                   h_host=box.h.data_ptr(), picks_host=box.picks.data_ptr(),
+                                   w_host=box.weights.data_ptr(), meta=box.meta.data_ptr(), request=box.request_at)
         self.share_value = share
 
     def describe(self) -> str:
@@ -164,17 +207,12 @@ class CpuHandover:
         """Local layer i's picks experts [T, A] split: the host's go to the mailbox; returns the GPU's
         [T, A] (the host's -1)."""
         t, a = experts.shape
-        box = self.mailbox
         h, weights, experts = h.contiguous(), weights.float().contiguous(), experts.contiguous()
         gpu = torch.empty_like(experts)
         slot_of = self.cache.slot_of[i]  # [E] on the device
-        nvrtc.launch(self._fn["handover_send"], 1, SEND_THREADS,
-                     (experts.data_ptr(), weights.data_ptr(), h.data_ptr(), slot_of.data_ptr(), np.int32(t),
-                      np.int32(a), np.int32(h.shape[1]), np.int32(slot_of.shape[0]), np.int32(i),
-                      self.mailbox.share.data_ptr(), self.carry.data_ptr(), self.counter.data_ptr(),
-                      self.n_host.data_ptr(),
-                      gpu.data_ptr(), box.h.data_ptr(), box.picks.data_ptr(), box.weights.data_ptr(),
-                      box.meta.data_ptr(), box.request_at), self.ctx.device)
+        args = self._send_args.fill(experts.data_ptr(), weights.data_ptr(), h.data_ptr(), slot_of.data_ptr(),
+                                    gpu.data_ptr(), t, a, h.shape[1], slot_of.shape[0], i)
+        nvrtc.launch(self._fn["handover_send"], 1, SEND_THREADS, (args,), self.ctx.device)
         return gpu
 
     def send_prompt(self, i: int, h: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
