@@ -6,6 +6,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any, Self
 
 from gguf.constants import GGMLQuantizationType
 
@@ -133,50 +134,33 @@ class HostShare:
 
 
 @dataclass(frozen=True)
-class Placement:
-    """Where the model runs and how its stages work: devices (one stage each), how layers split,
-    VRAM budgets, and the runtime's switches (from the CLI's flags, else the environment:
-    `from_env`)."""
+class StageSwitches:
+    """How a stage runs, the same for every stage of a model: each switch declared once, here. A
+    `Placement` is one, handed whole to every stage it builds (`stage.StageOptions.switches`); a
+    stage a test or a tool builds alone gets its own. From the CLI's flags, else the environment
+    (`from_env`)."""
 
-    devices: tuple[str, ...] = ("auto",)  # 'auto', 'cpu', 'cuda:N' or 'N', one per stage
-    layer_split: LayerSplit = AUTO_SPLIT
-    max_vram_gib: tuple[float | None, ...] = (None,)  # one for all stages, or one per stage
-    dtype: str = "bf16"  # compute dtype on the GPU: bf16 or fp32
-    cuda_graphs: bool = True
+    dtype: str = "bf16"  # compute dtype on a GPU: bf16 or fp32 (a CPU stage computes in fp32)
+    cuda_graphs: bool = True  # replay decode steps as captured graphs (one a batch-size bucket) where possible
+    decode_graph_batch: int = 8  # the largest decode batch replayed as a graph (STRATA_DECODE_GRAPH_BATCH)
     resident_experts: int | None = None  # force K resident experts a layer (0: stream all); None: the VRAM plan
-    prefill_help: bool = True  # the PeerPrefill helper of a split
-    prefill_help_frac: float | str = "auto"  # 'auto', 'rule' or a fixed share 0 < f < 1
-    help_halves: int = 0  # a helped prompt of this many tokens or more runs in two halves of rows; 0: never
-    kv_prefetch: bool = True  # spilled KV uploaded a layer ahead on a side stream
-    stage_threads: bool = True  # a host thread per GPU stage of a split
-    decode_graph_batch: int = 8  # the largest decode batch replayed as a CUDA graph
-    threads: int | None = None  # host cores computing a CPU stage's experts (--threads); None: engine.build's default
-    # the share of a GPU stage's missing experts its host's cores compute in decode (--cpu-experts)
-    cpu_experts: HostShare = HostShare("auto")
-    host_prompt_help: bool = False  # few-row streamed prompts share experts with the host too (STRATA_HOST_PROMPT_HELP)
-    dense_blocks: bool = True  # GPU stages keep projections and head as the file's blocks (STRATA_DENSE_BLOCKS)
+    kv_prefetch: bool = True  # spilled KV uploaded a layer ahead on a side stream (STRATA_KV_PREFETCH)
     cache_type_k: GGMLQuantizationType = GGMLQuantizationType.BF16  # how KV cells store keys (--cache-type-k)
     cache_type_v: GGMLQuantizationType = GGMLQuantizationType.BF16  # and values (--cache-type-v)
+    # the share of a GPU stage's missing experts its host's cores compute in decode (--cpu-experts, whose
+    # default is auto; a stage built alone hands none over unless asked); `fixed` also on a CPU stage's
+    # device-path twins (tests)
+    cpu_experts: HostShare = HostShare("off")
+    host_prompt_help: bool = False  # few-row streamed prompts share experts with the host too (STRATA_HOST_PROMPT_HELP)
+    # a bf16 GPU stage with the CUDA kernels keeps its projections and head as the file's blocks where
+    # dense_q8 takes their type (`kernels.dense.DeviceDense`); False: bf16 copies (STRATA_DENSE_BLOCKS)
+    dense_blocks: bool = True
 
     def __post_init__(self) -> None:
-        if not self.devices:
-            raise ValueError("no devices given")
-        if len(self.max_vram_gib) not in (1, len(self.devices)):
-            raise ValueError(f"--max-vram gives {len(self.max_vram_gib)} values for {len(self.devices)} devices")
         if self.dtype not in ("bf16", "fp32"):
             raise ValueError(f"dtype {self.dtype!r}: bf16 or fp32")
-        if not self.layer_split.auto:
-            if len(self.devices) == 1:
-                raise ValueError(f"--layer-split '{self.layer_split}' needs several devices (--devices 0,1); with "
-                                 f"one device leave it at auto")
-            if len(self.layer_split.starts) != len(self.devices) - 1:
-                raise ValueError(f"--layer-split '{self.layer_split}' makes {len(self.layer_split.starts) + 1} "
-                                 f"stages, but {len(self.devices)} devices were given")
         if self.resident_experts is not None and self.resident_experts < 0:
             raise ValueError(f"--resident-experts {self.resident_experts}: 0 or more")
-        parse_help_frac(self.prefill_help_frac, "--prefill-help-frac")  # EnvError is a ValueError
-        if self.threads is not None and self.threads < 1:
-            raise ValueError(f"--threads {self.threads}: 1 or more")
         if not 1 <= self.decode_graph_batch <= 64:
             raise ValueError(f"decode graph batch {self.decode_graph_batch}: 1 to 64")
         for option, t in (("--cache-type-k", self.cache_type_k), ("--cache-type-v", self.cache_type_v)):
@@ -184,24 +168,70 @@ class Placement:
                 raise ValueError(f"{option} {t.name.lower()}: one of {', '.join(KV_CACHE_TYPE_NAMES)}")
 
     @classmethod
-    def from_env(cls, environment: EnvOptions, *, prefill_help: bool | None = None,
-                 prefill_help_frac: str | None = None, **fields: object) -> Placement:
-        """A placement whose switches come from the environment, the helper's flags winning where
-        given (None: not given); `fields` are the other options. Raises ValueError (EnvError for a
-        bad `--prefill-help-frac`)."""
-        frac = (environment.prefill_help_frac if prefill_help_frac is None
-                else parse_help_frac(prefill_help_frac, "--prefill-help-frac"))
-        return cls(prefill_help=environment.prefill_help if prefill_help is None else prefill_help,
-                   prefill_help_frac=frac, help_halves=environment.help_halves,
-                   kv_prefetch=environment.kv_prefetch, stage_threads=environment.stage_threads,
-                   decode_graph_batch=environment.decode_graph_batch,
-                   host_prompt_help=environment.host_prompt_help, dense_blocks=environment.dense_blocks,
-                   **fields)  # type: ignore[arg-type]
+    def env_fields(cls, environment: EnvOptions) -> dict[str, Any]:
+        """The switches the environment sets (`env.read()`), by field name."""
+        return {"decode_graph_batch": environment.decode_graph_batch, "kv_prefetch": environment.kv_prefetch,
+                "host_prompt_help": environment.host_prompt_help, "dense_blocks": environment.dense_blocks}
+
+    @classmethod
+    def from_env(cls, environment: EnvOptions, **fields: Any) -> Self:
+        """Switches from the environment, `fields` (the flags) winning."""
+        return cls(**{**cls.env_fields(environment), **fields})
 
     @property
     def kv_types(self) -> tuple[GGMLQuantizationType, GGMLQuantizationType]:
         """How every stage's KV stores (keys, values)."""
         return self.cache_type_k, self.cache_type_v
+
+
+@dataclass(frozen=True)
+class Placement(StageSwitches):
+    """Where the model runs: devices (one stage each), how layers split, VRAM budgets and host
+    cores, a split's helper; with the switches every stage runs by (it is their `StageSwitches`)."""
+
+    devices: tuple[str, ...] = ("auto",)  # 'auto', 'cpu', 'cuda:N' or 'N', one per stage
+    layer_split: LayerSplit = AUTO_SPLIT
+    max_vram_gib: tuple[float | None, ...] = (None,)  # one for all stages, or one per stage
+    threads: int | None = None  # host cores computing a CPU stage's experts (--threads); None: engine.build's default
+    prefill_help: bool = True  # the PeerPrefill helper of a split
+    prefill_help_frac: float | str = "auto"  # 'auto', 'rule' or a fixed share 0 < f < 1
+    help_halves: int = 0  # a helped prompt of this many tokens or more runs in two halves of rows; 0: never
+    stage_threads: bool = True  # a host thread per GPU stage of a split
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not self.devices:
+            raise ValueError("no devices given")
+        if len(self.max_vram_gib) not in (1, len(self.devices)):
+            raise ValueError(f"--max-vram gives {len(self.max_vram_gib)} values for {len(self.devices)} devices")
+        if not self.layer_split.auto:
+            if len(self.devices) == 1:
+                raise ValueError(f"--layer-split '{self.layer_split}' needs several devices (--devices 0,1); with "
+                                 f"one device leave it at auto")
+            if len(self.layer_split.starts) != len(self.devices) - 1:
+                raise ValueError(f"--layer-split '{self.layer_split}' makes {len(self.layer_split.starts) + 1} "
+                                 f"stages, but {len(self.devices)} devices were given")
+        parse_help_frac(self.prefill_help_frac, "--prefill-help-frac")  # EnvError is a ValueError
+        if self.threads is not None and self.threads < 1:
+            raise ValueError(f"--threads {self.threads}: 1 or more")
+
+    @classmethod
+    def env_fields(cls, environment: EnvOptions) -> dict[str, Any]:
+        return {**super().env_fields(environment), "prefill_help": environment.prefill_help,
+                "prefill_help_frac": environment.prefill_help_frac, "help_halves": environment.help_halves,
+                "stage_threads": environment.stage_threads}
+
+    @classmethod
+    def from_env(cls, environment: EnvOptions, *, prefill_help: bool | None = None,
+                 prefill_help_frac: str | None = None, **fields: Any) -> Self:
+        """A placement whose switches come from the environment, the helper's flags winning where
+        given (None: not given); `fields` are the other options. Raises ValueError (EnvError for a
+        bad `--prefill-help-frac`)."""
+        if prefill_help is not None:
+            fields["prefill_help"] = prefill_help
+        if prefill_help_frac is not None:
+            fields["prefill_help_frac"] = parse_help_frac(prefill_help_frac, "--prefill-help-frac")
+        return super().from_env(environment, **fields)
 
     def budget(self, stage: int) -> float | None:
         return self.max_vram_gib[0] if len(self.max_vram_gib) == 1 else self.max_vram_gib[stage]

@@ -3,7 +3,7 @@
 The variables are read once, at start-up, into a frozen `EnvOptions` (`read()`); every command of
 the CLI does so before anything else, whatever it goes on to do, so a bad value is a one-line error
 at once rather than wherever its reader would have run. The runtime takes the values from there
-(`config.Placement`, `stage.StageOptions`), never from the environment.
+(`config.StageSwitches` and `config.Placement`), never from the environment.
 """
 
 from __future__ import annotations

@@ -281,7 +281,7 @@ def test_devices_cpu_builds_a_stage_of_arena_and_host_cores(tiny_gguf):
     with pytest.raises(ValueError, match="takes no helper"):
         stage.attach_helper(object())  # type: ignore[arg-type]
     split = build_runner(f, spec, Placement(devices=("cpu", "cpu")), 64, kv_tokens=128)
-    assert not any(s.options.cpu_experts for s in split.stages)  # a split's CPU stages: the device path's twins
+    assert not any(s.options.host_core_experts for s in split.stages)  # a split's CPU stages: the device path's twins
 
 
 @ggml_needed
@@ -305,7 +305,7 @@ def stage_against_the_reference(f: GGUFFile, spec, prompt_tokens: int, seed: int
     FP32_TOL (plain twin), ROUNDED_WORST_TOL (rounding twin) and STAGE_TOL (ggml against the
     reference). `check` looks at the stage first. Returns the ggml stage."""
     cells = prompt_tokens + 16
-    opts = StageOptions(device=CPU, cpu_experts=True, threads=2, kv_tokens=2 * cells, context=2 * cells,
+    opts = StageOptions(device=CPU, host_core_experts=True, threads=2, kv_tokens=2 * cells, context=2 * cells,
                         chunk_size=2 * cells)
     runners = [load_reference_runner(f, spec), build_stage(f, spec, opts), build_stage(f, spec, opts),
                build_stage(f, spec, opts)]

@@ -12,25 +12,23 @@ import numpy as np
 import pytest
 import torch
 
-from strata_mgpu.config import HostShare
+from strata_mgpu.config import HostShare, StageSwitches
 from strata_mgpu.kernels.cpu_experts import TorchExperts
 from strata_mgpu.kernels.experts import TorchKernels
 from strata_mgpu.model.gguf_reader import GGUFFile
 from strata_mgpu.model.spec import ModelSpec, spec_from_gguf
 from strata_mgpu.stage.build import build_stage
-from strata_mgpu.stage.experts.handover import (
+from strata_mgpu.stage.experts.cpu_handover import CpuHandover
+from strata_mgpu.stage.experts.handover_twin import HandoverTwin
+from strata_mgpu.stage.experts.mailbox import HandoverWorker, Mailbox, host_sums
+from strata_mgpu.stage.experts.share_policy import (
     RETUNE_STEPS,
     TRIAL_BLOCK,
     TRIAL_STEPS,
     AutoShare,
-    CpuHandover,
-    HandoverTwin,
-    HandoverWorker,
     HostRate,
-    Mailbox,
     ShareTrial,
     assign_host,
-    host_sums,
 )
 from strata_mgpu.stage.host.arena import HostExpertArena
 from strata_mgpu.stage.stage import Stage, StageOptions
@@ -116,7 +114,7 @@ def test_the_twin_gather_skips_the_hosts_picks(tiny_gguf):
     """TorchKernels.moe_gathered with some picks -1 equals the sum over the others alone."""
     f = GGUFFile(tiny_gguf)
     spec = spec_from_gguf(f)
-    stage = build_stage(f, spec, StageOptions(device=CPU, resident_experts=2))
+    stage = build_stage(f, spec, StageOptions(device=CPU, switches=StageSwitches(resident_experts=2)))
     cache, ws = stage.experts.cache, stage.experts.workspace
     kernels = TorchKernels()
     torch.manual_seed(1)
@@ -219,9 +217,10 @@ def test_decode_with_the_twin_equals_the_link_only_stage(tiny_gguf, share, execu
     activations to 8 bits: routing may flip), finite and within tests/test_cpu_experts.py's STAGE_TOL."""
     f = GGUFFile(tiny_gguf)
     spec = spec_from_gguf(f)
-    plain = build_stage(f, spec, StageOptions(device=CPU, resident_experts=2))
-    shared = build_stage(f, spec, StageOptions(device=CPU, resident_experts=2, host_share=HostShare("fixed", share),
-                                               threads=1))
+    plain = build_stage(f, spec, StageOptions(device=CPU, switches=StageSwitches(resident_experts=2)))
+    shared = build_stage(f, spec, StageOptions(device=CPU, threads=1,
+                                               switches=StageSwitches(resident_experts=2,
+                                                                      cpu_experts=HostShare("fixed", share))))
     handover = shared.experts.handover
     assert isinstance(handover, HandoverTwin)
     if executor == "torch":
@@ -247,10 +246,12 @@ def test_off_and_auto_build_no_hand_over_on_the_cpu(tiny_gguf):
     f = GGUFFile(tiny_gguf)
     spec = spec_from_gguf(f)
     for share in (HostShare("off"), HostShare("auto")):
-        stage = build_stage(f, spec, StageOptions(device=CPU, resident_experts=2, host_share=share))
+        stage = build_stage(f, spec, StageOptions(device=CPU,
+                                                  switches=StageSwitches(resident_experts=2, cpu_experts=share)))
         assert stage.experts.handover is None
-    everything = build_stage(f, spec, StageOptions(device=CPU, resident_experts=spec.n_experts,
-                                                   host_share=HostShare("fixed", 1.0)))
+    everything = build_stage(f, spec, StageOptions(device=CPU,
+                                                   switches=StageSwitches(resident_experts=spec.n_experts,
+                                                                          cpu_experts=HostShare("fixed", 1.0))))
     assert everything.experts.handover is None  # nothing misses
 
 
@@ -270,8 +271,10 @@ def link_only_and_shared(tiny_gguf) -> tuple[ModelSpec, Stage, Stage, HandoverTw
     experts to the host (HandoverTwin, the plain twin as executor)."""
     f = GGUFFile(tiny_gguf)
     spec = spec_from_gguf(f)
-    plain = build_stage(f, spec, StageOptions(device=CPU, resident_experts=2))
-    shared = build_stage(f, spec, StageOptions(device=CPU, resident_experts=2, host_share=HostShare("fixed", 1.0)))
+    plain = build_stage(f, spec, StageOptions(device=CPU, switches=StageSwitches(resident_experts=2)))
+    shared = build_stage(f, spec, StageOptions(device=CPU,
+                                               switches=StageSwitches(resident_experts=2,
+                                                                      cpu_experts=HostShare("fixed", 1.0))))
     handover = shared.experts.handover
     assert isinstance(handover, HandoverTwin)
     handover.executor = TorchExperts()
@@ -328,9 +331,9 @@ def test_a_few_row_prompt_gives_the_host_its_share_of_the_streamed_experts(tiny_
     prompt streams everything itself."""
     f = GGUFFile(tiny_gguf)
     spec = spec_from_gguf(f)
-    plain = build_stage(f, spec, StageOptions(device=CPU, resident_experts=2))
-    shared = build_stage(f, spec, StageOptions(device=CPU, resident_experts=2, host_share=HostShare("fixed", share),
-                                               host_prompt_help=True))
+    plain = build_stage(f, spec, StageOptions(device=CPU, switches=StageSwitches(resident_experts=2)))
+    shared = build_stage(f, spec, StageOptions(device=CPU, switches=StageSwitches(
+        resident_experts=2, cpu_experts=HostShare("fixed", share), host_prompt_help=True)))
     handover, helper = shared.experts.handover, shared.experts.host_helper
     assert isinstance(handover, HandoverTwin) and helper is not None
     handover.executor = TorchExperts()

@@ -81,8 +81,9 @@ def test_keeps_blocks_needs_whole_blocks_and_an_integer_dot():
 
 def test_placement_carries_the_switch_to_every_stage():
     off = Placement(devices=("cpu",), dense_blocks=False)
-    assert [o.dense_blocks for o in stage_options(off, 512, 512, devices=[torch.device("cpu")] * 2)] == [False] * 2
-    assert all(o.dense_blocks for o in stage_options(Placement(devices=("cpu",)), 512, 512,
+    assert [o.switches.dense_blocks for o in stage_options(off, 512, 512, devices=[torch.device("cpu")] * 2)] == \
+        [False] * 2
+    assert all(o.switches.dense_blocks for o in stage_options(Placement(devices=("cpu",)), 512, 512,
                                                      devices=[torch.device("cpu")]))
 
 

@@ -107,8 +107,8 @@ def test_the_runtime_follows_the_placement(tiny_gguf):
                                              "STRATA_DECODE_GRAPH_BATCH": "2"}), devices=("cpu", "cpu"))
     runner = build_runner(f, spec_from_gguf(f), placement, 64, kv_tokens=256)
     assert [h.halves_from for h in runner.helpers] == [4096, 4096]
-    assert [s.options.kv_prefetch for s in runner.stages] == [False, False]
-    assert [s.options.graph_batch for s in runner.stages] == [2, 2]
+    assert [s.options.switches.kv_prefetch for s in runner.stages] == [False, False]
+    assert [s.options.switches.decode_graph_batch for s in runner.stages] == [2, 2]
 
 
 def test_cpu_stages_run_inline_whatever_the_switch(tiny_gguf):
@@ -150,7 +150,7 @@ def test_a_tool_building_its_own_stage_takes_the_environment_too(monkeypatch):
     from strata_mgpu.stage.stage import StageOptions
 
     opts = StageOptions.from_env(env.read({"STRATA_DECODE_GRAPH_BATCH": "2", "STRATA_KV_PREFETCH": "0"}), device=CPU)
-    assert (opts.graph_batch, opts.kv_prefetch, opts.device) == (2, False, CPU)
+    assert (opts.switches.decode_graph_batch, opts.switches.kv_prefetch, opts.device) == (2, False, CPU)
     r = subprocess.run([sys.executable, "-m", "strata_mgpu.tools.profile_decode", "missing.gguf"], capture_output=True,
                        text=True, timeout=120, env={**os.environ, "STRATA_DECODE_GRAPH_BATCH": "0"})
     assert r.returncode == 1

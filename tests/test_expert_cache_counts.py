@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import torch
 
+from strata_mgpu.config import StageSwitches
 from strata_mgpu.model.gguf_reader import GGUFFile
 from strata_mgpu.model.spec import spec_from_gguf
 from strata_mgpu.stage.build import build_stage
@@ -56,8 +57,9 @@ def test_a_cache_of_every_expert_counts_nothing_and_reads_all_from_vram(tiny_ggu
 
     f = GGUFFile(tiny_gguf)
     spec = spec_from_gguf(f)
-    full = build_stage(f, spec, StageOptions(device=torch.device("cpu"), resident_experts=spec.n_experts))
-    part = build_stage(f, spec, StageOptions(device=torch.device("cpu"), resident_experts=2))
+    full = build_stage(f, spec, StageOptions(device=torch.device("cpu"),
+                                             switches=StageSwitches(resident_experts=spec.n_experts)))
+    part = build_stage(f, spec, StageOptions(device=torch.device("cpu"), switches=StageSwitches(resident_experts=2)))
     assert full.experts.cache.holds_every_expert and not part.experts.cache.holds_every_expert
     prompt = torch.randint(0, spec.vocab_size, (12,), generator=torch.Generator().manual_seed(2))
     for stage in (full, part):

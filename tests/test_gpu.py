@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from strata_mgpu.config import LayerSplit
+from strata_mgpu.config import LayerSplit, StageSwitches
 from strata_mgpu.kernels.experts import TorchKernels
 from strata_mgpu.model.gguf_reader import GGUFFile
 from strata_mgpu.model.ops import DecodeOps
@@ -276,7 +276,8 @@ def test_stage_bf16_matches_reference_on_shared_routing(model):
     fp32 compute with free routing (next test) must agree everywhere."""
     f, spec = model
     ref = load_reference_runner(f, spec)
-    stage = build_stage(f, spec, StageOptions(device=CUDA, max_vram_gib=8, cuda_graphs=False))  # the hooks sync
+    stage = build_stage(f, spec, StageOptions(device=CUDA, max_vram_gib=8,
+                                              switches=StageSwitches(cuda_graphs=False)))  # the hooks sync
     _share_routing(stage, ref)
     # a prompt of whole layers (bf16 GEMMs): a shorter one gathers through the integer kernels,
     # whose 8-bit activations add their own rounding (held to their twin in test_gpu_quant)
@@ -301,7 +302,7 @@ def test_short_prompts_gather_where_every_expert_is_resident(model):
 
     f, spec = model
     ref = load_reference_runner(f, spec)
-    stage = build_stage(f, spec, StageOptions(device=CUDA, max_vram_gib=8, cuda_graphs=False))
+    stage = build_stage(f, spec, StageOptions(device=CUDA, max_vram_gib=8, switches=StageSwitches(cuda_graphs=False)))
     experts = stage.experts
     assert experts.cache.per_layer == spec.n_experts and experts.gather_picks == GATHER_PICKS_RESIDENT
     _share_routing(stage, ref)
@@ -322,7 +323,7 @@ def test_short_forwards_through_the_fused_ops_equal_runs_path(model):
     from strata_mgpu.model.decoder import Segment
 
     f, spec = model
-    stage = build_stage(f, spec, StageOptions(device=CUDA, max_vram_gib=8, cuda_graphs=False))
+    stage = build_stage(f, spec, StageOptions(device=CUDA, max_vram_gib=8, switches=StageSwitches(cuda_graphs=False)))
     dec = stage.model
     assert dec.static_rows and not dec.experts.should_stream(40)
     own, picked = dec.route, {}
@@ -458,7 +459,8 @@ def test_batched_graph_replay_equals_the_static_step_run_eagerly(tmp_path):
     write_model(tmp_path / "small.gguf", "small", seed=5)
     f = GGUFFile(tmp_path / "small.gguf")
     spec = spec_from_gguf(f)
-    stage = build_stage(f, spec, StageOptions(device=CUDA, max_vram_gib=8, graph_batch=4))
+    stage = build_stage(f, spec, StageOptions(device=CUDA, max_vram_gib=8,
+                                              switches=StageSwitches(decode_graph_batch=4)))
     lengths = (40, 9, 23, 15)
     kv_g = [stage.new_sequence(300) for _ in lengths]
     kv_e = [stage.new_sequence(300) for _ in lengths]
@@ -501,7 +503,8 @@ def test_graphs_captured_ahead_serve_the_first_batches(tmp_path):
     write_model(tmp_path / "small.gguf", "small", seed=6)
     f = GGUFFile(tmp_path / "small.gguf")
     spec = spec_from_gguf(f)
-    stage = build_stage(f, spec, StageOptions(device=CUDA, max_vram_gib=8, graph_batch=4))
+    stage = build_stage(f, spec, StageOptions(device=CUDA, max_vram_gib=8,
+                                              switches=StageSwitches(decode_graph_batch=4)))
     assert stage.warm_decode_graphs(300) == [1, 2, 4]
     ahead = {b: id(g) for b, g in stage.graphs.captured.items()}
     kv_g = [stage.new_sequence(300) for _ in range(3)]
@@ -609,7 +612,7 @@ def test_two_stages_equal_one_stage(tiny_gguf, graphs):
 
     f = GGUFFile(tiny_gguf)
     spec = spec_from_gguf(f)
-    opts = StageOptions(device=CUDA, max_vram_gib=4, chunk_size=64, cuda_graphs=graphs)
+    opts = StageOptions(device=CUDA, max_vram_gib=4, chunk_size=64, switches=StageSwitches(cuda_graphs=graphs))
     single = build_stage(f, spec, opts)
     split = build_split(f, spec, [opts, replace(opts, device=second_gpu())], LayerSplit((2,)))
     assert all(s.kernels.host_pointers for s in split.stages)
@@ -663,8 +666,9 @@ def test_helper_on_two_stages(tiny_gguf, dtype, halves):
 
     f = GGUFFile(tiny_gguf)
     spec = spec_from_gguf(f)
-    opts = StageOptions(device=CUDA, max_vram_gib=4, chunk_size=512, cuda_graphs=False, dtype=dtype,
-                        resident_experts=2)  # the tiny model fits whole: keep most experts streamed
+    # the tiny model fits whole: keep most experts streamed
+    opts = StageOptions(device=CUDA, max_vram_gib=4, chunk_size=512, dtype=dtype,
+                        switches=StageSwitches(cuda_graphs=False, resident_experts=2))
     runner = build_split(f, spec, [opts, replace(opts, device=second_gpu())], LayerSplit((2,)),
                          help_policy=HelpPolicy())
     for helper in runner.helpers:
@@ -701,8 +705,8 @@ def test_resident_experts_in_place_equal_all_streamed(tiny_gguf, dtype):
     prompt = torch.randint(0, spec.vocab_size, (GATHER_PICKS_RESIDENT // spec.n_experts_used + 8,))
     outs = {}
     for k in (0, 3, spec.n_experts):
-        stage = build_stage(f, spec, StageOptions(device=CUDA, max_vram_gib=4, dtype=dtype, resident_experts=k,
-                                            cuda_graphs=False))
+        stage = build_stage(f, spec, StageOptions(device=CUDA, max_vram_gib=4, dtype=dtype,
+                                                  switches=StageSwitches(resident_experts=k, cuda_graphs=False)))
         assert stage.experts.should_stream(prompt.numel())
         outs[k] = stage.prefill(stage.new_sequence(prompt.numel() + 100), prompt).cpu()
         experts = stage.experts

@@ -10,6 +10,7 @@ import pytest
 import torch
 from gguf.constants import GGMLQuantizationType as Q
 
+from strata_mgpu.config import StageSwitches
 from strata_mgpu.kernels import dense
 from strata_mgpu.kernels.dense import DeviceDense, dense_reference, rows_a_launch, w_rows_a_warp
 from strata_mgpu.kernels.experts import Q8_DOT_TYPES
@@ -100,8 +101,10 @@ def test_stage_keeping_blocks_matches_bf16_copies_on_shared_routing(which, reque
     decode steps (dense_q8): logits within BLOCKS_TOL. The blocks take less VRAM."""
     f = GGUFFile(request.getfixturevalue(which))
     spec = spec_from_gguf(f)
-    opts = StageOptions(device=CUDA, max_vram_gib=8, cuda_graphs=False)  # the routing hooks sync
-    plain = build_stage(f, spec, StageOptions(device=CUDA, max_vram_gib=8, cuda_graphs=False, dense_blocks=False))
+    opts = StageOptions(device=CUDA, max_vram_gib=8,
+                        switches=StageSwitches(cuda_graphs=False))  # the routing hooks sync
+    plain = build_stage(f, spec, StageOptions(device=CUDA, max_vram_gib=8,
+                                              switches=StageSwitches(cuda_graphs=False, dense_blocks=False)))
     blocks = build_stage(f, spec, opts)
     assert isinstance(blocks.model.w.output, BlockMatrix) and isinstance(plain.model.w.output, torch.Tensor)
     assert blocks.report.dense_bytes < 0.8 * plain.report.dense_bytes

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from strata_mgpu.config import EngineConfig
+from strata_mgpu.config import EngineConfig, StageSwitches
 from strata_mgpu.engine.device_sampler import BatchSampler
 from strata_mgpu.engine.engine import Engine, RequestOutput
 from strata_mgpu.engine.sampler import SamplingParams
@@ -73,7 +73,8 @@ def test_sampling_never_waits_for_the_device():
 @pytest.fixture(scope="module")
 def stage_of_bf16_projections(tiny_gguf):
     f = GGUFFile(tiny_gguf)
-    return build_stage(f, spec_from_gguf(f), StageOptions(device=CUDA, max_vram_gib=8, dense_blocks=False))
+    options = StageOptions(device=CUDA, max_vram_gib=8, switches=StageSwitches(dense_blocks=False))
+    return build_stage(f, spec_from_gguf(f), options)
 
 
 def prefill_many_against_one_at_a_time(stage: Stage) -> float:

@@ -9,12 +9,13 @@ import gc
 import pytest
 import torch
 
-from strata_mgpu.config import HostShare
+from strata_mgpu.config import HostShare, StageSwitches
 from strata_mgpu.model.gguf_reader import GGUFFile
 from strata_mgpu.model.runner import load_reference_runner
 from strata_mgpu.model.spec import spec_from_gguf
 from strata_mgpu.stage.build import build_stage
-from strata_mgpu.stage.experts.handover import CpuHandover, assign_host
+from strata_mgpu.stage.experts.cpu_handover import CpuHandover
+from strata_mgpu.stage.experts.share_policy import assign_host
 from strata_mgpu.stage.stage import StageOptions
 
 pytestmark = pytest.mark.gpu
@@ -29,12 +30,12 @@ def rel_err(a: torch.Tensor, ref: torch.Tensor) -> float:
     return float((a.float() - ref.float()).abs().max() / ref.float().abs().max())
 
 
-def stage_with(tiny_gguf, share: str, **options):
+def stage_with(tiny_gguf, share: str, **switches):
     gc.collect()
     f = GGUFFile(tiny_gguf)
     spec = spec_from_gguf(f)
-    return f, spec, build_stage(f, spec, StageOptions(device=CUDA, max_vram_gib=4, resident_experts=2,
-                                                      host_share=HostShare.parse(share), threads=2, **options))
+    return f, spec, build_stage(f, spec, StageOptions(device=CUDA, max_vram_gib=4, threads=2, switches=StageSwitches(
+        resident_experts=2, cpu_experts=HostShare.parse(share), **switches)))
 
 
 @pytest.mark.parametrize("rows", [1, 8])

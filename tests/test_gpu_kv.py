@@ -10,6 +10,7 @@ import gc
 import pytest
 import torch
 
+from strata_mgpu.config import StageSwitches
 from strata_mgpu.model.decoder import Segment
 from strata_mgpu.model.gguf_reader import GGUFFile
 from strata_mgpu.model.kv_cache import KVCache
@@ -42,7 +43,8 @@ def stage(request, tmp_path_factory):
     f = GGUFFile(path)
     gc.collect()  # earlier modules' stages must not count against this device's cap
     # No graphs: the captured step reads only VRAM (the stage must check graph_capturable first).
-    stage = build_stage(f, spec_from_gguf(f), StageOptions(device=CUDA, max_vram_gib=8, cuda_graphs=False))
+    stage = build_stage(f, spec_from_gguf(f), StageOptions(device=CUDA, max_vram_gib=8,
+                                                           switches=StageSwitches(cuda_graphs=False)))
     # Like against like: a plain cache's short chunks would take the fused ops (static_rows) where a
     # spilled one takes run's, and the two paths' bf16 roundings differ by more than the KV's own
     # (~1.5e-2 on the H200); tests/test_gpu.py holds the fused ops to run's path.

@@ -9,7 +9,7 @@ import gc
 import pytest
 import torch
 
-from strata_mgpu.config import EngineConfig, LayerSplit
+from strata_mgpu.config import EngineConfig, LayerSplit, StageSwitches
 from strata_mgpu.engine.engine import Engine, RequestOutput
 from strata_mgpu.engine.prefix_cache import DEVICE, HOST
 from strata_mgpu.engine.sampler import SamplingParams
@@ -91,8 +91,8 @@ def test_the_helper_takes_a_continuation_that_fits_one_chunk(tiny_gguf):
 
     f = GGUFFile(tiny_gguf)
     spec = spec_from_gguf(f)
-    opts = StageOptions(device=CUDA, max_vram_gib=4, chunk_size=512, cuda_graphs=False, dtype=torch.float32,
-                        resident_experts=2)
+    opts = StageOptions(device=CUDA, max_vram_gib=4, chunk_size=512, dtype=torch.float32,
+                        switches=StageSwitches(cuda_graphs=False, resident_experts=2))
     runner = build_split(f, spec, [opts, opts], LayerSplit((2,)), help_policy=HelpPolicy())
     g = torch.Generator().manual_seed(13)
     prompt = torch.randint(0, spec.vocab_size, (400,), generator=g)

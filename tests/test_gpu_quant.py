@@ -10,7 +10,7 @@ import pytest
 import torch
 from gguf.constants import GGMLQuantizationType
 
-from strata_mgpu.config import LayerSplit
+from strata_mgpu.config import LayerSplit, StageSwitches
 from strata_mgpu.kernels import experts as K
 from strata_mgpu.kernels.dense import dense_q8, dense_reference
 from strata_mgpu.kernels.experts import Q8_DOT_TYPES, Q8_WORDS, TorchKernels
@@ -242,7 +242,7 @@ def test_bf16_stage_runs_only_fast_paths(tiny_gguf):
     name only CUDA paths."""
     f = GGUFFile(tiny_gguf)
     spec = spec_from_gguf(f)
-    stage = build_stage(f, spec, StageOptions(device=CUDA, max_vram_gib=8, cuda_graphs=False))
+    stage = build_stage(f, spec, StageOptions(device=CUDA, max_vram_gib=8, switches=StageSwitches(cuda_graphs=False)))
     long_prompt = stage.experts.gather_picks // spec.n_experts_used + 8  # past the gather limit: whole layers
     stage.prefill(stage.new_sequence(long_prompt), torch.randint(0, spec.vocab_size, (long_prompt,)))
     whole_layers = _paths_of(stage)
@@ -263,7 +263,7 @@ def test_two_stage_hand_over_runs_copy_f32_wide(tiny_gguf):
 
     f = GGUFFile(tiny_gguf)
     spec = spec_from_gguf(f)
-    opts = StageOptions(device=CUDA, max_vram_gib=4, chunk_size=64, cuda_graphs=False)
+    opts = StageOptions(device=CUDA, max_vram_gib=4, chunk_size=64, switches=StageSwitches(cuda_graphs=False))
     split = build_split(f, spec, [opts, opts], LayerSplit((2,)))
     assert len(split.stages) == 2
     kv = split.new_sequence(200)

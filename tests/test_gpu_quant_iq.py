@@ -16,6 +16,7 @@ import pytest
 import torch
 from gguf.constants import GGMLQuantizationType as Q
 
+from strata_mgpu.config import StageSwitches
 from strata_mgpu.kernels.experts import TorchKernels
 from strata_mgpu.model.gguf_reader import GGUFFile
 from strata_mgpu.model.runner import load_reference_runner
@@ -96,7 +97,8 @@ def test_stage_with_iq_experts_matches_reference(tmp_path, types):
     f = GGUFFile(path)
     spec = spec_from_gguf(f)
     ref = load_reference_runner(f, spec)
-    stage = build_stage(f, spec, StageOptions(device=CUDA, max_vram_gib=8, cuda_graphs=False))  # the hooks sync
+    stage = build_stage(f, spec, StageOptions(device=CUDA, max_vram_gib=8,
+                                              switches=StageSwitches(cuda_graphs=False)))  # the hooks sync
     assert (stage.arena.layouts[0].gate_type, stage.arena.layouts[0].down_type) == types
     _share_routing(stage, ref)
     n = stage.experts.gather_picks // spec.n_experts_used + 8  # past the gather limit: whole layers

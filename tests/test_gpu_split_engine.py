@@ -12,7 +12,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from strata_mgpu.config import EngineConfig, LayerSplit
+from strata_mgpu.config import EngineConfig, LayerSplit, StageSwitches
 from strata_mgpu.engine.device_sampler import BatchSampler
 from strata_mgpu.model.gguf_reader import GGUFFile
 from strata_mgpu.model.spec import spec_from_gguf
@@ -48,7 +48,7 @@ def test_sampled_requests_on_two_stages_of_one_card_draw_one_stages_tokens(tiny_
     as served, then with every draw lagging, where an unordered read is all but certain."""
     f = GGUFFile(tiny_gguf)
     spec, tok = spec_from_gguf(f), tokenizer_from_gguf(f)
-    opts = StageOptions(device=CUDA, max_vram_gib=4, chunk_size=128, graph_batch=8)
+    opts = StageOptions(device=CUDA, max_vram_gib=4, chunk_size=128, switches=StageSwitches(decode_graph_batch=8))
     want = served_ids(build_stage(f, spec, opts), tok, CONFIG)
     split = build_split(f, spec, [opts, opts], LayerSplit((2,)))
     assert [s.ctx.device for s in split.stages] == [CUDA, CUDA] and all(s.graphs.enabled for s in split.stages)

@@ -14,7 +14,7 @@ from click.testing import CliRunner
 from gguf.constants import GGMLQuantizationType as Q
 
 from strata_mgpu.cli import main
-from strata_mgpu.config import Placement
+from strata_mgpu.config import Placement, StageSwitches
 from strata_mgpu.engine.build import stage_options
 from strata_mgpu.model.decoder import Segment
 from strata_mgpu.model.gguf_reader import GGUFFile
@@ -169,7 +169,8 @@ def test_a_prefix_restored_from_q8_blocks_continues_bit_for_bit(tiny, kind):
     continuation and 16 greedy steps equal a q8_0 run that computed the prefix itself."""
     f, spec, _ = tiny
     runner = (load_reference_runner(f, spec, kv_types=Q8) if kind == "reference" else
-              build_stage(f, spec, StageOptions(device=torch.device("cpu"), chunk_size=256, kv_types=Q8)))
+              build_stage(f, spec, StageOptions(device=torch.device("cpu"), chunk_size=256,
+                                                switches=StageSwitches(cache_type_k=Q.Q8_0, cache_type_v=Q.Q8_0))))
     prompt = torch.randint(0, spec.vocab_size, (150,), generator=torch.Generator().manual_seed(3))
     store = runner.kv_blocks(16)
     assert store.block_bytes == spec.n_layers * 16 * 2 * spec.kv_dim // 32 * 34  # 34 bytes for 32 values
@@ -195,7 +196,7 @@ def test_a_prefix_restored_from_q8_blocks_continues_bit_for_bit(tiny, kind):
 
 def test_the_options_reach_every_stage_and_a_bad_value_is_refused(tiny_gguf):
     placement = Placement(devices=("cpu",), cache_type_k=Q.Q8_0)
-    assert [o.kv_types for o in stage_options(placement, 256, 1024)] == [(Q.Q8_0, Q.BF16)]
+    assert [o.switches.kv_types for o in stage_options(placement, 256, 1024)] == [(Q.Q8_0, Q.BF16)]
     with pytest.raises(ValueError, match="--cache-type-v q4_0"):
         Placement(cache_type_v=Q.Q4_0)
     for command in (["serve", str(tiny_gguf)], ["bench", str(tiny_gguf)], ["info", str(tiny_gguf)]):

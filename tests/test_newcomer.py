@@ -20,6 +20,8 @@ from strata_mgpu.model.gguf_reader import GGUFFile
 from strata_mgpu.model.spec import spec_from_gguf
 from strata_mgpu.server import launch
 from strata_mgpu.stage.device import DeviceError
+from strata_mgpu.stage.memory_plan import vram_plan_line
+from strata_mgpu.stage.stage import Stage
 from tests.server_proc import running_server
 
 
@@ -36,18 +38,18 @@ def test_where_the_reference_and_cpu_stages_run(tiny_gguf, monkeypatch):
     # serve's runner on one CPU device where ggml-python is missing (with it: a CPU stage, tests/test_cpu_experts.py)
     monkeypatch.setattr("strata_mgpu.engine.build.ggml_missing", lambda: "ggml-python is not installed")
     reference = build_runner(f, spec, Placement(devices=("cpu",)), 64, cpu_reference=True)
-    assert launch.where_it_runs(reference) == ("cpu in fp32: the torch reference forward (plain torch ops, every "
-                                               "expert in host RAM)")
+    assert reference.describe() == ("cpu in fp32: the torch reference forward (plain torch ops, every "
+                                    "expert in host RAM)")
     split = build_runner(f, spec, Placement(devices=("cpu", "cpu")), 64, kv_tokens=256)
-    assert launch.where_it_runs(split) == ("2 stages: layers 0-1 on cpu in fp32 with plain torch ops | layers 2-3 "
-                                           "on cpu in fp32 with plain torch ops")
+    assert split.describe() == ("2 stages: layers 0-1 on cpu in fp32 with plain torch ops | layers 2-3 "
+                                "on cpu in fp32 with plain torch ops")
 
 
 def test_vram_plan_in_one_line(tiny_gguf):
     f = GGUFFile(tiny_gguf)
     spec = spec_from_gguf(f)
     ((_, layers, plan),) = preview_plans(f, spec, Placement(devices=("cuda:0",), max_vram_gib=(1.0,)), 4096, 4096)
-    line = launch.vram_plan_line(plan, pass_bytes=123_000_000)
+    line = vram_plan_line(plan, pass_bytes=123_000_000)
     assert line.startswith(f"VRAM plan {plan.total / 2**30:.1f} of 1.0 GiB: {plan.resident_per_layer}/8 experts a "
                            f"layer resident ("), line
     assert line.endswith("a prompt pass streams 0.12 GB, KV 4,096 tokens in VRAM"), line
@@ -65,13 +67,12 @@ def test_where_a_gpu_stage_runs(tiny_gguf):
         one = SimpleNamespace(kernels=kernels, layers=layers, plan=plan, report=SimpleNamespace(pass_bytes=10**8),
                               ctx=SimpleNamespace(is_cuda=True, device=torch.device("cuda", 0)),
                               model=SimpleNamespace(w=SimpleNamespace(dtype=torch.bfloat16)))
-        one.stages = [one]  # a Stage is its own list of stages
         return one
 
-    plan_line = launch.vram_plan_line(plan, 10**8)
-    assert launch.where_it_runs(stage(cuda)) == (
+    plan_line = vram_plan_line(plan, 10**8)
+    assert Stage.describe(stage(cuda)) == (
         f"cuda:0 in bf16 with CUDA kernels (CuPy/NVRTC, grouped GEMM by torch._grouped_mm); {plan_line}")
-    assert launch.where_it_runs(stage(TorchKernels())) == (
+    assert Stage.describe(stage(TorchKernels())) == (
         f"cuda:0 in bf16 with the torch twins of the CUDA kernels (no CuPy: slower; pip install "
         f"'strata-mgpu[cuda12]'); {plan_line}")
 

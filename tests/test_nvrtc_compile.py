@@ -16,10 +16,10 @@ from pathlib import Path
 
 import pytest
 
-from strata_mgpu.kernels import decode_ops, dense, moe_grouped, nvrtc
+from strata_mgpu.kernels import decode_ops, dense, moe_grouped, nvrtc, q8
 from strata_mgpu.kernels import experts as kernels
 from strata_mgpu.quant import formats
-from strata_mgpu.stage.experts import handover
+from strata_mgpu.stage.experts import cpu_handover
 
 
 def _libnvrtc() -> ctypes.CDLL | None:
@@ -49,13 +49,13 @@ CUDA_INCLUDE = _cuda_include()
 # file -> (names looked up as they are, template name expressions)
 KERNELS = {
     kernels.DEQUANT_FILE: ((), kernels._DEQUANT_EXPRS),
-    kernels.MOE_FILE: (kernels.MOE_NAMES, kernels._MOE_EXPRS),
+    q8.MOE_FILE: (q8.MOE_NAMES, q8.MOE_EXPRS),
     kernels.COPY_FILE: (("copy_f32_wide",), ()),
     dense.DENSE_FILE: ((), dense.DENSE_EXPRS),
-    moe_grouped.GROUPED_FILE: (moe_grouped.GROUPED_NAMES, moe_grouped.grouped_exprs(kernels.Q8_DOT_TYPES)),
+    moe_grouped.GROUPED_FILE: (moe_grouped.GROUPED_NAMES, moe_grouped.grouped_exprs(q8.Q8_DOT_TYPES)),
     decode_ops.OPS_FILE: (decode_ops.KERNEL_NAMES, ()),
     decode_ops.ATTN_FILE: ((), decode_ops.ATTN_ALL_EXPRS),  # every pair of cache types
-    handover.HANDOVER_FILE: (handover.KERNELS, ()),
+    cpu_handover.HANDOVER_FILE: (cpu_handover.KERNELS, ()),
 }
 
 
@@ -114,7 +114,7 @@ def test_cuda_type_list_is_the_format_tables():
     listed = re.search(r"#define GGML_CUDA_TYPES\(X\)(.*)", src).group(1)
     assert sorted(int(t) for t in re.findall(r"X\((\d+)\)", listed)) == sorted(formats.CUDA_DEQUANT_TYPES)
     assert set(formats.FUSED_DECODE_TYPES) <= set(formats.CUDA_DEQUANT_TYPES)
-    for file in (kernels.DEQUANT_FILE, kernels.MOE_FILE):
+    for file in (kernels.DEQUANT_FILE, q8.MOE_FILE):
         assert "GGML_CUDA_TYPES(" in nvrtc.cuda_source(file).split("#define")[-1], file
 
 
@@ -127,3 +127,37 @@ def test_block_sizes_in_cuda_equal_gguf():
         fmt = formats.block_format(t)
         want = (32, 32 * fmt.type_size) if fmt.is_float else (fmt.block_size, fmt.type_size)
         assert sizes.get(int(t)) == want, t.name
+
+
+@pytest.mark.skipif(NVRTC is None or CUDA_INCLUDE is None,
+                    reason="libnvrtc (pip install nvidia-cuda-nvrtc) or the CUDA headers not found")
+def test_handover_send_argument_is_laid_out_as_its_struct():
+    """SEND_ARGS (what CuPy copies into handover_send's one argument) against cpu_handover.cu's
+    HandoverSend, compiled: every field's offset and the size, as NVRTC lays the struct out. A
+    field left out, moved or retyped on either side fails to compile; so does a wrong assertion
+    (the last case: the check can fail)."""
+    def asserting(offsets: dict[str, int], size: int) -> str:
+        checks = "".join(f"static_assert(__builtin_offsetof(HandoverSend, {name}) == {at}, \"{name}\");\n"
+                         for name, at in offsets.items())
+        return (nvrtc.cuda_source(cpu_handover.HANDOVER_FILE) + checks +
+                f"static_assert(sizeof(HandoverSend) == {size}, \"size\");\n")
+
+    offsets, size = cpu_handover.SEND_OFFSETS, cpu_handover.SEND_ARGS.itemsize
+    assert set(offsets) >= set(cpu_handover.SEND_LAYER_PTRS) | set(cpu_handover.SEND_SIZES)
+    compile_ptx(asserting(offsets, size), (), "compute_90")
+    with pytest.raises(AssertionError, match="compile"):
+        compile_ptx(asserting({**offsets, "T": offsets["T"] + 4}, size), (), "compute_90")
+
+
+def test_send_args_fill_writes_every_field():
+    """SendArgs' flat views write the named fields: a layer's five addresses and five sizes, the
+    hand-over's fixed ones kept."""
+    per_layer = cpu_handover.SEND_LAYER_PTRS + cpu_handover.SEND_SIZES
+    fixed = {name: 1000 + k for k, name in enumerate(n for n in cpu_handover.SEND_ARGS.names if n not in per_layer)}
+    args = cpu_handover.SendArgs(**fixed)
+    value = args.fill(2**40 + 1, 2**40 + 2, 2**40 + 3, 2**40 + 4, 2**40 + 5, 3, 8, 2048, 128, 7)
+    assert value.shape == (1,) and value.dtype == cpu_handover.SEND_ARGS
+    got = {name: int(value[name][0]) for name in cpu_handover.SEND_ARGS.names}
+    want = {**fixed, **dict(zip(cpu_handover.SEND_LAYER_PTRS, range(2**40 + 1, 2**40 + 6), strict=True)),
+            **dict(zip(cpu_handover.SEND_SIZES, (3, 8, 2048, 128, 7), strict=True))}
+    assert got == want

@@ -3,11 +3,13 @@ equivalence with help off, repeatability, when it engages, and what memory it ho
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
 from strata_mgpu import env
-from strata_mgpu.config import AUTO_SPLIT, EngineConfig, Placement
+from strata_mgpu.config import AUTO_SPLIT, EngineConfig, Placement, StageSwitches
 from strata_mgpu.engine.engine import Engine
 from strata_mgpu.engine.sampler import SamplingParams
 from strata_mgpu.env import EnvError
@@ -213,7 +215,7 @@ def test_a_prompt_that_gathers_has_no_help(tiny):
     """Where a stage keeps some experts resident, a prompt of fewer picks than experts gathers them
     and streams nothing: no helper is bound and `last_help` says 0."""
     f, spec = tiny
-    opts = StageOptions(device=torch.device("cpu"), chunk_size=256, resident_experts=2)
+    opts = StageOptions(device=torch.device("cpu"), chunk_size=256, switches=StageSwitches(resident_experts=2))
     runner = build_split(f, spec, [opts, opts], AUTO_SPLIT, help_policy=HelpPolicy(fixed_share=0.4))
     moved = sum(h.to_helper.bytes_moved for h in runner.helpers)
     runner.prefill(runner.new_sequence(16), torch.randint(0, spec.vocab_size, (1,)), whole_prompt=True)
@@ -333,10 +335,10 @@ def test_helper_takes_only_streamed_experts(tiny, resident):
     """With K experts a layer resident, the helper's share comes from the E - K streamed ones; the
     answer equals the unhelped one of the same residency and the all-streamed one."""
     f, spec = tiny
-    opts = StageOptions(device=torch.device("cpu"), chunk_size=256, resident_experts=resident)
+    opts = StageOptions(device=torch.device("cpu"), chunk_size=256, switches=StageSwitches(resident_experts=resident))
     runner = build_split(f, spec, [opts, opts], AUTO_SPLIT, help_policy=HelpPolicy())
-    streamed = build_split(f, spec, [CPU.__class__(device=torch.device("cpu"), chunk_size=256, resident_experts=0)] * 2,
-                           AUTO_SPLIT, help_policy=HelpPolicy(enabled=False))
+    streamed = build_split(f, spec, [replace(opts, switches=StageSwitches(resident_experts=0))] * 2, AUTO_SPLIT,
+                           help_policy=HelpPolicy(enabled=False))
     prompt = torch.randint(0, spec.vocab_size, (120,))
     off, on, again = helped_and_not(runner, prompt, 0.5)
     reference = streamed.prefill(streamed.new_sequence(512), prompt, whole_prompt=True)

@@ -6,6 +6,7 @@ import pytest
 import torch
 from gguf.constants import GGMLQuantizationType as Q
 
+from strata_mgpu.config import StageSwitches
 from strata_mgpu.kernels.experts import TorchKernels
 from strata_mgpu.kernels.routing import combine, group_rows, masked_combine
 from strata_mgpu.model.gguf_reader import GGUFFile
@@ -178,7 +179,7 @@ def test_resident_experts_computed_in_place_equal_all_streamed(tiny_gguf):
     prompt = torch.randint(0, spec.vocab_size, (48,))
     outs = {}
     for k in (0, 1, spec.n_experts // 2, spec.n_experts):
-        stage = build_stage(f, spec, StageOptions(device=CPU, resident_experts=k))
+        stage = build_stage(f, spec, StageOptions(device=CPU, switches=StageSwitches(resident_experts=k)))
         experts = stage.experts
         outs[k] = stage.prefill(stage.new_sequence(64), prompt)
         assert experts.cache.per_layer == k and stage.plan.resident_per_layer == k
@@ -194,7 +195,7 @@ def test_a_pass_that_fails_partway_gives_the_ring_back(tiny_gguf):
     held: the next prompt streams and answers as a fresh stage does."""
     f = GGUFFile(tiny_gguf)
     spec = spec_from_gguf(f)
-    stage = build_stage(f, spec, StageOptions(device=CPU, resident_experts=1))
+    stage = build_stage(f, spec, StageOptions(device=CPU, switches=StageSwitches(resident_experts=1)))
     kernels, calls = stage.experts.kernels, []
     grouped_mlp = kernels.grouped_mlp
 
@@ -211,7 +212,7 @@ def test_a_pass_that_fails_partway_gives_the_ring_back(tiny_gguf):
     ring = stage.experts.ring
     assert ring.holder is not None and ring.holder.done  # given back, not left claimed
     again = stage.prefill(stage.new_sequence(64), prompt)
-    fresh = build_stage(f, spec, StageOptions(device=CPU, resident_experts=1))
+    fresh = build_stage(f, spec, StageOptions(device=CPU, switches=StageSwitches(resident_experts=1)))
     assert torch.equal(again, fresh.prefill(fresh.new_sequence(64), prompt))
 
 
@@ -275,7 +276,7 @@ def test_bench_compute_passes_upload_nothing_and_leave_the_ring_as_it_was(tiny_g
 
     f = GGUFFile(tiny_gguf)
     spec = spec_from_gguf(f)
-    stage = build_stage(f, spec, StageOptions(device=torch.device("cpu"), resident_experts=0))
+    stage = build_stage(f, spec, StageOptions(device=torch.device("cpu"), switches=StageSwitches(resident_experts=0)))
     ring, prompt = stage.experts.ring, torch.randint(0, spec.vocab_size, (40,))
     assert ring is not None and stage.experts.should_stream(prompt.numel())
     with uploads_skipped([stage]):

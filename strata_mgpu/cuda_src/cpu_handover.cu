@@ -1,7 +1,7 @@
 // A decode layer's routed experts shared with the host's cores, from inside the GPU's stream: no
 // host sync and no host launch a layer, so a captured decode graph replays it as it is.
 //
-// Per layer of a gathered pass (stage/experts/handover.py says the protocol from the host's side):
+// Per layer of a gathered pass (stage/experts/handover.py says the protocol, cpu_handover.py launches these):
 //   handover_send  decides which picks the host computes: experts not resident in VRAM, a share of
 //                  them by a running carry (so the share holds across layers and steps, one pick at a
 //                  time); writes their ids, the rows' weights and the rows (fp32) into the mailbox in
@@ -19,7 +19,7 @@
 // waiting block reads them only after it saw that number, with loads that skip the caches.
 #include <cuda_bf16.h>
 
-constexpr int MAX_EXPERTS = 4096;  // handover.py checks
+constexpr int MAX_EXPERTS = 4096;  // handover.py's MAX_EXPERTS: the build checks
 constexpr int ON_GPU = 1, ON_HOST = 2;
 
 __device__ __forceinline__ unsigned long long global_ns() {
@@ -42,18 +42,44 @@ __device__ __forceinline__ void post_request(int n, int T, int A, int layer, lon
     }
 }
 
-// grid 1, block 512 (any multiple of 32). experts, weights [P]; h [T, D] bf16; slot_of [E]: the
-// layer's row of the expert cache (-1: not resident). share: the fraction of misses the host takes;
-// carry: the running remainder (device, kept between launches); counter: the last request number
-// (device); n_host: this layer's host picks, for handover_add. Out: gpu_picks [P]; the mailbox:
-// h_host [T, D] fp32, picks_host [P] (the host's experts, -1 elsewhere), w_host [P], meta [4]
-// (T, A, local layer, host picks), request.
-extern "C" __global__ void handover_send(const long long* __restrict__ experts, const float* __restrict__ weights,
-                                         const __nv_bfloat16* __restrict__ h, const long long* __restrict__ slot_of,
-                                         int T, int A, int D, int E, int layer, const float* __restrict__ share,
-                                         float* carry, long long* counter, int* n_host,
-                                         long long* __restrict__ gpu_picks, float* h_host, int* picks_host,
-                                         float* w_host, int* meta, volatile long long* request) {
+// handover_send's argument, passed by value: a layer's tensors and sizes, then the mailbox's and
+// the device state's addresses (fixed for the hand-over's life). cpu_handover.py's SEND_ARGS lays
+// it out field by field (tests/test_nvrtc_compile.py compiles its offsets against this struct).
+struct HandoverSend {
+    const long long* experts;  // [P]
+    const float* weights;      // [P]
+    const __nv_bfloat16* h;    // [T, D] bf16
+    const long long* slot_of;  // [E]: the layer's row of the expert cache (-1: not resident)
+    long long* gpu_picks;      // out [P]: the GPU's picks, the host's -1
+    const float* share;        // the fraction of misses the host takes (mapped host memory)
+    float* carry;              // the running remainder (device, kept between launches)
+    long long* counter;        // the last request number (device)
+    int* n_host;               // this layer's host picks, for handover_add (device)
+    float* h_host;             // the mailbox: [T, D] fp32
+    int* picks_host;           // [P]: the host's experts, -1 elsewhere
+    float* w_host;             // [P]
+    int* meta;                 // [4]: T, A, local layer, host picks
+    volatile long long* request;
+    int T, A, D, E, layer;
+};
+
+// grid 1, block 512 (any multiple of 32): the fields of HandoverSend above.
+extern "C" __global__ void handover_send(const HandoverSend args) {
+    const long long* __restrict__ experts = args.experts;
+    const float* __restrict__ weights = args.weights;
+    const __nv_bfloat16* __restrict__ h = args.h;
+    const long long* __restrict__ slot_of = args.slot_of;
+    long long* __restrict__ gpu_picks = args.gpu_picks;
+    const float* __restrict__ share = args.share;
+    float* carry = args.carry;
+    long long* counter = args.counter;
+    int* n_host = args.n_host;
+    float* h_host = args.h_host;
+    int* picks_host = args.picks_host;
+    float* w_host = args.w_host;
+    int* meta = args.meta;
+    volatile long long* request = args.request;
+    const int T = args.T, A = args.A, D = args.D, E = args.E, layer = args.layer;
     __shared__ unsigned char side[MAX_EXPERTS];
     __shared__ int n;
     const int P = T * A;
@@ -97,7 +123,7 @@ extern "C" __global__ void handover_send(const long long* __restrict__ experts, 
     if (threadIdx.x == 0) post_request(n, T, A, layer, counter, n_host, meta, request);
 }
 
-// A prompt pass's rows (HostPrefillHelper, stage/experts/handover.py): the host takes a fixed set
+// A prompt pass's rows (HostPrefillHelper, stage/experts/host_prompt.py): the host takes a fixed set
 // of each layer's streamed experts rather than a share of the misses, and a chunk of rows is too
 // many for one block, so the rows go first, from many blocks:
 // grid (any), block 256: h [n] bf16 into the mailbox's h_host [n] fp32, each thread's writes

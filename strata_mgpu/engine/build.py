@@ -15,13 +15,17 @@ from strata_mgpu.model.gguf_reader import GGUFFile
 from strata_mgpu.model.runner import DecoderRunner, load_reference_runner
 from strata_mgpu.model.spec import ModelSpec, T, tname
 from strata_mgpu.split.help_rule import HelpPolicy
-from strata_mgpu.split.runner import SplitRunner, build_split, plan_layers
+from strata_mgpu.split.runner import SplitError, SplitRunner, build_split, plan_layers
 from strata_mgpu.stage.build import build_stage, stage_plan
-from strata_mgpu.stage.device import check_device, parse_device
-from strata_mgpu.stage.memory_plan import GiB, MemoryPlan, dense_bytes
+from strata_mgpu.stage.device import DeviceError, check_device, parse_device
+from strata_mgpu.stage.host.pinned import PinError
+from strata_mgpu.stage.memory_plan import MemoryPlan, PlanError, dense_bytes
 from strata_mgpu.stage.stage import Stage, StageOptions
 
 Progress = Callable[[str, int, int], None]
+# What a machine that cannot hold a placement raises while it is checked or built: one line to the
+# user, no traceback (DeviceError alone: a device that is not there)
+PLACEMENT_ERRORS = (DeviceError, PinError, SplitError, PlanError)
 
 
 def resolve_devices(placement: Placement) -> list[torch.device]:
@@ -42,16 +46,21 @@ def cpu_budget_warning(placement: Placement) -> str | None:
 
 def check_placement(placement: Placement, spec: ModelSpec) -> None:
     """Fail before anything loads: devices that do not exist, a split that does not fit."""
-    devices = resolve_devices(placement)
-    if len(devices) > 1:
-        plan_layers(spec.n_layers, len(devices), placement.layer_split,
-                    [placement.budget(i) for i in range(len(devices))])
+    resolve_devices(placement)
+    stage_layers(placement, spec)
+
+
+def stage_layers(placement: Placement, spec: ModelSpec) -> list[range]:
+    """Each stage's layers (`split.runner.plan_layers`; SplitError where the split cannot be used)."""
+    n = len(placement.devices)
+    return (plan_layers(spec.n_layers, n, placement.layer_split, [placement.budget(i) for i in range(n)]) if n > 1
+            else [range(spec.n_layers)])
 
 
 def stage_options(placement: Placement, chunk_size: int, kv_tokens: int,
                   devices: list[torch.device] | None = None) -> list[StageOptions]:
     """Each stage's options: on `devices` (default: the placement's, checked to exist). One CPU
-    device (`--devices cpu`) computes its experts on the host's cores (`cpu_experts`); CPU stages of
+    device (`--devices cpu`) computes its experts on the host's cores (`host_core_experts`); CPU stages of
     a split, and a CPU stage given `--resident-experts` (residency is the device path's), keep the
     device path's twins (the ring, the cache and the helper they are the tests of)."""
     devices = resolve_devices(placement) if devices is None else devices
@@ -60,14 +69,9 @@ def stage_options(placement: Placement, chunk_size: int, kv_tokens: int,
     threads = host_threads(placement, devices)
     # a CUDA stage's threads are its decode hand-over's pool: the GPU stages share the host's cores
     cuda_threads = max(1, threads // max(1, n_cuda))
-    return [StageOptions(device=d, max_vram_gib=placement.budget(i), chunk_size=chunk_size, kv_tokens=kv_tokens,
-                         context=kv_tokens,
-                         resident_experts=placement.resident_experts,
-                         dtype=torch.float32 if placement.dtype == "fp32" else None,
-                         cuda_graphs=placement.cuda_graphs, graph_batch=placement.decode_graph_batch,
-                         kv_prefetch=placement.kv_prefetch, kv_types=placement.kv_types, cpu_experts=cpu_only,
-                         threads=cuda_threads if d.type == "cuda" else threads, host_share=placement.cpu_experts,
-                         host_prompt_help=placement.host_prompt_help, dense_blocks=placement.dense_blocks)
+    return [StageOptions(device=d, switches=placement, max_vram_gib=placement.budget(i), chunk_size=chunk_size,
+                         kv_tokens=kv_tokens, context=kv_tokens, host_core_experts=cpu_only,
+                         threads=cuda_threads if d.type == "cuda" else threads)
             for i, d in enumerate(devices)]
 
 
@@ -85,17 +89,13 @@ def preview_plans(f: GGUFFile, spec: ModelSpec, placement: Placement, chunk_size
     `dense_layout_bytes`)."""
     names = [d.strip() for d in placement.devices]
     options = stage_options(placement, chunk_size, kv_tokens, devices=[parse_device(n) for n in names])
-    budgets = [placement.budget(i) for i in range(len(names))]
-    ranges = (plan_layers(spec.n_layers, len(names), placement.layer_split, budgets) if len(names) > 1
-              else [range(spec.n_layers)])
     elem = 4 if placement.dtype == "fp32" else 2
     out = []
-    for name, opts, layers in zip(names, options, ranges, strict=True):
+    for name, opts, layers in zip(names, options, stage_layers(placement, spec), strict=True):
         largest = max(layer_layout(f, spec, i).expert_bytes for i in layers)
         dense = dense_layout_bytes(f, spec, layers, elem=elem, blocks=placement.dense_blocks and elem == 2)
-        budget = int(opts.max_vram_gib * GiB) if opts.max_vram_gib else None
-        out.append((name, layers, stage_plan(spec, opts, layers, expert_bytes=largest, dense=dense, budget=budget,
-                                             elem=elem, where=f"stage on {name}")))
+        out.append((name, layers, stage_plan(spec, opts, layers, expert_bytes=largest, dense=dense,
+                                             budget=opts.max_vram_bytes, elem=elem, where=f"stage on {name}")))
     return out
 
 

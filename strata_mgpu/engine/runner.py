@@ -124,6 +124,11 @@ class ModelRunner(Protocol[S]):
         before the first request; the batch sizes made ready (none where nothing is replayed)."""
         ...
 
+    def describe(self) -> str:
+        """Where it runs, in one line for the log: each stage's device, dtype and kernels, and on
+        a GPU its VRAM plan."""
+        ...
+
     def silent_faults(self) -> int:
         """Failures the runner's queued work met without raising, counted since it was built (a
         host that did not answer a decode's expert hand-over: that layer went on without the

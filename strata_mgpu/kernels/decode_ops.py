@@ -27,8 +27,8 @@ import torch
 from gguf.constants import GGMLQuantizationType
 
 from strata_mgpu.kernels import nvrtc
-from strata_mgpu.kernels.experts import Q8_WORDS
 from strata_mgpu.kernels.paths import PathCounter
+from strata_mgpu.kernels.q8 import Q8_WORDS
 from strata_mgpu.model.kv_cache import PLAIN_KV, KVFormat, SequenceKV
 from strata_mgpu.model.ops import DecodeOps
 from strata_mgpu.model.spec import ModelSpec

@@ -25,7 +25,8 @@ import torch
 from gguf.constants import GGMLQuantizationType
 
 from strata_mgpu.kernels import nvrtc
-from strata_mgpu.kernels.experts import Q8_DOT_TYPES, Q8_WORDS, CudaKernels, q8_values
+from strata_mgpu.kernels.experts import CudaKernels, q8_values
+from strata_mgpu.kernels.q8 import Q8_DOT_TYPES, Q8_WORDS
 from strata_mgpu.model.decoder import DenseMatmul
 from strata_mgpu.model.weights import BlockMatrix, Matrix
 from strata_mgpu.quant.dequant import dequantize_rows

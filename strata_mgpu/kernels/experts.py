@@ -26,25 +26,18 @@ from gguf.constants import GGMLQuantizationType
 from strata_mgpu.kernels import nvrtc
 from strata_mgpu.kernels.moe_grouped import GROUPED_FILE, GROUPED_MIN_PICKS, grouped_exprs, moe_grouped, vectors_a_batch
 from strata_mgpu.kernels.paths import PathCounter, warn_once
+from strata_mgpu.kernels.q8 import MOE_EXPRS, MOE_FILE, Q8_DOT_TYPES, Q8_WORDS, quantize_q8
 from strata_mgpu.kernels.resident import ResidentExperts
 from strata_mgpu.model.expert_layout import ExpertLayout
 from strata_mgpu.quant.dequant import dequantize_rows
-from strata_mgpu.quant.formats import CUDA_DEQUANT_TYPES, FUSED_DECODE_TYPES, block_format
+from strata_mgpu.quant.formats import CUDA_DEQUANT_TYPES, block_format
 
 log = logging.getLogger("strata.kernels")
 Q = GGMLQuantizationType
 DEQUANT_FILE = "dequant.cu"
 COPY_FILE = "copy_f32_wide.cu"
-MOE_FILE = "moe_decode.cu"
 # Which types have which kernel: quant/formats.py's table (CUDA_DEQUANT_TYPES is re-exported here).
 _DEQUANT_EXPRS = tuple(f"dequant_bf16<{int(t)}>" for t in CUDA_DEQUANT_TYPES)
-_MOE_EXPRS = tuple(f"{k}<{int(t)}>" for t in FUSED_DECODE_TYPES for k in ("moe_gate_up", "moe_down"))
-# Types whose fused kernels dot integers against 8-bit activations (cuda_src/q8_dot.cuh's
-# Q8_DOT_TYPES): their input is quantized first, and the twin quantizes it the same way.
-Q8_DOT_TYPES = frozenset({Q.Q4_0, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K})
-Q8_WORDS = 12  # words (int32) of one quantized 32-value sub-block: 32 int8, the scale, two half sums, a pad
-Q8_THREADS = 256  # quantize_q8: a warp a sub-block
-MOE_NAMES = ("quantize_q8",)  # moe_decode.cu's plain (extern "C") kernels
 MOE_THREADS = 256  # 8 warps: a block's tile has at most 8 rows, one a warp
 MOE_DOWN_ROWS = MOE_THREADS // 32  # rows of D a block of moe_down takes at most (for every pick)
 MOE_SHARED_BYTES = 46 * 1024  # under the 48 KiB every card gives a block without opting in
@@ -253,8 +246,8 @@ class CudaKernels(TorchKernels):
         device = self.device
         for expr in _DEQUANT_EXPRS:
             nvrtc.kernel(DEQUANT_FILE, expr, _DEQUANT_EXPRS, device)
-        for expr in _MOE_EXPRS:
-            nvrtc.kernel(MOE_FILE, expr, _MOE_EXPRS, device)
+        for expr in MOE_EXPRS:
+            nvrtc.kernel(MOE_FILE, expr, MOE_EXPRS, device)
         for expr in grouped_exprs(Q8_DOT_TYPES):
             nvrtc.kernel(GROUPED_FILE, expr, grouped_exprs(Q8_DOT_TYPES), device)
         # 0..MAX_EXPERTS, made once here: expert bounds and a part's group ends slice it (one launch
@@ -341,20 +334,20 @@ class CudaKernels(TorchKernels):
         if self._goes_grouped(plan, cache, t * a, d):
             assert hq is not None, "the grouped kernels dot integers: h was quantized"
             self.paths.ran("moe_gathered", "grouped")
-            return moe_grouped(self, table, n_experts, lay, hq, weights, experts)
+            return moe_grouped(self.device, self.expert_ids(n_experts + 1), table, lay, hq, weights, experts)
         self.paths.ran("moe_gathered", "fused")
         f = plan.ffn
         act = torch.empty(t * a, f, dtype=torch.bfloat16, device=h.device)
         out = torch.empty(t, d, dtype=torch.bfloat16, device=h.device)
         gate_in = hq if plan.q8_gate_up else h  # the float kernels read h itself
         assert gate_in is not None
-        fn = nvrtc.kernel(MOE_FILE, f"moe_gate_up<{int(lay.gate_type)}>", _MOE_EXPRS, self.device)
+        fn = nvrtc.kernel(MOE_FILE, f"moe_gate_up<{int(lay.gate_type)}>", MOE_EXPRS, self.device)
         nvrtc.launch(fn, (-(-f // plan.rows_gu), t * a), MOE_THREADS,
                      (h.data_ptr(), gate_in.data_ptr(), picks.data_ptr(), np.int32(a), *table, np.int32(d), np.int32(f),
                       np.int64(plan.gate_row), np.int32(plan.rows_gu), act.data_ptr()), self.device,
                      shared_mem=plan.gate_up_shared)
         aq = self._quantize_q8(act) if plan.q8_down else act
-        fn = nvrtc.kernel(MOE_FILE, f"moe_down<{int(lay.down_type)}>", _MOE_EXPRS, self.device)
+        fn = nvrtc.kernel(MOE_FILE, f"moe_down<{int(lay.down_type)}>", MOE_EXPRS, self.device)
         nvrtc.launch(fn, (-(-d // plan.rows_down), t), MOE_THREADS,
                      (act.data_ptr(), aq.data_ptr(), picks.data_ptr(), weights.data_ptr(), np.int32(a), *table,
                       np.int32(d), np.int32(f), np.int64(plan.down_row), np.int64(lay.down_offset),
@@ -383,14 +376,8 @@ class CudaKernels(TorchKernels):
         return self._expert_ids[:n]
 
     def _quantize_q8(self, x: torch.Tensor) -> torch.Tensor:
-        """x [R, n] bf16 -> [R, n / 32 * Q8_WORDS] int32: 8-bit values and a scale a 32-value
-        sub-block (`quantize_q8`, cuda_src/q8_dot.cuh's layout), what the integer kernels read."""
-        n_sub = x.numel() // 32
-        out = torch.empty(x.shape[0], x.shape[1] // 32 * Q8_WORDS, dtype=torch.int32, device=x.device)
-        fn = nvrtc.kernel(MOE_FILE, MOE_NAMES[0], _MOE_EXPRS, self.device)
-        warps = Q8_THREADS // 32
-        nvrtc.launch(fn, -(-n_sub // warps), Q8_THREADS, (x.data_ptr(), np.int64(n_sub), out.data_ptr()), self.device)
-        return out
+        """`q8.quantize_q8` on this kernel set's device."""
+        return quantize_q8(x, self.device)
 
     def copy_wide(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         """`copy_f32_wide`: 16-byte loads and stores by a kernel, so a hand-over through mapped

@@ -21,9 +21,9 @@ import numpy as np
 import torch
 
 from strata_mgpu.kernels import nvrtc
+from strata_mgpu.kernels.q8 import Q8_DOT_TYPES, Q8_WORDS, quantize_q8
 
 if TYPE_CHECKING:
-    from strata_mgpu.kernels.experts import CudaKernels
     from strata_mgpu.model.expert_layout import ExpertLayout
 
 GROUPED_FILE = "moe_grouped.cu"
@@ -56,38 +56,39 @@ def picks_by_expert(picks: torch.Tensor, expert_ids: torch.Tensor) -> tuple[torc
     return order, torch.searchsorted(ranked, expert_ids)
 
 
-def moe_grouped(kernels: CudaKernels, table: tuple, n_experts: int, lay: ExpertLayout, hq: torch.Tensor,
+def moe_grouped(device: torch.device, expert_ids: torch.Tensor, table: tuple, lay: ExpertLayout, hq: torch.Tensor,
                 weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
     """A layer's routed experts for hq (h [T, D] bf16 quantized, `quantize_q8`), weights [T, A]
     fp32, experts [T, A] -> [T, D] bf16. table: the layer's expert table as moe_decode.cu's kernels
-    take it (slot_of and host_offset rows of its n_experts, slots, slot_bytes, arena). Both of the
-    layout's types must be integer ones (Q8_DOT_TYPES)."""
-    from strata_mgpu.kernels.experts import Q8_DOT_TYPES, Q8_WORDS
+    take it (slot_of and host_offset rows of its experts, slots, slot_bytes, arena); expert_ids:
+    0..E on the device, E the layer's experts. Both of the layout's types must be integer ones
+    (Q8_DOT_TYPES)."""
+    n_experts = expert_ids.numel() - 1
 
     t, a = experts.shape
     d = hq.shape[1] // Q8_WORDS * 32
     f = lay.gate_weights // d
     nv_gu, nv_down = vectors_a_batch(d, Q8_WORDS), vectors_a_batch(f, Q8_WORDS)
     assert lay.gate_type in Q8_DOT_TYPES and lay.down_type in Q8_DOT_TYPES and nv_gu > 0 and nv_down > 0
-    order, starts = picks_by_expert(experts.reshape(-1), kernels.expert_ids(n_experts + 1))
+    order, starts = picks_by_expert(experts.reshape(-1), expert_ids)
     exprs = grouped_exprs(Q8_DOT_TYPES)
     warps = GROUP_THREADS // 32
     act = torch.empty(t * a, f, dtype=torch.bfloat16, device=hq.device)
-    fn = nvrtc.kernel(GROUPED_FILE, f"moe_group_gate_up<{int(lay.gate_type)}>", exprs, kernels.device)
+    fn = nvrtc.kernel(GROUPED_FILE, f"moe_group_gate_up<{int(lay.gate_type)}>", exprs, device)
     nvrtc.launch(fn, (-(-f // warps), n_experts), GROUP_THREADS,
                  (hq.data_ptr(), order.data_ptr(), starts.data_ptr(), np.int32(a), np.int32(nv_gu), *table,
-                  np.int32(d), np.int32(f), np.int64(lay.gate_bytes // f), act.data_ptr()), kernels.device,
+                  np.int32(d), np.int32(f), np.int64(lay.gate_bytes // f), act.data_ptr()), device,
                  shared_mem=nv_gu * (d // 32) * Q8_WORDS * 4)
-    aq = kernels._quantize_q8(act)
+    aq = quantize_q8(act, device)
     y = torch.empty(t * a, d, dtype=torch.float32, device=hq.device)
-    fn = nvrtc.kernel(GROUPED_FILE, f"moe_group_down<{int(lay.down_type)}>", exprs, kernels.device)
+    fn = nvrtc.kernel(GROUPED_FILE, f"moe_group_down<{int(lay.down_type)}>", exprs, device)
     nvrtc.launch(fn, (-(-d // warps), n_experts), GROUP_THREADS,
                  (aq.data_ptr(), order.data_ptr(), starts.data_ptr(), np.int32(nv_down), *table, np.int32(d),
                   np.int32(f), np.int64(lay.down_bytes // d), np.int64(lay.down_offset), y.data_ptr()),
-                 kernels.device, shared_mem=nv_down * (f // 32) * Q8_WORDS * 4)
+                 device, shared_mem=nv_down * (f // 32) * Q8_WORDS * 4)
     out = torch.empty(t, d, dtype=torch.bfloat16, device=hq.device)
-    fn = nvrtc.kernel(GROUPED_FILE, GROUPED_NAMES[0], exprs, kernels.device)
+    fn = nvrtc.kernel(GROUPED_FILE, GROUPED_NAMES[0], exprs, device)
     nvrtc.launch(fn, -(-t * d // COMBINE_THREADS), COMBINE_THREADS,
                  (y.data_ptr(), weights.data_ptr(), np.int32(a), np.int64(t * d), np.int32(d), out.data_ptr()),
-                 kernels.device)
+                 device)
     return out

@@ -17,6 +17,12 @@ from strata_mgpu.model.reference import ReferenceModel
 from strata_mgpu.model.spec import ModelSpec
 from strata_mgpu.model.weights import load_weights
 
+DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return DTYPE_NAMES.get(dtype, str(dtype))
+
 
 class DecoderRunner:
     """The engine's `ModelRunner` over a `Decoder` in host memory: the reference (no KV limit,
@@ -40,6 +46,10 @@ class DecoderRunner:
 
     def silent_faults(self) -> int:
         return 0  # every op runs in order on the host and raises where it fails
+
+    def describe(self) -> str:
+        return (f"{self.model.device} in {dtype_name(self.model.w.dtype)}: the torch reference forward (plain "
+                f"torch ops, every expert in host RAM)")
 
     def new_sequence(self, max_length: int) -> KVCache:
         return self.model.new_cache(max_length=max_length)

@@ -21,22 +21,21 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from strata_mgpu.config import ServerConfig
-from strata_mgpu.engine.build import build_runner, check_placement, cpu_budget_warning, resolve_devices
+from strata_mgpu.engine.build import (
+    PLACEMENT_ERRORS,
+    DeviceError,
+    build_runner,
+    check_placement,
+    cpu_budget_warning,
+    resolve_devices,
+)
 from strata_mgpu.engine.engine import Engine
-from strata_mgpu.kernels.experts import CudaKernels
 from strata_mgpu.model.gguf_reader import GGUFFile
-from strata_mgpu.model.runner import DecoderRunner
 from strata_mgpu.model.spec import ModelSpec, spec_from_gguf
 from strata_mgpu.model.tokenizer import Tokenizer, tokenizer_from_gguf
 from strata_mgpu.progress import layer_bars
 from strata_mgpu.server.app import ServerState, create_app
 from strata_mgpu.server.body_limit import max_body_bytes
-from strata_mgpu.split.runner import SplitError, SplitRunner
-from strata_mgpu.stage.device import DeviceError
-from strata_mgpu.stage.experts.host_cores import HostCoreExperts
-from strata_mgpu.stage.host.pinned import PinError
-from strata_mgpu.stage.memory_plan import MemoryPlan, PlanError
-from strata_mgpu.stage.stage import Stage
 
 log = logging.getLogger("strata.server")
 DEMO_PRESET, DEMO_SEED, DEMO_NAME = "tiny", 0, "strata-demo"
@@ -108,45 +107,6 @@ def cuda_build_hint() -> str | None:
             "(pip uninstall -y torch && pip install torch: PyPI's Linux wheel is the CUDA build)")
 
 
-_DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
-
-
-def where_it_runs(runner: DecoderRunner | Stage | SplitRunner) -> str:
-    """One line: each stage's device, dtype and kernels, and on a GPU its VRAM plan."""
-    if isinstance(runner, DecoderRunner):
-        return (f"{runner.model.device} in {_DTYPE_NAMES.get(runner.model.w.dtype, runner.model.w.dtype)}: "
-                f"the torch reference forward (plain torch ops, every expert in host RAM)")
-    stages = runner.stages
-    described = [_stage_line(s, with_layers=len(stages) > 1) for s in stages]
-    return described[0] if len(described) == 1 else f"{len(stages)} stages: " + " | ".join(described)
-
-
-def _stage_line(stage: Stage, with_layers: bool) -> str:
-    dtype = _DTYPE_NAMES.get(stage.model.w.dtype, str(stage.model.w.dtype))
-    kernels = stage.kernels
-    if isinstance(kernels, CudaKernels):
-        path = "CUDA kernels (CuPy/NVRTC" + (", grouped GEMM by torch._grouped_mm)" if kernels.use_grouped_mm
-                                             else ", grouped GEMM expert by expert)")
-    elif stage.ctx.is_cuda:
-        path = "the torch twins of the CUDA kernels (no CuPy: slower; pip install 'strata-mgpu[cuda12]')"
-    else:
-        path = "plain torch ops"
-        if isinstance(stage.experts, HostCoreExperts):
-            path += f", experts from their GGUF bytes by {stage.experts.executor.describe()}"
-    where = f"layers {stage.layers.start}-{stage.layers.stop - 1} on " if with_layers else ""
-    line = f"{where}{stage.ctx.device} in {dtype} with {path}"
-    return line + ("; " + vram_plan_line(stage.plan, stage.report.pass_bytes) if stage.ctx.is_cuda else "")
-
-
-def vram_plan_line(plan: MemoryPlan, pass_bytes: int) -> str:
-    """A stage's VRAM plan in one line: what it places of its budget, the experts it keeps resident,
-    what a prompt pass streams, the KV it holds (`strata info --max-vram` prints it line by line)."""
-    budget = f" of {plan.budget / 2**30:.1f}" if plan.budget is not None else ""
-    return (f"VRAM plan {plan.total / 2**30:.1f}{budget} GiB: {plan.resident_per_layer}/{plan.n_experts} experts a "
-            f"layer resident ({plan.resident / 1e9:.2f} GB), a prompt pass streams {pass_bytes / 1e9:.2f} GB, "
-            f"KV {plan.kv_tokens:,} tokens in VRAM")
-
-
 def listening_socket(host: str, port: int) -> socket.socket:
     """A socket bound to host:port, for uvicorn to listen on: a port in use or a host that does
     not resolve fails here, in one line, before anything loads."""
@@ -210,14 +170,14 @@ class Loader:
             engine.start()
             options = state.chat_options(engine)  # the tool dialect, chosen once
             state.engine = engine
-            log.info("model %s runs on %s; tool calls in the %s dialect", state.model_name, where_it_runs(runner),
+            log.info("model %s runs on %s; tool calls in the %s dialect", state.model_name, runner.describe(),
                      options.dialect.name)
             log.info("model %s ready: %d layers, %d experts (%d used), context %d, chunk %d (loaded in %.1f s)",
                      state.model_name, spec.n_layers, spec.n_experts, spec.n_experts_used, engine.n_ctx,
                      config.engine.chunk_size, time.perf_counter() - started)
         except LoadCancelled:
             log.info("loading %s stopped: the server is shutting down", config.model_path)
-        except (DeviceError, PinError, SplitError, PlanError) as e:  # the machine cannot hold it: say so in one line
+        except PLACEMENT_ERRORS as e:  # the machine cannot hold it: say so in one line
             state.load_error = f"loading failed: {e}"
             log.error("loading %s failed: %s", config.model_path, e)
         except Exception as e:  # shown by /health and the log; the server keeps answering 503

@@ -1,19 +1,40 @@
-"""A split's prefix-cache blocks: each stage keeps its own layers' part of every block, on its own
-device (`stage.kv.blocks.StageBlocks`); a block is the tuple of the stages' parts."""
+"""A split's KV: a sequence's caches, one a stage (`SplitKV`), and its prefix-cache blocks: each
+stage keeps its own layers' part of every block, on its own device (`stage.kv.blocks.StageBlocks`);
+a block is the tuple of the stages' parts."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from concurrent.futures import Future
+from dataclasses import dataclass, field
 
 import torch
 
+from strata_mgpu.model.kv_cache import SequenceKV
 from strata_mgpu.stage.kv.blocks import StageBlocks
 
-if TYPE_CHECKING:
-    from strata_mgpu.split.runner import SplitKV
-
 SplitBlock = tuple[torch.Tensor, ...]  # one part a stage, in stage order
+
+
+@dataclass
+class SplitKV:
+    """One sequence's KV caches, one per stage (each on its stage's device)."""
+
+    parts: list[SequenceKV]
+    pending: list[list[Future]] = field(default_factory=list)  # its prompt chunks' stage tasks, not waited for
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.parts)
+
+    def take_pending(self) -> list[Future]:
+        """Its chunks' tasks not yet waited for, handed to the caller who waits for them."""
+        tasks, self.pending = [f for job in self.pending for f in job], []
+        return tasks
+
+    @property
+    def length(self) -> int:
+        return self.parts[0].length
 
 
 class SplitBlocks:

@@ -11,7 +11,6 @@ import itertools
 import logging
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -19,11 +18,10 @@ import torch
 from strata_mgpu.config import LayerSplit
 from strata_mgpu.model.decoder import Segment
 from strata_mgpu.model.gguf_reader import GGUFFile
-from strata_mgpu.model.kv_cache import SequenceKV
 from strata_mgpu.model.spec import ModelSpec
 from strata_mgpu.split.exchange import Exchange
 from strata_mgpu.split.help_rule import HelpPolicy
-from strata_mgpu.split.kv_blocks import SplitBlocks
+from strata_mgpu.split.kv_blocks import SplitBlocks, SplitKV
 from strata_mgpu.split.peer_prefill import MESSAGES_PER_LAYER, PeerPrefill
 from strata_mgpu.split.rate_model import stage_load
 from strata_mgpu.split.workers import StageWorkers, wait_all
@@ -70,27 +68,6 @@ def plan_layers(n_layers: int, n_stages: int, layer_split: LayerSplit, weights: 
             raise SplitError(f"--layer-split '{layer_split}': stage boundaries must increase within "
                              f"1..{n_layers - 1}")
     return [range(a, b) for a, b in zip(bounds, bounds[1:], strict=False)]
-
-
-@dataclass
-class SplitKV:
-    """One sequence's KV caches, one per stage (each on its stage's device)."""
-
-    parts: list[SequenceKV]
-    pending: list[list[Future]] = field(default_factory=list)  # its prompt chunks' stage tasks, not waited for
-
-    @property
-    def nbytes(self) -> int:
-        return sum(p.nbytes for p in self.parts)
-
-    def take_pending(self) -> list[Future]:
-        """Its chunks' tasks not yet waited for, handed to the caller who waits for them."""
-        tasks, self.pending = [f for job in self.pending for f in job], []
-        return tasks
-
-    @property
-    def length(self) -> int:
-        return self.parts[0].length
 
 
 class SplitRunner:
@@ -161,6 +138,9 @@ class SplitRunner:
 
     def silent_faults(self) -> int:
         return sum(stage.silent_faults() for stage in self.stages)
+
+    def describe(self) -> str:
+        return f"{len(self.stages)} stages: " + " | ".join(s.describe(with_layers=True) for s in self.stages)
 
     def new_sequence(self, max_length: int) -> SplitKV:
         parts = []

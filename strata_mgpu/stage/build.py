@@ -6,7 +6,7 @@ plan (`memory_plan`) then fits the rest of the budget around what is placed: the
 resident experts (the expert cache), the KV the engine may fill and the decode graphs' room. The
 decoder's path switches (`static_rows`: short forwards through the fused decode ops) and whether
 decode steps can be captured as graphs follow from the kernels and the card, decided here once.
-A CPU stage with `cpu_experts` keeps only the arena (not pinned) and computes every expert from
+A CPU stage with `host_core_experts` keeps only the arena (not pinned) and computes every expert from
 it on the host's cores (`HostCoreExperts`): no ring, no expert cache, no workspace.
 """
 
@@ -28,12 +28,9 @@ from strata_mgpu.model.spec import ModelSpec
 from strata_mgpu.model.weights import BlockMatrix, ModelWeights, every_type, load_weights
 from strata_mgpu.stage.device import DeviceContext
 from strata_mgpu.stage.experts.cache import ExpertCache, RefillOnFirstStep
-from strata_mgpu.stage.experts.handover import (
-    HANDOVER_POLL,
-    MAX_EXPERTS,
-    CpuHandover,
-    HandoverTwin,
-)
+from strata_mgpu.stage.experts.cpu_handover import HANDOVER_POLL, CpuHandover
+from strata_mgpu.stage.experts.handover import MAX_EXPERTS, Handover
+from strata_mgpu.stage.experts.handover_twin import HandoverTwin
 from strata_mgpu.stage.experts.host_cores import HostCoreExperts, HostDense
 from strata_mgpu.stage.experts.ring import ExpertRing
 from strata_mgpu.stage.experts.streamed import StreamedExperts
@@ -45,7 +42,6 @@ from strata_mgpu.stage.memory_plan import MemoryPlan, plan_stage_memory
 from strata_mgpu.stage.stage import Stage, StageOptions, StageReport
 
 log = logging.getLogger("strata.stage")
-GiB = 2**30
 # (what is loading, done, total): a stage counts its own layers from 1
 Progress = Callable[[str, int, int], None]
 
@@ -56,24 +52,25 @@ def build_stage(f: GGUFFile, spec: ModelSpec, opts: StageOptions, layers: range 
     layers = layers if layers is not None else range(spec.n_layers)
     assert 0 <= layers.start < layers.stop <= spec.n_layers and layers.step == 1
     first, last = layers.start == 0, layers.stop == spec.n_layers
-    ctx = DeviceContext(opts.device, int(opts.max_vram_gib * GiB) if opts.max_vram_gib else None)
-    if opts.cpu_experts and ctx.is_cuda:
-        raise ValueError(f"cpu_experts is a CPU stage's option; the stage is on {ctx.device}")
-    dtype = opts.dtype or (torch.bfloat16 if ctx.is_cuda else torch.float32)
+    switches = opts.switches
+    ctx = DeviceContext(opts.device, opts.max_vram_bytes)
+    if opts.host_core_experts and ctx.is_cuda:
+        raise ValueError(f"host_core_experts is a CPU stage's option; the stage is on {ctx.device}")
+    dtype = opts.compute_dtype
 
     def progress(what: str, total: int) -> Callable[[int], None]:
         # on_layer gets the global layer id: count from this stage's first layer
         return (lambda i: on_progress(what, i - layers.start + 1, total)) if on_progress else (lambda i: None)
 
     tag = "" if first and last else f" {layers.start}-{layers.stop - 1} on {ctx.device}"
-    executor = select_cpu_experts(opts.threads or default_threads(0)) if opts.cpu_experts else None
+    executor = select_cpu_experts(opts.threads or default_threads(0)) if opts.host_core_experts else None
     kernels = select_kernels(ctx.device, prefer_cuda=opts.prefer_cuda_kernels)
     # Which projections stay as the file's blocks: a CPU stage computing on the host's cores through
     # ggml multiplies every type from its blocks (`HostDense`; the torch twin would dequantize them
     # every call: floats there); a bf16 GPU stage with the CUDA kernels those dense_q8 dots
     # (`DeviceDense`): decode reads them at half bf16's bytes or less, and they take that much less VRAM
     host_blocks = isinstance(executor, GgmlExperts)
-    device_blocks = opts.dense_blocks and isinstance(kernels, CudaKernels) and dtype == torch.bfloat16
+    device_blocks = switches.dense_blocks and isinstance(kernels, CudaKernels) and dtype == torch.bfloat16
     dense = load_weights(f, spec, dtype=dtype, device=ctx.device, with_experts=False, layers=layers, embed=first,
                          head=last, blocks=every_type if host_blocks else keeps_blocks if device_blocks else None,
                          embed_blocks=host_blocks, on_layer=progress("dense weights" + tag, len(layers)))
@@ -86,7 +83,7 @@ def build_stage(f: GGUFFile, spec: ModelSpec, opts: StageOptions, layers: range 
                  dense_storage_bytes(dense) + (device_dense.scratch_bytes if device_dense else 0), dtype)
     ring = ExpertRing(ctx, plan.ring_slot_bytes, opts.ring_slots) if plan.ring else None
     cache = (ExpertCache(ctx, arena, layers, plan.resident_per_layer * len(layers))
-             if opts.expert_cache and not opts.cpu_experts else None)
+             if opts.expert_cache and not opts.host_core_experts else None)
     experts: StreamedExperts | HostCoreExperts
     dense_matmul: DenseMatmul = device_dense or float_matmul
     if executor is not None:
@@ -96,20 +93,21 @@ def build_stage(f: GGUFFile, spec: ModelSpec, opts: StageOptions, layers: range 
     else:
         experts = StreamedExperts(ctx, spec, arena, kernels, ring, cache, layers, dtype=dtype)
         experts.attach_handover(_handover(ctx, spec, opts, arena, cache, kernels, layers, dtype),
-                                prompts=opts.host_prompt_help)
+                                prompts=switches.host_prompt_help)
     fused_ops = isinstance(kernels, CudaKernels) and dtype == torch.bfloat16
-    ops = CudaDecodeOps(ctx.device, paths=kernels.paths, kv_types=opts.kv_types) if fused_ops else None  # one counter
+    # one path counter for the kernels and the fused ops
+    ops = CudaDecodeOps(ctx.device, paths=kernels.paths, kv_types=switches.kv_types) if fused_ops else None
     # Short prompts, packed prompts and eager decode batches through the decode step's fused ops:
     # the host's launches, not the GPU, bind a short prompt on the segment path
     # (docs/ARCHITECTURE.md). Only where their attention runs fused: its twin costs a dozen
     # launches a row.
     model = Decoder(spec, dense, experts, ops, static_rows=fused_ops and _attention_fused(ctx, spec),
-                    kv_types=opts.kv_types, dense=dense_matmul)
-    graphs = DecodeGraphs(ctx, model, enabled=(opts.cuda_graphs and cache is not None and dtype == torch.bfloat16
+                    kv_types=switches.kv_types, dense=dense_matmul)
+    graphs = DecodeGraphs(ctx, model, enabled=(switches.cuda_graphs and cache is not None and dtype == torch.bfloat16
                                                and _decode_never_syncs(kernels, arena, spec)),
-                          largest=opts.graph_batch, pad=plan.resident_share >= 1, first=first)
+                          largest=switches.decode_graph_batch, pad=plan.resident_share >= 1, first=first)
     kv = StageKV(ctx, spec, layers, vram_cells=plan.kv_tokens, context=opts.context or 0, dtype=dtype,
-                 prefetch=opts.kv_prefetch, kv_types=opts.kv_types)
+                 prefetch=switches.kv_prefetch, kv_types=switches.kv_types)
     report = StageReport(dense_bytes=dense_storage_bytes(dense), arena_bytes=arena.nbytes,
                          ring_bytes=ring.nbytes if ring else 0, workspace_bytes=experts.workspace_bytes,
                          cache_slots=cache.n_slots if cache else 0, plan=plan,
@@ -130,13 +128,13 @@ def build_stage(f: GGUFFile, spec: ModelSpec, opts: StageOptions, layers: range 
 
 def _handover(ctx: DeviceContext, spec: ModelSpec, opts: StageOptions, arena: HostExpertArena,
               cache: ExpertCache | None, kernels: TorchKernels, layers: range, dtype: torch.dtype
-              ) -> CpuHandover | HandoverTwin | None:
+              ) -> Handover | None:
     """The decode hand-over of missing experts to the host's cores (`experts.handover`), where
-    `opts.host_share` asks for one and it can run: a CUDA stage whose experts are not all resident,
+    `opts.switches.cpu_experts` asks for one and it can run: a CUDA stage whose experts are not all resident,
     every layer through the fused decode kernels in bf16, ggml-python there; `auto` measures the
     host's and the link's rates and may decline. A CPU stage's device-path twins take a fixed share
     through `HandoverTwin`. Says what it chose, and why not, in the log."""
-    share = opts.host_share
+    share = opts.switches.cpu_experts
     if share.mode == "off" or cache is None or cache.per_layer >= spec.n_experts:
         return None
     threads = opts.threads or default_threads(1)
@@ -214,16 +212,17 @@ def stage_plan(spec: ModelSpec, opts: StageOptions, layers: range, *, expert_byt
     what a stage plans as it is built, and what `strata info` previews without a GPU. `budget`
     None: uncapped (the CPU), a quarter of each layer resident unless forced. Where the budget
     cannot hold the KV of the whole context, the VRAM KV is halved (down to one chunk) and longer
-    sequences keep their older cells in host RAM. A stage with `cpu_experts` plans no ring, no
-    resident experts and no workspace: its experts stay in the arena."""
+    sequences keep their older cells in host RAM. A stage with `host_core_experts` plans no ring,
+    no resident experts and no workspace: its experts stay in the arena."""
+    switches, on_host = opts.switches, opts.host_core_experts
     return plan_stage_memory(spec, kv_tokens=opts.kv_tokens, context=opts.context or opts.kv_tokens,
                              chunk_tokens=opts.chunk_size, on_halved=on_halved, n_layers=len(layers),
                              expert_bytes=expert_bytes, dense=dense, budget=budget,
-                             ring_slots=0 if opts.cpu_experts else opts.ring_slots, elem=elem,
-                             resident_per_layer=opts.resident_experts if opts.expert_cache and not opts.cpu_experts
-                             else 0, expert_workspace=not opts.cpu_experts,
-                             where=where, staging_buffers=2 if opts.kv_prefetch else 1, decode_rows=opts.graph_batch,
-                             kv_types=opts.kv_types,
+                             ring_slots=0 if on_host else opts.ring_slots, elem=elem,
+                             resident_per_layer=switches.resident_experts if opts.expert_cache and not on_host
+                             else 0, expert_workspace=not on_host,
+                             where=where, staging_buffers=2 if switches.kv_prefetch else 1,
+                             decode_rows=switches.decode_graph_batch, kv_types=switches.kv_types,
                              head=layers.stop == spec.n_layers)
 
 

@@ -104,6 +104,15 @@ class MemoryPlan:
         return "; ".join(f"{what} {n / 1e9:.2f} GB" for what, n in self.lines())
 
 
+def vram_plan_line(plan: MemoryPlan, pass_bytes: int) -> str:
+    """A stage's VRAM plan in one line: what it places of its budget, the experts it keeps resident,
+    what a prompt pass streams, the KV it holds (`strata info --max-vram` prints it line by line)."""
+    budget = f" of {plan.budget / 2**30:.1f}" if plan.budget is not None else ""
+    return (f"VRAM plan {plan.total / 2**30:.1f}{budget} GiB: {plan.resident_per_layer}/{plan.n_experts} experts a "
+            f"layer resident ({plan.resident / 1e9:.2f} GB), a prompt pass streams {pass_bytes / 1e9:.2f} GB, "
+            f"KV {plan.kv_tokens:,} tokens in VRAM")
+
+
 def workspace_bytes(spec: ModelSpec, elem: int = 2) -> int:
     """One layer's experts dequantized: gate and up [E, 2F, D], down [E, D, F]."""
     return spec.n_experts * 3 * spec.expert_ffn * spec.hidden * elem

@@ -21,14 +21,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from gguf.constants import GGMLQuantizationType
 
-from strata_mgpu.config import HostShare
+from strata_mgpu.config import StageSwitches
 from strata_mgpu.env import EnvOptions
-from strata_mgpu.kernels.experts import TorchKernels
+from strata_mgpu.kernels.experts import CudaKernels, TorchKernels
 from strata_mgpu.model.decoder import Decoder, Segment
-from strata_mgpu.model.kv_cache import PLAIN_KV, SequenceKV
-from strata_mgpu.model.runner import prefill_last_logits, prefill_pack_logits
+from strata_mgpu.model.kv_cache import SequenceKV
+from strata_mgpu.model.runner import dtype_name, prefill_last_logits, prefill_pack_logits
 from strata_mgpu.model.spec import ModelSpec
 from strata_mgpu.stage.device import DeviceContext
 from strata_mgpu.stage.experts.cache import RefillOnFirstStep
@@ -39,45 +38,49 @@ from strata_mgpu.stage.graphs.replay import DecodeGraphs
 from strata_mgpu.stage.host.arena import HostExpertArena
 from strata_mgpu.stage.kv.allocator import StageKV
 from strata_mgpu.stage.kv.blocks import StageBlocks
-from strata_mgpu.stage.memory_plan import MemoryPlan
+from strata_mgpu.stage.memory_plan import GiB, MemoryPlan, vram_plan_line
 
 log = logging.getLogger("strata.stage")
 
 
 @dataclass(frozen=True)
 class StageOptions:
+    """One stage's options: its device, budget and share of the host's cores (resolved for it by
+    `engine.build`, or given by a test or a tool), and the switches every stage runs by, whole
+    (`config.StageSwitches`: a `Placement`, or a stage's own)."""
+
     device: torch.device
+    switches: StageSwitches = StageSwitches()
     max_vram_gib: float | None = None
-    ring_slots: int = 2
     chunk_size: int = 8192  # the largest prefill chunk, for the activation line of the plan
     kv_tokens: int = 8192  # KV cells the engine may fill in VRAM, all sequences together (the plan's KV line)
     context: int | None = None  # the longest sequence; beyond kv_tokens its older KV lives in host RAM
-    expert_cache: bool = True  # False: no resident experts at all (every pass streams everything)
-    resident_experts: int | None = None  # force K resident experts a layer (0: residency off); None: the plan's
-    prefer_cuda_kernels: bool = True
-    dtype: torch.dtype | None = None  # compute dtype; None: bf16 on CUDA, fp32 on the CPU
-    cuda_graphs: bool = True  # replay decode steps as captured graphs (one per batch size bucket) where possible
-    graph_batch: int = 8  # the largest batch replayed as a graph (STRATA_DECODE_GRAPH_BATCH)
-    kv_prefetch: bool = True  # spilled KV uploaded a layer ahead on a side stream (STRATA_KV_PREFETCH)
-    kv_types: tuple[GGMLQuantizationType, GGMLQuantizationType] = PLAIN_KV  # keys, values (--cache-type-k/-v)
     # a CPU stage computes its experts on the host's cores from the arena's GGUF bytes (ggml: no ring,
     # cache or fp32 workspace) rather than through the device path's twins; `threads` cores (None: all)
-    cpu_experts: bool = False
+    host_core_experts: bool = False
     threads: int | None = None
-    # a GPU stage's decode: the share of missing experts its host's cores compute (`experts.handover`);
-    # `fixed` also on a CPU stage's device-path twins (tests)
-    host_share: HostShare = HostShare("off")
-    host_prompt_help: bool = False  # ... and its few-row streamed prompt passes too (`HostPrefillHelper`)
-    # a bf16 GPU stage with the CUDA kernels keeps its projections and head as the file's blocks where
-    # dense_q8 takes their type (`kernels.dense.DeviceDense`); False: bf16 copies (STRATA_DENSE_BLOCKS)
-    dense_blocks: bool = True
+    # what only tests and tools set
+    ring_slots: int = 2
+    expert_cache: bool = True  # False: no resident experts at all (every pass streams everything)
+    prefer_cuda_kernels: bool = True
+    dtype: torch.dtype | None = None  # the compute dtype, overriding the switches' (`compute_dtype`)
 
     @classmethod
     def from_env(cls, environment: EnvOptions, **fields: Any) -> StageOptions:
         """Options whose switches come from the environment (`env.read()`): what a tool that builds
         one stage itself uses, as `Placement.from_env` is for the CLI's commands."""
-        return cls(graph_batch=environment.decode_graph_batch, kv_prefetch=environment.kv_prefetch,
-                   dense_blocks=environment.dense_blocks, **fields)
+        return cls(switches=StageSwitches.from_env(environment), **fields)
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """`dtype`, else bf16 on a GPU whose switches say bf16, else fp32."""
+        if self.dtype is not None:
+            return self.dtype
+        return torch.bfloat16 if self.device.type == "cuda" and self.switches.dtype == "bf16" else torch.float32
+
+    @property
+    def max_vram_bytes(self) -> int | None:
+        return int(self.max_vram_gib * GiB) if self.max_vram_gib else None
 
 
 @dataclass
@@ -179,6 +182,22 @@ class Stage:
         """Hand-overs of decode's experts to the host's cores that failed without raising
         (`StreamedExperts.silent_faults`); 0 for experts computed on the host's cores in order."""
         return self.experts.silent_faults()
+
+    def describe(self, with_layers: bool = False) -> str:
+        """Its device, dtype and kernels (`with_layers`: its layers first), and on a GPU its VRAM plan."""
+        kernels = self.kernels
+        if isinstance(kernels, CudaKernels):
+            path = "CUDA kernels (CuPy/NVRTC" + (", grouped GEMM by torch._grouped_mm)" if kernels.use_grouped_mm
+                                                 else ", grouped GEMM expert by expert)")
+        elif self.ctx.is_cuda:
+            path = "the torch twins of the CUDA kernels (no CuPy: slower; pip install 'strata-mgpu[cuda12]')"
+        else:
+            path = "plain torch ops"
+            if isinstance(self.experts, HostCoreExperts):
+                path += f", experts from their GGUF bytes by {self.experts.executor.describe()}"
+        where = f"layers {self.layers.start}-{self.layers.stop - 1} on " if with_layers else ""
+        line = f"{where}{self.ctx.device} in {dtype_name(self.model.w.dtype)} with {path}"
+        return line + ("; " + vram_plan_line(self.plan, self.report.pass_bytes) if self.ctx.is_cuda else "")
 
     # -- what a split drives ---------------------------------------------------------------------
     def refill_cache(self, kvs: Sequence[SequenceKV]) -> None:

@@ -33,7 +33,7 @@ import torch
 from strata_mgpu.kernels.cpu_experts import ExpertRate
 from strata_mgpu.split.runner import SplitRunner
 from strata_mgpu.stage.experts.cache import vram_share
-from strata_mgpu.stage.experts.handover import CpuHandover
+from strata_mgpu.stage.experts.cpu_handover import CpuHandover
 from strata_mgpu.stage.experts.host_cores import HostCoreExperts
 from strata_mgpu.stage.experts.ring import ExpertRing, Slot
 from strata_mgpu.stage.experts.streamed import StreamedExperts

@@ -17,6 +17,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from strata_mgpu import env
+from strata_mgpu.config import StageSwitches
 from strata_mgpu.model.gguf_reader import GGUFFile
 from strata_mgpu.model.spec import spec_from_gguf
 from strata_mgpu.stage.build import build_stage
@@ -35,9 +36,9 @@ def main() -> None:
     args = ap.parse_args()
     f = GGUFFile(args.model)
     spec = spec_from_gguf(f)
-    opts = StageOptions.from_env(environment, device=torch.device("cuda", 0), max_vram_gib=args.max_vram,
-                                 chunk_size=args.tokens, kv_tokens=args.tokens + 1,
-                                 resident_experts=args.resident_experts)
+    opts = StageOptions(device=torch.device("cuda", 0), max_vram_gib=args.max_vram, chunk_size=args.tokens,
+                        kv_tokens=args.tokens + 1,
+                        switches=StageSwitches.from_env(environment, resident_experts=args.resident_experts))
     stage = build_stage(f, spec, opts)
     stage.model.static_rows &= not args.no_static_rows
     prompt = torch.randint(0, spec.vocab_size, (args.tokens,))

@@ -1,6 +1,6 @@
 """Routed experts of a CPU stage: every layer's experts computed on the host's cores straight from
 their GGUF bytes in the host arena (`kernels.cpu_experts`: ggml, or its torch twin where
-ggml-python is missing). The `ExpertBackend` of a stage built with `StageOptions.cpu_experts`.
+ggml-python is missing). The `ExpertBackend` of a stage built with `StageOptions.host_core_experts`.
 
 Shape legend: T = token rows, D = hidden, A = experts per token.
 

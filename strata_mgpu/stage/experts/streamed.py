@@ -33,7 +33,8 @@ from strata_mgpu.kernels.experts import CudaKernels, TorchKernels
 from strata_mgpu.model.spec import ModelSpec
 from strata_mgpu.stage.device import DeviceContext
 from strata_mgpu.stage.experts.cache import ExpertCache
-from strata_mgpu.stage.experts.handover import CpuHandover, HandoverTwin, HostPrefillHelper
+from strata_mgpu.stage.experts.handover import Handover
+from strata_mgpu.stage.experts.host_prompt import HostPrefillHelper
 from strata_mgpu.stage.experts.lending import PrefillHelper
 from strata_mgpu.stage.experts.parts import (
     ExpertWorkspace,
@@ -96,7 +97,7 @@ class StreamedExperts:
         self.host_helper: HostPrefillHelper | None = None
         self._active: PrefillHelper | None = None  # this pass's helper, if any (`begin`)
         # a share of a gathered pass's missing experts computed on the host's cores (`attach_handover`)
-        self.handover: CpuHandover | HandoverTwin | None = None
+        self.handover: Handover | None = None
         self._closed_faults = 0  # silent failures of hand-overs detached since
         self._handing_over = False  # this pass hands picks over (`begin`: a hand-over that has not failed)
         plans = [kernels.moe_fused(arena.layouts[layer], D, spec.n_experts_used) if isinstance(kernels, CudaKernels)
@@ -105,7 +106,7 @@ class StreamedExperts:
         grouped = fused and all(plan is not None and CudaKernels.grouped_serves(plan, D) for plan in plans)
         self.gather_picks = gather_pick_limit(E, cache is not None and cache.per_layer >= E, fused, grouped)
 
-    def attach_handover(self, handover: CpuHandover | HandoverTwin | None, prompts: bool = False) -> None:
+    def attach_handover(self, handover: Handover | None, prompts: bool = False) -> None:
         """Gathered passes of up to `handover.max_rows` rows hand a share of their missing experts to
         the host's cores, and with `prompts` streamed ones of as few rows give it a share of their
         streamed experts (`HostPrefillHelper`); None: the GPU computes every pick."""
