@@ -155,3 +155,17 @@ def test_a_tool_building_its_own_stage_takes_the_environment_too(monkeypatch):
                        text=True, timeout=120, env={**os.environ, "STRATA_DECODE_GRAPH_BATCH": "0"})
     assert r.returncode == 1
     assert r.stderr.strip() == "error: STRATA_DECODE_GRAPH_BATCH='0': expected a whole number from 1 to 64"
+
+
+def test_torch_s_openmp_threads_sleep_when_idle_unless_the_user_chose(monkeypatch):
+    """Set as the package is imported, before torch loads libgomp (which reads it once)."""
+    import subprocess
+    import sys
+
+    code = "import os, strata_mgpu, torch; print(os.environ['OMP_WAIT_POLICY'])"
+    for given, want in ((None, "PASSIVE"), ("ACTIVE", "ACTIVE")):
+        environ = {k: v for k, v in os.environ.items() if k != env.OMP_WAIT}
+        if given is not None:
+            environ[env.OMP_WAIT] = given
+        out = subprocess.run([sys.executable, "-c", code], env=environ, capture_output=True, text=True, check=True)
+        assert out.stdout.strip() == want
