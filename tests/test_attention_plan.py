@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from strata_mgpu.kernels import nvrtc
-from strata_mgpu.kernels.decode_ops import ATTN_FILE, ATTN_MIN_KEYS, ATTN_SPLITS, attention_split
+from strata_mgpu.kernels.decode_ops import ATTN_DEFINES, ATTN_MIN_KEYS, ATTN_SPLITS, attention_split
 
 
 @pytest.mark.parametrize("capacity", [1, 32, 33, 1000, 4096, 8192, 8193, 40960, 131072, 262144])
@@ -28,9 +28,11 @@ def row_split_keys(pos: int, keys: int, splits: int) -> int:
     return min(keys, -(-per // ATTN_MIN_KEYS) * ATTN_MIN_KEYS)
 
 
-def test_the_kernel_rounds_a_rows_splits_to_the_planned_granule():
-    src = nvrtc.cuda_source(ATTN_FILE)
-    assert f"constexpr int SPLIT_GRANULE = {ATTN_MIN_KEYS};" in src
+def test_the_kernel_is_compiled_with_the_planned_granule():
+    """decode_attention.cu's SPLIT_GRANULE is the define its launcher passes (it has no value of its
+    own: tests/test_nvrtc_compile.py compiles it without the define and sees it refused)."""
+    assert dict(ATTN_DEFINES) == {"SPLIT_GRANULE": ATTN_MIN_KEYS}
+    assert f"-DSPLIT_GRANULE={ATTN_MIN_KEYS}" in nvrtc.compile_options(ATTN_DEFINES)
 
 
 @pytest.mark.parametrize("capacity", [1, 31, 4096, 4097, 40960, 65536, 131072])

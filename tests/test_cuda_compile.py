@@ -11,9 +11,14 @@ import subprocess
 import pytest
 
 from strata_mgpu.kernels.nvrtc import CUDA_SRC
-from tests.test_nvrtc_compile import KERNELS
+from tests.test_nvrtc_compile import DEFINES, KERNELS
 
 SOURCES = sorted(CUDA_SRC.glob("*.cu"))
+
+
+def defines(file: str) -> list[str]:
+    """The -D options the runtime compiles `file` with (nvrtc.kernel's defines)."""
+    return [f"-D{name}={value}" for name, value in DEFINES.get(file, ())]
 
 
 def test_the_sources_are_the_files_the_runtime_compiles():
@@ -51,7 +56,8 @@ def test_nvcc_compiles_every_kernel_the_runtime_launches(file, tmp_path):
     compiling none of that kernel's body for that N."""
     names, expressions = KERNELS[file]
     ptx = tmp_path / "k.ptx"
-    r = subprocess.run(["nvcc", "-std=c++17", "-arch=sm_90", "-ptx", str(CUDA_SRC / file), "-o", str(ptx)],
+    r = subprocess.run(["nvcc", "-std=c++17", "-arch=sm_90", *defines(file), "-ptx", str(CUDA_SRC / file), "-o",
+                        str(ptx)],
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr
     entries = {kernel_name(e) for e in re.findall(r"\.entry\s+([\w$]+)\s*\(", ptx.read_text())}
@@ -63,7 +69,8 @@ def test_nvcc_compiles_every_kernel_the_runtime_launches(file, tmp_path):
 @pytest.mark.parametrize("arch", ["sm_86", "sm_90"])
 @pytest.mark.parametrize("source", SOURCES, ids=lambda p: p.name)
 def test_compiles(source, arch, tmp_path):
-    r = subprocess.run(["nvcc", "-std=c++17", f"-arch={arch}", "-c", str(source), "-o", str(tmp_path / "k.o")],
+    r = subprocess.run(["nvcc", "-std=c++17", f"-arch={arch}", *defines(source.name), "-c", str(source), "-o",
+                        str(tmp_path / "k.o")],
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr
 

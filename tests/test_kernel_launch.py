@@ -79,7 +79,7 @@ def test_a_type_without_fused_kernels_gets_no_plan(monkeypatch):
 
 def test_launches_match_the_kernel_signatures(monkeypatch):
     launches = []
-    monkeypatch.setattr(nvrtc, "kernel", lambda file, expr, exprs, device: expr)
+    monkeypatch.setattr(nvrtc, "kernel", lambda file, expr, exprs, device, defines=(): expr)
     monkeypatch.setattr(nvrtc, "launch", lambda fn, grid, block, args, device, shared_mem=0:
                         launches.append((fn, grid, block, args, shared_mem)))
     d, f, e, a, t = 2048, 768, 128, 8, 3
@@ -188,7 +188,7 @@ def test_dense_projection_launches_take_at_most_what_shared_memory_holds(monkeyp
     from strata_mgpu.kernels import dense
 
     launches = []
-    monkeypatch.setattr(nvrtc, "kernel", lambda file, expr, exprs, device: expr)
+    monkeypatch.setattr(nvrtc, "kernel", lambda file, expr, exprs, device, defines=(): expr)
     monkeypatch.setattr(nvrtc, "launch", lambda fn, grid, block, args, device, shared_mem=0:
                         launches.append((fn, grid, block, args, shared_mem)))
     k = fake_kernels()

@@ -13,6 +13,7 @@ from gguf.constants import GGMLQuantizationType as Q
 from strata_mgpu.kernels import experts as K
 from strata_mgpu.kernels import moe_grouped as G
 from strata_mgpu.kernels import nvrtc
+from strata_mgpu.kernels.q8 import Q8_DOT_TYPES
 from tests.test_kernel_launch import SHARED_LIMIT, fake_kernels, kernel_params, layout
 
 
@@ -41,7 +42,7 @@ def test_vectors_a_batch_fit_shared_memory():
 
 def _gathered(monkeypatch, lay, t: int, a: int, d: int, e: int = 128, resident: int = 128):
     launches = []
-    monkeypatch.setattr(nvrtc, "kernel", lambda file, expr, exprs, device: (file, expr))
+    monkeypatch.setattr(nvrtc, "kernel", lambda file, expr, exprs, device, defines=(): (file, expr))
     monkeypatch.setattr(nvrtc, "launch", lambda fn, grid, block, args, device, shared_mem=0:
                         launches.append((fn, grid, block, args, shared_mem)))
     k = fake_kernels()
@@ -88,6 +89,11 @@ def test_few_picks_or_a_float_side_stay_pick_by_pick(monkeypatch):
     assert k.paths["moe_gathered:fused"] == 1 and k.paths["moe_gathered:grouped"] == 0
 
 
-def test_the_kernels_and_their_launcher_agree_on_the_vectors_a_batch():
-    src = nvrtc.cuda_source(G.GROUPED_FILE)
-    assert f"constexpr int GROUP_VECTORS = {G.GROUP_VECTORS};" in src
+def test_the_kernels_are_compiled_with_their_launchers_vectors_a_batch(monkeypatch):
+    """moe_grouped.cu has no GROUP_VECTORS of its own (tests/test_nvrtc_compile.py sees it refused
+    without one): every kernel of it is loaded with the launcher's."""
+    loaded = []
+    monkeypatch.setattr(nvrtc, "kernel", lambda file, expr, exprs, device, defines=(): loaded.append((file, defines)))
+    for expr in (*G.grouped_exprs(Q8_DOT_TYPES), *G.GROUPED_NAMES):
+        G.grouped_kernel(expr, torch.device("cpu"))
+    assert set(loaded) == {(G.GROUPED_FILE, (("GROUP_VECTORS", G.GROUP_VECTORS),))}

@@ -47,6 +47,8 @@ def _cuda_include() -> Path | None:
 NVRTC = _libnvrtc()
 CUDA_INCLUDE = _cuda_include()
 # file -> (names looked up as they are, template name expressions)
+# the constants a file takes from its launcher (`nvrtc.kernel`'s defines); () for the rest
+DEFINES = {moe_grouped.GROUPED_FILE: moe_grouped.GROUPED_DEFINES, decode_ops.ATTN_FILE: decode_ops.ATTN_DEFINES}
 KERNELS = {
     kernels.DEQUANT_FILE: ((), kernels._DEQUANT_EXPRS),
     q8.MOE_FILE: (q8.MOE_NAMES, q8.MOE_EXPRS),
@@ -63,15 +65,16 @@ def _check(rc: int, what: str, log: str = "") -> None:
     assert rc == 0, f"{what}: nvrtc error {rc}\n{log}"
 
 
-def compile_ptx(source: str, expressions: tuple[str, ...], arch: str) -> tuple[str, dict[str, str]]:
+def compile_ptx(source: str, expressions: tuple[str, ...], arch: str, defines: nvrtc.Defines = ()
+                ) -> tuple[str, dict[str, str]]:
     """PTX of `source` and the lowered (mangled) name of each expression."""
     prog = ctypes.c_void_p()
     _check(NVRTC.nvrtcCreateProgram(ctypes.byref(prog), source.encode(), b"kernel.cu", 0, None, None), "create")
     try:
         for e in expressions:
             _check(NVRTC.nvrtcAddNameExpression(prog, e.encode()), f"name expression {e}")
-        options = [b"-std=c++17", f"-I{nvrtc.CUDA_SRC}".encode(), f"-I{CUDA_INCLUDE}".encode(),
-                   f"--gpu-architecture={arch}".encode()]
+        options = [o.encode() for o in (*nvrtc.compile_options(defines), f"-I{CUDA_INCLUDE}",
+                                         f"--gpu-architecture={arch}")]
         rc = NVRTC.nvrtcCompileProgram(prog, len(options), (ctypes.c_char_p * len(options))(*options))
         size = ctypes.c_size_t()
         NVRTC.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
@@ -97,10 +100,23 @@ def compile_ptx(source: str, expressions: tuple[str, ...], arch: str) -> tuple[s
 @pytest.mark.parametrize("file", sorted(KERNELS))
 def test_kernels_compile_with_nvrtc_and_are_found(file, arch):
     plain, expressions = KERNELS[file]
-    ptx, lowered = compile_ptx(nvrtc.cuda_source(file), expressions, arch)
+    ptx, lowered = compile_ptx(nvrtc.cuda_source(file), expressions, arch, DEFINES.get(file, ()))
     entries = set(re.findall(r"\.entry\s+([\w$]+)\s*\(", ptx))
     assert set(plain) <= entries, f"{file}: not found by plain name: {set(plain) - entries}"
     assert set(lowered.values()) <= entries, f"{file}: name expressions without a kernel"
+
+
+@pytest.mark.skipif(NVRTC is None or CUDA_INCLUDE is None,
+                    reason="libnvrtc (pip install nvidia-cuda-nvrtc) or the CUDA headers not found")
+@pytest.mark.parametrize("file", sorted(DEFINES))
+def test_a_file_takes_its_launchers_constants_or_does_not_compile(file):
+    """A constant the launcher plans with (decode_ops.ATTN_MIN_KEYS, moe_grouped.GROUP_VECTORS) is
+    the kernel's only through the define: without it the file stops at its #error, naming it."""
+    expressions = KERNELS[file][1]
+    for name, _ in DEFINES[file]:
+        rest = tuple(d for d in DEFINES[file] if d[0] != name)
+        with pytest.raises(AssertionError, match=name):
+            compile_ptx(nvrtc.cuda_source(file), expressions, "compute_90", rest)
 
 
 def test_every_source_file_is_covered():

@@ -132,7 +132,9 @@ __device__ __forceinline__ void load_q8_0_piece(bf16* dst, const unsigned char* 
 // S * L cells). A row much shorter than the capacity still fills the card: a graph captured for
 // 64K cells gives a 32K-token row 128 splits of 288 keys, not 64 of 512 (half the blocks idle, the
 // others twice as long). attn_combine finds the same splits from the same numbers.
-constexpr int SPLIT_GRANULE = 32;
+#ifndef SPLIT_GRANULE  // kernels/decode_ops.py's ATTN_MIN_KEYS, given at compile time (ATTN_DEFINES)
+#error "SPLIT_GRANULE: compile with -DSPLIT_GRANULE=<ATTN_MIN_KEYS> (kernels/decode_ops.py)"
+#endif
 __device__ __forceinline__ int row_split_keys(long long pos, int L, int S) {
     const long long per = (pos + S) / S;  // ceil((pos + 1) / S)
     return (int)min((long long)L, (per + SPLIT_GRANULE - 1) / SPLIT_GRANULE * SPLIT_GRANULE);

@@ -28,7 +28,9 @@
 #include "moe_common.cuh"
 #include "q8_rows.cuh"
 
-constexpr int GROUP_VECTORS = 8;  // picks' vectors a block holds at once; kernels/moe_grouped.py's too
+#ifndef GROUP_VECTORS  // picks' vectors a block holds at once: kernels/moe_grouped.py's, given at compile time
+#error "GROUP_VECTORS: compile with -DGROUP_VECTORS=<n> (kernels/moe_grouped.py GROUPED_DEFINES)"
+#endif
 
 // Vectors of picks order[j0 .. j0 + n) (row order[j] / div of src, `words` words each, 16-byte
 // aligned) into shared memory v, one after another.

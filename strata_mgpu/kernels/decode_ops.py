@@ -67,10 +67,11 @@ ATTN_ALL_EXPRS = tuple(dict.fromkeys(e for types in QK_NORM_ROPE_KV for e in att
 ATTN_WARPS = 2  # decode_attention.cu's WARPS: warps of attn_split, each streaming its own tiles of keys
 ATTN_HEADS_AT_ONCE = 8  # its HC: query heads a block of attn_split takes; a wider group spans blocks
 ATTN_COMBINE_GROUPS = 8  # its CG: attn_combine's threads are head_dim / 4 dims x this many groups of splits
-# keys a split takes at least (4 tiles: 2 a warp; decode_attention.cu's SPLIT_GRANULE); more once a
+# keys a split takes at least (4 tiles: 2 a warp; decode_attention.cu's SPLIT_GRANULE, given it); more once a
 # cache passes ATTN_SPLITS of them. A row shorter than the capacity spreads its own keys over the
 # splits (row_split_keys there).
 ATTN_MIN_KEYS = 32
+ATTN_DEFINES = (("SPLIT_GRANULE", ATTN_MIN_KEYS),)  # what decode_attention.cu is compiled with
 ATTN_SPLITS = 128
 ATTN_MIN_CAPABILITY = (8, 0)  # mma.sync on bf16 and cp.async
 KV_TABLES = 64  # batches whose cache table is kept (a capture replays the table it was given)
@@ -104,7 +105,7 @@ class CudaDecodeOps(DecodeOps):
         self._format = KVFormat(torch.bfloat16, *kv_types)
         exprs = attn_exprs(kv_types)
         self._fn = {name: nvrtc.kernel(OPS_FILE, name, (), device) for name in KERNEL_NAMES}
-        self._fn.update({name: nvrtc.kernel(ATTN_FILE, name, exprs, device) for name in exprs})
+        self._fn.update({name: nvrtc.kernel(ATTN_FILE, name, exprs, device, ATTN_DEFINES) for name in exprs})
         # older cards load decode_attention.cu (its kernels trap there) but run the twin
         self._attention_arch_ok = torch.cuda.get_device_capability(device) >= ATTN_MIN_CAPABILITY
         self._tables: OrderedDict[tuple, torch.Tensor] = OrderedDict()

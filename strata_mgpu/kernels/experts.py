@@ -24,7 +24,13 @@ import torch.nn.functional as F
 from gguf.constants import GGMLQuantizationType
 
 from strata_mgpu.kernels import nvrtc
-from strata_mgpu.kernels.moe_grouped import GROUPED_FILE, GROUPED_MIN_PICKS, grouped_exprs, moe_grouped, vectors_a_batch
+from strata_mgpu.kernels.moe_grouped import (
+    GROUPED_MIN_PICKS,
+    grouped_exprs,
+    grouped_kernel,
+    moe_grouped,
+    vectors_a_batch,
+)
 from strata_mgpu.kernels.paths import PathCounter, warn_once
 from strata_mgpu.kernels.q8 import MOE_EXPRS, MOE_FILE, Q8_DOT_TYPES, Q8_WORDS, quantize_q8
 from strata_mgpu.kernels.resident import ResidentExperts
@@ -249,7 +255,7 @@ class CudaKernels(TorchKernels):
         for expr in MOE_EXPRS:
             nvrtc.kernel(MOE_FILE, expr, MOE_EXPRS, device)
         for expr in grouped_exprs(Q8_DOT_TYPES):
-            nvrtc.kernel(GROUPED_FILE, expr, grouped_exprs(Q8_DOT_TYPES), device)
+            grouped_kernel(expr, device)
         # 0..MAX_EXPERTS, made once here: expert bounds and a part's group ends slice it (one launch
         # a layer fewer). Every stream of the device reads it, unordered: done before any does.
         self._expert_ids = torch.arange(MAX_EXPERTS + 1, device=device)

@@ -28,7 +28,7 @@ if TYPE_CHECKING:
 
 GROUPED_FILE = "moe_grouped.cu"
 GROUPED_NAMES = ("moe_group_combine",)  # its plain (extern "C") kernels
-GROUP_VECTORS = 8  # moe_grouped.cu's GROUP_VECTORS: picks' vectors a block holds at once, at most
+GROUP_VECTORS = 8  # moe_grouped.cu's GROUP_VECTORS (GROUPED_DEFINES): picks' vectors a block holds at once, at most
 GROUP_THREADS = 256  # 8 warps, a warp a weight row
 GROUP_SHARED_BYTES = 46 * 1024  # the staged vectors, under what every card gives a block
 COMBINE_THREADS = 256
@@ -38,9 +38,17 @@ COMBINE_THREADS = 256
 GROUPED_MIN_PICKS = 256
 
 
+GROUPED_DEFINES = (("GROUP_VECTORS", GROUP_VECTORS),)  # what moe_grouped.cu is compiled with
+
+
 def grouped_exprs(types: frozenset) -> tuple[str, ...]:
     """The templated kernels to compile, for the integer types `types`."""
     return tuple(f"{k}<{int(t)}>" for t in sorted(types) for k in ("moe_group_gate_up", "moe_group_down"))
+
+
+def grouped_kernel(expression: str, device: torch.device):
+    """A kernel of moe_grouped.cu, compiled with the integer types and GROUPED_DEFINES."""
+    return nvrtc.kernel(GROUPED_FILE, expression, grouped_exprs(Q8_DOT_TYPES), device, GROUPED_DEFINES)
 
 
 def vectors_a_batch(width: int, q8_words: int) -> int:
@@ -71,23 +79,22 @@ def moe_grouped(device: torch.device, expert_ids: torch.Tensor, table: tuple, la
     nv_gu, nv_down = vectors_a_batch(d, Q8_WORDS), vectors_a_batch(f, Q8_WORDS)
     assert lay.gate_type in Q8_DOT_TYPES and lay.down_type in Q8_DOT_TYPES and nv_gu > 0 and nv_down > 0
     order, starts = picks_by_expert(experts.reshape(-1), expert_ids)
-    exprs = grouped_exprs(Q8_DOT_TYPES)
     warps = GROUP_THREADS // 32
     act = torch.empty(t * a, f, dtype=torch.bfloat16, device=hq.device)
-    fn = nvrtc.kernel(GROUPED_FILE, f"moe_group_gate_up<{int(lay.gate_type)}>", exprs, device)
+    fn = grouped_kernel(f"moe_group_gate_up<{int(lay.gate_type)}>", device)
     nvrtc.launch(fn, (-(-f // warps), n_experts), GROUP_THREADS,
                  (hq.data_ptr(), order.data_ptr(), starts.data_ptr(), np.int32(a), np.int32(nv_gu), *table,
                   np.int32(d), np.int32(f), np.int64(lay.gate_bytes // f), act.data_ptr()), device,
                  shared_mem=nv_gu * (d // 32) * Q8_WORDS * 4)
     aq = quantize_q8(act, device)
     y = torch.empty(t * a, d, dtype=torch.float32, device=hq.device)
-    fn = nvrtc.kernel(GROUPED_FILE, f"moe_group_down<{int(lay.down_type)}>", exprs, device)
+    fn = grouped_kernel(f"moe_group_down<{int(lay.down_type)}>", device)
     nvrtc.launch(fn, (-(-d // warps), n_experts), GROUP_THREADS,
                  (aq.data_ptr(), order.data_ptr(), starts.data_ptr(), np.int32(nv_down), *table, np.int32(d),
                   np.int32(f), np.int64(lay.down_bytes // d), np.int64(lay.down_offset), y.data_ptr()),
                  device, shared_mem=nv_down * (f // 32) * Q8_WORDS * 4)
     out = torch.empty(t, d, dtype=torch.bfloat16, device=hq.device)
-    fn = nvrtc.kernel(GROUPED_FILE, GROUPED_NAMES[0], exprs, device)
+    fn = grouped_kernel(GROUPED_NAMES[0], device)
     nvrtc.launch(fn, -(-t * d // COMBINE_THREADS), COMBINE_THREADS,
                  (y.data_ptr(), weights.data_ptr(), np.int32(a), np.int64(t * d), np.int32(d), out.data_ptr()),
                  device)

@@ -38,19 +38,29 @@ def cuda_source(name: str) -> str:
     return path.read_text()
 
 
+Defines = tuple[tuple[str, int], ...]  # (NAME, value): constants a kernel file takes from its launcher
+
+
+def compile_options(defines: Defines = ()) -> tuple[str, ...]:
+    """NVRTC's options for a kernel file (what tests/test_nvrtc_compile.py compiles with too)."""
+    return ("-std=c++17", f"-I{CUDA_SRC}", *(f"-D{name}={value}" for name, value in defines))
+
+
 @cache
-def _module(file: str, name_expressions: tuple[str, ...], device_index: int):
+def _module(file: str, name_expressions: tuple[str, ...], device_index: int, defines: Defines):
     cupy = require_cupy()
     with cupy.cuda.Device(device_index):
-        mod = cupy.RawModule(code=cuda_source(file), options=("-std=c++17", f"-I{CUDA_SRC}"),
+        mod = cupy.RawModule(code=cuda_source(file), options=compile_options(defines),
                               name_expressions=name_expressions or None)
         mod.compile()
     return mod
 
 
-def kernel(file: str, expression: str, all_expressions: tuple[str, ...], device: torch.device):
-    """The compiled kernel `expression` (e.g. 'dequant_bf16<12>') from `file` for `device`."""
-    mod = _module(file, all_expressions, device.index or 0)
+def kernel(file: str, expression: str, all_expressions: tuple[str, ...], device: torch.device,
+           defines: Defines = ()):
+    """The compiled kernel `expression` (e.g. 'dequant_bf16<12>') from `file` for `device`; `defines`:
+    the constants the file takes from its launcher (a file that needs one stops at `#error` without it)."""
+    mod = _module(file, all_expressions, device.index or 0, defines)
     return mod.get_function(expression)
 
 
