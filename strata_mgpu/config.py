@@ -155,6 +155,7 @@ class Placement:
     cpu_experts: HostShare = HostShare("auto")
     host_prompt_help: bool = False  # few-row streamed prompts share experts with the host too (STRATA_HOST_PROMPT_HELP)
     dense_blocks: bool = True  # GPU stages keep projections and head as the file's blocks (STRATA_DENSE_BLOCKS)
+    adapt_threads: bool = True  # a CPU stage's threads yield to other processes' load (STRATA_ADAPT_THREADS)
     cache_type_k: GGMLQuantizationType = GGMLQuantizationType.BF16  # how KV cells store keys (--cache-type-k)
     cache_type_v: GGMLQuantizationType = GGMLQuantizationType.BF16  # and values (--cache-type-v)
 
@@ -196,7 +197,7 @@ class Placement:
                    kv_prefetch=environment.kv_prefetch, stage_threads=environment.stage_threads,
                    decode_graph_batch=environment.decode_graph_batch,
                    host_prompt_help=environment.host_prompt_help, dense_blocks=environment.dense_blocks,
-                   **fields)  # type: ignore[arg-type]
+                   adapt_threads=environment.adapt_threads, **fields)  # type: ignore[arg-type]
 
     @property
     def kv_types(self) -> tuple[GGMLQuantizationType, GGMLQuantizationType]:

@@ -68,8 +68,13 @@ DENSE_BLOCKS = EnvVar("STRATA_DENSE_BLOCKS", "1",
                       "they are Q4_0, Q8_0, Q4_K, Q5_K or Q6_K (decode multiplies them in place, prompts through a "
                       "transient bf16 copy); 0: bf16 copies of every one (twice Q8_0's VRAM)")
 
+ADAPT_THREADS = EnvVar("STRATA_ADAPT_THREADS", "1",
+                       "1 (default): a CPU stage computes on fewer of its --threads while other processes keep its "
+                       "cores busy (the run-queue wait of its threads, sampled every 0.1 s), and on all of them again "
+                       "once the cores are free; 0: always on --threads")
+
 ALL = (CACHE_DIR, LOG_LEVEL, PREFILL_HELP, PREFILL_HELP_FRAC, HELP_HALVES, KV_PREFETCH, STAGE_THREADS,
-       DECODE_GRAPH_BATCH, HOST_PROMPT_HELP, DENSE_BLOCKS)
+       DECODE_GRAPH_BATCH, HOST_PROMPT_HELP, DENSE_BLOCKS, ADAPT_THREADS)
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
@@ -133,6 +138,7 @@ class EnvOptions:
     decode_graph_batch: int = 8
     host_prompt_help: bool = False
     dense_blocks: bool = True
+    adapt_threads: bool = True
 
     @property
     def demo_dir(self) -> Path:
@@ -167,6 +173,7 @@ def read(environ: Mapping[str, str] | None = None) -> EnvOptions:
                                          "a whole number from 1 to 64"),
         host_prompt_help=_zero_or_one(raw(HOST_PROMPT_HELP), HOST_PROMPT_HELP.name),
         dense_blocks=_zero_or_one(raw(DENSE_BLOCKS), DENSE_BLOCKS.name),
+        adapt_threads=_zero_or_one(raw(ADAPT_THREADS), ADAPT_THREADS.name),
     )
 
 

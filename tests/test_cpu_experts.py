@@ -40,6 +40,7 @@ from strata_mgpu.engine.build import build_runner
 from strata_mgpu.kernels import cpu_experts
 from strata_mgpu.kernels.cpu_experts import DEQUANT_ROWS, GgmlExperts, TorchExperts, default_threads, physical_cores
 from strata_mgpu.kernels.paths import _warned
+from strata_mgpu.kernels.run_queue import ThreadPace
 from strata_mgpu.model.expert_layout import ExpertLayout
 from strata_mgpu.model.gguf_reader import GGUFFile
 from strata_mgpu.model.reference import moe_reference
@@ -214,6 +215,31 @@ def test_rows_over_many_graphs_and_threads_change_nothing(executor):
     for r in (0, 1, cpu_experts.ROWS_A_GRAPH - 1, cpu_experts.ROWS_A_GRAPH, t - 1):
         assert torch.equal(one.moe(layer, lay, h[r:r + 1], weights[r:r + 1], experts[r:r + 1])[0], whole[r]), r
     assert torch.equal(one.moe(layer, lay, h, weights, experts), whole)
+
+
+@ggml_needed
+def test_fewer_of_the_pool_s_threads_change_nothing():
+    """A paced executor computes on k of the pool's threads in graphs planned for all of them: the
+    plan's work buffer fits (its size grows with the threads planned for), and every output, the
+    experts' and a projection's, is bit for bit the one on all of them (each output element is
+    one thread's dot over the whole row, whichever thread)."""
+    import ggml
+
+    layer, lay = random_layer(Q.Q4_K, Q.Q6_K, 9)
+    sizes = [cpu_experts._MoeGraph(ggml, lay, D, E, A, 3, n, None).plan.work_size for n in (1, 2, 4, 8)]
+    assert sizes == sorted(sizes)
+    h, weights, experts = random_rows(3, A, 10)
+    raw = torch.from_numpy(np.ascontiguousarray(
+        make_tensor(TensorPlan("w", (96, D), Q.Q8_0, std=D ** -0.5), 11).reshape(96, -1).view(np.uint8)))
+    paced = GgmlExperts(4, pace=ThreadPace(4, adaptive=False))
+    want = paced.moe(layer, lay, h, weights, experts), paced.matmul(h, raw, Q.Q8_0, D)
+    for k in (1, 2, 3):
+        paced.pace.threads = k  # as the policy would set it
+        assert paced.threads_now == k
+        got = paced.moe(layer, lay, h, weights, experts), paced.matmul(h, raw, Q.Q8_0, D)
+        assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True)), k
+        assert all(g.plan.n_threads == k for g in [*paced._graphs.values(), *paced._matmuls.values()])
+    paced.close()
 
 
 @ggml_needed

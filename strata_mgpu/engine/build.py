@@ -67,7 +67,8 @@ def stage_options(placement: Placement, chunk_size: int, kv_tokens: int,
                          cuda_graphs=placement.cuda_graphs, graph_batch=placement.decode_graph_batch,
                          kv_prefetch=placement.kv_prefetch, kv_types=placement.kv_types, cpu_experts=cpu_only,
                          threads=cuda_threads if d.type == "cuda" else threads, host_share=placement.cpu_experts,
-                         host_prompt_help=placement.host_prompt_help, dense_blocks=placement.dense_blocks)
+                         host_prompt_help=placement.host_prompt_help, dense_blocks=placement.dense_blocks,
+                         adapt_threads=placement.adapt_threads)
             for i, d in enumerate(devices)]
 
 

@@ -64,6 +64,7 @@ class StageOptions:
     # cache or fp32 workspace) rather than through the device path's twins; `threads` cores (None: all)
     cpu_experts: bool = False
     threads: int | None = None
+    adapt_threads: bool = True  # ... fewer of them while other processes take the cores (STRATA_ADAPT_THREADS)
     # a GPU stage's decode: the share of missing experts its host's cores compute (`experts.handover`);
     # `fixed` also on a CPU stage's device-path twins (tests)
     host_share: HostShare = HostShare("off")
@@ -77,7 +78,7 @@ class StageOptions:
         """Options whose switches come from the environment (`env.read()`): what a tool that builds
         one stage itself uses, as `Placement.from_env` is for the CLI's commands."""
         return cls(graph_batch=environment.decode_graph_batch, kv_prefetch=environment.kv_prefetch,
-                   dense_blocks=environment.dense_blocks, **fields)
+                   dense_blocks=environment.dense_blocks, adapt_threads=environment.adapt_threads, **fields)
 
 
 @dataclass
