@@ -9,6 +9,7 @@ no signal, and the pace keeps the configured threads.
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from collections.abc import Callable
@@ -18,6 +19,7 @@ import torch
 
 from strata_mgpu.kernels.thread_policy import ThreadPolicy
 
+log = logging.getLogger("strata.kernels")
 TASKS = "/proc/self/task"
 SAMPLE_S = 0.1  # a window: reading every thread's file costs tens of microseconds, so not every call
 # a gap this long from one call's end to the next call starts a new window: an idle executor's wall time
@@ -99,9 +101,12 @@ class ThreadPace:
             if d is None:
                 self.adaptive = False
                 return self.threads
-            k = self.policy.observe(now - self._window_start, d.wait_s, d.slices)
+            wall = now - self._window_start
+            k = self.policy.observe(wall, d.wait_s, d.slices)
             self._window_start = now
             if k != self.threads:
+                log.debug("threads %d -> %d: %.2f threads waiting for a core, %.0f us a slice", self.threads, k,
+                          d.wait_s / wall, 1e6 * d.wait_s / max(1, d.slices))
                 self.threads = k
                 self._apply()
         return self.threads
