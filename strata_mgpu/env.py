@@ -69,9 +69,9 @@ DENSE_BLOCKS = EnvVar("STRATA_DENSE_BLOCKS", "1",
                       "transient bf16 copy); 0: bf16 copies of every one (twice Q8_0's VRAM)")
 
 ADAPT_THREADS = EnvVar("STRATA_ADAPT_THREADS", "1",
-                       "1 (default): a CPU stage computes on fewer of its --threads while other processes keep its "
-                       "cores busy (the run-queue wait of its threads, sampled every 0.1 s), and on all of them again "
-                       "once the cores are free; 0: always on --threads")
+                       "1 (default): a CPU stage computes on the count of its --threads its calls measure fastest "
+                       "(probing one fewer or more now and then, at once when its threads wait for cores), fewer "
+                       "while other processes keep the cores busy; 0: always on --threads")
 
 ALL = (CACHE_DIR, LOG_LEVEL, PREFILL_HELP, PREFILL_HELP_FRAC, HELP_HALVES, KV_PREFETCH, STAGE_THREADS,
        DECODE_GRAPH_BATCH, HOST_PROMPT_HELP, DENSE_BLOCKS, ADAPT_THREADS)
@@ -184,6 +184,17 @@ def read_or_exit() -> EnvOptions:
         return read()
     except EnvError as e:
         raise SystemExit(f"error: {e}") from None
+
+
+OMP_WAIT = "OMP_WAIT_POLICY"
+
+
+def default_omp_wait_policy() -> None:
+    """Let torch's OpenMP threads sleep between parallel regions (PASSIVE) unless the user chose:
+    libgomp's default spins a while after each, on cores that ggml's pool, a CPU stage's other
+    threads and other processes need (docs/CONFIG.md). libgomp reads it once, when torch loads it:
+    the package sets it on import, before anything of it imports torch."""
+    os.environ.setdefault(OMP_WAIT, "PASSIVE")
 
 
 ALLOC_CONF = "PYTORCH_CUDA_ALLOC_CONF"

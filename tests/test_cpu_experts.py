@@ -311,6 +311,29 @@ def test_devices_cpu_builds_a_stage_of_arena_and_host_cores(tiny_gguf):
 
 
 @ggml_needed
+def test_a_cpu_stage_s_threads_adapt_unless_switched_off(tiny_gguf):
+    """--threads is the ceiling of a CPU stage's pace, torch's intra-op threads at its count;
+    STRATA_ADAPT_THREADS=0 (Placement.adapt_threads) holds it there."""
+    f = GGUFFile(tiny_gguf)
+    spec = spec_from_gguf(f)
+    before = torch.get_num_threads()
+    try:
+        for adapt in (True, False):
+            stage = build_runner(f, spec, Placement(devices=("cpu",), threads=2, adapt_threads=adapt), 64,
+                                 kv_tokens=128)
+            assert isinstance(stage, Stage) and isinstance(stage.experts, HostCoreExperts)
+            executor = stage.experts.executor
+            assert isinstance(executor, GgmlExperts) and executor.pace is not None
+            assert executor.pace.policy.ceiling == 2 and torch.get_num_threads() == executor.threads_now
+            assert executor.pace.adaptive == adapt
+            assert ("ggml on 2 threads (adapting, at most 2)" in stage.report.kernels) == adapt
+            executor.close()
+            assert torch.get_num_threads() == before
+    finally:
+        torch.set_num_threads(before)
+
+
+@ggml_needed
 @pytest.mark.parametrize("expert_type,down_type", PAIRS, ids=lambda t: t.name)
 def test_cpu_stage_agrees_with_the_reference(tmp_path, expert_type, down_type):
     """Prefill and decode logits of the CPU stage against the fp32 reference forward: with the twin

@@ -1,85 +1,111 @@
 """A CPU stage's threads under other processes' load: the policy (kernels/thread_policy.py) on
-synthetic windows, the run-queue reader (kernels/run_queue.py) on this Linux, the pace between
-them on a fake clock."""
+simulated hosts, the run-queue reader (kernels/run_queue.py) on this Linux, the pace between them
+on a fake clock."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 
 import pytest
 import torch
 
 from strata_mgpu.kernels import run_queue
 from strata_mgpu.kernels.run_queue import RunQueueDelta, RunQueueWait, ThreadPace
-from strata_mgpu.kernels.thread_policy import BASE_HOLD_S, HOT_WINDOWS, MAX_HOLD_S, ThreadPolicy
+from strata_mgpu.kernels.thread_policy import (
+    BASE_HOLD_S,
+    BASELINE_WINDOWS,
+    MAX_HOLD_S,
+    PROBE_WINDOWS,
+    ThreadPolicy,
+    Window,
+    slowdown,
+)
 
 W = 0.1  # a window's wall seconds
-QUIET = (W, 0.0, 50)
-WAKE_UPS = (W, 0.08, 8000)  # many short waits (10 us each): a quiet host's wake-ups, however many
-BLIP = (W, 0.004, 2)  # two 2 ms waits in the window: below LOAD_HIGH
+DECODE = (0, 1000, 1)  # one kind of call: a decode step's experts of a layer
 
 
-def contended(waiting: float) -> tuple[float, float, int]:
-    """A window in which `waiting` of our threads wait for a core on average, 3 ms a slice."""
-    return W, waiting * W, max(1, round(waiting * W / 3e-3))
+def quiet(k: int) -> float:
+    return 1e-3 / k  # a call's seconds on k threads: every thread helps
 
 
-def run(policy: ThreadPolicy, windows: list[tuple[float, float, int]]) -> list[int]:
-    return [policy.observe(*w) for w in windows]
+def shared(best: int) -> Callable[[int], float]:
+    """Other processes leave `best` cores: beyond, a thread that loses its core stalls the rest."""
+    return lambda k: 1e-3 / min(k, best) * (1 if k <= best else 5 * (k - best))
 
 
-def test_a_quiet_host_keeps_every_thread():
-    for windows in ([QUIET] * 200, [WAKE_UPS] * 200, [BLIP] * 200):
-        assert set(run(ThreadPolicy(8), windows)) == {8}
-
-
-def test_contention_takes_threads_away_by_the_cores_taken_never_below_one():
-    policy = ThreadPolicy(8)
-    assert run(policy, [contended(2.0)] * HOT_WINDOWS) == [8] * (HOT_WINDOWS - 1) + [6]  # two cores taken: two
-    assert run(ThreadPolicy(8), [contended(7.0)] * HOT_WINDOWS)[-1] == 4  # at most half at once
-    assert run(ThreadPolicy(8), [contended(0.3)] * HOT_WINDOWS)[-1] == 7  # at least one
-    # one contended window alone (another process's burst) changes nothing
-    assert set(run(ThreadPolicy(8), [contended(2.0), QUIET] * 50)) == {8}
-    # sustained: down to one and held there, however long, with no probe while it stays contended
-    assert run(ThreadPolicy(8), [contended(1.0)] * 400)[-300:] == [1] * 300
-
-
-def test_a_host_gone_quiet_is_climbed_back_one_thread_a_hold():
-    policy = ThreadPolicy(4)
-    run(policy, [contended(4.0)] * 20)
-    assert policy.threads == 1
-    per_hold = round(BASE_HOLD_S / W)
-    got = run(policy, [QUIET] * (4 * per_hold))
-    assert got[per_hold - 1] == 2 and got[2 * per_hold - 1] == 3 and got[3 * per_hold - 1] == 4 and got[-1] == 4
-
-
-def test_a_steady_competitor_costs_a_probe_ever_more_rarely():
-    """Three threads fit beside the other load, four do not: the policy settles at three; each
-    probe to four is taken back at its first window and the next comes twice as late, to
-    MAX_HOLD_S; a probe that holds (the load gone) resets the wait."""
-    policy = ThreadPolicy(6)
+def simulate(policy: ThreadPolicy, seconds: float, cost: Callable[[int], float], waiting: float | None = 0.02,
+             noise: float = 0.0) -> list[int]:
+    """Windows of calls at the policy's count, each call `cost(k)` (times a deterministic wobble of
+    +-noise) -> the count of each window."""
     seen = []
-    for _ in range(3000):  # 300 s
+    for i in range(round(seconds / W)):
         k = policy.threads
         seen.append(k)
-        policy.observe(*(contended(1.0) if k >= 4 else QUIET))
-    settled = seen[200:]
-    assert set(settled) == {3, 4}
-    probes = [i for i in range(1, len(settled)) if settled[i] == 4 and settled[i - 1] == 3]
+        c = cost(k) * (1 + noise * ((i * 7919) % 13 - 6) / 6)
+        n = max(1, round(W / c))
+        policy.observe(Window(W, {DECODE: (n, n * c)}, waiting))
+    return seen
+
+
+def test_a_quiet_host_keeps_every_thread_and_probes_ever_more_rarely():
+    policy = ThreadPolicy(8)
+    seen = simulate(policy, 300, quiet, noise=0.05)
+    assert seen.count(8) / len(seen) > 0.98 and min(seen) == 7  # the probes, one thread down
+    assert policy.settled == 8 and policy.hold_s[-1] == MAX_HOLD_S
+    probes = [i for i in range(1, len(seen)) if seen[i] == 7 and seen[i - 1] == 8]
     gaps = [b - a for a, b in zip(probes, probes[1:], strict=False)]
-    assert gaps and max(gaps) <= round(MAX_HOLD_S / W) + 2 and gaps[-1] >= round(MAX_HOLD_S / W)
-    assert settled.count(4) / len(settled) < 0.01
-    assert policy.hold_s == MAX_HOLD_S
-    run(policy, [QUIET] * 400)
-    assert policy.threads == 6 and policy.hold_s == BASE_HOLD_S
+    assert gaps == sorted(gaps) and gaps[-1] >= MAX_HOLD_S / W
+
+
+def test_a_shared_host_settles_where_the_calls_are_fastest():
+    for best in (1, 3, 5):
+        policy = ThreadPolicy(6)
+        seen = simulate(policy, 120, shared(best), noise=0.05)
+        assert policy.settled == best, best
+        assert seen[-600:].count(best) / 600 > 0.95, best  # the last minute
+
+
+def test_a_new_load_is_probed_at_once_and_a_gone_one_climbed_back():
+    policy = ThreadPolicy(8)
+    simulate(policy, 120, quiet, waiting=0.02)
+    assert policy.settled == 8 and policy.hold_s[-1] == MAX_HOLD_S
+    # others take five cores: the wait rises, so the next probe down comes now, not MAX_HOLD_S on
+    seen = simulate(policy, 10, shared(3), waiting=1.5)
+    assert seen.index(7) <= (BASELINE_WINDOWS + 1) and policy.settled == 3
+    seen = simulate(policy, 30, quiet, waiting=0.02)
+    assert policy.settled == 8 and seen.index(8) * W < 8 * (BASE_HOLD_S + 1)
+
+
+def test_without_the_run_queue_a_new_load_waits_for_the_next_probe():
+    policy = ThreadPolicy(4)
+    simulate(policy, 120, quiet, waiting=None)
+    assert policy.settled == 4
+    seen = simulate(policy, 2 * MAX_HOLD_S + 2, shared(2), waiting=None)
+    assert seen[:round(2 / W)].count(4) == round(2 / W) and policy.settled == 2
+
+
+def test_only_like_calls_are_compared():
+    prompt, decode = (0, 1000, 256), DECODE
+    assert slowdown({decode: (10, 1.0)}, {decode: (20, 4.0)}) == pytest.approx(0.5)
+    assert slowdown({prompt: (1, 0.5), decode: (2, 0.2)}, {decode: (1, 0.2)}) == pytest.approx(0.5)
+    assert slowdown({prompt: (1, 0.5)}, {decode: (1, 0.1)}) is None
+    # a probe that saw only a prompt's calls, the baseline only decode's: neither a move nor a longer hold
+    policy = ThreadPolicy(4)
+    for _ in range(round(BASE_HOLD_S / W) + 1):
+        policy.observe(Window(W, {decode: (100, 0.1)}))
+    assert policy.threads == 3  # the probe
+    for _ in range(PROBE_WINDOWS):
+        policy.observe(Window(W, {prompt: (1, 0.01)}))
+    assert policy.threads == policy.settled == 4 and policy.hold_s[-1] == BASE_HOLD_S
 
 
 def test_a_window_must_say_its_wall_time():
-    assert not ThreadPolicy.contended(0.0, 0.0, 0)
     with pytest.raises(AssertionError):
-        ThreadPolicy(2).observe(-1.0, 0.0, 0)
+        ThreadPolicy(2).observe(Window(-1.0))
     with pytest.raises(AssertionError):
         ThreadPolicy(0)
 
@@ -135,37 +161,41 @@ class FakeClock:
         return self.t
 
 
-def test_the_pace_samples_once_a_window_and_skips_idle_time():
-    busy = RunQueueDelta(2.0 * run_queue.SAMPLE_S, 100)  # two threads waiting, 2 ms a slice
-    reader, clock = FakeReader([busy] * 20), FakeClock()
+def calls(pace: ThreadPace, clock: FakeClock, seconds: float, cost: Callable[[int], float]) -> None:
+    """Calls back to back for `seconds` of the fake clock, each `cost(k)` on the pace's k."""
+    end = clock.t + seconds
+    while clock.t < end:
+        k = pace.threads_now()
+        clock.t += cost(k)
+        pace.call_done(DECODE, cost(k))
+
+
+def test_the_pace_gives_the_policy_windows_and_skips_idle_time():
+    reader, clock = FakeReader([]), FakeClock()
     pace = ThreadPace(4, reader=reader, clock=clock)
     assert pace.adaptive and pace.threads_now() == 4
-    for _ in range(1000):  # a second of calls a millisecond apart: one read a window
-        clock.t += 0.001
-        pace.threads_now()
-        pace.call_done()
+    calls(pace, clock, 1.0, quiet)
     windows = 1.0 / run_queue.SAMPLE_S
-    assert windows - 1 <= reader.reads <= windows + 1
-    assert pace.threads == 1  # the busy windows took two threads, then the last but one
-    reads = reader.reads
+    assert windows - 1 <= reader.reads <= windows + 1  # one read a window, not a call
+    calls(pace, clock, 60, shared(2))
+    assert pace.policy.settled == 2 and pace.threads in (1, 2, 3)
+    reads, baseline = reader.reads, list(pace.policy._baseline)
     clock.t += 10 * run_queue.IDLE_S  # idle: the next call starts a window rather than judging this one
-    assert pace.threads_now() == 1 and reader.reads == reads + 1 and pace.policy._quiet_s == 0
+    pace.threads_now()
+    assert reader.reads == reads + 1 and pace.policy._baseline == baseline
 
 
-def test_the_pace_keeps_the_ceiling_without_a_signal_and_torch_threads_follow():
+def test_the_pace_keeps_the_ceiling_when_not_adaptive_and_torch_threads_follow():
     before = torch.get_num_threads()
-    for pace in (ThreadPace(3, adaptive=False), ThreadPace(3, reader=RunQueueWait("/nonexistent/task")),
-                 ThreadPace(1)):
+    for pace in (ThreadPace(3, adaptive=False), ThreadPace(1)):
         assert not pace.adaptive and pace.threads_now() == pace.policy.ceiling
+    assert ThreadPace(3, reader=RunQueueWait("/nonexistent/task")).adaptive  # the calls' times alone
     try:
-        reader, clock = FakeReader([RunQueueDelta(0.3, 100)] * 4), FakeClock()
-        pace = ThreadPace(3, torch_threads=True, reader=reader, clock=clock)
+        clock = FakeClock()
+        pace = ThreadPace(3, torch_threads=True, reader=FakeReader([]), clock=clock)
         assert torch.get_num_threads() == 3
-        for _ in range(HOT_WINDOWS):
-            clock.t += run_queue.SAMPLE_S
-            pace.threads_now()
-            pace.call_done()
-        assert pace.threads == 2 == torch.get_num_threads()
+        calls(pace, clock, 30, shared(2))
+        assert pace.policy.settled == 2 and torch.get_num_threads() == pace.threads
         pace.close()
         assert torch.get_num_threads() == before
     finally:

@@ -325,7 +325,8 @@ class GgmlExperts(RateCounter):
     module docstring). One call at a time (a lock): ctypes lets go of the GIL while ggml computes,
     so another thread may run Python meanwhile, but not a second graph on the same pool. With a
     `pace` (`run_queue.ThreadPace`, its ceiling `threads`) each call computes on the pace's count
-    of the pool's threads, the graphs planned once for all of them; without, on all of them."""
+    of the pool's threads, the graphs planned once for all of them, and tells the pace how long it
+    took; without, on all of them."""
 
     name = "ggml"
 
@@ -385,7 +386,7 @@ class GgmlExperts(RateCounter):
                 layer, x[start:start + ROWS_A_GRAPH], ids[start:start + ROWS_A_GRAPH], k)
                 for start in range(0, t, ROWS_A_GRAPH)]  # [rows, A, D] each
             if self.pace is not None:
-                self.pace.call_done()
+                self.pace.call_done((0, lay.expert_bytes, t), time.perf_counter() - t0)
         out = combine_picks(ys[0] if len(ys) == 1 else torch.cat(ys), weights)
         self.count(t, n_picked * lay.expert_bytes, time.perf_counter() - t0)
         return out
@@ -397,6 +398,7 @@ class GgmlExperts(RateCounter):
         assert x.shape[1] == k and raw.dtype == torch.uint8 and raw.is_contiguous(), "x [T, K], raw [N, row_bytes]"
         xf = x if x.dtype == torch.float32 and x.is_contiguous() else x.float().contiguous()
         key = ("matmul", int(ggml_type), k, n, t)
+        t0 = time.perf_counter()
         with self._lock:
             if t >= DEQUANT_ROWS and n * k <= DEQUANT_MAX_VALUES:
                 return xf @ self._dequantized(raw, ggml_type, k).T
@@ -410,7 +412,7 @@ class GgmlExperts(RateCounter):
             self._matmuls.move_to_end(key)
             y = graph.run(raw, xf, self._threads())
             if self.pace is not None:
-                self.pace.call_done()
+                self.pace.call_done((int(ggml_type), k, n, t), time.perf_counter() - t0)
             return y
 
     def _dequantized(self, raw: torch.Tensor, ggml_type: GGMLQuantizationType, k: int) -> torch.Tensor:

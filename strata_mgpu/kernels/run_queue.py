@@ -1,10 +1,10 @@
 """The mechanism beside `thread_policy`: the process's run-queue wait read from the kernel, and the
-pace that feeds it to the policy from a CPU stage's executor calls.
+pace that feeds the policy a CPU stage's executor calls, timed, and that wait.
 
 /proc/self/task/TID/schedstat holds three numbers a thread (Linux, schedstats on: the default of
 every distribution kernel): nanoseconds on a core, nanoseconds runnable on a run queue waiting for
-one, and the slices it ran. Where the files cannot be read (not Linux, a restricted /proc) there is
-no signal, and the pace keeps the configured threads.
+one, and the slices it ran. Where the files cannot be read (not Linux, a restricted /proc) the
+policy has the calls' times alone: it then finds a new load at its next probe rather than at once.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from strata_mgpu.kernels.thread_policy import ThreadPolicy
+from strata_mgpu.kernels.thread_policy import ThreadPolicy, Window
 
 log = logging.getLogger("strata.kernels")
 TASKS = "/proc/self/task"
@@ -71,48 +71,50 @@ class RunQueueWait:
 
 
 class ThreadPace:
-    """The threads an executor computes its next graph with: the policy's count, sampled from the
-    run queue once a window (`threads_now` before each call, `call_done` after it). With
-    `torch_threads` torch's intra-op threads follow the count too (their OpenMP barriers wait as
-    ggml's do), and `close` gives torch back the count it had. Not adaptive, a ceiling of one, or
-    no run-queue signal here: always the ceiling."""
+    """The threads an executor computes its next graph with: the policy's count, given each window
+    of calls (`threads_now` before each call, `call_done` after it, with the call's kind and
+    seconds) and the run queue's wait in it where the kernel says. With `torch_threads` torch's
+    intra-op threads follow the count too (their OpenMP barriers wait as ggml's do), and `close`
+    gives torch back the count it had. Not adaptive, or a ceiling of one: always the ceiling."""
 
     def __init__(self, ceiling: int, adaptive: bool = True, torch_threads: bool = False,
                  reader: RunQueueWait | None = None, clock: Callable[[], float] = time.monotonic):
         self.policy = ThreadPolicy(ceiling)
-        self.reader = (reader or RunQueueWait()) if adaptive and ceiling > 1 else None
-        self.adaptive = self.reader is not None and self.reader.available
+        self.adaptive = adaptive and ceiling > 1
+        self.reader = (reader or RunQueueWait()) if self.adaptive else None
         self.clock = clock
         self.threads = ceiling
         self._torch_before = torch.get_num_threads() if torch_threads else None
+        self._window = Window()
         self._window_start = self._last_call = clock()
         self._apply()
 
     def threads_now(self) -> int:
         if not self.adaptive:
             return self.threads
-        assert self.reader is not None
         now = self.clock()
         if now - self._last_call > IDLE_S:  # a new window from here
-            self.reader.delta()
-            self._window_start = now
+            self._restart(now)
         elif now - self._window_start >= SAMPLE_S:
-            d = self.reader.delta()
-            if d is None:
-                self.adaptive = False
-                return self.threads
-            wall = now - self._window_start
-            k = self.policy.observe(wall, d.wait_s, d.slices)
+            window, self._window = self._window, Window()
+            window.wall_s = now - self._window_start
+            d = self.reader.delta() if self.reader is not None and self.reader.available else None
+            window.waiting = d.wait_s / window.wall_s if d is not None else None
             self._window_start = now
+            settled = self.policy.settled
+            k = self.policy.observe(window)
             if k != self.threads:
-                log.debug("threads %d -> %d: %.2f threads waiting for a core, %.0f us a slice", self.threads, k,
-                          d.wait_s / wall, 1e6 * d.wait_s / max(1, d.slices))
+                log.debug("threads %d -> %d: %s", self.threads, k,
+                          "a probe" if k != self.policy.settled else
+                          "the probe was faster" if k != settled else "the probe taken back")
                 self.threads = k
                 self._apply()
         return self.threads
 
-    def call_done(self) -> None:
+    def call_done(self, kind: tuple[int, ...], seconds: float) -> None:
+        """A call of `kind` (its op, shape and rows: calls of one kind are compared) took `seconds`."""
         if self.adaptive:
+            self._window.add(kind, seconds)
             self._last_call = self.clock()
 
     def close(self) -> None:
@@ -121,8 +123,12 @@ class ThreadPace:
             self._torch_before = None
 
     def describe(self) -> str:
-        return (f"adapting to the run queue, at most {self.policy.ceiling}" if self.adaptive
-                else f"fixed at {self.policy.ceiling}")
+        return f"adapting, at most {self.policy.ceiling}" if self.adaptive else f"fixed at {self.policy.ceiling}"
+
+    def _restart(self, now: float) -> None:
+        self._window, self._window_start = Window(), now
+        if self.reader is not None:
+            self.reader.delta()
 
     def _apply(self) -> None:
         if self._torch_before is not None:

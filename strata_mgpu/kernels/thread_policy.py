@@ -2,71 +2,129 @@
 
 ggml's barrier between a graph's steps spins (x86 `pause`, no yield, no futex): when the OS takes a
 core from one of the pool's threads to run another process, every other thread spins until that
-one runs again, a scheduler slice (milliseconds) a barrier, and a decode step has hundreds of
-barriers. Torch's OpenMP threads wait the same way. So on a shared host fewer threads than cores
-are faster, down to one (no barrier at all), and the right count moves with the other load.
+one runs again, up to a scheduler slice (milliseconds) a barrier, and a decode step has hundreds of
+barriers. So on a shared host fewer threads than cores may be faster, down to one (no barrier at
+all), and the right count moves with the other load; on a quiet host all of them are.
 
-The signal is the kernel's own accounting of the process's threads (`run_queue.RunQueueWait`):
-over a window of wall time, the seconds they spent runnable but not running (`wait_s`) and the
-times they were put on a core (`slices`). Threads lack cores when both the wait per wall second
-(threads waiting, on average) and the wait per slice are high: a quiet host's waits are wake-ups,
-microseconds each, however many; a contended host's are other processes' slices.
-
-- Contended for HOT_WINDOWS windows in a row: fewer threads, by about the threads waiting on
-  average (the cores the others take), at least one, at most half, never below one.
-- Quiet for `hold_s`: one thread more (a probe). Contention in the windows after a probe takes it
-  back and doubles `hold_s` (to MAX_HOLD_S), so a steady competitor costs a probe that often; a
-  probe that held resets `hold_s` to BASE_HOLD_S, so a host that went quiet is climbed back fast.
+Which count is faster is measured, not guessed: the executor's own calls, timed, at the current
+count (the baseline) against a neighbouring count tried for PROBE_WINDOWS windows (a probe).
+Calls are compared like with like, each kind of call's (its op, shape and rows) mean time against the same kind's (a
+prompt's calls are not a decode step's). A probe that is faster by MARGIN moves there; one that is
+not is taken back, and the next probe that way waits twice as long (from BASE_HOLD_S to
+MAX_HOLD_S), so a host where the count is right pays a probe ever more rarely. The run queue says
+when to look sooner: a window in which the process's threads waited for a core (`waiting`:
+threads waiting, on average, from the kernel's schedstat) well above their level at this count
+makes the next probe one thread down, at once. (The wait alone does not say which count is faster:
+a quiet host's wake-ups wait too, many times a millisecond, for a few microseconds each.)
 """
 
 from __future__ import annotations
 
-LOAD_HIGH = 0.05  # threads waiting for a core, on average over the window: above, a contended window...
-SLICE_WAIT_HIGH_S = 200e-6  # ...when a slice also waited this long on average (a wake-up waits microseconds)
-HOT_WINDOWS = 2  # contended windows in a row before threads are taken away
-BASE_HOLD_S = 0.5  # quiet seconds before a probe, after a probe that held
-MAX_HOLD_S = 16.0  # the longest wait between probes (after failed ones)
+from dataclasses import dataclass, field
+
+PROBE_WINDOWS = 2  # windows a probe lasts
+BASELINE_WINDOWS = 4  # the latest windows at the current count that make its baseline
+MARGIN = 0.08  # a probe must be this much faster (its calls' time) to move there
+BASE_HOLD_S = 1.0  # seconds at a count before a probe either way, after a move
+MAX_HOLD_S = 16.0  # the longest wait between probes one way (after failed ones)
+RISE = 2.0  # waiting this many times the count's usual level ...
+LOAD_HIGH = 0.1  # ... and above this many threads: other processes came, probe down now
+
+
+Calls = dict[tuple[int, ...], tuple[int, float]]  # a call's kind and rows -> (calls, seconds)
+
+
+@dataclass
+class Window:
+    """One window of an executor's calls: wall seconds, each kind of call's count and seconds, and
+    the threads of the process waiting for a core on average (None: not known here)."""
+
+    wall_s: float = 0.0
+    calls: Calls = field(default_factory=dict)
+    waiting: float | None = None
+
+    def add(self, kind: tuple[int, ...], seconds: float) -> None:
+        n, s = self.calls.get(kind, (0, 0.0))
+        self.calls[kind] = (n + 1, s + seconds)
+
+
+def merged(windows: list[Window]) -> Calls:
+    out: Calls = {}
+    for w in windows:
+        for rows, (n, s) in w.calls.items():
+            n0, s0 = out.get(rows, (0, 0.0))
+            out[rows] = (n0 + n, s0 + s)
+    return out
+
+
+def slowdown(probe: Calls, base: Calls) -> float | None:
+    """The probe's calls' time over what the same calls took at the baseline's means, kind by kind
+    (those both saw); None where they saw none alike."""
+    spent = expected = 0.0
+    for rows, (n, s) in probe.items():
+        if rows in base:
+            n0, s0 = base[rows]
+            spent, expected = spent + s, expected + n * s0 / n0
+    return spent / expected if expected > 0 else None
 
 
 class ThreadPolicy:
-    """Windows of (wall_s, wait_s, slices) in, the thread count to compute with out: 1..ceiling,
-    starting at the ceiling."""
+    """Windows in, the thread count to compute with out: 1..ceiling, starting at the ceiling."""
 
     def __init__(self, ceiling: int):
         assert ceiling >= 1
         self.ceiling = ceiling
-        self.threads = ceiling
-        self.hold_s = BASE_HOLD_S
-        self._quiet_s = 0.0  # quiet wall time since the last change (or contended window)
-        self._hot = 0  # contended windows in a row
-        self._probing = False  # the last change added a thread, not yet held for hold_s
+        self.threads = ceiling  # the count the next window computes on (a probe's while probing)
+        self.settled = ceiling  # the count probes are measured against
+        self.hold_s = {-1: BASE_HOLD_S, +1: BASE_HOLD_S}  # seconds at `settled` before a probe that way
+        self._since = {-1: 0.0, +1: 0.0}  # seconds at `settled` since the last probe that way
+        self._baseline: list[Window] = []
+        self._probe: list[Window] = []
+        self._waiting: float | None = None  # the settled count's usual waiting (the baseline windows' least)
 
-    @staticmethod
-    def contended(wall_s: float, wait_s: float, slices: int) -> bool:
-        return wall_s > 0 and wait_s / wall_s > LOAD_HIGH and wait_s / max(1, slices) > SLICE_WAIT_HIGH_S
-
-    def observe(self, wall_s: float, wait_s: float, slices: int) -> int:
-        """One window: its wall seconds, the process's threads' run-queue wait in it (seconds,
-        summed over threads) and the slices they ran -> the threads to use from now."""
-        assert wall_s >= 0 and wait_s >= 0 and slices >= 0
-        if self.contended(wall_s, wait_s, slices):
-            self._quiet_s = 0.0
-            self._hot += 1
-            if self._probing:  # the probe's thread found no core
-                self.threads -= 1
-                self.hold_s = min(MAX_HOLD_S, 2 * self.hold_s)
-                self._probing, self._hot = False, 0
-            elif self._hot >= HOT_WINDOWS and self.threads > 1:
-                waiting = round(wait_s / wall_s)  # about the cores the others took from us
-                self.threads -= min(max(1, waiting), max(1, self.threads // 2))
-                self._hot = 0
+    def observe(self, window: Window) -> int:
+        """One window's calls (on `self.threads`) -> the threads to use from now."""
+        assert window.wall_s >= 0
+        if self.threads != self.settled:
+            self._probe.append(window)
+            if len(self._probe) >= PROBE_WINDOWS:
+                self._judge()
             return self.threads
-        self._hot = 0
-        self._quiet_s += wall_s
-        if self._quiet_s >= self.hold_s:
-            if self._probing:
-                self.hold_s = BASE_HOLD_S
-            self._probing = self.threads < self.ceiling
-            self.threads = min(self.ceiling, self.threads + 1)
-            self._quiet_s = 0.0
+        if self._risen(window):  # the baseline from here: the load changed
+            self._baseline = []
+            if self.settled > 1:
+                self._since[-1] = self.hold_s[-1] = BASE_HOLD_S
+        self._baseline = (self._baseline + [window])[-BASELINE_WINDOWS:]
+        for way in self._since:
+            self._since[way] += window.wall_s
+        self._waiting = self._usual_waiting()
+        for way in (-1, +1):  # down first: under a new load it is the likelier one
+            if 1 <= self.settled + way <= self.ceiling and self._since[way] >= self.hold_s[way] \
+                    and len(self._baseline) == BASELINE_WINDOWS:
+                self.threads, self._probe = self.settled + way, []
+                return self.threads
         return self.threads
+
+    def _risen(self, window: Window) -> bool:
+        if window.waiting is None or self._waiting is None:
+            return False
+        return window.waiting > max(LOAD_HIGH, RISE * self._waiting)
+
+    def _usual_waiting(self) -> float | None:
+        seen = [w.waiting for w in self._baseline if w.waiting is not None]
+        return min(seen) if seen else None
+
+    def _judge(self) -> None:
+        way = +1 if self.threads > self.settled else -1
+        ratio = slowdown(merged(self._probe), merged(self._baseline))
+        if ratio is not None and ratio < 1 - MARGIN:  # faster: move, and look on soon either way
+            self.settled = self.threads
+            self.hold_s = {-1: BASE_HOLD_S, +1: BASE_HOLD_S}
+            self._since = {-1: 0.0, +1: 0.0}
+            self._baseline, self._waiting = self._probe[-BASELINE_WINDOWS:], None
+        else:
+            self.threads = self.settled
+            if ratio is not None:  # no like calls to compare: try again as soon
+                self.hold_s[way] = min(MAX_HOLD_S, 2 * self.hold_s[way])
+        self._since[way] = 0.0
+        self._probe = []

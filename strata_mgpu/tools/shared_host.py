@@ -9,7 +9,9 @@ The stage, its threads and every spinner (`while True: pass`, a process each) ar
 another process on a shared host would. Without a model file the preset is written to a temporary
 file first. A cell decodes one sequence, a token at a time, for `--warmup` seconds untimed (the
 adaptive executor settles on its count there) and `--seconds` timed, at least two steps; the
-adaptive cell also reports the mean threads it computed on. After the last row the spinners stop
+adaptive cell also reports the mean threads it computed on; every cell the run-queue wait of the
+process's threads over its timed stretch (the adaptive policy's signal: threads waiting for a core
+on average, and the wait a slice). After the last row the spinners stop
 and the adaptive executor's climb back to every thread is timed (`recovery_s`). Columns: each of
 `--threads` fixed (STRATA_ADAPT_THREADS=0 alike; torch's intra-op threads at the same count), then
 `adaptive`; `--torch-threads cores` leaves torch on every core instead (the rule before the
@@ -34,6 +36,7 @@ import torch
 
 from strata_mgpu import env
 from strata_mgpu.kernels.cpu_experts import GgmlExperts, ggml_missing
+from strata_mgpu.kernels.run_queue import RunQueueDelta, RunQueueWait
 from strata_mgpu.model.gguf_reader import GGUFFile
 from strata_mgpu.model.spec import spec_from_gguf
 from strata_mgpu.model.synthetic import PRESETS, write_model
@@ -54,6 +57,8 @@ class Cell:
     steps: int
     seconds: float
     mean_threads: float  # the executor's count, averaged over the timed steps
+    waiting: float  # the process's threads waiting for a core over the timed steps, on average (the policy's signal)
+    slice_wait_us: float  # their run-queue wait a slice, likewise
 
 
 @dataclass
@@ -113,8 +118,10 @@ class Spinners:
         self.procs = []
 
 
-def decode_for(stage: Stage, warmup_s: float, seconds: float, seed: int) -> tuple[int, float, float]:
-    """(steps, seconds, mean threads) of a timed stretch of batch-1 decode after an untimed one."""
+def decode_for(stage: Stage, warmup_s: float, seconds: float, seed: int
+               ) -> tuple[int, float, float, RunQueueDelta | None]:
+    """(steps, seconds, mean threads, run-queue wait) of a timed stretch of batch-1 decode after an
+    untimed one."""
     executor = stage.experts.executor if isinstance(stage.experts, HostCoreExperts) else None
     g = torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, stage.spec.vocab_size, (PROMPT + MAX_STEPS + 1,), generator=g)
@@ -126,12 +133,13 @@ def decode_for(stage: Stage, warmup_s: float, seconds: float, seed: int) -> tupl
         int(stage.decode([kv], tokens[pos:pos + 1])[0].argmax())
         pos += 1
     steps, used = 0, 0
+    run_queue = RunQueueWait()
     t0 = time.perf_counter()
     while steps < 2 or (time.perf_counter() - t0 < seconds and pos < PROMPT + MAX_STEPS):
         int(stage.decode([kv], tokens[pos:pos + 1])[0].argmax())  # random tokens fed, as tools/bench does
         pos, steps = pos + 1, steps + 1
         used += executor.threads_now if isinstance(executor, GgmlExperts) else 0
-    return steps, time.perf_counter() - t0, used / steps
+    return steps, time.perf_counter() - t0, used / steps, run_queue.delta()
 
 
 def recovery(stage: Stage, limit_s: float) -> float | None:
@@ -223,12 +231,16 @@ def sweep(f: GGUFFile, model: str, environment: env.EnvOptions, args: argparse.N
             spinners = Spinners(b, cores)
             try:
                 time.sleep(0.05)  # the spinners running
-                steps, seconds, mean = decode_for(stage, args.warmup, args.seconds, seed=b)
+                steps, seconds, mean, waited = decode_for(stage, args.warmup, args.seconds, seed=b)
             finally:
                 spinners.stop()
-            table[b, name] = cell = Cell(b, name, steps / seconds, steps, seconds, mean)
+            wait_s, slices = (waited.wait_s, waited.slices) if waited is not None else (0.0, 0)
+            table[b, name] = cell = Cell(b, name, steps / seconds, steps, seconds, mean, wait_s / seconds,
+                                         1e6 * wait_s / max(1, slices))
             print(f"  threads {name}, {b} busy: {cell.tok_per_s:.1f} tok/s ({steps} steps"
-                  + (f", {mean:.1f} threads on average)" if adaptive else ")"), flush=True)
+                  + (f", {mean:.1f} threads on average" if adaptive else "")
+                  + f"; {cell.waiting:.2f} threads waiting for a core, {cell.slice_wait_us:.0f} us a slice)",
+                  flush=True)
         if adaptive:
             spinners = Spinners(max(busy), cores)
             decode_for(stage, args.warmup, 0.1, seed=0)  # settled under the heaviest load
