@@ -104,10 +104,12 @@ def default_threads(n: int) -> list[int]:
 
 
 class Spinners:
-    """`n` busy processes, each confined to `cores`."""
+    """`n` busy processes, each confined to `cores`; each ends by itself within a fraction of a
+    second of this process's end, however it ends."""
 
     def __init__(self, n: int, cores: list[int]):
-        code = f"import os\nos.sched_setaffinity(0, {set(cores)!r})\nwhile True:\n    pass\n"
+        code = (f"import os\nos.sched_setaffinity(0, {set(cores)!r})\nparent = {os.getpid()}\n"
+                "while os.getppid() == parent:\n    for _ in range(1 << 20):\n        pass\n")
         self.procs = [subprocess.Popen([sys.executable, "-c", code]) for _ in range(n)]
 
     def stop(self) -> None:
@@ -243,8 +245,10 @@ def sweep(f: GGUFFile, model: str, environment: env.EnvOptions, args: argparse.N
                   flush=True)
         if adaptive:
             spinners = Spinners(max(busy), cores)
-            decode_for(stage, args.warmup, 0.1, seed=0)  # settled under the heaviest load
-            spinners.stop()
+            try:
+                decode_for(stage, args.warmup, 0.1, seed=0)  # settled under the heaviest load
+            finally:
+                spinners.stop()
             report.recovery_s = recovery(stage, RECOVERY_LIMIT_S)
         executor.close()
         del stage, executor
