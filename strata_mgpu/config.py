@@ -155,6 +155,7 @@ class StageSwitches:
     # a bf16 GPU stage with the CUDA kernels keeps its projections and head as the file's blocks where
     # dense_q8 takes their type (`kernels.dense.DeviceDense`); False: bf16 copies (STRATA_DENSE_BLOCKS)
     dense_blocks: bool = True
+    adapt_threads: bool = True  # a CPU stage computes on the count of --threads measured fastest (STRATA_ADAPT_THREADS)
 
     def __post_init__(self) -> None:
         if self.dtype not in ("bf16", "fp32"):
@@ -171,7 +172,8 @@ class StageSwitches:
     def env_fields(cls, environment: EnvOptions) -> dict[str, Any]:
         """The switches the environment sets (`env.read()`), by field name."""
         return {"decode_graph_batch": environment.decode_graph_batch, "kv_prefetch": environment.kv_prefetch,
-                "host_prompt_help": environment.host_prompt_help, "dense_blocks": environment.dense_blocks}
+                "host_prompt_help": environment.host_prompt_help, "dense_blocks": environment.dense_blocks,
+                "adapt_threads": environment.adapt_threads}
 
     @classmethod
     def from_env(cls, environment: EnvOptions, **fields: Any) -> Self:

@@ -68,8 +68,13 @@ DENSE_BLOCKS = EnvVar("STRATA_DENSE_BLOCKS", "1",
                       "they are Q4_0, Q8_0, Q4_K, Q5_K or Q6_K (decode multiplies them in place, prompts through a "
                       "transient bf16 copy); 0: bf16 copies of every one (twice Q8_0's VRAM)")
 
+ADAPT_THREADS = EnvVar("STRATA_ADAPT_THREADS", "1",
+                       "1 (default): a CPU stage computes on the count of its --threads its calls measure fastest "
+                       "(probing one fewer or more now and then, at once when its threads wait for cores), fewer "
+                       "while other processes keep the cores busy; 0: always on --threads")
+
 ALL = (CACHE_DIR, LOG_LEVEL, PREFILL_HELP, PREFILL_HELP_FRAC, HELP_HALVES, KV_PREFETCH, STAGE_THREADS,
-       DECODE_GRAPH_BATCH, HOST_PROMPT_HELP, DENSE_BLOCKS)
+       DECODE_GRAPH_BATCH, HOST_PROMPT_HELP, DENSE_BLOCKS, ADAPT_THREADS)
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
@@ -133,6 +138,7 @@ class EnvOptions:
     decode_graph_batch: int = 8
     host_prompt_help: bool = False
     dense_blocks: bool = True
+    adapt_threads: bool = True
 
     @property
     def demo_dir(self) -> Path:
@@ -167,6 +173,7 @@ def read(environ: Mapping[str, str] | None = None) -> EnvOptions:
                                          "a whole number from 1 to 64"),
         host_prompt_help=_zero_or_one(raw(HOST_PROMPT_HELP), HOST_PROMPT_HELP.name),
         dense_blocks=_zero_or_one(raw(DENSE_BLOCKS), DENSE_BLOCKS.name),
+        adapt_threads=_zero_or_one(raw(ADAPT_THREADS), ADAPT_THREADS.name),
     )
 
 
@@ -177,6 +184,17 @@ def read_or_exit() -> EnvOptions:
         return read()
     except EnvError as e:
         raise SystemExit(f"error: {e}") from None
+
+
+OMP_WAIT = "OMP_WAIT_POLICY"
+
+
+def default_omp_wait_policy() -> None:
+    """Let torch's OpenMP threads sleep between parallel regions (PASSIVE) unless the user chose:
+    libgomp's default spins a while after each, on cores that ggml's pool, a CPU stage's other
+    threads and other processes need (docs/CONFIG.md). libgomp reads it once, when torch loads it:
+    the package sets it on import, before anything of it imports torch."""
+    os.environ.setdefault(OMP_WAIT, "PASSIVE")
 
 
 ALLOC_CONF = "PYTORCH_CUDA_ALLOC_CONF"

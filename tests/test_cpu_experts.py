@@ -40,6 +40,7 @@ from strata_mgpu.engine.build import build_runner
 from strata_mgpu.kernels import cpu_experts
 from strata_mgpu.kernels.cpu_experts import DEQUANT_ROWS, GgmlExperts, TorchExperts, default_threads, physical_cores
 from strata_mgpu.kernels.paths import _warned
+from strata_mgpu.kernels.run_queue import ThreadPace
 from strata_mgpu.model.expert_layout import ExpertLayout
 from strata_mgpu.model.gguf_reader import GGUFFile
 from strata_mgpu.model.reference import moe_reference
@@ -217,6 +218,31 @@ def test_rows_over_many_graphs_and_threads_change_nothing(executor):
 
 
 @ggml_needed
+def test_fewer_of_the_pool_s_threads_change_nothing():
+    """A paced executor computes on k of the pool's threads in graphs planned for all of them: the
+    plan's work buffer fits (its size grows with the threads planned for), and every output, the
+    experts' and a projection's, is bit for bit the one on all of them (each output element is
+    one thread's dot over the whole row, whichever thread)."""
+    import ggml
+
+    layer, lay = random_layer(Q.Q4_K, Q.Q6_K, 9)
+    sizes = [cpu_experts._MoeGraph(ggml, lay, D, E, A, 3, n, None).plan.work_size for n in (1, 2, 4, 8)]
+    assert sizes == sorted(sizes)
+    h, weights, experts = random_rows(3, A, 10)
+    raw = torch.from_numpy(np.ascontiguousarray(
+        make_tensor(TensorPlan("w", (96, D), Q.Q8_0, std=D ** -0.5), 11).reshape(96, -1).view(np.uint8)))
+    paced = GgmlExperts(4, pace=ThreadPace(4, adaptive=False))
+    want = paced.moe(layer, lay, h, weights, experts), paced.matmul(h, raw, Q.Q8_0, D)
+    for k in (1, 2, 3):
+        paced.pace.threads = k  # as the policy would set it
+        assert paced.threads_now == k
+        got = paced.moe(layer, lay, h, weights, experts), paced.matmul(h, raw, Q.Q8_0, D)
+        assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True)), k
+        assert all(g.plan.n_threads == k for g in [*paced._graphs.values(), *paced._matmuls.values()])
+    paced.close()
+
+
+@ggml_needed
 def test_the_rates_count_each_call_s_distinct_experts(executor):
     layer, lay = random_layer(Q.Q8_0, Q.Q8_0, 7)
     executor.reset_rates()
@@ -282,6 +308,29 @@ def test_devices_cpu_builds_a_stage_of_arena_and_host_cores(tiny_gguf):
         stage.attach_helper(object())  # type: ignore[arg-type]
     split = build_runner(f, spec, Placement(devices=("cpu", "cpu")), 64, kv_tokens=128)
     assert not any(s.options.host_core_experts for s in split.stages)  # a split's CPU stages: the device path's twins
+
+
+@ggml_needed
+def test_a_cpu_stage_s_threads_adapt_unless_switched_off(tiny_gguf):
+    """--threads is the ceiling of a CPU stage's pace, torch's intra-op threads at its count;
+    STRATA_ADAPT_THREADS=0 (Placement.adapt_threads) holds it there."""
+    f = GGUFFile(tiny_gguf)
+    spec = spec_from_gguf(f)
+    before = torch.get_num_threads()
+    try:
+        for adapt in (True, False):
+            stage = build_runner(f, spec, Placement(devices=("cpu",), threads=2, adapt_threads=adapt), 64,
+                                 kv_tokens=128)
+            assert isinstance(stage, Stage) and isinstance(stage.experts, HostCoreExperts)
+            executor = stage.experts.executor
+            assert isinstance(executor, GgmlExperts) and executor.pace is not None
+            assert executor.pace.policy.ceiling == 2 and torch.get_num_threads() == executor.threads_now
+            assert executor.pace.adaptive == adapt
+            assert ("ggml on 2 threads (adapting, at most 2)" in stage.report.kernels) == adapt
+            executor.close()
+            assert torch.get_num_threads() == before
+    finally:
+        torch.set_num_threads(before)
 
 
 @ggml_needed

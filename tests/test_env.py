@@ -42,6 +42,7 @@ def test_defaults_are_the_variables_own():
     ("STRATA_CACHE_DIR", "/tmp/strata-cache", "cache_dir", Path("/tmp/strata-cache")),
     ("STRATA_DENSE_BLOCKS", "0", "dense_blocks", False),
     ("STRATA_DENSE_BLOCKS", " 1", "dense_blocks", True),
+    ("STRATA_ADAPT_THREADS", "0", "adapt_threads", False),
 ])
 def test_values(name, raw, field, want):
     assert getattr(env.read({name: raw}), field) == want
@@ -61,6 +62,7 @@ def test_values(name, raw, field, want):
     ("STRATA_HELP_HALVES", "\u00b2", "whole number of tokens"),
     ("STRATA_PREFILL_HELP", "sometimes", "expected 0 or 1"),
     ("STRATA_DENSE_BLOCKS", "yes", "expected 0 or 1"),
+    ("STRATA_ADAPT_THREADS", "2", "expected 0 or 1"),
     ("STRATA_PREFILL_HELP_FRAC", "fast", "expected auto, rule or a number"),
     ("STRATA_LOG_LEVEL", "LOUD", "expected DEBUG, INFO"),
 ])

@@ -50,6 +50,7 @@ import torch.nn.functional as F
 from gguf.constants import GGMLQuantizationType
 
 from strata_mgpu.kernels.paths import warn_once
+from strata_mgpu.kernels.run_queue import ThreadPace
 from strata_mgpu.model.expert_layout import ExpertLayout
 from strata_mgpu.quant.dequant import dequantize_rows
 
@@ -231,12 +232,17 @@ class _Graph:
         ggml = self.ggml
         self.graph = ggml.ggml_new_graph_custom(self.ctx, self.N_NODES, False)
         ggml.ggml_build_forward_expand(self.graph, out)
+        # planned for the pool's every thread: the work buffer then fits any fewer (ggml adds a cache line a
+        # thread to the largest op's need, which for mul_mat(_id) and swiglu does not depend on the threads)
         self.plan = ggml.ggml_graph_plan(self.graph, threads, pool)
+        self.planned_threads = int(self.plan.n_threads)
         self.work = np.empty(max(int(self.plan.work_size), 1), dtype=np.uint8)
         self.plan.work_data = self.work.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8))
         self.plan_ref = ctypes.byref(self.plan)
 
-    def _compute(self) -> None:
+    def _compute(self, threads: int) -> None:
+        """On the pool's first `threads` threads (1..the planned count; the others stay asleep)."""
+        self.plan.n_threads = min(threads, self.planned_threads)
         status = self.ggml.ggml_graph_compute(self.graph, self.plan_ref)
         if status != 0:
             raise RuntimeError(f"ggml_graph_compute failed with status {status}")
@@ -275,16 +281,17 @@ class _MoeGraph(_Graph):
         self.structs = [t.contents for t in (self.w_gate_up, self.w_down, self.x, self.ids, self.gate_up, self.act,
                                              self.y)]
 
-    def run(self, layer: torch.Tensor, h: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    def run(self, layer: torch.Tensor, h: torch.Tensor, ids: torch.Tensor, threads: int) -> torch.Tensor:
         """layer uint8 [E * expert_bytes], h [T, D] fp32 and ids [T, A] int32, both contiguous ->
-        the picks' outputs [T, A, D] fp32. The intermediates are torch's, freed on return."""
+        the picks' outputs [T, A, D] fp32, on `threads` of the pool's. The intermediates are torch's,
+        freed on return."""
         y = torch.empty(self.shapes["y"], dtype=torch.float32)  # returned
         work = torch.empty(self.intermediates, dtype=torch.float32)  # gate_up [T, A, 2F], then act [T, A, F]
         base, scratch = layer.data_ptr(), work.data_ptr()
         w_gate_up, w_down, x, ids_, gate_up, act, out = self.structs
         w_gate_up.data, w_down.data, x.data, ids_.data = base, base + self.down_offset, h.data_ptr(), ids.data_ptr()
         gate_up.data, act.data, out.data = scratch, scratch + 4 * self.act_offset, y.data_ptr()
-        self._compute()
+        self._compute(threads)
         return y
 
 
@@ -304,26 +311,30 @@ class _MatmulGraph(_Graph):
         self.shape = (rows, n)
         self.structs = [t.contents for t in (w, x, y)]
 
-    def run(self, raw: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """raw [N, row_bytes] uint8 and x [T, K] f32, both contiguous -> [T, N] f32."""
+    def run(self, raw: torch.Tensor, x: torch.Tensor, threads: int) -> torch.Tensor:
+        """raw [N, row_bytes] uint8 and x [T, K] f32, both contiguous -> [T, N] f32, on `threads`."""
         y = torch.empty(self.shape, dtype=torch.float32)
         w_, x_, y_ = self.structs
         w_.data, x_.data, y_.data = raw.data_ptr(), x.data_ptr(), y.data_ptr()
-        self._compute()
+        self._compute(threads)
         return y
 
 
 class GgmlExperts(RateCounter):
     """ggml's CPU kernels over the experts' bytes in place, on a thread pool of `threads` (see the
     module docstring). One call at a time (a lock): ctypes lets go of the GIL while ggml computes,
-    so another thread may run Python meanwhile, but not a second graph on the same pool."""
+    so another thread may run Python meanwhile, but not a second graph on the same pool. With a
+    `pace` (`run_queue.ThreadPace`, its ceiling `threads`) each call computes on the pace's count
+    of the pool's threads, the graphs planned once for all of them, and tells the pace how long it
+    took; without, on all of them."""
 
     name = "ggml"
 
-    def __init__(self, threads: int, poll: int = 0):
+    def __init__(self, threads: int, poll: int = 0, pace: ThreadPace | None = None):
         import ggml  # ggml-python: the optional extra `cpu-experts` (select_cpu_experts checks it is there)
 
         assert threads >= 1 and 0 <= poll <= 100
+        assert pace is None or pace.policy.ceiling == threads
         super().__init__()
         self.ggml = ggml
         self.threads, self.poll = threads, poll
@@ -338,11 +349,21 @@ class GgmlExperts(RateCounter):
         self._matmuls: OrderedDict[tuple, _Graph] = OrderedDict()  # the projections'
         self._dequant_buffer = torch.empty(0, dtype=torch.float32)  # `_dequantized`'s, grown as needed
         self._lock = threading.Lock()
-        self._free = weakref.finalize(self, _free, ggml, [self._graphs, self._matmuls], self._pool)  # at exit too
+        self.pace = pace
+        self._free = weakref.finalize(self, _free, ggml, [self._graphs, self._matmuls], self._pool, pace)  # at exit too
 
     def describe(self) -> str:
-        return f"ggml on {self.threads} thread{'s' if self.threads > 1 else ''}" + (f", polling {self.poll}"
-                                                                                  if self.poll else "")
+        pace = f" ({self.pace.describe()})" if self.pace is not None and self.pace.adaptive else ""
+        return (f"ggml on {self.threads} thread{'s' if self.threads > 1 else ''}{pace}"
+                + (f", polling {self.poll}" if self.poll else ""))
+
+    @property
+    def threads_now(self) -> int:
+        """The threads the last call computed on (the pace's; `threads` without one)."""
+        return self.pace.threads if self.pace is not None else self.threads
+
+    def _threads(self) -> int:
+        return self.pace.threads_now() if self.pace is not None else self.threads
 
     def moe(self, layer: torch.Tensor, lay: ExpertLayout, h: torch.Tensor, weights: torch.Tensor,
             experts: torch.Tensor) -> torch.Tensor:
@@ -360,9 +381,12 @@ class GgmlExperts(RateCounter):
         ids = experts.to(torch.int32).contiguous()
         x = h if h.dtype == torch.float32 and h.is_contiguous() else h.float().contiguous()
         with self._lock:
+            k = self._threads()
             ys = [self._graph(lay, d, n_experts, a, min(t, start + ROWS_A_GRAPH) - start).run(
-                layer, x[start:start + ROWS_A_GRAPH], ids[start:start + ROWS_A_GRAPH])
+                layer, x[start:start + ROWS_A_GRAPH], ids[start:start + ROWS_A_GRAPH], k)
                 for start in range(0, t, ROWS_A_GRAPH)]  # [rows, A, D] each
+            if self.pace is not None:
+                self.pace.call_done((0, lay.expert_bytes, t), time.perf_counter() - t0)
         out = combine_picks(ys[0] if len(ys) == 1 else torch.cat(ys), weights)
         self.count(t, n_picked * lay.expert_bytes, time.perf_counter() - t0)
         return out
@@ -374,6 +398,7 @@ class GgmlExperts(RateCounter):
         assert x.shape[1] == k and raw.dtype == torch.uint8 and raw.is_contiguous(), "x [T, K], raw [N, row_bytes]"
         xf = x if x.dtype == torch.float32 and x.is_contiguous() else x.float().contiguous()
         key = ("matmul", int(ggml_type), k, n, t)
+        t0 = time.perf_counter()
         with self._lock:
             if t >= DEQUANT_ROWS and n * k <= DEQUANT_MAX_VALUES:
                 return xf @ self._dequantized(raw, ggml_type, k).T
@@ -385,7 +410,10 @@ class GgmlExperts(RateCounter):
             # ggml reads raw.shape[1] bytes a row: a mismatch would read past the matrix
             assert raw.shape[1] == graph.row_bytes, f"{ggml_type.name} rows of {k} values take {graph.row_bytes} bytes"
             self._matmuls.move_to_end(key)
-            return graph.run(raw, xf)
+            y = graph.run(raw, xf, self._threads())
+            if self.pace is not None:
+                self.pace.call_done((int(ggml_type), k, n, t), time.perf_counter() - t0)
+            return y
 
     def _dequantized(self, raw: torch.Tensor, ggml_type: GGMLQuantizationType, k: int) -> torch.Tensor:
         """W [N, K] fp32 from raw's blocks by ggml's own dequantization, in a buffer kept for the
@@ -429,13 +457,15 @@ def _keep(graphs: OrderedDict[tuple, _Graph], key: tuple, most: int, graph: _Gra
     return graph
 
 
-def _free(ggml: Any, kept: list[OrderedDict[tuple, _Graph]], pool: Any) -> None:
+def _free(ggml: Any, kept: list[OrderedDict[tuple, _Graph]], pool: Any, pace: ThreadPace | None) -> None:
     for graphs in kept:
         for graph in graphs.values():
             graph.free()
         graphs.clear()
     if pool is not None:
         ggml.ggml_threadpool_free(pool)
+    if pace is not None:
+        pace.close()
 
 
 def ggml_missing() -> str | None:
@@ -447,15 +477,17 @@ def ggml_missing() -> str | None:
     return None
 
 
-def select_cpu_experts(threads: int) -> CpuExperts:
-    """The executor a CPU stage computes its experts with, chosen once: ggml on `threads` threads,
-    else (ggml-python missing) the torch twin, with one warning a process saying so."""
+def select_cpu_experts(threads: int, adaptive: bool = True) -> CpuExperts:
+    """The executor a CPU stage computes its experts with, chosen once: ggml on at most `threads`
+    threads, torch's intra-op threads following them (`run_queue.ThreadPace`: fewer while other
+    processes take the cores, where `adaptive`), else (ggml-python missing) the torch twin, with one
+    warning a process saying so."""
     reason = ggml_missing()
     if reason is not None:
         warn_once("a CPU stage computes its experts with the torch twin (each picked expert dequantized every call: "
                   "slower)", reason)
         return TorchExperts()
-    return GgmlExperts(threads)
+    return GgmlExperts(threads, pace=ThreadPace(threads, adaptive, torch_threads=True))
 
 
 def physical_cores() -> int:

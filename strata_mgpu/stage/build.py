@@ -63,7 +63,8 @@ def build_stage(f: GGUFFile, spec: ModelSpec, opts: StageOptions, layers: range 
         return (lambda i: on_progress(what, i - layers.start + 1, total)) if on_progress else (lambda i: None)
 
     tag = "" if first and last else f" {layers.start}-{layers.stop - 1} on {ctx.device}"
-    executor = select_cpu_experts(opts.threads or default_threads(0)) if opts.host_core_experts else None
+    executor = (select_cpu_experts(opts.threads or default_threads(0), switches.adapt_threads)
+                if opts.host_core_experts else None)
     kernels = select_kernels(ctx.device, prefer_cuda=opts.prefer_cuda_kernels)
     # Which projections stay as the file's blocks: a CPU stage computing on the host's cores through
     # ggml multiplies every type from its blocks (`HostDense`; the torch twin would dequantize them
