@@ -11,7 +11,9 @@
 #   dense   STRATA_DENSE_BLOCKS=0 (bf16 copies of the projections and head) against 1 (the file's blocks): prompts of
 #           1 / 16 / 1K / 4K tokens and decode at --max-vram 40, decode at 16 (the VRAM the blocks free holds experts)
 #   grammar the constrained-decoding mask on $MODEL: tests/test_gpu_grammar.py at --max-vram 16 and 40
-#           (STRATA_GPU_MODEL), then tools/grammar_cost at batch 8 with one row and with every row constrained
+#           (STRATA_GPU_MODEL), then tools/grammar_cost at batch 8 with GRAMMAR_ROWS (default 1) of its rows constrained
+#   shared  a CPU stage beside busy spinners on the same cores (tools/shared_host, small preset): cores 0-3 and
+#           0-7, fixed threads against the adaptive executor; and 0-7 as before it (spinning OpenMP, fixed threads)
 #   served  decode through the engine as the server does (sampling on), 1 and 8 requests, at 40 and 16
 #   split   two stages on one card, --max-vram 8,8 (total 16) and 20,20 (all resident)
 #   splitdec decode on two stages of one card, all resident (--max-vram 20,20): batch 1 and 8, and 1
@@ -145,11 +147,21 @@ if has grammar; then
   STRATA_GPU_MODEL=$MODEL timeout 1200 python3 -m pytest -q tests/test_gpu_grammar.py -p no:cacheprovider 2>&1 \
     | tee "$OUT/gpu_grammar_tests.log" | tail -5 || status=1
   for vram in 16 40; do
-    for rows in 1 8; do
+    for rows in ${GRAMMAR_ROWS:-1}; do
       python3 -m strata_mgpu.tools.grammar_cost $MODEL --devices 0 --max-vram $vram --batch 8 --tokens 128 --rounds 3 \
         --constrained-rows $rows 2>&1 | tee "$OUT/grammar_${vram}_$rows.log" | tail -2 || status=1
     done
   done
+fi
+if has shared; then
+  lscpu -e > "$OUT/lscpu_e.txt" 2>&1 || true
+  for cores in 0-3 0-7; do
+    python3 -m strata_mgpu.tools.shared_host --cores $cores --json "$OUT/shared_$cores.json" 2>&1 \
+      | tee "$OUT/shared_$cores.log" | tail -12 || status=1
+  done
+  OMP_WAIT_POLICY=ACTIVE python3 -m strata_mgpu.tools.shared_host --cores 0-7 --no-adaptive --torch-threads cores \
+    --threads 1,4,8 --warmup 1 --seconds 1 --json "$OUT/shared_0-7_before.json" 2>&1 \
+    | tee "$OUT/shared_0-7_before.log" | tail -8 || status=1
 fi
 if has cpudec; then
   lscpu | grep -E "Model name|^CPU\(s\)|Thread|Core|Socket|NUMA node\(s\)|Flags" | cut -c1-200 > "$OUT/lscpu.txt"
