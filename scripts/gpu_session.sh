@@ -156,7 +156,7 @@ fi
 if has shared; then
   lscpu -e > "$OUT/lscpu_e.txt" 2>&1 || true
   for cores in 0-3 0-7; do
-    python3 -m strata_mgpu.tools.shared_host --cores $cores --json "$OUT/shared_$cores.json" 2>&1 \
+    python3 -m strata_mgpu.tools.shared_host --cores $cores --threads $([ $cores = 0-3 ] && echo 1,2,3,4 || echo 1,2,4,8) --json "$OUT/shared_$cores.json" 2>&1 \
       | tee "$OUT/shared_$cores.log" | tail -12 || status=1
   done
   OMP_WAIT_POLICY=ACTIVE python3 -m strata_mgpu.tools.shared_host --cores 0-7 --no-adaptive --torch-threads cores \
