@@ -580,21 +580,35 @@ def test_greedy_decode_gpu_equals_cpu(tiny_gguf):
     assert outs[0] == outs[1]
 
 
-def test_greedy_through_the_server_gpu_equals_cpu(tiny_gguf, tmp_path):
+# where two greedy runs of different numerics part, the CPU's logprobs of the two choices differ by
+# less than this (nats): a near tie. The GPU's 8-bit activations (Q8_0 blocks of 32) and ggml's on
+# the CPU (Q8_K blocks of 256) round differently, so a random model's near ties may fall either way.
+NEAR_TIE = 0.5
+
+
+def test_greedy_through_the_server_gpu_equals_cpu_up_to_a_near_tie(tiny_gguf, tmp_path):
+    """The same greedy tokens through the server on the GPU as on the CPU, up to where the two part,
+    if they do: there the CPU ranks the GPU's token among its top 5, within NEAR_TIE of its own."""
     import httpx
 
     from tests.server_proc import running_server
 
     body = {"messages": [{"role": "user", "content": "Tell me about the sea."}], "max_tokens": 24,
-            "temperature": 0, "ignore_eos": True}
-    texts = []
+            "temperature": 0, "ignore_eos": True, "logprobs": True, "top_logprobs": 5}
+    runs = []
     for device, dtype in (("cpu", "bf16"), ("cuda:0", "fp32")):
         args = [str(tiny_gguf), "--devices", device, "--dtype", dtype]
         with running_server(args, tmp_path / f"{device}.log") as base:
             r = httpx.post(base + "/v1/chat/completions", json=body, timeout=120)
             assert r.status_code == 200, r.text
-            texts.append(r.json()["choices"][0]["message"]["content"])
-    assert texts[0] == texts[1] and texts[0]
+            runs.append(r.json()["choices"][0]["logprobs"]["content"])
+    cpu, gpu = runs
+    assert len(cpu) == len(gpu) == 24
+    parted = next((i for i, (a, b) in enumerate(zip(cpu, gpu, strict=True)) if a["token"] != b["token"]), None)
+    if parted is not None:
+        tops = {t["token"]: t["logprob"] for t in cpu[parted]["top_logprobs"]}
+        assert gpu[parted]["token"] in tops, (parted, cpu[parted], gpu[parted]["token"])
+        assert cpu[parted]["logprob"] - tops[gpu[parted]["token"]] < NEAR_TIE, (parted, cpu[parted])
 
 
 def _seg(kv, n):
