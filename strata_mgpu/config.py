@@ -199,6 +199,7 @@ class Placement(StageSwitches):
     prefill_help_frac: float | str = "auto"  # 'auto', 'rule' or a fixed share 0 < f < 1
     help_halves: int = 0  # a helped prompt of this many tokens or more runs in two halves of rows; 0: never
     stage_threads: bool = True  # a host thread per GPU stage of a split
+    cpu_experts: HostShare = HostShare("auto")  # as --cpu-experts: a placement is what a user runs
 
     def __post_init__(self) -> None:
         super().__post_init__()
