@@ -145,6 +145,7 @@ class RowAttention:
 
 @dataclass(frozen=True)
 class ForwardPath:
+    """How one forward runs, chosen once per call."""
 
     ops: DecodeOps  # the norms, and the MoE block's input where `fused_moe_input`
     attention: Attention
