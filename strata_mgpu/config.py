@@ -74,8 +74,7 @@ class EngineConfig:
 @dataclass(frozen=True)
 class LayerSplit:
     """`--layer-split`: the first layer of each later stage, increasing from 1 (`starts`), or auto
-    (no starts: layers in proportion to the stages' budgets).
-    """
+    (no starts: layers in proportion to the stages' budgets)."""
 
     starts: tuple[int, ...] = ()
 
@@ -137,8 +136,7 @@ class HostShare:
 class StageSwitches:
     """How a stage runs, the same for every stage of a model: each switch declared once, here. A
     `Placement` is one, handed whole to every stage it builds; a stage a test or a tool builds alone
-    gets its own.
-    """
+    gets its own."""
 
     dtype: str = "bf16"  # compute dtype on a GPU: bf16 or fp32 (a CPU stage computes in fp32)
     cuda_graphs: bool = True  # replay decode steps as captured graphs (one a batch-size bucket) where possible
@@ -185,8 +183,7 @@ class StageSwitches:
 @dataclass(frozen=True)
 class Placement(StageSwitches):
     """Where the model runs: devices (one stage each), how layers split, VRAM budgets and host cores, a
-    split's helper; with the switches every stage runs by.
-    """
+    split's helper; with the switches every stage runs by."""
 
     devices: tuple[str, ...] = ("auto",)  # 'auto', 'cpu', 'cuda:N' or 'N', one per stage
     layer_split: LayerSplit = AUTO_SPLIT

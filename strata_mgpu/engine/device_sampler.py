@@ -108,8 +108,7 @@ class Draw:
 class BatchSampler:
     """Draws the next token of every row of a batch on the logits' device: `open(params)` gives a
     request its state, `draw(logits, states)` a token per row, `close(state)` frees what it held.
-    Calls come from one thread (the engine's).
-    """
+    Calls come from one thread (the engine's)."""
 
     def __init__(self) -> None:
         self._counts: torch.Tensor | None = None  # [slots, V] int32: tokens drawn, per penalized request

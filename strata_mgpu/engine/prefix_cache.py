@@ -28,8 +28,7 @@ DEVICE, HOST = "device", "host"
 @dataclass(eq=False)
 class Block:
     """One cached block: positions [depth B, (depth + 1) B) of every sequence whose prompt starts
-    with the tokens on the path from the root to it.
-    """
+    with the tokens on the path from the root to it."""
 
     tokens: tuple[int, ...]
     parent: Block | None
@@ -44,8 +43,7 @@ class Block:
 @dataclass
 class PrefixMatch:
     """The blocks a request's prompt starts with, pinned until `restore` or `release`; the request
-    computes its prompt from `n_tokens` on (at least its last token).
-    """
+    computes its prompt from `n_tokens` on (at least its last token)."""
 
     blocks: list[Block]
     n_tokens: int

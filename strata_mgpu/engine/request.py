@@ -37,8 +37,7 @@ class ContextOverflow(ValueError):
 class Timings:
     """llama.cpp's `timings` fields, and `queue_ms`: from submission to the first prompt chunk's launch,
     which prompt_ms does not count. As llama-server counts them, `prompt_n` is the prompt tokens
-    computed and `cache_n` those taken from the prefix cache.
-    """
+    computed and `cache_n` those taken from the prefix cache."""
 
     cache_n: int = 0
     prompt_n: int = 0

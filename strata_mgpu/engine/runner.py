@@ -35,8 +35,7 @@ S_contra = TypeVar("S_contra", bound=SequenceState, contravariant=True)
 class KVBlocks(Protocol[S_contra]):
     """Fixed-size blocks of a runner's sequences' KV, for the prefix cache: copies out of a sequence,
     to host RAM, and back into a fresh sequence. Every copy is queued in order behind the runner's
-    forwards (no host wait).
-    """
+    forwards (no host wait)."""
 
     @property
     def block_tokens(self) -> int: ...

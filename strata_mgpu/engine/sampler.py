@@ -52,8 +52,7 @@ class SamplingParams:
 class StopMatcher:
     """Finds stop strings in streamed text, also when split across tokens. `feed(delta)` returns (text
     safe to emit, stopped): text that could still start a stop string is held back until it cannot;
-    at a stop, the text from the stop string on is dropped.
-    """
+    at a stop, the text from the stop string on is dropped."""
 
     def __init__(self, stops: tuple[str, ...]):
         self.stops = stops

@@ -12,8 +12,7 @@ from strata_mgpu.stage.device import HostCopy
 @dataclass
 class StepTokens:
     """Tokens [N] drawn by one engine step; token i belongs to rows[i]. `send` starts the copies without
-    waiting; `wait` blocks until the ids are on the host, `logprobs` until the logprob table is.
-    """
+    waiting; `wait` blocks until the ids are on the host, `logprobs` until the logprob table is."""
 
     rows: list[Any]  # the requests, in token order
     copy: HostCopy  # the ids [N] int64 on their way to the host

@@ -82,8 +82,7 @@ def distinct(kvs: Sequence[SequenceKV]) -> list[SequenceKV]:
 
 class CudaDecodeOps(DecodeOps):
     """The fused decode ops on `device`, for caches that store (keys, values) as `kv_types`. `paths`:
-    where to count which path each call took.
-    """
+    where to count which path each call took."""
 
     kv_types: KVTypes = PLAIN_KV
     _format = KVFormat(torch.bfloat16, *PLAIN_KV)  # what _caches_ok compares each cache with

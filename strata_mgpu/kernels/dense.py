@@ -107,8 +107,7 @@ def dense_q8(kernels: CudaKernels, x: torch.Tensor, raw: torch.Tensor, ggml_type
 class DeviceDense(DenseMatmul):
     """A GPU stage's `DenseMatmul`: float projections by torch's GEMM; blocks by `dense_q8` up to
     `rows_a_launch` rows, else dequantized slice by slice. Every call is capturable in a CUDA graph.
-    `scratch_bytes`: the most a copy holds at once (the VRAM plan counts it).
-    """
+    `scratch_bytes`: the most a copy holds at once (the VRAM plan counts it)."""
 
     scratch_bytes = 2 * DENSE_SCRATCH_VALUES  # bf16
 

@@ -216,8 +216,7 @@ class CardCapabilities:
 
 class CudaKernels(TorchKernels):
     """CUDA versions where the card (`caps`) and the call allow them, else the twin's. Made by
-    `select_kernels`, which compiles the kernels first.
-    """
+    `select_kernels`, which compiles the kernels first."""
 
     name = "cuda"
 

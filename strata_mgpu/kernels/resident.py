@@ -14,8 +14,7 @@ import torch
 class ResidentExperts(Protocol):
     """Each expert's bytes: in a VRAM slot where resident, else in the pinned host arena, read at its
     host address (UVA). Both tables live on the device, so a decode step builds its experts'
-    addresses itself and never waits for the host.
-    """
+    addresses itself and never waits for the host."""
 
     slot_of: torch.Tensor  # [L, E] int64 on the device: the expert's slot, -1 where not resident
     host_offset: torch.Tensor  # [L, E] int64 on the device: its bytes' offset in `host`

@@ -33,8 +33,7 @@ Routing = Callable[[int, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.
 
 class DenseMatmul(Protocol):
     """How a forward multiplies its projections: x [T, K] and W [N, K] -> x @ W.T [T, N] in x's
-    dtype. A stage whose projections are blocks (`BlockMatrix`) passes what multiplies those.
-    """
+    dtype. A stage whose projections are blocks (`BlockMatrix`) passes what multiplies those."""
 
     def __call__(self, x: torch.Tensor, w: Matrix) -> torch.Tensor: ...
 
@@ -71,8 +70,7 @@ class Segment:
 @dataclass
 class Rows:
     """Rows the layer loop carries through the layers on their own: every row of the forward, or one
-    of a helped prompt's two halves.
-    """
+    of a helped prompt's two halves."""
 
     x: torch.Tensor  # [t, D]: the residual stream
     rows: slice  # which of the forward's rows
@@ -90,8 +88,7 @@ class Attention(Protocol):
 
 class SegmentAttention:
     """A prompt's attention: each segment's keys and values written after its cached ones, then SDPA
-    over them, a segment at a time. Every cache's layer i + 1 is prefetched before layer i attends.
-    """
+    over them, a segment at a time. Every cache's layer i + 1 is prefetched before layer i attends."""
 
     def __init__(self, spec: ModelSpec, cos: torch.Tensor, sin: torch.Tensor, dense: DenseMatmul = float_matmul):
         self.spec, self.cos, self.sin, self.dense = spec, cos, sin, dense  # cos, sin [T, Dh] each
@@ -122,8 +119,7 @@ class RowAttention:
     cache kvs[b] (every row's before any row attends), then each row attends its cache up to its
     position. Rows may share a cache at different positions: causal within it, as SDPA's mask is.
     Every shape and address is fixed, so the step can be captured as a CUDA graph. `table`: the
-    caches' addresses as the fused ops read them; `capacity`: cells covered, above every position read.
-    """
+    caches' addresses as the fused ops read them; `capacity`: cells covered, above every position read."""
 
     def __init__(self, spec: ModelSpec, ops: DecodeOps, positions: torch.Tensor, kvs: Sequence[SequenceKV],
                  table: torch.Tensor | None, capacity: int | None, cos: torch.Tensor, sin: torch.Tensor,

@@ -318,8 +318,7 @@ class _Shard:
 
 class GGUFFile:
     """A GGUF model, one file or several split shards, parsed and validated. `metadata` maps keys to
-    Python scalars, strings or lazy `GGUFArray`s; `tensors` maps names to `TensorInfo`.
-    """
+    Python scalars, strings or lazy `GGUFArray`s; `tensors` maps names to `TensorInfo`."""
 
     def __init__(self, path: str | Path):
         first = Path(path)

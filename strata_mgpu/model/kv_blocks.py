@@ -28,8 +28,7 @@ def cell_bytes(cells: torch.Tensor) -> torch.Tensor:
 
 class KVBlockStore:
     """Blocks of caches with `n_layers` layers of Hkv heads of Dh keys and values, stored as `format`
-    says, on `device`.
-    """
+    says, on `device`."""
 
     def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, *, block_tokens: int,
                  device: torch.device, format: KVFormat):

@@ -35,8 +35,7 @@ class KVFormat:
     - Q8_0: raw ggml blocks, uint8 [..., Hkv, Dh / 32 * 34]: a head's Dh values as Dh / 32 blocks
       of [d: fp16][q: int8 x 32] (x = d q, d = max|x| / 127; `quant.quantize`).
     Whatever moves cells moves them as they are stored; `store` quantizes new cells, `load`
-    dequantizes (to `dtype`) for attention. A zeroed cell reads as zeros either way.
-    """
+    dequantizes (to `dtype`) for attention. A zeroed cell reads as zeros either way."""
 
     dtype: torch.dtype = torch.float32
     keys: GGMLQuantizationType = Q.BF16

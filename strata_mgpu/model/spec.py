@@ -28,8 +28,7 @@ class RopeScaling:
     `{arch}.rope.scaling.*`, read as llama.cpp reads them. `linear` divides every frequency by
     `factor`; `yarn` divides only the slow ones (fewer than `beta_slow` turns over
     `original_context` positions), keeps the fast ones (more than `beta_fast`) and ramps between,
-    and scales cos and sin by 1 + 0.1 ln(factor) (`mscale`).
-    """
+    and scales cos and sin by 1 + 0.1 ln(factor) (`mscale`)."""
 
     kind: RopeScalingType = RopeScalingType.NONE  # one of ROPE_SCALINGS
     factor: float = 1.0  # a scaled file's context is factor x original_context

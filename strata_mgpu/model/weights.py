@@ -20,8 +20,7 @@ from strata_mgpu.quant.dequant import dequantize
 @dataclass(frozen=True)
 class BlockMatrix:
     """A projection W [N, K] kept as the file stores it: raw [N, row_bytes] uint8, each row K values in
-    blocks of `ggml_type`.
-    """
+    blocks of `ggml_type`."""
 
     raw: torch.Tensor  # [N, row_bytes] uint8
     ggml_type: GGMLQuantizationType
@@ -70,8 +69,7 @@ class LayerWeights:
 @dataclass
 class ModelWeights:
     """The dense weights of a layer range; the embedding on the first stage, the final norm and head on
-    the last (None elsewhere).
-    """
+    the last (None elsewhere)."""
 
     embed: Matrix | None  # [V, D]: rows looked up by token
     layers: list[LayerWeights]

@@ -23,8 +23,7 @@ from strata_mgpu.server.schemas import ChatCompletionRequest, CompletionRequest,
 @dataclass
 class ServerState:
     """What the routes share. `engine` is None until the model has loaded. `tool_call_parser`: the tool
-    dialect's name, or 'auto'.
-    """
+    dialect's name, or 'auto'."""
 
     model_name: str
     api_key: str | None = None

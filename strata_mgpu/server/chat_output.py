@@ -25,8 +25,7 @@ class ChatDelta:
 class ChatAnswer:
     """split_reasoning: reasoning blocks become reasoning_content (`opened`: the prompt opened one).
     parse_tools: tool calls are parsed out (`functions`: the offered ones' parameter schemas by
-    name; `max_calls`: at most that many, then `done`).
-    """
+    name; `max_calls`: at most that many, then `done`)."""
 
     def __init__(self, dialect: ToolDialect, *, split_reasoning: bool, opened: bool, parse_tools: bool,
                  functions: Mapping[str, dict[str, Any]] | None = None, max_calls: int | None = None):

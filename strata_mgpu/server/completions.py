@@ -38,8 +38,7 @@ TEMPLATE_ARGUMENTS = frozenset({"messages", "add_generation_prompt", "bos_token"
 @dataclass(frozen=True)
 class ChatOptions:
     """How the server reads chats, fixed at load: its tool dialect, `--reasoning-format`, and whether
-    JSON schemas are read strictly.
-    """
+    JSON schemas are read strictly."""
 
     dialect: ToolDialect
     reasoning_format: str = "deepseek"

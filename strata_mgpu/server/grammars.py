@@ -98,8 +98,7 @@ def _tag(tok: Tokenizer, tag: str) -> str:
 
 class Grammars:
     """The grammar compiler of the engine being served, made at its first use (llguidance reads the
-    whole vocabulary).
-    """
+    whole vocabulary)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()

@@ -128,8 +128,7 @@ def listening_socket(host: str, port: int) -> socket.socket:
 class Loader:
     """Loads the weights in a thread while the server answers 503, then starts the engine. `stop()`
     makes the loader give up at its next layer and waits for it: the process must not exit while
-    that thread is inside torch (the C++ runtime aborts the whole process then).
-    """
+    that thread is inside torch (the C++ runtime aborts the whole process then)."""
 
     def __init__(self, state: ServerState, config: ServerConfig, f: GGUFFile, spec: ModelSpec, tokenizer: Tokenizer):
         self.state, self.config, self.f, self.spec, self.tokenizer = state, config, f, spec, tokenizer
@@ -187,8 +186,7 @@ class Loader:
 class _StopSignal:
     """The stop signal seen, and the uvicorn server once it serves. uvicorn re-raises the signal from
     inside its event loop as it ends; raising there would tear the loop down mid-task, so the signal
-    is only noted. Before uvicorn's own handlers are in place, the server is told to exit.
-    """
+    is only noted. Before uvicorn's own handlers are in place, the server is told to exit."""
 
     signum: int | None = None
     server: uvicorn.Server | None = None

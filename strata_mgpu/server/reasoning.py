@@ -34,8 +34,7 @@ def _partial_tail(text: str, tag: str) -> int:
 
 class ReasoningSplitter:
     """Feed the answer's text in pieces; each `feed` returns (reasoning, content) that is new.
-    tags: the block's open and close tags; opened: the prompt opened a block.
-    """
+    tags: the block's open and close tags; opened: the prompt opened a block."""
 
     def __init__(self, tags: tuple[str, str], opened: bool = False):
         self._open, self._close = tags

@@ -74,8 +74,7 @@ class ToolCallIn(_Strict):
 
 class ChatMessage(_Strict):
     """One message as given; `messages.template_messages` checks its content parts and makes it what
-    templates read.
-    """
+    templates read."""
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[Any] | None = None

@@ -40,8 +40,7 @@ class CallDelta:
 @dataclass
 class Parsed:
     """What one `feed` (or `finish`) adds: content text, the calls' deltas, and the calls that ended
-    in it, in answer order.
-    """
+    in it, in answer order."""
 
     content: str = ""
     deltas: list[CallDelta] = field(default_factory=list)
@@ -61,8 +60,7 @@ def _partial_tail(text: str, tag: str) -> int:
 
 class ToolCallParser:
     """Feed the answer's text in pieces. functions: the offered functions' parameter schemas by name
-    (None: any name). `max_calls`: once that many calls are out, the rest is ignored (`done`).
-    """
+    (None: any name). `max_calls`: once that many calls are out, the rest is ignored (`done`)."""
 
     def __init__(self, dialect: ToolDialect, functions: Mapping[str, dict[str, Any]] | None = None,
                  max_calls: int | None = None):

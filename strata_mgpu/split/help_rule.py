@@ -26,8 +26,7 @@ def default_share(tokens: int) -> float:
 class HelpPolicy:
     """Which share each busy stage's helper takes. A fixed share wins over the mode; `auto` and `rule`
     give 0 where helper and busy stage share a card (one link: the helper adds hand-overs and saves
-    no link time), a fixed share still applies there (tests, the sweep).
-    """
+    no link time), a fixed share still applies there (tests, the sweep)."""
 
     enabled: bool = True
     fixed_share: float | None = None  # overrides the mode

@@ -35,8 +35,7 @@ MESSAGES_PER_LAYER = 3  # h, experts, weights
 
 class PeerPrefill:
     """The stream-only helper of one busy stage, living on another (idle) stage's device: the
-    `PrefillHelper` a split binds to each busy stage.
-    """
+    `PrefillHelper` a split binds to each busy stage."""
 
     def __init__(self, to_helper: Exchange, from_helper: Exchange, halves_from: int = 0):
         self.to_helper = to_helper  # busy stage -> helper: h, experts, weights

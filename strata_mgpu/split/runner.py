@@ -279,8 +279,7 @@ class SplitRunner:
 
 class PromptTimer(Protocol):
     """Times one-chunk prompts: `start(tokens)` and `stop()` around a prompt, `read()` its
-    (tokens, seconds) once it has finished, else None.
-    """
+    (tokens, seconds) once it has finished, else None."""
 
     def start(self, tokens: int) -> None: ...
 
@@ -291,8 +290,7 @@ class PromptTimer(Protocol):
 
 class PromptClock:
     """A `PromptTimer` on the last stage's stream, without a host wait; `read()` is None while the
-    prompt runs, for the first prompt (it carries warm-up), and when nothing was timed.
-    """
+    prompt runs, for the first prompt (it carries warm-up), and when nothing was timed."""
 
     def __init__(self, ctx: DeviceContext):
         self.ctx = ctx

@@ -192,8 +192,7 @@ class DeviceContext:
 
 class HostCopy:
     """A device tensor's copy into pinned host memory, queued behind an event without a host wait;
-    `wait()` gives the host tensor once it has landed. A host tensor is copied at once.
-    """
+    `wait()` gives the host tensor once it has landed. A host tensor is copied at once."""
 
     def __init__(self, tensor: torch.Tensor):
         self._ready: torch.cuda.Event | None = None

@@ -38,8 +38,7 @@ log = logging.getLogger("strata.stage")
 @dataclass(frozen=True)
 class StageOptions:
     """One stage's options: its device, budget and share of the host's cores, and the switches every
-    stage runs by (`config.StageSwitches`).
-    """
+    stage runs by (`config.StageSwitches`)."""
 
     device: torch.device
     switches: StageSwitches = StageSwitches()

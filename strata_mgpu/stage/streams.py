@@ -91,8 +91,7 @@ class OrderingTwin:
     """One checking session: every twin stream, event and declared buffer of the contexts made with it.
     `trace=True` also records every operation (for tests/ordering_schedules.py). `cross_stream`
     counts checked cross-stream accesses found ordered: a test under the twin asserts it is > 0, so
-    the check had something to catch.
-    """
+    the check had something to catch."""
 
     def __init__(self, *, trace: bool = False):
         self.host = TwinStream("host", 0, None)
@@ -279,8 +278,7 @@ E = TypeVar("E")  # a backend's event handle
 
 class StreamBackend(Protocol[S, E]):
     """What `DeviceContext` asks of its streams; each backend knows its own handles (`S`, `E`). A
-    `stream` of None is the current one.
-    """
+    `stream` of None is the current one."""
 
     def new_stream(self, kind: str) -> S: ...
 

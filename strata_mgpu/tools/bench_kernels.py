@@ -73,8 +73,7 @@ def expert_layer(preset: str, gate_type: Q = Q.Q4_K, seed: int = 0) -> tuple[Exp
 
 class SyntheticCache:
     """A `ResidentExperts` of one layer: experts whose `resident` flag is set in VRAM slots (slot e
-    holds expert e), the rest in the host arena.
-    """
+    holds expert e), the rest in the host arena."""
 
     def __init__(self, arena: np.ndarray, resident: torch.Tensor, device: torch.device, pin: bool):
         from strata_mgpu.stage.host.pinned import host_buffer

@@ -25,8 +25,7 @@ from strata_mgpu.stage.host.arena import HostExpertArena
 
 class ExpertCache:
     """The stage's resident experts and where every other expert is read, the picks counted and the
-    refills that follow them.
-    """
+    refills that follow them."""
 
     def __init__(self, ctx: DeviceContext, arena: HostExpertArena, layers: range, n_slots: int):
         E = arena.spec.n_experts
@@ -153,8 +152,7 @@ class ExpertCache:
 class RefillOnFirstStep:
     """Before a sequence's first decode step, the cache follows the routing seen so far. Not before the
     prompt: the moves would share the link with the prefill's stream. One host sync, where the engine
-    waits for the prompt's logits anyway.
-    """
+    waits for the prompt's logits anyway."""
 
     def __init__(self, cache: ExpertCache | None):
         self.cache = cache

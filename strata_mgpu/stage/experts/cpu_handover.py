@@ -54,8 +54,7 @@ SEND_OFFSETS = {name: field[1] for name, field in (SEND_ARGS.fields or {}).items
 class SendArgs:
     """`handover_send`'s argument as CuPy passes it by value (a numpy array of one SEND_ARGS record):
     the fixed addresses written once, a layer's at each `fill` (a launch copies its arguments, so
-    the one record is filled again for the next).
-    """
+    the one record is filled again for the next)."""
 
     def __init__(self, **fixed: int):
         assert set(fixed) == set(SEND_OFFSETS) - set(SEND_LAYER_PTRS) - set(SEND_SIZES)
@@ -80,8 +79,7 @@ class SendArgs:
 
 class CpuHandover:
     """A CUDA stage's `handover.Handover`: `send` before the GPU's fused kernels, `add` after them,
-    `arm` before each step.
-    """
+    `arm` before each step."""
 
     def __init__(self, ctx: DeviceContext, arena: HostExpertArena, cache: ExpertCache, executor: CpuExperts,
                  layers: range, share: float, max_rows: int = MAX_ROWS, auto: AutoShare | None = None):

@@ -41,8 +41,7 @@ class Handover(Protocol):
     """What a stage's experts hand a share of a gathered pass's missing experts to: `CpuHandover` on a
     CUDA stage, `HandoverTwin` on a CPU stage's twins. Per layer `send` before the GPU's own kernels
     and `add` after them; a few-row prompt pass's `send_prompt` and `collect`; `arm` before each
-    decode step, False where the hand-over is to be detached.
-    """
+    decode step, False where the hand-over is to be detached."""
 
     @property
     def max_rows(self) -> int: ...

@@ -17,8 +17,7 @@ from strata_mgpu.stage.host.arena import HostExpertArena
 
 class HandoverTwin:
     """The hand-over on a CPU stage's twins: the picks chosen as handover_send chooses them
-    (`assign_host`), the host's sums computed at `send` and added at `add` in fp32.
-    """
+    (`assign_host`), the host's sums computed at `send` and added at `add` in fp32."""
 
     def __init__(self, arena: HostExpertArena, cache: ExpertCache, executor: CpuExperts, layers: range,
                  share: float, max_rows: int = MAX_ROWS):

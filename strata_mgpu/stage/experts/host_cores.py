@@ -24,8 +24,7 @@ from strata_mgpu.stage.host.arena import HostExpertArena
 
 class HostCoreExperts:
     """The `ExpertBackend` of a CPU stage whose experts run on the host's cores. It has what a stage's
-    tools read of `StreamedExperts` but lends nothing to a helper.
-    """
+    tools read of `StreamedExperts` but lends nothing to a helper."""
 
     cache: ExpertCache | None = None
     ring: ExpertRing | None = None
@@ -81,8 +80,7 @@ class HostCoreExperts:
 
 class HostDense(DenseMatmul):
     """A CPU stage's `DenseMatmul`: projections kept as blocks multiplied from their bytes by the
-    executor that computes the stage's experts (a test that swaps it swaps both); float ones by torch.
-    """
+    executor that computes the stage's experts (a test that swaps it swaps both); float ones by torch."""
 
     def __init__(self, experts: HostCoreExperts):
         self.experts = experts

@@ -14,8 +14,7 @@ class HostPrefillHelper:
     """The `PrefillHelper` contract with the hand-over's mailbox and worker as the other device: a
     streamed prompt pass of at most the mailbox's rows gives the last `n_experts` streamed experts of
     each layer to the host's cores, which read them once from the pinned arena. `takes` sets the
-    pass's share; the GPU waits for the host's sums at `collect`, after it queued its own part.
-    """
+    pass's share; the GPU waits for the host's sums at `collect`, after it queued its own part."""
 
     halves_from = 0  # one hand-over a layer
 

@@ -34,8 +34,7 @@ class LentBuffers:
 class PrefillHelper(Protocol):
     """Another device computing the last `n_experts` streamed experts of each of the busy stage's
     layers, for one prompt at a time. Every call is queued from the busy stage's stream; the
-    hand-overs are ordered by events, the host never waits.
-    """
+    hand-overs are ordered by events, the host never waits."""
 
     n_experts: int  # of each layer's streamed experts, the last this many are the helper's
     halves_from: int  # a helped pass of this many rows or more runs in two halves (0: never)

@@ -65,8 +65,7 @@ ONE_ROW = np.zeros(1, dtype=np.int64)  # host_sums' rows where the pass has one
 class Mailbox:
     """Mapped host memory (pinned on CUDA) a stage's GPU and its worker exchange a layer's rows through:
     the request and done numbers (int64, a cache line apart), the status word, the rows, picks,
-    weights and meta the GPU writes, and the sums [T, D] the host writes back.
-    """
+    weights and meta the GPU writes, and the sums [T, D] the host writes back."""
 
     def __init__(self, max_rows: int, n_used: int, hidden: int, *, pin: bool):
         self.max_rows = max_rows
@@ -117,8 +116,7 @@ class Mailbox:
 
 class HandoverWorker:
     """A thread serving the mailbox's requests while armed. `rates` counts what each request read and
-    took, polling excluded (rows -> ExpertRate).
-    """
+    took, polling excluded (rows -> ExpertRate)."""
 
     def __init__(self, mailbox: Mailbox, executor: CpuExperts, arena: HostExpertArena, layers: range):
         self.mailbox, self.executor, self.arena, self.layers = mailbox, executor, arena, layers

@@ -71,8 +71,7 @@ def split_layer(layer: int, resident: dict[int, int], n_experts: int, n_help: in
 class PartTables:
     """A pass's parts on one device: per local layer the id map [E] and the address table [n], built
     on the host for every layer at once and copied to the device in one non-blocking copy on the
-    current stream (the caller's, which later reads them).
-    """
+    current stream (the caller's, which later reads them)."""
 
     def __init__(self, parts: list[LayerPart], arena: HostExpertArena, device: torch.device,
                  cache_slot: Callable[[int], torch.Tensor] | None, ring_slot: Callable[[int], torch.Tensor | None]):
@@ -118,8 +117,7 @@ class PartTables:
 @dataclass(frozen=True)
 class ExpertWorkspace:
     """Where a device computes a part: its context and kernels, and one layer's experts as bf16
-    (w_gate_up [E, 2F, D], w_down [E, D, F]): a stage's own, or the one an idle stage lends.
-    """
+    (w_gate_up [E, 2F, D], w_down [E, D, F]): a stage's own, or the one an idle stage lends."""
 
     ctx: DeviceContext
     kernels: TorchKernels

@@ -39,8 +39,7 @@ PROBE_REPEATS = 6
 @dataclass(frozen=True)
 class HostRate:
     """What a request to the host's cores costs: a fixed part (waking the pool, the graph, the
-    mailbox's round trip) and its experts' bytes at `bytes_per_s`.
-    """
+    mailbox's round trip) and its experts' bytes at `bytes_per_s`."""
 
     overhead_s: float
     bytes_per_s: float
@@ -64,8 +63,7 @@ class HostRate:
 @dataclass(frozen=True)
 class AutoShare:
     """`--cpu-experts auto`'s inputs: the host's measured rate, the link's, one expert's bytes and
-    the picks a decode row makes a layer.
-    """
+    the picks a decode row makes a layer."""
 
     host: HostRate
     link_bytes_per_s: float
@@ -94,8 +92,7 @@ class ShareTrial:
     """`auto`'s share checked by the clock: decode steps run in blocks, alternately at the share and
     at 0; after TRIAL_BLOCKS of each, the share stays only where the median step with the host is
     shorter by more than TRIAL_MARGIN, else 0. `step(now)` (perf_counter seconds) is called at each
-    arm and answers the share of the step about to be queued, or None once decided (`verdict`).
-    """
+    arm and answers the share of the step about to be queued, or None once decided (`verdict`)."""
 
     def __init__(self, share: float):
         assert share > 0

@@ -66,8 +66,7 @@ def gather_pick_limit(n_experts: int, all_resident: bool, fused: bool, grouped: 
 
 class StreamedExperts:
     """The `ExpertBackend` of a stage: experts from VRAM where resident, else from the host arena.
-    Owns the bf16 workspace of one layer's experts.
-    """
+    Owns the bf16 workspace of one layer's experts."""
 
     def __init__(self, ctx: DeviceContext, spec: ModelSpec, arena: HostExpertArena, kernels: TorchKernels,
                  ring: ExpertRing | None, cache: ExpertCache | None, layers: range,

@@ -35,8 +35,7 @@ CAPTURE_RETRY_STEPS = 256
 class DecodeGraphs:
     """The decode graphs of one stage, by bucket. `enabled`: the stage can replay graphs at all;
     `largest`: the largest batch replayed (lowered where a capture fails); `pad`: buckets pad to
-    powers of two. `first`: the stage embeds token ids (else it takes hidden rows [B, D]).
-    """
+    powers of two. `first`: the stage embeds token ids (else it takes hidden rows [B, D])."""
 
     def __init__(self, ctx: DeviceContext, model: Decoder, *, enabled: bool, largest: int, pad: bool,
                  first: bool):

@@ -19,8 +19,7 @@ from strata_mgpu.stage.kv.two_tier import KVStaging, TwoTierKV, make_kv_cache
 class StageKV:
     """Makes each sequence's KV for a stage's `layers`: `vram_cells` for all sequences together,
     sequences of up to `context` tokens; `prefetch`: spilled cells uploaded a layer ahead on a side
-    stream; `kv_types`: how the cells are stored.
-    """
+    stream; `kv_types`: how the cells are stored."""
 
     def __init__(self, ctx: DeviceContext, spec: ModelSpec, layers: range, *, vram_cells: int, context: int,
                  dtype: torch.dtype, prefetch: bool,

@@ -57,8 +57,7 @@ class KVStaging:
     order for attention: per buffer, keys and values [S, Hkv, R] as `format` stores them, views of
     one allocation each (so the ordering twin tells the buffers apart). One per stage, shared by its
     two-tier caches. With prefetch, two buffers and a side stream: layer i + 1's host prefix uploads
-    into one while layer i attends from the other.
-    """
+    into one while layer i attends from the other."""
 
     def __init__(self, n_kv_heads: int, head_dim: int, max_cells: int, *, ctx: DeviceContext,
                  dtype: torch.dtype, prefetch: bool,
