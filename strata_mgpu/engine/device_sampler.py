@@ -3,17 +3,14 @@
 Shape legend: B = rows, V = vocab, P = rows with penalties, M = rows under a grammar, W = mask
 words (ceil(V / 32)), L = rows that report logprobs, K = the most alternatives one of them asks.
 
-`tests/sampling_twin.Sampler` is the plain twin (one request, on the host); this draws from the
-same distribution per row. Only the chosen ids [B] leave the device, and nothing here waits.
+`tests/sampling_twin.Sampler` is the plain twin; this draws from the same distribution per row.
+Only the chosen ids [B] leave the device, and nothing here waits. Randomness is counter-based:
+the uniform of (request seed, draw index, vocab id) is a hash of the three, so a request's draws
+depend on nothing but itself. A row's token wins an exponential race, argmax_i(log p_i - log E_i),
+E_i = -log u_i ~ Exp(1), which picks i with probability p_i (Gumbel-max).
 
-Randomness is counter-based, so a request's draws depend on nothing but itself: the uniform of
-(request seed, draw index, vocab id) is a hash of the three (int64 ops), not of the row a request
-sits in or its neighbours. A row's token wins an exponential race, argmax_i(log p_i - log E_i),
-E_i = -log u_i ~ Exp(1), which picks i with probability p_i (Gumbel-max); filtered tokens sit out.
-
-Before the draw, in this order: penalties, logit biases, then the grammar's mask (-inf where
-disallowed). Logprobs are the log-softmax of the model's logits before any of those: the model's
-distribution, as OpenAI reports it.
+Before the draw: penalties, logit biases, then the grammar's mask (-inf where disallowed).
+Logprobs are the log-softmax of the model's logits before any of those, as OpenAI reports them.
 """
 
 from __future__ import annotations

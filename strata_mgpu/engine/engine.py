@@ -1,23 +1,18 @@
 """The engine: a request queue, chunked prefill and batched decode over a `ModelRunner`.
 
-Its steady state is one call, `step()`: schedule (`Scheduler`), launch (one prefill call and
-one decode step, their tokens drawn on the device), and land (`OutputProcessor`: while the
-device runs them, turn the previous step's tokens into text, stops and outputs). A decode step's
-input is the previous step's drawn tokens, still on the device: launching never waits for the
-host's text work.
+Its steady state is one call, `step()`: schedule (`Scheduler`), launch (one prefill call and one
+decode step, their tokens drawn on the device), and land (`OutputProcessor`: while the device
+runs them, the previous step's tokens become text, stops and outputs). A decode step's input is
+the previous step's drawn tokens, still on the device: launching never waits for the host.
 
-The host learns a token one step after it was drawn, so EOS and stop strings are known a step
-late: a request that stopped at step n has had step n+1 launched too, and that token is dropped
-when it lands (its KV row is written, within prompt + max_tokens). A row under a grammar cannot
-wait a step: its mask needs the token drawn before it, so a step with such a row lands the step
-in flight between its forward and its draw (`_decode`).
+So EOS and stop strings are known a step late: a request that stopped at step n has had step
+n+1 launched too, and that token is dropped when it lands (its KV row stays within prompt +
+max_tokens). A row under a grammar cannot wait: its mask needs the token drawn before it, so a
+step with such a row lands the step in flight between its forward and its draw (`_decode`).
 
-A model call that fails ends its requests with an error once the step in flight has landed; the
-engine goes on with the others. So does a step during which `ModelRunner.silent_faults` rose:
-its tokens, and the KV written for them, may be wrong.
-
-A background thread calls `step()` while there is work; `submit` and `abort` may be called from
-any thread.
+A model call that fails, or a step during which `ModelRunner.silent_faults` rose, ends its
+requests with an error once the step in flight has landed; the engine goes on with the others.
+A background thread calls `step()`; `submit` and `abort` may be called from any thread.
 """
 
 from __future__ import annotations
@@ -137,7 +132,6 @@ class Engine:
             self.step()
 
     def step(self) -> None:
-        """Schedule, launch this step's forwards, then land the previous step's tokens while they run."""
         plan = self.scheduler.schedule()
         launched = self._launch(plan)
         landing, self._in_flight = self._in_flight, launched

@@ -2,15 +2,14 @@
 
 Full blocks of `B` tokens stay, keyed by their token prefix: a tree whose node is one block,
 reached from its parent by the block's tokens (exact keys: no two prefixes share a node). A new
-request takes the longest chain that matches its prompt and computes only the rest. Blocks are
-saved when a prompt has been computed and when a request ends normally; never from an aborted or
-failed request, whose last forward may not have completed.
+request takes the longest matching chain and computes only the rest. Blocks are saved when a
+prompt has been computed and when a request ends normally; never from an aborted or failed
+request, whose last forward may not have completed.
 
-Tiers: a block lives on the runner's device (counted against the runner's KV budget; the least
-recently used move out when admission needs the room) or in pinned host RAM (`--cache-ram`);
-past that the least recently used are dropped, leaves first. A matched request pins its blocks
-until they are copied in. Everything here runs on the engine's thread. Sequences whose KV spills
-to host RAM (`KVBlocks.cacheable` false) are not saved.
+Tiers: the runner's device (counted against its KV budget; the least recently used move out when
+admission needs the room), then pinned host RAM (`--cache-ram`); past that the least recently
+used are dropped, leaves first. A matched request pins its blocks until they are copied in.
+Everything here runs on the engine's thread. Sequences whose KV spills are not saved.
 """
 
 from __future__ import annotations

@@ -68,7 +68,6 @@ class TensorInfo:
 
     @property
     def row_bytes(self) -> int:
-        """Bytes of one row (the innermost dimension, quantized)."""
         block, type_size = GGML_QUANT_SIZES[self.ggml_type]
         return self.shape[-1] // block * type_size
 

@@ -80,8 +80,7 @@ def prefill_last_logits(model: Decoder, kv: SequenceKV, tokens: torch.Tensor) ->
 
 
 def prefill_pack_logits(model: Decoder, kvs: Sequence[SequenceKV], chunks: Sequence[torch.Tensor]) -> torch.Tensor:
-    """Append chunks[i] [T_i] to distinct sequences kvs[i] in one forward packed as segments; logits
-    [N, V] of each chunk's last token."""
+    """One forward packed as segments; logits [N, V] of each chunk's last token."""
     assert len(kvs) == len(chunks) > 0 and len({id(kv) for kv in kvs}) == len(kvs)
     ends = list(itertools.accumulate(c.shape[0] for c in chunks))
     segments = [Segment(end - c.shape[0], end, kv) for kv, c, end in zip(kvs, chunks, ends, strict=True)]

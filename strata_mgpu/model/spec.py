@@ -236,7 +236,6 @@ SPEC_BUILDERS: dict[str, Callable[[GGUFFile, str], ModelSpec]] = {
 
 
 def spec_from_gguf(f: GGUFFile, *, check_tensors: bool = True) -> ModelSpec:
-    """Build the spec from metadata; by default also check every tensor against it."""
     arch = f.require(Keys.General.ARCHITECTURE, str)
     builder = SPEC_BUILDERS.get(arch)
     if builder is None:

@@ -52,7 +52,6 @@ def grid(name: str) -> np.ndarray:
 
 @cache
 def ksigns() -> np.ndarray:
-    """ksigns_iq2xs: [128] uint8, from gguf-py's table."""
     out = np.frombuffer(gguf_quants.IQ2_XXS.ksigns, dtype=np.uint8).copy()
     assert out.shape == (128,)
     out.flags.writeable = False

@@ -70,7 +70,6 @@ class ChatAnswer:
         return delta
 
     def message(self) -> dict[str, Any]:
-        """The whole answer as an OpenAI assistant message."""
         content = "".join(self.content)
         message: dict[str, Any] = {"role": "assistant", "content": content if content or not self.calls else None}
         reasoning = "".join(self.reasoning)

@@ -1,23 +1,18 @@
 """PeerPrefill: the idle stage's card streams and computes a share of the busy stage's experts.
 
 A prompt that fits one chunk runs the stages one after the other, so while stage A streams its
-experts the other card and its link idle. The helper lives on that idle stage B. It holds no
-experts and no VRAM of its own: per prompt it is pointed at B's lent ring and workspace
-(`Stage.lend()`), and its temporaries come from B's allocator under B's budget.
+experts the other card and its link idle. The helper lives on that idle stage B, with no experts
+or VRAM of its own: per prompt it uses B's lent ring and workspace, under B's budget.
 
 Per layer of A (shape legend: T tokens, A picks per token, D hidden, E experts, n = helper's):
-1. A hands over the MoE input h [T, D] and the routing [T, A] through mapped host memory; from
-   them B builds its own row table without a round trip.
-2. B streams its n experts of the layer (the last n of those A would stream: resident experts stay
-   with A) from A's pinned arena over B's own link, two layers ahead, computes its rows with
-   the same `load_part` / `part_rows` as A and sends back their sum per token [T, D].
-3. A computes the rows of its own experts meanwhile and adds B's sums.
-Events order every hand-over; the host never waits. Output is repeatable (fixed summation
-order) and equals unhelped output within rounding.
-
-A prompt of `halves_from` tokens or more runs its rows in two halves, so the helper's round trip
-for one half runs while A works on the other. Off by default: where the host's launches bind a
-helped layer, halves only add launches (docs/MULTI_GPU.md).
+1. A hands over h [T, D] and the routing [T, A] through mapped host memory.
+2. B streams its n experts (the last n A would stream: resident ones stay with A) from A's pinned
+   arena over B's own link, two layers ahead, and sends back its rows' sum per token [T, D].
+3. A computes its own experts' rows meanwhile and adds B's sums.
+Events order every hand-over; the host never waits. Output is repeatable (fixed summation order)
+and equals unhelped output within rounding. A prompt of `halves_from` tokens or more runs in two
+halves of rows, so one half's round trip runs while A works on the other; off by default (where
+the host's launches bind a helped layer, halves only add launches: docs/MULTI_GPU.md).
 """
 
 from __future__ import annotations
@@ -75,7 +70,6 @@ class PeerPrefill:
         self.n_experts = 0
 
     def begin(self, parts: list[LayerPart]) -> None:
-        """Queue the uploads of the helper's `parts` (one a local layer) on the lent ring."""
         lent, arena = self.lent, self.arena
         assert lent is not None and arena is not None
         with lent.ctx.on_compute(after_caller=False, join_caller=False):
@@ -86,9 +80,7 @@ class PeerPrefill:
 
     def hand_over(self, i: int, h: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, first: bool = True
                   ) -> None:
-        """From the busy stage's stream: local layer i's h [t, D] and routing [t, A] to the helper, its
-        work queued on its stream; `collect` gives its sums. `first`: the layer's first hand-over,
-        which loads its experts."""
+        """`run_rows` queued on the helper's stream for these rows."""
         for x in (h, experts, weights):  # the order run_rows receives them in
             self.to_helper.send(x)
         self.run_rows(i, first)
@@ -105,5 +97,4 @@ class PeerPrefill:
             self.from_helper.send(y)
 
     def collect(self) -> torch.Tensor:
-        """On the busy stage's stream: the helper's weighted sums [t, D] for the oldest uncollected hand-over."""
         return self.from_helper.receive()

@@ -128,7 +128,6 @@ class SplitRunner:
         return max(0, min(streamed - 1, round(share * streamed), fits))
 
     def warm_decode_graphs(self, context: int) -> list[int]:
-        """Capture each stage's decode graphs ahead of the first request; the batch sizes every stage has."""
         sizes = [set(stage.warm_decode_graphs(context)) for stage in self.stages]
         return sorted(set.intersection(*sizes))
 
@@ -186,8 +185,6 @@ class SplitRunner:
 
     @torch.inference_mode()
     def prefill_many(self, kvs: Sequence[SplitKV], chunks: Sequence[torch.Tensor]) -> torch.Tensor:
-        """Append chunks[i] [T_i] to sequence kvs[i] in one pass through the stages; logits [N, V] of each
-        chunk's last token."""
         assert len(kvs) == len(chunks) > 0 and len({id(kv) for kv in kvs}) == len(kvs)
         self._observe_finished_prompt()
         ends = list(itertools.accumulate(c.shape[0] for c in chunks))
@@ -205,8 +202,7 @@ class SplitRunner:
 
     @torch.inference_mode()
     def decode(self, kvs: Sequence[SplitKV], tokens: torch.Tensor) -> torch.Tensor:
-        """One step of `kvs`: each stage runs its layers (a graph replay where its path allows), the
-        hand-overs queued between them."""
+        """Each stage runs its layers (a graph replay where its path allows), the hand-overs queued between them."""
         self._observe_finished_prompt()
 
         def rows(k: int, stage: Stage, x: torch.Tensor) -> torch.Tensor:

@@ -1,16 +1,14 @@
 """A stage's handle on its device: the torch device, the stage's own compute and upload streams,
 and its VRAM budget.
 
-Not a CUDA context: a process has one primary context per device, shared by every stage on that
-card (and with it the caching allocator). What a stage owns is its streams, so two stages on one
-card still queue their work independently. On the CPU the streams are None and every
-"asynchronous" step runs in program order; the same stage code runs on both.
+Not a CUDA context: every stage on a card shares the process's primary context (and the caching
+allocator). What a stage owns is its streams, so two stages on one card still queue their work
+independently. On the CPU the streams are None and every step runs in program order.
 
-Every stream and event operation of the package goes through a context, and so does every use
-of a buffer that another stream may touch (`label` where allocated, `access` where used). On
-CUDA these are the torch.cuda calls; on the plain CPU no-ops. A CPU context made with `twin=`
-(or inside `streams.ordering_twin()`) gets twin streams, and a missing wait raises
-`OrderingError` (`stage/streams.py`).
+Every stream and event operation of the package goes through a context, and so does every use of
+a buffer that another stream may touch (`label` where allocated, `access` where used): the
+torch.cuda calls on CUDA, no-ops on the plain CPU, and under `streams.ordering_twin()` (or
+`twin=`) twin streams where a missing wait raises `OrderingError`.
 """
 
 from __future__ import annotations

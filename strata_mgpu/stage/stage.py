@@ -164,7 +164,6 @@ class Stage:
                     cache.picks.copy_(picks)
 
     def silent_faults(self) -> int:
-        """Hand-overs of decode's experts to the host's cores that failed without raising."""
         return self.experts.silent_faults()
 
     def describe(self, with_layers: bool = False) -> str:

@@ -3,18 +3,13 @@ a twin that checks their ordering.
 
 A missing wait shows on a GPU only as a rare wrong answer, and on the plain CPU never; the twin
 makes it fail in CI. It is an exact race detector, not a scheduler: CPU torch runs every op when
-called, but the issue order of every stream operation and declared buffer access is known, and
-that decides which schedules a GPU may pick. The twin tracks happens-before with vector clocks
-(stream program order, event record -> wait at issue time, `wait_stream`, host synchronizations)
-and raises `OrderingError` at the first access that conflicts with an earlier access on another
-stream that nothing orders before it, naming the stream, the buffer, both call sites and the
-event whose wait is missing.
-
-Buffers are declared where they are owned (`label`) and every access where it is issued
-(`access`). `tests/ordering_schedules.py` replays a recorded trace in seeded adversarial
-schedules: the oracle the detector is tested against.
-
-Shape of a vector clock: {stream index: tick}; a stream's own entry counts its event records.
+called, but the issue order of every stream operation and declared buffer access decides which
+schedules a GPU may pick. Happens-before is tracked with vector clocks ({stream index: tick}:
+program order, event record -> wait, `wait_stream`, host synchronizations), and `OrderingError`
+is raised at the first access that conflicts with an unordered earlier one on another stream,
+naming the stream, the buffer, both call sites and the missing wait.
+`tests/ordering_schedules.py` replays recorded traces in seeded adversarial schedules: the
+oracle the detector is tested against.
 """
 
 from __future__ import annotations

@@ -1,15 +1,14 @@
 """Experts resident in VRAM for decode, and a table saying where every expert can be read.
 
-Decode needs only the experts its tokens pick. Those that fit the budget's spare room live in
-cache slots; every other expert is read straight from the pinned host arena through its device
-mapping (UVA), with no copy to wait for. `slot_of[layer, expert]` (-1: not resident) and
-`host_offset` let the device build each expert's address itself, so a decode step never
-synchronizes the host.
+Experts that fit the budget's spare room live in cache slots; every other expert is read straight
+from the pinned host arena through its device mapping (UVA). `slot_of[layer, expert]` (-1: not
+resident) and `host_offset` let the device build each expert's address itself, so a decode step
+never synchronizes the host.
 
-Which experts stay: K of every layer. Every forward counts each layer's picks on the device
-(`observe`, no sync), and when a sequence starts decoding `refill` swaps in experts picked
-clearly more often than the resident ones they replace (a margin and a cap on the bytes moved
-keep near-ties from churning): trained models route with locality, which this follows.
+K experts of every layer stay. Every forward counts each layer's picks on the device, and when a
+sequence starts decoding `refill` swaps in experts picked clearly more often than the ones they
+replace (a margin and a cap on the bytes moved keep near-ties from churning): trained models
+route with locality, which this follows.
 """
 
 from __future__ import annotations

@@ -152,14 +152,12 @@ class CpuHandover:
             self.set_share(share)
 
     def wake(self) -> None:
-        """Before a pass that may hand over (eager): the worker polls while it runs."""
         self.worker.arm()
 
     def arm(self) -> bool:
-        """Before a decode step (eager or replayed): wake the worker; `auto` retunes. False where the
-        hand-over should go (the worker failed, the host did not answer in time, or `auto` declined):
-        the stage then detaches it and captures its graphs again. Inside a graph capture it only wakes
-        the worker: nothing else may be recorded there."""
+        """False where the hand-over should go (the worker failed, the host did not answer in time, or
+        `auto` declined): the stage then detaches it and captures its graphs again. Inside a graph
+        capture it only wakes the worker: nothing else may be recorded there."""
         self.worker.arm()
         if torch.cuda.is_current_stream_capturing():
             return True
@@ -198,7 +196,6 @@ class CpuHandover:
                 self._tune(now)  # the trial's first step
 
     def send(self, i: int, h: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
-        """Local layer i's picks [T, A] split: the host's go to the mailbox; returns the GPU's (the host's -1)."""
         t, a = experts.shape
         h, weights, experts = h.contiguous(), weights.float().contiguous(), experts.contiguous()
         gpu = torch.empty_like(experts)
@@ -210,8 +207,6 @@ class CpuHandover:
 
     def send_prompt(self, i: int, h: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
                     host_of: torch.Tensor) -> None:
-        """A prompt pass's rows of local layer i: the picks of the experts host_of [E] (uint8, device)
-        marks go to the host."""
         t, a = experts.shape
         box = self.mailbox
         h, weights, experts = h.contiguous(), weights.float().contiguous(), experts.contiguous()
@@ -223,11 +218,11 @@ class CpuHandover:
                       box.weights.data_ptr(), box.meta.data_ptr(), box.request_at), self.ctx.device)
 
     def collect(self, rows: int, hidden: int) -> torch.Tensor:
-        """The host's sums [rows, D] bf16 of the last `send_prompt`, once it answered."""
+        """Once the host answered (zeros where it had no picks)."""
         return self.add(torch.zeros(rows, hidden, dtype=torch.bfloat16, device=self.ctx.device))
 
     def add(self, out: torch.Tensor) -> torch.Tensor:
-        """The GPU's sums out [T, D] bf16 plus the host's, in place, once the host answered."""
+        """In place, once the host answered."""
         assert out.dtype == torch.bfloat16 and out.is_contiguous()
         n = out.numel()
         blocks = min(ADD_BLOCKS, -(-n // ADD_THREADS))

@@ -4,22 +4,19 @@ the pinned arena through ggml, and the GPU adds its sums.
 
 Shape legend: T = rows of the pass, A = picks a row, D = hidden, E = experts a layer.
 
-The protocol, per layer of a gathered pass of at most MAX_ROWS rows (`cuda_src/cpu_handover.cu`
-is the GPU's side):
-1. `handover_send` marks each pick for the GPU or the host: a resident expert stays; a missing
-   one goes to the host while a running carry of the share says so. Where the host takes any,
-   picks, weights and rows go into the `Mailbox` in mapped host memory and the request number
-   is bumped. The GPU's picks come back with the host's set to -1.
+Per layer of a gathered pass of at most MAX_ROWS rows (`cuda_src/cpu_handover.cu`: the GPU's side):
+1. `handover_send` marks each pick: a resident expert stays; a missing one goes to the host while
+   a running carry of the share says so. The host's picks, weights and rows go into the `Mailbox`
+   in mapped host memory and the request number is bumped; the GPU's picks come back, the host's -1.
 2. The fused decode kernels compute the GPU's picks (a -1 adds nothing).
-3. The host's `HandoverWorker` thread, polling the request number, computes the host's picks,
-   writes their sums [T, D] fp32 and then the done number.
+3. The host's `HandoverWorker`, polling the request number, writes the sums [T, D] fp32, then done.
 4. `handover_add` waits until done equals the request and adds the host's sums.
 
-No step waits on the host's side of CUDA, so a decode step with hand-overs is still captured as
-one graph. A worker that fails answers with zeros and sets the share to 0; a host that does not
-answer within TIMEOUT_S sets the status word, and every later wait returns at once. The layer
-that met the failure lacks the host's part: `silent_faults` counts it, the engine fails the
-requests of every step in flight, and the next `arm` detaches the hand-over.
+No step waits on the host's side of CUDA, so a decode step with hand-overs is still one graph. A
+worker that fails answers with zeros and sets the share to 0; a host that does not answer within
+TIMEOUT_S sets the status word, and every later wait returns at once. The layer that met the
+failure lacks the host's part: `silent_faults` counts it, the engine fails the steps in flight,
+and the next `arm` detaches the hand-over.
 """
 
 from __future__ import annotations
@@ -48,7 +45,6 @@ class Handover(Protocol):
 
     @property
     def share_value(self) -> float:
-        """The share of the misses the host takes now."""
         ...
 
     @property

@@ -4,11 +4,10 @@ pinned host arena. The `ExpertBackend` of a stage.
 Shape legend: T = token rows, D = hidden, E = experts, A = experts per token, M = T * A routed
 rows, F = expert width.
 
-Two ways through a layer, picked per forward by its picks (rows x A, `gather_pick_limit`):
-- a prompt pass: every expert of the layer is computed once; resident ones read in place, only
-  the others go up through the ring, a layer or more ahead of compute. A helper takes the last of
-  each layer's streamed experts. A helped pass of `halves_from` rows or more runs each layer in two
-  halves of rows, so the decoder can queue one half's work while the other's hand-over is in flight.
+Two ways through a layer, picked per forward by its picks (`gather_pick_limit`):
+- a prompt pass computes every expert of the layer once: resident ones in place, the others
+  streamed through the ring a layer or more ahead. A helper takes the last of each layer's
+  streamed experts; a helped pass of `halves_from` rows or more runs in two halves of rows.
 - gather (decode, and short prompts where every expert is resident): only the experts the rows
   picked, each read where it lives, a VRAM slot or the mapped pinned arena (no host sync).
 """

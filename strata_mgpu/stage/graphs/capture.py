@@ -1,17 +1,13 @@
-"""A stage's decode step of a batch captured as a CUDA graph and replayed for every token,
-whichever sequences the batch holds.
+"""A stage's decode step of a batch captured as a CUDA graph and replayed for every token.
 
-At batch 1 a token's work is hundreds of small launches, far more costly from Python than on the
+At batch 1 a token's work is hundreds of small launches, far costlier from Python than on the
 GPU. `Decoder.step_static` keeps every shape and address fixed: the rows' input, positions and
-caches' table are device buffers the graph owns and the host rewrites before each replay. So one
-capture serves any batch of up to `bucket` rows (padded with a dummy sequence at position 0)
-whose caches fit the capacity it was captured for: a request joining or leaving costs no capture.
-Pad rows pick experts like any row, so where experts are read over the link a batch gets a graph
-of its own size. A capture in which an op ran its torch twin (which reads caches by address)
-serves only its own batch (`graph_key`).
-
-Only a path that never synchronizes the host can be captured. The hand-over between split
-stages stays outside the graphs.
+caches' table are device buffers the host rewrites before each replay. So one capture serves any
+batch of up to `bucket` rows (padded with a dummy sequence at position 0) whose caches fit its
+capacity: a request joining or leaving costs no capture. Where experts are read over the link a
+batch gets a graph of its own size (pad rows would pick experts too). A capture in which an op
+ran its torch twin (which reads caches by address) serves only its own batch (`graph_key`).
+The hand-over between split stages stays outside the graphs.
 """
 
 from __future__ import annotations

@@ -3,24 +3,21 @@ on CUDA), assembled layer by layer in a staging buffer on the device for attenti
 
 Shape legend: L = layers of the stage, W = window cells, C = host rows allocated, S = staging
 cells (the longest sequence), Hkv = KV heads, Dh = head dim, R = a head's stored row (Dh, or
-Dh / 32 * 34 bytes of Q8_0 blocks: `KVFormat`). Ring, host rows and staging hold cells as the
-cache's `KVFormat` stores them; `write` quantizes new rows and dequantizes what attention reads.
+Dh / 32 * 34 bytes of Q8_0 blocks: `KVFormat`, as ring, host rows and staging all store them).
 
 Where cell p lives (per layer i, `host_rows[i]` = h): positions [0, h) in host rows [0, h);
 positions [h, length) in the VRAM ring at slot p % W. Before the first spill every position sits
 in its own slot, so the ring reads like a plain `KVCache` (and the decode step can be captured);
 after it, attention reads from a staging buffer: host rows, then the ring's cells, then the new
-rows. The host always holds a prefix, and host rows are per layer, so a forward that fails
-between layers leaves every layer readable: a retry gives the same result.
+rows. Host rows are per layer, so a forward that fails between layers leaves every layer
+readable: a retry gives the same result.
 
-Streams (prefetch on): uploads into staging and spills out of it run on the side stream.
-`released[b]` is recorded on the compute stream when side work on buffer b is queued; the side
-stream waits for it. `ready[b]` is recorded on the side stream after its last use of b; the
-compute stream waits for it before it reads or overwrites b. An upload on the compute stream
-also waits for the cache's last spill (`_spilled`). Without prefetch everything runs on the
-caller's stream in program order. Every stream operation and buffer use goes through the stage's
-`DeviceContext` (`ctx.access`), so the ordering twin (`stage/streams.py`) raises `OrderingError`
-on a missing wait.
+Streams (prefetch on): uploads into staging and spills out of it run on the side stream, which
+waits for `released[b]` (recorded on the compute stream when side work on buffer b is queued);
+the compute stream waits for `ready[b]` (recorded after the side stream's last use of b) before
+it reads or overwrites b, and an upload on the compute stream also for the last spill
+(`_spilled`). Every stream operation and buffer use goes through the stage's `DeviceContext`,
+so the ordering twin (`stage/streams.py`) raises `OrderingError` on a missing wait.
 """
 
 from __future__ import annotations
