@@ -64,9 +64,8 @@ class EngineConfig:
         return max(self.kv_tokens or 0, self.n_ctx(model_context))
 
     def for_model(self, model_context: int) -> EngineConfig:
-        """Resolved against a model of `model_context` tokens: the context cut to the model's, the chunk to
-        the context. A longer chunk would never fill (the KV holds one context in all) but would be
-        planned for (its activations' VRAM taken from experts)."""
+        """The context cut to the model's, the chunk to the context: a longer chunk would never fill (the
+        KV holds one context in all) but its activations would be planned for, VRAM taken from experts."""
         n_ctx = self.n_ctx(model_context)
         return replace(self, ctx_size=n_ctx, chunk_size=min(self.chunk_size, n_ctx))
 

@@ -8,9 +8,8 @@ from rich.progress import Progress, TaskID
 
 
 def layer_bars(bar: Progress) -> Callable[[str, int, int], None]:
-    """`build_runner`'s `on_progress(what, done, total)` as one bar per `what`. Each call is one more
-    layer loaded: `done` is not read, since a later stage's loaders count from its first layer's
-    global index."""
+    """One bar per `what` of `on_progress(what, done, total)`; each call is one more layer (`done` is
+    not read: a later stage's loaders count from its first layer's global index)."""
     bars: dict[str, TaskID] = {}
 
     def on_progress(what: str, _done: int, total: int) -> None:

@@ -58,8 +58,7 @@ def stage_layers(placement: Placement, spec: ModelSpec) -> list[range]:
 def stage_options(placement: Placement, chunk_size: int, kv_tokens: int,
                   devices: list[torch.device] | None = None) -> list[StageOptions]:
     """Each stage's options. One CPU device computes its experts on the host's cores; CPU stages of a
-    split, and a CPU stage given `--resident-experts`, keep the device path's twins (the ring, the
-    cache and the helper they are the tests of)."""
+    split, and one given `--resident-experts`, keep the device path's twins they are the tests of."""
     devices = resolve_devices(placement) if devices is None else devices
     cpu_only = len(devices) == 1 and devices[0].type == "cpu" and placement.resident_experts is None
     n_cuda = sum(d.type == "cuda" for d in devices)
@@ -111,9 +110,8 @@ def dense_layout_bytes(f: GGUFFile, spec: ModelSpec, layers: range, *, elem: int
 def build_runner(f: GGUFFile, spec: ModelSpec, placement: Placement, chunk_size: int, *,
                  kv_tokens: int | None = None, cpu_reference: bool = False,
                  on_progress: Progress | None = None) -> DecoderRunner | Stage | SplitRunner:
-    """`build_stages`; with `cpu_reference` (what `serve` asks for), one CPU device where ggml-python
-    is missing serves the fp32 oracle forward instead (said once: the torch twin of that stage
-    dequantizes each picked expert every call, slower than the oracle)."""
+    """`build_stages`; with `cpu_reference` (what `serve` asks for), one CPU device without ggml-python
+    serves the fp32 oracle instead, said once (the stage's torch twin would be slower)."""
     devices = resolve_devices(placement)
     missing = ggml_missing() if cpu_reference and len(devices) == 1 and devices[0].type == "cpu" else None
     if missing is not None:

@@ -232,9 +232,8 @@ class Engine:
         self.scheduler.fit_prefix_cache()
 
     def _decode(self, reqs: list[Request]) -> Draw:
-        """One decode step for reqs, fed their last drawn tokens; their next tokens [B] (device). With a
-        grammar row in the batch, the step in flight lands here, after this step's forward is queued
-        and before its draw (its matcher needs the token drawn last step)."""
+        """Their next tokens [B] (device). With a grammar row in the batch, the step in flight lands here,
+        after this step's forward is queued and before its draw (the matcher needs last step's token)."""
         kvs = [r.kv_state for r in reqs]
         fed = torch.cat([r.decode_input for r in reqs])  # [B], where the draws left them
         logits = self.runner.decode(kvs, fed)

@@ -131,9 +131,8 @@ class Scheduler:
             return not self._stopped
 
     def _gather_arrivals(self) -> None:
-        """Wait while more requests come in, each within `arrival_gap_ms` of the last (at most
-        ARRIVAL_WINDOW_TURNS gaps), so a burst of short prompts packs into one prefill: requests sent
-        together reach the engine a few ms apart. A lone request pays one gap. Holds cv."""
+        """Wait while requests keep coming within `arrival_gap_ms` of the last (at most ARRIVAL_WINDOW_TURNS
+        gaps), so a burst sent together, arriving ms apart, packs into one prefill. Holds cv."""
         gap = self.config.arrival_gap_ms / 1e3
         seen = len(self.waiting)
         for _ in range(ARRIVAL_WINDOW_TURNS):

@@ -68,9 +68,8 @@ KV_TABLES = 64  # batches whose cache table is kept (a capture replays the table
 
 
 def attention_split(capacity: int) -> int:
-    """Keys one block of attn_split takes for caches of up to `capacity` cells: ATTN_MIN_KEYS, or more
-    (in multiples of it) to keep the splits at most ATTN_SPLITS. A block's shared memory does not
-    grow with its keys, so every width fits."""
+    """Keys one block of attn_split takes for caches of up to `capacity` cells: ATTN_MIN_KEYS, or a
+    multiple of it keeping the splits at most ATTN_SPLITS (a block's shared memory does not grow)."""
     return max(ATTN_MIN_KEYS, -(-capacity // ATTN_SPLITS // ATTN_MIN_KEYS) * ATTN_MIN_KEYS)
 
 

@@ -58,9 +58,8 @@ def rows_a_launch(k: int) -> int:
 
 
 def w_rows_a_warp(x_rows: int, n: int, multiprocessors: int) -> int:
-    """dense_q8's R for x_rows rows of x and N rows of W: one where x has one row (bytes bound it, and
-    more warps keep more in flight); else the most, up to x_rows, that leaves the grid
-    BLOCKS_A_MULTIPROCESSOR blocks a multiprocessor."""
+    """dense_q8's R: one where x has one row (bytes bound it, more warps keep more in flight); else the
+    most, up to x_rows, that leaves the grid BLOCKS_A_MULTIPROCESSOR blocks a multiprocessor."""
     warps = DENSE_THREADS // 32
     fits = [r for r in W_ROWS_A_WARP
             if r <= x_rows and -(-n // (warps * r)) >= BLOCKS_A_MULTIPROCESSOR * multiprocessors]

@@ -130,10 +130,8 @@ class TorchKernels:
     def moe_gathered(self, cache: ResidentExperts, i: int, lay: ExpertLayout, h: torch.Tensor, weights: torch.Tensor,
                      experts: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
                      hq: torch.Tensor | None = None) -> torch.Tensor:
-        """Decode's routed experts of local layer i: h [T, D], weights [T, A] fp32, experts [T, A] ->
-        [T, D] (a pick of -1 adds nothing: the host's cores compute it); hq: h already quantized
-        (`quantize_q8`'s layout) for the integer kernels, or None. The twin dequantizes the T * A picks
-        into the workspace and runs the grouped GEMM pair."""
+        """Decode's routed experts of local layer i: h [T, D], weights [T, A] fp32, experts [T, A] -> [T, D]
+        (a pick of -1 adds nothing: the host's cores compute it); hq: h quantized (`quantize_q8`) or None."""
         self.paths.ran("moe_gathered", "twin")
         t, a = experts.shape
         # a pick of -1 is the host's (stage.experts.handover): expert 0 at weight 0 here, no host sync
@@ -148,9 +146,8 @@ class TorchKernels:
     def moe_fused_reference(self, cache: ResidentExperts, i: int, lay: ExpertLayout, h: torch.Tensor,
                             weights: torch.Tensor, experts: torch.Tensor, w_gate_up: torch.Tensor,
                             w_down: torch.Tensor) -> torch.Tensor:
-        """The twin the fused decode kernels are held to. With bf16 input and an integer side
-        (Q8_DOT_TYPES) the kernels quantize that side's input to 8 bits, and so does this; otherwise it
-        is `moe_gathered` (bf16 weights, no 8-bit rounding)."""
+        """The twin the fused decode kernels are held to: with bf16 input an integer side (Q8_DOT_TYPES)
+        has its input quantized to 8 bits, as the kernels do; otherwise `moe_gathered`."""
         if h.dtype == torch.bfloat16 and {lay.gate_type, lay.down_type} & Q8_DOT_TYPES:
             return self._moe_picks_q8(cache, i, lay, h, weights, experts)
         return TorchKernels.moe_gathered(self, cache, i, lay, h, weights, experts, w_gate_up, w_down)

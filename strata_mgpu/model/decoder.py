@@ -299,10 +299,9 @@ class Decoder:
 
     def step_static(self, inp: torch.Tensor, positions: torch.Tensor, kvs: Sequence[SequenceKV],
                     table: torch.Tensor | None = None, capacity: int | None = None) -> torch.Tensor:
-        """One decode step of B sequences on the row path, every shape and address fixed (what a stage's
-        decode graph captures): token ids [B] on the first stage, else hidden rows [B, D] -> logits
-        [B, V] on the last stage, else hidden rows [B, D]. The caller advances the caches. `table`: the
-        caches' addresses (a graph passes its own); `capacity`: cells covered (default: the largest cache)."""
+        """One decode step of B sequences on the row path, every shape and address fixed (what a decode
+        graph captures): token ids [B] or hidden rows [B, D] -> logits [B, V] on the last stage, else
+        [B, D]. The caller advances the caches. `table`, `capacity`: as `RowAttention`'s."""
         x = self.embed(inp) if self.w.embed is not None else inp
         assert x.shape[0] == positions.shape[0] == len(kvs)
         path = self._row_path(positions, kvs, table, capacity, self.experts.should_stream(len(kvs)))

@@ -89,10 +89,9 @@ def load_weights(f: GGUFFile, spec: ModelSpec, *, dtype: torch.dtype = torch.flo
                  device: torch.device | str = "cpu", with_experts: bool = True, layers: range | None = None,
                  embed: bool = True, head: bool = True, blocks: KeepBlocks | None = None,
                  embed_blocks: bool = False, on_layer: Callable[[int], None] | None = None) -> ModelWeights:
-    """Dequantize the tensors of `layers` (default: all) to `dtype` on `device` (the router stays fp32);
-    without experts when they are streamed. `blocks`: the projections it takes stay as their blocks,
-    q, k and v one matrix where their types agree; `embed_blocks`: the embedding too (a lookup
-    dequantizes the picked rows). `on_layer(i)` reports progress."""
+    """Dequantize `layers` (default: all) to `dtype` on `device` (the router stays fp32), without
+    experts when they are streamed. `blocks`: projections kept as blocks (q, k, v one matrix where
+    their types agree); `embed_blocks`: the embedding too. `on_layer(i)` reports progress."""
 
     def get(kind: T, layer: int | None = None, as_dtype: torch.dtype = dtype) -> torch.Tensor:
         name = tname(kind, layer)

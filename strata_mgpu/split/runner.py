@@ -98,9 +98,8 @@ class SplitRunner:
         return min(s.max_context for s in self.stages)
 
     def set_stage_helper(self, policy: HelpPolicy, max_rows: int, halves_from: int = 0) -> None:
-        """Give each stage the next stage's helper (the last gets the first's), with host buffers for
-        prompts of up to `max_rows` tokens; helped prompts of `halves_from` tokens or more run in two
-        halves (0: never)."""
+        """Each stage gets the next stage's helper (the last the first's), host buffers for up to `max_rows`
+        tokens; prompts of `halves_from` tokens or more run in two halves (0: never)."""
         n = len(self.stages)
         self.helpers = []
         for k, busy in enumerate(self.stages):
@@ -149,10 +148,8 @@ class SplitRunner:
     @torch.inference_mode()
     def prefill(self, kv: SplitKV, tokens: torch.Tensor, whole_prompt: bool = False,
                 want_logits: bool = True) -> torch.Tensor | None:
-        """Append tokens [T]; logits [V] of the last one. With `want_logits=False` (not the prompt's last
-        chunk) the chunk is queued on the stages' threads and not waited for, so the next chunk's stage 0
-        work is queued while stage 1 still runs this one. A whole prompt runs on this thread, the idle
-        stage helping."""
+        """With `want_logits=False` the chunk is queued on the stages' threads and not waited for, so the
+        next chunk's stage 0 work queues while stage 1 runs this one. A whole prompt: the idle stage helps."""
         n = tokens.shape[0]
         self._observe_finished_prompt()
         rows = self._prompt_rows([[Segment(0, n, part)] for part in kv.parts], [n])
@@ -318,9 +315,8 @@ def build_split(f: GGUFFile, spec: ModelSpec, options: list[StageOptions], layer
                 on_progress: Callable[[str, int, int], None] | None = None,
                 help_policy: HelpPolicy | None = None, *, help_halves: int = 0,
                 stage_threads: bool = True) -> SplitRunner:
-    """Stages on `options`' devices, one each in order, layers placed by `layer_split`; the helper of
-    one-chunk prompts where `help_policy` is enabled (in two halves from `help_halves` tokens,
-    0: never); `stage_threads`: a host thread per GPU stage."""
+    """Stages on `options`' devices, layers by `layer_split`; the one-chunk helper where `help_policy`
+    is on (halves from `help_halves` tokens, 0: never); `stage_threads`: a thread per GPU stage."""
     ranges = plan_layers(spec.n_layers, len(options), layer_split, [o.max_vram_gib for o in options])
     log.info("layer split %s: %s", layer_split, "; ".join(f"stage {i}: layers {r.start}-{r.stop - 1} on {o.device}"
                                                          for i, (o, r) in enumerate(zip(options, ranges, strict=True))))

@@ -200,9 +200,8 @@ def _plan(ctx: DeviceContext, spec: ModelSpec, opts: StageOptions, layers: range
 def stage_plan(spec: ModelSpec, opts: StageOptions, layers: range, *, expert_bytes: int, dense: int,
                budget: int | None, elem: int, where: str,
                on_halved: Callable[[int, int], None] = lambda had, now: None) -> MemoryPlan:
-    """The VRAM plan of a stage of `layers`: what a stage plans as it is built, and what `strata info`
-    previews without a GPU. `budget` None: uncapped (the CPU), a quarter of each layer resident
-    unless forced. A stage with `host_core_experts` plans no ring, resident experts or workspace."""
+    """The VRAM plan of a stage of `layers`, also what `strata info` previews without a GPU. `budget`
+    None: uncapped (the CPU). `host_core_experts`: no ring, resident experts or workspace."""
     switches, on_host = opts.switches, opts.host_core_experts
     return plan_stage_memory(spec, kv_tokens=opts.kv_tokens, context=opts.context or opts.kv_tokens,
                              chunk_tokens=opts.chunk_size, on_halved=on_halved, n_layers=len(layers),

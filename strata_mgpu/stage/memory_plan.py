@@ -114,10 +114,9 @@ def workspace_bytes(spec: ModelSpec, elem: int = 2) -> int:
 
 
 def activation_bytes(spec: ModelSpec, tokens: int, context: int, elem: int = 2, kv_dequantized: bool = False) -> int:
-    """Peak of one layer's temporaries for a chunk of `tokens` rows after up to `context` keys: the
-    residual stream and block inputs, plus the larger of the MoE block's and attention's
-    temporaries (each freed before the other's); `kv_dequantized`: a quantized cache dequantized up
-    to the chunk's end. A quarter more for what this count misses (indices, router scores, workspaces)."""
+    """Peak of one layer's temporaries for `tokens` rows after `context` keys: the residual and block
+    inputs plus the larger of the MoE block's and attention's (`kv_dequantized`: a quantized cache
+    dequantized to the chunk's end), and a quarter more for what this misses."""
     m = tokens * spec.n_experts_used
     rows = tokens * (spec.hidden * 4 + spec.q_dim * 2 + spec.kv_dim * 2) * elem  # x, h, q, k, v, attn out
     moe = m * (3 * spec.hidden + 4 * spec.expert_ffn) * elem + m * 8 * 4 + tokens * spec.n_experts * 4

@@ -186,10 +186,9 @@ class Stage:
         self.refill(kvs)
 
     def decode_rows(self, kvs: Sequence[SequenceKV], inp: torch.Tensor) -> torch.Tensor:
-        """One decode step of `kvs` through this stage's layers, on the current stream: token ids inp [B]
-        on the first stage, else hidden rows [B, D] -> logits [B, V] on the last, else hidden rows
-        [B, D]. Replays the stage's graph where `graphs.serves` the batch. Where the budget runs out in
-        the step, the graphs' memory goes and the step runs again from the caches' lengths before it."""
+        """One decode step of `kvs` on the current stream (inputs and outputs as `Decoder.step_static`'s),
+        a graph replay where `graphs.serves` the batch. Where the budget runs out in the step, the graphs'
+        memory goes and the step runs again from the caches' lengths before it."""
         lengths = [kv.length for kv in kvs]
         if self.experts.arm():  # a replayed graph's hand-overs find the host's worker polling
             self.graphs.drop()  # the hand-over was detached: captures with its kernels go

@@ -171,9 +171,8 @@ class UntimedPrompts:
 
 @contextlib.contextmanager
 def uploads_skipped(stages: list[Stage]) -> Iterator[None]:
-    """Every expert ring's uploads take their next slot with nothing copied into it, so a pass
-    computes from whatever the slots hold (its answers are wrong meanwhile): the compute a pass
-    cannot go below, with its links out of the way."""
+    """Every ring's uploads take their slot with nothing copied, so a pass computes from whatever the
+    slots hold (wrong answers): the compute a pass cannot go below, its links out of the way."""
     rings = [s.experts.ring for s in stages if s.experts.ring is not None]
 
     def nothing_copied(ring: ExpertRing) -> Callable[[int, Sequence[torch.Tensor]], Slot]:
@@ -265,10 +264,9 @@ class DecodeTiming(NamedTuple):
 
 
 def time_decode(runner, n: int, prompt_tokens: int = 64, seed: int = 0, chunk: int = 8192) -> DecodeTiming:
-    """Decode tok/s at batch 1, the share of expert picks read from VRAM, and the host's time to queue
-    a step. Each step's logits go to the host (a sync, as sampling does), but the next token fed is
-    random: a synthetic model's greedy chain soon loops over a few tokens, whose experts the cache
-    then holds, which would flatter the figure."""
+    """Decode tok/s at batch 1, the share of picks read from VRAM, and the host's time to queue a step.
+    The next token fed is random: a synthetic model's greedy chain soon loops over a few tokens,
+    whose experts the cache then holds, which would flatter the figure."""
     g = torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, runner.spec.vocab_size, (prompt_tokens + n + 2,), generator=g)
     kv = runner.new_sequence(prompt_tokens + n + 3)  # + the two warm-up steps
@@ -304,9 +302,8 @@ def decode_batch_kv_tokens(batch: int, n_steps: int, warmup: int = 2) -> int:
 
 def time_decode_batch(runner, batch: int, n_steps: int, warmup: int = 2, chunk: int = 8192, seed: int = 0
                       ) -> tuple[float, float]:
-    """Aggregate and per-sequence decode tok/s of `batch` sequences decoded together by the runner's
-    batched step. Prompts of different lengths; random tokens fed, as in `time_decode`; the warm-up
-    steps (graph capture, the expert cache's refill) are not timed."""
+    """Aggregate and per-sequence decode tok/s of `batch` sequences of different prompt lengths,
+    random tokens fed as in `time_decode`; the warm-up steps are not timed."""
     g = torch.Generator().manual_seed(seed)
     kvs, first = [], []
     for n in decode_batch_prompts(batch):

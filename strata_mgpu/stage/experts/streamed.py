@@ -190,9 +190,8 @@ class StreamedExperts:
 
     def start(self, i: int, h: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
               hq: torch.Tensor | None = None, first: bool = True) -> torch.Tensor:
-        """Local layer i's rows: gathered, or this stage's part of the layer's experts streamed and
-        computed, the helper's share handed over first (its sums come in `finish`). `first`: the layer's
-        first rows, which load its experts (a second half reads them from the workspace)."""
+        """Local layer i's rows, gathered or streamed, the helper's share handed over first (its sums come
+        in `finish`). `first`: the layer's first rows, which load its experts."""
         layer = self.layers[i]
         lay = self.arena.layouts[layer]
         if self.cache is not None:

@@ -88,9 +88,8 @@ class DecodeGraphs:
         return graph.step(kvs, inp)
 
     def warm(self, context: int, kv_cells: int) -> list[int]:
-        """Capture a graph for every bucket before the first request, covering min(context, kv_cells,
-        WARM_GRAPH_CELLS) cells, so no first batch waits for its capture inside its first token's time.
-        Returns the buckets captured; one whose capture fails is left to its first use."""
+        """Capture every bucket's graph before the first request (min(context, kv_cells, WARM_GRAPH_CELLS)
+        cells), so no first batch waits for it; the buckets captured (a failed one waits for first use)."""
         if not self.enabled:
             return []
         sizes = sorted({self.bucket(n) for n in range(1, self.largest + 1)})
