@@ -1,14 +1,9 @@
 """Tool dialects: how a model family writes tool calls, as one object a server uses throughout.
 
 A `ToolDialect` holds the tags a call sits between, the reasoning block's markers, the grammar of
-one call and a reader of a call's text. Two are built:
-
-- `hermes` (Qwen3, Hermes): `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`;
-- `qwen3_coder` (Qwen3-Coder): `<tool_call>\\n<function=NAME>\\n<parameter=P>\\nVALUE\\n</parameter>\\n
-  </function>\\n</tool_call>`, each VALUE text, read as the JSON type its parameter's schema says.
-
-The server picks one once, at load: `--tool-call-parser NAME` (vLLM's names), or `auto`, from what
-the model's chat template writes.
+one call and a reader of a call's text. Two are built, `hermes` (Qwen3, Hermes: `hermes.py`) and
+`qwen3_coder` (`qwen3_coder.py`). The server picks one once, at load: `--tool-call-parser NAME`
+(vLLM's names), or `auto`, from what the model's chat template writes.
 """
 
 from __future__ import annotations
