@@ -4,7 +4,8 @@ wider gathered passes, pick by pick against expert by expert, `kernels.moe_group
 attention at several context lengths, the dense projections (q/k/v and the head: the bf16 GEMM
 against `dense_q8` on Q8_0 blocks), and a whole layer's dequantization (what bounds a prompt
 whose experts are all resident). Each fast path is checked once against its twin on the same
-inputs.
+inputs. A run takes seconds: no 20 GB file to write and load, so a kernel change is measured in
+one short device call.
 
     python3 -m strata_mgpu.tools.bench_kernels [--preset 30b-a3b] [--batch 1,8] [--iters 100]
         [--host-share 0] [--contexts 1024,8192,32768] [--expert-rows 8,16,...,512] [--json OUT]
