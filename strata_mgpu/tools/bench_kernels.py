@@ -275,11 +275,11 @@ def run(preset: str, batches: list[int], contexts: list[int], iters: int, host_s
             report.timings.append(KernelTiming(f"attention at {n:,} keys", b, us, nbytes, bound(nbytes), err))
     from strata_mgpu.kernels.dense import dense_q8, dense_reference
 
-    # decode's dense projections: the bf16 GEMM they take today against dense_q8 on the file's Q8_0
+    # decode's dense projections: the bf16 GEMM against dense_q8 on the file's Q8_0
     kv_rows = (spec.n_heads + 2 * spec.n_kv_heads) * spec.head_dim
     for what, n_rows, check in (("q/k/v projection", kv_rows, True), ("output head", spec.vocab_size, False)):
         raw = q8_0_rows(n_rows, d, device)
-        w_bf16 = _dequant_q8_0(raw, d)  # [N, K] bf16: the weights as the decoder holds them today
+        w_bf16 = _dequant_q8_0(raw, d)  # [N, K] bf16: the weights as a bf16 stage holds them
         for b in batches:
             h = torch.randn(b, d, generator=g).to(device, torch.bfloat16)
             us = time_us(ctx, partial(torch.matmul, h, w_bf16.T), iters)
