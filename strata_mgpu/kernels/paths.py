@@ -25,6 +25,7 @@ def warn_once(what: str, reason: str) -> None:
 
 
 class PathCounter(Counter):
+    """Counts of "op:path" keys (a `collections.Counter`)."""
 
     def ran(self, op: str, path: str) -> None:
         self[f"{op}:{path}"] += 1

@@ -47,6 +47,7 @@ class ChatOptions:
 
 @dataclass(frozen=True)
 class Prepared:
+    """A request made ready off the event loop: its prompt, and what constrains and shapes its answer."""
 
     prompt: list[int]
     grammar: Grammar | None = None
