@@ -1,5 +1,6 @@
 """Runtime configuration: frozen dataclasses built once by the CLI from its flags and the environment
-(`env.EnvOptions`); the model's own shapes live in `model.spec.ModelSpec`, read from the GGUF."""
+(`env.EnvOptions`); the model's own shapes live in `model.spec.ModelSpec`, read from the GGUF.
+"""
 
 from __future__ import annotations
 
@@ -58,15 +59,13 @@ class EngineConfig:
         return min(self.ctx_size, model_context) if self.ctx_size else model_context
 
     def kv_cells(self, model_context: int) -> int:
-        """KV cells a stage plans in VRAM for all sequences together: `kv_tokens`, else one context
-        (never fewer than one context: a sequence of the whole context must fit)."""
+        """KV cells a stage plans in VRAM for all sequences together: `kv_tokens`, never fewer than one
+        context (a sequence of the whole context must fit)."""
         return max(self.kv_tokens or 0, self.n_ctx(model_context))
 
     def for_model(self, model_context: int) -> EngineConfig:
-        """These options resolved against a model of `model_context` tokens, once at start-up: the
-        context cut to the model's, the chunk to the context. A longer chunk would never fill: the
-        KV a stage plans holds one context in all, so the prompts packed into one prefill step never
-        add up to more, while the stage plans a whole chunk's activations (VRAM taken from experts)."""
+        """The context cut to the model's, the chunk to the context: a longer chunk would never fill (the
+        KV holds one context in all) but its activations would be planned for, VRAM taken from experts."""
         n_ctx = self.n_ctx(model_context)
         return replace(self, ctx_size=n_ctx, chunk_size=min(self.chunk_size, n_ctx))
 
@@ -74,8 +73,7 @@ class EngineConfig:
 @dataclass(frozen=True)
 class LayerSplit:
     """`--layer-split`: the first layer of each later stage, increasing from 1 (`starts`), or auto
-    (no starts: layers in proportion to the stages' budgets). Whether the layers exist is checked
-    against the model (`split.runner.plan_layers`)."""
+    (no starts: layers in proportion to the stages' budgets)."""
 
     starts: tuple[int, ...] = ()
 
@@ -89,7 +87,7 @@ class LayerSplit:
 
     @classmethod
     def parse(cls, text: str) -> LayerSplit:
-        """'auto' or 'K1[,K2..]': the one parser of the option."""
+        """'auto' or 'K1[,K2..]'."""
         if text.strip().lower() == "auto":
             return cls()
         try:
@@ -136,9 +134,8 @@ class HostShare:
 @dataclass(frozen=True)
 class StageSwitches:
     """How a stage runs, the same for every stage of a model: each switch declared once, here. A
-    `Placement` is one, handed whole to every stage it builds (`stage.StageOptions.switches`); a
-    stage a test or a tool builds alone gets its own. From the CLI's flags, else the environment
-    (`from_env`)."""
+    `Placement` is one, handed whole to every stage it builds; a stage a test or a tool builds alone
+    gets its own."""
 
     dtype: str = "bf16"  # compute dtype on a GPU: bf16 or fp32 (a CPU stage computes in fp32)
     cuda_graphs: bool = True  # replay decode steps as captured graphs (one a batch-size bucket) where possible
@@ -170,7 +167,6 @@ class StageSwitches:
 
     @classmethod
     def env_fields(cls, environment: EnvOptions) -> dict[str, Any]:
-        """The switches the environment sets (`env.read()`), by field name."""
         return {"decode_graph_batch": environment.decode_graph_batch, "kv_prefetch": environment.kv_prefetch,
                 "host_prompt_help": environment.host_prompt_help, "dense_blocks": environment.dense_blocks,
                 "adapt_threads": environment.adapt_threads}
@@ -182,14 +178,13 @@ class StageSwitches:
 
     @property
     def kv_types(self) -> tuple[GGMLQuantizationType, GGMLQuantizationType]:
-        """How every stage's KV stores (keys, values)."""
         return self.cache_type_k, self.cache_type_v
 
 
 @dataclass(frozen=True)
 class Placement(StageSwitches):
-    """Where the model runs: devices (one stage each), how layers split, VRAM budgets and host
-    cores, a split's helper; with the switches every stage runs by (it is their `StageSwitches`)."""
+    """Where the model runs: devices (one stage each), how layers split, VRAM budgets and host cores, a
+    split's helper; with the switches every stage runs by."""
 
     devices: tuple[str, ...] = ("auto",)  # 'auto', 'cpu', 'cuda:N' or 'N', one per stage
     layer_split: LayerSplit = AUTO_SPLIT
@@ -227,9 +222,8 @@ class Placement(StageSwitches):
     @classmethod
     def from_env(cls, environment: EnvOptions, *, prefill_help: bool | None = None,
                  prefill_help_frac: str | None = None, **fields: Any) -> Self:
-        """A placement whose switches come from the environment, the helper's flags winning where
-        given (None: not given); `fields` are the other options. Raises ValueError (EnvError for a
-        bad `--prefill-help-frac`)."""
+        """Switches from the environment, the helper's flags winning where given; `fields` are the other
+        options. Raises ValueError (EnvError for a bad `--prefill-help-frac`)."""
         if prefill_help is not None:
             fields["prefill_help"] = prefill_help
         if prefill_help_frac is not None:

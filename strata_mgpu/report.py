@@ -1,5 +1,4 @@
-"""How results are shown in the terminal (rich): `strata info`, `bench`, `sweep` and `topo`, and
-loading progress."""
+"""How results are shown in the terminal (rich): `strata info`, `bench`, `sweep` and `topo`."""
 
 from __future__ import annotations
 
@@ -89,14 +88,13 @@ def _gb_per_s(x: float | None) -> str:
 
 
 def _cpu_rates(rates: list[CpuExpertRate], per: str) -> str:
-    """The host's cores' rates by rows a call: 'batch 1 9.6 GB/s (2.510 ms a layer), ...'."""
     return ", ".join(f"{'batch 1' if r.rows == 1 else f'{r.rows:,} rows'} {_gb_per_s(r.gb_per_s)} "
                      f"({r.ms_per_call or 0:.3f} ms {per})" for r in rates)
 
 
 def _narrow_table(title: str, columns: list[str]) -> Table:
-    """Right-aligned columns no narrower than their headers' longest word, in a box without vertical
-    rules: eight columns fit 80 characters, their headers wrapped between words."""
+    """Right-aligned columns no narrower than their headers' longest word, no vertical rules: eight
+    columns fit 80 characters."""
     t = Table(title=title, box=box.SIMPLE_HEAD, collapse_padding=True, pad_edge=False, min_width=len(title))
     for col in columns:
         t.add_column(col, justify="right", min_width=max(map(len, col.split())))
@@ -104,9 +102,8 @@ def _narrow_table(title: str, columns: list[str]) -> Table:
 
 
 def bench_lines(result: BenchResult, chunk_size: int, max_vram: str | None) -> list[Table | str]:
-    """What `strata bench` prints: only what applies to the run's devices. A run with no GPU stage
-    has no link (no bound, ratio, pinned H2D, VRAM); one whose stages stream no experts (a CPU
-    stage computing them where they lie) has no streamed bytes or compute-alone time."""
+    """What `strata bench` prints: only what applies. A run with no GPU stage has no link (no bound,
+    ratio, pinned H2D, VRAM); one that streams no experts has no streamed bytes or compute-alone time."""
     on_gpu = any(st.device.startswith("cuda") for st in result.stages)
     streams = any(st.pass_bytes for st in result.stages)
     link = result.link_gb_per_s is not None

@@ -1,9 +1,9 @@
 """`strata topo`: can the cards read each other's memory? `nvidia-smi topo -p2p r`, parsed,
 cross-checked with CUDA's own peer-access query, and what the runtime does for each pair.
 
-nvidia-smi numbers the GPUs by PCI bus; CUDA numbers the ones it sees in its own order
-(CUDA_DEVICE_ORDER, fastest first by default) after CUDA_VISIBLE_DEVICES has hidden some. The
-two are matched by PCI address, never by position."""
+nvidia-smi numbers the GPUs by PCI bus; CUDA numbers the ones it sees in its own order after
+CUDA_VISIBLE_DEVICES has hidden some. The two are matched by PCI address, never by position.
+"""
 
 from __future__ import annotations
 
@@ -102,7 +102,6 @@ def cuda_view(smi_addresses: dict[int, PciAddress], cuda_addresses: dict[int, Pc
 
 
 def runtime_plan(code: str) -> str:
-    """What strata does for a pair with this status."""
     if code == "X":
         return "-"
     if code == "OK":
@@ -111,7 +110,6 @@ def runtime_plan(code: str) -> str:
 
 
 def _nvidia_smi(*args: str) -> str | None:
-    """nvidia-smi's output, or None where nvidia-smi is missing or fails."""
     exe = shutil.which("nvidia-smi")
     if exe is None:
         return None
@@ -123,12 +121,12 @@ def _nvidia_smi(*args: str) -> str | None:
 
 
 def nvidia_smi_p2p() -> str | None:
-    """The raw `nvidia-smi topo -p2p r` output, or None where nvidia-smi is missing or fails."""
+    """None where nvidia-smi is missing or fails."""
     return _nvidia_smi("topo", "-p2p", "r")
 
 
 def nvidia_smi_bus_ids() -> str | None:
-    """The raw 'index, pci.bus_id' lines of every GPU, or None where nvidia-smi is missing or fails."""
+    """None where nvidia-smi is missing or fails."""
     return _nvidia_smi("--query-gpu=index,pci.bus_id", "--format=csv,noheader")
 
 

@@ -29,7 +29,6 @@ PLACEMENT_ERRORS = (DeviceError, PinError, SplitError, PlanError)
 
 
 def resolve_devices(placement: Placement) -> list[torch.device]:
-    """The stages' devices, each checked to exist (DeviceError otherwise)."""
     if placement.devices == ("auto",):
         return [torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")]
     return [check_device(parse_device(d)) for d in placement.devices]
@@ -51,7 +50,6 @@ def check_placement(placement: Placement, spec: ModelSpec) -> None:
 
 
 def stage_layers(placement: Placement, spec: ModelSpec) -> list[range]:
-    """Each stage's layers (`split.runner.plan_layers`; SplitError where the split cannot be used)."""
     n = len(placement.devices)
     return (plan_layers(spec.n_layers, n, placement.layer_split, [placement.budget(i) for i in range(n)]) if n > 1
             else [range(spec.n_layers)])
@@ -59,10 +57,8 @@ def stage_layers(placement: Placement, spec: ModelSpec) -> list[range]:
 
 def stage_options(placement: Placement, chunk_size: int, kv_tokens: int,
                   devices: list[torch.device] | None = None) -> list[StageOptions]:
-    """Each stage's options: on `devices` (default: the placement's, checked to exist). One CPU
-    device (`--devices cpu`) computes its experts on the host's cores (`host_core_experts`); CPU stages of
-    a split, and a CPU stage given `--resident-experts` (residency is the device path's), keep the
-    device path's twins (the ring, the cache and the helper they are the tests of)."""
+    """Each stage's options. One CPU device computes its experts on the host's cores; CPU stages of a
+    split, and one given `--resident-experts`, keep the device path's twins they are the tests of."""
     devices = resolve_devices(placement) if devices is None else devices
     cpu_only = len(devices) == 1 and devices[0].type == "cpu" and placement.resident_experts is None
     n_cuda = sum(d.type == "cuda" for d in devices)
@@ -76,17 +72,14 @@ def stage_options(placement: Placement, chunk_size: int, kv_tokens: int,
 
 
 def host_threads(placement: Placement, devices: list[torch.device]) -> int:
-    """`--threads`, else the physical cores less one for each GPU stage's host thread
-    (`cpu_experts.default_threads`): all of them on a CPU-only run."""
+    """`--threads`, else the physical cores less one for each GPU stage's host thread."""
     return placement.threads or default_threads(sum(d.type == "cuda" for d in devices))
 
 
 def preview_plans(f: GGUFFile, spec: ModelSpec, placement: Placement, chunk_size: int, kv_tokens: int
                   ) -> list[tuple[str, range, MemoryPlan]]:
-    """Each stage's VRAM plan from the file alone (no GPU needed): what `strata info --max-vram`
-    prints, and what a stage built on a card with that budget free would plan (its dense bytes
-    from the shapes and the file's types, laid out as a stage with the CUDA kernels would:
-    `dense_layout_bytes`)."""
+    """Each stage's VRAM plan from the file alone (no GPU needed): what `strata info --max-vram` prints,
+    and what a stage built on a card with that budget free would plan."""
     names = [d.strip() for d in placement.devices]
     options = stage_options(placement, chunk_size, kv_tokens, devices=[parse_device(n) for n in names])
     elem = 4 if placement.dtype == "fp32" else 2
@@ -100,10 +93,8 @@ def preview_plans(f: GGUFFile, spec: ModelSpec, placement: Placement, chunk_size
 
 
 def dense_layout_bytes(f: GGUFFile, spec: ModelSpec, layers: range, *, elem: int, blocks: bool) -> int:
-    """A GPU stage's dense weights as its plan counts them (`memory_plan.dense_bytes`), with the
-    projections and head it keeps as the file's blocks (`blocks`: `kernels.dense.keeps_blocks`)
-    counted at their blocks' bytes, and then a prompt's transient bf16 copy of one
-    (`DeviceDense.scratch_bytes`)."""
+    """A GPU stage's dense weights as its plan counts them, the projections it keeps as blocks at their
+    blocks' bytes, plus a prompt's transient bf16 copy of one."""
     embed, head = layers.start == 0, layers.stop == spec.n_layers
     total = dense_bytes(spec, len(layers), embed=embed, head=head, elem=elem)
     if not blocks:
@@ -119,10 +110,8 @@ def dense_layout_bytes(f: GGUFFile, spec: ModelSpec, layers: range, *, elem: int
 def build_runner(f: GGUFFile, spec: ModelSpec, placement: Placement, chunk_size: int, *,
                  kv_tokens: int | None = None, cpu_reference: bool = False,
                  on_progress: Progress | None = None) -> DecoderRunner | Stage | SplitRunner:
-    """`build_stages`; with `cpu_reference` (what `serve` asks for), one CPU device where
-    ggml-python is missing serves the fp32 oracle forward instead, as it did before the CPU stage
-    computed its experts in place (said once: the torch twin of that stage dequantizes each picked
-    expert every call, slower than the oracle, which holds them all dequantized)."""
+    """`build_stages`; with `cpu_reference` (what `serve` asks for), one CPU device without ggml-python
+    serves the fp32 oracle instead, said once (the stage's torch twin would be slower)."""
     devices = resolve_devices(placement)
     missing = ggml_missing() if cpu_reference and len(devices) == 1 and devices[0].type == "cpu" else None
     if missing is not None:
@@ -134,9 +123,8 @@ def build_runner(f: GGUFFile, spec: ModelSpec, placement: Placement, chunk_size:
 
 def build_stages(f: GGUFFile, spec: ModelSpec, placement: Placement, chunk_size: int, *,
                  kv_tokens: int | None = None, on_progress: Progress | None = None) -> Stage | SplitRunner:
-    """One device: a Stage; several: a SplitRunner. `kv_tokens`: the KV cells every stage's
-    memory plan keeps for all sequences together (default: one sequence of the model's whole
-    context)."""
+    """One device: a Stage; several: a SplitRunner. `kv_tokens`: the KV cells every stage's memory
+    plan keeps for all sequences together (default: one sequence of the whole context)."""
     options = stage_options(placement, chunk_size, kv_tokens or spec.context_length)
     if len(options) == 1:
         return build_stage(f, spec, options[0], on_progress=on_progress)

@@ -3,22 +3,14 @@
 Shape legend: B = rows, V = vocab, P = rows with penalties, M = rows under a grammar, W = mask
 words (ceil(V / 32)), L = rows that report logprobs, K = the most alternatives one of them asks.
 
-`tests/sampling_twin.Sampler` is the plain twin (one request, on the host); this draws from the same
-distribution per row: penalties, temperature, top-k, top-p, min-p; greedy rows (temperature 0)
-take the argmax. Only the chosen ids [B] leave the device, and nothing here waits for it: the
-per-row parameters go up in one small copy (pinned, asynchronous on a GPU).
+`tests/sampling_twin.Sampler` is the plain twin; this draws from the same distribution per row.
+Only the chosen ids [B] leave the device, and nothing here waits. Randomness is counter-based:
+the uniform of (request seed, draw index, vocab id) is a hash of the three, so a request's draws
+depend on nothing but itself. A row's token wins an exponential race, argmax_i(log p_i - log E_i),
+E_i = -log u_i ~ Exp(1), which picks i with probability p_i (Gumbel-max).
 
-Randomness is counter-based, so a request's draws depend on nothing but itself: the uniform of
-(request seed, draw index, vocab id) is a hash of the three, computed with int64 ops. Not the row
-a request sits in, not its neighbours, not whether the batch needed a sort change a token. A
-row's token wins an exponential race, argmax_i(log p_i - log E_i) with E_i = -log u_i i.i.d.
-Exp(1), which picks i with probability p_i (the Gumbel-max trick); filtered tokens sit out.
-
-Before the draw, in this order: penalties, logit biases, then the grammar's mask (rows under a
-grammar only: its bits are computed on the host from the row's matcher, which the engine has
-advanced by every token drawn before, and expanded on the device; a disallowed token's logit is
--inf). Logprobs (rows that ask only) are the log-softmax of the model's logits as they came in,
-before any of those: the model's distribution, as OpenAI reports it.
+Before the draw: penalties, logit biases, then the grammar's mask (-inf where disallowed).
+Logprobs are the log-softmax of the model's logits before any of those, as OpenAI reports them.
 """
 
 from __future__ import annotations
@@ -62,10 +54,8 @@ def uniforms(keys: torch.Tensor, vocab_hash: torch.Tensor) -> torch.Tensor:
 
 
 def race_noise(keys: torch.Tensor, vocab_hash: torch.Tensor) -> torch.Tensor:
-    """-log E with E = -log u ~ Exp(1): Gumbel noise [B, V] fp32. fp64 for the logs: in fp32, u
-    within 2**-25 of 1 rounds to 1 and its E to 0, a sure winner about once in 100 draws at V = 152K;
-    here the noise is exact to the hash's 32 bits (it reaches 22.9, so tokens less likely than about
-    e**-26 never win)."""
+    """-log E with E = -log u ~ Exp(1): Gumbel noise [B, V] fp32. fp64 for the logs: in fp32, u within
+    2**-25 of 1 rounds to 1 and its E to 0, a sure winner about once in 100 draws at V = 152K."""
     return (-torch.log(-torch.log1p(-uniforms(keys, vocab_hash)))).float()
 
 
@@ -90,7 +80,6 @@ class DrawState:
 
     @property
     def needs_sort(self) -> bool:
-        """top-k and top-p cut by rank; min-p needs only the row's maximum."""
         return not self.greedy and (self.params.top_k > 0 or self.params.top_p < 1.0)
 
 
@@ -114,12 +103,9 @@ class Draw:
 
 
 class BatchSampler:
-    """Draws the next token of every row of a batch on the logits' device.
-
-    `open(params)` gives a request its state, `sample(logits, states)` draws one token per row,
-    `close(state)` frees what the request held. Token counts for the penalties live on the device,
-    one table row per penalized request. Calls come from one thread (the engine's).
-    """
+    """Draws the next token of every row of a batch on the logits' device: `open(params)` gives a
+    request its state, `draw(logits, states)` a token per row, `close(state)` frees what it held.
+    Calls come from one thread (the engine's)."""
 
     def __init__(self) -> None:
         self._counts: torch.Tensor | None = None  # [slots, V] int32: tokens drawn, per penalized request
@@ -139,8 +125,7 @@ class BatchSampler:
         return state
 
     def close(self, state: DrawState) -> None:
-        """The request is done: its count row is zeroed (queued behind the draws that wrote it) and
-        given back."""
+        """The request is done: its count row is zeroed (queued behind the draws that wrote it) and given back."""
         state.grammar = None
         if state.slot is None:
             return
@@ -208,8 +193,8 @@ class BatchSampler:
         return order.gather(1, winner)[:, 0]
 
     def _params_table(self, states: Sequence[DrawState], device: torch.device) -> torch.Tensor:
-        """[B, 8] fp64 on the device: temperature, top_k, top_p, min_p, presence, frequency and the
-        two draw keys (32-bit integers, exact in fp64). One upload for the whole batch."""
+        """[B, 8] fp64: temperature, top_k, top_p, min_p, presence, frequency and the two draw keys
+        (32-bit integers, exact in fp64)."""
         rows = []
         for s in states:
             p = s.params
@@ -218,7 +203,6 @@ class BatchSampler:
         return _upload(rows, torch.float64, device)
 
     def _count_table(self, device: torch.device, vocab: int) -> torch.Tensor:
-        """The counts table, grown (by doubling) to hold every open slot."""
         t = self._counts
         if t is None or t.shape[0] < self._n_slots:
             grown = torch.zeros(max(self._n_slots, 2 * (t.shape[0] if t is not None else 0), 4), vocab,
@@ -237,7 +221,6 @@ class BatchSampler:
 
 
 def _biased(logits: torch.Tensor, states: Sequence[DrawState]) -> torch.Tensor:
-    """Each row's logit biases added (one upload for the batch)."""
     cells = [(i, token, bias) for i, s in enumerate(states) for token, bias in s.params.logit_bias]
     if not cells:
         return logits
@@ -247,8 +230,8 @@ def _biased(logits: torch.Tensor, states: Sequence[DrawState]) -> torch.Tensor:
 
 
 def _masked(logits: torch.Tensor, states: Sequence[DrawState]) -> torch.Tensor:
-    """Rows under a grammar keep only the tokens it allows next. A grammar that is done (its
-    request ended as the step before landed) masks nothing: that row's token is dropped anyway."""
+    """Rows under a grammar keep only the tokens it allows next. A grammar that is done masks nothing:
+    that row's token is dropped anyway."""
     rows = [i for i, s in enumerate(states) if s.grammar is not None and not s.grammar.done]
     if not rows:
         return logits
@@ -262,8 +245,6 @@ def _masked(logits: torch.Tensor, states: Sequence[DrawState]) -> torch.Tensor:
 
 
 def _with_logprobs(drawn: Draw, model_logits: torch.Tensor, states: Sequence[DrawState]) -> Draw:
-    """The drawn tokens' logprobs and the top alternatives, for the rows that ask (log-softmax of
-    the model's logits, on the device; one table comes back with the tokens)."""
     rows = [i for i, s in enumerate(states) if s.params.logprobs is not None]
     if not rows:
         return drawn

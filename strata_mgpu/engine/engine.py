@@ -1,35 +1,18 @@
 """The engine: a request queue, chunked prefill and batched decode over a `ModelRunner`.
 
-Its steady state is one call, `step()`, three parts:
-- schedule (`Scheduler`): end what was aborted, admit waiting requests, plan the step;
-- launch: one prefill call (a chunk of one prompt, short prompts packed beside it) and one
-  decode step for every request past its prompt, their tokens drawn on the device
-  (`BatchSampler`) and sent to the host (`StepTokens`);
-- land (`OutputProcessor`): while the device runs them, turn the previous step's tokens into
-  text, stops and outputs.
-A decode step's input is the previous step's drawn tokens, still on the device: launching never
-waits for the host's text work.
+Its steady state is one call, `step()`: schedule (`Scheduler`), launch (one prefill call and one
+decode step, their tokens drawn on the device), and land (`OutputProcessor`: while the device
+runs them, the previous step's tokens become text, stops and outputs). A decode step's input is
+the previous step's drawn tokens, still on the device: launching never waits for the host.
 
-The host learns a token one step after it was drawn. EOS and stop strings are therefore known a
-step late: a request that stopped at step n has had its step n+1 launched too, and that token is
-dropped when it lands (its KV row is written, within prompt + max_tokens). The length limit is
-known from the count alone and costs no extra step. A row under a grammar cannot wait a step:
-its mask needs the token drawn before it, so a decode step with such a row lands the step in
-flight between its forward and its draw (`_decode`); its grammar's end stops it at once.
+So EOS and stop strings are known a step late: a request that stopped at step n has had step
+n+1 launched too, and that token is dropped when it lands (its KV row stays within prompt +
+max_tokens). A row under a grammar cannot wait: its mask needs the token drawn before it, so a
+step with such a row lands the step in flight between its forward and its draw (`_decode`).
 
-A model call that fails ends its requests with an error once the step in flight has landed (the
-tokens drawn before the failure are theirs); the engine goes on with the others. So does a step
-during which the runner's work failed without raising (`ModelRunner.silent_faults` rose between
-its launch and its landing: a layer went on without the host's part of a hand-over): its tokens,
-and the KV written for them, may be wrong.
-
-The prefix cache (`PrefixCache`, unless `config.prefix_cache` is off): admission matches a prompt
-against it, the first chunk's launch copies the matched blocks into the new sequence and computes
-only the rest; a prompt's full blocks are saved when it has been computed, and its answer's when
-it ends normally (`OutputProcessor.finish`).
-
-A background thread calls `step()` while there is work; `submit` and `abort` may be called from
-any thread.
+A model call that fails, or a step during which `ModelRunner.silent_faults` rose, ends its
+requests with an error once the step in flight has landed; the engine goes on with the others.
+A background thread calls `step()`; `submit` and `abort` may be called from any thread.
 """
 
 from __future__ import annotations
@@ -86,8 +69,8 @@ class Engine:
     # -- API for any thread ------------------------------------------------------------------
     def submit(self, prompt: list[int], params: SamplingParams, on_output: Callable[[RequestOutput], object],
                request_id: str | None = None) -> str:
-        """Queue a request. Raises ContextOverflow if prompt + max_tokens exceeds the context (or the
-        runner's KV budget: a request that could never be admitted)."""
+        """Queue a request. Raises ContextOverflow if prompt + max_tokens exceeds the context or the
+        runner's KV budget."""
         if not prompt:
             raise ValueError("the prompt is empty")
         if len(prompt) + params.max_tokens > self.n_ctx:
@@ -105,15 +88,13 @@ class Engine:
         return rid
 
     def abort(self, request_id: str) -> None:
-        """Stop a request and free its KV cache at the next step (within one step's time)."""
+        """Stop a request and free its KV cache at the next step."""
         self.scheduler.abort(request_id)
 
     def reset_prefix_cache(self) -> Future[int]:
-        """Drop the prefix cache at the next step; the future gets the blocks dropped."""
         return self.scheduler.reset_prefix_cache()
 
     def start(self) -> None:
-        """Capture the runner's decode graphs (where it has them), then serve from a thread."""
         assert self._thread is None, "engine already started"
         t0 = time.perf_counter()
         sizes = self.runner.warm_decode_graphs(self.n_ctx)
@@ -151,7 +132,6 @@ class Engine:
             self.step()
 
     def step(self) -> None:
-        """Schedule, launch this step's forwards, then land the previous step's tokens while they run."""
         plan = self.scheduler.schedule()
         launched = self._launch(plan)
         landing, self._in_flight = self._in_flight, launched
@@ -161,19 +141,14 @@ class Engine:
         self.scheduler.retire_finished()
 
     def _land(self, step: StepTokens) -> None:
-        """The host's part of a step (`OutputProcessor.land`), unless the runner's work failed
-        without raising while it ran."""
         self.output.land(step, self.runner.silent_faults)
 
     def _end_failed_calls(self) -> None:
-        """This step's failed model calls end their requests, now that the step before has landed."""
         failed, self._failed = self._failed, []
         for reqs, why in failed:
             self.output.fail(reqs, why)
 
     def _guarded(self, reqs: list[Request], call: Callable[[], T]) -> T | None:
-        """Run a model call; if it fails, the requests in it will end with an error once the step
-        in flight has landed, and the engine goes on."""
         try:
             return call()
         except Exception as e:  # a failed forward must not take down the other requests
@@ -182,9 +157,8 @@ class Engine:
 
     # -- launch: the model calls -------------------------------------------------------------
     def _launch(self, plan: StepPlan) -> StepTokens | None:
-        """Queue the plan's prefill call and decode step with their draws; start the tokens' copy
-        to the host. Waits for the device where a prompt ends (its first tokens are landed at
-        once) and where the runner itself does."""
+        """Queue the plan's prefill call and decode step with their draws. Waits for the device where a
+        prompt ends (its first tokens are landed at once) and where the runner itself does."""
         faults = self.runner.silent_faults()  # before anything of this step is queued
         if plan.prefill:
             ended = self._guarded(plan.prefilling, lambda: self._prefill(plan.prefill, faults))
@@ -208,8 +182,8 @@ class Engine:
         return self._guarded(decoding, lambda: StepTokens.send(decoding, tokens, len(decoding), t_decode, faults))
 
     def _prefill(self, pack: list[PrefillChunk], faults: int) -> tuple[list[Request], Draw] | None:
-        """Run the pack's chunks; the prompts now complete and their first tokens, drawn (None: none
-        complete). `faults`: the runner's `silent_faults` before this step."""
+        """The prompts now complete and their first tokens, drawn (None: none complete). `faults`: the
+        runner's `silent_faults` before this step."""
         for chunk in pack:
             req = chunk.request
             if req.kv is None:
@@ -248,9 +222,8 @@ class Engine:
         return done, drawn
 
     def _save_prompts(self, done: list[Request]) -> None:
-        """The prefix cache keeps the full blocks of prompts just computed (after their first tokens
-        went out: the copies' launches are not on their time to first token), so requests that
-        share their start find them from now on."""
+        """The prefix cache keeps the full blocks of prompts just computed (after their first tokens went
+        out, so the copies are not on their time to first token)."""
         if self.prefix is None:
             return
         for req in done:
@@ -259,12 +232,8 @@ class Engine:
         self.scheduler.fit_prefix_cache()
 
     def _decode(self, reqs: list[Request]) -> Draw:
-        """One decode step for reqs, fed their last drawn tokens; their next tokens [B] (device).
-
-        A row under a grammar needs its matcher advanced by the token drawn last step before its
-        mask is computed, and the host has not seen that token yet: with such a row in the batch,
-        the step in flight lands here, after this step's forward is queued and before its draw
-        (the host's landing and the masks then run while the device computes the forward)."""
+        """Their next tokens [B] (device). With a grammar row in the batch, the step in flight lands here,
+        after this step's forward is queued and before its draw (the matcher needs last step's token)."""
         kvs = [r.kv_state for r in reqs]
         fed = torch.cat([r.decode_input for r in reqs])  # [B], where the draws left them
         logits = self.runner.decode(kvs, fed)
@@ -279,9 +248,8 @@ class Engine:
 
 
 def make_prefix_cache(runner: ModelRunner[Any], config: EngineConfig) -> PrefixCache | None:
-    """The engine's prefix cache (None where `config.prefix_cache` is off): blocks of
-    `config.prefix_block_tokens`, a host tier of `--cache-ram` bounded by half the RAM free now
-    (the expert arena is already in it), as a cache may not crowd out what the process needs."""
+    """The engine's prefix cache (None where `config.prefix_cache` is off): a host tier of
+    `--cache-ram` bounded by half the RAM free now, so a cache may not crowd out what the process needs."""
     if not config.prefix_cache:
         return None
     asked = int(config.cache_ram_gib * (1 << 30))

@@ -2,17 +2,10 @@
 
 Shape legend: M = constrained rows, W = mask words (ceil(V / 32)), V = vocab.
 
-A grammar's text is llguidance's Lark dialect, which embeds JSON schemas as `%json {...}` and names
-a tokenizer's added tokens as `<name>` (the server writes them: `server/grammars.py`).
-`GrammarCompiler(tokenizer, vocab_size)` compiles a text into a `Grammar`, kept in an LRU by its
-text: the first request with a schema pays for its compile (about 1 ms for a small schema, more
-for large ones), later ones copy the compiled matcher (under 1 us). `Grammar.matcher()` gives a
-request its own `GrammarMatcher`: the tokens allowed next (a bitmask, bit j of word w for vocab
-id 32 w + j), the token drawn (`accept`), and whether the grammar has ended (`done`: no token
-but end-of-sequence can follow).
-
-The masks are the host's work (`fill_bitmasks`, from each matcher's state); `allowed_tokens`
-expands them on the logits' device, where the sampler sets every other token's logit to -inf.
+A grammar's text is llguidance's Lark dialect (`%json {...}` for schemas, `<name>` for added
+tokens). Compiled grammars are kept in an LRU by their text; each request copies the compiled
+matcher. A mask row holds bit j of word w for vocab id 32 w + j. The masks are the host's work
+(`fill_bitmasks`); `allowed_tokens` expands them on the logits' device.
 """
 
 from __future__ import annotations
@@ -87,7 +80,7 @@ class GrammarCompiler:
         self._lock = threading.Lock()
 
     def compile(self, lark: str) -> Grammar:
-        """The grammar of a Lark text (llguidance's dialect); raises GrammarError."""
+        """The grammar of a Lark text; raises GrammarError."""
         with self._lock:
             cached = self._cache.get(lark)
             if cached is not None:
@@ -134,11 +127,9 @@ _BYTE_BITS: dict[torch.device, torch.Tensor] = {}  # device -> [256, 8] uint8: t
 
 
 def allowed_tokens(bits: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """bits [M, W] int32 (any device) -> allowed [M, V] bool on the same device.
-
-    Bit j of word w is vocab id 32 w + j; the words are little-endian (x86, CUDA), so byte k of a
-    word holds ids 32 w + 8 k.. in its bits 0..7. Each byte looks its 8 bits up in a table (a
-    quarter of the shifts' time on the CPU at V = 152K)."""
+    """bits [M, W] int32 (any device) -> allowed [M, V] bool on the same device. The words are
+    little-endian, so byte k of word w holds ids 32 w + 8 k.. in its bits 0..7; each byte looks its
+    8 bits up in a table."""
     table = _BYTE_BITS.get(bits.device)
     if table is None:
         values = torch.arange(256, device=bits.device)

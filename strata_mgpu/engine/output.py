@@ -1,19 +1,9 @@
 """The host's side of a step: its drawn tokens turned into text, stops, outputs and ends.
 
-`OutputProcessor.land(step, silent_faults)` waits for a step's tokens on the host, then for each row still
-running: the prompt's timings end at its first token; the token advances the request's grammar
-(if it has one), is detokenized and fed to the stop strings; EOS (unless ignored), a stop string,
-the grammar's end or `max_tokens` finish the request, else its text (possibly empty,
-mid-character) goes to its callback, with the token's logprobs where asked for. A row already done when its token
-lands (it stopped, or was aborted, after the step was launched) drops the token: the one-step-late
-stop. An error of the device work surfaces in the wait and ends the step's rows; so does a failure
-the device went on past (the runner's `silent_faults` rose while the step ran).
-
-`finish` is the one way a request ends: the prefix cache keeps its full blocks (prompt and
-answer, where it ended normally), its KV is freed by dropping the reference, its draw state goes
-back to the sampler, its `Timings` close, the per-request log line and the finish metric are
-written, and (unless it was aborted) its last output is sent. Calls come from the engine's
-thread.
+A row already done when its token lands (it stopped, or was aborted, after the step was
+launched) drops the token: the one-step-late stop. An error of the device work surfaces in the
+wait and ends the step's rows; so does a failure the device went on past (`silent_faults`).
+`finish` is the one way a request ends. Calls come from the engine's thread.
 """
 
 from __future__ import annotations
@@ -46,10 +36,9 @@ class OutputProcessor:
         self._t_landed = 0.0  # when the last step's tokens reached the host
 
     def land(self, step: StepTokens, silent_faults: Callable[[], int]) -> None:
-        """Wait for the step's tokens, then text, stops and outputs. `silent_faults`: the runner's
-        count (`ModelRunner.silent_faults`), read once the tokens are here: past the count before
-        the step, the step's requests end with an error rather than take tokens that may be wrong
-        (and whose KV may be)."""
+        """Wait for the step's tokens, then text, stops and outputs. `silent_faults`: the runner's count,
+        read once the tokens are here; past the count before the step, the step's requests end with an
+        error rather than take tokens that may be wrong."""
         try:
             ids = step.wait()
             logprobs = step.logprobs()
@@ -79,13 +68,11 @@ class OutputProcessor:
         self._t_landed = now
 
     def fail(self, reqs: list[Request], why: Failure) -> None:
-        """End the requests of a failed call that have not ended otherwise."""
         for r in reqs:
             if r.phase is not Phase.DONE:
                 self.finish(r, "error", error=why.message, error_status=why.status)
 
     def _prompt_done(self, req: Request, now: float) -> None:
-        """The prompt's first token has reached the host: the prompt's timings end here."""
         req.t_prompt_done = now
         req.timings.cache_n = req.n_cached
         req.timings.prompt_n = len(req.prompt) - req.n_cached  # computed, as llama-server counts it
@@ -93,8 +80,6 @@ class OutputProcessor:
         self.metrics.prefill_tps.set(req.timings.prompt_n / max(now - req.t_first_chunk, 1e-9))
 
     def _accept(self, req: Request, token: int, logprobs: TokenLogprobs | None = None) -> None:
-        """A new token for `req`: emit its text, or finish on EOS, a stop string, the grammar's end
-        or the limit. Its logprobs (where asked for) go out with its text."""
         req.generated.append(token)
         self.metrics.generated_tokens.inc()
         if token in self.tokenizer.eot_ids and not req.params.ignore_eos:
@@ -114,7 +99,8 @@ class OutputProcessor:
 
     def finish(self, req: Request, reason: str, *, text: str = "", token: int | None = None, tail: str = "",
                error: str | None = None, error_status: int = 500, notify: bool = True) -> None:
-        """End `req` for `reason` ('stop', 'length', 'abort' or 'error'); `notify=False`: no last output."""
+        """End `req` for `reason` ('stop', 'length', 'abort' or 'error'): its blocks kept, KV freed, draw
+        state given back, log line written; `notify=False`: no last output."""
         was_queued = req.phase is Phase.WAITING
         req.phase = Phase.DONE
         self._keep_blocks(req, reason)
@@ -139,9 +125,8 @@ class OutputProcessor:
             self._notify(req, out)
 
     def _notify(self, req: Request, out: RequestOutput) -> None:
-        """Hand `out` to the request's callback. A callback that raises (its client's event loop
-        closed under a late output, say) ends its request without another answer, logged; the
-        engine's thread goes on with the others."""
+        """A callback that raises (its client's event loop closed under a late output, say) ends its
+        request without another answer, logged; the engine goes on."""
         try:
             req.on_output(out)
         except Exception:
@@ -150,10 +135,8 @@ class OutputProcessor:
                 self.finish(req, "abort", notify=False)
 
     def _keep_blocks(self, req: Request, reason: str) -> None:
-        """The prefix cache keeps the full blocks of a request that ended normally: the rows its
-        forwards wrote for the tokens it knows (prompt and answer; the last token drawn has none);
-        an aborted or failed one leaves none (its last forward may not have run). A match never
-        copied in is unpinned."""
+        """The prefix cache keeps the full blocks of a request that ended normally (the last token drawn
+        has no KV row); an aborted or failed one leaves none (its last forward may not have run)."""
         if self.prefix is None:
             return
         if req.prefix is not None:
@@ -165,8 +148,8 @@ class OutputProcessor:
 
 
 def request_line(req: Request, reason: str) -> str:
-    """The per-request log line: queue, prompt (computed and cached) and decode, with a rate only
-    where there is one to speak of (a decode of one token is the prompt's first, drawn by it)."""
+    """The per-request log line, with a rate only where there is one to speak of (a decode of one token
+    is the prompt's first, drawn by it)."""
     t = req.timings
     prompt = f"prompt {t.prompt_n} tok"
     if t.cache_n:
@@ -181,9 +164,8 @@ def request_line(req: Request, reason: str) -> str:
 
 
 def _grammar_ends(req: Request, token: int) -> bool:
-    """The request's grammar (if any) advanced by its token: True once nothing but the end can
-    follow. A token it refuses (masked out, so only end-of-sequence under ignore_eos can be one)
-    ends the request too."""
+    """The request's grammar (if any) advanced by its token: True once nothing but the end can follow.
+    A token it refuses (only end-of-sequence under ignore_eos can be one) ends the request too."""
     grammar = req.draw_state.grammar
     if grammar is None:
         return False
@@ -195,7 +177,6 @@ def _grammar_ends(req: Request, token: int) -> bool:
 
 
 def _output(req: Request, text: str, tokens: list[int]) -> RequestOutput:
-    """An output of `tokens`, with the logprobs landed since the last one (where asked for)."""
     logprobs = None
     if req.params.logprobs is not None and req.draw is not None:
         logprobs, req.draw.landed_logprobs = req.draw.landed_logprobs, []

@@ -1,26 +1,15 @@
 """The prefix cache: a conversation's KV computed once.
 
-Full blocks of `B` tokens of finished and running sequences stay, keyed by their token prefix: a
-tree whose node is one block, reached from its parent by the block's tokens (a hash chain with
-exact keys: no two prefixes share a node). A new request takes the longest chain of blocks that
-matches its prompt (`match`), its cache gets those blocks' rows copied in (`restore`) and only
-the rest of the prompt is computed. Blocks are saved when a prompt has been computed (`insert`,
-so requests that share a system prompt and arrive while the first still decodes find it) and
-when a request ends normally (its answer too); never from an aborted or failed request, whose
-last forward may not have completed: a block is cached only once completely written.
+Full blocks of `B` tokens stay, keyed by their token prefix: a tree whose node is one block,
+reached from its parent by the block's tokens (exact keys: no two prefixes share a node). A new
+request takes the longest matching chain and computes only the rest. Blocks are saved when a
+prompt has been computed and when a request ends normally; never from an aborted or failed
+request, whose last forward may not have completed.
 
-Tiers: a block lives on the runner's device (VRAM, counted against the runner's KV budget with
-the running sequences' cells: `shrink_device` moves the least recently used ones out when
-admission needs the room) or in pinned host RAM (`host_bytes` of them, `--cache-ram`); past that
-the least recently used are dropped, leaves first (a block's parent is used whenever it is).
-Where the runner's device is the host there is one tier of `host_bytes`.
-
-A matched request pins its blocks until they are copied in: they are neither moved nor dropped
-meanwhile. Everything here runs on the engine's thread; `clear` is asked for from others through
-the scheduler.
-
-Sequences whose KV spills to host RAM (`KVBlocks.cacheable` false: longer than the VRAM KV
-plan) are computed whole and not saved.
+Tiers: the runner's device (counted against its KV budget; the least recently used move out when
+admission needs the room), then pinned host RAM (`--cache-ram`); past that the least recently
+used are dropped, leaves first. A matched request pins its blocks until they are copied in.
+Everything here runs on the engine's thread. Sequences whose KV spills are not saved.
 """
 
 from __future__ import annotations
@@ -53,7 +42,7 @@ class Block:
 @dataclass
 class PrefixMatch:
     """The blocks a request's prompt starts with, pinned until `restore` or `release`; the request
-    computes its prompt from `n_tokens` on (all of the blocks' tokens but at least its last one)."""
+    computes its prompt from `n_tokens` on (at least its last token)."""
 
     blocks: list[Block]
     n_tokens: int
@@ -91,8 +80,7 @@ class PrefixCache:
         return self.stats.blocks[DEVICE] * self.block_tokens if self.store.host_tier else 0
 
     def match(self, prompt: Sequence[int]) -> PrefixMatch | None:
-        """The longest chain of cached blocks the prompt starts with, pinned; None when it starts
-        with none (or is one token: its last token is always computed)."""
+        """The longest chain of cached blocks the prompt starts with, pinned; None when there is none."""
         self.stats.queries += 1
         blocks: list[Block] = []
         node, b = self.root, self.block_tokens
@@ -114,25 +102,21 @@ class PrefixCache:
         return PrefixMatch(blocks, n_tokens)
 
     def restore(self, kv: SequenceState, found: PrefixMatch) -> None:
-        """Copy the matched blocks into the request's fresh cache (queued on the runner's streams),
-        then unpin them."""
+        """Copy the matched blocks into the request's fresh cache (queued on the runner's streams), then
+        unpin them."""
         try:
             self.store.load(kv, [block.data for block in found.blocks], found.n_tokens)
         finally:
             self.release(found)
 
     def release(self, found: PrefixMatch) -> None:
-        """Unpin a match (its request ended before its first chunk, or restored it)."""
         if found.pinned:
             found.pinned = False
             for block in found.blocks:
                 block.pins -= 1
 
     def insert(self, kv: SequenceState, tokens: Sequence[int], n_rows: int) -> int:
-        """Save the full blocks of the sequence's first `n_rows` rows (holding `tokens`' KV) that are
-        not cached yet; the number saved. Within the host tier's room (one tier: blocks beyond it
-        push out the least recently used); the device tier is kept within the runner's budget by
-        `shrink_device`."""
+        """Save the full blocks of the sequence's first `n_rows` rows not cached yet; the number saved."""
         if not self.store.cacheable(kv):
             return 0
         b = self.block_tokens
@@ -155,8 +139,7 @@ class PrefixCache:
         return saved
 
     def shrink_device(self, max_cells: int) -> None:
-        """Move device blocks out (least recently used first) until the tier takes at most
-        `max_cells`: to host RAM while it has room (dropping its least recently used), else dropped."""
+        """Move device blocks out (least recently used first) until the tier takes at most `max_cells`."""
         if not self.store.host_tier or self.device_cells <= max(0, max_cells):
             return
         for block in self._oldest(DEVICE):
@@ -174,7 +157,7 @@ class PrefixCache:
                 self._drop(block)
 
     def clear(self) -> int:
-        """Drop every block not pinned; the number dropped (`POST /reset_prefix_cache`)."""
+        """Drop every block not pinned; the number dropped."""
         before = self.stats.dropped_blocks
         for block in list(self.root.children.values()):
             self._drop(block)
@@ -197,13 +180,11 @@ class PrefixCache:
             stack.extend(block.children.values())
 
     def _oldest(self, tier: str) -> list[Block]:
-        """Unpinned blocks of `tier`, least recently used first, deeper before shallower."""
         return sorted((b for b in self._walk() if b.tier == tier and not b.pins),
                       key=lambda b: (b.last_used, -b.depth))
 
     def _room_on_host(self, n: int, keep: Sequence[Block] = ()) -> bool:
-        """Make room for n more blocks in the host tier (or the only tier) by dropping its least
-        recently used ones (never those on `keep` or above them); whether there is room now."""
+        """Drop least recently used host blocks (never `keep` or its ancestors) for n more; whether there is room."""
         tier = HOST if self.store.host_tier else DEVICE
         if self.stats.blocks[tier] + n <= self.host_blocks:
             return True
@@ -217,8 +198,8 @@ class PrefixCache:
         return False
 
     def _drop(self, block: Block) -> None:
-        """Forget a block and everything cached below it (a suffix without its prefix is unreachable);
-        pinned blocks stay, and so do their ancestors."""
+        """Forget a block and everything below it (unreachable without it); pinned blocks and their
+        ancestors stay."""
         for child in list(block.children.values()):
             self._drop(child)
         if block.pins or block.children:
@@ -231,7 +212,6 @@ class PrefixCache:
 
 
 def _chain(block: Block) -> Iterator[Block]:
-    """The block and its ancestors up to the root's child."""
     node: Block | None = block
     while node is not None and node.parent is not None:
         yield node

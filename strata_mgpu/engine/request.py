@@ -1,13 +1,8 @@
 """A request as the engine holds it, and what its client is told.
 
-`Request` is the engine's record of one generation: its prompt and parameters, its phase
-(waiting -> prefill -> decode -> done; any phase may end in done), the sampler's and the runner's
-state from admission and from its first prompt chunk on, and the tokens landed so far. Only the
-engine's thread changes a request once it is queued.
-
-`RequestOutput` is what the client's callback receives: new text since the last one, the last
-with `finished` set and the request's `Timings`. `ContextOverflow` and `Failure` are the two ways
-a request ends in an error: too long for the context or the KV budget, or a model call failed.
+A request's phase goes waiting -> prefill -> decode -> done (any phase may end in done). Only the
+engine's thread changes a request once it is queued. `ContextOverflow` and `Failure` are the two
+ways a request ends in an error: too long for the context or the KV budget, or a model call failed.
 """
 
 from __future__ import annotations
@@ -40,10 +35,9 @@ class ContextOverflow(ValueError):
 
 @dataclass
 class Timings:
-    """llama.cpp's `timings` fields, and `queue_ms`: from the request's submission to its first prompt
-    chunk's launch (admission and the steps before it), which prompt_ms does not count. A client's
-    time to first token is queue_ms + prompt_ms + the HTTP around them. As llama-server counts
-    them, `prompt_n` is the prompt tokens computed and `cache_n` those taken from the prefix cache."""
+    """llama.cpp's `timings` fields, and `queue_ms`: from submission to the first prompt chunk's launch,
+    which prompt_ms does not count. As llama-server counts them, `prompt_n` is the prompt tokens
+    computed and `cache_n` those taken from the prefix cache."""
 
     cache_n: int = 0
     prompt_n: int = 0
@@ -90,8 +84,8 @@ class Failure:
 
     @classmethod
     def of(cls, e: Exception) -> Failure:
-        """Logged once: one line for an out-of-memory error (its requests' memory is freed as they
-        end, and the other requests go on), the traceback for anything else."""
+        """Logged once: one line for an out-of-memory error (its requests' memory is freed as they end, and
+        the other requests go on), the traceback for anything else."""
         if isinstance(e, torch.OutOfMemoryError):
             log.error("the device ran out of memory in a model call; its requests end with 503, the rest go on")
             torch.cuda.empty_cache()  # hand what the failed call held back to the allocator's pool
@@ -139,13 +133,11 @@ class Request:
 
     @property
     def draw_state(self) -> DrawState:
-        """The sampler's state, which a request holds from admission until it is done."""
         assert self.draw is not None, f"{self.id} draws before its admission or after its end"
         return self.draw
 
     @property
     def kv_state(self) -> SequenceState:
-        """The runner's state, which a request holds from its first prompt chunk until it is done."""
         assert self.kv is not None, f"{self.id} runs before its first chunk or after its end"
         return self.kv
 

@@ -1,7 +1,5 @@
 """What the engine needs of a model: `ModelRunner`, all of it declared.
 
-The engine sees only this: sequences with their own state, a prefill call per chunk (or one call
-for a pack of short prompts), one batched decode call per step, and the runner's KV limits.
 `model.runner.DecoderRunner` implements it over a `Decoder` (the CPU reference), `stage.Stage`
 over one device, `split.runner.SplitRunner` over chained stages.
 """
@@ -35,9 +33,9 @@ S_contra = TypeVar("S_contra", bound=SequenceState, contravariant=True)
 
 
 class KVBlocks(Protocol[S_contra]):
-    """Fixed-size blocks of a runner's sequences' KV, for the prefix cache (`engine.prefix_cache`):
-    copies out of a sequence, to host RAM, and back into a fresh sequence. A block is opaque to the
-    engine; every copy is queued in order behind the runner's forwards (no host wait)."""
+    """Fixed-size blocks of a runner's sequences' KV, for the prefix cache: copies out of a sequence,
+    to host RAM, and back into a fresh sequence. Every copy is queued in order behind the runner's
+    forwards (no host wait)."""
 
     @property
     def block_tokens(self) -> int: ...
@@ -53,7 +51,7 @@ class KVBlocks(Protocol[S_contra]):
         ...
 
     def cacheable(self, kv: S_contra) -> bool:
-        """Whether blocks can be saved from and loaded into this sequence (not one whose KV spills)."""
+        """False for a sequence whose KV spills."""
         ...
 
     def save(self, kv: S_contra, index: int) -> Any:
@@ -61,7 +59,6 @@ class KVBlocks(Protocol[S_contra]):
         ...
 
     def offload(self, block: Any) -> Any:
-        """The block moved to host RAM."""
         ...
 
     def load(self, kv: S_contra, blocks: Sequence[Any], n_tokens: int) -> None:
@@ -77,9 +74,7 @@ class ModelRunner(Protocol[S]):
 
     @property
     def kv_token_budget(self) -> int | None:
-        """KV cells the runner holds in VRAM for all its sequences together (`kv_cells` of each
-        counts against it); None: no limit. The engine admits requests while the running ones'
-        prompt + max_tokens fit."""
+        """KV cells the runner holds in VRAM for all its sequences together; None: no limit."""
         ...
 
     @property
@@ -88,8 +83,7 @@ class ModelRunner(Protocol[S]):
         ...
 
     def kv_cells(self, tokens: int) -> int:
-        """Cells of `kv_token_budget` a sequence of `tokens` takes (fewer than `tokens` where the
-        older cells of a long sequence live in host RAM)."""
+        """Cells of `kv_token_budget` a sequence of `tokens` takes (fewer where older cells live in host RAM)."""
         ...
 
     def new_sequence(self, max_length: int) -> S:
@@ -102,17 +96,14 @@ class ModelRunner(Protocol[S]):
 
     def prefill(self, kv: S, tokens: torch.Tensor, whole_prompt: bool = False,
                 want_logits: bool = True) -> torch.Tensor | None:
-        """Append tokens [T] to the sequence; logits [V] of the last one. `whole_prompt`: these
-        tokens are the whole prompt in one chunk, or all of it past a cached prefix (the split
-        runner's helper may then engage).
-        `want_logits=False` (a prompt's chunk before its last): the runner may return None without
-        waiting for the chunk (the split runner's stages then pipeline); the last chunk's call
-        waits for the earlier ones and raises their errors."""
+        """Append tokens [T] to the sequence; logits [V] of the last one. `whole_prompt`: the whole prompt
+        in one chunk, or all of it past a cached prefix. `want_logits=False`: the runner may return None
+        without waiting for the chunk; the last chunk's call waits for the earlier ones and raises their errors."""
         ...
 
     def prefill_many(self, kvs: Sequence[S], chunks: Sequence[torch.Tensor]) -> torch.Tensor:
-        """Append chunks[i] [T_i] to sequence kvs[i] (distinct sequences), all in one forward;
-        logits [N, V] of each chunk's last token. The engine packs short prompts this way."""
+        """Append chunks[i] [T_i] to distinct sequences kvs[i] in one forward; logits [N, V] of each
+        chunk's last token."""
         ...
 
     def decode(self, kvs: Sequence[S], tokens: torch.Tensor) -> torch.Tensor:
@@ -120,18 +111,14 @@ class ModelRunner(Protocol[S]):
         ...
 
     def warm_decode_graphs(self, context: int) -> list[int]:
-        """Prepare what decode replays (CUDA graphs) for sequences of up to `context` tokens,
-        before the first request; the batch sizes made ready (none where nothing is replayed)."""
+        """Prepare decode's CUDA graphs for sequences of up to `context` tokens; the batch sizes made ready."""
         ...
 
     def describe(self) -> str:
-        """Where it runs, in one line for the log: each stage's device, dtype and kernels, and on
-        a GPU its VRAM plan."""
+        """Where it runs, in one line for the log."""
         ...
 
     def silent_faults(self) -> int:
-        """Failures the runner's queued work met without raising, counted since it was built (a
-        host that did not answer a decode's expert hand-over: that layer went on without the
-        host's part). Read after a step's results reached the host: where it rose since before the
-        step was launched, the step's results may be wrong."""
+        """Failures the runner's queued work met without raising, counted since it was built. Where it rose
+        between a step's launch and its results reaching the host, the step's results may be wrong."""
         ...

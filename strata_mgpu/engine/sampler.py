@@ -1,7 +1,6 @@
-"""What a request asks of generation (`SamplingParams`: penalties, temperature, top-k, top-p,
-min-p, a seed, logit biases, a grammar, logprobs) and its stop strings (`StopMatcher`). The draws
-themselves are the device's (`device_sampler.BatchSampler`); its plain twin, one request on the
-host, is tests/sampling_twin.py."""
+"""What a request asks of generation (`SamplingParams`) and its stop strings (`StopMatcher`). The
+draws themselves are the device's (`device_sampler.BatchSampler`).
+"""
 
 from __future__ import annotations
 
@@ -51,11 +50,9 @@ class SamplingParams:
 
 
 class StopMatcher:
-    """Finds stop strings in streamed text, also when split across tokens.
-
-    `feed(delta)` returns (text safe to emit, stopped). Text that could still be the start of a
-    stop string is held back until it cannot; at a stop, the text from the stop string on is dropped.
-    """
+    """Finds stop strings in streamed text, also when split across tokens. `feed(delta)` returns (text
+    safe to emit, stopped): text that could still start a stop string is held back until it cannot;
+    at a stop, the text from the stop string on is dropped."""
 
     def __init__(self, stops: tuple[str, ...]):
         self.stops = stops

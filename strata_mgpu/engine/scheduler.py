@@ -1,21 +1,12 @@
 """The scheduler: which requests run, and what each step runs of them.
 
-`Scheduler` owns the waiting queue and the running list. `add`, `abort` and `stop` may be called
-from any thread (they take its condition variable, which the engine's thread waits on while idle);
-everything else is called by the engine's thread.
+`add`, `abort` and `stop` may be called from any thread (they take the condition variable the
+engine's thread waits on while idle); everything else is called by the engine's thread.
 
-`schedule()` takes the aborts asked for since the last step (ended at once, without an answer),
-then admits waiting requests in their order while there is a slot (`max_running`) and KV room:
-every running request keeps room for its prompt + max_tokens (`runner.kv_cells` of it counts
-against `runner.kv_token_budget`), and so do the prefix cache's blocks on the device, which move
-to host RAM when a request needs their room. A request the budget can never hold (it shrank after
-the request was queued) ends with `ContextOverflow`; one that merely does not fit yet waits, and
-so do all behind it. Admission opens the request's draw state in the sampler and matches its
-prompt against the prefix cache: its prefill starts after the cached blocks. What is left to run
-this step is returned as a `StepPlan`.
-
-Requests it ends go through `OutputProcessor.finish`; the engine's landing ends the rest, and
-`retire_finished` drops them from the running list once the step is over.
+Admission is in order, while there is a slot and KV room: every running request keeps room for
+its prompt + max_tokens, and so do the prefix cache's device blocks, which move to host RAM when
+a request needs their room. A request the budget can never hold ends with `ContextOverflow`; one
+that does not fit yet waits, and so do all behind it.
 """
 
 from __future__ import annotations
@@ -63,8 +54,7 @@ class StepPlan:
     """What one step launches.
 
     prefill: the prefill call's chunks, in call order: the next chunk of the first prompt still in
-        prefill, then later prompts' rests, whole (`Scheduler._prefill_pack` says which; empty: no
-        prefill call).
+        prefill, then later prompts' rests, whole (empty: no prefill call).
     decode: the decode step's rows, in running order: every request past its prompt with a token
         left to draw, and every prompt this prefill ends with more than its first token to draw.
         A row whose prefill call failed, or whose first token ended it, is left out at launch.
@@ -111,8 +101,8 @@ class Scheduler:
             self.cv.notify()
 
     def reset_prefix_cache(self) -> Future[int]:
-        """Drop the prefix cache's blocks at the next step (blocks pinned by a request about to
-        copy them stay); the future gets how many were dropped (0 without a cache)."""
+        """Drop the prefix cache's blocks at the next step (blocks pinned by a request about to copy them
+        stay); the future gets how many were dropped."""
         done: Future[int] = Future()
         with self.cv:
             self._resets.append(done)
@@ -120,15 +110,14 @@ class Scheduler:
         return done
 
     def stop(self) -> None:
-        """No more steps: `wait_for_work` returns False from now on."""
         with self.cv:
             self._stopped = True
             self.cv.notify()
 
     # -- the engine's thread ------------------------------------------------------------------
     def wait_for_work(self, step_in_flight: bool) -> bool:
-        """Block while there is nothing to do (no request, no abort, no step in flight); False once
-        stopped. An idle engine woken by an arrival first gathers the burst it begins."""
+        """Block while there is nothing to do; False once stopped. An idle engine woken by an arrival
+        first gathers the burst it begins."""
         with self.cv:
             idle = False
             while not self._stopped and not (self.waiting or self.running or self._aborts or self._resets
@@ -142,11 +131,8 @@ class Scheduler:
             return not self._stopped
 
     def _gather_arrivals(self) -> None:
-        """Wait while more requests come in, each within `arrival_gap_ms` of the last (at most
-        ARRIVAL_WINDOW_TURNS gaps), so a burst of short prompts packs into one prefill. Requests
-        sent together reach the engine a few ms apart: without this the first would run alone
-        while the rest queue behind it (docs/BENCHMARKS.md, the 8 chats' first tokens). A lone
-        request pays one gap. Holds cv."""
+        """Wait while requests keep coming within `arrival_gap_ms` of the last (at most ARRIVAL_WINDOW_TURNS
+        gaps), so a burst sent together, arriving ms apart, packs into one prefill. Holds cv."""
         gap = self.config.arrival_gap_ms / 1e3
         seen = len(self.waiting)
         for _ in range(ARRIVAL_WINDOW_TURNS):
@@ -158,7 +144,6 @@ class Scheduler:
             seen = len(self.waiting)
 
     def schedule(self) -> StepPlan:
-        """End the aborted requests, admit waiting ones, and plan the step."""
         self._take_aborts()
         self._take_resets()
         with self.cv:
@@ -170,8 +155,8 @@ class Scheduler:
         return self.plan()
 
     def _take_aborts(self) -> None:
-        """Aborted requests end without an answer, queued ones too (logged and counted), before
-        admission: the KV room and the sampler's slots they held go to the requests admitted now."""
+        """Aborted requests end without an answer, before admission, so the KV room and sampler slots
+        they held go to the requests admitted now."""
         with self.cv:
             aborts, self._aborts = self._aborts, set()
             queued = [r for r in self.waiting if r.id in aborts]
@@ -191,8 +176,7 @@ class Scheduler:
                 done.set_result(dropped)
 
     def _admit(self) -> list[Request]:
-        """Move waiting requests to running, in order, while there are slots and KV room (the prefix
-        cache's device blocks give theirs up first). Returns the requests that can never fit. Holds cv."""
+        """Returns the requests that can never fit. Holds cv."""
         budget = self.runner.kv_token_budget
         held = self.running_cells()
         rejected = []
@@ -219,22 +203,18 @@ class Scheduler:
         return rejected
 
     def running_cells(self) -> int:
-        """KV cells the running requests keep (each its prompt + max_tokens)."""
         return sum(self.runner.kv_cells(r.kv_tokens) for r in self.running)
 
     def cached_cells(self) -> int:
-        """KV cells the prefix cache's device blocks take."""
         return self.prefix.device_cells if self.prefix is not None else 0
 
     def fit_prefix_cache(self) -> None:
-        """Keep the prefix cache's device blocks within what the running requests leave of the KV
-        budget (after blocks were saved)."""
+        """Keep the prefix cache's device blocks within what the running requests leave of the KV budget."""
         budget = self.runner.kv_token_budget
         if self.prefix is not None and budget is not None:
             self.prefix.shrink_device(budget - self.running_cells())
 
     def plan(self) -> StepPlan:
-        """The step's prefill chunks and decode rows, from the running requests as they stand."""
         prefill = self._prefill_pack()
         ending = {id(chunk.request) for chunk in prefill if chunk.ends_prompt}
         decode = [r for r in self.running
@@ -243,12 +223,10 @@ class Scheduler:
         return StepPlan(prefill=prefill, decode=decode)
 
     def _prefill_pack(self) -> list[PrefillChunk]:
-        """The step's prompt tokens, at most a chunk: later prompts whose rest fits whole within
-        SHORT_SHARE of the chunk (in admission order), the first prompt in prefill's next chunk in
-        the room they leave, then every later prompt whose rest fits what is left, whole
-        (`prefill_many`). A short request sent while a long prompt computes so gets its first
-        token a step after it is admitted, not after the long prompt's last chunk; the long one
-        keeps at least the rest of every chunk. Only the first chunk may leave its prompt unfinished."""
+        """The step's prompt tokens, at most a chunk: later prompts whose rest fits within SHORT_SHARE of
+        the chunk, the first prompt's next chunk in the room they leave, then every later prompt whose
+        rest fits what is left. A short request sent while a long prompt computes so gets its first
+        token a step after admission. Only the first chunk may leave its prompt unfinished."""
         prefilling = [r for r in self.running if r.phase is Phase.PREFILL]
         if not prefilling:
             return []
@@ -277,6 +255,5 @@ class Scheduler:
         return pack
 
     def retire_finished(self) -> None:
-        """Drop the requests that are done from the running list (their KV went with their end)."""
         self.running = [r for r in self.running if r.phase is not Phase.DONE]
         self.metrics.running.set(len(self.running))

@@ -1,5 +1,4 @@
-"""A step's drawn tokens on their way from the device to the host: the only per-step copy back
-(with, where a row asked for them, the table of its logprobs beside it)."""
+"""A step's drawn tokens on their way from the device to the host: the only per-step copy back."""
 
 from __future__ import annotations
 
@@ -12,12 +11,8 @@ from strata_mgpu.stage.device import HostCopy
 
 @dataclass
 class StepTokens:
-    """Tokens [N] drawn by one engine step; token i belongs to rows[i].
-
-    `send` starts the copies without waiting (`stage.device.HostCopy`: into pinned memory, ordered
-    on the device's current stream, an event behind it); `wait` blocks until the ids are on the
-    host, `logprobs` until the logprob table is.
-    """
+    """Tokens [N] drawn by one engine step; token i belongs to rows[i]. `send` starts the copies without
+    waiting; `wait` blocks until the ids are on the host, `logprobs` until the logprob table is."""
 
     rows: list[Any]  # the requests, in token order
     copy: HostCopy  # the ids [N] int64 on their way to the host
@@ -39,7 +34,6 @@ class StepTokens:
                    drawn.top_counts, table)
 
     def wait(self) -> list[int]:
-        """The token ids; blocks until the device has drawn them and the copy has landed."""
         if self._ids is None:
             self._ids = self.copy.wait().tolist()
         return self._ids

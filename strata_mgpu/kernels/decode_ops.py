@@ -1,19 +1,11 @@
 """The decode step's small ops as fused CUDA kernels (`cuda_src/decode_ops.cu`,
-`cuda_src/decode_attention.cu`).
+`cuda_src/decode_attention.cu`); `model.ops.DecodeOps` is the twin.
 
-`model.ops.DecodeOps` is the twin. Each op here replaces three to ten torch launches:
-RMSNorm (with the residual add before it), q/k head norms + RoPE + the KV cache write, router
-logits, softmax + top-k + renormalization; and attention of a batch of sequences, each up to its
-own position, in two launches a layer (the twin: SDPA per sequence over its whole cache under a
-mask, a dozen launches a sequence, its cost growing with the capacity). A call these kernels do
-not cover (another dtype, a head dim that is not a multiple of 64, more than 512 experts, caches
-in another `KVFormat` than the ops were built for) goes to the twin: counted in
-`paths` ("rms_norm:cuda", "rms_norm:twin", ...; see `kernels.paths`) and warned once with the
-reason. A prompt's many rows route by the twin's GEMM by design ("route:gemm", no warning).
-
-A stage's caches may store keys and values as ggml Q8_0 blocks (`model.kv_cache.KVFormat`): the
-ops are built for one pair of cache types (`kv_types`), whose kernels `qk_norm_rope_kv` quantizes
-into and `attn_split` dequantizes in its tile loads; the bf16 pair's kernels are the same as before.
+A call these kernels do not cover (another dtype, a head dim not a multiple of 64, more than 512
+experts, caches in another `KVFormat` than the ops were built for) goes to the twin: counted in
+`paths` and warned once with the reason. A prompt's many rows route by the twin's GEMM by design
+("route:gemm", no warning). The ops are built for one pair of cache types (`kv_types`), whose
+kernels `qk_norm_rope_kv` quantizes into and `attn_split` dequantizes in its tile loads.
 """
 
 from __future__ import annotations
@@ -52,13 +44,11 @@ ATTN_HEAD_DIMS = (64, 128, 256)
 
 
 def attn_split_expr(head_dim: int, kv_types: KVTypes) -> str:
-    """attn_split's instantiation for this head dim and pair of cache types."""
     q8 = ("true" if t == Q.Q8_0 else "false" for t in kv_types)
     return f"attn_split<{head_dim}, {', '.join(q8)}>"
 
 
 def attn_exprs(kv_types: KVTypes) -> tuple[str, ...]:
-    """The attention kernels of caches of `kv_types`, every head dim."""
     return tuple(e for d in ATTN_HEAD_DIMS for e in (attn_split_expr(d, kv_types), f"attn_combine<{d}>"))
 
 
@@ -78,22 +68,20 @@ KV_TABLES = 64  # batches whose cache table is kept (a capture replays the table
 
 
 def attention_split(capacity: int) -> int:
-    """Keys one block of attn_split takes for caches of up to `capacity` cells: ATTN_MIN_KEYS, or
-    more (in multiples of it) to keep the splits at most ATTN_SPLITS. A block's shared memory (its
-    warps' rings of tiles) does not grow with its keys or its group, so every width fits."""
+    """Keys one block of attn_split takes for caches of up to `capacity` cells: ATTN_MIN_KEYS, or a
+    multiple of it keeping the splits at most ATTN_SPLITS (a block's shared memory does not grow)."""
     return max(ATTN_MIN_KEYS, -(-capacity // ATTN_SPLITS // ATTN_MIN_KEYS) * ATTN_MIN_KEYS)
 
 
 def distinct(kvs: Sequence[SequenceKV]) -> list[SequenceKV]:
-    """Each cache once. A prompt's rows (and a pack's) repeat their cache row by row: checking
-    each row's would cost host time per row and layer rather than per cache (docs/BENCHMARKS.md)."""
+    """Each cache once: a prompt's rows repeat their cache, and checking each row's would cost host
+    time per row and layer."""
     return list({id(kv): kv for kv in kvs}.values())
 
 
 class CudaDecodeOps(DecodeOps):
-    """The fused decode ops on `device`, for caches that store (keys, values) as `kv_types`.
-    `paths`: where to count which path each call took (a stage passes its expert kernels'
-    counter, so one report shows both)."""
+    """The fused decode ops on `device`, for caches that store (keys, values) as `kv_types`. `paths`:
+    where to count which path each call took."""
 
     kv_types: KVTypes = PLAIN_KV
     _format = KVFormat(torch.bfloat16, *PLAIN_KV)  # what _caches_ok compares each cache with
@@ -157,10 +145,9 @@ class CudaDecodeOps(DecodeOps):
         return t.is_cuda and t.dtype == torch.bfloat16 and t.dim() == 2 and t.stride(1) == 1
 
     def kv_table(self, kvs: Sequence[SequenceKV]) -> torch.Tensor:
-        """[B, 3] int64 on the device: each cache's keys' and values' addresses and its keys' layer
-        stride in their elements (bytes where Q8_0; the values' follows from it), as the kernels read
-        them. Made eagerly and kept: a graph capture (which may not copy from the host) finds the
-        table its warm-up step made; a cache that moves is a new key."""
+        """[B, 3] int64 on the device: each cache's keys' and values' addresses and its keys' layer stride
+        in elements (bytes where Q8_0). Made eagerly and kept: a graph capture (which may not copy from
+        the host) finds the table its warm-up step made; a cache that moves is a new key."""
         key = tuple((kv.k.data_ptr(), kv.v.data_ptr(), kv.k.stride(0)) for kv in kvs)
         table = self._tables.get(key)
         if table is None:
@@ -178,12 +165,11 @@ class CudaDecodeOps(DecodeOps):
         return table
 
     def _stored_ok(self, t: torch.Tensor, stored: GGMLQuantizationType) -> bool:
-        """A cache tensor as the kernels read it: contiguous bf16 on the device, or its Q8_0 bytes."""
         return t.is_cuda and t.is_contiguous() and t.dtype == torch.uint8 if stored == Q.Q8_0 else self._ok(t)
 
     def _caches_ok(self, kvs: Sequence[SequenceKV], kv_heads: int, head_dim: int) -> bool:
-        """Every cache in the format these ops were built for, in bf16 where plain: [layers, capacity,
-        kv_heads, head_dim] (or head_dim / 32 * 34 bytes where Q8_0), contiguous on the device."""
+        """Every cache in the format these ops were built for: [layers, capacity, kv_heads, head_dim] bf16
+        (or head_dim / 32 * 34 bytes where Q8_0), contiguous on the device."""
         want = self._format
         return all(kv.format == want and self._stored_ok(kv.k, want.keys) and self._stored_ok(kv.v, want.values)
                    and kv.k.shape[2:] == (kv_heads, want.row(want.keys, head_dim)) and kv.k.shape[:2] == kv.v.shape[:2]
@@ -247,8 +233,8 @@ class CudaDecodeOps(DecodeOps):
     def moe_input(self, x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor, eps: float, router: torch.Tensor,
                   n_used: int, renormalize: bool
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """add_rms_norm + route + the experts' quantized input in one launch (`moe_input_rows`),
-        where add_rms_norm and route would each take their fused kernel; else those two."""
+        """add_rms_norm + route + the experts' quantized input in one launch, where add_rms_norm and route
+        would each take their fused kernel; else those two."""
         e = router.shape[0]
         if not (x.dim() == 2 and x.shape == y.shape and weight.numel() == x.shape[1] == router.shape[1]
                 and self._ok(x, y, weight) and router.dtype == torch.float32 and router.is_contiguous()

@@ -1,19 +1,14 @@
 """A GPU stage's dense projections straight from their GGML blocks (`cuda_src/dense_decode.cu`),
 and the torch twin they are held to.
 
-A decode step at batch 1 reads every dense weight once: with bf16 copies that is 2 bytes a weight
-(30B-A3B: ~38 MB of attention a layer and a 622 MB head a token); the file's own Q8_0 is 1.06
-bytes, Q4_K 0.56. `dense_q8` multiplies the blocks as they are, its input quantized to 8 bits
-(`CudaKernels._quantize_q8`), for the integer types of `q8_dot.cuh` (`Q8_DOT_TYPES`).
+A decode step at batch 1 reads every dense weight once: bf16 copies take 2 bytes a weight, the
+file's own Q8_0 1.06, Q4_K 0.56. `dense_q8` multiplies the blocks as they are, its input
+quantized to 8 bits, for the integer types of `q8_dot.cuh` (`Q8_DOT_TYPES`).
 
-`DeviceDense` is the decoder's `DenseMatmul` on a GPU stage that keeps its projections as blocks
-(`keeps_blocks` says which; the rest stay bf16): the rows one launch of `dense_q8` takes
-(`rows_a_launch`: 8 up to a 4,096-wide x, a default decode graph's batch) through it; more rows
-(prompts) dequantize the matrix into a transient bf16 copy, at most DENSE_SCRATCH_VALUES values at
-a time, and take a GEMM per slice. A second launch would read W again, and already at 8 rows the
-vectors' shared-memory loads, not W's bytes, bound a launch (docs/BENCHMARKS.md); a prompt's GEMM
-is bound by its arithmetic, and the copy costs about what reading W twice does. The twin of the
-whole: bf16 weights (`load_weights` without blocks) and torch's GEMM.
+`DeviceDense` takes up to `rows_a_launch` rows through one launch of `dense_q8`; more rows
+(prompts) dequantize the matrix into transient bf16 slices for a GEMM. A second launch would read
+W again, and at 8 rows the vectors' shared-memory loads, not W's bytes, already bound a launch;
+a prompt's GEMM is bound by its arithmetic. The twin of the whole: bf16 weights and torch's GEMM.
 """
 
 from __future__ import annotations
@@ -63,9 +58,8 @@ def rows_a_launch(k: int) -> int:
 
 
 def w_rows_a_warp(x_rows: int, n: int, multiprocessors: int) -> int:
-    """dense_q8's R for x_rows rows of x and N rows of W: one where x has one row (a weight meets
-    one vector: the bytes bound it, and more warps keep more of them in flight); else the most,
-    up to x_rows, that leaves the grid BLOCKS_A_MULTIPROCESSOR blocks a multiprocessor."""
+    """dense_q8's R: one where x has one row (bytes bound it, more warps keep more in flight); else the
+    most, up to x_rows, that leaves the grid BLOCKS_A_MULTIPROCESSOR blocks a multiprocessor."""
     warps = DENSE_THREADS // 32
     fits = [r for r in W_ROWS_A_WARP
             if r <= x_rows and -(-n // (warps * r)) >= BLOCKS_A_MULTIPROCESSOR * multiprocessors]
@@ -73,17 +67,15 @@ def w_rows_a_warp(x_rows: int, n: int, multiprocessors: int) -> int:
 
 
 def keeps_blocks(ggml_type: GGMLQuantizationType, k: int) -> bool:
-    """Does a GPU stage keep a projection of this type and width as blocks (`load_weights`'s
-    `blocks`)? Where `dense_q8` takes it."""
+    """Where `dense_q8` takes a projection of this type and width."""
     fmt = block_format(ggml_type)
     return ggml_type in Q8_DOT_TYPES and k % fmt.block_size == 0 and rows_a_launch(k) > 0
 
 
 def dense_q8(kernels: CudaKernels, x: torch.Tensor, raw: torch.Tensor, ggml_type: GGMLQuantizationType,
              xq: torch.Tensor | None = None) -> torch.Tensor:
-    """x [T, K] bf16 (on the device) times W, raw [N, row_bytes] uint8 blocks of an integer type
-    in device memory -> [T, N] bf16: one launch every DENSE_MAX_ROWS rows of x (or fewer, where a
-    wide x fills the shared memory first). `xq`: x already quantized (`CudaKernels._quantize_q8`)."""
+    """x [T, K] bf16 times W, raw [N, row_bytes] uint8 blocks of an integer type in device memory ->
+    [T, N] bf16: one launch every DENSE_MAX_ROWS rows of x. `xq`: x already quantized."""
     t, k = x.shape
     n, row_bytes = raw.shape
     fmt = block_format(ggml_type)
@@ -112,10 +104,9 @@ def dense_q8(kernels: CudaKernels, x: torch.Tensor, raw: torch.Tensor, ggml_type
 
 
 class DeviceDense(DenseMatmul):
-    """A GPU stage's `DenseMatmul` (model.decoder): float projections by torch's GEMM; blocks by
-    `dense_q8` up to the rows of one launch (`rows_a_launch`), else dequantized slice by slice
-    for a GEMM (the module docstring). Every call is capturable in a CUDA graph: no host waits,
-    fixed launches. `scratch_bytes`: the most a copy holds at once (the VRAM plan counts it)."""
+    """A GPU stage's `DenseMatmul`: float projections by torch's GEMM; blocks by `dense_q8` up to
+    `rows_a_launch` rows, else dequantized slice by slice. Every call is capturable in a CUDA graph.
+    `scratch_bytes`: the most a copy holds at once (the VRAM plan counts it)."""
 
     scratch_bytes = 2 * DENSE_SCRATCH_VALUES  # bf16
 
@@ -143,7 +134,6 @@ class DeviceDense(DenseMatmul):
         return out
 
     def _dequantized_product(self, x: torch.Tensor, w: BlockMatrix) -> torch.Tensor:
-        """x [T, K] @ W.T through transient bf16 slices of W's rows -> [T, N]."""
         self.kernels.paths.ran("dense", "dequant")
         rows = max(1, DENSE_SCRATCH_VALUES // w.k)
         parts = []

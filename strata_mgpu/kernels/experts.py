@@ -1,14 +1,11 @@
 """Ops of the streamed-expert path, each with a plain torch twin and a CUDA version.
 
 `TorchKernels` is the twin (any device, the CPU included); `CudaKernels` overrides what it
-speeds up: dequantization by `cuda_src/dequant.cu`, the grouped expert GEMMs by
-`torch._grouped_mm`, decode's routed experts by the fused kernels of `cuda_src/moe_decode.cu`.
-`select_kernels` picks once, when a stage is built.
+speeds up (`cuda_src/dequant.cu`, `torch._grouped_mm`, `cuda_src/moe_decode.cu`).
 
-Every op counts the path it ran in the kernel set's `paths` ("dequant:cuda", "moe_gathered:twin",
-...; see `kernels.paths`), and a CUDA op that falls back to its twin says why, once, in a warning.
-The counts are of eager calls and of calls made while capturing a CUDA graph: replays of a
-captured decode step run no Python and add nothing.
+Every op counts the path it ran in the kernel set's `paths` (see `kernels.paths`), and a CUDA op
+that falls back to its twin says why, once, in a warning. Replays of a captured decode step run
+no Python and add nothing to the counts.
 """
 
 from __future__ import annotations
@@ -76,15 +73,13 @@ class TorchKernels:
         self.paths = PathCounter()  # "op:path" -> calls (eager and captured; see the module docstring)
 
     def describe(self) -> str:
-        """What runs the ops, for the stage's report."""
         return self.name
 
     def expert_ids(self, n: int, device: torch.device | str = "cpu") -> torch.Tensor:
-        """0..n-1 (int64) on `device`: experts' or groups' ids to search sorted picks with."""
+        """0..n-1 (int64) on `device`: ids to search sorted picks with."""
         return torch.arange(n, device=device)
 
     def path_summary(self) -> str:
-        """The paths the ops ran, e.g. 'copy_wide:copy_f32_wide 24, dequant:cuda 96'."""
         return self.paths.summary()
 
     def copy_wide(self, dst: torch.Tensor, src: torch.Tensor) -> None:
@@ -106,8 +101,8 @@ class TorchKernels:
 
     def dequant_experts(self, src: torch.Tensor, lay: ExpertLayout, n: int, w_gate_up: torch.Tensor,
                         w_down: torch.Tensor) -> None:
-        """n consecutive experts' raw bytes (arena layout, from src[0]) -> w_gate_up[:n] [n, 2F, D]
-        and w_down[:n] [n, D, F]. Gate and up are adjacent in an expert: one run of 2*F*D weights."""
+        """n consecutive experts' raw bytes (arena layout) -> w_gate_up[:n] [n, 2F, D] and w_down[:n]
+        [n, D, F]. Gate and up are adjacent in an expert: one run of 2*F*D weights."""
         self.dequant(src, lay.gate_type, n, 2 * lay.gate_weights, lay.expert_bytes,
                      w_gate_up.view(-1)[:n * 2 * lay.gate_weights])
         self.dequant(src[lay.down_offset:], lay.down_type, n, lay.down_weights, lay.expert_bytes,
@@ -115,9 +110,8 @@ class TorchKernels:
 
     def dequant_addressed(self, addresses: torch.Tensor, sources: Callable[[], list[torch.Tensor]],
                           lay: ExpertLayout, n: int, w_gate_up: torch.Tensor, w_down: torch.Tensor) -> None:
-        """n experts, each wherever it lies on the device, -> w_gate_up[:n], w_down[:n]. CUDA reads
-        them through `addresses` [n] (device int64); the twin copies `sources()` (each expert's
-        bytes) together and dequantizes them as one run."""
+        """n experts, each wherever it lies on the device, -> w_gate_up[:n], w_down[:n]; `addresses` [n]
+        device int64."""
         self.paths.ran("dequant_addressed", "torch")
         srcs = sources()
         if addresses.device.type == "cpu":  # the table CUDA would read points at these very bytes
@@ -128,7 +122,7 @@ class TorchKernels:
     def gather_experts(self, cache: ResidentExperts, i: int, picks: torch.Tensor, lay: ExpertLayout,
                        w_gate_up: torch.Tensor, w_down: torch.Tensor) -> None:
         """Dequantize experts `picks` [M] of local layer i, wherever they live, into w_gate_up [M, 2F, D]
-        and w_down [M, D, F]. The twin reads each expert's bytes through the cache's `source`."""
+        and w_down [M, D, F]."""
         self.paths.ran("gather_experts", "torch")
         for g, e in enumerate(picks.tolist()):
             self.dequant_experts(cache.source(i, e), lay, 1, w_gate_up[g:g + 1], w_down[g:g + 1])
@@ -136,12 +130,8 @@ class TorchKernels:
     def moe_gathered(self, cache: ResidentExperts, i: int, lay: ExpertLayout, h: torch.Tensor, weights: torch.Tensor,
                      experts: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
                      hq: torch.Tensor | None = None) -> torch.Tensor:
-        """Decode's routed experts of local layer i: every row's picks read where they live (a cache
-        slot or the host arena), computed and combined. h [T, D], weights [T, A] fp32, experts
-        [T, A] -> [T, D] (a pick of -1 adds nothing: the host's cores compute it); hq: h already
-        quantized (`quantize_q8`'s layout) for the integer kernels, or None. The twin dequantizes
-        the M = T * A picks into the workspace (w_gate_up [>= M, 2F, D], w_down [>= M, D, F]) and
-        runs the grouped GEMM pair, one row a group."""
+        """Decode's routed experts of local layer i: h [T, D], weights [T, A] fp32, experts [T, A] -> [T, D]
+        (a pick of -1 adds nothing: the host's cores compute it); hq: h quantized (`quantize_q8`) or None."""
         self.paths.ran("moe_gathered", "twin")
         t, a = experts.shape
         # a pick of -1 is the host's (stage.experts.handover): expert 0 at weight 0 here, no host sync
@@ -156,21 +146,16 @@ class TorchKernels:
     def moe_fused_reference(self, cache: ResidentExperts, i: int, lay: ExpertLayout, h: torch.Tensor,
                             weights: torch.Tensor, experts: torch.Tensor, w_gate_up: torch.Tensor,
                             w_down: torch.Tensor) -> torch.Tensor:
-        """The twin of CudaKernels' fused decode kernels (`moe_decode.cu`), what tests and
-        tools.bench_kernels hold them to. With bf16 input and an integer side (Q8_DOT_TYPES) the
-        kernels quantize that side's input to 8 bits: so does this (`_moe_picks_q8`). Otherwise it
-        is `moe_gathered`, the path a stage takes where the kernels do not run (the CPU, a GPU
-        without them): bf16 weights in grouped GEMMs, fast, without the 8-bit rounding."""
+        """The twin the fused decode kernels are held to: with bf16 input an integer side (Q8_DOT_TYPES)
+        has its input quantized to 8 bits, as the kernels do; otherwise `moe_gathered`."""
         if h.dtype == torch.bfloat16 and {lay.gate_type, lay.down_type} & Q8_DOT_TYPES:
             return self._moe_picks_q8(cache, i, lay, h, weights, experts)
         return TorchKernels.moe_gathered(self, cache, i, lay, h, weights, experts, w_gate_up, w_down)
 
     def _moe_picks_q8(self, cache: ResidentExperts, i: int, lay: ExpertLayout, h: torch.Tensor, weights: torch.Tensor,
                       experts: torch.Tensor) -> torch.Tensor:
-        """The fused kernels' twin where a side dots integers (Q8_DOT_TYPES): that side's input
-        quantized to 8 bits a value (q8_values) times its weights dequantized in fp32; a float
-        side as the grouped twin (bf16 weights). Outputs rounded as the kernels round them. One
-        pick at a time (a reference, not a fallback)."""
+        """That side's input quantized to 8 bits (q8_values) times its weights dequantized in fp32; a
+        float side as the grouped twin. Outputs rounded as the kernels round them."""
         d = h.shape[1]
         f = lay.gate_weights // d
         q8_in, q8_act = lay.gate_type in Q8_DOT_TYPES, lay.down_type in Q8_DOT_TYPES
@@ -191,8 +176,7 @@ class TorchKernels:
     def grouped_mlp(self, x: torch.Tensor, offs: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor
                     ) -> torch.Tensor:
         """SiLU-gated MLP per group: x [M, D] sorted by group, offs [G] cumulative row ends,
-        w_gate_up [G, 2F, D], w_down [G, D, F] -> [M, D]. Rows past offs[-1] belong to no group
-        and are left unwritten (the helped path masks them)."""
+        w_gate_up [G, 2F, D], w_down [G, D, F] -> [M, D]. Rows past offs[-1] are left unwritten."""
         self.paths.ran("grouped_mlp", "loop")
         out = torch.empty_like(x)
         ends = offs.tolist()
@@ -228,9 +212,8 @@ class CardCapabilities:
 
 
 class CudaKernels(TorchKernels):
-    """CUDA dequantization (NVRTC via CuPy) and torch._grouped_mm where the GPU has it; each op
-    falls back to its twin where the card (`caps`) or the call does not allow its kernel. Made by
-    `select_kernels`, which compiles the kernels first (`compile`)."""
+    """CUDA versions where the card (`caps`) and the call allow them, else the twin's. Made by
+    `select_kernels`, which compiles the kernels first."""
 
     name = "cuda"
 
@@ -247,8 +230,7 @@ class CudaKernels(TorchKernels):
         return self.name + ("+grouped_mm" if self.use_grouped_mm else "")
 
     def compile(self) -> None:
-        """Compile every kernel now, not in the middle of the first prompt, and make the expert
-        ids every stream of the device reads."""
+        """Compile every kernel now, not in the middle of the first prompt."""
         device = self.device
         for expr in _DEQUANT_EXPRS:
             nvrtc.kernel(DEQUANT_FILE, expr, _DEQUANT_EXPRS, device)
@@ -294,14 +276,12 @@ class CudaKernels(TorchKernels):
 
     def _dequant_by_address(self, addresses: torch.Tensor, lay: ExpertLayout, n: int, w_gate_up: torch.Tensor,
                             w_down: torch.Tensor) -> None:
-        """n experts at `addresses` [n] (device int64, each an expert's first byte) -> w_gate_up[:n]
-        [n, 2F, D] (gate and up adjacent: one run) and w_down[:n] [n, D, F]: two launches."""
         self._launch_dequant(lay.gate_type, 0, addresses, 0, n, 2 * lay.gate_weights, 0, w_gate_up[:n].view(-1))
         self._launch_dequant(lay.down_type, 0, addresses, lay.down_offset, n, lay.down_weights, 0, w_down[:n].view(-1))
 
     def moe_fused(self, lay: ExpertLayout, hidden: int, n_used: int) -> MoePlan | None:
-        """How the fused decode kernels run this layout, or None where they do not apply (a type
-        without a kernel, tiles too big for shared memory)."""
+        """The fused decode kernels' plan for this layout, or None (a type without a kernel, tiles too
+        big for shared memory)."""
         if not (self.host_pointers and block_format(lay.gate_type).fused_decode
                 and block_format(lay.down_type).fused_decode and n_used <= MOE_MAX_PICKS):
             return None
@@ -321,8 +301,7 @@ class CudaKernels(TorchKernels):
     def moe_gathered(self, cache: ResidentExperts, i: int, lay: ExpertLayout, h: torch.Tensor, weights: torch.Tensor,
                      experts: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
                      hq: torch.Tensor | None = None) -> torch.Tensor:
-        """Two launches (`moe_decode.cu`) straight from the experts' quantized bytes: no workspace,
-        no host sync (and up to two quantize_q8 launches: h's where hq is not given, act's)."""
+        """Two launches straight from the experts' quantized bytes: no workspace, no host sync."""
         t, a = experts.shape
         d = h.shape[1]
         plan = self.moe_fused(lay, d, a) if h.dtype == torch.bfloat16 else None
@@ -362,32 +341,27 @@ class CudaKernels(TorchKernels):
 
     @staticmethod
     def grouped_serves(plan: MoePlan, hidden: int) -> bool:
-        """Can the grouped kernels (`kernels.moe_grouped`) take a layout the fused ones plan: both
-        sides integer, and a block's vectors fit its shared memory."""
         return (plan.q8_gate_up and plan.q8_down and vectors_a_batch(hidden, Q8_WORDS) > 0
                 and vectors_a_batch(plan.ffn, Q8_WORDS) > 0)
 
     def _goes_grouped(self, plan: MoePlan, cache: ResidentExperts, n_picks: int, hidden: int) -> bool:
-        """Expert by expert rather than pick by pick: enough picks that experts repeat
-        (GROUPED_MIN_PICKS), every expert of the layer in VRAM (the grouped kernels read rows with
-        narrow loads, no place for mapped host memory), and a layout they take."""
+        """Expert by expert rather than pick by pick: enough picks that experts repeat, every expert in
+        VRAM (the grouped kernels' narrow loads do not suit mapped host memory), and a layout they take."""
         n_experts = cache.slot_of.shape[1]
         return (n_picks >= GROUPED_MIN_PICKS and n_experts <= MAX_EXPERTS and cache.per_layer >= n_experts
                 and self.grouped_serves(plan, hidden))
 
     def expert_ids(self, n: int, device: torch.device | str | None = None) -> torch.Tensor:
-        """0..n-1 on the device (a view of one made at start, up to MAX_EXPERTS + 1)."""
         if self._expert_ids is None or n > self._expert_ids.numel():
             return super().expert_ids(n, self.device)
         return self._expert_ids[:n]
 
     def _quantize_q8(self, x: torch.Tensor) -> torch.Tensor:
-        """`q8.quantize_q8` on this kernel set's device."""
         return quantize_q8(x, self.device)
 
     def copy_wide(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        """`copy_f32_wide`: 16-byte loads and stores by a kernel, so a hand-over through mapped
-        host memory never waits behind the copy engines' expert uploads."""
+        """`copy_f32_wide`: a kernel's 16-byte loads, so a hand-over through mapped host memory never
+        waits behind the copy engines' expert uploads."""
         nbytes = src.numel() * src.element_size()
         assert dst.numel() * dst.element_size() == nbytes and src.is_contiguous() and dst.is_contiguous()
         if not self.host_pointers or nbytes % 16 or src.data_ptr() % 16 or dst.data_ptr() % 16:
@@ -406,13 +380,11 @@ class CudaKernels(TorchKernels):
 
     @staticmethod
     def _no_kernel_reason(ggml_type: GGMLQuantizationType, out: torch.Tensor) -> str:
-        """Why `_has_kernel` is False ('' where it is True)."""
         if not block_format(ggml_type).cuda_dequant:
             return f"{ggml_type.name} has no CUDA dequant"
         return "" if out.dtype == torch.bfloat16 else f"the output is {out.dtype}; the kernel writes bfloat16"
 
     def _not_fused_reason(self, lay: ExpertLayout, h: torch.Tensor, n_used: int) -> str:
-        """Why decode's fused kernels do not take this layout and input."""
         if h.dtype != torch.bfloat16:
             return f"activations are {h.dtype}; the kernels take bfloat16"
         if not self.host_pointers:
@@ -455,8 +427,8 @@ class CudaKernels(TorchKernels):
 
 def q8_values(x: torch.Tensor) -> torch.Tensor:
     """What the integer kernels multiply for x [R, n] (n a multiple of 32): each run of 32 values
-    quantized to integers q in [-127, 127] with the scale dx = max|x| / 127 (fp32), q = x / dx
-    rounded to nearest even (quantize_q8's), returned as fp32 q * dx."""
+    quantized to q in [-127, 127] with dx = max|x| / 127 (fp32), q = round-half-even(x / dx),
+    returned as fp32 q * dx."""
     runs = x.float().reshape(-1, 32)
     amax = runs.abs().amax(1, keepdim=True)
     dx = amax / torch.full_like(amax, 127.0)  # true division on CUDA too (quant.quantize.quantize_q8_0 says why)
@@ -475,15 +447,12 @@ def _tile_room(nbytes: int) -> int:
 
 
 def _vector_bytes(n: int, ggml_type: GGMLQuantizationType) -> int:
-    """Shared memory for a staged vector of n values that weights of `ggml_type` multiply
-    (moe_decode.cu's vector_words): Q8_WORDS words a 32-value sub-block quantized, else 17 (bf16
-    pairs, the odd stride keeping lanes on distinct banks)."""
+    """Shared memory for a staged vector of n values (moe_decode.cu's vector_words): Q8_WORDS words a
+    32-value sub-block quantized, else 17 (bf16 pairs; the odd stride keeps lanes on distinct banks)."""
     return n // 32 * (Q8_WORDS if ggml_type in Q8_DOT_TYPES else 17) * 4
 
 
 def _down_shared(rows: int, down_row: int, ffn: int, n_used: int, down_type: GGMLQuantizationType) -> int:
-    """moe_down's shared memory: each pick's tile of `rows` rows and its vector, and the rows x
-    picks partial sums."""
     return n_used * (_tile_room(rows * down_row) + _vector_bytes(ffn, down_type)) + 4 * rows * n_used
 
 
@@ -503,8 +472,8 @@ def _grouped_mm_works(device: torch.device) -> bool:
 
 
 def select_kernels(device: torch.device, *, prefer_cuda: bool = True) -> TorchKernels:
-    """The kernel set for a stage on `device`, chosen once. Without CuPy (or a kernel source) on a
-    CUDA device: the torch twins, with one warning a process saying what is lost."""
+    """The kernel set for a stage on `device`. Without CuPy (or a kernel source) on a CUDA device:
+    the torch twins, with one warning a process saying what is lost."""
     if device.type != "cuda" or not prefer_cuda:
         return TorchKernels()
     try:

@@ -2,15 +2,10 @@
 `CudaKernels.moe_gathered` runs instead of decode's pick-by-pick kernels once a pass has enough
 picks that most experts are picked several times (a short prompt, a wide decode batch).
 
-Decode's kernels read an expert's rows once for every pick of it. A 16-token prompt of 30B-A3B
-has 128 picks on about 100 experts, 128 tokens about 8 picks an expert: here each expert's rows are
-read and unpacked once a batch of up to GROUP_VECTORS of its picks, and dotted with each of their
-vectors. Same integer dots, same order, same rounding as decode's kernels, so the output is theirs
-bit for bit; the twin is the same (`TorchKernels.moe_fused_reference`). Only where every expert is
-resident: the rows are read with narrow loads, no way to read mapped host memory.
-
-Launches: the picks sorted by expert (torch.sort, searchsorted: no host sync, capturable), x and
-act quantized (`quantize_q8`), gate/up, down, combine.
+Decode's kernels read an expert's rows once for every pick of it; here each expert's rows are
+read and unpacked once a batch of up to GROUP_VECTORS of its picks. Same integer dots, order and
+rounding as decode's kernels, so the output is theirs bit for bit (the twin is the same). Only
+where every expert is resident: the rows are read with narrow loads, unsuited to mapped host memory.
 """
 
 from __future__ import annotations
@@ -42,12 +37,10 @@ GROUPED_DEFINES = (("GROUP_VECTORS", GROUP_VECTORS),)  # what moe_grouped.cu is 
 
 
 def grouped_exprs(types: frozenset) -> tuple[str, ...]:
-    """The templated kernels to compile, for the integer types `types`."""
     return tuple(f"{k}<{int(t)}>" for t in sorted(types) for k in ("moe_group_gate_up", "moe_group_down"))
 
 
 def grouped_kernel(expression: str, device: torch.device):
-    """A kernel of moe_grouped.cu, compiled with the integer types and GROUPED_DEFINES."""
     return nvrtc.kernel(GROUPED_FILE, expression, grouped_exprs(Q8_DOT_TYPES), device, GROUPED_DEFINES)
 
 
@@ -57,20 +50,17 @@ def vectors_a_batch(width: int, q8_words: int) -> int:
 
 
 def picks_by_expert(picks: torch.Tensor, expert_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """picks [P] expert ids -> (order [P]: pick ids sorted by expert, stable; starts [E + 1]:
-    expert e's picks are order[starts[e]:starts[e + 1]]), on the picks' device, no host sync.
-    expert_ids: arange(E + 1) on that device."""
+    """picks [P] expert ids -> (order [P]: pick ids sorted by expert, stable; starts [E + 1]: expert
+    e's picks are order[starts[e]:starts[e + 1]]), no host sync. expert_ids: arange(E + 1)."""
     ranked, order = torch.sort(picks, stable=True)
     return order, torch.searchsorted(ranked, expert_ids)
 
 
 def moe_grouped(device: torch.device, expert_ids: torch.Tensor, table: tuple, lay: ExpertLayout, hq: torch.Tensor,
                 weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
-    """A layer's routed experts for hq (h [T, D] bf16 quantized, `quantize_q8`), weights [T, A]
-    fp32, experts [T, A] -> [T, D] bf16. table: the layer's expert table as moe_decode.cu's kernels
-    take it (slot_of and host_offset rows of its experts, slots, slot_bytes, arena); expert_ids:
-    0..E on the device, E the layer's experts. Both of the layout's types must be integer ones
-    (Q8_DOT_TYPES)."""
+    """A layer's routed experts for hq (h [T, D] quantized), weights [T, A] fp32, experts [T, A] ->
+    [T, D] bf16. table: the layer's expert table as moe_decode.cu's kernels take it; expert_ids:
+    0..E on the device. Both of the layout's types must be integer ones (Q8_DOT_TYPES)."""
     n_experts = expert_ids.numel() - 1
 
     t, a = experts.shape

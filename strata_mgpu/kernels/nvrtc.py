@@ -1,7 +1,6 @@
-"""Loader for our CUDA kernels: `cuda_src/*.cu` compiled by NVRTC through CuPy, once per
-(file, template instantiation, device), and launched on torch's current stream.
-
-CuPy is imported only here and only when a CUDA stage is built; everything else runs without it.
+"""Loader for our CUDA kernels: `cuda_src/*.cu` compiled by NVRTC through CuPy, once per (file,
+template instantiation, device), and launched on torch's current stream. CuPy is imported only
+here and only when a CUDA stage is built.
 """
 
 from __future__ import annotations
@@ -42,7 +41,7 @@ Defines = tuple[tuple[str, int], ...]  # (NAME, value): constants a kernel file 
 
 
 def compile_options(defines: Defines = ()) -> tuple[str, ...]:
-    """NVRTC's options for a kernel file (what tests/test_nvrtc_compile.py compiles with too)."""
+    """NVRTC's options for a kernel file (tests/test_nvrtc_compile.py compiles with them too)."""
     return ("-std=c++17", f"-I{CUDA_SRC}", *(f"-D{name}={value}" for name, value in defines))
 
 
@@ -59,7 +58,7 @@ def _module(file: str, name_expressions: tuple[str, ...], device_index: int, def
 def kernel(file: str, expression: str, all_expressions: tuple[str, ...], device: torch.device,
            defines: Defines = ()):
     """The compiled kernel `expression` (e.g. 'dequant_bf16<12>') from `file` for `device`; `defines`:
-    the constants the file takes from its launcher (a file that needs one stops at `#error` without it)."""
+    the constants the file takes from its launcher (it stops at `#error` without them)."""
     mod = _module(file, all_expressions, device.index or 0, defines)
     return mod.get_function(expression)
 
@@ -72,8 +71,7 @@ def _cupy_stream(stream_ptr: int, device_index: int):
 
 def launch(fn, grid: int | tuple[int, ...], block: int, args: tuple, device: torch.device,
            shared_mem: int = 0) -> None:
-    """Launch on torch's current stream of `device` (so stream order and events are torch's).
-    CuPy's wrappers of that stream are made once, not per launch (decode launches many)."""
+    """Launch on torch's current stream of `device` (so stream order and events are torch's)."""
     dev, stream = _cupy_stream(torch.cuda.current_stream(device).cuda_stream, device.index or 0)
     with dev, stream:
         fn(grid if isinstance(grid, tuple) else (grid,), (block,), args, shared_mem=shared_mem)

@@ -1,15 +1,10 @@
 """Which implementation each op of a kernel set ran, and a warning the first time a fast path
 falls back.
 
-A kernel set (`kernels.experts.TorchKernels` / `CudaKernels`, `kernels.decode_ops.CudaDecodeOps`)
-counts every call of its ops under "op:path" keys ("dequant:cuda", "dequant:torch",
-"copy_wide:copy_f32_wide", "copy_wide:copy_engine", "moe_gathered:fused", "moe_gathered:twin",
-"grouped_mlp:grouped_mm", "grouped_mlp:loop", "rms_norm:cuda", ...), so a report can say which
-paths a run took instead of the kernel set's name alone.
-
-Counting is a Python integer increment: no host sync, nothing for a CUDA graph to capture. A
-captured graph replays without running Python, so the counts are of eager calls plus the calls
-made while capturing; a replayed decode step adds nothing.
+Every call of a kernel set's ops counts under an "op:path" key ("dequant:cuda", "dequant:torch",
+"moe_gathered:fused", ...), so a report can say which paths a run took. Counting is a Python
+increment: a replayed CUDA graph runs no Python, so the counts are of eager calls plus the calls
+made while capturing.
 """
 
 from __future__ import annotations
@@ -36,8 +31,8 @@ class PathCounter(Counter):
         self[f"{op}:{path}"] += 1
 
     def fell_back(self, op: str, fast: str, reason: str) -> None:
-        """A fast path `fast` of `op` was not taken: warned once per process and reason. The path
-        that then runs counts itself (through `ran`)."""
+        """A fast path `fast` of `op` was not taken: warned once per process and reason. The path that then
+        runs counts itself."""
         warn_once(f"{op} fell back from {fast}", reason)
 
     def summary(self) -> str:

@@ -1,7 +1,7 @@
 """Activations as 8-bit integers for the integer dots (`cuda_src/q8_dot.cuh`): which weight types
-dot against them, their layout, and `quantize_q8`, the kernel that writes them (compiled in
-moe_decode.cu's module, with the fused decode kernels). The fused, grouped and dense kernels all
-read this one layout."""
+dot against them, their layout, and `quantize_q8`, the kernel that writes them. The fused,
+grouped and dense kernels all read this one layout.
+"""
 
 from __future__ import annotations
 
@@ -24,8 +24,7 @@ MOE_EXPRS = tuple(f"{k}<{int(t)}>" for t in FUSED_DECODE_TYPES for k in ("moe_ga
 
 
 def quantize_q8(x: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """x [R, n] bf16 -> [R, n / 32 * Q8_WORDS] int32: 8-bit values and a scale a 32-value
-    sub-block (`quantize_q8`, cuda_src/q8_dot.cuh's layout), what the integer kernels read."""
+    """x [R, n] bf16 -> [R, n / 32 * Q8_WORDS] int32: 8-bit values and a scale a 32-value sub-block."""
     n_sub = x.numel() // 32
     out = torch.empty(x.shape[0], x.shape[1] // 32 * Q8_WORDS, dtype=torch.int32, device=x.device)
     fn = nvrtc.kernel(MOE_FILE, MOE_NAMES[0], MOE_EXPRS, device)

@@ -1,6 +1,5 @@
 """What the expert kernels read of a stage's experts: `ResidentExperts`, where each expert of its
-layers lives. The stage's expert cache (`stage.experts.cache.ExpertCache`) implements it, and so
-does `tools.bench_kernels`' synthetic one; the kernels know nothing else of either.
+layers lives. The stage's expert cache implements it, and so does `tools.bench_kernels`' synthetic one.
 
 Shape legend: L = the stage's layers, E = experts a layer, M = picks.
 """
@@ -13,9 +12,9 @@ import torch
 
 
 class ResidentExperts(Protocol):
-    """Each expert's bytes: in a VRAM slot where resident, else in the pinned host arena, which
-    the device reads at its host address (UVA). Both tables live on the device, so a decode step
-    builds its experts' addresses itself and never waits for the host."""
+    """Each expert's bytes: in a VRAM slot where resident, else in the pinned host arena, read at its
+    host address (UVA). Both tables live on the device, so a decode step builds its experts'
+    addresses itself and never waits for the host."""
 
     slot_of: torch.Tensor  # [L, E] int64 on the device: the expert's slot, -1 where not resident
     host_offset: torch.Tensor  # [L, E] int64 on the device: its bytes' offset in `host`

@@ -9,10 +9,9 @@ import torch
 
 
 def group_rows(experts: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """experts [T, A] group ids in [0, G), ids = arange(G) on their device (`kernels.expert_ids`)
-    -> (order [M]: routed rows sorted by group, offs [G] int32 row ends). Stable, and no host
-    synchronization. Two ops (a sort and a search), since a helped prompt's layers are bound by the
-    host's launches."""
+    """experts [T, A] group ids in [0, G), ids = arange(G) on their device -> (order [M]: routed rows
+    sorted by group, offs [G] int32 row ends). Stable, no host sync, and two ops only, since a helped
+    prompt's layers are bound by the host's launches."""
     flat = experts.reshape(-1)
     ordered, order = torch.sort(flat, stable=True)
     return order, torch.searchsorted(ordered, ids, right=True, out_int32=True)  # rows with a group <= g
@@ -29,8 +28,7 @@ def combine(y_sorted: torch.Tensor, order: torch.Tensor, weights: torch.Tensor) 
 
 def masked_combine(y_sorted: torch.Tensor, order: torch.Tensor, weights: torch.Tensor, mine: torch.Tensor
                    ) -> torch.Tensor:
-    """`combine` over only the picks in `mine` [T, A]; the other picks' rows may hold anything
-    (a grouped GEMM given fewer groups leaves them unwritten)."""
+    """`combine` over only the picks in `mine` [T, A]; the other picks' rows may hold anything."""
     keep = mine.reshape(-1)[order]  # [M], in sorted order
     y = torch.where(keep[:, None], y_sorted, 0.0)  # a scalar zero: no tensor (and no launch) made for it
     return combine(y, order, torch.where(mine, weights, 0.0))

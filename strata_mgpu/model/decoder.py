@@ -5,19 +5,10 @@ Shape legend: T = token rows in the batch, t = rows of a part of it, D = hidden,
 Hkv = KV heads, Dh = head dim, E = experts, A = experts used per token, V = vocab, S = keys.
 
 One batch packs several sequences along T (`Segment`s): a prefill is one segment of many rows,
-a decode step is one row for each running sequence. Everything but attention runs on all rows
-at once.
-
-One layer function (`Decoder._layer`) runs every forward. What differs is the forward's path
-(`ForwardPath`), chosen once per call:
-- attention: `SegmentAttention` (a segment at a time, SDPA after each sequence's cached keys:
-  prompts) or `RowAttention` (each row at its own position of its own cache, through the decode
-  step's ops: decode steps, their CUDA graphs, and short prompts where the stage allows it);
-- the small ops: plain torch on the segment path, the decoder's own (`ops`, fused on a GPU
-  stage) on the row path, which also takes the MoE block's input in one op (`ops.moe_input`);
-- the rows: all at once, or a helped prompt's two halves, each layer's halves in order;
-- the routed experts (`ExpertBackend`): whether the forward streams whole layers or gathers the
-  experts its rows picked, decided once and passed to `begin`.
+a decode step one row per running sequence. Everything but attention runs on all rows at once.
+What differs between forwards is the path (`ForwardPath`), chosen once per call: segment
+attention (SDPA, prompts) or row attention (the decode step's fused ops, capturable as a CUDA
+graph); all rows at once or a helped prompt's two halves; experts streamed or gathered.
 """
 
 from __future__ import annotations
@@ -41,16 +32,13 @@ Routing = Callable[[int, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.
 
 
 class DenseMatmul(Protocol):
-    """How a forward multiplies its projections (q, k, v, o, the head): x [T, K] and W [N, K] ->
-    x @ W.T [T, N] in x's dtype. `float_matmul` for float tensors; a stage whose projections are
-    blocks (`BlockMatrix`) passes what multiplies those (`stage.experts.host_cores.HostDense` on
-    the CPU, `kernels.dense.DeviceDense` on a GPU)."""
+    """How a forward multiplies its projections: x [T, K] and W [N, K] -> x @ W.T [T, N] in x's
+    dtype. A stage whose projections are blocks (`BlockMatrix`) passes what multiplies those."""
 
     def __call__(self, x: torch.Tensor, w: Matrix) -> torch.Tensor: ...
 
     def many(self, x: torch.Tensor, ws: Sequence[Matrix]) -> list[torch.Tensor]:
-        """x times each of `ws` (what x's preparation, e.g. its quantization, is done once for;
-        one call each where there is none: the default of a class that names this protocol)."""
+        """x times each of `ws`, x's preparation (e.g. its quantization) done once."""
         return [self(x, w) for w in ws]
 
 
@@ -81,8 +69,8 @@ class Segment:
 
 @dataclass
 class Rows:
-    """Rows the layer loop carries through the layers on their own: every row of the forward, or
-    one of a helped prompt's two halves of one sequence's rows."""
+    """Rows the layer loop carries through the layers on their own: every row of the forward, or one
+    of a helped prompt's two halves."""
 
     x: torch.Tensor  # [t, D]: the residual stream
     rows: slice  # which of the forward's rows
@@ -93,15 +81,14 @@ class Rows:
 
 class Attention(Protocol):
     def __call__(self, i: int, w: LayerWeights, h: torch.Tensor, part: Rows) -> torch.Tensor:
-        """Layer i's attention for `part`'s normed rows h [t, D], projected by wo: [t, D]. Writes
-        the rows' keys and values into their caches."""
+        """Layer i's attention for `part`'s normed rows h [t, D], projected by wo: [t, D]. Writes the
+        rows' keys and values into their caches."""
         ...
 
 
 class SegmentAttention:
-    """A prompt's attention: q, k, v by three GEMMs, q and k normed and rotated; a segment's keys
-    and values written after its cached ones, then SDPA over them, a segment at a time. Every
-    cache's layer i + 1 is prefetched (`SequenceKV.prefetch`) before layer i attends."""
+    """A prompt's attention: each segment's keys and values written after its cached ones, then SDPA
+    over them, a segment at a time. Every cache's layer i + 1 is prefetched before layer i attends."""
 
     def __init__(self, spec: ModelSpec, cos: torch.Tensor, sin: torch.Tensor, dense: DenseMatmul = float_matmul):
         self.spec, self.cos, self.sin, self.dense = spec, cos, sin, dense  # cos, sin [T, Dh] each
@@ -128,13 +115,11 @@ class SegmentAttention:
 
 
 class RowAttention:
-    """The decode step's attention: q, k, v by one GEMM where the layer has it; each row's keys and
-    values written at positions[b] of its own cache kvs[b] (`ops.qk_norm_rope_kv`, every row's
-    before any row attends), then each row attends its cache up to its position (`ops.attention`).
-    Rows may share a cache at different positions (a prompt's rows): causal within it, as SDPA's
-    mask is. Every shape and address is fixed, so the step can be captured as a CUDA graph.
-    `table`: the caches' addresses as the fused ops read them; `capacity`: cells the attention
-    covers, above every position it reads."""
+    """The decode step's attention: each row's keys and values written at positions[b] of its own
+    cache kvs[b] (every row's before any row attends), then each row attends its cache up to its
+    position. Rows may share a cache at different positions: causal within it, as SDPA's mask is.
+    Every shape and address is fixed, so the step can be captured as a CUDA graph. `table`: the
+    caches' addresses as the fused ops read them; `capacity`: cells covered, above every position read."""
 
     def __init__(self, spec: ModelSpec, ops: DecodeOps, positions: torch.Tensor, kvs: Sequence[SequenceKV],
                  table: torch.Tensor | None, capacity: int | None, cos: torch.Tensor, sin: torch.Tensor,
@@ -156,7 +141,7 @@ class RowAttention:
 
 @dataclass(frozen=True)
 class ForwardPath:
-    """How one forward runs (chosen once per call; see the module docstring)."""
+    """How one forward runs, chosen once per call."""
 
     ops: DecodeOps  # the norms, and the MoE block's input where `fused_moe_input`
     attention: Attention
@@ -176,16 +161,11 @@ STATIC_REREAD_CELLS = 1 << 18
 class Decoder:
     """The decoder forward over dense weights (any dtype, any device) and an expert backend.
 
-    `static_rows`: forwards of few rows take the row path (`RowAttention` and the decoder's own,
-    fused ops) where they may (`_takes_static`). Off for the fp32 reference; a GPU stage whose
-    `ops` are the fused ones turns it on, since there the segment path's launches, not the GPU,
-    bound a short prompt.
-
-    `routing`: where set, replaces every layer's routing (tests record or force it); the row path
-    then routes apart from `ops.moe_input`. None: the decoder's own (`route`).
-
-    `dense`: what multiplies the projections (`DenseMatmul`): float tensors by default; a stage
-    whose weights keep them as blocks passes its own."""
+    `static_rows`: forwards of few rows take the row path where they may (`_takes_static`); on for
+    a GPU stage with fused ops, since there launches, not the GPU, bound a short prompt.
+    `routing`: where set, replaces every layer's routing (tests record or force it).
+    `dense`: what multiplies the projections (`DenseMatmul`).
+    """
 
     def __init__(self, spec: ModelSpec, weights: ModelWeights, experts: ExpertBackend, ops: DecodeOps | None = None,
                  static_rows: bool = False, kv_types: tuple[GGMLQuantizationType, GGMLQuantizationType] = PLAIN_KV,
@@ -221,11 +201,8 @@ class Decoder:
         return table[tokens]  # [T, D]
 
     def run(self, x: torch.Tensor, segments: Sequence[Segment]) -> torch.Tensor:
-        """This decoder's layers over hidden rows x [T, D] -> [T, D] (x may be overwritten).
-
-        Each segment's rows continue its sequence at `kv.length`; caches advance afterwards. The
-        path: the row path where `_takes_static` allows, else the segment path (in two halves
-        where the expert backend asks for it and the cache allows)."""
+        """This decoder's layers over hidden rows x [T, D] -> [T, D] (x may be overwritten). Each
+        segment's rows continue its sequence at `kv.length`; caches advance afterwards."""
         for seg in segments:
             seg.kv.reserve(seg.n)
         positions = torch.cat([torch.arange(seg.kv.length, seg.kv.length + seg.n, device=x.device)
@@ -250,15 +227,10 @@ class Decoder:
         return x
 
     def _takes_static(self, n_rows: int, segments: Sequence[Segment], streams: bool) -> bool:
-        """May (and should) this forward, its caches reserved, take the row path? Where
-        `static_rows` is on; every cache holds each of its cells, the new ones included, in
-        `kv.k`/`kv.v` at its own position (`graph_capturable`, and the new rows within the
-        capacity: a two-tier cache that has spilled, or whose rows would leave its VRAM window,
-        keeps the segment path and its prefetch); the rows gather their experts (a pass that
-        streams needs the segment path's ring and helper; a whole-layer pass over experts all
-        resident would not, but the row path's attention reads each row's cache on its own where
-        SDPA shares a segment's keys, which loses at those lengths: docs/ARCHITECTURE.md); and the
-        rows' repeated reads of their caches stay within STATIC_REREAD_CELLS."""
+        """May this forward, its caches reserved, take the row path? Only where every cache holds each
+        cell, the new ones included, at its own position (`graph_capturable`); the rows gather their
+        experts (streaming needs the segment path's ring); and the rows' repeated cache reads stay
+        within STATIC_REREAD_CELLS (past that, SDPA's shared keys win: docs/ARCHITECTURE.md)."""
         if not self.static_rows or streams:
             return False
         if not all(seg.kv.graph_capturable and seg.kv.length + seg.n <= seg.kv.capacity for seg in segments):
@@ -275,8 +247,8 @@ class Decoder:
         return ForwardPath(ops=self.ops, attention=attention, fused_moe_input=True, streams=streams)
 
     def _layers(self, x: torch.Tensor, segments: Sequence[Segment], path: ForwardPath) -> torch.Tensor:
-        """Every layer over x [T, D] on `path`; the experts begun here. Where the forward fails,
-        the caches' copies in flight are drained and the experts' pass given back."""
+        """Every layer over x [T, D] on `path`. Where the forward fails, the caches' copies in flight are
+        drained and the experts' pass given back."""
         try:
             for kv in path.prefetched:
                 kv.prefetch(0)
@@ -298,8 +270,8 @@ class Decoder:
 
     @staticmethod
     def _parts(x: torch.Tensor, segments: Sequence[Segment], halves: bool) -> list[Rows]:
-        """All rows at once, or one sequence's rows in two halves: the second attends after the
-        first's keys, as causal attention over all rows would."""
+        """All rows at once, or one sequence's rows in two halves: the second attends after the first's
+        keys, as causal attention over all rows would."""
         if not halves:
             return [Rows(x, slice(0, x.shape[0]), segments)]
         kv, n = segments[0].kv, x.shape[0]
@@ -308,9 +280,8 @@ class Decoder:
                 Rows(x[cut:], slice(cut, n), [Segment(0, n - cut, kv)], at=cut)]
 
     def _layer(self, i: int, w: LayerWeights, part: Rows, path: ForwardPath, first: bool) -> None:
-        """Layer i over `part`: the last layer's expert output added (its helper's part collected
-        now: between a part's hand-over and its sums the device had the other part's work), the
-        attention block, the MoE block's input and routing, and the experts started."""
+        """Layer i over `part`: the last layer's expert output added (its helper's part collected now),
+        attention, the MoE block's input and routing, and the experts started."""
         s, ops = self.spec, path.ops
         if part.pending is None:
             h = ops.rms_norm(part.x, w.attn_norm, s.rms_eps)
@@ -328,13 +299,9 @@ class Decoder:
 
     def step_static(self, inp: torch.Tensor, positions: torch.Tensor, kvs: Sequence[SequenceKV],
                     table: torch.Tensor | None = None, capacity: int | None = None) -> torch.Tensor:
-        """One decode step of B sequences on the row path with every shape and address fixed:
-        token ids [B] where this decoder embeds (the first stage), else hidden rows [B, D]; row b
-        of sequence kvs[b] at the device-held positions[b] -> logits [B, V] where it holds the
-        head (the last stage), else the hidden rows [B, D] for the next stage. What a stage's
-        decode graph captures; the caller advances the caches. `table`: the caches' addresses as
-        the fused ops read them (a captured graph passes its own, rewritten before each replay;
-        default: made here). `capacity`: cells the attention covers (default: the largest cache)."""
+        """One decode step of B sequences on the row path, every shape and address fixed (what a decode
+        graph captures): token ids [B] or hidden rows [B, D] -> logits [B, V] on the last stage, else
+        [B, D]. The caller advances the caches. `table`, `capacity`: as `RowAttention`'s."""
         x = self.embed(inp) if self.w.embed is not None else inp
         assert x.shape[0] == positions.shape[0] == len(kvs)
         path = self._row_path(positions, kvs, table, capacity, self.experts.should_stream(len(kvs)))
@@ -346,7 +313,7 @@ class Decoder:
         return self.ops.route(h, router, self.spec.n_experts_used, self.spec.norm_topk_prob)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[N, D] final hidden rows -> [N, V] logits (final norm, then the head)."""
+        """[N, D] final hidden rows -> [N, V] logits."""
         assert self.w.output is not None and self.w.out_norm is not None, "only the last stage has the head"
         return self.dense(rms_norm(hidden, self.w.out_norm, self.spec.rms_eps), self.w.output)
 

@@ -4,10 +4,9 @@ Validates a file the way ggml does before anything trusts it: magic, version, co
 the file's size, string and array lengths, value and tensor types, alignment, dims, byte counts,
 and that every tensor lies aligned, inside the data section and apart from every other tensor.
 Every failure raises `GGUFError` with a one-line message naming the key or tensor and the byte
-offset. Metadata arrays are not decoded until asked for (a 152K-entry vocab opens in
-milliseconds). Tensor data are zero-copy views of one read-only `np.memmap` per file.
-
-Split models (`NAME-00001-of-00003.gguf`) open as one: give the first shard's path.
+offset. Metadata arrays are decoded only when asked for; tensor data are zero-copy views of one
+read-only `np.memmap` per file. Split models (`NAME-00001-of-00003.gguf`) open as one: give the
+first shard's path.
 """
 
 from __future__ import annotations
@@ -69,7 +68,6 @@ class TensorInfo:
 
     @property
     def row_bytes(self) -> int:
-        """Bytes of one row (the innermost dimension, quantized)."""
         block, type_size = GGML_QUANT_SIZES[self.ggml_type]
         return self.shape[-1] // block * type_size
 
@@ -248,7 +246,6 @@ class _Shard:
         return GGUFArray(self, key, elem_type, count, first, offsets)
 
     def _skip_strings(self, key: str, count: int) -> np.ndarray:
-        """Walk `count` length-prefixed strings, checking bounds; returns where each starts."""
         offsets = np.empty(count, dtype=np.int64)
         data, size, pos = self.data, self.size, self.pos
         from_bytes = int.from_bytes
@@ -319,11 +316,8 @@ class _Shard:
 
 
 class GGUFFile:
-    """A GGUF model, one file or several split shards, parsed and validated.
-
-    `metadata` maps keys to Python scalars, strings or lazy `GGUFArray`s; `tensors` maps names to
-    `TensorInfo`. `tensor_data(name)` returns a zero-copy uint8 view of a tensor's bytes.
-    """
+    """A GGUF model, one file or several split shards, parsed and validated. `metadata` maps keys to
+    Python scalars, strings or lazy `GGUFArray`s; `tensors` maps names to `TensorInfo`."""
 
     def __init__(self, path: str | Path):
         first = Path(path)

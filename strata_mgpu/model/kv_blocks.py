@@ -1,16 +1,11 @@
 """Fixed-size blocks of a sequence's KV, copied out of and into its cache: what the prefix cache
 keeps (`engine.prefix_cache`).
 
-A block holds `block_tokens` consecutive positions of every layer of one cache layout, as the
-cache stores them (`KVFormat`: plain or Q8_0 blocks), in bytes: uint8 [L, B, K + V] (L = the
-layers of the runner or stage, B = block tokens, K and V = the bytes of a position's keys and of
-its values in one layer), so a block is restored byte for byte whatever the format. `save`
-copies positions [j B, (j + 1) B) of a sequence out into a new block on the cache's device;
-`offload` moves a block to host RAM (pinned where the device is a GPU, so it comes back at the
-link's rate); `load` copies blocks back into a fresh sequence, in position
-order, and advances it past them, as if its forwards had written those rows. Every copy is queued
-on the caller's current stream, after the forwards that wrote the rows it reads: the caller (a
-stage) picks the stream.
+A block holds `block_tokens` consecutive positions of every layer as the cache stores them, in
+bytes: uint8 [L, B, K + V] (L = layers, B = block tokens, K and V = the bytes of a position's keys
+and values in one layer), so a block is restored byte for byte whatever the format. Host blocks
+are pinned where the device is a GPU. Every copy is queued on the caller's current stream, after
+the forwards that wrote the rows it reads.
 """
 
 from __future__ import annotations
@@ -24,16 +19,16 @@ from strata_mgpu.model.kv_cache import KVFormat, SequenceKV
 
 
 def cell_bytes(cells: torch.Tensor) -> torch.Tensor:
-    """Cells [L, n, Hkv, row] (a view of a cache, its last dims contiguous) as bytes [L, n, Hkv * row
-    * elem]: a view, so writing it writes the cache."""
+    """Cells [L, n, Hkv, row] (a view of a cache, its last dims contiguous) as bytes [L, n, Hkv * row *
+    elem]: a view, so writing it writes the cache."""
     out = cells.flatten(2).view(torch.uint8)
     assert out.data_ptr() == cells.data_ptr(), "the cells' last dims are not contiguous"
     return out
 
 
 class KVBlockStore:
-    """Blocks of caches with `n_layers` layers of Hkv heads of Dh keys and values, stored as
-    `format` says, on `device`."""
+    """Blocks of caches with `n_layers` layers of Hkv heads of Dh keys and values, stored as `format`
+    says, on `device`."""
 
     def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, *, block_tokens: int,
                  device: torch.device, format: KVFormat):
@@ -44,19 +39,16 @@ class KVBlockStore:
 
     @property
     def block_bytes(self) -> int:
-        """Bytes one block takes, on the device or in host RAM."""
         return math.prod(self.shape)
 
     @property
     def host_tier(self) -> bool:
-        """Blocks can leave the device for host RAM (False where the device is the host)."""
         return self.device.type != "cpu"
 
     def cacheable(self, kv: SequenceKV) -> bool:
         return kv.rows_in_place
 
     def save(self, kv: SequenceKV, index: int) -> torch.Tensor:
-        """Positions [index B, (index + 1) B) of `kv`, every layer, as a new block on the device."""
         assert kv.rows_in_place, "a cache whose rows move cannot be saved from"
         rows = slice(index * self.block_tokens, (index + 1) * self.block_tokens)
         assert rows.stop <= kv.capacity, f"block {index} is past the cache's {kv.capacity} cells"
@@ -64,15 +56,14 @@ class KVBlockStore:
         return torch.cat((cell_bytes(kv.k[:, rows]), cell_bytes(kv.v[:, rows])), dim=2)  # [L, B, K + V], a copy
 
     def offload(self, block: torch.Tensor) -> torch.Tensor:
-        """The block in host RAM (pinned for a GPU; queued, not waited for: a later `load` on the
-        same stream reads it after the copy)."""
+        """The block in host RAM (queued, not waited for: a later `load` on the same stream reads it after)."""
         host = torch.empty(block.shape, dtype=block.dtype, pin_memory=self.host_tier)
         host.copy_(block, non_blocking=self.host_tier)
         return host
 
     def load(self, kv: SequenceKV, blocks: Sequence[torch.Tensor], n_tokens: int) -> None:
-        """Copy `blocks` (device or host) into an empty `kv` at positions 0.. in order and advance it
-        by `n_tokens` (at most the blocks' tokens: a continuation may keep only part of the last)."""
+        """Copy `blocks` into an empty `kv` at positions 0.. and advance it by `n_tokens` (at most the
+        blocks' tokens: a continuation may keep only part of the last)."""
         assert kv.rows_in_place and kv.length == 0, "blocks load into a fresh cache whose rows stay in place"
         assert kv.format == self.format, f"{self.format} blocks loaded into a {kv.format} cache"
         b = self.block_tokens

@@ -1,7 +1,7 @@
 """A sequence's KV as the decoder sees it (`SequenceKV`), and its plain form, `KVCache`: keys and
-values of every layer, grown by doubling. A stage's two-tier cache (`stage.kv.two_tier`) keeps
-the older cells in host RAM behind the same contract. `KVFormat`: how a cache stores its cells
-(`--cache-type-k` / `--cache-type-v`), plain in the compute dtype or as ggml Q8_0 blocks."""
+values of every layer, grown by doubling. `KVFormat`: how a cache stores its cells
+(`--cache-type-k` / `--cache-type-v`), plain in the compute dtype or as ggml Q8_0 blocks.
+"""
 
 from __future__ import annotations
 
@@ -23,8 +23,8 @@ _PLAIN_NAMES = {torch.bfloat16: "bf16", torch.float32: "fp32", torch.float16: "f
 
 
 def kv_cell_bytes(keys: GGMLQuantizationType, values: GGMLQuantizationType, kv_dim: int, elem: int) -> int:
-    """Bytes one position takes in one layer, keys and values (kv_dim = Hkv * Dh values each;
-    `elem`: the compute dtype's bytes, what a plain cell takes a value)."""
+    """Bytes one position takes in one layer, keys and values (kv_dim = Hkv * Dh values each; `elem`:
+    the compute dtype's bytes)."""
     return sum(q8_0_row_bytes(kv_dim) if t == Q.Q8_0 else kv_dim * elem for t in (keys, values))
 
 
@@ -34,9 +34,8 @@ class KVFormat:
     - BF16: plain, [..., Hkv, Dh] in the compute `dtype`;
     - Q8_0: raw ggml blocks, uint8 [..., Hkv, Dh / 32 * 34]: a head's Dh values as Dh / 32 blocks
       of [d: fp16][q: int8 x 32] (x = d q, d = max|x| / 127; `quant.quantize`).
-    Whatever moves cells (the prefix cache's blocks, the two-tier cache's host rows and spills)
-    moves them as they are stored; `store` quantizes where a writer puts new cells, `load`
-    dequantizes (to `dtype`) where attention reads them. A zeroed cell reads as zeros either way."""
+    Whatever moves cells moves them as they are stored; `store` quantizes new cells, `load`
+    dequantizes (to `dtype`) for attention. A zeroed cell reads as zeros either way."""
 
     dtype: torch.dtype = torch.float32
     keys: GGMLQuantizationType = Q.BF16
@@ -54,11 +53,9 @@ class KVFormat:
         return Q.Q8_0 in self.types
 
     def storage(self, t: GGMLQuantizationType) -> torch.dtype:
-        """The element type of a cache tensor stored as `t`."""
         return torch.uint8 if t == Q.Q8_0 else self.dtype
 
     def row(self, t: GGMLQuantizationType, head_dim: int) -> int:
-        """Stored elements of one head's Dh values (its last dim)."""
         return q8_0_row_bytes(head_dim) if t == Q.Q8_0 else head_dim
 
     def zeros(self, t: GGMLQuantizationType, *shape: int, device: torch.device | str) -> torch.Tensor:
@@ -66,15 +63,14 @@ class KVFormat:
         return torch.zeros(*shape[:-1], self.row(t, shape[-1]), device=device, dtype=self.storage(t))
 
     def cell_bytes(self, kv_dim: int) -> int:
-        """Bytes one position takes in one layer, keys and values."""
         return kv_cell_bytes(self.keys, self.values, kv_dim, self.dtype.itemsize)
 
     def store(self, t: GGMLQuantizationType, x: torch.Tensor) -> torch.Tensor:
-        """New cells [..., Dh] as `t` stores them (plain: x itself, cast where it is assigned)."""
+        """New cells [..., Dh] as `t` stores them (plain: x itself)."""
         return quantize_q8_0(x) if t == Q.Q8_0 else x
 
     def load(self, t: GGMLQuantizationType, cells: torch.Tensor) -> torch.Tensor:
-        """Stored cells [..., row(t, Dh)] -> [..., Dh] in `dtype` (plain: the cells themselves, no copy)."""
+        """Stored cells [..., row(t, Dh)] -> [..., Dh] in `dtype` (plain: no copy)."""
         if t != Q.Q8_0:
             return cells
         row = cells.shape[-1]
@@ -82,7 +78,6 @@ class KVFormat:
         return dequantize_rows(cells.reshape(-1, row), Q.Q8_0, dh).to(self.dtype).view(*cells.shape[:-1], dh)
 
     def describe(self) -> str:
-        """'bf16' (or the plain dtype: 'fp32') or 'q8_0' where keys and values agree, else 'k q8_0, v bf16'."""
         k, v = ("q8_0" if t == Q.Q8_0 else _PLAIN_NAMES.get(self.dtype, str(self.dtype)) for t in self.types)
         return k if k == v else f"k {k}, v {v}"
 
@@ -91,11 +86,10 @@ class SequenceKV(Protocol):
     """One sequence's keys and values for a decoder's layers.
 
     `length` counts the positions written by completed forwards. A forward reserves its rows,
-    writes each layer's keys and values (`write`, which returns every key and value up to them
-    for attention, dequantized), then advances. `k`/`v` [L, capacity, Hkv, row] hold the cells in
-    VRAM as `format` stores them (row = Dh, or Dh / 32 * 34 bytes of Q8_0 blocks); where
-    `graph_capturable` they hold every cell at its own position, so the decode step's kernels may
-    read and write them in place by address."""
+    writes each layer's keys and values (`write`), then advances. `k`/`v` [L, capacity, Hkv, row]
+    hold the VRAM cells as `format` stores them; where `graph_capturable` every cell sits at its own
+    position, so the decode step's kernels may read and write them in place by address.
+    """
 
     k: torch.Tensor
     v: torch.Tensor
@@ -118,14 +112,12 @@ class SequenceKV(Protocol):
 
     @property
     def rows_in_place(self) -> bool:
-        """Every row it can hold sits in `k`/`v` at its own position, for its whole life: rows read
-        from there are the forwards' keys and values, and rows copied there before `advance` read as
-        if a forward wrote them. What the prefix cache saves blocks from and restores them into."""
+        """Every row sits in `k`/`v` at its own position for the cache's whole life, so rows copied there
+        before `advance` read as if a forward wrote them: what the prefix cache saves and restores."""
         ...
 
     @property
     def nbytes(self) -> int:
-        """VRAM its cells take."""
         ...
 
     def reserve(self, new_tokens: int) -> None:
@@ -134,15 +126,15 @@ class SequenceKV(Protocol):
 
     def write(self, layer: int, k_new: torch.Tensor, v_new: torch.Tensor, at: int = 0
               ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store [T, Hkv, Dh] keys/values `at` rows past the cached ones; all keys/values up to
-        them [length + at + T, Hkv, Dh], in the compute dtype."""
+        """Store [T, Hkv, Dh] keys/values `at` rows past the cached ones; all keys/values up to them
+        [length + at + T, Hkv, Dh], in the compute dtype."""
         ...
 
     def advance(self, n: int) -> None: ...
 
     def prefetch(self, layer: int) -> None:
-        """Start bringing `layer`'s cells that live elsewhere (host RAM) to the device, a layer
-        ahead of its attention; a no-op where every cell is in VRAM."""
+        """Start bringing `layer`'s cells that live in host RAM to the device, a layer ahead of its
+        attention."""
         ...
 
     def drain(self) -> None:
@@ -151,13 +143,10 @@ class SequenceKV(Protocol):
 
 
 class KVCache:
-    """Keys and values of one sequence for `n_layers` layers.
+    """Keys and values of one sequence for `n_layers` layers, [capacity, Hkv, row] per layer.
 
-    Layout per layer: [capacity, Hkv, row] (`KVFormat`: keys as `keys`, values as `values`, in
-    `dtype` where plain). `length` counts the positions written by completed forwards; a forward
-    writes rows [length, length + T) in every layer, then calls `advance(T)`. Unwritten rows are
-    zeros, never garbage: the static decode step attends over the whole capacity under a mask, and
-    a masked NaN would still poison the softmax and P @ V.
+    Unwritten rows are zeros, never garbage: the static decode step attends over the whole capacity
+    under a mask, and a masked NaN would still poison the softmax and P @ V.
     """
 
     def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, *, capacity: int = 256,
@@ -177,7 +166,6 @@ class KVCache:
 
     @property
     def graph_capturable(self) -> bool:
-        """Every cell sits in `k`/`v` at its own position: the static decode step may read them."""
         return True
 
     @property
@@ -207,9 +195,6 @@ class KVCache:
 
     def write(self, layer: int, k_new: torch.Tensor, v_new: torch.Tensor, at: int = 0
               ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store [T, Hkv, Dh] keys/values `at` rows past the cached ones (a forward's later rows,
-        its earlier ones written first); return all of them up to the new ones [length+at+T, Hkv, Dh]
-        (views of the cache where plain, dequantized copies where Q8_0)."""
         start = self.length + at
         end = start + k_new.shape[0]
         assert end <= self.capacity, "reserve() before writing"

@@ -1,6 +1,5 @@
-"""The decoder's small ops in plain torch: norms, rotary embeddings, attention (SDPA), routing,
-and `DecodeOps`, the twins of the fused CUDA versions a GPU stage passes to its `Decoder`
-(`kernels.decode_ops`).
+"""The decoder's small ops in plain torch, and `DecodeOps`, the twins of the fused CUDA versions a
+GPU stage passes to its `Decoder` (`kernels.decode_ops`).
 
 Shape legend: T = token rows, D = hidden, H = query heads, Hkv = KV heads, Dh = head dim,
 E = experts, A = experts used per token, S = keys, B = rows of a decode step.
@@ -28,9 +27,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 def rope_inv_freq(spec: ModelSpec, device: torch.device) -> torch.Tensor:
     """RoPE's frequencies [Dh/2] fp32 (radians a position), scaled as `spec.rope_scaling` says, in
-    transformers' arithmetic (`_compute_linear_scaling_rope_parameters`, `_compute_yarn_parameters`;
-    llama.cpp's `rope_yarn` is the same mix). Made on `device` with no host copy: a captured decode
-    step computes its tables inside the graph."""
+    transformers' arithmetic (llama.cpp's `rope_yarn` is the same mix). Made on `device` with no
+    host copy: a captured decode step computes its tables inside the graph."""
     dh, r = spec.head_dim, spec.rope_scaling
     pos_freqs = spec.rope_base ** (torch.arange(0, dh, 2, device=device, dtype=torch.float32) / dh)  # [Dh/2]
     kept = 1.0 / pos_freqs
@@ -46,10 +44,8 @@ def rope_inv_freq(spec: ModelSpec, device: torch.device) -> torch.Tensor:
 
 
 def rope_cos_sin(positions: torch.Tensor, spec: ModelSpec, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """NEOX-style rotary tables of positions [T]: cos and sin [T, Dh] each (the half-frequencies
-    repeated), times the scaling's mscale (YaRN's attention factor), computed in fp32 and then cast.
-    The one place RoPE is computed: the prompt path, the row path, the oracle and the fused decode
-    kernel (which reads these tables) all rotate by them."""
+    """NEOX-style rotary tables of positions [T]: cos and sin [T, Dh] each, times the scaling's mscale,
+    computed in fp32 and then cast. The one place RoPE is computed: every path rotates by these."""
     freqs = positions.float()[:, None] * rope_inv_freq(spec, positions.device)[None, :]  # [T, Dh/2]
     emb = torch.cat([freqs, freqs], dim=-1)  # [T, Dh]
     cos, sin = emb.cos(), emb.sin()
@@ -68,8 +64,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 def qk_norm_rope(spec: ModelSpec, w: LayerWeights, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
                  sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Projections q [T, H*Dh], k [T, Hkv*Dh] -> q [T, H, Dh], k [T, Hkv, Dh], each head RMS-normed
-    and rotated."""
+    """q [T, H*Dh], k [T, Hkv*Dh] -> q [T, H, Dh], k [T, Hkv, Dh], each head RMS-normed and rotated."""
     t = q.shape[0]
     q = rms_norm(q.view(t, spec.n_heads, spec.head_dim), w.q_norm, spec.rms_eps)
     k = rms_norm(k.view(t, spec.n_kv_heads, spec.head_dim), w.k_norm, spec.rms_eps)
@@ -108,10 +103,9 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
 
 
 def one_query_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """One query row q [1, H, Dh] over every key of k, v [S, Hkv, Dh] -> [1, H, Dh]: each KV head's
-    group of query heads in one batched product, a softmax, another product. A CPU decode step's
-    attention: torch's CPU SDPA tiles for many queries and takes several times as long for one
-    (docs/BENCHMARKS.md); the same arithmetic in fp32, summed in another order."""
+    """One query row q [1, H, Dh] over every key of k, v [S, Hkv, Dh] -> [1, H, Dh]. A CPU decode
+    step's attention: torch's CPU SDPA tiles for many queries and is slow for one; the same
+    arithmetic in fp32, summed in another order."""
     h, dh, hkv = q.shape[1], q.shape[2], k.shape[1]
     scores = torch.bmm(q[0].reshape(hkv, h // hkv, dh), k.permute(1, 2, 0)) * dh ** -0.5  # [Hkv, G, S]
     return torch.bmm(torch.softmax(scores, dim=-1), v.transpose(0, 1)).view(1, h, dh)
@@ -136,26 +130,24 @@ def route(h: torch.Tensor, router: torch.Tensor, n_used: int, renormalize: bool
 
 
 class DecodeOps:
-    """The small ops of the static decode step, as plain torch: the twins of the fused CUDA
-    versions (`kernels.decode_ops`), which a GPU stage passes to its `Decoder` instead."""
+    """The small ops of the static decode step, as plain torch: the twins of `kernels.decode_ops`."""
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return rms_norm(x, weight, eps)
 
     def add_rms_norm(self, x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor, eps: float
                      ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(x + y, rms_norm(x + y)): the residual stream and the next block's input. The fused
-        version updates x in place."""
+        """(x + y, rms_norm(x + y)): the residual stream and the next block's input. The fused version
+        updates x in place."""
         x = x + y
         return x, rms_norm(x, weight, eps)
 
     def qk_norm_rope_kv(self, spec: ModelSpec, w: LayerWeights, layer: int, q: torch.Tensor, k: torch.Tensor,
                         v: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                         kvs: Sequence[SequenceKV], table: torch.Tensor | None = None) -> torch.Tensor:
-        """B rows, row b one token of sequence kvs[b]: projections q [B, H*Dh], k and v [B, Hkv*Dh].
-        q and k normed per head and rotated; row b's k and v written at positions[b] (on the device)
-        of layer `layer` of kvs[b]'s cache [capacity, Hkv, R], as its format stores them (Q8_0:
-        quantized from the rounded k and v); returns q [B, H, Dh]."""
+        """q [B, H*Dh], k and v [B, Hkv*Dh], row b one token of sequence kvs[b]: q and k normed per head and
+        rotated; row b's k and v written at positions[b] of layer `layer` of kvs[b]'s cache as its
+        format stores them; returns q [B, H, Dh]."""
         qn, kn = qk_norm_rope(spec, w, q, k, cos, sin)
         for b, kv in enumerate(kvs):
             r, f = slice(b, b + 1), kv.format
@@ -165,19 +157,17 @@ class DecodeOps:
         return qn
 
     def kv_table(self, kvs: Sequence[SequenceKV]) -> torch.Tensor | None:
-        """The caches' addresses as fused kernels read them; these ops read the caches themselves."""
         return None
 
     def twin_runs(self, ops: Sequence[str]) -> list[int]:
-        """How often each of `ops` has run a twin in place of a fused kernel (a capture during
-        which one did read the caches at their addresses); these ops have no fused kernels."""
+        """How often each of `ops` has run a twin in place of a fused kernel; these ops have no fused kernels."""
         return []
 
     def attention(self, layer: int, q: torch.Tensor, positions: torch.Tensor, kvs: Sequence[SequenceKV],
                   table: torch.Tensor | None = None, capacity: int | None = None) -> torch.Tensor:
-        """q [B, H, Dh], row b the token at positions[b] of kvs[b], against that cache's cells
-        0..positions[b] of layer `layer` -> [B, H, Dh]. Here: the whole capacity under a mask (a
-        Q8_0 cache's cells dequantized to the compute dtype first, as the kernel's tile loads do)."""
+        """q [B, H, Dh], row b at positions[b] of kvs[b], against that cache's cells 0..positions[b] of
+        layer `layer` -> [B, H, Dh]. Here: the whole capacity under a mask (a Q8_0 cache dequantized
+        first, as the kernel's tile loads do)."""
         outs = []
         for b, kv in enumerate(kvs):
             f = kv.format
@@ -193,9 +183,8 @@ class DecodeOps:
     def moe_input(self, x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor, eps: float, router: torch.Tensor,
                   n_used: int, renormalize: bool
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """The MoE block's input from the residual x and the attention's output y: (x + y, h =
-        rms_norm(x + y), h's routing weights [T, A] and experts [T, A], and h quantized for integer
-        expert kernels or None). The twin: add_rms_norm, then route; nothing quantized."""
+        """From the residual x and the attention's output y: (x + y, h = rms_norm(x + y), h's routing
+        weights [T, A] and experts [T, A], h quantized for integer expert kernels or None)."""
         x, h = self.add_rms_norm(x, y, weight, eps)
         weights, experts = self.route(h, router, n_used, renormalize)
         return x, h, weights, experts, None

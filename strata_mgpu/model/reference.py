@@ -1,6 +1,7 @@
 """The oracle: the decoder forward over dense dequantized weights (fp32 by default), the routed
 experts computed one at a time. Every fast path is checked against it, and it against Hugging Face
-transformers' Qwen3-MoE (tests/test_reference_oracle.py)."""
+transformers' Qwen3-MoE (tests/test_reference_oracle.py).
+"""
 
 from __future__ import annotations
 
@@ -29,8 +30,7 @@ def moe_reference(h: torch.Tensor, w: LayerWeights, weights: torch.Tensor, exper
 
 
 class DenseExperts:
-    """The oracle's `ExpertBackend`: experts from dequantized tensors in memory, one expert at a
-    time; nothing streams, nothing is handed over."""
+    """The oracle's `ExpertBackend`: experts from dequantized tensors in memory, one at a time."""
 
     def __init__(self, layers: Sequence[LayerWeights]):
         self.layers = layers
@@ -56,7 +56,7 @@ class DenseExperts:
 
 
 class ReferenceModel(Decoder):
-    """The oracle: dense dequantized weights (fp32 by default), experts one at a time."""
+    """The oracle: dense dequantized weights, experts one at a time."""
 
     def __init__(self, spec: ModelSpec, weights: ModelWeights,
                  kv_types: tuple[GGMLQuantizationType, GGMLQuantizationType] = PLAIN_KV):

@@ -1,5 +1,6 @@
 """`DecoderRunner`: the engine's `ModelRunner` over a `Decoder` in host memory (the fp32 reference),
-the loader of it, and the prefill calls every runner over a `Decoder` makes (a stage's too)."""
+its loader, and the prefill calls every runner over a `Decoder` makes.
+"""
 
 from __future__ import annotations
 
@@ -25,8 +26,7 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 class DecoderRunner:
-    """The engine's `ModelRunner` over a `Decoder` in host memory: the reference (no KV limit,
-    nothing replayed)."""
+    """The engine's `ModelRunner` over a `Decoder` in host memory: no KV limit, nothing replayed."""
 
     kv_token_budget: int | None = None  # KV cells of all sequences together: no limit
 
@@ -75,14 +75,12 @@ class DecoderRunner:
 
 
 def prefill_last_logits(model: Decoder, kv: SequenceKV, tokens: torch.Tensor) -> torch.Tensor:
-    """Append tokens [T] to the sequence `kv`; logits [V] of the last one."""
     hidden = model.forward(tokens.to(model.device), [Segment(0, tokens.shape[0], kv)])
     return model.logits(hidden[-1:])[0]
 
 
 def prefill_pack_logits(model: Decoder, kvs: Sequence[SequenceKV], chunks: Sequence[torch.Tensor]) -> torch.Tensor:
-    """Append chunks[i] [T_i] to sequence kvs[i] (distinct sequences), all in one forward packed as
-    segments; logits [N, V] of each chunk's last token."""
+    """One forward packed as segments; logits [N, V] of each chunk's last token."""
     assert len(kvs) == len(chunks) > 0 and len({id(kv) for kv in kvs}) == len(kvs)
     ends = list(itertools.accumulate(c.shape[0] for c in chunks))
     segments = [Segment(end - c.shape[0], end, kv) for kv, c, end in zip(kvs, chunks, ends, strict=True)]
@@ -92,7 +90,6 @@ def prefill_pack_logits(model: Decoder, kvs: Sequence[SequenceKV], chunks: Seque
 
 def load_reference_runner(f: GGUFFile, spec: ModelSpec, on_progress: Callable[[int, int], None] | None = None,
                           kv_types: tuple[GGMLQuantizationType, GGMLQuantizationType] = PLAIN_KV) -> DecoderRunner:
-    """Dequantize a validated GGUF's weights to fp32; `on_progress(done, total)` counts layers;
-    `kv_types`: how its caches store keys and values (`KVFormat`)."""
+    """Dequantize a validated GGUF's weights to fp32; `on_progress(done, total)` counts layers."""
     weights = load_weights(f, spec, on_layer=(lambda i: on_progress(i + 1, spec.n_layers)) if on_progress else None)
     return DecoderRunner(ReferenceModel(spec, weights, kv_types=kv_types))

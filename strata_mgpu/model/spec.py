@@ -1,8 +1,7 @@
 """Model spec: the shapes of a model, read from GGUF metadata, and the tensors it must have.
 
-One builder per `general.architecture`, registered in `SPEC_BUILDERS`; `qwen3moe` is the first.
-`validate_tensors` checks every expected tensor's presence, shape and type against the spec, so
-that nothing later has to.
+One builder per `general.architecture`, registered in `SPEC_BUILDERS`. `validate_tensors` checks
+every expected tensor's presence, shape and type against the spec, so that nothing later has to.
 """
 
 from __future__ import annotations
@@ -27,10 +26,9 @@ ROPE_SCALINGS = (RopeScalingType.NONE, RopeScalingType.LINEAR, RopeScalingType.Y
 class RopeScaling:
     """How RoPE's frequencies stretch past the context the model was trained at, from
     `{arch}.rope.scaling.*`, read as llama.cpp reads them. `linear` divides every frequency by
-    `factor`; `yarn` divides only the slow ones (those turning fewer than `beta_slow` times over
-    `original_context` positions), keeps the fast ones (more than `beta_fast` turns) and ramps
-    between, and scales cos and sin by 1 + 0.1 ln(factor) (`mscale`). `ops.rope_inv_freq` and
-    `ops.rope_cos_sin` compute the tables from it, the same for every path."""
+    `factor`; `yarn` divides only the slow ones (fewer than `beta_slow` turns over
+    `original_context` positions), keeps the fast ones (more than `beta_fast`) and ramps between,
+    and scales cos and sin by 1 + 0.1 ln(factor) (`mscale`)."""
 
     kind: RopeScalingType = RopeScalingType.NONE  # one of ROPE_SCALINGS
     factor: float = 1.0  # a scaled file's context is factor x original_context
@@ -41,15 +39,14 @@ class RopeScaling:
 
     @property
     def mscale(self) -> float:
-        """The factor on cos and sin (so on attention logits, squared), as llama.cpp and
-        transformers apply it: YaRN's 1 + 0.1 ln(factor) (1 where factor <= 1), times attn_factor."""
+        """The factor on cos and sin (so on attention logits, squared): YaRN's 1 + 0.1 ln(factor) (1 where
+        factor <= 1), times attn_factor."""
         yarn = self.kind == RopeScalingType.YARN and self.factor > 1
         return (1.0 + 0.1 * math.log(self.factor) if yarn else 1.0) * self.attn_factor
 
     def correction_range(self, head_dim: int, base: float) -> tuple[int, int]:
-        """YaRN's frequencies [low, high] (indices of the head_dim / 2) over which the ramp runs from
-        keeping the frequency to dividing it by factor, floored and ceiled as llama.cpp
-        (`ggml_rope_yarn_corr_dims`) and transformers (`truncate`) do."""
+        """YaRN's frequencies [low, high] (indices of the head_dim / 2) over which the ramp runs, floored
+        and ceiled as llama.cpp and transformers do."""
         def dim_of(turns: float) -> float:
             return head_dim * math.log(self.original_context / (turns * 2 * math.pi)) / (2 * math.log(base))
 
@@ -176,12 +173,10 @@ def _qwen3moe(f: GGUFFile, arch: str) -> ModelSpec:
 
 
 def rope_scaling_from_gguf(f: GGUFFile, arch: str) -> RopeScaling:
-    """`{arch}.rope.scaling.*` as llama.cpp reads them (`llama_model::load_hparams`): no type is
-    linear; no factor, or 0 (or the old `rope.scale_linear`'s), is 1; `none` scales nothing
-    whatever the factor, but attn_factor still multiplies cos and sin; the original context
-    defaults to the file's. The YaRN betas (`yarn_beta_fast` / `_slow`, which llama.cpp reads for
-    a few architectures only) default to 32 and 1. An unknown type, or a value out of range, is
-    refused in one line."""
+    """`{arch}.rope.scaling.*` as llama.cpp's `load_hparams` reads them: no type is linear; no factor,
+    or 0, is 1; `none` scales nothing, but attn_factor still multiplies cos and sin; the original
+    context defaults to the file's; the YaRN betas default to 32 and 1. An unknown type, or a value
+    out of range, is refused in one line."""
     R = Keys.Rope
 
     def key(k: str) -> str:
@@ -241,7 +236,6 @@ SPEC_BUILDERS: dict[str, Callable[[GGUFFile, str], ModelSpec]] = {
 
 
 def spec_from_gguf(f: GGUFFile, *, check_tensors: bool = True) -> ModelSpec:
-    """Build the spec from metadata; by default also check every tensor against it."""
     arch = f.require(Keys.General.ARCHITECTURE, str)
     builder = SPEC_BUILDERS.get(arch)
     if builder is None:

@@ -1,14 +1,10 @@
 """Synthetic qwen3moe GGUF writer: real, valid quantized blocks of any supported type.
 
-Weights are random but well-formed: float tensors are Gaussian; quantized tensors are random
-bytes (any bit pattern is a valid quant; the ternary types TQ1_0/TQ2_0 are drawn as ternary
-digits) whose fp16 scale words (IQ1_M: nibbles) are then set so the dequantized
-weights have the wanted spread and zero mean. Dequantization is linear in those scale words, so
-a one-off calibration per format on a few blocks (through `gguf.quants`) tells which values to
-write. Random codes are not zero-mean in most formats (Q4_0's q - 8 averages -0.5, IQ4_NL's
-codebook leans negative), so every block's scale words also get a random sign: a block's values
-flip sign with them, and the tensor's mean is zero whatever the format's codes average.
-(MXFP4's power-of-two scale has no sign; its FP4 codebook is symmetric.)
+Float tensors are Gaussian; quantized tensors are random bytes (any bit pattern is a valid quant;
+the ternary types are drawn as ternary digits) whose scale words are then set so the dequantized
+weights have the wanted spread. Dequantization is linear in the scale words, so a one-off
+calibration per format tells which values to write. Random codes are not zero-mean in most
+formats (Q4_0's q - 8 averages -0.5), so every block's scale words also get a random sign.
 Everything derives from `--seed` and the tensor's name: same seed, same file.
 """
 
@@ -79,8 +75,7 @@ PRESETS: dict[str, Preset] = {
 
 
 def preset_spec(preset_name: str, layers: int | None = None, rope: RopeScaling = NO_ROPE_SCALING) -> ModelSpec:
-    """The spec `write_model` writes: the preset's, cut to its first `layers` layers (None: all),
-    its RoPE scaled by `rope` (whose context, factor x the original, the file then declares)."""
+    """The preset's spec cut to its first `layers` layers (None: all), its RoPE scaled by `rope`."""
     preset = PRESETS[preset_name]
     spec = preset.spec(f"strata-synthetic-{preset_name}")
     if layers is not None:
@@ -94,8 +89,7 @@ def preset_spec(preset_name: str, layers: int | None = None, rope: RopeScaling =
 
 def rope_option(text: str, context: int) -> RopeScaling:
     """gen-model's --rope-scaling: 'none', 'linear:FACTOR[:ORIGINAL]' or 'yarn:FACTOR[:ORIGINAL]'
-    (ORIGINAL: the context trained at, default `context`), e.g. 'yarn:4:32768' as Qwen3's
-    model cards give it."""
+    (ORIGINAL: the context trained at, default `context`), e.g. 'yarn:4:32768'."""
     kind_name, *rest = text.strip().lower().split(":")
     kinds = {k.value: k for k in ROPE_SCALINGS}
     if kind_name not in kinds or len(rest) > 2 or (kind_name == RopeScalingType.NONE.value) != (not rest):
@@ -112,10 +106,9 @@ def rope_option(text: str, context: int) -> RopeScaling:
 
 
 def mix_option(text: str, n_layers: int) -> dict[int, tuple[Q, Q]]:
-    """gen-model's --mix: experts' types by layer range, as Unsloth's mixes vary them, e.g.
-    '0-3:Q6_K,4-:Q4_K' or '0-1:Q8_0/Q8_0,2-:Q4_K/Q6_K' (GATE_UP[/DOWN]; down by default as
-    --expert-type pairs it, DEFAULT_DOWN). Layers no range names keep --expert-type/--down-type.
-    -> layer -> (gate/up type, down type)."""
+    """gen-model's --mix: experts' types by layer range, e.g. '0-3:Q6_K,4-:Q4_K' or
+    '0-1:Q8_0/Q8_0,2-:Q4_K/Q6_K' (GATE_UP[/DOWN]; down by default DEFAULT_DOWN). Layers no range
+    names keep --expert-type/--down-type. -> layer -> (gate/up type, down type)."""
     types: dict[int, tuple[Q, Q]] = {}
     for item in filter(None, (x.strip() for x in text.split(","))):
         m = re.fullmatch(r"(\d+)(?:(-)(\d*))?:(\w+)(?:/(\w+))?", item)
@@ -153,8 +146,7 @@ class TensorPlan:
 
 def plan_tensors(spec: ModelSpec, expert_type: Q, down_type: Q, dense_type: Q,
                  mix: dict[int, tuple[Q, Q]] | None = None) -> list[TensorPlan]:
-    """Every tensor of the model with its type and spread, in file order. `mix`: layer -> its
-    experts' (gate/up, down) types where they differ from expert_type/down_type (`mix_option`)."""
+    """Every tensor of the model with its type and spread, in file order. `mix`: as `mix_option` gives it."""
     shapes = spec.expected_tensors()
     plans = []
     expert_kinds = {TENSOR_NAMES[k].split(".")[-1] for k in EXPERT_TENSORS}
@@ -182,8 +174,8 @@ def plan_tensors(spec: ModelSpec, expert_type: Q, down_type: Q, dense_type: Q,
 
 @cache
 def _calibration(ggml_type: Q) -> tuple[float, float]:
-    """(ratio, unit_std) for a quantized format: with its scale words set to (c, ratio*c, ...)
-    the dequantized weights of random blocks have mean ~0 and std c*unit_std."""
+    """(ratio, unit_std) for a quantized format: with its scale words set to (c, ratio*c, ...) the
+    dequantized weights of random blocks have mean ~0 and std c*unit_std."""
     fmt = block_format(ggml_type)
     rng = np.random.default_rng(1234)
     blocks = _code_blocks(ggml_type, 4096, rng)
@@ -204,10 +196,8 @@ def _calibration(ggml_type: Q) -> tuple[float, float]:
 
 
 def _code_blocks(ggml_type: Q, n_blocks: int, rng: np.random.Generator) -> np.ndarray:
-    """[N, type_size] uint8: random valid blocks of a quantized type, scales still to be set. Random
-    bytes (every bit pattern is a valid block: the IQ types' grid indices cover their grids), except
-    for the ternary types, drawn as digits -1, 0, 1 (TQ2_0 never writes its code 3; a TQ1_0 byte
-    holds its digits as ggml's quantizer writes them)."""
+    """[N, type_size] uint8: random valid blocks, scales still to be set (the ternary types drawn as
+    digits -1, 0, 1, as ggml's quantizer writes them)."""
     fmt = block_format(ggml_type)
     if ggml_type == Q.TQ2_0:  # [qs:64][d:f16]: 4 digits a byte, 2 bits each
         digits = rng.integers(0, 3, size=(n_blocks, 64, 4), dtype=np.uint8)
@@ -224,7 +214,6 @@ def _code_blocks(ggml_type: Q, n_blocks: int, rng: np.random.Generator) -> np.nd
 
 
 def _set_scales(fmt: BlockFormat, blocks: np.ndarray, values: list[np.ndarray]) -> None:
-    """Write per-block scale values into `blocks` [N, type_size] in place."""
     if fmt.f16_scales:
         halves = [v.astype(np.float16).view(np.uint16) for v in values[:fmt.f16_scales]]
         set_f16_scale_bits(fmt, blocks, np.stack(halves, axis=1))
@@ -263,9 +252,7 @@ AHEAD_BYTES = 2 << 30
 
 def tensors_in_order(plans: list[TensorPlan], seed: int, workers: int) -> Iterator[np.ndarray]:
     """`make_tensor` of each plan, in order; with workers > 1 made on a thread pool ahead of the
-    one the caller is writing (numpy's random fills and ufuncs run without the GIL, so the threads'
-    tensors are made in parallel). Each tensor's bytes depend
-    only on the seed and its name, so the file is the same whatever `workers` is."""
+    writer (numpy's fills run without the GIL). The file is the same whatever `workers` is."""
     if workers <= 1:
         yield from (make_tensor(p, seed) for p in plans)
         return
@@ -305,8 +292,8 @@ _K_SIZES = {  # gate/up type -> (file type with down alike, with down of a large
 
 
 def file_type(expert_type: Q, down_type: Q) -> LlamaFileType:
-    """`general.file_type` of a file with these expert types, after llama.cpp's names: Q4_K gate/up
-    with Q6_K down is Q4_K_M, all Q4_K is Q4_K_S, Q8_0 experts are MOSTLY_Q8_0."""
+    """`general.file_type` after llama.cpp's names: Q4_K gate/up with Q6_K down is Q4_K_M, all Q4_K
+    is Q4_K_S, Q8_0 experts are MOSTLY_Q8_0."""
     if expert_type in _K_SIZES:
         alike, larger = _K_SIZES[expert_type]
         bits = block_format(down_type).bits_per_weight
@@ -320,9 +307,7 @@ def write_model(path: str | Path, preset_name: str, *, expert_type: Q = Q.Q4_K, 
                 layers: int | None = None, rope: RopeScaling = NO_ROPE_SCALING,
                 mix: dict[int, tuple[Q, Q]] | None = None, chat_template: str = CHAT_TEMPLATE) -> ModelSpec:
     """Write a synthetic qwen3moe GGUF; `on_tensor(name, nbytes)` is called after each tensor.
-    `workers`: threads making tensors ahead of the writer (None: up to 8, one a core); the file
-    is the same for any number. `layers`, `rope`: as `preset_spec`; `mix`: as `plan_tensors`;
-    `chat_template`: the jinja source written as `tokenizer.chat_template` (a model's own, to test it)."""
+    `workers`: None: up to 8, one a core. `chat_template`: written as `tokenizer.chat_template`."""
     down_type = DEFAULT_DOWN.get(expert_type, expert_type) if down_type is None else down_type  # F32 is 0
     spec = preset_spec(preset_name, layers, rope)
     plans = plan_tensors(spec, expert_type, down_type, dense_type, mix)

@@ -2,8 +2,6 @@
 
 `tokenizer.ggml.model = gpt2` with `pre = qwen2` becomes a `tokenizers` byte-level BPE with the
 Qwen2 split regex and NFC normalization; CONTROL and USER_DEFINED tokens become added tokens.
-`IncrementalDetokenizer` turns a growing list of ids into text deltas that never end inside a
-UTF-8 character. `ChatTemplate` renders the GGUF's jinja2 template in a sandbox.
 """
 
 from __future__ import annotations
@@ -125,10 +123,9 @@ class IncrementalDetokenizer:
 class ChatTemplate:
     """A jinja2 chat template rendered in an immutable sandbox (HF's conventions).
 
-    Messages reach it whole, as `apply_chat_template` passes them (tools, tool calls, tool call
-    ids, reasoning), with one exception: a template that drops content given as a list of text
-    parts (Qwen3's own renders only string content) is given each list joined into a string.
-    Whether it does is found once, by rendering one message of text parts (`takes_text_parts`).
+    Messages reach it whole, as `apply_chat_template` passes them, with one exception: a template
+    that drops content given as a list of text parts (Qwen3's renders only string content) is given
+    each list joined into a string. Whether it does is found once (`takes_text_parts`).
     """
 
     def __init__(self, source: str):
@@ -181,7 +178,6 @@ def _raise_exception(message: str) -> None:
 
 
 def build_hf_tokenizer(tokens: list[str], types: list[int], merges: list[str], pre: str) -> HFTokenizer:
-    """A byte-level BPE `tokenizers.Tokenizer` over the GGUF vocabulary."""
     split = PRE_TOKENIZER_SPLITS.get(pre)
     if split is None:
         raise ValueError(f"pre-tokenizer {pre!r} is not supported (supported: {', '.join(PRE_TOKENIZER_SPLITS)})")

@@ -1,10 +1,9 @@
 """A byte-level BPE vocabulary for synthetic models, laid out like Qwen's.
 
-Ids 0.. are normal byte-level tokens: the 256 byte characters, then merges learned by
-`tokenizers`' BPE trainer from a short built-in English/code text, then (for vocabularies larger
-than that text supports) further merges that extend existing tokens by one printable character,
-in a fixed order. The special tokens follow, as in Qwen3. Every merge joins two existing tokens,
-so the vocabulary is a valid BPE and ASCII text round-trips.
+Ids 0.. are the 256 byte characters, then merges learned from a short built-in text, then merges
+extending existing tokens by one printable character, in a fixed order; the special tokens
+follow, as in Qwen3. Every merge joins two existing tokens, so the vocabulary is a valid BPE and
+ASCII text round-trips.
 """
 
 from __future__ import annotations
@@ -115,7 +114,6 @@ def _corpus() -> str:
 
 
 def _trained(n_normal: int) -> tuple[list[str], list[str]]:
-    """Train on the built-in text; returns (tokens in id order, merges), at most n_normal tokens."""
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.Sequence([
         pre_tokenizers.Split(Regex(QWEN2_SPLIT), behavior="isolated", invert=False),

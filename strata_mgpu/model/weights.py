@@ -1,7 +1,7 @@
 """Dense weights of a model (or a layer range of it) from GGUF: dequantized to a float dtype, or,
 for the projections of a stage that multiplies blocks in place, kept as their GGUF blocks
-(`BlockMatrix`): a CPU stage through ggml (every type), a GPU stage through `dense_q8` (the integer
-types it dots) where decode reads each projection once a step and the blocks are half the bytes."""
+(`BlockMatrix`), where decode reads each projection once a step and the blocks are fewer bytes.
+"""
 
 from __future__ import annotations
 
@@ -19,8 +19,8 @@ from strata_mgpu.quant.dequant import dequantize
 
 @dataclass(frozen=True)
 class BlockMatrix:
-    """A projection W [N, K] kept as the file stores it: raw [N, row_bytes] uint8, each row K
-    values in blocks of `ggml_type`. What multiplies it is the decoder's `DenseMatmul`."""
+    """A projection W [N, K] kept as the file stores it: raw [N, row_bytes] uint8, each row K values in
+    blocks of `ggml_type`."""
 
     raw: torch.Tensor  # [N, row_bytes] uint8
     ggml_type: GGMLQuantizationType
@@ -42,7 +42,6 @@ KeepBlocks = Callable[[GGMLQuantizationType, int], bool]
 
 
 def every_type(ggml_type: GGMLQuantizationType, k: int) -> bool:
-    """Keep every projection as blocks (a CPU stage: ggml multiplies every type)."""
     return True
 
 
@@ -69,8 +68,8 @@ class LayerWeights:
 
 @dataclass
 class ModelWeights:
-    """The dense weights of a layer range; the embedding where it is the first stage, the final
-    norm and head where it is the last (None elsewhere)."""
+    """The dense weights of a layer range; the embedding on the first stage, the final norm and head on
+    the last (None elsewhere)."""
 
     embed: Matrix | None  # [V, D]: rows looked up by token
     layers: list[LayerWeights]
@@ -90,12 +89,9 @@ def load_weights(f: GGUFFile, spec: ModelSpec, *, dtype: torch.dtype = torch.flo
                  device: torch.device | str = "cpu", with_experts: bool = True, layers: range | None = None,
                  embed: bool = True, head: bool = True, blocks: KeepBlocks | None = None,
                  embed_blocks: bool = False, on_layer: Callable[[int], None] | None = None) -> ModelWeights:
-    """Dequantize the tensors of `layers` (default: all) to `dtype` on `device` (the router stays
-    fp32); without experts when they are streamed; the embedding and the head only if asked.
-    `blocks`: the projections (q, k, v, o, the head) it takes stay as their blocks (`BlockMatrix`,
-    copied out of the file's map onto `device`), q, k and v one matrix where all three are kept and
-    their types agree (floats: one matrix always); `embed_blocks`: the embedding too (the CPU: a
-    lookup dequantizes the picked rows). `on_layer(i)` reports progress."""
+    """Dequantize `layers` (default: all) to `dtype` on `device` (the router stays fp32), without
+    experts when they are streamed. `blocks`: projections kept as blocks (q, k, v one matrix where
+    their types agree); `embed_blocks`: the embedding too. `on_layer(i)` reports progress."""
 
     def get(kind: T, layer: int | None = None, as_dtype: torch.dtype = dtype) -> torch.Tensor:
         name = tname(kind, layer)
@@ -103,7 +99,6 @@ def load_weights(f: GGUFFile, spec: ModelSpec, *, dtype: torch.dtype = torch.flo
         return dequantize(f.tensor_data(name), info.ggml_type, info.shape, device).to(as_dtype)
 
     def raw(*kinds_layer: tuple[T, int | None]) -> BlockMatrix:
-        """The blocks of one tensor, or of several of one type and width stacked by rows."""
         infos = [f.tensor(tname(kind, layer)) for kind, layer in kinds_layer]
         data = np.concatenate([f.tensor_data(tname(kind, layer)) for kind, layer in kinds_layer])
         return BlockMatrix(torch.from_numpy(data).to(device), infos[0].ggml_type, infos[0].shape[-1])
@@ -157,6 +152,5 @@ def load_weights(f: GGUFFile, spec: ModelSpec, *, dtype: torch.dtype = torch.flo
 
 
 def _row_ranges(*sizes: int) -> list[tuple[int, int]]:
-    """[start, stop) of consecutive row blocks of these sizes."""
     ends = np.cumsum(sizes).tolist()
     return list(zip([0, *ends[:-1]], ends, strict=True))

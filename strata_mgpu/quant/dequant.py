@@ -1,11 +1,9 @@
 """Dequantization of GGML blocks into float32 torch tensors: the twin of the CUDA decoders.
 
-Every format of `quant.formats` is written here in torch, vectorised over blocks (no Python loop
-over blocks), so the same code runs on the CPU and on a GPU. The products and sums are fp32 in
-the order `gguf.quants` (and llama.cpp) use, so results are bit-exact with `gguf.quants.dequantize`
-(tests/test_quant.py compares every format block by block), with ggml's own C for the IQ grid and
-ternary types (tests/test_quant_iq.py, through ggml-python) and with `cuda_src/ggml_blocks.cuh`
-(tests/test_blocks_host.py on the host, tests/test_gpu_quant.py on a GPU).
+Vectorised over blocks, so the same code runs on the CPU and on a GPU. Products and sums are fp32
+in the order `gguf.quants` (and llama.cpp) use, so results are bit-exact with
+`gguf.quants.dequantize` (tests/test_quant.py, block by block), with ggml's C for the IQ grid and
+ternary types (tests/test_quant_iq.py) and with `cuda_src/ggml_blocks.cuh`.
 """
 
 from __future__ import annotations
@@ -30,7 +28,6 @@ MXFP4_VALUES = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)  # E2M1
 
 @cache
 def _codebook(values: tuple[int, ...], device: torch.device) -> torch.Tensor:
-    """A codebook on `device`, made once (a host-to-device copy, not one a call)."""
     return torch.tensor(values, dtype=torch.float32, device=device)
 
 
@@ -189,7 +186,6 @@ def _mxfp4(b: torch.Tensor) -> torch.Tensor:  # [e:e8m0][qs:16]
 
 @cache
 def _grid_rows(name: str, device: torch.device) -> torch.Tensor:
-    """Grid `name` as float32 [rows, width] on `device`, made once."""
     return torch.from_numpy(grids.grid(name).astype(np.float32)).to(device)
 
 
@@ -366,8 +362,7 @@ def dequantize_rows(raw: torch.Tensor, ggml_type: GGMLQuantizationType, row_len:
 
 def dequantize(raw: np.ndarray, ggml_type: GGMLQuantizationType, shape: tuple[int, ...],
                device: torch.device | str = "cpu") -> torch.Tensor:
-    """Host bytes of a tensor ([..., row_bytes] uint8) -> float32 tensor of `shape`, dequantized on
-    `device`."""
+    """Host bytes of a tensor ([..., row_bytes] uint8) -> float32 tensor of `shape` on `device`."""
     fmt = block_format(ggml_type)
     row_len = shape[-1]
     flat = np.array(raw, dtype=np.uint8).reshape(-1, fmt.row_bytes(row_len))  # owned copy: memmaps are read-only

@@ -1,16 +1,14 @@
 """The one table of block formats strata serves: sizes (from `gguf.constants`), the scale-field
 layout the synthetic writer uses, and which implementations each format has.
 
-A block holds `block_size` weights in `type_size` bytes. `scale_fields` lists the byte offsets of
-each block's fp16 scale words (d, dmin, ...): dequantized values are linear in them, which is how
-the synthetic writer sets the weights' magnitude on otherwise random, always valid, blocks.
-IQ1_M has no such word: its one fp16 scale is spread over four nibbles (`nibble_f16_fields`);
-`f16_scale_bits` / `set_f16_scale_bits` read and write a block's scales whichever way they lie.
+`scale_fields` lists the byte offsets of each block's fp16 scale words: dequantized values are
+linear in them, which is how the synthetic writer sets the weights' magnitude. IQ1_M has no such
+word: its one fp16 scale is spread over four nibbles (`nibble_f16_fields`).
 
 Capabilities (every other list of types derives from these flags):
-  torch_dequant  quant/dequant.py, vectorised torch on any device: the twin. A format without it
-                 is not served: `block_format` refuses it, so a model fails at load, in one line.
-  cuda_dequant   cuda_src/dequant.cu (block decoders in ggml_blocks.cuh), bit-exact with the twin.
+  torch_dequant  quant/dequant.py, the twin. A format without it is not served: `block_format`
+                 refuses it, so a model fails at load, in one line.
+  cuda_dequant   cuda_src/dequant.cu, bit-exact with the twin.
   fused_decode   cuda_src/moe_decode.cu, decode's experts straight from their blocks; without it
                  decode gathers through the dequant and runs the grouped GEMMs.
 """
@@ -62,7 +60,6 @@ class BlockFormat:
 
     @property
     def f16_scales(self) -> int:
-        """fp16 scales a block holds (d, dmin, ...): the scale fields, or IQ1_M's scale in nibbles."""
         return len(self.scale_fields) + (1 if self.nibble_f16_fields else 0)
 
 
@@ -127,8 +124,8 @@ FUSED_DECODE_TYPES: tuple[GGMLQuantizationType, ...] = tuple(t for t, f in FORMA
 
 
 def block_format(ggml_type: GGMLQuantizationType) -> BlockFormat:
-    """The format of a type strata serves; a one-line ValueError for any other (model load calls
-    this for every tensor, so an unservable file fails there, not at its first prompt)."""
+    """The format of a type strata serves; a one-line ValueError for any other (model load calls this
+    for every tensor, so an unservable file fails there)."""
     fmt = FORMATS.get(ggml_type)
     if fmt is None or not fmt.torch_dequant:
         served = ", ".join(t.name for t, f in FORMATS.items() if f.torch_dequant)
@@ -137,7 +134,7 @@ def block_format(ggml_type: GGMLQuantizationType) -> BlockFormat:
 
 
 def f16_scale_bits(fmt: BlockFormat, blocks: np.ndarray) -> np.ndarray:
-    """The bits of each block's fp16 scales: [N, type_size] uint8 -> [N, fmt.f16_scales] uint16."""
+    """[N, type_size] uint8 -> [N, fmt.f16_scales] uint16: the bits of each block's fp16 scales."""
     words = [_u16(blocks, at) for at in fmt.scale_fields]
     if fmt.nibble_f16_fields:  # nibble k of the scale is the top nibble of word k
         split = np.zeros(len(blocks), dtype=np.uint16)
@@ -148,8 +145,7 @@ def f16_scale_bits(fmt: BlockFormat, blocks: np.ndarray) -> np.ndarray:
 
 
 def set_f16_scale_bits(fmt: BlockFormat, blocks: np.ndarray, bits: np.ndarray) -> None:
-    """Write [N, fmt.f16_scales] uint16 scale bits into `blocks` [N, type_size] uint8 in place
-    (the other bits of IQ1_M's scale words kept)."""
+    """Write [N, fmt.f16_scales] uint16 scale bits into `blocks` [N, type_size] uint8 in place."""
     assert bits.shape == (len(blocks), fmt.f16_scales), (bits.shape, fmt.name)
     bits = bits.astype(np.uint16)
     for i, at in enumerate(fmt.scale_fields):
@@ -160,7 +156,6 @@ def set_f16_scale_bits(fmt: BlockFormat, blocks: np.ndarray, bits: np.ndarray) -
 
 
 def _u16(blocks: np.ndarray, at: int) -> np.ndarray:
-    """The little-endian u16 at byte `at` of each block: [N] uint16."""
     return blocks[:, at].astype(np.uint16) | (blocks[:, at + 1].astype(np.uint16) << 8)
 
 

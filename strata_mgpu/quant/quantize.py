@@ -1,11 +1,9 @@
-"""Quantization into GGML blocks in torch (any device): Q8_0, the format of a quantized KV cache
-(`model.kv_cache.KVFormat`). The inverse is `quant.dequant` (`dequantize_rows`).
+"""Quantization into GGML blocks in torch (any device): Q8_0, the format of a quantized KV cache.
 
 Q8_0's block (34 bytes, 32 values): [d: fp16][q: int8 x 32], x = d * q. Rounded as ggml's
-`quantize_row_q8_0_ref`: amax = max |x|, d = amax / 127 (fp32), q = roundf(x * (1 / d)) (ties
-away from zero; 0 where d is 0), d stored rounded to fp16. tests/test_kv_q8.py holds it to
-ggml-python's `ggml_quantize_chunk` byte for byte; `cuda_src/decode_ops.cu` (`store_q8_0_run`)
-rounds the same way.
+`quantize_row_q8_0_ref`: d = max |x| / 127 (fp32), q = roundf(x * (1 / d)) (ties away from zero;
+0 where d is 0), d stored rounded to fp16. tests/test_kv_q8.py holds it to ggml-python byte for
+byte; `cuda_src/decode_ops.cu` rounds the same way.
 """
 
 from __future__ import annotations
@@ -17,7 +15,6 @@ Q8_BYTES = 34  # bytes a block: fp16 d, then 32 int8
 
 
 def q8_0_row_bytes(n: int) -> int:
-    """Bytes of `n` values (a multiple of 32) as Q8_0 blocks."""
     assert n % Q8_BLOCK == 0, f"a Q8_0 row holds multiples of {Q8_BLOCK} values, not {n}"
     return n // Q8_BLOCK * Q8_BYTES
 

@@ -22,10 +22,8 @@ from strata_mgpu.server.schemas import ChatCompletionRequest, CompletionRequest,
 
 @dataclass
 class ServerState:
-    """What the routes share. `engine` is None until the model has loaded. `reasoning_format`:
-    'deepseek' splits <think> blocks into reasoning_content, 'none' leaves them in the content.
-    `tool_call_parser`: the tool dialect's name, or 'auto' (the engine's chat template says it).
-    `lenient_json_schema`: an unstated additionalProperties admits any key."""
+    """What the routes share. `engine` is None until the model has loaded. `tool_call_parser`: the tool
+    dialect's name, or 'auto'."""
 
     model_name: str
     api_key: str | None = None
@@ -45,7 +43,7 @@ class ServerState:
             raise ValueError(f"tool call parser {self.tool_call_parser!r}: one of {', '.join(PARSER_NAMES)}")
 
     def chat_options(self, engine: Engine) -> ChatOptions:
-        """How chats are read for `engine`: chosen once for it (the loader asks as the model loads)."""
+        """How chats are read for `engine`: chosen once for it."""
         if self._options is None or self._options[0] is not engine:
             template = engine.tokenizer.chat_template
             dialect = choose_dialect(self.tool_call_parser, template.source if template else None)

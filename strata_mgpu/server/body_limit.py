@@ -22,8 +22,7 @@ def max_body_bytes(n_ctx: int) -> int:
 
 class BodyLimit:
     """ASGI middleware: a request body over `max_bytes` gets a 413 in OpenAI's shape, whether its
-    Content-Length says so or its chunks add up to it; the app never sees such a request. A body
-    within the cap is read here whole (the JSON routes read it whole anyway) and handed on."""
+    Content-Length says so or its chunks add up to it. A body within the cap is read here whole."""
 
     def __init__(self, app: ASGIApp, max_bytes: int):
         self.app, self.max_bytes = app, max_bytes

@@ -1,7 +1,7 @@
 """A chat answer as the engine's text arrives: reasoning split off, then tool calls parsed out of
-the rest (each step only where the request has it on), in the served model's tool dialect. One
-object serves a whole response and a stream alike: `feed` and `finish` give what is new, and it
-keeps the whole for `message`."""
+the rest, in the served model's tool dialect. `feed` and `finish` give what is new, for a whole
+response and a stream alike; it keeps the whole for `message`.
+"""
 
 from __future__ import annotations
 
@@ -23,9 +23,9 @@ class ChatDelta:
 
 
 class ChatAnswer:
-    """split_reasoning: the dialect's reasoning blocks become reasoning_content (`opened`: the
-    prompt opened one). parse_tools: tool calls are parsed out (`functions`: the offered ones'
-    parameter schemas by name; `max_calls`: at most that many, then `done`)."""
+    """split_reasoning: reasoning blocks become reasoning_content (`opened`: the prompt opened one).
+    parse_tools: tool calls are parsed out (`functions`: the offered ones' parameter schemas by
+    name; `max_calls`: at most that many, then `done`)."""
 
     def __init__(self, dialect: ToolDialect, *, split_reasoning: bool, opened: bool, parse_tools: bool,
                  functions: Mapping[str, dict[str, Any]] | None = None, max_calls: int | None = None):
@@ -43,7 +43,6 @@ class ChatAnswer:
 
     @property
     def cut_call(self) -> bool:
-        """The answer ended inside a call (closed with what parsed)."""
         return self._parser is not None and self._parser.cut_call
 
     def feed(self, text: str) -> ChatDelta:
@@ -71,7 +70,6 @@ class ChatAnswer:
         return delta
 
     def message(self) -> dict[str, Any]:
-        """The whole answer as an OpenAI assistant message (reasoning_content where there was any)."""
         content = "".join(self.content)
         message: dict[str, Any] = {"role": "assistant", "content": content if content or not self.calls else None}
         reasoning = "".join(self.reasoning)

@@ -1,12 +1,6 @@
 """`/v1/chat/completions` and `/v1/completions`: a request -> its prompt, constraints and sampling ->
-the engine -> JSON or SSE.
-
-A chat's messages reach the template as templates read them (`messages.py`), with the tools it
-offers; `tool_choice` required or a named function, and a JSON `response_format`, become a
-grammar (`grammars.py`) the engine's sampler follows; the answer's text is split into
-reasoning, content and tool calls as it arrives (`chat_output.py`), in the tool dialect the
-server chose at load (`ChatOptions`). Prompt, grammar and template
-run off the event loop (`prepare_chat`, `prepare_text`).
+the engine -> JSON or SSE. Prompt, grammar and template run off the event loop (`prepare_chat`,
+`prepare_text`).
 """
 
 from __future__ import annotations
@@ -43,8 +37,8 @@ TEMPLATE_ARGUMENTS = frozenset({"messages", "add_generation_prompt", "bos_token"
 
 @dataclass(frozen=True)
 class ChatOptions:
-    """How the server reads chats, fixed at load: its tool dialect, `--reasoning-format`, and
-    whether JSON schemas are read strictly (not `--lenient-json-schema`)."""
+    """How the server reads chats, fixed at load: its tool dialect, `--reasoning-format`, and whether
+    JSON schemas are read strictly."""
 
     dialect: ToolDialect
     reasoning_format: str = "deepseek"
@@ -69,8 +63,7 @@ class Prepared:
 # -- preparing a request (worker threads) -------------------------------------------------------------
 
 def prepare_chat(engine: Engine, grammars: Grammars, body: ChatCompletionRequest, options: ChatOptions) -> Prepared:
-    """The chat's prompt tokens and constraints. Slow for a long chat (template, tokenizer, a new
-    schema's compile): call it off the event loop."""
+    """The chat's prompt tokens and constraints. Slow for a long chat: call it off the event loop."""
     reserved = sorted(TEMPLATE_ARGUMENTS & body.chat_template_kwargs.keys())
     if reserved:
         raise APIError(400, f"chat_template_kwargs may not set {', '.join(map(repr, reserved))}: the server sets "
@@ -113,8 +106,8 @@ def prepare_chat(engine: Engine, grammars: Grammars, body: ChatCompletionRequest
 
 
 def _called_functions(body: ChatCompletionRequest) -> list[dict[str, Any]] | None:
-    """The functions a grammar lets the answer call: all offered ones for 'required' (and for
-    'auto' beside a JSON response_format), the named one; None where calls are free text."""
+    """The functions a grammar lets the answer call: all offered ones for 'required' (and for 'auto'
+    beside a JSON response_format), the named one; None where calls are free text."""
     tools = body.offered_tools
     names = [t.function.name for t in tools]
     if len(set(names)) != len(names):
@@ -149,8 +142,7 @@ def _compiled(engine: Engine, grammars: Grammars, lark: str | None, param: str) 
 
 
 def prepare_text(engine: Engine, grammars: Grammars, body: CompletionRequest, strict_json: bool = True) -> Prepared:
-    """The prompt's tokens (and its JSON grammar, its schema read strictly unless `strict_json` is
-    false). Slow for a long text: call it off the event loop."""
+    """The prompt's tokens and its JSON grammar. Slow for a long text: call it off the event loop."""
     if isinstance(body.prompt, str):
         prompt = engine.tokenizer.encode(body.prompt)
     else:
@@ -170,7 +162,6 @@ def _merged(a: ChatDelta, b: ChatDelta) -> ChatDelta:
 
 
 class _ChatView:
-    """A chat answer: its stream deltas as outputs arrive, and the whole message at the end."""
 
     id_prefix, object, chunk_object, prompt_field = "chatcmpl-", "chat.completion", "chat.completion.chunk", \
         "messages"
@@ -210,8 +201,7 @@ class _ChatView:
                 for i, part in enumerate(parts)]
 
     def finish_reason(self, reason: str | None) -> str | None:
-        """'tool_calls' where the answer made calls and ended (or ran to the limit after them);
-        'length' where the limit cut a call short."""
+        """'tool_calls' where the answer made calls and ended; 'length' where the limit cut a call short."""
         if self.answer.calls and (reason == "stop" or reason == "length" and not self.answer.cut_call):
             return "tool_calls"
         return reason
@@ -307,7 +297,6 @@ async def _next(request: Request, engine: Engine, rid: str, outputs: asyncio.Que
 
 
 def _usage(out: RequestOutput) -> dict[str, object]:
-    """OpenAI's usage, with the prompt tokens taken from the prefix cache in its details."""
     cached = out.timings.cache_n if out.timings else 0
     return {"prompt_tokens": out.n_prompt_tokens, "completion_tokens": out.n_generated,
             "total_tokens": out.n_prompt_tokens + out.n_generated,
@@ -315,8 +304,8 @@ def _usage(out: RequestOutput) -> dict[str, object]:
 
 
 def _ended(engine: Engine, rid: str, view: _View, out: RequestOutput) -> str | None:
-    """The finish reason once the answer is over: the engine's, or 'tool_calls' where the answer
-    has all the calls it may have (the rest of the generation is then stopped)."""
+    """The engine's finish reason, or 'tool_calls' where the answer has all the calls it may have (the
+    rest of the generation is then stopped)."""
     if out.finished:
         return out.finish_reason
     if view.done:

@@ -1,16 +1,9 @@
 """Tool dialects: how a model family writes tool calls, as one object a server uses throughout.
 
-A `ToolDialect` holds the tags a call sits between (`call_open`, `call_close`), the reasoning
-block's markers, the grammar of one call (for `tool_choice` required or named) and a reader of a
-call's text (the streaming parser: `tool_calls.ToolCallParser` finds the blocks and runs one
-`CallReader` on each). Two are built:
-
-- `hermes` (Qwen3, Hermes): `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`;
-- `qwen3_coder` (Qwen3-Coder): `<tool_call>\\n<function=NAME>\\n<parameter=P>\\nVALUE\\n</parameter>\\n
-  </function>\\n</tool_call>`, each VALUE text, read as the JSON type its parameter's schema says.
-
-The server picks one once, at load: `--tool-call-parser NAME` (vLLM's names), or `auto`, from what
-the model's chat template writes (`<function=` and `<parameter=`: qwen3_coder; else hermes).
+A `ToolDialect` holds the tags a call sits between, the reasoning block's markers, the grammar of
+one call and a reader of a call's text. Two are built, `hermes` (Qwen3, Hermes: `hermes.py`) and
+`qwen3_coder` (`qwen3_coder.py`). The server picks one once, at load: `--tool-call-parser NAME`
+(vLLM's names), or `auto`, from what the model's chat template writes.
 """
 
 from __future__ import annotations
@@ -37,9 +30,8 @@ class CallReader(Protocol):
         (`end`'s) start with it. Empty while `name` is None."""
 
     def end(self, closed: bool) -> tuple[str, str] | None:
-        """The block is over (`closed`: its close tag came; else the answer ended inside it):
-        (name, arguments as a JSON object's text), or None where it is no call (only while
-        `name` is None: a call whose name was known is closed with what parsed)."""
+        """The block is over (`closed`: its close tag came; else the answer ended inside it): (name,
+        arguments as a JSON object's text), or None where it is no call (only while `name` is None)."""
 
 
 class ToolDialect(Protocol):
@@ -65,9 +57,8 @@ class ToolDialect(Protocol):
         name (a call of another name is read only once whole); None: any name."""
 
     def function_rules(self, functions: list[dict[str, Any]], *, strict: bool) -> list[str]:
-        """Lark rules whose `function` is the text of one call of one of `functions` (OpenAI
-        tools' `function` objects), between `call_open` "\\n" and "\\n" `call_close`; `strict`:
-        the JSON schemas read strictly (`json_schema.strict_schema`)."""
+        """Lark rules whose `function` is the text of one call of one of `functions`, between `call_open`
+        "\\n" and "\\n" `call_close`; `strict`: the JSON schemas read strictly."""
 
 
 @dataclass(frozen=True)
@@ -104,7 +95,6 @@ def dialect_of_template(source: str | None) -> ToolDialect:
 
 
 def choose_dialect(parser: str, template_source: str | None) -> ToolDialect:
-    """`--tool-call-parser`'s choice: a dialect by name, or `auto` from the template."""
     if parser == AUTO:
         return dialect_of_template(template_source)
     try:

@@ -1,20 +1,15 @@
 """The grammars of the API's constraints, as llguidance Lark text (compiled by `engine.grammar`).
 
-- `response_format` json_object: any JSON object; json_schema: its schema (`strict` or not: the
-  output follows the schema either way).
-- `tool_choice` required: one or more tool calls in the served model's dialect (`dialects.py`:
-  each call between the dialect's tags, "\\n" between calls), each call's arguments following
-  its function's `parameters` schema; a named function: calls of that function only;
-  `parallel_tool_calls` false: exactly one call. With tool_choice auto and a JSON response_format,
-  the answer is either tool calls or the JSON.
-- A chat that may think first (Qwen3 writes `<think>...</think>` before answering) gets the
-  reasoning block free ahead of the constrained answer, unbounded: optional where the model opens
-  it itself, required to close where the prompt already opened it, absent where thinking is off
-  (`enable_thinking` false) or `--reasoning-format none` leaves the tags in the content.
+- `tool_choice` required: one or more tool calls in the served model's dialect, "\\n" between
+  calls, each call's arguments following its function's `parameters` schema; a named function:
+  calls of that function only; `parallel_tool_calls` false: exactly one call. With tool_choice
+  auto and a JSON response_format, the answer is either tool calls or the JSON.
+- A chat that may think first gets the reasoning block free ahead of the constrained answer:
+  optional where the model opens it itself, required to close where the prompt already opened
+  it, absent where thinking is off or `--reasoning-format none` leaves the tags in the content.
 
-JSON schemas are read strictly unless `strict` is false (`json_schema.py`: an unstated
-additionalProperties admits no other key) and written compactly. A tag the vocabulary holds as
-one token (`<tool_call>`, `<think>`) is matched as that token, as the model writes it.
+A tag the vocabulary holds as one token (`<tool_call>`, `<think>`) is matched as that token, as
+the model writes it.
 """
 
 from __future__ import annotations
@@ -46,9 +41,7 @@ def chat_grammar(tok: Tokenizer, dialect: ToolDialect, *, functions: list[dict[s
     """The grammar of a chat answer, or None where nothing constrains it.
 
     functions: the callable functions when a call is required (one: that one is named), else None.
-    answer_schema: the JSON schema of a JSON response_format. With both, the answer is calls or JSON.
-    strict: JSON schemas read strictly (`json_schema.strict_schema`).
-    """
+    answer_schema: the JSON schema of a JSON response_format. With both, the answer is calls or JSON."""
     if functions is None and answer_schema is None:
         return None
     rules = []
@@ -87,7 +80,6 @@ _REGEX_META = frozenset("\\.+*?()|[]{}^$/#&~-")
 
 
 def _regex_text(text: str) -> str:
-    """`text` matched literally inside a Lark /regex/."""
     return "".join("\\" + c if c in _REGEX_META else c for c in text)
 
 
@@ -105,8 +97,8 @@ def _tag(tok: Tokenizer, tag: str) -> str:
 
 
 class Grammars:
-    """The grammar compiler of the engine being served, made at its first use (llguidance reads
-    the vocabulary: ~10 ms for 2K tokens, longer for 150K)."""
+    """The grammar compiler of the engine being served, made at its first use (llguidance reads the
+    whole vocabulary)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()

@@ -5,12 +5,11 @@
     </tool_call>
 
 Read as it arrives: once the block starts `{"name": "<an offered function>", "arguments": {`, the
-call is sure (its head may be sent) and its arguments are given out as far as they are well
-formed (`json_prefix.JsonPrefix`); they end with the object's last brace, as the model wrote them.
-A call whose arguments break, or whose block ends (or the answer ends) before they close, is
-closed with what parsed. A block of another shape (keys in another order, arguments given as a
-JSON string, a name not offered) is read once whole: a JSON object with a string `name` and
-object (or JSON-string) `arguments` is a call, anything else is no call.
+call is sure and its arguments are given out as far as they are well formed. A call whose
+arguments break, or whose block ends before they close, is closed with what parsed. A block of
+another shape (keys in another order, arguments as a JSON string, a name not offered) is read
+once whole: a JSON object with a string `name` and object (or JSON-string) `arguments` is a
+call, anything else is no call.
 """
 
 from __future__ import annotations
@@ -100,5 +99,4 @@ def function_call_schema(function: dict[str, Any]) -> dict[str, Any]:
 
 
 def function_rules(functions: list[dict[str, Any]], strict: bool) -> list[str]:
-    """The grammar's `function`: one call's JSON, its arguments following the function's schema."""
     return ["function: " + json_rule({"anyOf": [function_call_schema(f) for f in functions]}, strict=strict)]

@@ -1,12 +1,10 @@
 """A JSON object (or array) read as it arrives: how much of it is well formed, and how to close it.
 
-`JsonPrefix.feed` takes the text piece by piece. `safe` is the length of the longest prefix read
-so far that `closing` (a closing quote, then the open containers' brackets) turns into valid JSON:
-right after a `{` or `[`, after a whole member or item, or inside a string value (not inside a
-key, an escape, a number or a literal). `end` is the text's length once the outermost container
-has closed; `broken` says a character broke it (nothing after it is read). A streamed tool call
-gives out its arguments up to `safe`, and a call that breaks or is cut short ends with
-`text[:safe] + closing`, which parses.
+`safe` is the length of the longest prefix read so far that `closing` (a closing quote, then the
+open containers' brackets) turns into valid JSON: right after a `{` or `[`, after a whole member
+or item, or inside a string value (not inside a key, an escape, a number or a literal). `end` is
+the text's length once the outermost container has closed; `broken` says a character broke it.
+A call that breaks or is cut short ends with `text[:safe] + closing`, which parses.
 """
 
 from __future__ import annotations

@@ -1,14 +1,14 @@
 """JSON schemas as the grammars read them: strict by default, written compactly.
 
-Strict (llama.cpp's schema-to-grammar and xgrammar's strict mode read generated JSON this way): an
-object schema that lists `properties` and says nothing of `additionalProperties` or
-`patternProperties` admits no other keys. Clients such as LangChain's `bind_tools` send parameter
-schemas without `additionalProperties`; read leniently, the grammar would let a forced call invent
-keys until `max_tokens`. `allOf` members are left as they are (each member closed would refuse the
-others' keys). `--lenient-json-schema` reads schemas as JSON Schema does (unstated: any key).
+Strict (as llama.cpp's schema-to-grammar and xgrammar's strict mode read them): an object schema
+that lists `properties` and says nothing of `additionalProperties` or `patternProperties` admits
+no other keys. Clients such as LangChain's `bind_tools` send parameter schemas without
+`additionalProperties`; read leniently, a forced call could invent keys until `max_tokens`.
+`allOf` members are left as they are (each closed would refuse the others' keys).
+`--lenient-json-schema` reads schemas as JSON Schema does.
 
-JSON is written as Python's json.dumps writes it: ", " and ": ", no other whitespace (a free
-whitespace rule lets a model pad forever; vLLM's `disable-any-whitespace` answers the same).
+JSON is written as json.dumps writes it: ", " and ": ", no other whitespace (a free whitespace
+rule lets a model pad forever).
 """
 
 from __future__ import annotations
@@ -48,8 +48,8 @@ def strict_schema(schema: Any) -> Any:
 
 
 def json_rule(schema: dict[str, Any], *, strict: bool = True) -> str:
-    """A `%json` rule body: the schema (closed where `strict`), JSON written compactly (the
-    schema's own x-guidance options win)."""
+    """A `%json` rule body: the schema (closed where `strict`), JSON written compactly (the schema's
+    own x-guidance options win)."""
     if strict:
         schema = strict_schema(schema)
     options = {**JSON_STYLE, **schema.get("x-guidance", {})}

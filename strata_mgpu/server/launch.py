@@ -100,7 +100,6 @@ def config_warnings(config: ServerConfig, spec: ModelSpec) -> list[str]:
 
 
 def cuda_build_hint() -> str | None:
-    """What to do where torch is a CPU build on a machine with an NVIDIA GPU (None elsewhere)."""
     if torch.version.cuda is not None or not (Path("/dev/nvidia0").exists() or shutil.which("nvidia-smi")):
         return None
     return ("torch is a CPU build; install a CUDA build to use the GPU "
@@ -108,8 +107,8 @@ def cuda_build_hint() -> str | None:
 
 
 def listening_socket(host: str, port: int) -> socket.socket:
-    """A socket bound to host:port, for uvicorn to listen on: a port in use or a host that does
-    not resolve fails here, in one line, before anything loads."""
+    """A socket bound to host:port: a port in use or a host that does not resolve fails here, in one
+    line, before anything loads."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET  # as uvicorn: a name binds its IPv4 address
     try:
         (family, kind, proto, _, address), *_ = socket.getaddrinfo(host, port, family, socket.SOCK_STREAM,
@@ -127,9 +126,9 @@ def listening_socket(host: str, port: int) -> socket.socket:
 
 
 class Loader:
-    """Loads the weights in a thread while the server answers 503, then starts the engine.
-    `stop()` makes the loader give up at its next layer and waits for it: the process must not
-    exit while that thread is inside torch (the C++ runtime aborts the whole process then)."""
+    """Loads the weights in a thread while the server answers 503, then starts the engine. `stop()`
+    makes the loader give up at its next layer and waits for it: the process must not exit while
+    that thread is inside torch (the C++ runtime aborts the whole process then)."""
 
     def __init__(self, state: ServerState, config: ServerConfig, f: GGUFFile, spec: ModelSpec, tokenizer: Tokenizer):
         self.state, self.config, self.f, self.spec, self.tokenizer = state, config, f, spec, tokenizer
@@ -146,7 +145,6 @@ class Loader:
             self._thread.join()
 
     def _on_progress(self, show: Callable[[str, int, int], None]) -> Callable[[str, int, int], None]:
-        """`show`, after the check that lets a stop end the build between two layers."""
         def on_progress(what: str, done: int, total: int) -> None:
             if self._stopping.is_set():
                 raise LoadCancelled
@@ -186,11 +184,9 @@ class Loader:
 
 
 class _StopSignal:
-    """The stop signal seen, and the uvicorn server once it is to serve: while it is, uvicorn
-    shuts itself down on the signal and raises it again from inside its event loop as it ends;
-    raising there would tear the loop down mid-task (a traceback on every Ctrl+C), so the signal
-    is only noted. Until uvicorn has put its own handlers in place (it does so as it starts), a
-    signal is ours to pass on: the server is told to exit, as its own handler would."""
+    """The stop signal seen, and the uvicorn server once it serves. uvicorn re-raises the signal from
+    inside its event loop as it ends; raising there would tear the loop down mid-task, so the signal
+    is only noted. Before uvicorn's own handlers are in place, the server is told to exit."""
 
     signum: int | None = None
     server: uvicorn.Server | None = None
@@ -204,11 +200,8 @@ def _on_stop_signal(signum: int, _frame: FrameType | None) -> None:
 
 
 def serve(config: ServerConfig) -> int:
-    """Serve until a stop signal; the exit status. uvicorn handles SIGINT and SIGTERM while it runs
-    and raises the signal again once it has shut down, which `_on_stop_signal` notes (outside
-    uvicorn it raises `Stopped`); only when the loader has ended and the engine stopped does this
-    return 128 + the signal (130 for Ctrl+C, 143 for SIGTERM: what a shell reports for a process
-    the signal ended)."""
+    """Serve until a stop signal; the exit status: 128 + the signal (130 for Ctrl+C, 143 for SIGTERM,
+    as a shell reports it) once the loader has ended and the engine stopped."""
     setup_logging(config.log_level)
     f, spec, tokenizer = open_model(config.model_path)
     try:

@@ -1,8 +1,8 @@
-"""Token logprobs in OpenAI's two shapes: chat (`choices[].logprobs.content[]`: token, logprob,
-bytes, top_logprobs) and legacy completions (`tokens`, `token_logprobs`, `top_logprobs`,
-`text_offset`). The numbers are the engine's: the model's log-softmax, before sampling's changes
-(`engine.device_sampler`). A token's text is its bytes decoded (a piece of a multi-byte character
-shows as U+FFFD; `bytes` has the exact bytes)."""
+"""Token logprobs in OpenAI's two shapes: chat (`choices[].logprobs.content[]`) and legacy
+completions (`tokens`, `token_logprobs`, `top_logprobs`, `text_offset`). The numbers are the
+model's log-softmax, before sampling's changes. A token's text is its bytes decoded (a piece of
+a multi-byte character shows as U+FFFD; `bytes` has the exact bytes).
+"""
 
 from __future__ import annotations
 

@@ -1,26 +1,21 @@
 """A chat's messages made what chat templates read, and its tool history checked as OpenAI checks it.
 
-Templates are written for what transformers' `apply_chat_template` callers pass them (vLLM's
-chat_utils, llama.cpp's `--jinja`), not for OpenAI's wire format: Qwen3's does `'</think>' in
-message.content` and `'\\n' + message.content` (a null content is a TypeError there, a list of
-parts is dropped), Qwen3-Coder's iterates `tool_call.arguments|items` (a JSON string is a
+Templates are written for what `apply_chat_template` callers pass them, not for OpenAI's wire
+format: Qwen3's does `'</think>' in message.content` (a null content is a TypeError there, a list
+of parts is dropped), Qwen3-Coder's iterates `tool_call.arguments|items` (a JSON string is a
 TypeError there). So before any template, each message becomes:
 
 - `content` a string: null -> "", a list of text parts -> their texts joined; any other part (an
   image, audio, a file) is a 400 naming it (`messages[2].content[1].type`);
 - `developer` -> `system` (the templates know no developer role);
-- a call's `arguments` a mapping (parsed by the schema: JSON that is not an object is a 400 there);
-  Qwen3's template writes a mapping `| tojson`, so a call is shown to the model in the form it
-  writes calls, whatever spacing the client's string had;
-- reasoning under any of its names (`reasoning_content`, `thinking`, `reasoning`) also under the
-  names templates read (`reasoning_content`, `thinking`), as transformers does;
-- everything else as given: `name`, `tool_call_id`, a field nobody here knows.
+- a call's `arguments` a mapping, so a call is shown to the model in the form it writes calls;
+- reasoning under any of its names also under the names templates read (`reasoning_content`,
+  `thinking`), as transformers does;
+- everything else as given.
 
-A tool's definition gets `parameters` where it has none (OpenAI's "no parameters": an empty
-object); Qwen3-Coder's template reads `tool.parameters.properties`.
-
-The history check is OpenAI's: a `tool` message must answer a call an earlier assistant message
-made (its `tool_call_id` one of those calls' ids), else a 400 naming it.
+A tool's definition gets `parameters` where it has none (Qwen3-Coder's template reads
+`tool.parameters.properties`). A `tool` message must answer a call an earlier assistant message
+made, else a 400 naming it (OpenAI's check).
 """
 
 from __future__ import annotations

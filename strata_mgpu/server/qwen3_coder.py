@@ -5,23 +5,17 @@
     <parameter=path>
     notes.txt
     </parameter>
-    <parameter=lines>
-    3
-    </parameter>
     </function>
     </tool_call>
 
-as Qwen3-Coder's chat template teaches (tests/data/templates/qwen3-coder.jinja). Read as vLLM's
-`qwen3_coder` parser reads it: a value runs to `</parameter>` (or to the next `<parameter=` or
-`</function>`), one newline at each end dropped; it becomes the JSON type its parameter's schema
-declares (a string stays a string; integer, number, boolean, object, array and null are parsed
-as JSON, a value that does not parse stays a string), so `arguments` is a JSON object's text.
+read as vLLM's `qwen3_coder` parser reads it: a value runs to `</parameter>` (or the next
+`<parameter=` or `</function>`), one newline at each end dropped; it becomes the JSON type its
+parameter's schema declares (a value that does not parse stays a string).
 
 Streamed: once the block starts `<function=NAME>` with NAME an offered function, the call is sure;
-its arguments are given out as they are read: `{`, each string value's characters as they arrive
-(a newline at the value's end held back until it is known not to be the last), each other value
-when it is whole, `}` at the block's end. A block cut short is closed with what it has. A block
-naming a function not offered is read once whole (a call then); any other shape is no call.
+its arguments are given out as they are read (a newline at a string value's end held back until
+it is known not to be the last). A block cut short is closed with what it has. A block naming a
+function not offered is read once whole; any other shape is no call.
 """
 
 from __future__ import annotations
@@ -41,8 +35,8 @@ NAME_LIMIT = 256  # a function's or parameter's name is read within this many ch
 
 
 def declared_types(schema: Any) -> set[str]:
-    """The JSON types a parameter's schema declares (`type`, enum and const values, anyOf /
-    oneOf members); empty where it declares none."""
+    """The JSON types a parameter's schema declares (`type`, enum and const values, anyOf / oneOf
+    members); empty where it declares none."""
     if not isinstance(schema, dict):
         return set()
     kind = schema.get("type")
@@ -73,7 +67,6 @@ def is_text(schema: Any) -> bool:
 
 
 def value_json(value: str, schema: Any) -> str:
-    """A parameter's text as JSON of the type its schema declares (a string where it does not parse)."""
     if not is_text(schema):
         text = value.strip()
         for candidate in (text, text.lower()):  # "True" for a boolean
@@ -179,7 +172,6 @@ class Qwen3CoderReader:
         return ", " if self._members > 1 else ""
 
     def _read_value(self, rest: str, final: bool) -> bool:
-        """Read the value being read; True once it is whole."""
         assert self._param is not None
         ends = [(i, tag) for tag in _VALUE_ENDS if (i := rest.find(tag)) >= 0]
         text = is_text(self._properties.get(self._param))
@@ -227,7 +219,6 @@ def _literal(text: str) -> str:
 
 
 def _value_rules(rule: str, schema: Any, strict: bool) -> list[str]:
-    """Rules for `rule`: a parameter's value then "\\n</parameter>"."""
     if not is_text(schema):
         body = schema if isinstance(schema, dict) else {}
         return [f"{rule}: {rule}_json \"\\n</parameter>\"", f"{rule}_json: {json_rule(body, strict=strict)}"]
@@ -262,8 +253,8 @@ def _function_rules(i: int, function: dict[str, Any], strict: bool) -> list[str]
 
 
 def function_rules(functions: list[dict[str, Any]], strict: bool) -> list[str]:
-    """The grammar's `function`: one call of one of `functions`, its listed parameters in their
-    order, the required ones present, each value as its schema allows."""
+    """The grammar's `function`: one call of one of `functions`, its listed parameters in their order,
+    the required ones present, each value as its schema allows."""
     rules = ["function: " + " | ".join(f"fn{i}" for i in range(len(functions))), _NO_TAG]
     for i, function in enumerate(functions):
         rules += _function_rules(i, function, strict)

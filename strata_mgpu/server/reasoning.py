@@ -1,13 +1,12 @@
-"""`reasoning_content` split from a reasoning block (`<think>...</think>`: the tags are the tool
-dialect's, `dialects.py`), in whole answers and in stream deltas (llama-server's
-`--reasoning-format deepseek`; `none` leaves the tags in the content).
+"""`reasoning_content` split from a reasoning block (`<think>...</think>`, the dialect's tags), in
+whole answers and in stream deltas (llama-server's `--reasoning-format deepseek`).
 
 A reasoning block is one at the very start of the answer (after whitespace), or, where the prompt
-itself opened `<think>` (templates that start the assistant's turn thinking), everything up to
-the first `</think>`. `<think>` later in the answer is content. The reasoning is given without the
-whitespace around it, the content without the whitespace that follows `</think>`; an answer with
-no reasoning block keeps its text exactly. An unterminated block (the answer was cut off) is all
-reasoning. Tags split across deltas are held back until they can be told apart.
+itself opened `<think>`, everything up to the first `</think>`. `<think>` later in the answer is
+content. The reasoning is given without the whitespace around it, the content without the
+whitespace after `</think>`; an answer with no reasoning block keeps its text exactly. An
+unterminated block is all reasoning. Tags split across deltas are held back until they can be
+told apart.
 """
 
 from __future__ import annotations
@@ -27,7 +26,6 @@ def opens_reasoning(prompt: str, tags: tuple[str, str]) -> bool:
 
 
 def _partial_tail(text: str, tag: str) -> int:
-    """Length of the longest tail of `text` that is a proper prefix of `tag`."""
     for n in range(min(len(tag) - 1, len(text)), 0, -1):
         if tag.startswith(text[-n:]):
             return n

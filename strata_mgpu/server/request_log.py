@@ -1,17 +1,14 @@
 """A log line for every API request, rejected ones too: method, path, status, the request's id and,
-for an error, its message (the reason).
+for an error, its message.
 
 ASGI middleware, outermost: it sees the 413s of the body cap and the 400s of validation alike. A
-request's id is `request.state.request_id`: set here (`req-` + hex), replaced by a handler that
-names the request itself (`chatcmpl-...`, the id the engine's own log line carries). A success is
-logged as its response starts (a stream's errors arrive inside it, as events); an error once its
-body is out, with the body's `error.message`.
+request's id is set here (`req-` + hex), replaced by a handler that names the request itself
+(`chatcmpl-...`, the id the engine's log line carries). A success is logged as its response
+starts; an error once its body is out.
 
-Levels (`level`): a 5xx is an ERROR, but a probe is no error: `/health` is polled (a load balancer,
-a script waiting for the model) and is logged at DEBUG whatever it answers (the loader logs its
-start, its end and a failed load itself, once); a request turned away while the model loads
-(code `model_loading`) is a WARNING; a client that left before its answer was sent, 499 (nginx's
-and llama-server's code), is INFO.
+Levels: a 5xx is an ERROR, but `/health` is polled and is logged at DEBUG whatever it answers
+(the loader logs its start and end itself, once); a request turned away while the model loads is
+a WARNING; a client that left before its answer, 499 (nginx's and llama-server's code), is INFO.
 """
 
 from __future__ import annotations
@@ -28,7 +25,6 @@ PROBED_PATHS = frozenset({"/health"})
 
 
 def level(path: str, status: int, code: str | None = None) -> int:
-    """The level of a request's log line (see the module's docstring)."""
     if path in PROBED_PATHS:
         return logging.DEBUG
     if code == "model_loading":

@@ -1,11 +1,9 @@
 """Request bodies of the OpenAI-compatible API (pydantic), strict, and their sampling parameters.
 
 Strict: a known field of the wrong type or value is a 400 naming it (no "5" for 5, no 1 for
-true); a known option this server has not built (`n` > 1, `echo`, `best_of`, `suffix`, audio,
-predicted outputs, the legacy `functions` / `function_call`, ...) is a 400 naming it and saying
-what to send instead; a field nobody knows is accepted, and logged once per name. Checks that need
-the model (token ids in range) or several fields together are the handlers' (`completions.py`), those
-of a chat's messages as a whole (content parts, tool history) `messages.py`'s.
+true); a known option this server has not built (`n` > 1, `echo`, `best_of`, ...) is a 400
+naming it and saying what to send instead; a field nobody knows is accepted, and logged once per
+name. Checks that need the model or several fields together are the handlers'.
 """
 
 from __future__ import annotations
@@ -31,7 +29,6 @@ _unknown_lock = threading.Lock()
 
 
 def log_unknown_fields(where: str, names: list[str]) -> None:
-    """Fields nobody here knows are accepted; each name is logged once (per process)."""
     for name in names:
         key = f"{where}.{name}"
         with _unknown_lock:
@@ -76,8 +73,8 @@ class ToolCallIn(_Strict):
 
 
 class ChatMessage(_Strict):
-    """One message as given. Its content parts are checked, and the message made what templates read,
-    by `messages.template_messages` (it knows the message's place in the chat, for the errors' names)."""
+    """One message as given; `messages.template_messages` checks its content parts and makes it what
+    templates read."""
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[Any] | None = None

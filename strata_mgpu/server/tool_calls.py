@@ -1,18 +1,12 @@
 """Tool calls parsed out of an answer, whole or streamed, in a model's dialect (`dialects.py`).
 
-The parser finds the blocks between the dialect's tags; a `CallReader` reads each block's text.
-Text outside the blocks stays content, but for whitespace at its start or end beside a call (text
-on both sides of a call keeps the whitespace before the call between them); text that may be the
-start of a tag is held back until it can be told apart.
-
-A call is given out as soon as its reader is sure of it (its function's name is read, and is one
-offered): its head (index, id, name), then its arguments in deltas as the reader reads them; the
-deltas joined are the call's final arguments, a JSON object's text. A block the reader is not
-sure of while it runs is read whole at its close tag: a call then, or content, tags and all (a
-model's malformed call is never an error). Where the answer ends inside a block: a call that was
-given out is closed with what parsed (`cut_call` says so); a block that was not is content, or
-dropped where the answer was cut at the length limit (`finish(cut=True)`: no markup in content).
-Every split of the text into deltas gives the same calls and content as the whole.
+Text outside the blocks stays content, but for whitespace beside a call; text that may be the
+start of a tag is held back until it can be told apart. A call is given out as soon as its reader
+is sure of it: its head, then its arguments in deltas whose join is the final arguments. A block
+the reader is not sure of is read whole at its close tag: a call then, or content, tags and all
+(a malformed call is never an error). Where the answer ends inside a block: a call given out is
+closed with what parsed (`cut_call`); a block that was not is content, or dropped where the answer
+was cut at the length limit. Every split of the text into deltas gives the same calls and content.
 """
 
 from __future__ import annotations
@@ -45,8 +39,8 @@ class CallDelta:
 
 @dataclass
 class Parsed:
-    """What one `feed` (or `finish`) adds: content text, the calls' deltas, and the calls that
-    ended in it, in answer order."""
+    """What one `feed` (or `finish`) adds: content text, the calls' deltas, and the calls that ended
+    in it, in answer order."""
 
     content: str = ""
     deltas: list[CallDelta] = field(default_factory=list)
@@ -65,9 +59,8 @@ def _partial_tail(text: str, tag: str) -> int:
 
 
 class ToolCallParser:
-    """Feed the answer's text in pieces. functions: the offered functions' parameter schemas by
-    name (None: any name). `max_calls` (1 for parallel_tool_calls false): once that many calls
-    are out, the rest of the answer is ignored (`done`)."""
+    """Feed the answer's text in pieces. functions: the offered functions' parameter schemas by name
+    (None: any name). `max_calls`: once that many calls are out, the rest is ignored (`done`)."""
 
     def __init__(self, dialect: ToolDialect, functions: Mapping[str, dict[str, Any]] | None = None,
                  max_calls: int | None = None):
@@ -122,8 +115,8 @@ class ToolCallParser:
         return out
 
     def finish(self, cut: bool = False) -> Parsed:
-        """The answer has ended (`cut`: at the length limit): an open block is closed or dropped,
-        held text is content."""
+        """The answer has ended (`cut`: at the length limit): an open block is closed or dropped, held text
+        is content."""
         out = Parsed()
         if self.done:
             return out
@@ -179,7 +172,6 @@ class ToolCallParser:
         self._id = None
 
     def _content(self, out: Parsed, text: str) -> None:
-        """Give out text outside the blocks; whitespace at its end waits for what follows it."""
         if not text:
             return
         if self._after_call:

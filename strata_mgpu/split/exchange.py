@@ -1,18 +1,15 @@
 """The hand-over between two stages: activations through mapped pinned host memory.
 
-Stage k writes its output rows into a host buffer with the `copy_f32_wide` kernel (16-byte
-stores through the buffer's device mapping) and records an event; stage k+1's stream waits on
-that event and reads the rows into its own device with the same kernel. No cudaMemcpyPeer (the
-driver stages it through the host without P2P, and it would queue on the copy engines behind
-the expert uploads), no host synchronization. Two buffers alternate, so stage k may write chunk
-c+1 while stage k+1 still reads chunk c; a buffer is rewritten only after its reader's event.
+Stage k writes its output rows into a host buffer with the `copy_f32_wide` kernel (16-byte stores
+through the buffer's device mapping) and records an event; stage k+1's stream waits on it and
+reads the rows with the same kernel. No cudaMemcpyPeer (without P2P the driver stages it through
+the host, and it would queue on the copy engines behind the expert uploads), no host sync. Two
+buffers alternate; a buffer is rewritten only after its reader's event.
 
-An event wait covers only the records already issued on the host. Where the writer and the
-reader queue their work from different threads (`split.workers`), the writer could otherwise run
-a whole round of buffers ahead and wait on a read record not yet issued, that is on nothing, and
-overwrite rows still to be read. So with `bounded=True` a send first takes one of `n_buffers`
-host tokens, and the receive that queued the buffer's read record gives it back: the writer is
-never more than `n_buffers` sends ahead of the reader's host side.
+An event wait covers only the records already issued on the host. Where writer and reader queue
+from different threads, the writer could run a whole round ahead and wait on a read record not
+yet issued (on nothing). So with `bounded=True` a send first takes one of `n_buffers` host
+tokens, and the receive that queued the buffer's read gives it back.
 """
 
 from __future__ import annotations
@@ -77,9 +74,8 @@ class Exchange:
         return out
 
     def drop_pending(self) -> int:
-        """Forget the rows sent but not received (their reader's pass failed), so that the next
-        receive reads the next send's rows, not these. The buffers stay safe to rewrite: their next
-        writer is the same stream, and no reader of these rows is left. Returns how many."""
+        """Forget the rows sent but not received (their reader's pass failed), so the next receive reads the
+        next send's rows. Returns how many."""
         dropped = len(self._pending)
         self._pending.clear()
         if self._free is not None:

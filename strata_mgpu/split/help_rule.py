@@ -1,9 +1,8 @@
 """How much of a one-chunk prompt's experts the idle stage's helper takes.
 
 Three modes (`--prefill-help-frac` / STRATA_PREFILL_HELP_FRAC): `auto`, the default, the share the
-rate model (`split.rate_model`) predicts fastest from the measured links and the estimated
-compute and hand-over rates; `rule`, min(0.45, 0.5 - T/16384) off below 0.3 (fitted on two RTX
-3090s, kept selectable); or a fixed share 0 < f < 1.
+rate model (`split.rate_model`) predicts fastest; `rule`, min(0.45, 0.5 - T/16384) off below 0.3
+(fitted on two RTX 3090s, kept selectable); or a fixed share 0 < f < 1.
 """
 
 from __future__ import annotations
@@ -17,17 +16,17 @@ MIN_SHARE = 0.3  # below this the hand-overs cost more than the second link brin
 
 
 def default_share(tokens: int) -> float:
-    """The rule: min(0.45, 0.5 - T/16384), off below 0.3 (prompts over about 3.3K tokens): longer
-    prompts compute longer per expert byte, and the helper's share must shrink to stay hidden."""
+    """The rule: longer prompts compute longer per expert byte, and the helper's share must shrink to
+    stay hidden."""
     share = min(MAX_SHARE, 0.5 - tokens / 16384)
     return share if share >= MIN_SHARE else 0.0
 
 
 @dataclass(frozen=True)
 class HelpPolicy:
-    """Which share each busy stage's helper takes. A fixed share wins over the mode; `auto` and
-    `rule` give 0 where helper and busy stage share a card (one link: the helper adds hand-overs and
-    saves no link time, docs/MULTI_GPU.md), a fixed share still applies there (tests, the sweep)."""
+    """Which share each busy stage's helper takes. A fixed share wins over the mode; `auto` and `rule`
+    give 0 where helper and busy stage share a card (one link: the helper adds hand-overs and saves
+    no link time), a fixed share still applies there (tests, the sweep)."""
 
     enabled: bool = True
     fixed_share: float | None = None  # overrides the mode
@@ -45,14 +44,13 @@ class HelpPolicy:
 
     @classmethod
     def of(cls, enabled: bool, share: float | str) -> HelpPolicy:
-        """From the placement's switch and share: 'auto', 'rule' or a fixed share."""
         if isinstance(share, float):
             return cls(enabled=enabled, fixed_share=share)
         return cls(enabled=enabled, mode=share)
 
     def share(self, tokens: int, across_cards: bool = True, load: StageLoad | None = None) -> float:
-        """The helper's share for a one-chunk prompt of `tokens`; `auto` needs the busy stage's
-        `load` (`rate_model.stage_load`) and gives 0 without measured links (the CPU)."""
+        """The helper's share for a one-chunk prompt of `tokens`; `auto` needs the busy stage's `load` and
+        gives 0 without measured links (the CPU)."""
         if not self.enabled:
             return 0.0
         if self.fixed_share is not None:
@@ -66,6 +64,5 @@ class HelpPolicy:
         return self.estimate.share(load, tokens)
 
     def observe(self, tokens: int, share: float | None, seconds: float) -> None:
-        """A timed one-chunk prompt refines the auto mode's rates (`RateEstimate.observe`)."""
         if self.mode == "auto" and self.fixed_share is None:
             self.estimate.observe(tokens, share, seconds)

@@ -1,6 +1,7 @@
 """A split's KV: a sequence's caches, one a stage (`SplitKV`), and its prefix-cache blocks: each
-stage keeps its own layers' part of every block, on its own device (`stage.kv.blocks.StageBlocks`);
-a block is the tuple of the stages' parts."""
+stage keeps its own layers' part of every block, on its own device; a block is the tuple of the
+stages' parts.
+"""
 
 from __future__ import annotations
 

@@ -1,30 +1,18 @@
 """PeerPrefill: the idle stage's card streams and computes a share of the busy stage's experts.
 
 A prompt that fits one chunk runs the stages one after the other, so while stage A streams its
-layers' experts the other card and its link idle. The helper lives on that idle stage B. It
-holds no experts and no VRAM of its own: `bind_stage_helper` points it, per prompt, at B's lent
-buffers (`Stage.lend()`: B's expert ring and expert workspace), and its temporaries come from
-B's allocator under B's budget.
+experts the other card and its link idle. The helper lives on that idle stage B, with no experts
+or VRAM of its own: per prompt it uses B's lent ring and workspace, under B's budget.
 
 Per layer of A (shape legend: T tokens, A picks per token, D hidden, E experts, n = helper's):
-1. A hands over the MoE input h [T, D] and the routing (experts, weights [T, A]) through mapped
-   host memory (`Exchange`, copy_f32_wide); from them B builds its own row table and group
-   bounds (the rows routed to its experts, sorted first) without a round trip.
-2. B streams its n experts of the layer (the last n of those A would stream: resident experts
-   stay with A, computed in place) from A's pinned arena over B's own link into B's ring, two
-   layers ahead, dequantizes them into B's workspace, computes its rows with the grouped GEMM,
-   weights them and sends back their sum per token [T, D]. The same `load_part` and
-   `part_rows` as A's `compute_part`.
-3. A computes the rows of its own experts meanwhile and adds B's sums.
-Events order every hand-over; the host never waits. Output is repeatable (fixed summation
-order) and equals unhelped output within rounding (the two partial sums round separately).
-
-A prompt of `halves_from` tokens or more runs its rows in two halves (`Decoder._parts`):
-both sides load a layer's experts once and compute each half's rows on their own, and A queues
-half 2's attention and own rows between handing half 1 over and adding its sums, so the helper's
-round trip for one half (h out, its rows, the sums back) runs while A works on the other half
-instead of A waiting for it at every layer. Off by default: where the host's launches bind a
-helped layer, halves only add launches (docs/MULTI_GPU.md).
+1. A hands over h [T, D] and the routing [T, A] through mapped host memory.
+2. B streams its n experts (the last n A would stream: resident ones stay with A) from A's pinned
+   arena over B's own link, two layers ahead, and sends back its rows' sum per token [T, D].
+3. A computes its own experts' rows meanwhile and adds B's sums.
+Events order every hand-over; the host never waits. Output is repeatable (fixed summation order)
+and equals unhelped output within rounding. A prompt of `halves_from` tokens or more runs in two
+halves of rows, so one half's round trip runs while A works on the other; off by default (where
+the host's launches bind a helped layer, halves only add launches: docs/MULTI_GPU.md).
 """
 
 from __future__ import annotations
@@ -42,7 +30,7 @@ MESSAGES_PER_LAYER = 3  # h, experts, weights
 
 class PeerPrefill:
     """The stream-only helper of one busy stage, living on another (idle) stage's device: the
-    `stage.experts.lending.PrefillHelper` a split binds to each busy stage."""
+    `PrefillHelper` a split binds to each busy stage."""
 
     def __init__(self, to_helper: Exchange, from_helper: Exchange, halves_from: int = 0):
         self.to_helper = to_helper  # busy stage -> helper: h, experts, weights
@@ -60,17 +48,16 @@ class PeerPrefill:
         return self.lent is not None and self.n_experts > 0
 
     def bind_stage_helper(self, lent: LentBuffers, arena: HostExpertArena, n_experts: int) -> None:
-        """For one prompt: help with the last `n_experts` streamed experts of each of the busy
-        stage's layers, read from its `arena`, computed in `lent`."""
+        """For one prompt: help with the last `n_experts` streamed experts of each of the busy stage's
+        layers, read from its `arena`, computed in `lent`."""
         assert n_experts > 0 and lent.ring is not None
         assert n_experts * arena.max_expert_bytes <= lent.ring.slot_bytes, "the helper's share exceeds the lent ring"
         self.lent, self.arena, self.n_experts = lent, arena, n_experts
         self._feed = self._tables = None
 
     def abort(self) -> None:
-        """The busy stage's pass failed: give the lent ring back (on the helper's stream), and drop
-        the hand-overs sent but not received (a layer's sums sent before the busy stage's own rows
-        failed), or the next prompt would read them as its first layer's."""
+        """The busy stage's pass failed: give the lent ring back, and drop the hand-overs sent but not
+        received, or the next prompt would read them as its first layer's."""
         if self._feed is not None and self.lent is not None:
             with self.lent.ctx.on_compute(after_caller=False, join_caller=False):
                 self._feed.abort()
@@ -83,8 +70,6 @@ class PeerPrefill:
         self.n_experts = 0
 
     def begin(self, parts: list[LayerPart]) -> None:
-        """The busy stage's pass starts: queue the uploads of the helper's `parts` (one a local
-        layer) on the lent ring, and their tables on the helper's stream."""
         lent, arena = self.lent, self.arena
         assert lent is not None and arena is not None
         with lent.ctx.on_compute(after_caller=False, join_caller=False):
@@ -95,17 +80,12 @@ class PeerPrefill:
 
     def hand_over(self, i: int, h: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, first: bool = True
                   ) -> None:
-        """From the busy stage's stream: local layer i's MoE input h [t, D] and routing (weights,
-        experts [t, A]) to the helper, and the helper's work on them queued on its stream
-        (`run_rows`); `collect` gives its sums. All the layer's rows or a half of them (`first`:
-        the layer's first hand-over, which loads its experts)."""
+        """`run_rows` queued on the helper's stream for these rows."""
         for x in (h, experts, weights):  # the order run_rows receives them in
             self.to_helper.send(x)
         self.run_rows(i, first)
 
     def run_rows(self, i: int, first: bool) -> None:
-        """Queue the helper's work for one hand-over of local layer i on the helper's stream;
-        `first`: the layer's first, which loads its experts into the workspace."""
         lent, feed, tables = self.lent, self._feed, self._tables
         assert lent is not None and feed is not None and tables is not None
         with lent.ctx.on_compute(after_caller=False, join_caller=False):
@@ -117,6 +97,4 @@ class PeerPrefill:
             self.from_helper.send(y)
 
     def collect(self) -> torch.Tensor:
-        """On the busy stage's stream: the helper's weighted sums [t, D] for the oldest hand-over not
-        yet collected."""
         return self.from_helper.receive()

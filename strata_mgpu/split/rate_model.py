@@ -11,19 +11,13 @@ Per layer of the busy stage (the helper takes the share s of its E experts, T pr
                      T * (to_helper + back) / mapped + s * expert * T)  the helper's: in, rows, out
 
 A layer takes the largest of the three (uploads run two layers ahead, so links and compute
-overlap). Today every hand-over copy is a kernel on a compute stream and waits in line with
-compute ("in line"); `overlapped=True` models the busy stage's two copies (publish h, read the
-sums) leaving its compute stream, so only the helper's side of the chain still carries them. The
-hand-over's bytes also cross the links: mapped-memory reads by copy kernels take link time at
-`mapped` bytes/s, well below DMA's rate.
-
+overlap). "In line": hand-over copies are kernels on a compute stream; `overlapped=True` models
+the busy stage's two copies leaving it. Mapped-memory reads take link time at `mapped` bytes/s.
 Unhelped, a layer takes max(bytes / link_busy, (other + expert) * T). Each stage adds its last
-layer's compute once (nothing left to hide it behind) and `fixed_s`.
+layer's compute once and `fixed_s`.
 
-The defaults are a least-squares fit on log time to the two-H200 share sweep of issue #13
-(30b-a3b), the one cell that fits no model whose costs grow with T left out; docs/MULTI_GPU.md
-("The helper's share from measured rates") has the sweep, the fit, its per-cell error and the
-cross-checks by hand.
+The defaults are a least-squares fit on log time to the two-H200 share sweep of issue #13;
+docs/MULTI_GPU.md has the sweep, the fit and its error.
 """
 
 from __future__ import annotations
@@ -60,8 +54,7 @@ class StageLoad:
 
 @dataclass(frozen=True)
 class ComputeRates:
-    """What the prompt times say beyond the links (defaults: the H200 fit; `HelpPolicy.observe`
-    refines them)."""
+    """What the prompt times say beyond the links (defaults: the H200 fit; refined by observation)."""
 
     other_s_per_token: float = H200_OTHER_S_PER_TOKEN  # attention, norms, router: one layer
     expert_s_per_token: float = H200_EXPERT_S_PER_TOKEN  # all A routed rows of a token: one layer
@@ -73,7 +66,6 @@ class ComputeRates:
 
 
 def layer_seconds(load: StageLoad, rates: ComputeRates, share: float, tokens: int) -> float:
-    """One layer of the busy stage at this share (0: unhelped); see the module docstring."""
     t, s = tokens, share
     compute = (rates.other_s_per_token + rates.expert_s_per_token) * t
     assert load.link_busy is not None
@@ -91,14 +83,12 @@ def layer_seconds(load: StageLoad, rates: ComputeRates, share: float, tokens: in
 
 
 def stage_seconds(load: StageLoad, rates: ComputeRates, share: float, tokens: int) -> float:
-    """The busy stage's part of a one-chunk prompt: its layers, its last layer's compute tail and
-    the fixed cost."""
     tail = (rates.other_s_per_token + rates.expert_s_per_token) * tokens
     return load.layers * layer_seconds(load, rates, share, tokens) + tail + rates.fixed_s
 
 
 def binding_term(load: StageLoad, rates: ComputeRates, share: float, tokens: int) -> str:
-    """Which bound sets the layer's time: 'link' or 'chain' (helped), 'link' or 'compute' (not)."""
+    """'link' or 'chain' (helped), 'link' or 'compute' (not)."""
     assert load.link_busy is not None
     if share <= 0:
         compute = (rates.other_s_per_token + rates.expert_s_per_token) * tokens
@@ -111,8 +101,8 @@ def binding_term(load: StageLoad, rates: ComputeRates, share: float, tokens: int
 
 
 def best_share(load: StageLoad, rates: ComputeRates, tokens: int, min_gain: float = MIN_GAIN) -> float:
-    """The share n/E (n = 0..E-1, what the runner can split) with the least predicted time; 0 when
-    no share is predicted to save `min_gain` of the unhelped time, or a link is unmeasured."""
+    """The share n/E (n = 0..E-1) with the least predicted time; 0 when none saves `min_gain` of the
+    unhelped time, or a link is unmeasured."""
     if load.link_busy is None or load.link_helper is None:
         return 0.0
     off = stage_seconds(load, rates, 0.0, tokens)
@@ -122,9 +112,8 @@ def best_share(load: StageLoad, rates: ComputeRates, tokens: int, min_gain: floa
 
 
 def link_bounds(load: StageLoad, tokens: int) -> tuple[float, float]:
-    """Lower bounds of the busy stage's part from its links alone (every byte at the link's DMA
-    rate): unhelped, its streamed bytes over its link; helped, the larger of the two links' loads
-    (experts plus the hand-over's bytes) at the share that balances them."""
+    """Lower bounds of the busy stage's part from its links alone (every byte at DMA rate): unhelped,
+    its streamed bytes over its link; helped, the larger of the two links' loads at the balancing share."""
     assert load.link_busy is not None and load.link_helper is not None
     total = load.layers * load.streamed_bytes
     off = total / load.link_busy
@@ -137,16 +126,11 @@ def link_bounds(load: StageLoad, tokens: int) -> tuple[float, float]:
 
 
 def one_chunk_link_bound(stages: list[tuple[StageLoad, float, bool, float, float]], tokens: int) -> float:
-    """Lower bound (s) of a one-chunk prompt on a split from its links alone, every byte at the
-    link's DMA rate: the stages run one after the other, so it is the sum over the busy stages,
-    each given as (its load, the fraction f of its streamed bytes its helper took, whether the
-    helper's card is another, and the bytes its own ring and the ring its helper computes in may
-    take in before its turn: a later stage's uploads are queued with the prompt, so a ring on a
-    card an earlier stage does not stream over may fill meanwhile; the caller says how much, and
-    more only loosens the bound). Unhelped (f = 0), its streamed bytes over its link; helped, the
-    larger of its link's load ((1 - f) of its bytes and the helper's sums read back) and the
-    helper's (f of them and h and the routing read in), or their sum where the two share one card;
-    each side less what its ring may hold early."""
+    """Lower bound (s) of a one-chunk prompt on a split from its links alone (every byte at DMA rate),
+    summed over the busy stages. Each is given as (its load, the fraction f of its streamed bytes its
+    helper took, whether the helper's card is another, the bytes its rings may take in before its
+    turn). Helped, the larger of the two links' loads, or their sum where they share one card; each
+    side less what its ring may hold early (more only loosens the bound)."""
     total = 0.0
     for load, f, across, early_busy, early_helper in stages:
         assert load.link_busy is not None and load.link_helper is not None
@@ -162,8 +146,7 @@ def one_chunk_link_bound(stages: list[tuple[StageLoad, float, bool, float, float
 
 
 def stage_load(busy: Stage, idle: Stage) -> StageLoad:
-    """The load of `busy` (a Stage) helped by `idle`'s card, from busy's arena and the link probes
-    (run here, once per context, where Stage construction did not)."""
+    """The load of `busy` (a Stage) helped by `idle`'s card (runs the link probes where the Stage did not)."""
     spec = busy.spec
     elem = busy.model.w.dtype.itemsize
     # only the experts that are not resident stream (and only those can be helped with)
@@ -184,12 +167,10 @@ MAX_STEP = 2.0  # one prompt moves a rate by at most this factor (a host hiccup 
 class RateEstimate:
     """The `ComputeRates` the auto share uses, refined by timed one-chunk prompts.
 
-    `share` records each busy stage's load as the runner asks; `observe` compares a prompt's time
-    with the sum of the stages' predictions and moves the one term that bound it, halfway:
-    unhelped and compute-bound: the compute rates (other and expert together); unhelped and
-    link-bound: the fixed cost; helped and chain-bound: the hand-over (mapped rate and chain
-    latency); helped and link-bound: the helper's latency per layer, the least certain term and
-    the one that moves the balance point. Terms no prompt exercised keep their defaults.
+    `observe` compares a prompt's time with the stages' predictions and moves halfway the one term
+    that bound it: compute rates (unhelped, compute-bound), the fixed cost (unhelped, link-bound),
+    the hand-over (helped, chain-bound) or the helper's latency (helped, link-bound). Terms no prompt
+    exercised keep their defaults.
     """
 
     def __init__(self, rates: ComputeRates | None = None):
@@ -213,8 +194,8 @@ class RateEstimate:
                                  tokens) for x in loads)
 
     def observe(self, tokens: int, share: float | None, seconds: float) -> None:
-        """A one-chunk prompt of `tokens` took `seconds` (host clock, end to end, not the first
-        prompt: it carries warm-up) with every stage's helper at `share` (None: the picks)."""
+        """A one-chunk prompt of `tokens` took `seconds` (host clock, end to end, not the first prompt:
+        it carries warm-up) with every stage's helper at `share` (None: the picks)."""
         predicted = self.predict(tokens, share)
         if predicted is None or predicted <= 0 or not 0 < seconds < float("inf"):
             return

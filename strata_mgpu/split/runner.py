@@ -44,7 +44,7 @@ class SplitError(ValueError):
 def plan_layers(n_layers: int, n_stages: int, layer_split: LayerSplit, weights: Sequence[float | None]
                 ) -> list[range]:
     """Stage layer ranges from an auto split (proportional to `weights`, e.g. VRAM budgets; equal
-    when unknown) or the first layer of each later stage, checked against the model's layers."""
+    when unknown) or the first layer of each later stage."""
     if n_stages < 1:
         raise SplitError("no devices")
     if layer_split.auto:
@@ -89,21 +89,17 @@ class SplitRunner:
         self.workers = StageWorkers([s.ctx for s in stages], threaded)
 
     def kv_cells(self, tokens: int) -> int:
-        """VRAM KV cells a sequence of `tokens` counts against `kv_token_budget`, the smallest stage's
-        VRAM KV. Stages may plan different windows; counting min(tokens, smallest) is safe for all:
-        on a stage of window W >= the smallest S, min(t, W) <= (W / S) * min(t, S), so what
-        admission keeps within S keeps within W there."""
+        """VRAM KV cells a sequence of `tokens` counts against `kv_token_budget`, the smallest stage's.
+        Safe for every stage: on one of window W >= the smallest S, min(t, W) <= (W / S) * min(t, S)."""
         return min(tokens, self.kv_token_budget)
 
     @property
     def max_context(self) -> int:
-        """The longest sequence every stage planned for (its KV staging included)."""
         return min(s.max_context for s in self.stages)
 
     def set_stage_helper(self, policy: HelpPolicy, max_rows: int, halves_from: int = 0) -> None:
-        """Give each stage's prompt path the next stage's helper (the last stage gets the
-        first's), with host buffers for prompts of up to `max_rows` tokens; helped prompts of
-        `halves_from` tokens or more run in two halves (0: never)."""
+        """Each stage gets the next stage's helper (the last the first's), host buffers for up to `max_rows`
+        tokens; prompts of `halves_from` tokens or more run in two halves (0: never)."""
         n = len(self.stages)
         self.helpers = []
         for k, busy in enumerate(self.stages):
@@ -120,9 +116,9 @@ class SplitRunner:
 
     @staticmethod
     def helper_experts(busy: Stage, idle: Stage, share: float) -> int:
-        """How many of each layer's streamed experts the idle stage's helper takes for `share`:
-        resident experts stay with their stage, the busy stage keeps at least one streamed expert,
-        and the helper's bytes must fit a slot of the ring it borrows."""
+        """How many of each layer's streamed experts the idle stage's helper takes for `share`: resident
+        experts stay, the busy stage keeps at least one streamed expert, and the helper's bytes must fit
+        a slot of the ring it borrows."""
         streamed = busy.experts.streamed_per_layer()
         lent = idle.lend().ring
         if share <= 0 or streamed < 2 or lent is None:
@@ -131,8 +127,6 @@ class SplitRunner:
         return max(0, min(streamed - 1, round(share * streamed), fits))
 
     def warm_decode_graphs(self, context: int) -> list[int]:
-        """Each stage's decode graphs captured ahead of the first request (`Stage.warm_decode_graphs`);
-        returns the batch sizes every stage has."""
         sizes = [set(stage.warm_decode_graphs(context)) for stage in self.stages]
         return sorted(set.intersection(*sizes))
 
@@ -149,16 +143,13 @@ class SplitRunner:
         return SplitKV(parts)
 
     def kv_blocks(self, block_tokens: int) -> SplitBlocks:
-        """Each stage keeps its own layers' part of every block."""
         return SplitBlocks([s.kv_blocks(block_tokens) for s in self.stages])
 
     @torch.inference_mode()
     def prefill(self, kv: SplitKV, tokens: torch.Tensor, whole_prompt: bool = False,
                 want_logits: bool = True) -> torch.Tensor | None:
-        """Append tokens [T]; logits [V] of the last one. A chunk of a longer prompt is queued on
-        the stages' threads and, with `want_logits=False` (not the prompt's last chunk), not waited
-        for: the next chunk's stage 0 work is queued while stage 1 still queues this one. A
-        whole prompt runs on this thread, the idle stage helping."""
+        """With `want_logits=False` the chunk is queued on the stages' threads and not waited for, so the
+        next chunk's stage 0 work queues while stage 1 runs this one. A whole prompt: the idle stage helps."""
         n = tokens.shape[0]
         self._observe_finished_prompt()
         rows = self._prompt_rows([[Segment(0, n, part)] for part in kv.parts], [n])
@@ -191,9 +182,6 @@ class SplitRunner:
 
     @torch.inference_mode()
     def prefill_many(self, kvs: Sequence[SplitKV], chunks: Sequence[torch.Tensor]) -> torch.Tensor:
-        """Append chunks[i] [T_i] to sequence kvs[i], all in one pass through the stages (packed as
-        segments); logits [N, V] of each chunk's last token. The engine packs newly arrived short
-        prompts this way, so they reach their first token together instead of one step each."""
         assert len(kvs) == len(chunks) > 0 and len({id(kv) for kv in kvs}) == len(kvs)
         self._observe_finished_prompt()
         ends = list(itertools.accumulate(c.shape[0] for c in chunks))
@@ -203,8 +191,7 @@ class SplitRunner:
         return self._result(in_flight + self._submit(torch.cat(list(chunks)), self._prompt_rows(segments, ends)))
 
     def _observe_finished_prompt(self) -> None:
-        """Feed the last one-chunk prompt's time to the helper policy once it has finished (no
-        wait: a prompt still running is read at a later call); the first one carries warm-up."""
+        """Feed the last one-chunk prompt's time to the helper policy once it has finished (no wait)."""
         timed = self.prompt_clock.read()
         if timed is not None:
             tokens, seconds = timed
@@ -212,9 +199,7 @@ class SplitRunner:
 
     @torch.inference_mode()
     def decode(self, kvs: Sequence[SplitKV], tokens: torch.Tensor) -> torch.Tensor:
-        """One step of `kvs`: each stage follows the routing seen so far on a new sequence's first
-        step, then runs its layers (a CUDA graph replay of the batch where its path allows,
-        `Stage.decode_rows`), the hand-overs queued between them."""
+        """Each stage runs its layers (a graph replay where its path allows), the hand-overs queued between them."""
         self._observe_finished_prompt()
 
         def rows(k: int, stage: Stage, x: torch.Tensor) -> torch.Tensor:
@@ -226,8 +211,8 @@ class SplitRunner:
 
     def _prompt_rows(self, segments: list[list[Segment]], ends: list[int]
                      ) -> Callable[[int, Stage, torch.Tensor], torch.Tensor]:
-        """Stage k's part of prompt chunks packed as `segments[k]`: embed (first), its layers, and on
-        the last stage the logits of each chunk's last row (`ends`: where each chunk's rows end)."""
+        """Stage k's part of prompt chunks packed as `segments[k]`; on the last stage the logits of each
+        chunk's last row (`ends`: where each chunk's rows end)."""
         def work(k: int, stage: Stage, x: torch.Tensor) -> torch.Tensor:
             x = stage.model.run(stage.model.embed(x) if stage.is_first else x, segments[k])
             if not stage.is_last:
@@ -238,9 +223,8 @@ class SplitRunner:
 
     def _submit(self, tokens: torch.Tensor, work: Callable[[int, Stage, torch.Tensor], torch.Tensor],
                 inline: bool = False) -> list[Future]:
-        """tokens [T] through the stages, one task each on its stage's thread: `work(k, stage, x)`
-        maps stage k's input (token ids on the first, the rows received from the previous stage on
-        the others) to what it hands on; the last task's result is the output (the logits)."""
+        """tokens [T] through the stages, one task each on its stage's thread: `work(k, stage, x)` maps
+        stage k's input to what it hands on; the last task's result is the output."""
         last = len(self.stages) - 1
         job: list[Future] = []
         # Device tokens (a decode step's, drawn by the sampler on the caller's stream) are ready when
@@ -287,8 +271,8 @@ class SplitRunner:
 
 
 class PromptTimer(Protocol):
-    """Times one-chunk prompts for the helper policy's rates: `start(tokens)` and `stop()` around
-    a prompt, `read()` its (tokens, seconds) once it has finished, else None."""
+    """Times one-chunk prompts: `start(tokens)` and `stop()` around a prompt, `read()` its
+    (tokens, seconds) once it has finished, else None."""
 
     def start(self, tokens: int) -> None: ...
 
@@ -298,9 +282,8 @@ class PromptTimer(Protocol):
 
 
 class PromptClock:
-    """A `PromptTimer` on the last stage's stream, without a host wait: marks recorded around a
-    prompt (`DeviceContext.mark`); `read()` gives (tokens, seconds) once its end has passed (None
-    while it runs, for the first prompt, which carries warm-up, and when nothing was timed)."""
+    """A `PromptTimer` on the last stage's stream, without a host wait; `read()` is None while the
+    prompt runs, for the first prompt (it carries warm-up), and when nothing was timed."""
 
     def __init__(self, ctx: DeviceContext):
         self.ctx = ctx
@@ -332,9 +315,8 @@ def build_split(f: GGUFFile, spec: ModelSpec, options: list[StageOptions], layer
                 on_progress: Callable[[str, int, int], None] | None = None,
                 help_policy: HelpPolicy | None = None, *, help_halves: int = 0,
                 stage_threads: bool = True) -> SplitRunner:
-    """Stages on `options`' devices (one each, in order), layers placed by `layer_split`; the
-    helper of one-chunk prompts where `help_policy` is enabled (in two halves of rows from
-    `help_halves` tokens, 0: never); `stage_threads`: a host thread per GPU stage."""
+    """Stages on `options`' devices, layers by `layer_split`; the one-chunk helper where `help_policy`
+    is on (halves from `help_halves` tokens, 0: never); `stage_threads`: a thread per GPU stage."""
     ranges = plan_layers(spec.n_layers, len(options), layer_split, [o.max_vram_gib for o in options])
     log.info("layer split %s: %s", layer_split, "; ".join(f"stage {i}: layers {r.start}-{r.stop - 1} on {o.device}"
                                                          for i, (o, r) in enumerate(zip(options, ranges, strict=True))))

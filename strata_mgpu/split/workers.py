@@ -1,19 +1,15 @@
 """One host thread per stage of a split, each queuing its stage's work in the order it was given.
 
 Why: a CUDA stream accepts about a thousand launches ahead of the device; past that, a launch
-waits until the device drains one. A prompt chunk is ~1,700 launches a stage, so one thread
-queuing stage 0's chunk and then stage 1's spends most of its time waiting on card 0 while card 1
-idles, and stage 0's next chunk cannot be queued before stage 1's: the stages seldom run together
-(docs/MULTI_GPU.md, a 32K prompt in 8K chunks). With a thread each, a stage blocked on its
-own card's queue holds up nobody else.
+waits until the device drains one. A prompt chunk is more launches than that a stage, so one
+thread queuing stage 0's chunk and then stage 1's waits on card 0 while card 1 idles. With a
+thread each, a stage blocked on its own card's queue holds up nobody else.
 
 A stage's task for a call waits (on the host) for the previous stage's task of the same call to
 have queued its hand-over: the exchange's sends and receives pair up in call order. A task that
-fails passes its error down the chain (the next stage's task raises it without touching its
-exchange), so every stage stays in step for the next call.
-
-Without threads (`STRATA_STAGE_THREADS=0`, or stages on the CPU, where work runs as it is queued)
-each task runs at once on the caller's thread, exactly as submitted.
+fails passes its error down the chain without touching its exchange, so every stage stays in
+step for the next call. Without threads (`STRATA_STAGE_THREADS=0`, or CPU stages) each task runs
+at once on the caller's thread.
 """
 
 from __future__ import annotations
@@ -31,7 +27,6 @@ T = TypeVar("T")
 
 
 def done_future(fn: Callable[[], T]) -> Future:
-    """Run fn now; its result or its error in a finished Future."""
     f: Future = Future()
     try:
         f.set_result(fn())
@@ -41,8 +36,7 @@ def done_future(fn: Callable[[], T]) -> Future:
 
 
 class StageWorkers:
-    """A thread each for the stages of `contexts` (one a stage, in order), or none (`threaded`
-    False: every task runs at once on the caller's thread)."""
+    """A thread each for the stages of `contexts`, or none (`threaded` False)."""
 
     def __init__(self, contexts: Sequence[DeviceContext], threaded: bool):
         self.contexts = list(contexts)
@@ -52,9 +46,9 @@ class StageWorkers:
                        for k, ctx in enumerate(self.contexts)] if threaded else []
 
     def submit(self, k: int, fn: Callable[[], T], after: Future | None, inline: bool = False) -> Future:
-        """Queue fn as stage k's next task, to run once `after` (the previous stage's task of the
-        same call, or None) has finished; its error, if any, becomes this task's. `inline`: run it
-        now on the caller's thread (call `idle()` first: the workers must have nothing queued)."""
+        """Queue fn as stage k's next task, to run once `after` (the previous stage's task of the same
+        call, or None) has finished; its error, if any, becomes this task's. `inline`: run it now on the
+        caller's thread (call `idle()` first)."""
         if inline or not self.threaded:
             if after is not None and after.exception() is not None:
                 return after
@@ -78,9 +72,8 @@ class StageWorkers:
         return self._pools[k].submit(task)
 
     def idle(self) -> None:
-        """Wait until every stage has queued all it was given (their errors stay with their calls):
-        a no-op through each stage's queue, which runs in order. Holds no finished task (a failed
-        one's traceback would keep its tensors alive)."""
+        """Wait until every stage has queued all it was given. Holds no finished task (a failed one's
+        traceback would keep its tensors alive)."""
         for pool in self._pools:
             pool.submit(lambda: None).result()
 

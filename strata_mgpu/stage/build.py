@@ -1,13 +1,9 @@
 """`build_stage`: a `Stage` composed of its parts, in the order their memory is placed.
 
-The dense weights go to the device first (the embedding on the first stage, the head on the
-last), the layers' experts into the pinned host arena; the kernels are chosen once; the VRAM
-plan (`memory_plan`) then fits the rest of the budget around what is placed: the expert ring, the
-resident experts (the expert cache), the KV the engine may fill and the decode graphs' room. The
-decoder's path switches (`static_rows`: short forwards through the fused decode ops) and whether
-decode steps can be captured as graphs follow from the kernels and the card, decided here once.
-A CPU stage with `host_core_experts` keeps only the arena (not pinned) and computes every expert from
-it on the host's cores (`HostCoreExperts`): no ring, no expert cache, no workspace.
+The dense weights go to the device first, the layers' experts into the pinned host arena; the
+kernels are chosen once; the VRAM plan then fits the rest of the budget around what is placed. A
+CPU stage with `host_core_experts` keeps only the arena (not pinned) and computes every expert
+from it on the host's cores: no ring, no expert cache, no workspace.
 """
 
 from __future__ import annotations
@@ -48,7 +44,6 @@ Progress = Callable[[str, int, int], None]
 
 def build_stage(f: GGUFFile, spec: ModelSpec, opts: StageOptions, layers: range | None = None,
                 on_progress: Progress | None = None) -> Stage:
-    """The stage of `layers` (default: every layer) on `opts.device`, within `opts.max_vram_gib`."""
     layers = layers if layers is not None else range(spec.n_layers)
     assert 0 <= layers.start < layers.stop <= spec.n_layers and layers.step == 1
     first, last = layers.start == 0, layers.stop == spec.n_layers
@@ -130,10 +125,9 @@ def build_stage(f: GGUFFile, spec: ModelSpec, opts: StageOptions, layers: range 
 def _handover(ctx: DeviceContext, spec: ModelSpec, opts: StageOptions, arena: HostExpertArena,
               cache: ExpertCache | None, kernels: TorchKernels, layers: range, dtype: torch.dtype
               ) -> Handover | None:
-    """The decode hand-over of missing experts to the host's cores (`experts.handover`), where
-    `opts.switches.cpu_experts` asks for one and it can run: a CUDA stage whose experts are not all resident,
-    every layer through the fused decode kernels in bf16, ggml-python there; `auto` measures the
-    host's and the link's rates and may decline. A CPU stage's device-path twins take a fixed share
+    """The decode hand-over of missing experts to the host's cores, where `cpu_experts` asks for one and
+    it can run: a CUDA stage whose experts are not all resident, every layer through the fused
+    decode kernels in bf16, ggml-python there. A CPU stage's device-path twins take a fixed share
     through `HandoverTwin`. Says what it chose, and why not, in the log."""
     share = opts.switches.cpu_experts
     if share.mode == "off" or cache is None or cache.per_layer >= spec.n_experts:
@@ -175,14 +169,13 @@ def _handover(ctx: DeviceContext, spec: ModelSpec, opts: StageOptions, arena: Ho
 
 
 def holds_blocks(dense: ModelWeights) -> bool:
-    """Does any projection or the head stay as blocks (`BlockMatrix`)?"""
     return any(isinstance(m, BlockMatrix) for lw in dense.layers for m in (lw.wq, lw.wk, lw.wv, lw.wo)) or \
         isinstance(dense.output, BlockMatrix)
 
 
 def dense_storage_bytes(dense: ModelWeights) -> int:
-    """Bytes of every storage of the dense weights once (wq/wk/wv are views of wqkv; a tied head
-    is the embedding; blocks count their bytes)."""
+    """Bytes of every storage of the dense weights once (wq/wk/wv are views of wqkv; a tied head is the
+    embedding)."""
     held = [*(t for lw in dense.layers for t in vars(lw).values()), dense.embed, dense.output, dense.out_norm]
     tensors = [t.raw if isinstance(t, BlockMatrix) else t for t in held if isinstance(t, torch.Tensor | BlockMatrix)]
     return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values())
@@ -190,8 +183,7 @@ def dense_storage_bytes(dense: ModelWeights) -> int:
 
 def _plan(ctx: DeviceContext, spec: ModelSpec, opts: StageOptions, layers: range, arena: HostExpertArena,
           dense_bytes: int, dtype: torch.dtype) -> MemoryPlan:
-    """The stage's VRAM plan (`stage_plan`) within what the budget and the card leave, the dense
-    weights already placed counted in."""
+    """The stage's VRAM plan within what the budget and the card leave, the placed dense weights counted."""
     budget = None
     if ctx.is_cuda:  # what may still be allocated, plus the dense weights already placed
         budget = ctx.vram_free_in_budget() + torch.cuda.memory_reserved(ctx.device)
@@ -209,12 +201,8 @@ def _plan(ctx: DeviceContext, spec: ModelSpec, opts: StageOptions, layers: range
 def stage_plan(spec: ModelSpec, opts: StageOptions, layers: range, *, expert_bytes: int, dense: int,
                budget: int | None, elem: int, where: str,
                on_halved: Callable[[int, int], None] = lambda had, now: None) -> MemoryPlan:
-    """The VRAM plan of a stage of `layers` with these options (`memory_plan.plan_stage_memory`):
-    what a stage plans as it is built, and what `strata info` previews without a GPU. `budget`
-    None: uncapped (the CPU), a quarter of each layer resident unless forced. Where the budget
-    cannot hold the KV of the whole context, the VRAM KV is halved (down to one chunk) and longer
-    sequences keep their older cells in host RAM. A stage with `host_core_experts` plans no ring,
-    no resident experts and no workspace: its experts stay in the arena."""
+    """The VRAM plan of a stage of `layers`, also what `strata info` previews without a GPU. `budget`
+    None: uncapped (the CPU). `host_core_experts`: no ring, resident experts or workspace."""
     switches, on_host = opts.switches, opts.host_core_experts
     return plan_stage_memory(spec, kv_tokens=opts.kv_tokens, context=opts.context or opts.kv_tokens,
                              chunk_tokens=opts.chunk_size, on_halved=on_halved, n_layers=len(layers),
@@ -228,13 +216,12 @@ def stage_plan(spec: ModelSpec, opts: StageOptions, layers: range, *, expert_byt
 
 
 def _attention_fused(ctx: DeviceContext, spec: ModelSpec) -> bool:
-    """Does `CudaDecodeOps.attention` run its kernels here (not its twin)? This card and head dim."""
     return spec.head_dim in ATTN_HEAD_DIMS and torch.cuda.get_device_capability(ctx.device) >= ATTN_MIN_CAPABILITY
 
 
 def _decode_never_syncs(kernels: TorchKernels, arena: HostExpertArena, spec: ModelSpec) -> bool:
-    """Can a decode step run with no host sync (so be captured)? Each layer's experts go through
-    the fused kernels, or the dequant gather and the grouped GEMM."""
+    """Can a decode step run with no host sync (so be captured)? Each layer's experts go through the
+    fused kernels, or the dequant gather and the grouped GEMM."""
     if not isinstance(kernels, CudaKernels) or not kernels.host_pointers:
         return False
     fused = all(kernels.moe_fused(lay, spec.hidden, spec.n_experts_used) is not None

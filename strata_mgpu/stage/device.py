@@ -1,20 +1,14 @@
 """A stage's handle on its device: the torch device, the stage's own compute and upload streams,
 and its VRAM budget.
 
-Not a CUDA context: CUDA gives a process one primary context per device, which every stage on
-that card shares (and with it the caching allocator and its cap, the sum of their budgets). What a
-stage owns is its streams, so two stages on one card still queue their work independently and can
-overlap there as they would on two cards. On the CPU the streams are None and every
-"asynchronous" step runs in program order; the same stage code runs on both.
+Not a CUDA context: every stage on a card shares the process's primary context (and the caching
+allocator). What a stage owns is its streams, so two stages on one card still queue their work
+independently. On the CPU the streams are None and every step runs in program order.
 
-Every stream and event operation of the package goes through a context (`new_stream`, `event`,
-`record`, `wait`, `wait_stream`, `use`, `current_stream`, `current`, `synchronize`,
-`synchronize_event`, `synchronize_device`, `record_stream`, and the timing `mark`), and
-so does every read or write of a buffer that another stream may touch (`label` where it is
-allocated, `access` where it is used).
-On CUDA these are the torch.cuda calls and `access` is a no-op; on the plain CPU all are no-ops.
-A CPU context made with `twin=` (or inside `streams.ordering_twin()`) gets twin streams instead,
-and every missing wait raises `OrderingError` (`stage/streams.py`).
+Every stream and event operation of the package goes through a context, and so does every use of
+a buffer that another stream may touch (`label` where allocated, `access` where used): the
+torch.cuda calls on CUDA, no-ops on the plain CPU, and under `streams.ordering_twin()` (or
+`twin=`) twin streams where a missing wait raises `OrderingError`.
 """
 
 from __future__ import annotations
@@ -101,11 +95,9 @@ class DeviceContext:
     def on_compute(self, *, after_caller: bool = True, join_caller: bool = True) -> Iterator[None]:
         """Run the enclosed work on this stage's compute stream; GPU-side waits, no host sync.
 
-        after_caller: the work waits for what the caller's stream has queued (its inputs may come
-        from there). join_caller: the caller's stream waits for the work (it will read the output).
-        Stages in a pipeline skip both where the exchange's events already order them: chaining
-        every stage through the caller's stream would serialize chunk c+1 behind chunk c.
-        """
+        after_caller: the work waits for the caller's stream. join_caller: the caller's stream waits for
+        the work. Pipeline stages skip both where the exchange's events order them: chaining every stage
+        through the caller's stream would serialize chunk c+1 behind chunk c."""
         if self.compute is None:
             yield
             return
@@ -120,88 +112,75 @@ class DeviceContext:
     # --- streams and events: torch.cuda on CUDA, no-ops on the CPU, checked by the twin ---------
 
     def new_stream(self, kind: str) -> Stream:
-        """Another stream of this device (None on the plain CPU), for work the stage's own two do not
-        carry (the KV staging's side stream); `kind` names it in the twin's messages."""
+        """Another stream of this device (None on the plain CPU); `kind` names it in the twin's messages."""
         return self._streams.new_stream(kind)
 
     def event(self, name: str = "") -> Event:
-        """A new event (None on the plain CPU); `name` says what it marks, in the twin's messages."""
+        """A new event (None on the plain CPU); `name` is for the twin's messages."""
         return self._streams.event(name)
 
     def current_stream(self) -> Stream:
         return self._streams.current_stream()
 
     def use(self, stream: Stream) -> contextlib.AbstractContextManager:
-        """`with ctx.use(s):` work queued in the block goes to s (torch.cuda.stream)."""
         return self._streams.use(stream)
 
     def record(self, event: Event, stream: Stream = None) -> None:
-        """Record `event` on `stream` (default: the current stream); no-op for None."""
         if event is not None:
             self._streams.record(event, stream)
 
     def wait(self, event: Event, stream: Stream = None) -> None:
-        """`stream` (default: the current one) waits, on the device, for the event's latest record
-        issued so far; an event never recorded is no wait (as on CUDA). No-op for None."""
+        """`stream` (default: current) waits on the device for the event's latest record; an event never
+        recorded is no wait (as on CUDA)."""
         if event is not None:
             self._streams.wait(event, stream)
 
     def wait_stream(self, stream: Stream, on: Stream = None) -> None:
-        """`on` (default: the current stream) waits for everything queued on `stream` so far."""
         if stream is not None:
             self._streams.wait_stream(stream, on)
 
     def synchronize(self, stream: Stream = None) -> None:
-        """The host waits for `stream` (default: the current one)."""
         self._streams.synchronize(stream)
 
     def synchronize_device(self) -> None:
-        """The host waits for every stream of the device (torch.cuda.synchronize): work queued on a
-        stream the caller does not know, before memory it may touch is freed."""
+        """The host waits for every stream of the device: before freeing memory that work on a stream
+        the caller does not know may touch."""
         self._streams.synchronize_device()
 
     def synchronize_event(self, event: Event) -> None:
-        """The host waits for the event's latest record (a CUDA event on a plain CPU context too:
-        a card's work this CPU stage reads). No-op for None."""
+        """The host waits for the event's latest record (a CUDA event on a plain CPU context too)."""
         if event is not None:
             self._streams.synchronize_event(event)
 
     def mark(self, stream: Stream = None) -> Mark:
-        """A timing mark on `stream` (default: the current one): `later.seconds_since(earlier)`,
-        `done()` once the stream passed it. Orders nothing; the host clock on the CPU."""
+        """A timing mark on `stream`: `later.seconds_since(earlier)`, `done()`. Orders nothing."""
         return self._streams.mark(stream)
 
     def capture(self, graph: torch.cuda.CUDAGraph, pool: Any, stream: Stream, mode: str = "relaxed"
                 ) -> contextlib.AbstractContextManager[object]:
-        """`with ctx.capture(graph, pool, stream):` the enclosed work is captured into `graph` on
-        `stream` (a stream of this context), its memory from `pool` (torch.cuda.graph_pool_handle(),
-        or None: its own; CUDA only); `mode`: torch's capture_error_mode ("relaxed": other threads'
-        CUDA calls meanwhile are not errors; "global", torch's default)."""
+        """Capture the enclosed work into `graph` on `stream`, its memory from `pool` (None: its own; CUDA
+        only); `mode`: torch's capture_error_mode ("relaxed": other threads' CUDA calls are not errors)."""
         return self._streams.capture(graph, pool, stream, mode)
 
     def current(self) -> contextlib.AbstractContextManager:
-        """`with ctx.current():` this stage's device is the current CUDA device (no-op on the CPU)."""
         return self._streams.current_device()
 
     def record_stream(self, tensors: torch.Tensor | tuple | list, stream: Stream = None) -> None:
-        """The caching allocator does not reuse `tensors`' memory, once they are freed, before the work
-        queued on `stream` (default: the current one) by then is done (torch's `record_stream`): for a
-        tensor allocated on one stream and used on another. No-op on the CPU."""
+        """Do not reuse `tensors`' memory before the work now queued on `stream` is done (torch's
+        `record_stream`). No-op on the CPU."""
         self._streams.record_stream(list(tensors) if isinstance(tensors, (tuple, list)) else [tensors], stream)
 
     def access(self, buffer: torch.Tensor | str | tuple | list, mode: str) -> None:
-        """Declare that the current stream reads ('r') or writes ('w') `buffer` (a tensor, meaning
-        its whole storage, a name, or several of them) from here: checked by the twin only."""
+        """Declare that the current stream reads ('r') or writes ('w') `buffer` (a tensor's whole storage,
+        a name, or several): checked by the twin only."""
         self._streams.access(buffer, mode)
 
     def label(self, buffer: torch.Tensor, name: str) -> torch.Tensor:
-        """Name a shared buffer for the twin's messages (prefixed with the context's name);
-        returns it, so it can wrap the allocation."""
+        """Name a shared buffer for the twin's messages; returns it."""
         self._streams.label(buffer, name)
         return buffer
 
     def vram_free_in_budget(self) -> int:
-        """Bytes the stage may still allocate under its budget (or on the card)."""
         if not self.is_cuda:
             return 2**62
         free, total = torch.cuda.mem_get_info(self.device)
@@ -210,9 +189,8 @@ class DeviceContext:
 
 
 class HostCopy:
-    """A device tensor's copy into pinned host memory, queued on its device's current stream
-    behind an event, without a host wait; `wait()` gives the host tensor once it has landed. A
-    host tensor is copied at once."""
+    """A device tensor's copy into pinned host memory, queued behind an event without a host wait;
+    `wait()` gives the host tensor once it has landed. A host tensor is copied at once."""
 
     def __init__(self, tensor: torch.Tensor):
         self._ready: torch.cuda.Event | None = None
@@ -231,8 +209,7 @@ class HostCopy:
 
 
 def check_device(device: torch.device) -> torch.device:
-    """The device, its CUDA index made explicit, once it is known to exist (DeviceError otherwise):
-    the one check of a device, at placement and where a stage opens it."""
+    """The device, its CUDA index made explicit, once it is known to exist (DeviceError otherwise)."""
     if device.type == "cpu":
         return device
     if device.type != "cuda":

@@ -1,14 +1,11 @@
 """One VRAM plan per stage: what the budget holds, line by line, resident experts with the rest.
 
-A stage's `--max-vram` is one pool. Fixed lines come first: the dense weights, one layer's experts
-as bf16 (the prefill GEMMs' operands), one chunk's activation peak, the KV cells the engine must
-hold, decode's graphs and GEMM workspaces, and a slack for the caching allocator's rounding. What
-is left holds experts resident in VRAM (the same `K` per layer: decode reads them in place,
-prefill computes them in place) and the expert ring, which only needs room for the experts that
-are not resident: two slots of (E - K) experts. K is the largest count whose lines all fit; with
-K = E nothing streams and the ring is gone. The plan never exceeds the budget (a property test
-checks it for any shapes and budgets); where even K = 0 does not fit, `plan_memory` raises a
-one-line `PlanError`.
+A stage's `--max-vram` is one pool. Fixed lines come first (dense weights, one layer's experts as
+bf16, one chunk's activation peak, KV, decode's graphs and workspaces, allocator slack). The rest
+holds the same `K` resident experts per layer and the expert ring, two slots of (E - K) experts.
+K is the largest count whose lines all fit; with K = E nothing streams and the ring is gone. The
+plan never exceeds the budget (a property test checks it); where even K = 0 does not fit,
+`plan_memory` raises a one-line `PlanError`.
 
 Shape legend: L = the stage's layers, E = experts a layer, K = resident experts a layer,
 A = experts used per token, T = chunk tokens, S = context tokens.
@@ -60,7 +57,6 @@ class MemoryPlan:
 
     @property
     def streamed_per_layer(self) -> int:
-        """Experts a layer streams per prompt pass: E - K."""
         return self.n_experts - self.resident_per_layer
 
     @property
@@ -105,8 +101,7 @@ class MemoryPlan:
 
 
 def vram_plan_line(plan: MemoryPlan, pass_bytes: int) -> str:
-    """A stage's VRAM plan in one line: what it places of its budget, the experts it keeps resident,
-    what a prompt pass streams, the KV it holds (`strata info --max-vram` prints it line by line)."""
+    """A stage's VRAM plan in one line (`strata info --max-vram` prints it line by line)."""
     budget = f" of {plan.budget / 2**30:.1f}" if plan.budget is not None else ""
     return (f"VRAM plan {plan.total / 2**30:.1f}{budget} GiB: {plan.resident_per_layer}/{plan.n_experts} experts a "
             f"layer resident ({plan.resident / 1e9:.2f} GB), a prompt pass streams {pass_bytes / 1e9:.2f} GB, "
@@ -119,15 +114,9 @@ def workspace_bytes(spec: ModelSpec, elem: int = 2) -> int:
 
 
 def activation_bytes(spec: ModelSpec, tokens: int, context: int, elem: int = 2, kv_dequantized: bool = False) -> int:
-    """Peak of one layer's temporaries for a chunk of `tokens` rows after up to `context` keys.
-
-    The residual stream and the block inputs live throughout; on top of them either the MoE
-    block (M = T * A routed rows: sorted inputs, gate-up, SiLU product, outputs, and the rows put
-    back in order) or attention (q, and the KV heads repeated for the chunked-prefill kernel),
-    whichever is larger: the one's temporaries are freed before the other's. `kv_dequantized`: a
-    quantized cache's keys and values up to the chunk's end, dequantized for attention, live beside
-    those. A quarter more for what this count misses (index tensors, router scores, kernel workspaces).
-    """
+    """Peak of one layer's temporaries for `tokens` rows after `context` keys: the residual and block
+    inputs plus the larger of the MoE block's and attention's (`kv_dequantized`: a quantized cache
+    dequantized to the chunk's end), and a quarter more for what this misses."""
     m = tokens * spec.n_experts_used
     rows = tokens * (spec.hidden * 4 + spec.q_dim * 2 + spec.kv_dim * 2) * elem  # x, h, q, k, v, attn out
     moe = m * (3 * spec.hidden + 4 * spec.expert_ffn) * elem + m * 8 * 4 + tokens * spec.n_experts * 4
@@ -137,10 +126,8 @@ def activation_bytes(spec: ModelSpec, tokens: int, context: int, elem: int = 2, 
 
 
 def decode_bytes(spec: ModelSpec, rows: int, *, head: bool, elem: int = 2) -> int:
-    """What decode holds beyond the KV: cuBLAS's workspaces, and the graphs' shared pool, which
-    keeps one step's temporaries for the largest graph batch of `rows` rows (attention's split
-    partials in fp32, the rows' activations, logits in the compute dtype and in fp32 where the
-    stage holds the head). A quarter more, as for the activations."""
+    """Beyond the KV: cuBLAS's workspaces and the graphs' shared pool (one step's temporaries for the
+    largest graph batch of `rows` rows). A quarter more, as for the activations."""
     per_row = (spec.n_heads * ATTN_SPLITS * (spec.head_dim + 2) * 4
                + (spec.hidden * 8 + spec.q_dim * 3 + spec.kv_dim * 2) * elem
                + spec.n_experts * 4 * 2 + (spec.vocab_size * (elem + 4) if head else 0))
@@ -148,9 +135,7 @@ def decode_bytes(spec: ModelSpec, rows: int, *, head: bool, elem: int = 2) -> in
 
 
 def dense_bytes(spec: ModelSpec, n_layers: int, *, embed: bool, head: bool, elem: int = 2) -> int:
-    """The dense weights a stage keeps in VRAM, as `model.weights.load_weights` lays them out:
-    attention and norms in the compute dtype, the router in fp32, the embedding on the first
-    stage, the final norm and head on the last (a tied head reuses the embedding)."""
+    """The dense weights a stage keeps in VRAM, as `model.weights.load_weights` lays them out."""
     d = spec.hidden
     layer = (2 * spec.q_dim * d + 2 * spec.kv_dim * d + 2 * d + 2 * spec.head_dim) * elem + spec.n_experts * d * 4
     table = spec.vocab_size * d * elem
@@ -161,10 +146,9 @@ def dense_bytes(spec: ModelSpec, n_layers: int, *, embed: bool, head: bool, elem
 
 def plan_stage_memory(spec: ModelSpec, *, kv_tokens: int, context: int, chunk_tokens: int,
                       on_halved: Callable[[int, int], None] = lambda had, now: None, **plan_args) -> MemoryPlan:
-    """`plan_memory` for a stage that must serve sequences of up to `context` tokens: where the
-    budget cannot hold `kv_tokens` of KV in VRAM, halve it (down to one chunk, at least 1,024) and
-    let longer sequences keep their older KV in host RAM; `on_halved(had, now)` is told each time.
-    A stage and `strata info` plan alike through this."""
+    """`plan_memory` for sequences of up to `context` tokens: where the budget cannot hold `kv_tokens`
+    of KV in VRAM, halve it (down to one chunk, at least 1,024) and let longer sequences keep their
+    older KV in host RAM; `on_halved(had, now)` is told each time."""
     context = max(context, kv_tokens)
     floor = min(kv_tokens, max(chunk_tokens, 1024))
     while True:
@@ -179,8 +163,7 @@ def plan_stage_memory(spec: ModelSpec, *, kv_tokens: int, context: int, chunk_to
 
 def kv_bytes(spec: ModelSpec, n_layers: int, tokens: int, elem: int = 2,
              kv_types: tuple[GGMLQuantizationType, GGMLQuantizationType] = PLAIN_KV) -> int:
-    """Keys and values of `tokens` cells in `n_layers` layers, stored as `kv_types` (Q8_0: 34
-    bytes for 32 values, 0.53 of bf16's)."""
+    """Keys and values of `tokens` cells in `n_layers` layers, stored as `kv_types`."""
     return n_layers * tokens * kv_cell_bytes(*kv_types, spec.kv_dim, elem)
 
 
@@ -192,16 +175,12 @@ def plan_memory(spec: ModelSpec, *, n_layers: int, expert_bytes: int, dense: int
                 kv_types: tuple[GGMLQuantizationType, GGMLQuantizationType] = PLAIN_KV) -> MemoryPlan:
     """Place the fixed lines, then as many resident experts a layer as the rest holds.
 
-    `kv_tokens` KV cells stay in VRAM; a sequence longer than that (up to `context` tokens) keeps
-    its older cells in host RAM and uploads them, a layer at a time, into `staging_buffers`
-    buffers of `context` cells (`stage.kv.two_tier`). `decode_rows`: the largest batch decoded as one
-    graph; `head`: the stage holds the output head; `expert_workspace`: it dequantizes a layer's
-    experts for its GEMMs (a CPU stage computing them from their blocks does not; the line is 0);
-    `kv_types`: how keys and values are stored (the KV and staging lines count their bytes, so
-    Q8_0's freed bytes go to resident experts). `resident_per_layer` forces K (0: stream
-    everything, for measurements); it must still fit. Without a budget (CPU) K defaults to a
-    quarter of E, so both read paths stay exercised.
-    """
+    `kv_tokens` KV cells stay in VRAM; longer sequences (up to `context`) keep their older cells in
+    host RAM, assembled in `staging_buffers` buffers of `context` cells. `decode_rows`: the largest
+    graph batch; `head`: the stage holds the output head; `expert_workspace`: it dequantizes a
+    layer's experts (a CPU stage does not); `kv_types`: how keys and values are stored.
+    `resident_per_layer` forces K (0: stream everything); it must still fit. Without a budget (CPU)
+    K defaults to a quarter of E, so both read paths stay exercised."""
     E = spec.n_experts
     context = max(context or kv_tokens, kv_tokens)
     cell = kv_cell_bytes(*kv_types, spec.kv_dim, elem)  # a position of one layer, keys and values

@@ -1,13 +1,5 @@
 """A Stage: one device and a layer range, composed by `build.build_stage` of its parts.
 
-- `ctx`: the device, its streams and VRAM budget; `plan`: what the budget holds, line by line;
-- `model`: the decoder forward over the layers' dense weights (the embedding on the first stage,
-  the head on the last), its expert backend `experts` (resident experts in place, the rest
-  streamed from the pinned `arena`, or gathered; on a CPU stage with `cpu_experts`, every
-  expert computed on the host's cores from the arena's bytes: `HostCoreExperts`);
-- `kv`: its sequences' caches within the plan; `graphs`: its decode steps as CUDA graphs;
-- `refill`: the expert cache following the routing at each sequence's first decode step.
-
 A stage holding every layer is the engine's `ModelRunner`; `--layer-split` chains several
 (`split.runner`), each through `decode_rows` and its forward, its idle buffers lent to another
 stage's helper (`lend`, `attach_helper`).
@@ -45,9 +37,8 @@ log = logging.getLogger("strata.stage")
 
 @dataclass(frozen=True)
 class StageOptions:
-    """One stage's options: its device, budget and share of the host's cores (resolved for it by
-    `engine.build`, or given by a test or a tool), and the switches every stage runs by, whole
-    (`config.StageSwitches`: a `Placement`, or a stage's own)."""
+    """One stage's options: its device, budget and share of the host's cores, and the switches every
+    stage runs by (`config.StageSwitches`)."""
 
     device: torch.device
     switches: StageSwitches = StageSwitches()
@@ -67,8 +58,7 @@ class StageOptions:
 
     @classmethod
     def from_env(cls, environment: EnvOptions, **fields: Any) -> StageOptions:
-        """Options whose switches come from the environment (`env.read()`): what a tool that builds
-        one stage itself uses, as `Placement.from_env` is for the CLI's commands."""
+        """Options whose switches come from the environment (`env.read()`), for a tool that builds one stage."""
         return cls(switches=StageSwitches.from_env(environment), **fields)
 
     @property
@@ -97,8 +87,7 @@ class StageReport:
 
 @dataclass(eq=False)  # identity: stages are compared and hashed as the objects they are
 class Stage:
-    """One device and a layer range (see the module docstring); a `ModelRunner` when the range is
-    the whole model."""
+    """One device and a layer range; a `ModelRunner` when the range is the whole model."""
 
     options: StageOptions
     spec: ModelSpec
@@ -129,12 +118,10 @@ class Stage:
     # -- the ModelRunner contract ---------------------------------------------------------------
     @property
     def kv_token_budget(self) -> int:
-        """KV cells in VRAM for all sequences together (the engine admits within it)."""
         return self.kv.vram_cells
 
     @property
     def max_context(self) -> int:
-        """The longest sequence the plan holds (in VRAM, or with its older KV in host RAM)."""
         return self.kv.max_context
 
     def kv_cells(self, tokens: int) -> int:
@@ -159,16 +146,14 @@ class Stage:
 
     @torch.inference_mode()
     def decode(self, kvs: Sequence[SequenceKV], tokens: torch.Tensor) -> torch.Tensor:
-        """A CUDA graph replay per step where the batch allows it (`decode_rows`); otherwise eager."""
         with self.ctx.on_compute():
             self.refill_cache(kvs)
             return self.decode_rows(kvs, tokens.to(self.ctx.device))
 
     @torch.inference_mode()
     def warm_decode_graphs(self, context: int) -> list[int]:
-        """Every batch bucket's decode graph captured before the first request
-        (`DecodeGraphs.warm`), the expert cache's pick counts put back as they were after the
-        captures' steps on the dummy sequence."""
+        """Every batch bucket's decode graph captured before the first request, the expert cache's pick
+        counts put back as they were before the captures' dummy steps."""
         cache = self.experts.cache
         with self.ctx.on_compute():
             picks = cache.picks.clone() if cache is not None else None
@@ -179,12 +164,9 @@ class Stage:
                     cache.picks.copy_(picks)
 
     def silent_faults(self) -> int:
-        """Hand-overs of decode's experts to the host's cores that failed without raising
-        (`StreamedExperts.silent_faults`); 0 for experts computed on the host's cores in order."""
         return self.experts.silent_faults()
 
     def describe(self, with_layers: bool = False) -> str:
-        """Its device, dtype and kernels (`with_layers`: its layers first), and on a GPU its VRAM plan."""
         kernels = self.kernels
         if isinstance(kernels, CudaKernels):
             path = "CUDA kernels (CuPy/NVRTC" + (", grouped GEMM by torch._grouped_mm)" if kernels.use_grouped_mm
@@ -201,18 +183,12 @@ class Stage:
 
     # -- what a split drives ---------------------------------------------------------------------
     def refill_cache(self, kvs: Sequence[SequenceKV]) -> None:
-        """The expert cache follows the routing seen so far, before these sequences' first decode
-        step (`RefillOnFirstStep`)."""
         self.refill(kvs)
 
     def decode_rows(self, kvs: Sequence[SequenceKV], inp: torch.Tensor) -> torch.Tensor:
-        """One decode step of `kvs` through this stage's layers, on the current stream: token ids
-        inp [B] where the stage embeds (the first), else hidden rows [B, D]; -> logits [B, V] where
-        it holds the head (the last), else hidden rows [B, D]. Replays the stage's CUDA graph for
-        this batch where `graphs.serves` it; a spilled sequence's KV is assembled eagerly. Where the
-        budget runs out in the step, the captured graphs' memory goes and the step runs once more,
-        from the caches' lengths before it (a step cut short after they advanced would else be
-        written one cell on; its KV cells are simply rewritten)."""
+        """One decode step of `kvs` on the current stream (inputs and outputs as `Decoder.step_static`'s),
+        a graph replay where `graphs.serves` the batch. Where the budget runs out in the step, the graphs'
+        memory goes and the step runs again from the caches' lengths before it."""
         lengths = [kv.length for kv in kvs]
         if self.experts.arm():  # a replayed graph's hand-overs find the host's worker polling
             self.graphs.drop()  # the hand-over was detached: captures with its kernels go
@@ -240,14 +216,12 @@ class Stage:
         return self.model.logits(x) if self.is_last else x
 
     def lend(self) -> LentBuffers:
-        """The VRAM a helper may borrow while this stage idles: its expert ring and its experts'
-        bf16 workspace, both laid out when the stage was built."""
+        """The VRAM a helper may borrow while this stage idles: its expert ring and bf16 workspace."""
         if not isinstance(self.experts, StreamedExperts):
             raise ValueError(f"the stage on {self.ctx.device} computes its experts on the host's cores: it has no "
                              f"ring or workspace to lend")
         return LentBuffers(workspace=self.experts.workspace, ring=self.experts.ring)
 
     def attach_helper(self, helper: PrefillHelper | None) -> None:
-        """The helper that takes a share of this stage's streamed prompt passes while bound."""
         self.experts.attach_helper(helper)
 

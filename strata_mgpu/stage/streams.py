@@ -1,24 +1,15 @@
 """Streams and events behind one small API: on CUDA, on the CPU in program order, and on the CPU as
 a twin that checks their ordering.
 
-Stage code queues work on streams and orders it with events; a missing wait shows on a GPU only as
-a rare wrong answer, and on the CPU (everything in program order) never. The twin makes it fail in
-CI. It is an exact race detector, not a scheduler: CPU torch runs every op when it is called, so
-work cannot be deferred and replayed, but the issue order of every stream operation and every
-declared buffer access is known, and that decides which schedules a GPU may pick. The twin tracks
-happens-before with vector clocks (stream program order, event record -> wait at issue time,
-`wait_stream`, host synchronizations, everything issued after a host step) and raises
-`OrderingError` at the first access that conflicts (write/read, read/write, write/write) with an
-earlier access on another stream that nothing orders before it: the race some GPU schedule would
-turn into a wrong answer, caught deterministically on any run that issues it. The message names
-the stream, the buffer, both call sites and the event whose wait is missing.
-
-Buffers are declared by the code that owns them (`label`) and every read or write of one is
-declared where it is issued (`access`); on CUDA and on the plain CPU both cost one Python call.
-`tests/ordering_schedules.py` replays a recorded trace in seeded adversarial schedules with a
-version count per buffer: the oracle the detector is tested against.
-
-Shape of a vector clock: {stream index: tick}; a stream's own entry counts its event records.
+A missing wait shows on a GPU only as a rare wrong answer, and on the plain CPU never; the twin
+makes it fail in CI. It is an exact race detector, not a scheduler: CPU torch runs every op when
+called, but the issue order of every stream operation and declared buffer access decides which
+schedules a GPU may pick. Happens-before is tracked with vector clocks ({stream index: tick}:
+program order, event record -> wait, `wait_stream`, host synchronizations), and `OrderingError`
+is raised at the first access that conflicts with an unordered earlier one on another stream,
+naming the stream, the buffer, both call sites and the missing wait.
+`tests/ordering_schedules.py` replays recorded traces in seeded adversarial schedules: the
+oracle the detector is tested against.
 """
 
 from __future__ import annotations
@@ -92,12 +83,10 @@ def _where(depth: int) -> str:
 
 
 class OrderingTwin:
-    """One checking session: every twin stream, event and declared buffer of the contexts made
-    with it. `trace=True` also records every operation (replayed by tests/ordering_schedules.py).
-
-    Counters: `accesses` (declared), `cross_stream` (accesses checked against an earlier
-    conflicting access on another stream and found ordered: a test that runs code under the twin
-    asserts this is > 0, so the check had something to catch)."""
+    """One checking session: every twin stream, event and declared buffer of the contexts made with it.
+    `trace=True` also records every operation (for tests/ordering_schedules.py). `cross_stream`
+    counts checked cross-stream accesses found ordered: a test under the twin asserts it is > 0, so
+    the check had something to catch."""
 
     def __init__(self, *, trace: bool = False):
         self.host = TwinStream("host", 0, None)
@@ -155,7 +144,6 @@ class OrderingTwin:
             self.trace.append(("wait_stream", waiter.index, source.index))
 
     def synchronize_event(self, event: TwinEvent) -> None:
-        """The host waits for the event's latest record issued so far (none yet: no wait)."""
         if event.vc is not None:
             _join(self.host.vc, event.vc)
         self._host_epoch += 1
@@ -163,7 +151,6 @@ class OrderingTwin:
             self.trace.append(("sync_event", None, event.index))
 
     def synchronize(self, s: TwinStream) -> None:
-        """The host waits for everything queued on s so far."""
         self._issue(s)
         _join(self.host.vc, s.vc)
         s.vc[s.index] += 1
@@ -182,8 +169,6 @@ class OrderingTwin:
         self.buffers[self._key(buffer)] = _BufferState(name)
 
     def access(self, s: TwinStream, buffer: torch.Tensor | str, mode: str, where: str) -> None:
-        """Check an access of `buffer` ('r' or 'w') issued now on s against the buffer's earlier
-        conflicting accesses, then remember it."""
         assert mode in ("r", "w"), mode
         self._issue(s)
         key = self._key(buffer)
@@ -248,7 +233,7 @@ def active_twin() -> OrderingTwin | None:
 
 
 class HostMark:
-    """A time on the host's clock: on the CPU work runs as it is queued, so its time is the host's."""
+    """A time on the host's clock: on the CPU work runs as it is queued."""
 
     def __init__(self) -> None:
         self.at = time.perf_counter()
@@ -262,7 +247,7 @@ class HostMark:
 
 
 class CudaMark:
-    """A timing event recorded on a stream (it orders nothing): `done` once the stream passed it."""
+    """A timing event recorded on a stream (it orders nothing)."""
 
     def __init__(self, stream: torch.cuda.Stream):
         self.event = torch.cuda.Event(enable_timing=True)
@@ -272,7 +257,6 @@ class CudaMark:
         return self.event.query()
 
     def seconds_since(self, begin: Mark) -> float:
-        """Seconds from `begin` to this mark; waits for this one."""
         assert isinstance(begin, CudaMark)
         self.event.synchronize()
         return begin.event.elapsed_time(self.event) / 1e3
@@ -288,9 +272,8 @@ E = TypeVar("E")  # a backend's event handle
 
 
 class StreamBackend(Protocol[S, E]):
-    """What `DeviceContext` asks of its streams; each backend knows its own handles (`S`, `E`):
-    torch's on CUDA, None on the plain CPU, the twin's in a checking session. A `stream` of None
-    is the current one."""
+    """What `DeviceContext` asks of its streams; each backend knows its own handles (`S`, `E`). A
+    `stream` of None is the current one."""
 
     def new_stream(self, kind: str) -> S: ...
 
@@ -328,7 +311,7 @@ class StreamBackend(Protocol[S, E]):
 
 
 class CudaStreams:
-    """torch.cuda, exactly as the stage code called it before; declarations cost nothing."""
+    """torch.cuda; declarations cost nothing."""
 
     def __init__(self, device: torch.device):
         self.device = device
@@ -386,7 +369,6 @@ class CudaStreams:
 
 
 class _HostDevice:
-    """What the CPU backends share: no device to make current, no graphs to capture."""
 
     def current_device(self) -> contextlib.AbstractContextManager[object]:
         return contextlib.nullcontext()
@@ -415,8 +397,7 @@ class InOrderStreams(_HostDevice):
         pass
 
     def wait(self, event: torch.cuda.Event | None, stream: None) -> None:
-        """A card's event (a stage there hands rows to or takes them from this CPU stage, `--devices
-        cpu,0`): the host waits for it, the CPU's program order being its only stream."""
+        """A card's event (`--devices cpu,0`): the host waits for it, program order being the CPU's only stream."""
         if event is not None:
             event.synchronize()
 
@@ -430,7 +411,6 @@ class InOrderStreams(_HostDevice):
         pass
 
     def synchronize_event(self, event: torch.cuda.Event | None) -> None:
-        """A card's event (`--devices cpu,0`: what this CPU stage reads was made there), or none."""
         if event is not None:
             event.synchronize()
 
@@ -449,7 +429,6 @@ class InOrderStreams(_HostDevice):
 
 
 class _Use:
-    """Makes `stream` its device's current stream for a `with` block."""
 
     def __init__(self, stream: TwinStream):
         self.stream = stream

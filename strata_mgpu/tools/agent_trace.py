@@ -1,4 +1,4 @@
-"""Replay agent sessions against an OpenAI-compatible server, as an agent drives it: a session is a
+r"""Replay agent sessions against an OpenAI-compatible server, as an agent drives it: a session is a
 system prompt and N turns, each appending a user message (or a tool's result) to the conversation
 and then the model's answer, the whole conversation sent again every turn. Sessions run one at a
 time or several at once, all sharing the one system prompt.
@@ -7,15 +7,10 @@ time or several at once, all sharing the one system prompt.
     python3 -m strata_mgpu.tools.agent_trace http://127.0.0.1:8080 --sessions 1,4 --turns 10 \\
         --system-tokens 4096 --turn-tokens 1536 --answer-tokens 150 [--json trace.json]
 
-Per turn it reports the client's time to first token, the prompt's tokens, how many of them the
-server took from its cache and how many it computed (`usage.prompt_tokens_details.cached_tokens`,
-or llama-server's `timings.cache_n`/`prompt_n`); per session its wall time. A fresh prompt as long
-as a turn's new tokens (its message and the last answer), sent alone, gives the time to first
-token a turn would take if only its new tokens were computed: the reference the turns are held to.
-
-Texts are English words drawn at random (seeded), sized by the server's own `/tokenize`, so each
-turn's new text shares nothing with what came before but the conversation itself. Answers are
-sampled at temperature 0.8 with `ignore_eos`, so each is `--answer-tokens` long.
+Per turn: the client's time to first token, the prompt's tokens, how many the server took from its
+cache and how many it computed. A fresh prompt as long as a turn's new tokens, sent alone, is the
+reference the turns are held to. Texts are random English words (seeded), sized by the server's
+`/tokenize`; answers are sampled with `ignore_eos`, so each is `--answer-tokens` long.
 """
 
 from __future__ import annotations
@@ -93,7 +88,6 @@ class TraceClient:
         return " ".join(rng.choice(WORDS) for _ in range(max(1, round(tokens / self.tokens_per_word))))
 
     def turn(self, messages: list[dict], answer_tokens: int, seed: int) -> tuple[Turn, str]:
-        """One streamed chat request; its figures and the answer's text."""
         body = {"model": self.model, "messages": messages, "max_tokens": answer_tokens, "temperature": 0.8,
                 "seed": seed, "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
         t0 = time.perf_counter()

@@ -1,20 +1,11 @@
 """`strata bench`: prefill and decode speed against the link bound, in one run.
 
-Measures pinned host-to-device bandwidth first (the bound's denominator; a one-chunk prompt on a
-split takes each stage's probed link rate instead, `rate_model.stage_load`), then for each prompt
-length: prefill tok/s, achieved expert GB/s (every non-resident expert byte crosses a link once
-per chunk), and the bound: the larger of the link bound (streamed bytes / measured bandwidth:
-the busiest link's where chunks pipeline across stages; for a one-chunk prompt on a split, the
-stages one after the other, each with the share its helper took: `split_one_chunk_bound`) and
-the compute of the same passes timed without their uploads; the all-streamed link bound too,
-so figures from before residency compare. Then decode tok/s, and with `decode_batches` the same
-at each batch size B: B sequences decoded together, aggregate and per-sequence tok/s. A stage whose
-experts run on the host's cores (`--devices cpu`) reports its executor's expert GB/s for each
-row count it ran (batch-1 decode steps, each prompt's chunk, each decode batch).
-Prompts longer than the chunk size run chunk by chunk, as the engine runs them; with several
-stages the longest prompt is timed per stage too: each stage's busy time and how long two or
-more stages were busy at once (the pipeline's overlap). Runs on the CPU with the tiny model too
-(no link there: no bandwidth, no link bound).
+The bound of a prompt is the larger of the link bound (streamed bytes / measured pinned
+bandwidth: the busiest link's where chunks pipeline across stages; for a one-chunk prompt on a
+split, the stages one after the other, each with the share its helper took) and the compute of
+the same passes timed without their uploads. Every non-resident expert byte crosses a link once
+per chunk. Prompts longer than the chunk size run chunk by chunk, as the engine runs them. On the
+CPU there is no link: no bandwidth, no link bound.
 """
 
 from __future__ import annotations
@@ -136,7 +127,6 @@ def cpu_rates(stage: int, executor: str, rates: dict[int, ExpertRate]) -> CpuExp
 
 
 def sync_stages(stages: list[Stage]) -> None:
-    """The host waits for every stream of every stage's card."""
     for ctx in {s.ctx.device: s.ctx for s in stages}.values():
         ctx.synchronize_device()
 
@@ -156,8 +146,8 @@ def measure_h2d(stage: Stage, repeats: int = 5) -> float | None:
 
 
 def prefill_chunks(runner, prompt: torch.Tensor, chunk: int, kv=None) -> torch.Tensor:
-    """`prompt` into `kv` (a new sequence just long enough if None) chunk by chunk, as the engine
-    prefills: no host sync between chunks; the last chunk's logits."""
+    """`prompt` into `kv` (a new sequence if None) chunk by chunk, as the engine prefills: no host
+    sync between chunks; the last chunk's logits."""
     kv = runner.new_sequence(prompt.numel() + 1) if kv is None else kv
     whole = prompt.numel() <= chunk
     for start in range(0, prompt.numel(), chunk):
@@ -167,8 +157,7 @@ def prefill_chunks(runner, prompt: torch.Tensor, chunk: int, kv=None) -> torch.T
 
 
 class UntimedPrompts:
-    """A `split.runner.PromptTimer` that times nothing: the helper policy learns nothing from the
-    prompts run while it stands in (`unobserved`)."""
+    """A `split.runner.PromptTimer` that times nothing, so the helper policy learns nothing."""
 
     def start(self, tokens: int) -> None:
         pass
@@ -182,10 +171,8 @@ class UntimedPrompts:
 
 @contextlib.contextmanager
 def uploads_skipped(stages: list[Stage]) -> Iterator[None]:
-    """Every expert ring's uploads take their next slot with nothing copied into it, so a pass
-    computes from whatever the slots hold (its answers are wrong meanwhile): the compute a pass
-    cannot go below, its link and its helper's link (the helper's uploads go through the idle
-    stage's ring) out of the way."""
+    """Every ring's uploads take their slot with nothing copied, so a pass computes from whatever the
+    slots hold (wrong answers): the compute a pass cannot go below, its links out of the way."""
     rings = [s.experts.ring for s in stages if s.experts.ring is not None]
 
     def nothing_copied(ring: ExpertRing) -> Callable[[int, Sequence[torch.Tensor]], Slot]:
@@ -202,7 +189,6 @@ def uploads_skipped(stages: list[Stage]) -> Iterator[None]:
 
 @contextlib.contextmanager
 def unobserved(runner: Runner) -> Iterator[None]:
-    """A split's helper policy does not learn from the prompts run meanwhile."""
     if not isinstance(runner, SplitRunner):
         yield
         return
@@ -214,8 +200,7 @@ def unobserved(runner: Runner) -> Iterator[None]:
 
 
 def time_compute(runner: Runner, tokens: int, runs: int, chunk: int) -> list[float]:
-    """Prefill timed with every ring's uploads skipped (`uploads_skipped`): the compute a pass
-    cannot go below. A split's helper policy does not learn from these passes."""
+    """Prefill timed with every ring's uploads skipped (`uploads_skipped`)."""
     with uploads_skipped(runner.stages), unobserved(runner):
         return time_prefill(runner, tokens, runs, chunk)
 
@@ -259,7 +244,6 @@ class StageTimeline:
 
 
 def busy_and_overlap(intervals: dict[int, list[tuple[float, float]]]) -> tuple[dict[int, float], float, float]:
-    """Per-stage busy seconds, seconds with >= 2 stages busy, and the whole span."""
     busy = {k: sum(b - a for a, b in iv) for k, iv in intervals.items()}
     edges = sorted([(a, 1) for iv in intervals.values() for a, _ in iv] + [(b, -1) for iv in intervals.values()
                                                                             for _, b in iv])
@@ -280,11 +264,9 @@ class DecodeTiming(NamedTuple):
 
 
 def time_decode(runner, n: int, prompt_tokens: int = 64, seed: int = 0, chunk: int = 8192) -> DecodeTiming:
-    """Decode tok/s at batch 1, one token at a time, the share of the timed steps' expert picks
-    that were read from VRAM, and the host's time to queue a step (graph replay: its input copies
-    and the launch; eager: every launch). Each step's logits go to the host (a sync, as sampling
-    does), but the next token fed is random: a synthetic model's greedy chain soon loops over a
-    few tokens, whose experts the cache then holds, which would flatter the figure."""
+    """Decode tok/s at batch 1, the share of picks read from VRAM, and the host's time to queue a step.
+    The next token fed is random: a synthetic model's greedy chain soon loops over a few tokens,
+    whose experts the cache then holds, which would flatter the figure."""
     g = torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, runner.spec.vocab_size, (prompt_tokens + n + 2,), generator=g)
     kv = runner.new_sequence(prompt_tokens + n + 3)  # + the two warm-up steps
@@ -310,7 +292,6 @@ def time_decode(runner, n: int, prompt_tokens: int = 64, seed: int = 0, chunk: i
 
 
 def decode_batch_prompts(batch: int, prompt_tokens: int = 64, step: int = 7) -> list[int]:
-    """Prompt lengths of a decode batch's sequences: 64, 71, 78, ... (each row its own position)."""
     return [prompt_tokens + step * b for b in range(batch)]
 
 
@@ -321,12 +302,8 @@ def decode_batch_kv_tokens(batch: int, n_steps: int, warmup: int = 2) -> int:
 
 def time_decode_batch(runner, batch: int, n_steps: int, warmup: int = 2, chunk: int = 8192, seed: int = 0
                       ) -> tuple[float, float]:
-    """Aggregate and per-sequence decode tok/s of `batch` sequences decoded together, one
-    `runner.decode(kvs, tokens)` a step (the runner's own batched step: CUDA graphs per stage where
-    enabled, eager otherwise). Each sequence has its own random prompt, of a different length
-    (`decode_batch_prompts`); each step's argmax comes back to the host (one sync a step, as
-    sampling does) and random tokens are fed, as in `time_decode`. The warm-up steps (a new batch's first step
-    may capture a graph and refill the expert cache) are not timed."""
+    """Aggregate and per-sequence decode tok/s of `batch` sequences of different prompt lengths,
+    random tokens fed as in `time_decode`; the warm-up steps are not timed."""
     g = torch.Generator().manual_seed(seed)
     kvs, first = [], []
     for n in decode_batch_prompts(batch):
@@ -350,17 +327,16 @@ def time_decode_batch(runner, batch: int, n_steps: int, warmup: int = 2, chunk: 
 
 
 def _early_ring_bytes(stage: Stage, earlier: list[Stage]) -> float:
-    """What `stage`'s ring may take in while the `earlier` stages run: all it holds where one of
-    them is on another card (over-counting only loosens a lower bound)."""
+    """What `stage`'s ring may take in while the `earlier` stages run: all it holds where one of them
+    is on another card (over-counting only loosens a lower bound)."""
     ring = stage.experts.ring
     before = any(s.ctx.device != stage.ctx.device for s in earlier)
     return float(ring.nbytes) if before and ring is not None else 0.0
 
 
 def split_one_chunk_bound(runner, tokens: int) -> float | None:
-    """The link bound of the split's last one-chunk prompt of `tokens` (`rate_model.one_chunk_link_bound`),
-    with the share each busy stage's helper took then (`SplitRunner.last_help`); None where a
-    stage's link was never probed."""
+    """The link bound of the split's last one-chunk prompt of `tokens`, with the share each busy
+    stage's helper took then; None where a stage's link was never probed."""
     from strata_mgpu.split.rate_model import one_chunk_link_bound, stage_load
 
     stages: list[Stage] = runner.stages
@@ -378,8 +354,8 @@ def split_one_chunk_bound(runner, tokens: int) -> float | None:
 
 
 def prompts_within(lengths: list[int], context: int) -> tuple[list[int], str | None]:
-    """The prompt lengths a model of `context` tokens can run (longer ones cut to the context, each
-    length once), and the warning that says so (None where all fit)."""
+    """The prompt lengths a model of `context` tokens can run (longer ones cut to the context), and
+    the warning that says so (None where all fit)."""
     fitted = list(dict.fromkeys(min(n, context) for n in lengths))
     longer = [n for n in lengths if n > context]
     if not longer:
@@ -392,8 +368,7 @@ def run_bench(runner, model_name: str, prompt_tokens: list[int], decode_tokens: 
               on_step: Callable[[str], None] = lambda s: None, decode_batches: list[int] | None = None,
               decode_context: int = 64) -> BenchResult:
     """`decode_batches`: batch sizes for `time_decode_batch` (--decode-tokens steps each, 64 if 0);
-    none, or batch 1 alone, times only the batch-1 decode of `time_decode`, after a prompt of
-    `decode_context` tokens."""
+    none, or batch 1 alone, times only `time_decode`, after `decode_context` tokens."""
     stages: list[Stage] = runner.stages
     bw = measure_h2d(stages[0])
     if bw:  # a CPU stage has no link to measure

@@ -7,12 +7,8 @@ expert bytes that gives (each call's distinct picked experts' bytes over its wal
 
 `--picks K`: K picks a row rather than the preset's A (a GPU stage's hand-over sends the host one
 or two a layer); `--poll P`: ggml's polling level for the pool's idle workers (0: they sleep).
-
-The layer is the synthetic writer's valid blocks (`tools.bench_kernels.expert_layer`, down of the
-type files pair with gate's) in the arena's layout. Repetition r of a batch of B rows picks B x A
-experts in a block that moves through the layer, so r's experts are not the ones r-1 left in the
-caches (a 30B-A3B layer is 1.57 GB: 16 batch-1 repetitions apart, no expert repeats). The
-executor is checked once against its twin (the tolerance: tests/test_cpu_experts.py).
+Each repetition picks experts in a block that moves through the layer, so its experts are not the
+ones the last left in the caches. The executor is checked once against its twin.
 """
 
 from __future__ import annotations
@@ -64,8 +60,8 @@ class CpuExpertReport:
 
 
 def fresh_picks(rep: int, batch: int, n_used: int, n_experts: int) -> torch.Tensor:
-    """[batch, A] picks of repetition `rep`: distinct in a row, a block of experts moving through
-    the layer rep by rep (a row of A consecutive experts, rows one after the other, wrapping)."""
+    """[batch, A] picks of repetition `rep`: distinct in a row, a block of experts moving through the
+    layer rep by rep."""
     first = rep * batch * n_used
     flat = (first + torch.arange(batch * n_used)) % n_experts
     return flat.view(batch, n_used)

@@ -10,9 +10,8 @@ one short device call.
     python3 -m strata_mgpu.tools.bench_kernels [--preset 30b-a3b] [--batch 1,8] [--iters 100]
         [--host-share 0] [--contexts 1024,8192,32768] [--expert-rows 8,16,...,512] [--json OUT]
 
-The expert bytes are the synthetic writer's (`model.synthetic.make_tensor`: valid blocks, weights
-of the spread a real layer has). The bound printed beside each figure is bytes over the card's
-device-to-device copy bandwidth, measured in the same run.
+The bound printed beside each figure is bytes over the card's device-to-device copy bandwidth,
+measured in the same run.
 """
 
 from __future__ import annotations
@@ -60,8 +59,8 @@ class KernelReport:
 
 
 def expert_layer(preset: str, gate_type: Q = Q.Q4_K, seed: int = 0) -> tuple[ExpertLayout, np.ndarray]:
-    """One layer's experts as the arena lays them out: [E, expert_bytes] uint8, each expert its
-    gate rows, up rows, then down rows, in whole blocks (down of the type files pair with gate's)."""
+    """One layer's experts as the arena lays them out: [E, expert_bytes] uint8, each expert its gate
+    rows, up rows, then down rows, in whole blocks."""
     spec = PRESETS[preset].spec(preset)
     down_type = DEFAULT_DOWN.get(gate_type, gate_type)
     e, d, f = spec.n_experts, spec.hidden, spec.expert_ffn
@@ -74,8 +73,8 @@ def expert_layer(preset: str, gate_type: Q = Q.Q4_K, seed: int = 0) -> tuple[Exp
 
 
 class SyntheticCache:
-    """A `kernels.resident.ResidentExperts` of one layer: experts whose `resident`
-    flag is set in VRAM slots (slot e holds expert e), the rest in the host arena."""
+    """A `ResidentExperts` of one layer: experts whose `resident` flag is set in VRAM slots (slot e
+    holds expert e), the rest in the host arena."""
 
     def __init__(self, arena: np.ndarray, resident: torch.Tensor, device: torch.device, pin: bool):
         from strata_mgpu.stage.host.pinned import host_buffer
@@ -110,8 +109,8 @@ def random_routing(batch: int, n_experts: int, n_used: int, g: torch.Generator) 
 
 
 def q8_0_rows(n: int, k: int, device: torch.device) -> torch.Tensor:
-    """n rows of k weights in valid Q8_0 blocks, made on the device (a 151,936-row head is 330 MB):
-    random int8 values, each block's scale 1 / (127 sqrt(k)) as fp16 (unit-variance outputs)."""
+    """n rows of k weights in valid Q8_0 blocks, made on the device: random int8, each block's scale
+    1 / (127 sqrt(k)) (unit-variance outputs)."""
     blocks = torch.randint(-127, 128, (n, k // 32, 34), dtype=torch.int8, device=device).view(torch.uint8)
     scale = torch.tensor([1 / (127 * math.sqrt(k))], dtype=torch.float16).view(torch.uint8)  # 2 bytes
     blocks[:, :, :2] = scale.to(device)
@@ -119,7 +118,6 @@ def q8_0_rows(n: int, k: int, device: torch.device) -> torch.Tensor:
 
 
 def _dequant_q8_0(raw: torch.Tensor, k: int) -> torch.Tensor:
-    """Q8_0 rows [N, row_bytes] -> [N, K] bf16, on the device (no host round trip for a big head)."""
     blocks = raw.reshape(raw.shape[0], k // 32, 34)
     scale = blocks[:, :, :2].contiguous().view(torch.float16).float()  # [N, K / 32, 1]
     q = blocks[:, :, 2:].contiguous().view(torch.int8).float()  # [N, K / 32, 32]
@@ -127,9 +125,8 @@ def _dequant_q8_0(raw: torch.Tensor, k: int) -> torch.Tensor:
 
 
 def time_us(ctx: DeviceContext, fn, iters: int) -> float:
-    """Microseconds a call of `fn`'s launches on the device: captured once as a CUDA graph (as
-    decode runs them) and replayed `iters` times back to back between two marks, so the host's
-    launch cost is not counted. The median of three such runs."""
+    """Microseconds a call of `fn`'s launches takes on the device: captured once as a CUDA graph and
+    replayed `iters` times, so the host's launch cost is not counted. The median of three runs."""
     side = ctx.new_stream("capture")
     ctx.wait_stream(ctx.current_stream(), on=side)
     with ctx.use(side):  # warm-up outside the capture
@@ -148,7 +145,6 @@ def time_us(ctx: DeviceContext, fn, iters: int) -> float:
 
 
 def copy_bandwidth(ctx: DeviceContext, nbytes: int = 1 << 30) -> float:
-    """Device-to-device copy GB/s (bytes read + written)."""
     src = torch.empty(nbytes, dtype=torch.uint8, device=ctx.device)
     dst = torch.empty_like(src)
     us = time_us(ctx, lambda: dst.copy_(src), 10)
@@ -161,8 +157,7 @@ def rel_err(a: torch.Tensor, ref: torch.Tensor) -> float:
 
 @contextlib.contextmanager
 def grouped_from(picks: int):
-    """Gathered passes go expert by expert from `picks` picks on (kernels.moe_grouped's
-    GROUPED_MIN_PICKS, as CudaKernels reads it), for the block's duration."""
+    """Gathered passes go expert by expert from `picks` picks on, for the block's duration."""
     from strata_mgpu.kernels import experts
 
     was, experts.GROUPED_MIN_PICKS = experts.GROUPED_MIN_PICKS, picks
@@ -174,7 +169,7 @@ def grouped_from(picks: int):
 
 @contextlib.contextmanager
 def down_rows_at_most(rows: int):
-    """moe_down's blocks take at most `rows` rows of D (experts.MOE_DOWN_ROWS), for the block's duration."""
+    """moe_down's blocks take at most `rows` rows of D, for the block's duration."""
     from strata_mgpu.kernels import experts
 
     was, experts.MOE_DOWN_ROWS = experts.MOE_DOWN_ROWS, rows
@@ -186,8 +181,8 @@ def down_rows_at_most(rows: int):
 
 def routing_err(got: tuple[torch.Tensor, torch.Tensor], want: tuple[torch.Tensor, torch.Tensor], n_experts: int
                 ) -> float:
-    """Two routings (weights [T, A] at experts [T, A]) as [T, E] weights, compared: a different
-    pick is an error as large as its weight, whatever the order of the picks."""
+    """Two routings as [T, E] weights, compared: a different pick is an error as large as its weight,
+    whatever the order of the picks."""
     def by_expert(weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         return torch.zeros(weights.shape[0], n_experts, device=weights.device).scatter_(1, experts, weights.float())
     return rel_err(by_expert(*got), by_expert(*want))
@@ -280,11 +275,11 @@ def run(preset: str, batches: list[int], contexts: list[int], iters: int, host_s
             report.timings.append(KernelTiming(f"attention at {n:,} keys", b, us, nbytes, bound(nbytes), err))
     from strata_mgpu.kernels.dense import dense_q8, dense_reference
 
-    # decode's dense projections: the bf16 GEMM they take today against dense_q8 on the file's Q8_0
+    # decode's dense projections: the bf16 GEMM against dense_q8 on the file's Q8_0
     kv_rows = (spec.n_heads + 2 * spec.n_kv_heads) * spec.head_dim
     for what, n_rows, check in (("q/k/v projection", kv_rows, True), ("output head", spec.vocab_size, False)):
         raw = q8_0_rows(n_rows, d, device)
-        w_bf16 = _dequant_q8_0(raw, d)  # [N, K] bf16: the weights as the decoder holds them today
+        w_bf16 = _dequant_q8_0(raw, d)  # [N, K] bf16: the weights as a bf16 stage holds them
         for b in batches:
             h = torch.randn(b, d, generator=g).to(device, torch.bfloat16)
             us = time_us(ctx, partial(torch.matmul, h, w_bf16.T), iters)

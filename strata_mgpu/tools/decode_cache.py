@@ -1,8 +1,5 @@
-"""Decode speed with the expert cache held still and with it following the routing.
-
-A static cache holds the first K experts of every layer: its hit rate is what uniform routing
-gives (K / E). Following the routing, each new sequence's first step swaps in the experts picked
-most so far. Run on the GPU machine:
+"""Decode speed with the expert cache held still (the first K experts of every layer: K / E hits
+under uniform routing) and with it following the routing.
 
     python3 -m strata_mgpu.tools.decode_cache MODEL.gguf [--max-vram 16] [--tokens 64] [--sequences 3]
 """

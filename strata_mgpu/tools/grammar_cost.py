@@ -2,11 +2,8 @@
 `Engine`, free against each under a JSON-schema grammar (an array of small objects that cannot
 end before max_tokens, so both runs make the same tokens), on the runner `strata serve` builds.
 
-A constrained row's mask is the host's (llguidance, from the row's matcher) and its bits are
-expanded on the device; the step in flight lands before the draw of a step with such a row
-(engine.py, `_decode`): on a GPU the forward just queued hides that host work, on the CPU it
-does not. Runs alternate free / constrained `--rounds` times and the medians are reported (the
-machine may be shared).
+A constrained row's mask is the host's work; on a GPU the forward just queued hides it, on the CPU
+it does not. Runs alternate free / constrained `--rounds` times and the medians are reported.
 
     python -m strata_mgpu.tools.grammar_cost [MODEL.gguf | --preset tiny|small] [--batch 1,8] [--tokens 64]
 """
@@ -47,8 +44,8 @@ def endless_schema(min_items: int) -> dict:
 
 def decode_rate(engine: Engine, prompts: list[list[int]], max_tokens: int, grammar: Grammar | None,
                 seed: int, constrained_rows: int | None = None) -> float:
-    """Tokens per second landed in the window in which every request is past its first token; the
-    first `constrained_rows` requests (None: all) under `grammar`."""
+    """Tokens per second landed in the window in which every request is past its first token; the first
+    `constrained_rows` requests (None: all) under `grammar`."""
     done = threading.Event()
     arrivals: dict[str, list[tuple[float, int]]] = {f"r{i}": [] for i in range(len(prompts))}
     ended: dict[str, str | None] = {}
@@ -80,8 +77,7 @@ def decode_rate(engine: Engine, prompts: list[list[int]], max_tokens: int, gramm
 
 
 def host_cost_us(grammar: Grammar, vocab_size: int, rows: int, steps: int, seed: int = 0) -> float:
-    """Microseconds of host work a step costs `rows` constrained rows (their masks filled, each
-    matcher advanced by a random allowed token): the work a GPU's forward must hide."""
+    """Microseconds of host work a step costs `rows` constrained rows: the work a GPU's forward must hide."""
     gen = torch.Generator().manual_seed(seed)
     matchers = [grammar.matcher() for _ in range(rows)]
     bits = torch.empty((rows, mask_words(vocab_size)), dtype=torch.int32)

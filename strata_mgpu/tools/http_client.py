@@ -1,5 +1,4 @@
-"""What the tools that measure a running server over HTTP share: a client for its address (with
-the model id it serves) and the JSON chunks of a streamed response."""
+"""What the tools that measure a running server over HTTP share: a client and streamed JSON chunks."""
 
 from __future__ import annotations
 

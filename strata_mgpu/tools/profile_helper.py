@@ -1,19 +1,14 @@
-"""Where a helped one-chunk prompt's time goes on each card: the PeerPrefill helper's diagnosis.
+r"""Where a helped one-chunk prompt's time goes on each card: the PeerPrefill helper's diagnosis.
 
     python3 -m strata_mgpu.tools.profile_helper MODEL.gguf --devices 0,1 --max-vram 16,16 \\
         --resident-experts 0 --tokens 8192 --shares 0,0.45 [--trace-dir DIR]
 
-For each share (0: help off), one one-chunk prompt runs under torch's profiler (CUDA activity)
-after a warm-up; the kernels and copies of its Chrome trace are summed per device and stream:
-how long each stream was busy within the prompt, the idle gaps inside its busy span (a stream
-waiting on an event: the busy stage for its helper's sums, the helper for its inputs or its
-uploads), the hand-over copy kernels (`copy_f32_wide`), dequantization, GEMMs and host-to-device
-copies (the expert stream). On two cards the help-off row shows the busy stage link-bound; a
-helped row whose busy stage's compute stream idles while its upload stream does not is waiting
-for the helper. The host's side: its CUDA API calls by name (count, time), those that can wait for the
-device (allocations, frees, mappings, synchronizations) apart, and when it queued its last call
-against when the cards finished: a host that ends queuing just before the cards end bound them.
-`--trace-dir` keeps each trace (chrome://tracing, Perfetto).
+For each share (0: help off), one prompt runs under torch's profiler after a warm-up; its kernels
+and copies are summed per device and stream: busy time, idle gaps inside the busy span (a stream
+waiting on an event), hand-over copies, dequantization, GEMMs and uploads. A helped row whose busy
+stage's compute stream idles while its upload stream does not is waiting for the helper. The
+host's side: its CUDA API calls by name, those that can wait for the device apart, and when it
+queued its last call against when the cards finished (just before: the host bound them).
 """
 
 from __future__ import annotations
@@ -67,8 +62,7 @@ def category(name: str, cat: str) -> str:
 
 
 def stream_use(trace: dict) -> list[StreamUse]:
-    """Chrome-trace events of kind kernel / gpu_memcpy / gpu_memset -> per (device, stream) use,
-    ordered by device then stream."""
+    """Chrome-trace events of kind kernel / gpu_memcpy / gpu_memset -> per (device, stream) use."""
     raw: dict[tuple[int, int], list[tuple[float, float, str, str, dict]]] = defaultdict(list)
     for ev in trace.get("traceEvents", []):
         if ev.get("ph") != "X" or ev.get("cat") not in ("kernel", "gpu_memcpy", "gpu_memset"):
@@ -101,8 +95,7 @@ BLOCKING_COPIES = ("cudaMemcpy", "cudaMemcpy2D", "cudaMemcpyPeer", "cudaMemset",
 
 
 def can_wait(name: str) -> bool:
-    """Can this CUDA API call hold the host until the device has caught up? (Stream-ordered
-    allocations and frees, `...Async`, do not.)"""
+    """Can this CUDA API call hold the host until the device has caught up? (`...Async` ones do not.)"""
     if name in BLOCKING_COPIES:
         return True
     return "Async" not in name and any(w in name for w in WAITING_CALLS)
@@ -168,8 +161,7 @@ def describe(uses: list[StreamUse]) -> list[str]:
 
 
 def host_profile(runner, kv, prompt: torch.Tensor, top: int = 30) -> str:
-    """One whole-prompt prefill under cProfile (the cards synchronized after it): the host's
-    functions by their own time, and the prompt's wall time."""
+    """One whole-prompt prefill under cProfile: the host's functions by their own time, and the wall time."""
     import cProfile
     import io
     import pstats

@@ -1,4 +1,4 @@
-"""Why do the stages of a split overlap so little on a long prompt? One chunked prompt through a
+r"""Why do the stages of a split overlap so little on a long prompt? One chunked prompt through a
 split, with each stage's enqueue timed on the host and its work timed on the device, the
 allocator's retries and frees counted, and the CUDA runtime calls that can block the host listed.
 
@@ -6,8 +6,7 @@ allocator's retries and frees counted, and the CUDA runtime calls that can block
         [--tokens 32768] [--chunk 8192] > pipeline.txt
 
 If stage k's host enqueue of chunk c lasts about as long as its device work, something in it
-waits for the device (a sync, or an allocation that frees cached blocks): stage k+1's enqueue,
-and so stage k's next chunk, cannot start early. The host and device timelines show where.
+waits for the device, and stage k+1's enqueue cannot start early.
 """
 
 from __future__ import annotations

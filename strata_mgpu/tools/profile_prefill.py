@@ -1,11 +1,10 @@
 """Profile one-chunk prefill on the GPU: where does a prompt's time go when little or nothing
-streams? (With every expert resident a prompt is compute-bound: docs/BENCHMARKS.md.)
+streams?
 
     python3 -m strata_mgpu.tools.profile_prefill MODEL.gguf [--max-vram 40] [--tokens 2048] > profile.txt
 
-Prints the prompt's wall time, then the CUDA kernels by their own time (dequantization,
-grouped GEMMs, attention, routing) and the host's side by CPU time. `--no-static-rows` keeps a
-short prompt on `Decoder.run`'s eager ops, to compare with the fused ops it takes by default.
+`--no-static-rows` keeps a short prompt on `Decoder.run`'s eager ops, to compare with the fused
+ops it takes by default.
 """
 
 from __future__ import annotations

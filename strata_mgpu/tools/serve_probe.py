@@ -1,4 +1,4 @@
-"""Measure a running `strata serve` as its users see it, over HTTP: prompt tok/s at given prompt
+r"""Measure a running `strata serve` as its users see it, over HTTP: prompt tok/s at given prompt
 lengths (from the server's llama.cpp-style `timings`), decode tok/s of one request, and N chats
 at once (client-side time to first token and tok/s each, from the streamed chunks).
 
@@ -6,11 +6,10 @@ at once (client-side time to first token and tok/s each, from the streamed chunk
     python3 -m strata_mgpu.tools.serve_probe http://127.0.0.1:8000 --prompt-tokens 1500,3000,6000 \\
         --max-tokens 128 --chats 8 [--json probe.json]
 
-Prompts are token ids (the completions API takes them): real ids of the server's tokenizer
-(`/tokenize` of an English text), repeated to the length asked, so every length is exact. Sampling
-at temperature 0.8 with a seed and `ignore_eos`, so each request produces `--max-tokens` tokens.
-A chat's tokens are counted as the streamed chunks that carry text (a token that ends inside a
-UTF-8 character arrives with the next one), so its tok/s can read a little low.
+Prompts are real token ids of the server's tokenizer repeated to the length asked, so every length
+is exact; `ignore_eos`, so each request produces `--max-tokens` tokens. A chat's tokens are counted
+as the streamed chunks that carry text (a token that ends inside a UTF-8 character arrives with
+the next one), so its tok/s can read a little low.
 """
 
 from __future__ import annotations
@@ -86,7 +85,7 @@ class Probe:
 
     def chat(self, n_prompt: int, max_tokens: int, seed: int, start: threading.Barrier,
              stamps: list[float]) -> ChatRun:
-        """One streamed request; `stamps` collects the arrival time of each token (for the span)."""
+        """One streamed request; `stamps` collects the arrival time of each token."""
         body = self._body(n_prompt, max_tokens, seed, stream=True)
         start.wait()
         t0 = time.perf_counter()

@@ -1,11 +1,8 @@
 """Decode measured the way the server decodes: N concurrent requests through the real `Engine`.
 
-`strata bench` times the runner's decode call alone; a served request also pays for sampling,
-the tokens' trip to the host, detokenizing, stop matching and its share of a batch. This runs the
-engine on its own thread, as `strata serve` does, with sampling on (temperature, a seed per
-request, EOS ignored so every request makes max_tokens tokens), and reports per request its time
-to first token and decode tok/s, and for all together the tokens per second of the whole run and
-of the window in which every request was decoding.
+`strata bench` times the runner's decode call alone; a served request also pays for sampling, the
+tokens' trip to the host, detokenizing, stop matching and its share of a batch. Sampling is on
+(EOS ignored so every request makes max_tokens tokens).
 """
 
 from __future__ import annotations
@@ -74,7 +71,6 @@ class ServerDecodeReport:
 
 @dataclass
 class _Track:
-    """One request's outputs as they arrive: (time, tokens) per output."""
 
     t_submit: float
     n_prompt: int
@@ -94,12 +90,8 @@ def bench_prompts(tokenizer: Tokenizer, n: int, length: int) -> list[list[int]]:
 def measure_server_decode(runner: ModelRunner, tokenizer: Tokenizer, n_requests: int, max_tokens: int, *,
                           prompt_tokens: int = 32, config: EngineConfig | None = None, temperature: float = 0.8,
                           seed: int = 0, warmup_tokens: int = 8, timeout_s: float = 600.0) -> ServerDecodeReport:
-    """Submit n_requests at once to an engine over `runner` and time them to their last token.
-
-    A warm-up request of `warmup_tokens` runs first (kernels, graph captures), untimed. config:
-    the engine's; by default every request runs in one batch. Raises RuntimeError if a request
-    fails or the run exceeds timeout_s.
-    """
+    """Submit n_requests at once to an engine over `runner` and time them to their last token, after
+    an untimed warm-up request. Raises RuntimeError if a request fails or the run exceeds timeout_s."""
     if n_requests < 1 or max_tokens < 1 or prompt_tokens < 1:
         raise ValueError("n_requests, max_tokens and prompt_tokens must be at least 1")
     config = config or EngineConfig(max_running=n_requests)

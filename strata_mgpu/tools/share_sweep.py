@@ -1,15 +1,9 @@
 """`strata sweep`: one-chunk prefill speed for each helper share and prompt length.
 
 Each cell is the median tok/s of `runs` one-chunk prefills with the helper's share fixed (0:
-help off); the table gives the gain over help-off, the best share per length, the share the rule
-would take (`split.help_rule.default_share`), and an `auto` column: the shares the rate model
-picks (`split.rate_model`, one per busy stage) and their measured speed. The link bounds per
-length: unhelped, each stage's streamed bytes over its link, summed (the stages run one after the
-other); helped, the larger of the two links' loads (experts plus hand-over bytes, all at DMA
-rate) at the share that balances them. The JSON also holds the rate model's inputs. Writes CSV,
-JSON and a PNG plot (matplotlib, when installed). Runs on the CPU with the tiny model and two
-emulated stages too; there both stages share the same cores and no link is measured (no bounds,
-auto helps nothing), so those figures say nothing about what a second card's link brings.
+help off), beside the rule's share and `auto`'s picks with their measured speed, and the link
+bounds per length. On the CPU both emulated stages share the same cores and no link is measured,
+so those figures say nothing about what a second card's link brings.
 """
 
 from __future__ import annotations
@@ -87,8 +81,8 @@ class SweepResult:
         return default_share(tokens)
 
     def bounds(self, tokens: int) -> tuple[float, float] | None:
-        """(unhelped, helped) link bounds of a one-chunk prompt in seconds; None without measured
-        links (the CPU). Stages whose helper shares their card have no second link."""
+        """(unhelped, helped) link bounds of a one-chunk prompt in seconds; None without measured links.
+        Stages whose helper shares their card have no second link."""
         if not self.loads or any(x.link_busy is None or x.link_helper is None for x in self.loads):
             return None
         off = helped = 0.0
@@ -101,7 +95,6 @@ class SweepResult:
 def sweep(time_prompt: TimePrompt, lengths: list[int], shares: list[float], runs: int, loads: list[StageLoad],
           across_cards: list[bool], devices: str, model_name: str, rates: ComputeRates | None = None,
           on_cell: Callable[[SweepCell | AutoCell], None] = lambda cell: None) -> SweepResult:
-    """Time every (length, share) cell and auto's pick per length with `time_prompt`."""
     rates = rates or ComputeRates()
     cells, autos = [], []
     for n in lengths:
@@ -209,7 +202,6 @@ def write_png(result: SweepResult, path: Path) -> bool:
 
 
 def describe(cell: SweepCell | AutoCell) -> str:
-    """One progress line per timed cell."""
     if isinstance(cell, AutoCell):
         return f"{cell.tokens} tokens, auto (share {_shares_text(cell.shares)}): {cell.tok_per_s:,.0f} tok/s"
     return f"{cell.tokens} tokens, share {cell.share:g}: {cell.tok_per_s:,.0f} tok/s"

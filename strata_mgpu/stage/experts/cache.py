@@ -1,18 +1,14 @@
 """Experts resident in VRAM for decode, and a table saying where every expert can be read.
 
-Decode needs only the experts its tokens pick, a few per layer. Those that fit in the VRAM
-budget's spare room live in cache slots on the device; every other expert is read by the dequant
-kernel straight from the pinned host arena through its device mapping (UVA), at link speed and
-with no copy to wait for. `slot_of[layer, expert]` (-1: not resident) and `host_offset` let the
-device build each expert's address itself, so a decode step never synchronizes the host.
+Experts that fit the budget's spare room live in cache slots; every other expert is read straight
+from the pinned host arena through its device mapping (UVA). `slot_of[layer, expert]` (-1: not
+resident) and `host_offset` let the device build each expert's address itself, so a decode step
+never synchronizes the host.
 
-Which experts stay: an even share of every layer, K each. They start as the first K; every
-forward counts each layer's picks on the device (`observe`, no sync; not where every expert is
-resident: nothing to learn, and a launch a layer saved), and when a sequence
-starts decoding `refill` swaps in experts picked clearly more often (its prompt's picks counted
-too) than the resident ones they replace (a margin, and a cap on the bytes moved, keep near-ties
-from churning): trained models route with locality, which this follows. The synthetic models route almost uniformly,
-so for them the hit rate stays about K / E.
+K experts of every layer stay. Every forward counts each layer's picks on the device, and when a
+sequence starts decoding `refill` swaps in experts picked clearly more often than the ones they
+replace (a margin and a cap on the bytes moved keep near-ties from churning): trained models
+route with locality, which this follows.
 """
 
 from __future__ import annotations
@@ -27,8 +23,8 @@ from strata_mgpu.stage.host.arena import HostExpertArena
 
 
 class ExpertCache:
-    """The stage's resident experts and where every other expert is read (`kernels.resident.
-    ResidentExperts`), the picks counted and the refills that follow them (module docstring)."""
+    """The stage's resident experts and where every other expert is read, the picks counted and the
+    refills that follow them."""
 
     def __init__(self, ctx: DeviceContext, arena: HostExpertArena, layers: range, n_slots: int):
         E = arena.spec.n_experts
@@ -63,7 +59,6 @@ class ExpertCache:
 
     @property
     def host(self) -> torch.Tensor:
-        """uint8: the pinned arena the experts that are not resident are read from."""
         return self.arena.buffer
 
     @property
@@ -72,15 +67,12 @@ class ExpertCache:
 
     @property
     def hit_rate_uniform(self) -> float:
-        """Hit rate under uniform routing: the resident share of each layer."""
         return self.per_layer / self.arena.spec.n_experts
 
     def slot(self, index: int) -> torch.Tensor:
-        """uint8 [slot_bytes]: cache slot `index` in VRAM."""
         return self.slots[index]
 
     def source(self, i: int, e: int) -> torch.Tensor:
-        """Where expert e of local layer i is read from: its cache slot, or the host arena."""
         slot = int(self.slot_of_host[i, e])
         self.lookups += 1
         if slot >= 0:
@@ -89,8 +81,7 @@ class ExpertCache:
         return self.arena.expert(self.layers[i], e)
 
     def addresses(self, i: int, picks: torch.Tensor) -> torch.Tensor:
-        """Device addresses (uint64 as int64) of the experts `picks` [M] of local layer i, built on
-        the device: a cache slot's, or the mapped arena's."""
+        """Device addresses (uint64 as int64) of the experts `picks` [M] of local layer i, built on the device."""
         slot = self.slot_of[i, picks]
         cached = self.slots.data_ptr() + slot.clamp(min=0) * self.slot_bytes
         host = self.host.data_ptr() + self.host_offset[i, picks]
@@ -98,12 +89,10 @@ class ExpertCache:
 
     @property
     def holds_every_expert(self) -> bool:
-        """Every expert of every layer resident: every pick reads VRAM, and no refill has anything to move."""
         return self.per_layer == self.arena.spec.n_experts
 
     def observe(self, i: int, experts: torch.Tensor) -> None:
-        """Count local layer i's picks [T, A] (a device op; never synchronizes), where some
-        experts are not resident (`holds_every_expert`: no count is needed)."""
+        """Count local layer i's picks [T, A] (a device op; never synchronizes)."""
         if self.holds_every_expert:
             return
         flat = experts.reshape(-1)
@@ -111,9 +100,8 @@ class ExpertCache:
         self.picks[i].index_add_(0, flat, self._one.expand(flat.numel()))  # one launch
 
     def tally(self, picks: torch.Tensor | None = None) -> tuple[float, float]:
-        """Add the picks counted since the last tally to (vram_picks, all_picks), each read where
-        it was resident at the time (residency changes only in `refill`, which tallies first), and
-        return them. picks: `self.picks` on the host, where the caller has it (else one sync)."""
+        """Add the picks counted since the last tally to (vram_picks, all_picks) and return them. picks:
+        `self.picks` on the host, where the caller has it (else one sync)."""
         if picks is None:
             with self.ctx.on_compute():  # after the forwards that counted them
                 picks = self.picks.to("cpu", copy=True)  # a copy on the CPU too: `picks` changes in place
@@ -124,10 +112,9 @@ class ExpertCache:
         return self.vram_picks, self.all_picks
 
     def refill(self, margin: float = 1.5, max_share: float = 0.125) -> int:
-        """Swap in experts picked more than `margin` times as often as the resident ones they
-        replace, at most `max_share` of each layer's slots (at least one); then halve the counts.
-        Call on the stream that runs the forwards (the copies and the table update are ordered
-        with them). One host sync. Returns the number of experts moved."""
+        """Swap in experts picked more than `margin` times as often as the resident ones they replace, at
+        most `max_share` of each layer's slots; then halve the counts. Call on the forwards' stream. One
+        host sync. Returns the number of experts moved."""
         if self.per_layer == 0 or self.per_layer == self.arena.spec.n_experts:
             return 0
         picks = self.picks.to("cpu", copy=True)
@@ -162,10 +149,9 @@ class ExpertCache:
 
 
 class RefillOnFirstStep:
-    """Before a sequence's first decode step, the cache follows the routing seen so far, its own
-    prompt's included. Not before the prompt: there the moves would share the link with the
-    prefill's stream (slower prompts). One host sync, where the engine waits for the prompt's
-    logits anyway; the copies run on the compute stream, ahead of the step."""
+    """Before a sequence's first decode step, the cache follows the routing seen so far. Not before the
+    prompt: the moves would share the link with the prefill's stream. One host sync, where the engine
+    waits for the prompt's logits anyway."""
 
     def __init__(self, cache: ExpertCache | None):
         self.cache = cache
@@ -179,8 +165,8 @@ class RefillOnFirstStep:
 
 
 def vram_share(caches: Sequence[ExpertCache], from_vram: float, picks: float) -> float | None:
-    """The share of `picks` read from VRAM, counted by `caches`' tallies: 1 where every cache holds
-    every expert (they count nothing), None where there were no caches or no picks."""
+    """The share of `picks` read from VRAM, by `caches`' tallies: 1 where every cache holds every
+    expert, None where there were no caches or no picks."""
     if picks:
         return from_vram / picks
     return 1.0 if caches and all(c.holds_every_expert for c in caches) else None

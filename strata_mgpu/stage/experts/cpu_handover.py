@@ -1,6 +1,6 @@
 """`CpuHandover`: a CUDA stage's hand-over (`handover`): the device's share and carry, the kernels
-of `cuda_src/cpu_handover.cu` (the GPU's side), the mailbox and its worker (the host's side,
-`mailbox`), and `auto`'s share kept by the rates and the clock (`share_policy`)."""
+of `cuda_src/cpu_handover.cu`, the mailbox and its worker, and `auto`'s share.
+"""
 
 from __future__ import annotations
 
@@ -53,8 +53,8 @@ SEND_OFFSETS = {name: field[1] for name, field in (SEND_ARGS.fields or {}).items
 
 class SendArgs:
     """`handover_send`'s argument as CuPy passes it by value (a numpy array of one SEND_ARGS record):
-    the hand-over's fixed addresses written once, a layer's at each `fill` through two flat views
-    (a launch copies its arguments, so the one record is filled again for the next)."""
+    the fixed addresses written once, a layer's at each `fill` (a launch copies its arguments, so
+    the one record is filled again for the next)."""
 
     def __init__(self, **fixed: int):
         assert set(fixed) == set(SEND_OFFSETS) - set(SEND_LAYER_PTRS) - set(SEND_SIZES)
@@ -78,8 +78,8 @@ class SendArgs:
 
 
 class CpuHandover:
-    """A CUDA stage's hand-over (`handover.Handover`): the device's share and carry, the mailbox,
-    the worker. `send` before the GPU's fused kernels, `add` after them, `arm` before each step."""
+    """A CUDA stage's `handover.Handover`: `send` before the GPU's fused kernels, `add` after them,
+    `arm` before each step."""
 
     def __init__(self, ctx: DeviceContext, arena: HostExpertArena, cache: ExpertCache, executor: CpuExperts,
                  layers: range, share: float, max_rows: int = MAX_ROWS, auto: AutoShare | None = None):
@@ -114,9 +114,8 @@ class CpuHandover:
         return rows <= self.max_rows
 
     def silent_faults(self) -> int:
-        """Failures the GPU's layers went on past (both stay set until the hand-over is closed): a
-        host that did not answer in time (the status word; later waits then skip the host's part)
-        and a worker that failed (it answered zeros)."""
+        """Failures the GPU's layers went on past (they stay set until the hand-over is closed): a host
+        that did not answer in time, and a worker that failed (it answered zeros)."""
         return int(self.mailbox.status != 0) + int(self.worker.error is not None)
 
     def set_share(self, share: float) -> None:
@@ -126,8 +125,8 @@ class CpuHandover:
         self.share_value = share
 
     def calibrate(self, link_bytes_per_s: float) -> float:
-        """`auto`: the host's rate probed on the worker's thread, against the link's; the share at
-        the uniform hit rate set (the cache's own tallies `retune` it later) and returned."""
+        """`auto`: the host's rate probed on the worker's thread; the share at the uniform hit rate set and
+        returned."""
         spec, first = self.arena.spec, self.layers.start
         host = self.worker.call(lambda: probe_host_rate(self.executor, self.arena, first, spec.n_experts_used,
                                                         spec.hidden))
@@ -136,8 +135,7 @@ class CpuHandover:
         return self.share_value
 
     def retune(self) -> None:
-        """`auto`: the share again, at the hit rate the expert cache has seen (its tallies, kept at
-        each refill) and at the host's rate its answered requests show (`HostRate.refit`); a fixed
+        """`auto`: the share again, at the expert cache's hit rate and the host's refitted rate; a fixed
         share stays. A share that falls to 0 stays there: no request comes to measure again."""
         if self.auto is None:
             return
@@ -154,15 +152,11 @@ class CpuHandover:
             self.set_share(share)
 
     def wake(self) -> None:
-        """Before a pass that may hand over (a gathered or few-row prompt pass, eager): the worker
-        polls while it runs. `arm` does this for a decode step and more."""
         self.worker.arm()
 
     def arm(self) -> bool:
-        """Before a decode step (eager or replayed): wake the worker; every RETUNE_STEPS, `auto` retunes.
-        False where the hand-over should go: the worker failed, the host did not answer in time
-        (both said in the log), or `auto` declined (its share fell to 0). The stage then detaches it
-        (`StreamedExperts.arm`) and its graphs are captured again without it. Inside a graph
+        """False where the hand-over should go (the worker failed, the host did not answer in time, or
+        `auto` declined): the stage then detaches it and captures its graphs again. Inside a graph
         capture it only wakes the worker: nothing else may be recorded there."""
         self.worker.arm()
         if torch.cuda.is_current_stream_capturing():
@@ -181,10 +175,8 @@ class CpuHandover:
         return self.auto is None or self.share_value > 0
 
     def _tune(self, now: float) -> None:
-        """`auto` at a decode step's arm: every RETUNE_STEPS its model again (`retune`); after the
-        first retune and every TRIAL_EVERY_STEPS after, the share tried by the clock (`ShareTrial`),
-        whose verdict stands (0: declined, detached at this arm). The step about to be queued runs
-        at the share left in the mailbox."""
+        """`auto` at a decode step's arm: every RETUNE_STEPS `retune`; after the first and every
+        TRIAL_EVERY_STEPS, a `ShareTrial`, whose verdict stands."""
         if self._trial is not None:
             share = self._trial.step(now)
             if share is not None:
@@ -204,8 +196,6 @@ class CpuHandover:
                 self._tune(now)  # the trial's first step
 
     def send(self, i: int, h: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
-        """Local layer i's picks experts [T, A] split: the host's go to the mailbox; returns the GPU's
-        [T, A] (the host's -1)."""
         t, a = experts.shape
         h, weights, experts = h.contiguous(), weights.float().contiguous(), experts.contiguous()
         gpu = torch.empty_like(experts)
@@ -217,8 +207,6 @@ class CpuHandover:
 
     def send_prompt(self, i: int, h: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
                     host_of: torch.Tensor) -> None:
-        """A prompt pass's rows of local layer i: the picks of the experts host_of [E] (uint8 on the
-        device) marks go to the host (the rows by handover_rows' many blocks first)."""
         t, a = experts.shape
         box = self.mailbox
         h, weights, experts = h.contiguous(), weights.float().contiguous(), experts.contiguous()
@@ -230,12 +218,11 @@ class CpuHandover:
                       box.weights.data_ptr(), box.meta.data_ptr(), box.request_at), self.ctx.device)
 
     def collect(self, rows: int, hidden: int) -> torch.Tensor:
-        """The host's sums [rows, D] bf16 of the last `send_prompt`, once it answered (zeros where it
-        had no picks)."""
+        """Once the host answered (zeros where it had no picks)."""
         return self.add(torch.zeros(rows, hidden, dtype=torch.bfloat16, device=self.ctx.device))
 
     def add(self, out: torch.Tensor) -> torch.Tensor:
-        """The GPU's sums out [T, D] bf16 plus the host's, once the host answered (in place)."""
+        """In place, once the host answered."""
         assert out.dtype == torch.bfloat16 and out.is_contiguous()
         n = out.numel()
         blocks = min(ADD_BLOCKS, -(-n // ADD_THREADS))
@@ -246,8 +233,8 @@ class CpuHandover:
         return out
 
     def close(self) -> None:
-        """Stop the worker and free its pool. The caller has waited for every step that used it
-        (`StreamedExperts.arm`): a kernel still in flight would write into freed pinned memory."""
+        """Stop the worker and free its pool. The caller has waited for every step that used it: a kernel
+        still in flight would write into freed pinned memory."""
         self.set_share(0.0)
         self.worker.close()
         self.executor.close()

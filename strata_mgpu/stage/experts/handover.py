@@ -1,33 +1,22 @@
 """A gathered pass's missing experts shared with the host's cores: while the GPU computes the picks
-resident in VRAM (and the misses the link brings), the host computes a share of the misses from the
-pinned arena through ggml (`kernels.cpu_experts`), and the GPU adds its sums.
+resident in VRAM (and the misses the link brings), the host computes a share of the misses from
+the pinned arena through ggml, and the GPU adds its sums.
 
 Shape legend: T = rows of the pass, A = picks a row, D = hidden, E = experts a layer.
 
-The protocol, per layer of a decode step (or a short prompt's gathered pass) of at most MAX_ROWS
-rows; `cuda_src/cpu_handover.cu` is the GPU's side:
-
-1. `handover_send` (one launch on the stage's compute stream) marks each pick for the GPU or the
-   host: a resident expert stays; a missing one goes to the host while a running carry of the share
-   says so (so `share` of the misses go, pick by pick, across layers and steps). Where the host
-   takes any, the picks, weights and rows go into the `Mailbox` in mapped host memory and the
-   request number is bumped. The GPU's picks come back with the host's set to -1.
+Per layer of a gathered pass of at most MAX_ROWS rows (`cuda_src/cpu_handover.cu`: the GPU's side):
+1. `handover_send` marks each pick: a resident expert stays; a missing one goes to the host while
+   a running carry of the share says so. The host's picks, weights and rows go into the `Mailbox`
+   in mapped host memory and the request number is bumped; the GPU's picks come back, the host's -1.
 2. The fused decode kernels compute the GPU's picks (a -1 adds nothing).
-3. The host's `HandoverWorker` thread, polling the request number, computes the host's picks of
-   the rows that have any, writes their sums [T, D] fp32 and then the done number.
+3. The host's `HandoverWorker`, polling the request number, writes the sums [T, D] fp32, then done.
 4. `handover_add` waits until done equals the request and adds the host's sums.
 
-No step waits on the host's side of CUDA, so a decode step with hand-overs is still captured and
-replayed as one graph. A worker that fails answers with zeros and sets the share to 0, so later
-layers give the host nothing; a host that does not answer within TIMEOUT_S sets the status word,
-and every later wait returns at once. The layer that met the failure lacks the host's part:
-`silent_faults` counts the failure, and the engine fails the requests of every step in flight then
-(their tokens and KV may be wrong); the next `arm` reports it in the log and the stage detaches
-the hand-over (link only from then on).
-
-How much goes to the host is `share_policy`'s (a fixed share, or `auto` from measured rates and
-then by the clock); the host's side is `mailbox`'s, the whole CUDA mechanism `cpu_handover`'s
-(`CpuHandover`), its arithmetic on a CPU stage's twins `handover_twin`'s (`HandoverTwin`).
+No step waits on the host's side of CUDA, so a decode step with hand-overs is still one graph. A
+worker that fails answers with zeros and sets the share to 0; a host that does not answer within
+TIMEOUT_S sets the status word, and every later wait returns at once. The layer that met the
+failure lacks the host's part: `silent_faults` counts it, the engine fails the steps in flight,
+and the next `arm` detaches the hand-over.
 """
 
 from __future__ import annotations
@@ -46,18 +35,16 @@ TIMEOUT_S = 30.0  # a host that has not answered by then has failed (its first c
 
 
 class Handover(Protocol):
-    """What a stage's experts hand a share of a gathered pass's missing experts to (the steps above):
-    `CpuHandover` on a CUDA stage, `HandoverTwin` on a CPU stage's twins. Per layer `send` (the
-    host's picks leave; the GPU's come back, the host's -1) before the GPU's own kernels and `add`
-    after them; a few-row prompt pass's `send_prompt` and `collect` (`HostPrefillHelper`); `arm`
-    before each decode step, False where the hand-over is to be detached."""
+    """What a stage's experts hand a share of a gathered pass's missing experts to: `CpuHandover` on a
+    CUDA stage, `HandoverTwin` on a CPU stage's twins. Per layer `send` before the GPU's own kernels
+    and `add` after them; a few-row prompt pass's `send_prompt` and `collect`; `arm` before each
+    decode step, False where the hand-over is to be detached."""
 
     @property
     def max_rows(self) -> int: ...
 
     @property
     def share_value(self) -> float:
-        """The share of the misses the host takes now."""
         ...
 
     @property
@@ -76,7 +63,7 @@ class Handover(Protocol):
     def takes(self, rows: int) -> bool: ...
 
     def silent_faults(self) -> int:
-        """Failures the layers went on past, without the host's part (`ModelRunner.silent_faults`)."""
+        """Failures the layers went on past, without the host's part."""
         ...
 
     def set_share(self, share: float) -> None: ...

@@ -1,6 +1,6 @@
-"""`HandoverTwin`: the hand-over's arithmetic on a CPU stage's device-path twins (a CPU stage of a
-split, or one given `--resident-experts`, with a fixed `--cpu-experts F`), and the oracle the tests
-hold `CpuHandover` to."""
+"""`HandoverTwin`: the hand-over's arithmetic on a CPU stage's device-path twins, and the oracle the
+tests hold `CpuHandover` to.
+"""
 
 from __future__ import annotations
 
@@ -16,9 +16,8 @@ from strata_mgpu.stage.host.arena import HostExpertArena
 
 
 class HandoverTwin:
-    """The hand-over's arithmetic on a CPU stage's device-path twins: the picks chosen as
-    handover_send chooses them (`assign_host`), the host's sums computed at `send` and added at
-    `add` in fp32."""
+    """The hand-over on a CPU stage's twins: the picks chosen as handover_send chooses them
+    (`assign_host`), the host's sums computed at `send` and added at `add` in fp32."""
 
     def __init__(self, arena: HostExpertArena, cache: ExpertCache, executor: CpuExperts, layers: range,
                  share: float, max_rows: int = MAX_ROWS):

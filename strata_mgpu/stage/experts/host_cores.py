@@ -1,15 +1,11 @@
 """Routed experts of a CPU stage: every layer's experts computed on the host's cores straight from
 their GGUF bytes in the host arena (`kernels.cpu_experts`: ggml, or its torch twin where
-ggml-python is missing). The `ExpertBackend` of a stage built with `StageOptions.host_core_experts`.
+ggml-python is missing).
 
 Shape legend: T = token rows, D = hidden, A = experts per token.
 
-Nothing is copied, streamed or dequantized ahead: no ring, no expert cache, no workspace. A prompt
-and a decode step take the same path, the rows' picks read where the arena holds them, so there
-is no whole-layer pass either (`should_stream` is always False). The stage's kernel set counts each
-call under "cpu_experts:ggml" or "cpu_experts:torch".
-
-`HostDense` multiplies the same stage's projections where it keeps them as blocks (ggml there).
+Nothing is copied, streamed or dequantized ahead: no ring, no expert cache, no workspace. A
+prompt and a decode step take the same path (`should_stream` is always False).
 """
 
 from __future__ import annotations
@@ -27,9 +23,8 @@ from strata_mgpu.stage.host.arena import HostExpertArena
 
 
 class HostCoreExperts:
-    """The `ExpertBackend` of a CPU stage whose experts run on the host's cores (module docstring).
-    It has what a stage's tools read of `StreamedExperts` (no cache, no ring, nothing streamed)
-    but lends nothing to a helper."""
+    """The `ExpertBackend` of a CPU stage whose experts run on the host's cores. It has what a stage's
+    tools read of `StreamedExperts` but lends nothing to a helper."""
 
     cache: ExpertCache | None = None
     ring: ExpertRing | None = None
@@ -53,13 +48,13 @@ class HostCoreExperts:
         return 0  # computed in the step's own thread: a failure raises
 
     def arm(self) -> bool:
-        """Before a decode step: nothing to wake (the experts run in the step's own thread)."""
+        """Nothing to wake: the experts run in the step's own thread."""
         return False
 
     def start(self, i: int, h: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
               hq: torch.Tensor | None = None, first: bool = True) -> torch.Tensor:
-        """Local layer i's rows h [T, D]: their picks computed from the arena's bytes, weighted and
-        summed, [T, D] in h's dtype (hq unused: the executor quantizes as ggml does)."""
+        """Local layer i's rows h [T, D] -> their picks' weighted sum [T, D] in h's dtype (hq unused: the
+        executor quantizes as ggml does)."""
         layer = self.layers[i]
         self.kernels.paths.ran("cpu_experts", self.executor.name)
         out = self.executor.moe(self.arena.layer(layer), self.arena.layouts[layer], h, weights, experts)
@@ -77,7 +72,6 @@ class HostCoreExperts:
             raise ValueError("a stage whose experts run on the host's cores streams nothing: it takes no helper")
 
     def pass_bytes(self) -> int:
-        """Expert bytes a prompt pass streams over a link: none."""
         return 0
 
     def streamed_per_layer(self) -> int:
@@ -85,9 +79,8 @@ class HostCoreExperts:
 
 
 class HostDense(DenseMatmul):
-    """A CPU stage's `DenseMatmul`: projections kept as blocks (`BlockMatrix`) multiplied from their
-    bytes by the executor that computes the stage's experts (one executor: a test that swaps it
-    swaps both); float ones by torch."""
+    """A CPU stage's `DenseMatmul`: projections kept as blocks multiplied from their bytes by the
+    executor that computes the stage's experts (a test that swaps it swaps both); float ones by torch."""
 
     def __init__(self, experts: HostCoreExperts):
         self.experts = experts

@@ -1,5 +1,6 @@
 """`HostPrefillHelper`: a few-row streamed prompt pass's experts shared with the host's cores through
-the stage's hand-over (`handover.Handover`), as a split's `PeerPrefill` shares them with another card."""
+the stage's hand-over, as a split's `PeerPrefill` shares them with another card.
+"""
 
 from __future__ import annotations
 
@@ -10,13 +11,10 @@ from strata_mgpu.stage.experts.parts import LayerPart
 
 
 class HostPrefillHelper:
-    """A streamed prompt pass of few rows (at most the mailbox's) gives the last `n_experts` streamed
-    experts of each layer to the host's cores: the `PrefillHelper` contract, as the split's PeerPrefill,
-    with the hand-over's mailbox and worker as the other device. The link streams fewer experts; the
-    host reads its ones once from the pinned arena, their few rows riding along. `takes` sets the
-    pass's share (the fixed `--cpu-experts F` of the streamed experts, or `AutoShare.prompt_experts`);
-    each layer's rows go over at `hand_over`, and the GPU waits for the host's sums at `collect`,
-    after it queued its own part of the layer."""
+    """The `PrefillHelper` contract with the hand-over's mailbox and worker as the other device: a
+    streamed prompt pass of at most the mailbox's rows gives the last `n_experts` streamed experts of
+    each layer to the host's cores, which read them once from the pinned arena. `takes` sets the
+    pass's share; the GPU waits for the host's sums at `collect`, after it queued its own part."""
 
     halves_from = 0  # one hand-over a layer
 
@@ -42,7 +40,6 @@ class HostPrefillHelper:
         return self.n_experts > 0
 
     def begin(self, parts: list[LayerPart]) -> None:
-        """The host's part of each local layer (the streamed experts split_layer gave it)."""
         n_experts = self.handover.arena.spec.n_experts
         host_of = torch.zeros(len(parts), n_experts, dtype=torch.uint8)
         for i, part in enumerate(parts):
@@ -64,7 +61,7 @@ class HostPrefillHelper:
         return self.handover.collect(rows, self.handover.arena.spec.hidden)
 
     def abort(self) -> None:
-        """Nothing is held but the pending hand-overs' sums: dropped (a host still computing answers
-        into the mailbox, which the next request overwrites)."""
+        """Drop the pending hand-overs' sums (a host still computing answers into the mailbox, which the
+        next request overwrites)."""
         self._rows = []
         self._host_of = None

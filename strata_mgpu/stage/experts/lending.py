@@ -1,7 +1,7 @@
 """What a stage shares with the helper of another stage's prompts: the buffers an idle stage lends
 (`LentBuffers`), and the helper as the busy stage's expert backend drives it (`PrefillHelper`).
-Both live here, below the split that implements the helper (`split.peer_prefill.PeerPrefill`), so
-the stage and the split each import them and neither imports the other.
+Both live here, below the split that implements the helper, so the stage and the split each
+import them and neither imports the other.
 
 Shape legend: t = token rows handed over, D = hidden, E = experts, A = picks per token,
 F = expert width.
@@ -41,7 +41,6 @@ class PrefillHelper(Protocol):
 
     @property
     def bound(self) -> bool:
-        """Bound to an idle stage's buffers for this prompt, with experts to take."""
         ...
 
     def begin(self, parts: list[LayerPart]) -> None:
@@ -50,12 +49,12 @@ class PrefillHelper(Protocol):
 
     def hand_over(self, i: int, h: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
                   first: bool = True) -> None:
-        """Local layer i's MoE input h [t, D] and routing (weights, experts [t, A]) to the helper,
-        its work on them queued; `first`: the layer's first hand-over, which loads its experts."""
+        """Local layer i's h [t, D] and routing [t, A] to the helper, its work queued; `first`: the layer's
+        first hand-over, which loads its experts."""
         ...
 
     def collect(self) -> torch.Tensor:
-        """The helper's weighted sums [t, D] of the oldest hand-over not yet collected."""
+        """The helper's weighted sums [t, D] of the oldest uncollected hand-over."""
         ...
 
     def abort(self) -> None:

@@ -1,14 +1,12 @@
-"""The host's side of a hand-over (`handover`, steps 3 and 4): the `Mailbox` in mapped host memory
-the GPU and the host exchange a layer's rows through, and the `HandoverWorker` thread that answers
-its requests with `host_sums`.
+"""The host's side of a hand-over: the `Mailbox` in mapped host memory the GPU and the host exchange
+a layer's rows through, and the `HandoverWorker` thread that answers its requests.
 
 Shape legend: T = rows of the pass, A = picks a row, D = hidden.
 
 The worker spins while steps are in flight (`arm` before each, then IDLE_SPIN_S after the last
-request) and otherwise checks the request number every IDLE_POLL_S, so a request queued behind long
-work (a prompt chunk before the decode step) is answered late, never missed. A worker that fails
-answers with zeros and sets the share to 0, so later layers give the host nothing. The flags are
-plain loads and stores on the host's side, which x86 keeps in order (the build refuses other hosts).
+request) and otherwise polls every IDLE_POLL_S, so a request queued behind long work is answered
+late, never missed. The flags are plain loads and stores on the host's side, which x86 keeps in
+order (the build refuses other hosts).
 """
 
 from __future__ import annotations
@@ -37,10 +35,9 @@ IDLE_POLL_S = 1e-3  # ... then checks the request number this often
 
 def host_sums(executor: CpuExperts, arena: HostExpertArena, layer: int, h: torch.Tensor, picks: np.ndarray,
               weights: np.ndarray) -> tuple[torch.Tensor, np.ndarray]:
-    """The host's part of a pass: picks [T, A] (an expert id where the host computes it, -1
-    elsewhere), weights [T, A], rows h [T, D] -> (the sums of the rows that have host picks [R, D]
-    fp32, those rows' indices [R]). A row's picks are padded to the widest row's count with its own
-    first pick at weight 0 (ggml computes [R, A'] picks; a repeated expert's bytes are read once)."""
+    """The host's part of a pass: picks [T, A] (an expert id where the host computes it, -1 elsewhere),
+    weights [T, A], rows h [T, D] -> (sums of the rows with host picks [R, D] fp32, their indices [R]).
+    A row's picks are padded to the widest row's count with its own first pick at weight 0."""
     if picks.shape[0] == 1:  # a decode step's one row: no padding, no row selection (host time a layer)
         sel = np.flatnonzero(picks[0] >= 0)
         ids1, w1 = picks[:, sel], weights[:, sel]
@@ -66,8 +63,8 @@ ONE_ROW = np.zeros(1, dtype=np.int64)  # host_sums' rows where the pass has one
 
 
 class Mailbox:
-    """Mapped host memory a stage's GPU and its worker exchange a layer's rows through (pinned on
-    CUDA): the request and done numbers (int64, a cache line apart), the status word, the rows, picks,
+    """Mapped host memory (pinned on CUDA) a stage's GPU and its worker exchange a layer's rows through:
+    the request and done numbers (int64, a cache line apart), the status word, the rows, picks,
     weights and meta the GPU writes, and the sums [T, D] the host writes back."""
 
     def __init__(self, max_rows: int, n_used: int, hidden: int, *, pin: bool):
@@ -118,8 +115,8 @@ class Mailbox:
 
 
 class HandoverWorker:
-    """The host's side (`handover`'s step 3): a thread serving the mailbox's requests while armed.
-    `rates` counts what each request read and took, polling excluded (rows -> ExpertRate)."""
+    """A thread serving the mailbox's requests while armed. `rates` counts what each request read and
+    took, polling excluded (rows -> ExpertRate)."""
 
     def __init__(self, mailbox: Mailbox, executor: CpuExperts, arena: HostExpertArena, layers: range):
         self.mailbox, self.executor, self.arena, self.layers = mailbox, executor, arena, layers
@@ -134,9 +131,8 @@ class HandoverWorker:
         self._thread.start()
 
     def call(self, fn: Callable[[], T]) -> T:
-        """fn() run on the worker's own thread (its result or its exception): what the worker will
-        measure, such as `probe_host_rate`, measured on the thread that computes the requests (ggml's
-        pool serves its caller as its first thread)."""
+        """fn() run on the worker's own thread: what the worker measures, such as `probe_host_rate`, must
+        run there (ggml's pool serves its caller as its first thread)."""
         done: Future = Future()
         self._task = (fn, done)
         self._wake.set()

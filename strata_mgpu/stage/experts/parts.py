@@ -1,17 +1,14 @@
 """Which experts of a layer a device computes in one prompt pass, where each is read, and the
-functions that compute them, the busy stage's part and its helper's part alike: `load_part`, the
-experts into the workspace, then `part_rows`, the rows routed to them (`compute_part`: both; a
-pass in two halves of rows loads once and calls `part_rows` for each half).
+functions that compute them, for the busy stage's part and its helper's alike (a pass in two
+halves of rows calls `load_part` once and `part_rows` for each half).
 
 Shape legend: T = token rows, D = hidden, E = experts, A = picks per token, M = T * A routed
 rows, n = experts in the part, F = expert width.
 
-A layer's experts are either resident (a VRAM cache slot of the stage that owns the layer) or
-streamed (uploaded for this pass into a ring slot, packed in id order). A part lists its experts
-resident first; `local_of` maps every expert id to its index in the part (n: not in the part), so
-the rows routed to the part sort first and its results are masked in when the part is not the
-whole layer. On CUDA each expert's bytes are found through a device address table built on the
-host for the whole pass (one copy, no sync); the torch twin reads each expert's bytes as a tensor.
+A layer's experts are resident (a VRAM cache slot of the owning stage) or streamed (uploaded for
+this pass into a ring slot, packed in id order). A part lists its experts resident first;
+`local_of` maps every expert id to its index in the part (n: not in the part), so the rows routed
+to the part sort first and its results are masked in when the part is not the whole layer.
 """
 
 from __future__ import annotations
@@ -72,10 +69,9 @@ def split_layer(layer: int, resident: dict[int, int], n_experts: int, n_help: in
 
 
 class PartTables:
-    """A pass's parts on one device: per local layer the id map [E] and the address table [n].
-
-    Built on the host for every layer at once and copied to the device in one non-blocking copy on
-    the current stream (the caller's stream, which later reads them)."""
+    """A pass's parts on one device: per local layer the id map [E] and the address table [n], built
+    on the host for every layer at once and copied to the device in one non-blocking copy on the
+    current stream (the caller's, which later reads them)."""
 
     def __init__(self, parts: list[LayerPart], arena: HostExpertArena, device: torch.device,
                  cache_slot: Callable[[int], torch.Tensor] | None, ring_slot: Callable[[int], torch.Tensor | None]):
@@ -100,7 +96,6 @@ class PartTables:
         self.local_of, self.addresses = both[:, :E], both[:, E:]
 
     def sources(self, i: int) -> list[torch.Tensor]:
-        """The twin's view of local layer i's part: each expert's bytes, in part order."""
         p = self.parts[i]
         eb = self.arena.layouts[p.layer].expert_bytes
         out = [self._cache(slot)[:eb] for _, slot in p.resident]
@@ -121,9 +116,8 @@ class PartTables:
 
 @dataclass(frozen=True)
 class ExpertWorkspace:
-    """Where a device computes a part: its context and kernels, and one layer's experts as bf16,
-    the grouped GEMMs' operands (w_gate_up [E, 2F, D], w_down [E, D, F]): a stage's own, or the
-    one an idle stage lends its helper."""
+    """Where a device computes a part: its context and kernels, and one layer's experts as bf16
+    (w_gate_up [E, 2F, D], w_down [E, D, F]): a stage's own, or the one an idle stage lends."""
 
     ctx: DeviceContext
     kernels: TorchKernels
@@ -144,9 +138,8 @@ class Routed(NamedTuple):
 
 
 def load_part(ws: ExpertWorkspace, tables: PartTables, i: int, release: Callable[[], None]) -> None:
-    """Dequantize local layer i's part's n experts into the workspace (its first n), then call
-    `release` (the dequant was the ring slot's only reader). Needs no activations: the helper
-    queues it before its inputs have arrived."""
+    """Dequantize local layer i's part's n experts into the workspace, then call `release` (the dequant
+    was the ring slot's only reader). Needs no activations: the helper queues it before its inputs arrive."""
     n = tables.parts[i].n
     if n > 0:
         lay = tables.arena.layouts[tables.parts[i].layer]
@@ -157,8 +150,8 @@ def load_part(ws: ExpertWorkspace, tables: PartTables, i: int, release: Callable
 
 
 def part_rows(ws: ExpertWorkspace, tables: PartTables, i: int, rows: Routed, whole_layer: bool) -> torch.Tensor:
-    """The grouped GEMM pair over the rows routed to local layer i's part, its experts loaded
-    (`load_part`): the weighted sum over the part's picks [T, D]; picks outside the part count zero."""
+    """The grouped GEMM pair over the rows routed to local layer i's loaded part: the weighted sum over
+    the part's picks [T, D]; picks outside the part count zero."""
     n = tables.parts[i].n
     h, weights, experts = rows
     if n == 0:
@@ -174,6 +167,5 @@ def part_rows(ws: ExpertWorkspace, tables: PartTables, i: int, rows: Routed, who
 
 def compute_part(ws: ExpertWorkspace, tables: PartTables, i: int, rows: Routed, release: Callable[[], None],
                  whole_layer: bool) -> torch.Tensor:
-    """Local layer i's part: its experts loaded (`load_part`), then its rows (`part_rows`)."""
     load_part(ws, tables, i, release)
     return part_rows(ws, tables, i, rows, whole_layer)

@@ -33,7 +33,6 @@ class Slot:
         return self.buffer
 
     def release(self, ctx: DeviceContext) -> None:
-        """The current stream has issued its last read of the slot."""
         ctx.record(self.free)
 
 
@@ -58,15 +57,15 @@ class ExpertRing:
         return self.slots[0].buffer.numel()
 
     def claim(self, feed: LayerFeed) -> int:
-        """`feed` starts a pass; returns the index of the slot its first upload will take."""
+        """`feed` starts a pass; returns the slot its first upload will take."""
         assert self.holder is None or self.holder.done, \
             "the expert ring is lent to one pass at a time (a helper and its stage overlapped)"
         self.holder = feed
         return self._next
 
     def upload(self, layer: int, runs: Sequence[torch.Tensor]) -> Slot:
-        """Queue `runs` (pinned host bytes of one layer's streamed experts) packed one after the
-        other into the next slot; returns it at once."""
+        """Queue `runs` (pinned host bytes of one layer's streamed experts) packed into the next slot;
+        returns it at once."""
         slot = self.advance()
         n = sum(r.numel() for r in runs)
         assert n <= slot.buffer.numel(), f"layer {layer}: {n} bytes exceed the slot's {slot.buffer.numel()}"
@@ -94,14 +93,11 @@ class ExpertRing:
 
 
 class LayerFeed:
-    """One pass over `count` layers through a ring, `len(ring.slots)` uploading layers ahead of
-    compute.
+    """One pass over `count` layers through a ring, `len(ring.slots)` uploading layers ahead of compute.
 
-    `source(i)` gives local layer i's (global id, runs of pinned bytes to stream); a layer with
-    nothing to stream takes no slot. `slot_of[i]` is the slot layer i will occupy, known before
-    its upload (so device address tables can be built for the whole pass at once).
-    `acquire(i)` waits for layer i's upload; `release(i)` marks its last read and queues the next
-    layer that needs a slot (queued only after the release, so that upload waits for the read).
+    `source(i)` gives local layer i's (global id, runs of pinned bytes); a layer with nothing to
+    stream takes no slot. `slot_of[i]` is known before its upload (so address tables can be built for
+    the whole pass at once). `release(i)` queues the next layer's upload after the read it marks.
     """
 
     def __init__(self, ring: ExpertRing | None, count: int,
@@ -139,14 +135,12 @@ class LayerFeed:
         self._slots[i] = slot
 
     def acquire(self, i: int) -> torch.Tensor | None:
-        """Layer i's slot buffer once its upload is done (None: nothing of it streams)."""
         slot = self._slots.get(i)
         return slot.acquire(self._ring.ctx) if slot is not None else None
 
     def abort(self) -> None:
-        """The pass failed partway: mark the reads it queued on the current stream as the last of
-        every slot it still holds (the next upload into them waits for those), queue nothing more,
-        and give the ring back."""
+        """The pass failed partway: the reads it queued on the current stream become the last of every slot
+        it holds, nothing more is queued, and the ring is given back."""
         for slot in self._slots.values():
             slot.release(self._ring.ctx)
         self._slots.clear()

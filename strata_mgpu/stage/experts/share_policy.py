@@ -1,13 +1,12 @@
-"""How much of a gathered pass's missing experts the host's cores take (`handover` says how):
-`--cpu-experts F` fixes the share (`config.HostShare`); `auto` (`AutoShare`) takes it from
-measured rates, a request's cost on the host's cores (`probe_host_rate`: a fixed part and its
-experts' bytes/s) against the link's, at the hit rate the expert cache sees (retuned every
-RETUNE_STEPS decode steps), and declines where the host's fixed cost outweighs what it would take
-off the link (AUTO_MIN_SHARE). A model of rates does not see what the host's reads cost the GPU's
-(the same RAM), so after the first retune `auto` tries its share by the clock (`ShareTrial`:
-decode steps with and without the host, interleaved) and keeps it only where the steps with the
-host are shorter, trying again every TRIAL_EVERY_STEPS. `assign_host` is which picks a share
-sends, as the kernel chooses them."""
+"""How much of a gathered pass's missing experts the host's cores take.
+
+`--cpu-experts F` fixes the share; `auto` takes it from measured rates (the host's cost of a
+request against the link's, at the expert cache's hit rate, retuned every RETUNE_STEPS) and
+declines where the host's fixed cost outweighs what it would take off the link. A model of rates
+does not see what the host's reads cost the GPU's (the same RAM), so `auto` then checks its share
+by the clock (`ShareTrial`) and keeps it only where steps with the host are shorter.
+`assign_host` is which picks a share sends, as the kernel chooses them.
+"""
 
 from __future__ import annotations
 
@@ -49,10 +48,9 @@ class HostRate:
         return self.overhead_s + nbytes / self.bytes_per_s
 
     def refit(self, samples: list[tuple[int, float]]) -> HostRate:
-        """The rate the worker's answered requests (bytes, seconds) show: a line through them where
-        their sizes differ enough, else this rate's bytes/s with the fixed part they leave. Decode
-        measures what a probe alone cannot: the GPU reading the misses from the same RAM meanwhile,
-        the engine's thread beside the pool's."""
+        """The rate the worker's answered requests (bytes, seconds) show: a line through them where their
+        sizes differ enough, else this bytes/s with the fixed part they leave. Decode measures what a
+        probe cannot: the GPU reading the same RAM meanwhile."""
         nbytes = np.array([b for b, _ in samples], dtype=np.float64)
         seconds = np.array([t for _, t in samples], dtype=np.float64)
         if nbytes.max() >= 1.5 * max(nbytes.min(), 1.0):
@@ -65,7 +63,7 @@ class HostRate:
 @dataclass(frozen=True)
 class AutoShare:
     """`--cpu-experts auto`'s inputs: the host's measured rate, the link's, one expert's bytes and
-    the picks a decode row makes a layer (`share` weighs them at a hit rate)."""
+    the picks a decode row makes a layer."""
 
     host: HostRate
     link_bytes_per_s: float
@@ -73,9 +71,8 @@ class AutoShare:
     n_used: int
 
     def share(self, hit_rate: float) -> float:
-        """The share of a layer's misses (n_used x (1 - hit_rate) at batch 1) the host computes so that
-        it finishes with the link: (1 - f) m b / link = overhead + f m b / host; 0 where that is below
-        AUTO_MIN_SHARE (a host whose fixed cost outweighs what it would take off the link)."""
+        """The share f of a layer's misses m the host computes to finish with the link:
+        (1 - f) m b / link = overhead + f m b / host; 0 below AUTO_MIN_SHARE."""
         link_s = self.n_used * (1 - hit_rate) * self.expert_bytes / self.link_bytes_per_s
         host_s = self.n_used * (1 - hit_rate) * self.expert_bytes / self.host.bytes_per_s
         if link_s <= 0:
@@ -84,22 +81,18 @@ class AutoShare:
         return f if f >= AUTO_MIN_SHARE else 0.0
 
     def prompt_experts(self, streamed: int) -> int:
-        """Of a few-row prompt pass's `streamed` experts a layer, how many the host computes so that it
-        finishes with the link: (S - n) b / link = overhead + n b / host (each expert read once, its
-        few rows riding along); 0 where fewer than AUTO_MIN_SHARE of them."""
+        """Of a few-row prompt pass's `streamed` experts a layer, how many the host computes to finish with
+        the link: (S - n) b / link = overhead + n b / host; 0 below AUTO_MIN_SHARE."""
         per_link, per_host = self.expert_bytes / self.link_bytes_per_s, self.expert_bytes / self.host.bytes_per_s
         n = int((streamed * per_link - self.host.overhead_s) / (per_link + per_host))
         return n if n >= AUTO_MIN_SHARE * streamed else 0
 
 
 class ShareTrial:
-    """`auto`'s share checked by the clock rather than by its model: decode steps run in blocks,
-    alternately at the share and at 0 (the host given nothing), each step timed from its `arm` to
-    the next; once TRIAL_BLOCKS of each have run, the share stays only where the median step with
-    the host is shorter by more than TRIAL_MARGIN, else the trial answers 0 (`auto` declines).
-
-    `step(now)` is called at each arm with the time (perf_counter seconds) and answers the share
-    the step about to be queued runs at, or None once the trial has decided (`verdict`)."""
+    """`auto`'s share checked by the clock: decode steps run in blocks, alternately at the share and
+    at 0; after TRIAL_BLOCKS of each, the share stays only where the median step with the host is
+    shorter by more than TRIAL_MARGIN, else 0. `step(now)` (perf_counter seconds) is called at each
+    arm and answers the share of the step about to be queued, or None once decided (`verdict`)."""
 
     def __init__(self, share: float):
         assert share > 0
@@ -128,8 +121,6 @@ class ShareTrial:
 
     @staticmethod
     def _with_host(step: int) -> bool:
-        """Blocks alternate, the first without the host; the steps queued while the last ones'
-        times are awaited run with it."""
         return (step // TRIAL_BLOCK) % 2 == 1 or step >= TRIAL_STEPS
 
 
@@ -155,9 +146,8 @@ def assign_host(experts: list[int], resident: np.ndarray, share: float, carry: f
 
 def probe_host_rate(executor: CpuExperts, arena: HostExpertArena, layer: int, n_used: int, d: int,
                     repeats: int = PROBE_REPEATS) -> HostRate:
-    """The host's cost of a request on `layer` at one row: timed with 1 pick and with `n_used` (the
-    median of `repeats` calls each, fresh experts every call, as in decode: nothing in the caches,
-    after calls that build the graphs), a line through the two, plus the mailbox's round trip."""
+    """The host's cost of a request on `layer` at one row: median times with 1 pick and with `n_used`
+    (fresh experts every call, as in decode), a line through the two, plus the mailbox's round trip."""
     lay: ExpertLayout = arena.layouts[layer]
     n_experts = arena.spec.n_experts
     h = torch.randn(1, d)

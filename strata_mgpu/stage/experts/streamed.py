@@ -4,22 +4,12 @@ pinned host arena. The `ExpertBackend` of a stage.
 Shape legend: T = token rows, D = hidden, E = experts, A = experts per token, M = T * A routed
 rows, F = expert width.
 
-Two ways through a layer, picked per forward by how many picks (rows x A) it has
-(`gather_pick_limit`):
-- a prompt pass (picks >= E): every expert of the layer is computed once. Those resident in
-  VRAM (the expert cache's slots) are read in place; only the others go up through the ring, one
-  layer or more ahead of compute, packed into a slot. Both are dequantized to bf16 into the
-  workspace and computed as one grouped GEMM pair over the rows sorted by expert
-  (`parts.compute_part`). With a helper bound, the helper takes the last of each layer's
-  streamed experts; where nothing streams there is nothing to help. A helped pass of the
-  helper's `halves_from` rows or more runs each layer in two halves of rows (`in_halves`,
-  `start` / `finish`): the layer's experts load once and each half hands over on its own, so the
-  decoder can queue one half's work while the other half's hand-over is in flight.
+Two ways through a layer, picked per forward by its picks (`gather_pick_limit`):
+- a prompt pass computes every expert of the layer once: resident ones in place, the others
+  streamed through the ring a layer or more ahead. A helper takes the last of each layer's
+  streamed experts; a helped pass of `halves_from` rows or more runs in two halves of rows.
 - gather (decode, and short prompts where every expert is resident): only the experts the rows
-  picked, each read where it lives, a VRAM cache slot or the mapped pinned arena (no host sync).
-  On CUDA fused kernels compute them straight from their quantized bytes: pick by pick for a
-  decode step (`cuda_src/moe_decode.cu`), expert by expert once a pass has enough picks that
-  experts repeat (`cuda_src/moe_grouped.cu`); the twin dequantizes them into the workspace.
+  picked, each read where it lives, a VRAM slot or the mapped pinned arena (no host sync).
 """
 
 from __future__ import annotations
@@ -66,18 +56,16 @@ GATHER_PICKS_BY_PICK = 512
 def gather_pick_limit(n_experts: int, all_resident: bool, fused: bool, grouped: bool = False) -> int:
     """Picks (rows x experts a row) from which a pass computes whole layers. Where some experts
     stream: E, since a pass that touches most of them is cheaper streamed in order. Where every
-    expert is resident and the fused kernels serve every layer (the gather then needs no
-    workspace; the twin's holds E experts): GATHER_PICKS_RESIDENT where the grouped kernels serve
-    every layer too, else GATHER_PICKS_BY_PICK, where that is more than E."""
+    expert is resident and the fused kernels serve every layer (no workspace needed):
+    GATHER_PICKS_RESIDENT where the grouped kernels serve every layer too, else GATHER_PICKS_BY_PICK."""
     if not (all_resident and fused):
         return n_experts
     return max(n_experts, GATHER_PICKS_RESIDENT if grouped else GATHER_PICKS_BY_PICK)
 
 
 class StreamedExperts:
-    """The `ExpertBackend` of a stage: its layers' experts from VRAM where resident, else from the
-    host arena (streamed through the ring, or gathered by address). Owns the bf16 workspace of one
-    layer's experts."""
+    """The `ExpertBackend` of a stage: experts from VRAM where resident, else from the host arena.
+    Owns the bf16 workspace of one layer's experts."""
 
     def __init__(self, ctx: DeviceContext, spec: ModelSpec, arena: HostExpertArena, kernels: TorchKernels,
                  ring: ExpertRing | None, cache: ExpertCache | None, layers: range,
@@ -107,21 +95,18 @@ class StreamedExperts:
         self.gather_picks = gather_pick_limit(E, cache is not None and cache.per_layer >= E, fused, grouped)
 
     def attach_handover(self, handover: Handover | None, prompts: bool = False) -> None:
-        """Gathered passes of up to `handover.max_rows` rows hand a share of their missing experts to
-        the host's cores, and with `prompts` streamed ones of as few rows give it a share of their
-        streamed experts (`HostPrefillHelper`); None: the GPU computes every pick."""
+        """Gathered passes of up to `handover.max_rows` rows hand a share of their missing experts to the
+        host's cores, and with `prompts` streamed ones too; None: the GPU computes every pick."""
         self.handover = handover
         self.host_helper = HostPrefillHelper(handover) if handover is not None and prompts else None
 
     def silent_faults(self) -> int:
-        """The hand-overs' failures that layers went on past (`CpuHandover.silent_faults`), those of
-        detached ones included: the count only rises."""
+        """The hand-overs' failures that layers went on past, detached ones' included: the count only rises."""
         return self._closed_faults + (self.handover.silent_faults() if self.handover is not None else 0)
 
     def arm(self) -> bool:
-        """Before a decode step (eager or replayed): the hand-over's worker polls while it runs.
-        True where the hand-over was detached just now (`auto` declined it): graphs captured with
-        its kernels must go."""
+        """Before a decode step: the hand-over's worker polls while it runs. True where the hand-over was
+        detached just now: graphs captured with its kernels must go."""
         if self.handover is None or self.handover.arm():
             return False
         log.info("decode stops handing experts to the host's cores on %s", self.ctx.device)
@@ -133,7 +118,6 @@ class StreamedExperts:
         return True
 
     def attach_helper(self, helper: PrefillHelper | None) -> None:
-        """The helper that takes a share of this stage's streamed passes while bound (None: none)."""
         self.helper = helper
 
     @property
@@ -141,7 +125,6 @@ class StreamedExperts:
         return self.workspace.nbytes
 
     def resident(self, i: int) -> dict[int, int]:
-        """Local layer i's resident experts: expert id -> cache slot."""
         if self.cache is None:
             return {}
         row = self.cache.slot_of_host[i].numpy()  # one numpy pass, not a tensor op per expert (host time a prompt)
@@ -149,20 +132,16 @@ class StreamedExperts:
         return dict(zip(held.tolist(), row[held].tolist(), strict=True))
 
     def streamed_per_layer(self) -> int:
-        """Experts a layer streams in a prompt pass (every layer keeps the same number resident)."""
         return self.spec.n_experts - (self.cache.per_layer if self.cache is not None else 0)
 
     def pass_bytes(self) -> int:
-        """Expert bytes one prompt pass streams over this stage's link."""
         return self.streamed_per_layer() * sum(self.arena.layouts[layer].expert_bytes for layer in self.layers)
 
     def should_stream(self, n_rows: int) -> bool:
-        """Whole layers when the rows' picks reach `gather_picks` (or there is no cache)."""
         return self.cache is None or n_rows * self.spec.n_experts_used >= self.gather_picks
 
     @property
     def helped(self) -> bool:
-        """This pass streams, and a helper (the split's, or the host's cores) takes a share of it."""
         return self.streaming and self._active is not None
 
     @property
@@ -201,8 +180,8 @@ class StreamedExperts:
             helper.begin(helped)
 
     def abort(self) -> None:
-        """A forward failed partway (out of memory, say): give back the ring this pass held, and the
-        helper's too, so the next prompt can stream."""
+        """A forward failed partway: give back the ring this pass held, and the helper's, so the next
+        prompt can stream."""
         if self._feed is not None:
             self._feed.abort()
         if self.helped and self._active is not None:
@@ -211,10 +190,8 @@ class StreamedExperts:
 
     def start(self, i: int, h: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
               hq: torch.Tensor | None = None, first: bool = True) -> torch.Tensor:
-        """Local layer i's rows: gathered (their picks read where they live), or this stage's part
-        of the layer's experts streamed and computed, the helper's share handed over first (its
-        sums come in `finish`). `first`: the layer's first rows, which load its experts (a second
-        half's rows read them from the workspace)."""
+        """Local layer i's rows, gathered or streamed, the helper's share handed over first (its sums come
+        in `finish`). `first`: the layer's first rows, which load its experts."""
         layer = self.layers[i]
         lay = self.arena.layouts[layer]
         if self.cache is not None:
@@ -240,14 +217,11 @@ class StreamedExperts:
                             whole_layer=True)
 
     def in_halves(self, n_rows: int) -> bool:
-        """Should a streamed pass of n_rows run its layers in two halves of rows? Where a helper
-        is bound and the pass has its `halves_from` rows or more."""
         return self.helper is not None and self.helper.bound and 0 < self.helper.halves_from <= n_rows
 
     def _helped_rows(self, i: int, h: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, first: bool
                      ) -> torch.Tensor:
-        """The helper handed its inputs first (it works while we do), then this stage's part of the
-        rows: its experts loaded on the layer's `first` hand-over, its rows' partial sums [t, D]."""
+        """The helper handed its inputs first (it works while we do), then this stage's partial sums [t, D]."""
         helper = self._active
         assert self.helped and helper is not None
         helper.hand_over(i, h, weights, experts, first)
@@ -259,8 +233,7 @@ class StreamedExperts:
         return part_rows(self.workspace, tables, i, Routed(h, weights, experts), whole_layer=False)
 
     def finish(self, started: torch.Tensor) -> torch.Tensor:
-        """A `start`'s outputs [t, D]: where helped, this stage's partial sums plus the helper's,
-        which arrive in the order the starts were made."""
+        """A `start`'s outputs [t, D], the helper's sums added; they arrive in the order of the starts."""
         if self.helped and self._active is not None:
             return started + self._active.collect()
         return started

@@ -1,24 +1,13 @@
-"""A stage's decode step of a batch of sequences captured as a CUDA graph and replayed for every
-token, whichever sequences the batch holds.
+"""A stage's decode step of a batch captured as a CUDA graph and replayed for every token.
 
-At batch 1 a token's work is hundreds of small launches; from Python they cost far more than the
-GPU needs to run them. `Decoder.step_static` keeps every shape and address fixed: the rows' input,
-their positions and their caches' table (each cache's keys' and values' addresses, read by the
-attention and KV-write kernels) are device buffers the graph owns and the host rewrites before
-each replay. So one capture serves any batch of up to `bucket` rows (the rest padded with a
-dummy sequence at position 0, its outputs dropped) whose caches fit the capacity it was captured
-for, in cells read (a sequence's length, whatever its cache's size; the largest rounded up to a
-power of two): a request joining or leaving the batch costs no capture; a bucket's first use, or
-a sequence growing past that many cells, costs one. Pad rows pick
-experts like any row: where some experts are read over the link (not every expert resident) a
-batch gets a graph of its own size instead (`bucket_for(..., pad=False)`). A capture in which an
-op ran its torch twin (which reads the caches by address, not through the table) serves only
-its own batch of sequences (`graph_key`).
-
-Only the device path that never synchronizes the host can be captured: CUDA kernels, grouped GEMM,
-experts gathered by address. Each stage of a split captures its own layers (the first from the
-token id, the last to the logits, the others hidden row to hidden row); the hand-over between
-stages stays outside the graphs (the exchange's copy kernel and events, queued between replays).
+At batch 1 a token's work is hundreds of small launches, far costlier from Python than on the
+GPU. `Decoder.step_static` keeps every shape and address fixed: the rows' input, positions and
+caches' table are device buffers the host rewrites before each replay. So one capture serves any
+batch of up to `bucket` rows (padded with a dummy sequence at position 0) whose caches fit its
+capacity: a request joining or leaving costs no capture. Where experts are read over the link a
+batch gets a graph of its own size (pad rows would pick experts too). A capture in which an op
+ran its torch twin (which reads caches by address) serves only its own batch (`graph_key`).
+The hand-over between split stages stays outside the graphs.
 """
 
 from __future__ import annotations
@@ -33,8 +22,8 @@ from strata_mgpu.stage.device import DeviceContext
 
 
 def graph_key(kv: SequenceKV) -> tuple[int, int, int, int]:
-    """What a capture that read a cache by address bakes in: the cache object, its keys' and
-    values' addresses, its capacity (a new cache may reuse a freed one's id and keys' address)."""
+    """What a capture that read a cache by address bakes in (a new cache may reuse a freed one's id
+    and keys' address)."""
     return id(kv), kv.k.data_ptr(), kv.v.data_ptr(), kv.capacity
 
 
@@ -43,8 +32,8 @@ def next_pow2(n: int) -> int:
 
 
 def bucket_for(rows: int, largest: int, pad: bool = True) -> int:
-    """The graph batch serving `rows` rows: the next power of two, at most `largest` (which itself
-    serves every batch above the last power of two below it); `rows` itself without padding."""
+    """The graph batch serving `rows` rows: the next power of two, at most `largest`; `rows` itself
+    without padding."""
     return min(next_pow2(rows), largest) if pad else rows
 
 
@@ -55,11 +44,9 @@ TABLE_OPS = ("qk_norm_rope_kv", "attention")
 class GraphCapture:
     """What a stage's decode graphs share: one stream to warm up and capture on, one memory pool.
 
-    A stream per capture costs one more cuBLAS workspace each (torch keeps one for every stream a
-    GEMM ran on: 32 MiB on Hopper), more than a tight `--max-vram` leaves (docs/BENCHMARKS.md), and
-    a pool per graph keeps every bucket's temporaries at once. Sharing the pool is safe here: a
-    replay's temporaries are dead when it ends, every input lives outside the pool, and each
-    replay's output is copied out (`DecodeGraph.step`) before another graph can replay over it.
+    A stream per capture would cost a cuBLAS workspace each, and a pool per graph keeps every
+    bucket's temporaries at once. Sharing the pool is safe: a replay's temporaries are dead when it
+    ends, every input lives outside the pool, and each output is copied out before another replay.
     """
 
     def __init__(self, ctx: DeviceContext):
@@ -70,19 +57,15 @@ class GraphCapture:
         self.pool = torch.cuda.graph_pool_handle()
 
     def new_pool(self) -> None:
-        """A fresh memory pool for the next captures, on the same stream (once every graph captured
-        into the old one is gone: torch may not capture into it again)."""
+        """A fresh memory pool for the next captures (torch may not capture into the old one again)."""
         self.pool = torch.cuda.graph_pool_handle()
 
 
 class DecodeGraph:
     def __init__(self, model: Decoder, kvs: Sequence[SequenceKV], inp: torch.Tensor, bucket: int, pad: KVCache,
                  capacity: int, *, capture: GraphCapture):
-        """kvs: the first step's sequences (at most `bucket`); inp their input, token ids [B]
-        (first stage) or hidden rows [B, D]. Rows past len(kvs) run the dummy sequence `pad` at
-        position 0. Serves later batches of up to `bucket` rows whose next positions are below this
-        batch's largest next position or `capacity`, rounded up to a power of two (`fits`).
-        capture: the stream and memory pool the stage's graphs share."""
+        """kvs: the first step's sequences (at most `bucket`); inp their input, token ids [B] or hidden
+        rows [B, D]. Rows past len(kvs) run the dummy sequence `pad` at position 0."""
         assert 0 < len(kvs) <= bucket
         device = model.device
         ctx = self.ctx = capture.ctx
@@ -115,16 +98,13 @@ class DecodeGraph:
                      else [graph_key(kv) for kv in kvs])
 
     def fits(self, kvs: Sequence[SequenceKV]) -> bool:
-        """Can a replay serve this batch? At most `bucket` rows, none whose next position the
-        capture's attention does not cover (and the very batch it was captured for, where the
-        capture read the caches by address)."""
+        """At most `bucket` rows, each next position covered by the capture's attention (and the very
+        batch it was captured for, where the capture read the caches by address)."""
         if self.only is not None:
             return [graph_key(kv) for kv in kvs] == self.only
         return len(kvs) <= self.bucket and all(kv.length < self.capacity for kv in kvs)
 
     def _load(self, kvs: Sequence[SequenceKV], inp: torch.Tensor) -> None:
-        """The rows' input, positions and caches into the graph's buffers (pad rows: position 0 of
-        `pad`; their input is whatever the buffer held, finite)."""
         n = len(kvs)
         self.inp[:n].copy_(inp.reshape(n, *self.inp.shape[1:]), non_blocking=True)
         pad = self.bucket - n
@@ -141,8 +121,7 @@ class DecodeGraph:
                 self._table_rows = rows
 
     def step(self, kvs: Sequence[SequenceKV], inp: torch.Tensor) -> torch.Tensor:
-        """The step's output for `inp` at the caches' next positions [len(kvs), V or D]; advances
-        the caches."""
+        """The step's output [len(kvs), V or D] at the caches' next positions; advances the caches."""
         assert self.fits(kvs), "the batch outgrew this graph"
         self._load(kvs, inp)
         with self.ctx.current():

@@ -1,15 +1,13 @@
-"""A stage's decode steps as CUDA graphs: which batches a graph serves, the bucket each batch takes,
-its capture (at a bucket's first use, or ahead of the first request), and what happens when a
-capture cannot be made.
+"""A stage's decode steps as CUDA graphs: the bucket each batch takes, its capture, and what
+happens when a capture cannot be made.
 
 Shape legend: B = rows of a decode step, D = hidden.
 
-A batch of B rows replays the graph of its bucket (`capture.bucket_for`): where every expert is
-resident the next power of two, its spare rows padded with a dummy sequence at position 0; else
-B itself, since pad rows would read experts over the link. A graph covers a number of cells
-(`capture.DecodeGraph.fits`); a sequence past them recaptures its bucket's graph at twice as
-many. A capture that runs out of memory leaves its bucket eager for CAPTURE_RETRY_STEPS steps;
-one this torch cannot make lowers the largest bucket (or turns graphs off).
+A batch of B rows replays its bucket's graph: where every expert is resident the next power of
+two, padded with a dummy sequence; else B itself, since pad rows would read experts over the link.
+A sequence past the cells a graph covers recaptures its bucket's graph at twice as many. A capture
+that runs out of memory leaves its bucket eager for CAPTURE_RETRY_STEPS steps; one this torch
+cannot make lowers the largest bucket (or turns graphs off).
 """
 
 from __future__ import annotations
@@ -35,11 +33,9 @@ CAPTURE_RETRY_STEPS = 256
 
 
 class DecodeGraphs:
-    """The decode graphs of one stage, by bucket. `enabled`: the stage can replay graphs at all
-    (a CUDA stage whose decode step never waits for the host); `largest`: the largest batch
-    replayed (STRATA_DECODE_GRAPH_BATCH, lowered where a capture fails); `pad`: buckets pad to
-    powers of two (every expert resident). `first`: the stage embeds token ids (else it takes
-    hidden rows [B, D] in the decoder's dtype)."""
+    """The decode graphs of one stage, by bucket. `enabled`: the stage can replay graphs at all;
+    `largest`: the largest batch replayed (lowered where a capture fails); `pad`: buckets pad to
+    powers of two. `first`: the stage embeds token ids (else it takes hidden rows [B, D])."""
 
     def __init__(self, ctx: DeviceContext, model: Decoder, *, enabled: bool, largest: int, pad: bool,
                  first: bool):
@@ -51,24 +47,21 @@ class DecodeGraphs:
         self._retry_in: dict[int, int] = {}  # bucket -> steps until its capture is tried again, after one ran out
 
     def bucket(self, rows: int) -> int:
-        """The graph size serving `rows` rows."""
         return bucket_for(rows, self.largest, pad=self.pad)
 
     def serves(self, kvs: Sequence[SequenceKV]) -> bool:
-        """May this batch replay a graph? Graphs on, a batch no larger than the largest, every
-        cache holding its cells in place, and too few rows to make the experts stream."""
+        """Graphs on, a batch no larger than the largest, every cache holding its cells in place, and too
+        few rows to make the experts stream."""
         return (self.enabled and len(kvs) <= self.largest and all(kv.graph_capturable for kv in kvs)
                 and not self.model.experts.should_stream(self.bucket(len(kvs))))
 
     def drop(self) -> None:
-        """Let every graph's memory go (the stage ran out of memory in a step)."""
         self.captured.clear()
         self._retry_in.clear()
 
     def step(self, kvs: Sequence[SequenceKV], inp: torch.Tensor) -> torch.Tensor | None:
-        """The step as a replay of its bucket's graph (captured at the bucket's first use, and
-        again when a sequence grows past the cells it covers); None where no capture could be made
-        (the caller runs the step eagerly). Advances the caches."""
+        """The step as a replay of its bucket's graph, captured where needed; None where no capture could
+        be made (the caller runs the step eagerly). Advances the caches."""
         for kv in kvs:
             kv.reserve(1)
         bucket = self.bucket(len(kvs))
@@ -95,12 +88,8 @@ class DecodeGraphs:
         return graph.step(kvs, inp)
 
     def warm(self, context: int, kv_cells: int) -> list[int]:
-        """Capture a graph for every bucket before the first request, covering min(context,
-        kv_cells, WARM_GRAPH_CELLS) cells: otherwise the first batch of each size waits for its
-        capture (a warm-up step, then every launch of the step recorded) inside its first token's
-        time. The captures' own steps run on the dummy sequence (on the caller's stream: the stage's
-        compute stream). Returns the buckets captured; one whose capture fails is left to its first
-        use."""
+        """Capture every bucket's graph before the first request (min(context, kv_cells, WARM_GRAPH_CELLS)
+        cells), so no first batch waits for it; the buckets captured (a failed one waits for first use)."""
         if not self.enabled:
             return []
         sizes = sorted({self.bucket(n) for n in range(1, self.largest + 1)})
@@ -125,8 +114,7 @@ class DecodeGraphs:
         return done
 
     def _give_up(self, bucket: int, e: RuntimeError) -> None:
-        """A capture of `bucket` rows failed for good: no graphs that large (the smaller sizes keep
-        theirs), or none at all where even one row failed."""
+        """A capture of `bucket` rows failed for good: no graphs that large, or none where even one row failed."""
         if bucket > 1:
             self.largest = max(1, bucket - 1 if bucket & (bucket - 1) else bucket // 2)
             log.warning("CUDA graph capture of a batch of %d failed on %s (%s): batches above %d decode without "
@@ -138,7 +126,6 @@ class DecodeGraphs:
             self.captured = {}
 
     def _pad(self) -> KVCache:
-        """The dummy sequence padding a batch to its graph's rows (made at its first use)."""
         if self._pad_kv is None:
             self._pad_kv = self.model.new_cache(1, capacity=1)
         return self._pad_kv

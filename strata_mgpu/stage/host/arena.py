@@ -1,11 +1,9 @@
 """The host expert arena: every layer's routed experts in one pinned host buffer.
 
 Layout: layer after layer; inside a layer, expert after expert; inside an expert its raw GGUF
-blocks as [gate | up | down]. So one layer's experts are one contiguous upload, one expert is one
-contiguous slice, and a run of experts is one slice too. Resident memory is the expert bytes
-exactly (one allocation, pinned in place: `stage.host.pinned`): the file's pages each layer was
-copied from leave the process's resident set once copied (`release_file_pages`), so the experts
-are not counted twice (the page cache keeps them; a later read of the file faults them back).
+blocks as [gate | up | down]. So one layer, one expert and a run of experts are each one
+contiguous slice. The file's pages each layer was copied from leave the process's resident set
+once copied (`release_file_pages`), so the experts are not counted twice.
 """
 
 from __future__ import annotations
@@ -57,7 +55,7 @@ class HostExpertArena:
             release_file_pages(src)
 
     def layer(self, layer: int) -> torch.Tensor:
-        """uint8 [E * expert_bytes]: the whole layer, one contiguous upload."""
+        """uint8 [E * expert_bytes]: the whole layer."""
         start = self.offsets[layer]
         return self.buffer[start:start + self.spec.n_experts * self.layouts[layer].expert_bytes]
 
@@ -68,7 +66,7 @@ class HostExpertArena:
         return self.buffer[start:start + size]
 
     def experts(self, layer: int, first: int, stop: int) -> torch.Tensor:
-        """uint8 [(stop - first) * expert_bytes]: experts first..stop-1 of a layer, one slice."""
+        """uint8 [(stop - first) * expert_bytes]: experts first..stop-1 of a layer."""
         size = self.layouts[layer].expert_bytes
         start = self.offsets[layer]
         return self.buffer[start + first * size:start + stop * size]
@@ -83,10 +81,9 @@ class HostExpertArena:
 
 
 def release_file_pages(src: np.ndarray) -> None:
-    """Drop the whole pages `src` spans from this process's resident set, where `src` is a view of
-    a read-only file mapping (`np.memmap` mode 'r', what `GGUFFile.tensor_data` gives): the pages stay
-    in the page cache and come back on the next read. Nothing for any other array (on anonymous
-    memory MADV_DONTNEED would discard the bytes themselves) or where the platform lacks it."""
+    """Drop the whole pages `src` spans from this process's resident set, where `src` is a view of a
+    read-only file mapping: the pages stay in the page cache. Nothing for any other array (on
+    anonymous memory MADV_DONTNEED would discard the bytes themselves)."""
     if not (isinstance(src, np.memmap) and not src.flags.writeable and src.flags.c_contiguous)\
             or not hasattr(mmap, "MADV_DONTNEED"):
         return

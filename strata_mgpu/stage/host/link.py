@@ -1,6 +1,4 @@
-"""The stage's link to host memory, measured once: pinned host-to-device bytes/s. What the
-helper's share (`split.rate_model`) and the CPU hand-over's `auto` share (`stage.experts.handover`)
-weigh the link by."""
+"""The stage's link to host memory, measured once: pinned host-to-device bytes/s."""
 
 from __future__ import annotations
 
@@ -15,9 +13,9 @@ _LINK_RATES: weakref.WeakKeyDictionary[DeviceContext, float] = weakref.WeakKeyDi
 
 
 def measure_link_rate(ctx: DeviceContext, nbytes: int = 128 * 2**20, repeats: int = 3) -> float | None:
-    """Pinned host-to-device bytes/s on the stage's upload stream (where its experts go up), the
-    median of `repeats` copies after one warm-up; remembered for `link_rate(ctx)`. None on the
-    CPU. Two stages on one card each see the whole link here: the policy knows they share it."""
+    """Pinned host-to-device bytes/s on the stage's upload stream, the median of `repeats` copies after
+    a warm-up; None on the CPU. Two stages on one card each see the whole link here: the policy
+    knows they share it."""
     if not ctx.is_cuda:
         return None
     assert ctx.upload is not None
@@ -35,5 +33,4 @@ def measure_link_rate(ctx: DeviceContext, nbytes: int = 128 * 2**20, repeats: in
 
 
 def link_rate(ctx: DeviceContext) -> float | None:
-    """The rate `measure_link_rate` found for this stage's context; None if never measured."""
     return _LINK_RATES.get(ctx)

@@ -1,8 +1,8 @@
 """Pinned, device-mapped host buffers of exactly the size asked for.
 
-torch's pinned allocator rounds every request up to a power of two (18.8 GB of experts would
-take 32 GB); here one anonymous allocation is pinned in place with cudaHostRegister, portable
-(every device) and mapped (kernels read and write it at its host address, through UVA).
+torch's pinned allocator rounds every request up to a power of two; here one anonymous
+allocation is pinned in place with cudaHostRegister, portable (every device) and mapped (kernels
+read and write it at its host address, through UVA).
 """
 
 from __future__ import annotations
@@ -33,7 +33,6 @@ def pin_in_place(array: np.ndarray) -> None:
 
 
 def host_buffer(nbytes: int, *, pin: bool) -> torch.Tensor:
-    """uint8 [nbytes] in host memory, pinned and mapped when `pin`."""
     array = np.zeros(nbytes, dtype=np.uint8)
     if pin:
         pin_in_place(array)

@@ -1,13 +1,10 @@
-"""Host buffers kept for the next sequence: a spilled sequence's KV rows live in pinned host RAM
-(`stage.kv.two_tier`), gigabytes for a long context, and making such a buffer means zero-filling every
-page and pinning it (`cudaHostRegister` walks them all). A sequence that ends gives its buffers
-back here; the next one that spills takes the smallest one that is large enough.
+"""Host buffers kept for the next sequence: a spilled sequence's KV rows live in pinned host RAM,
+and making such a buffer means zero-filling and pinning every page. A sequence that ends gives
+its buffers back; the next one that spills takes the smallest one large enough.
 
-Sizes are rounded up to GRANULE so that buffers of nearby sizes serve each other. At most `keep`
-idle buffers stay (the largest kept: the next long sequence would need them); the rest are freed,
-and all of them before a new buffer is pinned when none is large enough (no more pinned memory
-held than the sequences need, beside the one being made).
-A buffer given back must have no copy still running into or out of it (the caller drains first).
+Sizes are rounded up to GRANULE so that nearby sizes serve each other. At most `keep` idle
+buffers stay (the largest); all of them are freed before a new buffer is pinned when none is
+large enough. A buffer given back must have no copy still running into or out of it.
 """
 
 from __future__ import annotations
@@ -30,8 +27,7 @@ class HostBufferPool:
         self.reused = 0  # takes served from the idle ones
 
     def take(self, nbytes: int) -> torch.Tensor:
-        """uint8 [>= nbytes] host memory (pinned and mapped when `pin`); its contents are undefined
-        where it was used before."""
+        """uint8 [>= nbytes] host memory (pinned and mapped when `pin`); contents undefined."""
         with self._lock:
             fits = [b for b in self._idle if b.numel() >= nbytes]
             if fits:
@@ -44,7 +40,6 @@ class HostBufferPool:
         return host_buffer(-(-nbytes // self.granule) * self.granule, pin=self.pin)
 
     def give(self, buf: torch.Tensor) -> None:
-        """`buf` (from `take`) is no longer used by anyone."""
         with self._lock:
             self._idle.append(buf)
             self._idle.sort(key=torch.Tensor.numel, reverse=True)

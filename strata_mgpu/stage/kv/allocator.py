@@ -1,10 +1,8 @@
 """The KV of a stage's sequences within its VRAM plan: `StageKV`.
 
-The plan keeps `kv_tokens` cells in VRAM for all sequences together (the engine admits within
-them, each sequence counting at most that many); a sequence longer than that keeps its last cells
-in VRAM and the older ones in pinned host RAM (`two_tier.TwoTierKV`), assembled a layer at a time
-in one staging buffer the stage shares between such sequences (two with prefetch), made at the
-first long sequence and sized for the longest the stage planned for.
+The plan keeps `kv_tokens` cells in VRAM for all sequences together; a longer sequence keeps its
+last cells in VRAM and the older ones in pinned host RAM (`two_tier.TwoTierKV`), assembled in a
+staging buffer the stage shares, made at the first long sequence.
 """
 
 from __future__ import annotations
@@ -19,10 +17,9 @@ from strata_mgpu.stage.kv.two_tier import KVStaging, TwoTierKV, make_kv_cache
 
 
 class StageKV:
-    """Makes each sequence's KV for a stage's `layers`: VRAM cells `vram_cells` (the plan's KV
-    line) for all sequences together, sequences of up to `context` tokens (beyond the VRAM cells
-    with a host tier); `prefetch`: spilled cells uploaded a layer ahead on a side stream; `kv_types`:
-    how the cells are stored (`KVFormat`, in `dtype` where plain)."""
+    """Makes each sequence's KV for a stage's `layers`: `vram_cells` for all sequences together,
+    sequences of up to `context` tokens; `prefetch`: spilled cells uploaded a layer ahead on a side
+    stream; `kv_types`: how the cells are stored."""
 
     def __init__(self, ctx: DeviceContext, spec: ModelSpec, layers: range, *, vram_cells: int, context: int,
                  dtype: torch.dtype, prefetch: bool,
@@ -38,8 +35,7 @@ class StageKV:
         return min(tokens, self.vram_cells)
 
     def new_sequence(self, max_length: int) -> KVCache | TwoTierKV:
-        """A sequence's KV: all in VRAM when it fits the plan's KV cells, else the last cells in
-        VRAM and the older ones in pinned host RAM (zero-filled on the stage's stream)."""
+        """All in VRAM when it fits the plan's KV cells, else a two-tier cache."""
         if max_length > self.max_context:
             raise ValueError(f"a sequence of {max_length} tokens exceeds the {self.max_context} this stage planned "
                              f"its KV for")

@@ -1,6 +1,6 @@
-"""A stage's prefix-cache blocks (`model.kv_blocks.KVBlockStore` over its layers' caches), every
-copy queued on the stage's compute stream, behind the forwards that wrote the rows it reads and
-ahead of the prefill that reads the rows it loads."""
+"""A stage's prefix-cache blocks, every copy queued on the stage's compute stream, behind the
+forwards that wrote the rows it reads and ahead of the prefill that reads the rows it loads.
+"""
 
 from __future__ import annotations
 

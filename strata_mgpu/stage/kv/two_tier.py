@@ -3,35 +3,21 @@ on CUDA), assembled layer by layer in a staging buffer on the device for attenti
 
 Shape legend: L = layers of the stage, W = window cells, C = host rows allocated, S = staging
 cells (the longest sequence), Hkv = KV heads, Dh = head dim, R = a head's stored row (Dh, or
-Dh / 32 * 34 bytes of Q8_0 blocks: `KVFormat`).
-
-The ring, the host rows and the staging buffers hold cells as the cache's `KVFormat` stores them:
-every copy between them moves those bytes; `write` quantizes its new rows and dequantizes what it
-returns for attention (for Q8_0, a copy in the compute dtype: staging stays at half the bytes).
+Dh / 32 * 34 bytes of Q8_0 blocks: `KVFormat`, as ring, host rows and staging all store them).
 
 Where cell p lives (per layer i, `host_rows[i]` = h): positions [0, h) in host rows [0, h);
-positions [h, length) in the VRAM ring at slot p % W (at most W of them). Before the first
-spill every position sits in its own slot, so the ring reads like a plain `KVCache` (and the
-static decode step can be captured); after it, attention reads keys and values in position order
-from a staging buffer: host rows uploaded, then the ring's cells, then the new rows. The oldest
-cells leave the ring through that buffer to the host (a chunk longer than the window spills some
-of its own rows), so the host always holds a prefix. Host rows are per layer, so a forward that
-fails between layers leaves every layer readable: a retry gives the same result.
+positions [h, length) in the VRAM ring at slot p % W. Before the first spill every position sits
+in its own slot, so the ring reads like a plain `KVCache` (and the decode step can be captured);
+after it, attention reads from a staging buffer: host rows, then the ring's cells, then the new
+rows. Host rows are per layer, so a forward that fails between layers leaves every layer
+readable: a retry gives the same result.
 
-Streams (prefetch on): uploads into staging and spills out of it run on the staging's side
-stream. `released[b]` is recorded on the compute stream when side work on buffer b is queued
-(every earlier reader of b was queued there before it); the side stream waits for it. `ready[b]`
-is recorded on the side stream after its last use of b; the compute stream waits for it before
-it reads or overwrites b. An upload on the compute stream (a layer not prefetched) also waits for
-the cache's last spill (`_spilled`); `ready[b]` orders that spill already, since a layer always
-spills through its own buffer. Without prefetch there is no side stream: everything runs on the
-caller's stream in program order.
-
-Every stream and event operation goes through the stage's `DeviceContext`, and every use of a
-staging buffer or of a layer's host rows by either stream is declared there (`ctx.access`): on
-CUDA these are the torch.cuda calls, on the plain CPU no-ops (the side stream is None, so a
-"side-stream" copy runs at once, and the same bookkeeping, holds and drains, runs there too),
-and under the ordering twin (`stage/streams.py`) a missing wait raises `OrderingError`.
+Streams (prefetch on): uploads into staging and spills out of it run on the side stream, which
+waits for `released[b]` (recorded on the compute stream when side work on buffer b is queued);
+the compute stream waits for `ready[b]` (recorded after the side stream's last use of b) before
+it reads or overwrites b, and an upload on the compute stream also for the last spill
+(`_spilled`). Every stream operation and buffer use goes through the stage's `DeviceContext`,
+so the ordering twin (`stage/streams.py`) raises `OrderingError` on a missing wait.
 """
 
 from __future__ import annotations
@@ -65,12 +51,10 @@ class Hold:
 
 class KVStaging:
     """Device buffers where a spilled sequence's keys and values of one layer are put in position
-    order for attention: per buffer, keys [S, Hkv, R] and values [S, Hkv, R] as `format` stores
-    them, views of one allocation each (bytes) so that the ordering twin tells the buffers apart.
-    One per stage, shared by its two-tier caches (the forward attends one segment at a time). With
-    prefetch there are two buffers and a side stream of `ctx`: layer i + 1's host prefix uploads
-    into one while layer i attends from the other.
-    """
+    order for attention: per buffer, keys and values [S, Hkv, R] as `format` stores them, views of
+    one allocation each (so the ordering twin tells the buffers apart). One per stage, shared by its
+    two-tier caches. With prefetch, two buffers and a side stream: layer i + 1's host prefix uploads
+    into one while layer i attends from the other."""
 
     def __init__(self, n_kv_heads: int, head_dim: int, max_cells: int, *, ctx: DeviceContext,
                  dtype: torch.dtype, prefetch: bool,
@@ -112,9 +96,8 @@ class KVStaging:
 
     @contextlib.contextmanager
     def on_side(self, b: int) -> Iterator[None]:
-        """Queue the enclosed copies touching buffer b on the side stream, after every use of b
-        queued so far on the current stream; later users of b wait on `ready[b]`. Without prefetch
-        they stay on the current stream."""
+        """Queue the enclosed copies touching buffer b on the side stream, after every use of b queued so
+        far on the current stream; later users wait on `ready[b]`."""
         if not self.prefetch:
             yield
             return
@@ -126,48 +109,39 @@ class KVStaging:
         ctx.record(self.ready[b], self.side)
 
     def wait_side(self, b: int) -> None:
-        """The current stream waits for the side stream's last use of buffer b (no-op without prefetch)."""
         self.ctx.wait(self.ready[b])
 
     def take(self, owner: int, layer: int, rows: int, b: int) -> bool:
-        """Whether buffer b holds `owner`'s prefetched rows of `layer` (the current stream then waits
-        for them). A hold of anything else is dropped: the caller is about to overwrite b."""
+        """Whether buffer b holds `owner`'s prefetched rows of `layer`. A hold of anything else is dropped:
+        the caller is about to overwrite b."""
         hold = self.holds[b]
         self.holds[b] = None
         self.wait_side(b)
         return hold == Hold(owner, layer, rows)
 
     def drain(self, owner: int | None = None) -> None:
-        """Wait (host) for everything queued on the side stream; forget `owner`'s holds (every
-        hold when None). Before an abort's cleanup, a relayout, or freeing memory it touches."""
+        """Wait (host) for the side stream; forget `owner`'s holds (every hold when None)."""
         if self.prefetch:  # not self.side: None is also the plain CPU's, and synchronize(None) the current stream
             self.ctx.synchronize(self.side)
         self.holds = [None if h is None or owner is None or h.owner == owner else h for h in self.holds]
 
 
 def _drain_before_free(staging: KVStaging, owner: int) -> None:
-    """A two-tier cache is going: no copy may still run into or out of its host rows."""
     staging.drain(owner)
     staging.ctx.synchronize_device()  # spills queued on the caller's stream (prefetch off), whichever it was
 
 
 def _release_host(staging: KVStaging, owner: int, buffers: list[torch.Tensor]) -> None:
-    """A two-tier cache is closed or collected: once no copy touches its host rows, they go back to
-    the stage's pool for the next sequence."""
     _drain_before_free(staging, owner)
     while buffers:
         staging.pool.give(buffers.pop())
 
 
 class TwoTierKV:
-    """One sequence's KV for `n_layers` layers: the last `window` cells in VRAM, the older prefix in
-    host RAM (see the module docstring). Same interface as `KVCache` (`reserve`, `write`,
-    `advance`, `length`), plus `prefetch(layer)`, which `Decoder.run` calls one layer ahead, and
-    `drain()`, which it calls when a forward fails.
+    """One sequence's KV for `n_layers` layers (see the module docstring). `KVCache`'s interface plus
+    `prefetch(layer)` (called one layer ahead) and `drain()` (called when a forward fails).
 
-    `k`, `v` [L, W', Hkv, Dh] are the VRAM ring (W' grows by doubling up to W). While nothing has
-    spilled and the next position fits the window, `graph_capturable` says the static decode step
-    may read the ring as a plain cache.
+    `k`, `v` [L, W', Hkv, Dh] are the VRAM ring (W' grows by doubling up to W).
     """
 
     def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, *, window: int, max_length: int,
@@ -210,7 +184,7 @@ class TwoTierKV:
 
     @property
     def nbytes(self) -> int:
-        """VRAM of the ring (the shared staging is counted once per stage: `KVStaging.nbytes`)."""
+        """VRAM of the ring (the shared staging is counted once per stage)."""
         return self.k.numel() * self.k.element_size() + self.v.numel() * self.v.element_size()
 
     @property
@@ -233,7 +207,6 @@ class TwoTierKV:
 
     @property
     def rows_in_place(self) -> bool:
-        """Its older rows leave for host RAM: the prefix cache neither saves nor restores it."""
         return False
 
     # -- the KVCache interface -----------------------------------------------------------------
@@ -258,8 +231,7 @@ class TwoTierKV:
               ) -> tuple[torch.Tensor, torch.Tensor]:
         """Store [T, Hkv, Dh] keys/values after the cached ones; return all of them [length+T, Hkv, Dh]:
         views of the ring before the first spill, of a staging buffer after it (valid until this
-        layer's attention has been queued). Rows go right after the cached ones (`at` 0: no
-        `offset_writes`)."""
+        layer's attention has been queued)."""
         assert at == 0, "a two-tier cache writes a forward's rows at once"
         f = self.format
         start, end = self.length, self.length + k_new.shape[0]
@@ -307,9 +279,8 @@ class TwoTierKV:
 
     # -- prefetch, drain, teardown -------------------------------------------------------------
     def prefetch(self, layer: int) -> None:
-        """Start uploading `layer`'s host prefix into its staging buffer on the side stream (at once
-        on the CPU). A no-op without prefetch, past the last layer, with nothing on the host, or
-        while another sequence's prefetch holds that buffer."""
+        """Start uploading `layer`'s host prefix into its staging buffer on the side stream. A no-op
+        without prefetch, with nothing on the host, or while another sequence's prefetch holds that buffer."""
         st = self.staging
         if not st.prefetch or layer >= self.n_layers:
             return
@@ -324,13 +295,10 @@ class TwoTierKV:
         st.holds[b] = Hold(self.owner, layer, h)
 
     def drain(self) -> None:
-        """A forward failed or stopped early: wait for the side stream, drop this cache's pending
-        prefetches. The cache stays consistent (host rows are per layer); other sequences' holds
-        stay."""
+        """Wait for the side stream and drop this cache's pending prefetches; the cache stays consistent."""
         self.staging.drain(self.owner)
 
     def close(self) -> None:
-        """Free the ring and the host rows, after every copy touching them has finished."""
         if self._finalizer is not None:
             self._finalizer()
         else:
@@ -342,21 +310,16 @@ class TwoTierKV:
 
     # -- internals -----------------------------------------------------------------------------
     def _host_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The host rows, keys and values [L, C, Hkv, R]: there once `reserve` made room for a spill."""
+        """Host keys and values [L, C, Hkv, R]; there once `reserve` made room for a spill."""
         assert self.host_k is not None and self.host_v is not None, "reserve() makes the host rows before a spill"
         return self.host_k, self.host_v
 
     def _upload(self, layer: int, rows: int, k_buf: torch.Tensor, v_buf: torch.Tensor) -> None:
-        """Host rows [0, rows) of `layer` into a staging buffer, on the current stream.
-
-        The seam for decode's other option: attention reading the prefix in place through mapped
-        memory instead of copying it (not built; measure first)."""
         host_k, host_v = self._host_rows()
         k_buf[:rows].copy_(host_k[layer, :rows], non_blocking=True)
         v_buf[:rows].copy_(host_v[layer, :rows], non_blocking=True)
 
     def _ring_spans(self, start: int, stop: int) -> list[tuple[slice, slice]]:
-        """Positions [start, stop) (at most a window) as (ring slots, positions) pairs in order."""
         n = stop - start
         if n <= 0:
             return []
@@ -369,9 +332,8 @@ class TwoTierKV:
         return spans
 
     def _grow_host(self, rows: int) -> None:
-        """Host rows for at least `rows` positions a layer: doubled, capped at max_length - window, from
-        the stage's pool; the old rows are copied once every copy touching them has finished, and
-        their buffer goes back to the pool."""
+        """Host rows for at least `rows` positions a layer: doubled, capped at max_length - window; the old
+        rows are copied once every copy touching them has finished."""
         old = 0 if self.host_k is None else self.host_k.shape[1]
         cap = min(self.max_length - self.window, max(rows, 2 * old))
         row_bytes = self.n_layers * self.format.cell_bytes(self._heads * self._head_dim)  # a position, keys and values
@@ -402,14 +364,12 @@ def _spans(format: KVFormat, n_rows: int, head_dim: int) -> tuple[int, int]:
 
 
 def cells_nbytes(format: KVFormat, cells: int, n_kv_heads: int, head_dim: int, *lead: int) -> int:
-    """Bytes `split_cells` takes for these cells."""
     return sum(_spans(format, math.prod(lead) * cells * n_kv_heads, head_dim))
 
 
 def split_cells(flat: torch.Tensor, format: KVFormat, cells: int, n_kv_heads: int, head_dim: int,
                 *lead: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Keys and values [*lead, cells, Hkv, R] as `format` stores them, views of the bytes `flat`
-    (keys first, then values: `cells_nbytes` of them at least)."""
+    """Keys and values [*lead, cells, Hkv, R], views of `flat` (keys first; `cells_nbytes` at least)."""
     f = format
     k_span, v_bytes = _spans(f, math.prod(lead) * cells * n_kv_heads, head_dim)
     k = flat[:k_span].view(f.storage(f.keys))[:math.prod(lead) * cells * n_kv_heads * f.row(f.keys, head_dim)]
@@ -420,7 +380,6 @@ def split_cells(flat: torch.Tensor, format: KVFormat, cells: int, n_kv_heads: in
 
 def window_bytes(spec: ModelSpec, n_layers: int, cells: int, elem: int = 2,
                  kv_types: tuple[GGMLQuantizationType, GGMLQuantizationType] = PLAIN_KV) -> int:
-    """VRAM of `cells` KV cells in every one of `n_layers` layers (keys and values)."""
     return n_layers * cells * kv_cell_bytes(*kv_types, spec.kv_dim, elem)
 
 
