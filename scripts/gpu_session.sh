@@ -146,17 +146,19 @@ fi
 if has grammar; then
   STRATA_GPU_MODEL=$MODEL timeout 1200 python3 -m pytest -q tests/test_gpu_grammar.py -p no:cacheprovider 2>&1 \
     | tee "$OUT/gpu_grammar_tests.log" | tail -5 || status=1
-  for vram in 16 40; do
+  for vram in ${GRAMMAR_VRAM:-16 40}; do
     for rows in ${GRAMMAR_ROWS:-1}; do
-      python3 -m strata_mgpu.tools.grammar_cost $MODEL --devices 0 --max-vram $vram --batch 8 --tokens 128 --rounds 3 \
+      python3 -m strata_mgpu.tools.grammar_cost $MODEL --devices 0 --max-vram $vram --batch 8 --tokens 128 \
+        --rounds ${GRAMMAR_ROUNDS:-3} \
         --constrained-rows $rows 2>&1 | tee "$OUT/grammar_${vram}_$rows.log" | tail -2 || status=1
     done
   done
 fi
 if has shared; then
   lscpu -e > "$OUT/lscpu_e.txt" 2>&1 || true
-  for cores in 0-3 0-7; do
-    python3 -m strata_mgpu.tools.shared_host --cores $cores --threads $([ $cores = 0-3 ] && echo 1,2,3,4 || echo 1,2,4,8) --json "$OUT/shared_$cores.json" 2>&1 \
+  for cores in ${SHARED_CORES:-0-3 0-7}; do
+    python3 -m strata_mgpu.tools.shared_host --cores $cores --threads $([ $cores = 0-3 ] && echo 1,2,3,4 || echo 1,2,4,8) \
+      ${SHARED_ARGS:-} --json "$OUT/shared_$cores.json" 2>&1 \
       | tee "$OUT/shared_$cores.log" | tail -12 || status=1
   done
   OMP_WAIT_POLICY=ACTIVE python3 -m strata_mgpu.tools.shared_host --cores 0-7 --no-adaptive --torch-threads cores \
