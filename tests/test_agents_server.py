@@ -125,6 +125,22 @@ def test_a_malformed_or_unterminated_call_is_content(scripted):
         assert content == text and finishes == ["stop"]
 
 
+def test_a_broken_call_keeps_its_text_and_whole_and_streamed_agree(scripted):
+    """A call whose head was read but whose JSON then broke (Python's False) is that call with
+    its arguments as the model wrote them (no JSON: the client's parse fails), never a valid call
+    with keys dropped; a raw newline inside a string is read and escaped. Whole and streamed agree."""
+    engine, runner = scripted
+    client = client_for(engine)
+    for arguments, expected in (('{"city": "Paris", "exact": False}', '{"city": "Paris", "exact": False}'),
+                                ('{"city": "Paris\nFrance"}', '{"city": "Paris\\nFrance"}')):
+        say(engine, runner, f'<tool_call>\n{{"name": "get_weather", "arguments": {arguments}}}\n</tool_call>')
+        r = client.chat.completions.create(model="m", messages=USER, tools=[WEATHER], temperature=0)
+        (call,) = r.choices[0].message.tool_calls
+        assert r.choices[0].finish_reason == "tool_calls" and call.function.arguments == expected
+        _, _, finishes, chunks = streamed(client, messages=USER, tools=[WEATHER], temperature=0)
+        assert finishes == ["tool_calls"] and streamed_calls(chunks) == [("get_weather", expected)]
+
+
 def test_tool_choice_none_offers_no_tools_and_cannot_call(scripted):
     engine, runner = scripted
     say(engine, runner, CALLS)  # the model would call at once
@@ -251,16 +267,20 @@ def tokens_until(engine: Engine, text: str, marker: str) -> int:
 ANSWER_OF_TWO = '<think>\nWeather.\n</think>\n\nChecking.\n' + CALLS.removeprefix("Checking.\n")
 
 
-@pytest.mark.parametrize("marker, finish, calls", [
-    ('{"na', "length", []),  # cut before the call's name: the block is dropped
-    ('"Paris", "wh', "length", [("get_weather", {"city": "Paris"})]),  # in the arguments: closed with what parsed
-    ('"Köln"', "length", [("get_weather", {"city": "Paris", "when": ["today"]}), ("get_weather", {"city": "Köln"})]),
+@pytest.mark.parametrize("marker, finish, calls, cut", [
+    ('{"na', "length", [], None),  # cut before the call's name: the block is dropped
+    # in the first call's arguments: whole, no call is left (length); streamed, its head and
+    # arguments so far, unterminated, and length
+    ('"Paris", "wh', "length", [], '{"city": "Paris"'),
+    # in the second's: whole, the first call (tool_calls); streamed, length (the last call is cut)
+    ('"Köln"', "tool_calls", [("get_weather", {"city": "Paris", "when": ["today"]})], '{"city": "Köln"'),
     ('"Köln"}}\n</tool_call>', "tool_calls", [("get_weather", {"city": "Paris", "when": ["today"]}),
-                                               ("get_weather", {"city": "Köln"})]),
+                                               ("get_weather", {"city": "Köln"})], None),
 ])
-def test_a_call_cut_by_the_length_limit_leaks_no_markup_whole_and_streamed(scripted, marker, finish, calls):
-    """At the limit: the reasoning kept, no call markup in the content, a call cut short closed
-    with what parsed and `length`; calls complete before the limit: `tool_calls`."""
+def test_a_call_cut_by_the_length_limit_leaks_no_markup_whole_and_streamed(scripted, marker, finish, calls, cut):
+    """At the limit: the reasoning kept, no call markup in the content, a call cut in its
+    arguments left out of a whole response (`tool_calls` where a whole call remains, else
+    `length`); a stream that gave out its head sends nothing to close it and ends with `length`."""
     engine, runner = scripted
     say(engine, runner, ANSWER_OF_TWO + "\nand then some more words")
     max_tokens = tokens_until(engine, ANSWER_OF_TWO, marker)
@@ -273,9 +293,11 @@ def test_a_call_cut_by_the_length_limit_leaks_no_markup_whole_and_streamed(scrip
     assert [(n, json.loads(a)) for n, a in got] == calls
     content, reasoning, finishes, chunks = streamed(client, messages=USER, tools=[WEATHER], temperature=0,
                                                     max_tokens=max_tokens)
-    assert (content, reasoning, finishes) == ("Checking.", "Weather.", [finish])
-    assert streamed_calls(chunks) == got
-
+    assert (content, reasoning) == ("Checking.", "Weather.")
+    if cut is None:
+        assert finishes == [finish] and streamed_calls(chunks) == got
+    else:
+        assert finishes == ["length"] and streamed_calls(chunks) == [*got, ("get_weather", cut)]
 
 def test_a_json_answer_cut_by_the_limit_ends_with_length(scripted):
     engine, runner = scripted

@@ -39,9 +39,10 @@ TYPED = {"type": "object", "properties": {
 FUNCTIONS = {"f": TYPED, "g": {"type": "object", "properties": {"s": {"type": "string"}}}}
 
 
-def read(dialect: ToolDialect, chunks: list[str], functions=FUNCTIONS, cut: bool = False):
+def read(dialect: ToolDialect, chunks: list[str], functions=FUNCTIONS, cut: bool = False, valid: bool = True):
     """(content, [(name, arguments)], the argument deltas of each call, where in `chunks` each
-    call's first argument delta came, cut_call) of an answer fed in `chunks`."""
+    call's first argument delta came, cut_call) of an answer fed in `chunks`; `valid`: each
+    call's arguments are a JSON object's text."""
     p = ToolCallParser(dialect, functions)
     content, calls, deltas, first = "", [], [], {}
     for i, c in enumerate([*chunks, None]):
@@ -53,11 +54,13 @@ def read(dialect: ToolDialect, chunks: list[str], functions=FUNCTIONS, cut: bool
             if d.id is None:
                 first.setdefault(d.index, i)
     heads = [d for d in deltas if d.id is not None]
-    assert [(d.index, d.id, d.name) for d in heads] == [(c.index, c.id, c.name) for c in calls]
+    # the calls' heads, and that of a call the limit cut (no call)
+    assert [(d.index, d.id, d.name) for d in heads][:len(calls)] == [(c.index, c.id, c.name) for c in calls]
+    assert len(heads) == len(calls) + p.cut_call
     pieces = [[d.arguments for d in deltas if d.index == c.index and d.id is None] for c in calls]
     for call, call_pieces in zip(calls, pieces, strict=True):
         assert "".join(call_pieces) == call.arguments and all(call_pieces)
-        assert isinstance(json.loads(call.arguments), dict)
+        assert not valid or isinstance(json.loads(call.arguments), dict)
     return content, [(c.name, c.arguments) for c in calls], pieces, first, p.cut_call
 
 
@@ -132,16 +135,18 @@ def test_any_split_reads_as_the_whole_and_the_deltas_join_to_the_arguments(name,
 @pytest.mark.parametrize("name", DIALECTS)
 @SETTINGS
 @given(data=st.data())
-def test_a_cut_anywhere_leaves_no_markup_and_closes_the_call_it_was_in(name, data):
+def test_a_cut_anywhere_leaves_no_markup_and_gives_no_call_it_cut(name, data):
+    """The calls a cut answer gives are the whole answer's first ones: those closed before the
+    cut, and one whose arguments had ended (its close tag cut off); a call cut inside its
+    arguments is none (`cut_call` where its head was out), nothing closes it."""
     dialect, text, _ = drawn(data, name)
     at = data.draw(st.integers(0, len(text)))
-    content, calls, _, _, cut_call = read(dialect, splits(data.draw, text[:at]), cut=True)
+    content, calls, pieces, _, cut_call = read(dialect, splits(data.draw, text[:at]), cut=True)
     assert dialect.call_open not in content and "<function=" not in content and "<parameter=" not in content
     whole = read(dialect, [text])[1]
     complete = text[:at].count(dialect.call_close)
-    assert calls[:complete] == whole[:complete]  # the calls before the cut, as the whole has them
-    assert len(calls) - complete == int(cut_call) and len(calls) <= len(whole)
-    assert all(n == w for (n, _), (w, _) in zip(calls, whole, strict=False))
+    assert calls == whole[:len(calls)]
+    assert len(calls) - complete in (0, 1) and not (cut_call and len(calls) > complete)
 
 
 @pytest.mark.parametrize("dialect, text", [
@@ -191,10 +196,46 @@ def test_xml_calls_are_read_as_vllm_reads_them(text, content, calls):
     assert read(QWEN3_CODER, list(text))[:2] == got[:2]
 
 
-def test_a_streamed_call_that_breaks_is_closed_with_what_parsed():
-    text = '<tool_call>\n{"name": "g", "arguments": {"s": "ab", "t": nope}}\n</tool_call> after'
-    content, calls, _, _, cut = read(HERMES, list(text))
-    assert calls == [("g", '{"s": "ab"}')] and content == "after" and not cut
+@pytest.mark.parametrize("arguments", ['{"s": "ab", "t": nope}', '{"path": "a.py", "overwrite": False}',
+                                       '{"s": "it\'s \\x41"}', '{"s": "a", }', '{"s": NaN}'])
+def test_a_sure_call_that_breaks_keeps_its_text_as_written_whole_and_streamed(arguments):
+    """The head was out (the name read, the arguments opened): the call stays, its arguments the
+    model's text (no JSON: a client's parse fails, as it should), never cut short into a valid
+    call with less in it; every split agrees."""
+    text = f'<tool_call>\n{{"name": "g", "arguments": {arguments}}}\n</tool_call> after'
+    for chunks in ([text], list(text)):
+        content, calls, _, _, cut = read(HERMES, chunks, valid=False)
+        assert calls == [("g", arguments)] and content == "after" and not cut
+    with pytest.raises(ValueError):
+        json.loads(arguments, parse_constant=lambda c: int(c))  # NaN is no JSON
+
+
+def test_raw_control_characters_in_strings_are_read_and_escaped_whole_and_streamed():
+    """A model's unescaped newline or tab inside a string value (json.loads(strict=False) reads
+    it): the call's arguments are that JSON with the characters escaped, in every split."""
+    text = '<tool_call>\n{"name": "g", "arguments": {"s": "import os\nos.remove(x)\t1"}}\n</tool_call>'
+    for chunks in ([text], list(text)):
+        content, calls, _, _, _ = read(HERMES, chunks)
+        assert content == "" and calls == [("g", '{"s": "import os\\nos.remove(x)\\t1"}')]
+    # a block read whole (keys in another order) reads them the same way
+    other = '<tool_call>\n{"arguments": {"s": "a\nb"}, "name": "g"}\n</tool_call>'
+    assert read(HERMES, [other])[:2] == ("", [("g", '{"s": "a\\nb"}')])
+
+
+@pytest.mark.parametrize("body", ['{"name": "f\\q", "arguments": {"s": 1}}',
+                                  '{"name": "f\\ud800", "arguments": {}}', '{"arguments": {"s": NaN}, "name": "g"}',
+                                  '{"arguments": {"s": "\\ud800"}, "name": 3}'])
+def test_a_block_that_is_no_call_is_content_in_every_split(body):
+    """A name with a bad escape or a lone surrogate, NaN (not JSON), a name not a string: content."""
+    text = f"<tool_call>\n{body}\n</tool_call>"
+    for chunks in ([text], list(text)):
+        assert read(HERMES, chunks)[:2] == (text, [])
+
+
+def test_a_lone_surrogate_read_whole_is_written_back_escaped():
+    text = '<tool_call>\n{"arguments": {"s": "\\ud800 é"}, "name": "g"}\n</tool_call>'
+    (name, arguments), = read(HERMES, [text])[1]
+    assert arguments == '{"s": "\\ud800 \\u00e9"}' and json.loads(arguments) == {"s": "\ud800 é"}
 
 
 # -- which dialect ---------------------------------------------------------------------------------------

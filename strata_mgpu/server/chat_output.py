@@ -43,7 +43,7 @@ class ChatAnswer:
 
     @property
     def cut_call(self) -> bool:
-        """The answer ended inside a call (closed with what parsed)."""
+        """The length limit cut a call whose head was given out (it is not among `calls`)."""
         return self._parser is not None and self._parser.cut_call
 
     def feed(self, text: str) -> ChatDelta:

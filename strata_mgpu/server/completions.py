@@ -209,15 +209,16 @@ class _ChatView:
         return [{"index": 0, "delta": part, "logprobs": logprobs if i == 0 else None, "finish_reason": None}
                 for i, part in enumerate(parts)]
 
-    def finish_reason(self, reason: str | None) -> str | None:
-        """'tool_calls' where the answer made calls and ended (or ran to the limit after them);
-        'length' where the limit cut a call short."""
-        if self.answer.calls and (reason == "stop" or reason == "length" and not self.answer.cut_call):
+    def finish_reason(self, reason: str | None, streamed: bool = False) -> str | None:
+        """'tool_calls' where the answer made whole calls and ended, or ran to the limit (a call it
+        cut is left out); but 'length' in a stream that gave out the head of the call it cut: the
+        client must know its last call is incomplete."""
+        if self.answer.calls and reason in ("stop", "length") and not (streamed and self.answer.cut_call):
             return "tool_calls"
         return reason
 
     def last_choice(self, reason: str | None) -> dict[str, Any]:
-        return {"index": 0, "delta": {}, "logprobs": None, "finish_reason": self.finish_reason(reason)}
+        return {"index": 0, "delta": {}, "logprobs": None, "finish_reason": self.finish_reason(reason, streamed=True)}
 
     def whole_choice(self, reason: str | None) -> dict[str, Any]:
         logprobs = None if self.entries is None else {"content": self.entries, "refusal": None}

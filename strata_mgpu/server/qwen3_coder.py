@@ -20,8 +20,9 @@ as JSON, a value that does not parse stays a string), so `arguments` is a JSON o
 Streamed: once the block starts `<function=NAME>` with NAME an offered function, the call is sure;
 its arguments are given out as they are read: `{`, each string value's characters as they arrive
 (a newline at the value's end held back until it is known not to be the last), each other value
-when it is whole, `}` at the block's end. A block cut short is closed with what it has. A block
-naming a function not offered is read once whole (a call then); any other shape is no call.
+when it is whole, `}` at the block's end. A block the model ends early is read with what it
+has; the length limit cutting one before its `</function>` leaves it no call (`complete`). A
+block naming a function not offered is read once whole (a call then); any other shape is no call.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
+from strata_mgpu.server import model_json
 from strata_mgpu.server.json_schema import json_rule, strict_schema
 
 _HEAD = re.compile(r"\s*<function=([^>\n]*)>")
@@ -78,8 +80,8 @@ def value_json(value: str, schema: Any) -> str:
         text = value.strip()
         for candidate in (text, text.lower()):  # "True" for a boolean
             try:
-                return json.dumps(json.loads(candidate), ensure_ascii=False)
-            except json.JSONDecodeError:
+                return model_json.dumps(model_json.loads(candidate))
+            except ValueError:
                 continue
     return json.dumps(value, ensure_ascii=False)
 
@@ -117,6 +119,10 @@ class Qwen3CoderReader:
     @property
     def arguments(self) -> str:
         return self._out
+
+    @property
+    def complete(self) -> bool:
+        return self._function_done
 
     def feed(self, text: str) -> None:
         self._body += text
