@@ -2,24 +2,30 @@
 what a test needs: a reasoning block, tool calls, a malformed call) behind the real app and
 engine; reasoning split whole and streamed, tool calls whole and streamed, parallel_tool_calls,
 tool_choice none, --reasoning-format none; the strict inputs' 400s and the log line of every
-request."""
+request; a client's schema or a model's text never a 500, and a failed handler leaves no request
+running."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
+import time
 from pathlib import Path
 
+import httpx
 import openai
 import pytest
 
 from strata_mgpu.engine.engine import Engine
 from strata_mgpu.model.tokenizer import ChatTemplate
-from strata_mgpu.server.app import ServerState
+from strata_mgpu.server import completions
+from strata_mgpu.server.app import ServerState, create_app
 from strata_mgpu.server.completions import ChatOptions, prepare_chat
 from strata_mgpu.server.dialects import HERMES
 from strata_mgpu.server.grammars import Grammars
 from strata_mgpu.server.schemas import ChatCompletionRequest
+from strata_mgpu.server.tool_calls import ToolCallParser
 from tests.scripted import client_for, http_client, prompt_text, say, scripted_engine
 
 WEATHER = {"type": "function", "function": {
@@ -396,3 +402,94 @@ def test_a_forced_call_cannot_invent_keys_unless_the_server_reads_schemas_lenien
         r = client_for(engine, lenient_json_schema=lenient).chat.completions.create(**kw)
         (call,) = r.choices[0].message.tool_calls
         assert r.choices[0].finish_reason == "tool_calls" and json.loads(call.function.arguments) == expected
+
+
+# -- no 500 from a model's text or a client's schema; no request left running --------------------------------
+
+def tool(parameters) -> dict:
+    return {"type": "function", "function": {"name": "f", "parameters": parameters}}
+
+
+@pytest.mark.parametrize("parser, body, message", [
+    ("qwen3_coder", {"tools": [tool({"type": "object", "properties": {"x": {"enum": None}}})]},
+     "properties.x.enum: expected a list"),
+    ("qwen3_coder", {"tools": [tool({"type": "object", "properties": ["x"]})]}, "properties: expected an object"),
+    ("qwen3_coder", {"tools": [tool({"type": "object", "properties": {"x": {}}, "required": 5})]},
+     "required: expected a list"),
+    ("qwen3_coder", {"tools": [tool({"type": "object", "properties": {"x": {"type": "string", "maxLength": "3"}}})]},
+     "maxLength: expected a non-negative integer"),
+    ("hermes", {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "object", "x-guidance": "lenient"}}}}, "x-guidance: expected an object"),
+])
+def test_a_schema_the_grammar_cannot_read_is_a_400_naming_it(scripted, parser, body, message):
+    engine, _ = scripted
+    http = http_client(engine, tool_call_parser=parser)
+    if "tools" in body:
+        body = {**body, "tool_choice": "required"}
+    r = http.post("/v1/chat/completions", json={"model": "m", "messages": USER, **body})
+    error = r.json()["error"]
+    assert r.status_code == 400 and error["param"] == ("tools" if "tools" in body else "response_format")
+    assert message in error["message"], error
+
+
+def test_a_model_call_of_a_malformed_schema_or_with_a_bad_name_is_read_without_a_500(scripted):
+    """Under tool_choice auto the malformed schema is only read (the call's value stays text); a
+    name with a bad escape makes its block content, whole and streamed (the stream ends with
+    [DONE])."""
+    engine, runner = scripted
+    say(engine, runner, "<tool_call>\n<function=f>\n<parameter=x>\n1\n</parameter>\n</function>\n</tool_call>")
+    bad = tool({"type": "object", "properties": {"x": {"enum": None}}, "required": 5})
+    r = client_for(engine, tool_call_parser="qwen3_coder").chat.completions.create(
+        model="m", messages=USER, tools=[bad], temperature=0)
+    assert json.loads(r.choices[0].message.tool_calls[0].function.arguments) == {"x": "1"}
+    text = '<tool_call>\n{"name": "get_w\\qeather", "arguments": {"city": "x"}}\n</tool_call>'
+    say(engine, runner, text)
+    client = client_for(engine)
+    r = client.chat.completions.create(model="m", messages=USER, tools=[WEATHER], temperature=0)
+    assert r.choices[0].message.content == text and r.choices[0].message.tool_calls is None
+    content, _, finishes, _ = streamed(client, messages=USER, tools=[WEATHER], temperature=0)
+    assert content == text and finishes == ["stop"]
+
+
+def test_a_failure_reading_the_answer_gives_its_text_as_content_and_is_logged(scripted, monkeypatch, caplog):
+    engine, runner = scripted
+    say(engine, runner, CALLS)
+
+    def broken(self, delta):
+        raise RuntimeError("a reader's bug")
+    monkeypatch.setattr(ToolCallParser, "feed", broken)
+    client = client_for(engine)
+    with caplog.at_level(logging.ERROR, logger="strata.server"):
+        r = client.chat.completions.create(model="m", messages=USER, tools=[WEATHER], temperature=0)
+        content, _, finishes, _ = streamed(client, messages=USER, tools=[WEATHER], temperature=0)
+    assert r.choices[0].finish_reason == "stop" and r.choices[0].message.content == CALLS
+    assert (content, finishes) == (CALLS, ["stop"])
+    assert sum("reading the answer failed" in rec.getMessage() for rec in caplog.records) == 2  # once a request
+
+
+def test_a_whole_response_whose_handler_fails_leaves_no_request_running(scripted, monkeypatch):
+    """The handler fails while the request decodes: the request is aborted at once, not left to
+    run to max_tokens (the event loop stays up, as a server's does, so nothing else ends it)."""
+    engine, runner = scripted
+    say(engine, runner, "word " * 1500)
+
+    def broken(self, out):
+        raise RuntimeError("a handler's bug")
+    monkeypatch.setattr(completions._ChatView, "choices", broken)
+    decode = runner.decode
+
+    def slow(kvs, tokens):  # 1500 tokens take 7.5 s: only an abort ends the request within the deadline
+        time.sleep(0.005)
+        return decode(kvs, tokens)
+    monkeypatch.setattr(runner, "decode", slow)
+
+    async def run() -> tuple[int, int]:
+        app = create_app(ServerState(model_name="m", engine=engine))
+        transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
+        async with httpx.AsyncClient(transport=transport, base_url="http://testserver") as http:
+            r = await http.post("/v1/chat/completions", json={"model": "m", "messages": USER, "max_tokens": 1500})
+            deadline = time.monotonic() + 2
+            while engine.n_running and time.monotonic() < deadline:
+                await asyncio.sleep(0.01)
+            return r.status_code, engine.n_running
+    assert asyncio.run(run()) == (500, 0)

@@ -1,9 +1,10 @@
 """The tool dialects (Hermes/Qwen3's JSON calls, Qwen3-Coder's XML calls) on the host: any split of
 an answer into deltas reads as the whole does; the argument deltas joined are the final arguments
 and parse; calls stream before their close tag; a cut anywhere leaves no markup in the content and
-closes a streamed call with JSON that parses; XML values take their schema's types; the dialect
-chosen from a template; the grammars of calls (token by token, through llguidance) strict unless
-lenient, and what they admit the reader reads into arguments that validate."""
+gives no call it cut; a broken call keeps the model's text; XML values take their schema's types;
+the dialect chosen from a template; the grammars of calls (token by token, through llguidance)
+strict unless lenient, $refs included, and what they admit the reader reads into arguments that
+validate."""
 
 from __future__ import annotations
 
@@ -11,9 +12,11 @@ import json
 from pathlib import Path
 
 import jsonschema
+import openai
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from pydantic import BaseModel, Field
 
 from strata_mgpu.config import EngineConfig
 from strata_mgpu.engine.engine import Engine
@@ -372,3 +375,41 @@ def test_constrained_calls_on_the_random_model_read_into_arguments_that_validate
         content, calls, _, _, _ = read(dialect, [text], functions={"get_weather": weather["parameters"]})
         assert content == "" and len(calls) == 1 and calls[0][0] == "get_weather"
         jsonschema.validate(json.loads(calls[0][1]), strict_schema(weather["parameters"]))
+
+
+class Item(BaseModel):
+    name: str = Field(max_length=6)
+    count: int = Field(ge=0, le=9)
+
+
+class Order(BaseModel):
+    item: Item
+    gift: Item | None
+
+
+@pytest.mark.parametrize("dialect", [HERMES, QWEN3_CODER], ids=lambda d: d.name)
+def test_nested_pydantic_models_refs_and_defs_hold_and_read_in_both_dialects(loaded, dialect):
+    """openai.pydantic_function_tool's schema of a nested model and an Optional one ($defs, a
+    $ref, anyOf [$ref, null]): tool_choice required compiles, and what the random model writes
+    under it reads into a call that validates against the original schema."""
+    f, spec, tok, compiler = loaded
+    function = openai.pydantic_function_tool(Order)["function"]
+    schema = function["parameters"]
+    assert "$defs" in schema and schema["properties"]["item"] == {"$ref": "#/$defs/Item"}
+    grammar = compiler.compile(calls_grammar(loaded, dialect, [function], parallel=False))
+    runner = load_reference_runner(f, spec)
+    requests = [(tok.encode(f"Order {i}:"), SamplingParams(max_tokens=120, temperature=t, seed=i, grammar=grammar))
+                for i, t in enumerate([0.0, 1.0])]
+    outs = engine_runs.run_all(Engine(runner, tok, EngineConfig(prefix_cache=False)), requests, max_steps=2_000)
+    for out in outs:
+        assert out[-1].finish_reason == "stop"
+        text = tok.decode([t for o in out for t in o.token_ids], skip_special=False)
+        content, calls, _, _, _ = read(dialect, [text], functions={"Order": schema})
+        assert content == "" and len(calls) == 1 and calls[0][0] == "Order"
+        jsonschema.validate(json.loads(calls[0][1]), schema)
+    # the XML dialect reads a $ref parameter as the object it points at (not as text)
+    xml = ('<tool_call>\n<function=Order>\n<parameter=item>\n{"name": "a", "count": 1}\n</parameter>\n'
+           '<parameter=gift>\nnull\n</parameter>\n</function>\n</tool_call>')
+    if dialect is QWEN3_CODER:
+        (_, arguments), = read(dialect, [xml], functions={"Order": schema})[1]
+        assert json.loads(arguments) == {"item": {"name": "a", "count": 1}, "gift": None}

@@ -18,6 +18,7 @@ call.
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Mapping
 from typing import Any
@@ -105,13 +106,13 @@ def _whole_call(body: str) -> tuple[str, str] | None:
     return obj["name"], model_json.dumps(arguments)
 
 
-def function_call_schema(function: dict[str, Any]) -> dict[str, Any]:
-    """The JSON of one call of `function` (an OpenAI tool's `function`): its name, then its arguments."""
-    return {"type": "object", "properties": {"name": {"const": function["name"]},
-                                             "arguments": function.get("parameters") or NO_PARAMETERS},
-            "required": ["name", "arguments"], "additionalProperties": False}
-
-
 def function_rules(functions: list[dict[str, Any]], strict: bool) -> list[str]:
-    """The grammar's `function`: one call's JSON, its arguments following the function's schema."""
-    return ["function: " + json_rule({"anyOf": [function_call_schema(f) for f in functions]}, strict=strict)]
+    """The grammar's `function`: one call's JSON, its arguments following the function's schema.
+    Each function's parameters are a `%json` rule of their own, so that a `$ref` to `#/$defs/...`
+    (pydantic's nested models) points into the parameters' own root."""
+    rules = ["function: " + " | ".join(f"fn{i}" for i in range(len(functions)))]
+    for i, function in enumerate(functions):
+        head = '{"name": ' + json.dumps(function["name"], ensure_ascii=False) + ', "arguments": '
+        rules += [f'fn{i}: {json.dumps(head, ensure_ascii=False)} fn{i}_arguments "}}"',
+                  f"fn{i}_arguments: " + json_rule(function.get("parameters") or NO_PARAMETERS, strict=strict)]
+    return rules
