@@ -308,17 +308,49 @@ def test_strict_schemas_refuse_keys_nobody_declared_and_the_lenient_reading_admi
         assert admits(loaded, lark, xml.format('{"lat": 1.5, "lon": 2}')) is not strict
 
 
-def test_strictness_closes_every_listed_object_and_leaves_stated_ones_and_allof():
-    schema = {"type": "object", "properties": {"a": {"type": "array", "items": {"properties": {"x": {}}}}},
-              "$defs": {"d": {"properties": {"y": {}}}}, "anyOf": [{"properties": {"z": {}}}],
-              "allOf": [{"properties": {"w": {}}}]}
-    out = strict_schema(schema)
-    assert out["additionalProperties"] is False and out["properties"]["a"]["items"]["additionalProperties"] is False
-    assert out["$defs"]["d"]["additionalProperties"] is False and out["anyOf"][0]["additionalProperties"] is False
-    assert "additionalProperties" not in out["allOf"][0] and "additionalProperties" not in schema  # input kept
-    kept = {"properties": {"a": {}}, "additionalProperties": {"type": "integer"}}
-    assert strict_schema(kept) == kept
-    assert strict_schema({"properties": {}, "patternProperties": {"^x": {}}}).get("additionalProperties") is None
+STRICTNESS = [  # (schema, instances the strict reading admits, instances it refuses)
+    # every object that lists properties is closed: at the top, in items, in $defs
+    ({"type": "object", "properties": {"a": {"type": "array", "items": {"properties": {"x": {}}}},
+                                       "d": {"$ref": "#/$defs/d"}}, "$defs": {"d": {"properties": {"y": {}}}}},
+     [{"a": [{"x": 1}], "d": {"y": 2}}], [{"z": 1}, {"a": [{"q": 1}]}, {"d": {"q": 1}}]),
+    # anyOf members that only add constraints to the same object are not closed themselves
+    ({"type": "object", "properties": {"a": {"type": "string"}, "b": {"type": "integer"}}, "required": ["a"],
+      "anyOf": [{"properties": {"a": {"const": "x"}}}, {"properties": {"b": {"const": 1}}}]},
+     [{"a": "x", "b": 2}, {"a": "y", "b": 1}], [{"a": "y", "b": 2}, {"a": "x", "c": 1}]),
+    # anyOf members that are objects of their own are
+    ({"anyOf": [{"type": "object", "properties": {"p": {}}}, {"type": "object", "properties": {"q": {}}}]},
+     [{"p": 1}, {"q": 1}], [{"p": 1, "z": 2}]),
+    # allOf: the objects inside a member closed, the member itself not (nor an object whose
+    # members list keys it does not)
+    ({"type": "object", "properties": {"o": {"allOf": [{"type": "object", "properties": {
+        "in": {"type": "object", "properties": {"k": {"type": "integer"}}}}}]}}},
+     [{"o": {"in": {"k": 1}}}], [{"o": {"in": {"k": 1, "zzz": 2}}}, {"p": 1}]),
+    ({"type": "object", "properties": {"a": {}}, "allOf": [{"properties": {"b": {}}}]}, [{"a": 1, "b": 2}], []),
+    # not (and if/then/else, dependentSchemas) left alone: closing its schema would invert it
+    ({"type": "object", "properties": {"a": {}, "b": {}},
+      "not": {"properties": {"a": {"const": 1}}, "required": ["a"]}},
+     [{"a": 2, "b": 1}], [{"a": 1, "b": 1}, {"a": 2, "c": 1}]),
+    # a schema's own word on other keys is kept
+    ({"type": "object", "properties": {"a": {}}, "unevaluatedProperties": {"type": "integer"}},
+     [{"a": 1, "z": 3}], [{"a": 1, "z": "s"}]),
+    ({"properties": {"a": {}}, "additionalProperties": {"type": "integer"}}, [{"a": 1, "z": 3}], [{"z": "s"}]),
+    ({"properties": {}, "patternProperties": {"^x": {}}}, [{"x1": 1}], []),
+]
+
+
+@pytest.mark.parametrize("schema, admitted, refused", STRICTNESS)
+def test_strictness_closes_objects_and_leaves_what_describes_the_same_object_to_it(schema, admitted, refused):
+    """jsonschema the judge: the strict reading admits the instances that follow the schema
+    without undeclared keys, and refuses the rest; the input schema is not changed."""
+    before = json.dumps(schema)
+    strict = strict_schema(schema)
+    assert json.dumps(schema) == before
+    for instance in admitted:
+        jsonschema.validate(instance, schema)
+        jsonschema.validate(instance, strict)
+    for instance in refused:
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(instance, strict)
 
 
 def test_json_whitespace_is_bounded_and_the_object_can_end(loaded):
