@@ -16,6 +16,7 @@ from strata_mgpu.model.vocab import CHAT_TEMPLATE
 from strata_mgpu.server import messages
 from strata_mgpu.server.chat_output import ChatAnswer
 from strata_mgpu.server.dialects import HERMES
+from strata_mgpu.server.errors import APIError
 from strata_mgpu.server.reasoning import ReasoningSplitter, opens_reasoning
 from strata_mgpu.server.schemas import ChatCompletionRequest
 from strata_mgpu.server.tool_calls import ToolCallParser
@@ -115,6 +116,21 @@ def test_a_template_that_reads_only_string_content_gets_the_parts_joined():
     whole = ChatTemplate(CHAT_TEMPLATE)
     assert whole.takes_text_parts  # ours reads the parts itself: they reach it whole
     assert "user\nxy<|im_end|>" in whole.render(parts)
+
+
+def test_an_assistant_refusal_part_is_text_and_empty_arguments_are_no_arguments():
+    """An assistant message's `refusal` content parts (OpenAI's, sent back in a history) are its
+    text; a call's arguments "" (some clients' "no arguments") read as {}; a refusal part on a
+    user message is still a 400 naming it."""
+    refused = {"role": "assistant", "content": [{"type": "refusal", "refusal": "I can't."},
+                                                {"type": "text", "text": " Sorry."}]}
+    call = {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "now", "arguments": ""}}]}
+    out = template_messages({"messages": [{"role": "user", "content": "hi"}, refused, call,
+                                          {"role": "tool", "tool_call_id": "c1", "content": "12:00"}]})
+    assert out[1]["content"] == "I can't. Sorry." and out[2]["tool_calls"][0]["function"]["arguments"] == {}
+    with pytest.raises(APIError, match=r"messages\[0\]\.content\[0\]\.type"):
+        template_messages({"messages": [{"role": "user", "content": [{"type": "refusal", "refusal": "x"}]}]})
 
 
 # -- the tool-call parser ----------------------------------------------------------------------------
