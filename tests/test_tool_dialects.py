@@ -386,6 +386,23 @@ def test_the_xml_grammar_holds_calls_to_the_offered_functions_and_their_paramete
     assert not admits(loaded, calls_grammar(loaded, QWEN3_CODER, [WEATHER], parallel=False), two)
 
 
+def test_the_xml_grammar_holds_text_values_to_their_listed_strings_through_refs_and_optionals(loaded):
+    """A string parameter's const, its enum under anyOf beside null (Optional[Literal[...]]) or
+    behind a $ref: only those strings are admitted."""
+    parameters = {"type": "object", "properties": {
+        "mode": {"anyOf": [{"enum": ["fast", "slow"], "type": "string"}, {"type": "null"}]},
+        "kind": {"const": "k"}, "color": {"$ref": "#/$defs/Color"}},
+        "$defs": {"Color": {"enum": ["red", "blue"], "type": "string"}}}
+    lark = calls_grammar(loaded, QWEN3_CODER, [{"name": "paint", "parameters": parameters}])
+
+    def call(mode: str, kind: str, color: str) -> str:
+        return (f"<tool_call>\n<function=paint>\n<parameter=mode>\n{mode}\n</parameter>\n<parameter=kind>\n{kind}"
+                f"\n</parameter>\n<parameter=color>\n{color}\n</parameter>\n</function>\n</tool_call>")
+    assert admits(loaded, lark, call("slow", "k", "blue"))
+    for bad in (call("medium", "k", "blue"), call("slow", "other", "blue"), call("slow", "k", "green")):
+        assert not admits(loaded, lark, bad), bad
+
+
 @pytest.mark.parametrize("dialect", [HERMES, QWEN3_CODER], ids=lambda d: d.name)
 def test_constrained_calls_on_the_random_model_read_into_arguments_that_validate(loaded, dialect):
     """What the grammar lets the random model write, the dialect's reader reads into calls whose

@@ -51,7 +51,7 @@ class ChatAnswer:
         return self._record(reasoning, content, final=False, cut=False)
 
     def finish(self, cut: bool = False) -> ChatDelta:
-        """The answer has ended (`cut`: at the length limit, so a call it was in is no content)."""
+        """The answer has ended (`cut`: at the length limit, so a call it was in is no call, nor content)."""
         reasoning, content = self._splitter.finish() if self._splitter else ("", "")
         return self._record(reasoning, content, final=True, cut=cut)
 

@@ -243,10 +243,10 @@ def _value_rules(rule: str, schema: Any, root: dict[str, Any], strict: bool) -> 
     if not is_text(schema, root):
         body = with_definitions(schema if isinstance(schema, dict) else {}, root)
         return [f"{rule}: {rule}_json \"\\n</parameter>\"", f"{rule}_json: {json_rule(body, strict=strict)}"]
+    choices = _text_choices(schema, root)
+    if choices:
+        return [f"{rule}: ({' | '.join(_literal(v) for v in choices)}) \"\\n</parameter>\""]
     schema = resolved(schema, root)
-    enum = schema.get("enum") if isinstance(schema, dict) else None
-    if isinstance(enum, list) and enum and all(isinstance(v, str) for v in enum):
-        return [f"{rule}: ({' | '.join(_literal(v) for v in enum)}) \"\\n</parameter>\""]
     low = schema.get("minLength", 0) if isinstance(schema, dict) else 0
     high = schema.get("maxLength") if isinstance(schema, dict) else None
     if low > 0 or high is not None:
@@ -254,6 +254,32 @@ def _value_rules(rule: str, schema: Any, root: dict[str, Any], strict: bool) -> 
         bound = f"{{{low},{high if high is not None else ''}}}"
         return [f'{rule}[lazy]: {token} "\\n</parameter>"', f"{token}: /(?s:.{bound})/ & NO_TAG"]
     return [f'{rule}[lazy]: NO_TAG "\\n</parameter>"']
+
+
+def _text_choices(schema: Any, root: Any, depth: int = 0) -> list[str] | None:
+    """The strings a text parameter may be where its schema lists them (`enum`, `const`, also in
+    each anyOf / oneOf member but a null one: Optional[Literal[...]]); None where it does not."""
+    schema = resolved(schema, root)
+    if not isinstance(schema, dict) or depth > REF_LIMIT:
+        return None
+    if "const" in schema:
+        return [schema["const"]] if isinstance(schema["const"], str) else None
+    enum = schema.get("enum")
+    if isinstance(enum, list) and enum:
+        return enum if all(isinstance(v, str) for v in enum) else None
+    for key in ("anyOf", "oneOf"):
+        members = schema.get(key)
+        if isinstance(members, list) and members:
+            choices: list[str] = []
+            for member in members:
+                if declared_types(member, root) == {"null"}:
+                    continue  # the reader gives text: a null is not written here
+                more = _text_choices(member, root, depth + 1)
+                if more is None:
+                    return None
+                choices += more
+            return choices or None
+    return None
 
 
 def _checked(function: dict[str, Any]) -> dict[str, Any]:
