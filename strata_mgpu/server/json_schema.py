@@ -78,7 +78,8 @@ def _members_add_keys(schema: dict[str, Any]) -> bool:
     (the schema closed would refuse it: the members decide then)."""
     own = schema["properties"]
     for key in (*_ALTERNATIVES, *_CONJUNCTS):
-        for member in schema.get(key) if isinstance(schema.get(key), list) else []:
+        members = schema.get(key)
+        for member in members if isinstance(members, list) else []:
             listed = member.get("properties") if isinstance(member, dict) else None
             if isinstance(listed, dict) and any(k not in own for k in listed):
                 return True
