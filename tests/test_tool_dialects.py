@@ -152,6 +152,27 @@ def test_a_cut_anywhere_leaves_no_markup_and_gives_no_call_it_cut(name, data):
     assert len(calls) - complete in (0, 1) and not (cut_call and len(calls) > complete)
 
 
+CORRUPTIONS = ["False", "\n", "\x01", "\\q", "NaN", "}", '"', "<tool_call>", "</tool_call>", "<parameter=s>"]
+
+
+@pytest.mark.parametrize("name", DIALECTS)
+@SETTINGS
+@given(data=st.data())
+def test_a_corrupted_answer_reads_the_same_in_every_split_and_never_raises(name, data):
+    """Model text gone wrong anywhere (Python literals, raw control characters, bad escapes, NaN,
+    stray brackets and tags): whole, split, and cut at any point, the same calls and content, and
+    each call's deltas join to its arguments."""
+    dialect, text, _ = drawn(data, name)
+    for _ in range(data.draw(st.integers(1, 3))):
+        at = data.draw(st.integers(0, len(text)))
+        text = text[:at] + data.draw(st.sampled_from(CORRUPTIONS)) + text[at:]
+    whole = read(dialect, [text], valid=False)
+    assert read(dialect, splits(data.draw, text), valid=False)[:2] == whole[:2]
+    at = data.draw(st.integers(0, len(text)))
+    assert read(dialect, splits(data.draw, text[:at]), cut=True, valid=False)[:2] == \
+        read(dialect, [text[:at]], cut=True, valid=False)[:2]
+
+
 @pytest.mark.parametrize("dialect, text", [
     (HERMES, '<tool_call>\n{"name": "g", "arguments": {"s": "a long value,\\nwritten token by token"}}\n</tool_call>'),
     (QWEN3_CODER, "<tool_call>\n<function=g>\n<parameter=s>\na long value,\nwritten token by token\n</parameter>\n"
