@@ -16,6 +16,7 @@ from strata_mgpu.model.vocab import CHAT_TEMPLATE
 from strata_mgpu.server import messages
 from strata_mgpu.server.chat_output import ChatAnswer
 from strata_mgpu.server.dialects import HERMES
+from strata_mgpu.server.errors import APIError
 from strata_mgpu.server.reasoning import ReasoningSplitter, opens_reasoning
 from strata_mgpu.server.schemas import ChatCompletionRequest
 from strata_mgpu.server.tool_calls import ToolCallParser
@@ -117,6 +118,21 @@ def test_a_template_that_reads_only_string_content_gets_the_parts_joined():
     assert "user\nxy<|im_end|>" in whole.render(parts)
 
 
+def test_an_assistant_refusal_part_is_text_and_empty_arguments_are_no_arguments():
+    """An assistant message's `refusal` content parts (OpenAI's, sent back in a history) are its
+    text; a call's arguments "" (some clients' "no arguments") read as {}; a refusal part on a
+    user message is still a 400 naming it."""
+    refused = {"role": "assistant", "content": [{"type": "refusal", "refusal": "I can't."},
+                                                {"type": "text", "text": " Sorry."}]}
+    call = {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "now", "arguments": ""}}]}
+    out = template_messages({"messages": [{"role": "user", "content": "hi"}, refused, call,
+                                          {"role": "tool", "tool_call_id": "c1", "content": "12:00"}]})
+    assert out[1]["content"] == "I can't. Sorry." and out[2]["tool_calls"][0]["function"]["arguments"] == {}
+    with pytest.raises(APIError, match=r"messages\[0\]\.content\[0\]\.type"):
+        template_messages({"messages": [{"role": "user", "content": [{"type": "refusal", "refusal": "x"}]}]})
+
+
 # -- the tool-call parser ----------------------------------------------------------------------------
 
 ANSWER = ('Let me look that up.\n\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Zürich", "when": '
@@ -138,20 +154,22 @@ def parse(chunks: list[str], max_calls: int | None = None, cut: bool = False
     assert [c.index for c in calls] == list(range(len(calls)))
     assert all(c.id.startswith("call_") for c in calls) and len({c.id for c in calls}) == len(calls)
     heads = [d for d in deltas if d.id is not None]
-    assert [(d.index, d.id, d.name) for d in heads] == [(c.index, c.id, c.name) for c in calls]
+    # the calls' heads, and that of a call the limit cut (no call)
+    assert [(d.index, d.id, d.name) for d in heads][:len(calls)] == [(c.index, c.id, c.name) for c in calls]
+    assert len(heads) == len(calls) + p.cut_call
     pieces = [[d.arguments for d in deltas if d.index == c.index and d.id is None] for c in calls]
     assert all("".join(p) == c.arguments and all(p) for p, c in zip(pieces, calls, strict=True))
-    assert all(isinstance(json.loads(c.arguments), dict) for c in calls)
     return content, [(c.name, c.arguments) for c in calls], pieces
 
 
 def test_calls_are_parsed_out_and_the_rest_is_content():
     content, calls, _ = parse([ANSWER])
     # the string inside the first call's arguments that looks like a closing tag ends its block
-    # early: the call was sure (its name read), so it is closed with what parsed, and the text
-    # after that tag is content; the JSON-string call parses whole; the malformed blocks are content
+    # early: the call was sure (its name read), so it keeps its text as written, unterminated (no
+    # JSON: nothing invents its end), and the text after that tag is content; the JSON-string
+    # call parses whole; the malformed blocks are content
     assert calls == [("get_weather", '{"city": "Zürich", "when": {"days": [1, 2, {"deep": "x}y"}]}, '
-                                     '"note": "a \\"quoted\\" "}'), ("lookup", '{"q": "日本語 ✓"}')]
+                                     '"note": "a \\"quoted\\" '), ("lookup", '{"q": "日本語 ✓"}')]
     assert content == ('Let me look that up.\n\ninside"}}\n</tool_call>\nThen <tool_call>{not json}</tool_call> and '
                        '<tool_call>{"name": 3}</tool_call> done.')
 
@@ -186,16 +204,18 @@ def test_every_split_of_the_stream_parses_as_the_whole(text):
             assert len(call_pieces) > len(arguments) // 3
 
 
-def test_an_unterminated_call_is_closed_with_what_parsed_or_is_content():
-    """A call whose name was read was streamed already: the answer's end closes it with what parsed.
-    A block that had not got so far is content where the model ended it, nothing where the length
-    limit cut it (no markup leaks into content)."""
+def test_an_unterminated_call_keeps_its_text_or_is_cut_out_or_is_content():
+    """A call whose name was read was streamed already: where the model ends the answer inside its
+    arguments, they are its text as written (no JSON, nothing invented); where the length limit
+    cuts them, it is no call. A block that had not got so far is content where the model ended
+    it, nothing where the limit cut it (no markup leaks into content)."""
     text = 'Sure.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Pa'
-    for cut in (False, True):
-        assert parse([text], cut=cut)[:2] == ("Sure.", [("get_weather", '{"city": "Pa"}')])
+    assert parse([text])[:2] == ("Sure.", [("get_weather", '{"city": "Pa')])
+    assert parse([text], cut=True)[:2] == ("Sure.", [])
     early = 'Sure.\n<tool_call>\n{"name": "get_wea'
     assert parse([early])[:2] == (early, [])
     assert parse([early], cut=True)[:2] == ("Sure.", [])
+    assert parse(["Sure. <tool_ca"], cut=True)[:2] == ("Sure.", [])  # a tag's start held back: dropped
 
 
 def test_a_plain_answer_is_kept_exactly():

@@ -2,24 +2,30 @@
 what a test needs: a reasoning block, tool calls, a malformed call) behind the real app and
 engine; reasoning split whole and streamed, tool calls whole and streamed, parallel_tool_calls,
 tool_choice none, --reasoning-format none; the strict inputs' 400s and the log line of every
-request."""
+request; a client's schema or a model's text never a 500, and a failed handler leaves no request
+running."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
+import time
 from pathlib import Path
 
+import httpx
 import openai
 import pytest
 
 from strata_mgpu.engine.engine import Engine
 from strata_mgpu.model.tokenizer import ChatTemplate
-from strata_mgpu.server.app import ServerState
+from strata_mgpu.server import completions
+from strata_mgpu.server.app import ServerState, create_app
 from strata_mgpu.server.completions import ChatOptions, prepare_chat
 from strata_mgpu.server.dialects import HERMES
 from strata_mgpu.server.grammars import Grammars
 from strata_mgpu.server.schemas import ChatCompletionRequest
+from strata_mgpu.server.tool_calls import ToolCallParser
 from tests.scripted import client_for, http_client, prompt_text, say, scripted_engine
 
 WEATHER = {"type": "function", "function": {
@@ -123,6 +129,22 @@ def test_a_malformed_or_unterminated_call_is_content(scripted):
         assert r.choices[0].finish_reason == "stop"
         content, _, finishes, _ = streamed(client, messages=USER, tools=[WEATHER], temperature=0)
         assert content == text and finishes == ["stop"]
+
+
+def test_a_broken_call_keeps_its_text_and_whole_and_streamed_agree(scripted):
+    """A call whose head was read but whose JSON then broke (Python's False) is that call with
+    its arguments as the model wrote them (no JSON: the client's parse fails), never a valid call
+    with keys dropped; a raw newline inside a string is read and escaped. Whole and streamed agree."""
+    engine, runner = scripted
+    client = client_for(engine)
+    for arguments, expected in (('{"city": "Paris", "exact": False}', '{"city": "Paris", "exact": False}'),
+                                ('{"city": "Paris\nFrance"}', '{"city": "Paris\\nFrance"}')):
+        say(engine, runner, f'<tool_call>\n{{"name": "get_weather", "arguments": {arguments}}}\n</tool_call>')
+        r = client.chat.completions.create(model="m", messages=USER, tools=[WEATHER], temperature=0)
+        (call,) = r.choices[0].message.tool_calls
+        assert r.choices[0].finish_reason == "tool_calls" and call.function.arguments == expected
+        _, _, finishes, chunks = streamed(client, messages=USER, tools=[WEATHER], temperature=0)
+        assert finishes == ["tool_calls"] and streamed_calls(chunks) == [("get_weather", expected)]
 
 
 def test_tool_choice_none_offers_no_tools_and_cannot_call(scripted):
@@ -251,16 +273,20 @@ def tokens_until(engine: Engine, text: str, marker: str) -> int:
 ANSWER_OF_TWO = '<think>\nWeather.\n</think>\n\nChecking.\n' + CALLS.removeprefix("Checking.\n")
 
 
-@pytest.mark.parametrize("marker, finish, calls", [
-    ('{"na', "length", []),  # cut before the call's name: the block is dropped
-    ('"Paris", "wh', "length", [("get_weather", {"city": "Paris"})]),  # in the arguments: closed with what parsed
-    ('"Köln"', "length", [("get_weather", {"city": "Paris", "when": ["today"]}), ("get_weather", {"city": "Köln"})]),
+@pytest.mark.parametrize("marker, finish, calls, cut", [
+    ('{"na', "length", [], None),  # cut before the call's name: the block is dropped
+    # in the first call's arguments: whole, no call is left (length); streamed, its head and
+    # arguments so far, unterminated, and length
+    ('"Paris", "wh', "length", [], '{"city": "Paris"'),
+    # in the second's: whole, the first call (tool_calls); streamed, length (the last call is cut)
+    ('"Köln"', "tool_calls", [("get_weather", {"city": "Paris", "when": ["today"]})], '{"city": "Köln"'),
     ('"Köln"}}\n</tool_call>', "tool_calls", [("get_weather", {"city": "Paris", "when": ["today"]}),
-                                               ("get_weather", {"city": "Köln"})]),
+                                               ("get_weather", {"city": "Köln"})], None),
 ])
-def test_a_call_cut_by_the_length_limit_leaks_no_markup_whole_and_streamed(scripted, marker, finish, calls):
-    """At the limit: the reasoning kept, no call markup in the content, a call cut short closed
-    with what parsed and `length`; calls complete before the limit: `tool_calls`."""
+def test_a_call_cut_by_the_length_limit_leaks_no_markup_whole_and_streamed(scripted, marker, finish, calls, cut):
+    """At the limit: the reasoning kept, no call markup in the content, a call cut in its
+    arguments left out of a whole response (`tool_calls` where a whole call remains, else
+    `length`); a stream that gave out its head sends nothing to close it and ends with `length`."""
     engine, runner = scripted
     say(engine, runner, ANSWER_OF_TWO + "\nand then some more words")
     max_tokens = tokens_until(engine, ANSWER_OF_TWO, marker)
@@ -273,9 +299,11 @@ def test_a_call_cut_by_the_length_limit_leaks_no_markup_whole_and_streamed(scrip
     assert [(n, json.loads(a)) for n, a in got] == calls
     content, reasoning, finishes, chunks = streamed(client, messages=USER, tools=[WEATHER], temperature=0,
                                                     max_tokens=max_tokens)
-    assert (content, reasoning, finishes) == ("Checking.", "Weather.", [finish])
-    assert streamed_calls(chunks) == got
-
+    assert (content, reasoning) == ("Checking.", "Weather.")
+    if cut is None:
+        assert finishes == [finish] and streamed_calls(chunks) == got
+    else:
+        assert finishes == ["length"] and streamed_calls(chunks) == [*got, ("get_weather", cut)]
 
 def test_a_json_answer_cut_by_the_limit_ends_with_length(scripted):
     engine, runner = scripted
@@ -374,3 +402,94 @@ def test_a_forced_call_cannot_invent_keys_unless_the_server_reads_schemas_lenien
         r = client_for(engine, lenient_json_schema=lenient).chat.completions.create(**kw)
         (call,) = r.choices[0].message.tool_calls
         assert r.choices[0].finish_reason == "tool_calls" and json.loads(call.function.arguments) == expected
+
+
+# -- no 500 from a model's text or a client's schema; no request left running --------------------------------
+
+def tool(parameters) -> dict:
+    return {"type": "function", "function": {"name": "f", "parameters": parameters}}
+
+
+@pytest.mark.parametrize("parser, body, message", [
+    ("qwen3_coder", {"tools": [tool({"type": "object", "properties": {"x": {"enum": None}}})]},
+     "properties.x.enum: expected a list"),
+    ("qwen3_coder", {"tools": [tool({"type": "object", "properties": ["x"]})]}, "properties: expected an object"),
+    ("qwen3_coder", {"tools": [tool({"type": "object", "properties": {"x": {}}, "required": 5})]},
+     "required: expected a list"),
+    ("qwen3_coder", {"tools": [tool({"type": "object", "properties": {"x": {"type": "string", "maxLength": "3"}}})]},
+     "maxLength: expected a non-negative integer"),
+    ("hermes", {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "object", "x-guidance": "lenient"}}}}, "x-guidance: expected an object"),
+])
+def test_a_schema_the_grammar_cannot_read_is_a_400_naming_it(scripted, parser, body, message):
+    engine, _ = scripted
+    http = http_client(engine, tool_call_parser=parser)
+    if "tools" in body:
+        body = {**body, "tool_choice": "required"}
+    r = http.post("/v1/chat/completions", json={"model": "m", "messages": USER, **body})
+    error = r.json()["error"]
+    assert r.status_code == 400 and error["param"] == ("tools" if "tools" in body else "response_format")
+    assert message in error["message"], error
+
+
+def test_a_model_call_of_a_malformed_schema_or_with_a_bad_name_is_read_without_a_500(scripted):
+    """Under tool_choice auto the malformed schema is only read (the call's value stays text); a
+    name with a bad escape makes its block content, whole and streamed (the stream ends with
+    [DONE])."""
+    engine, runner = scripted
+    say(engine, runner, "<tool_call>\n<function=f>\n<parameter=x>\n1\n</parameter>\n</function>\n</tool_call>")
+    bad = tool({"type": "object", "properties": {"x": {"enum": None}}, "required": 5})
+    r = client_for(engine, tool_call_parser="qwen3_coder").chat.completions.create(
+        model="m", messages=USER, tools=[bad], temperature=0)
+    assert json.loads(r.choices[0].message.tool_calls[0].function.arguments) == {"x": "1"}
+    text = '<tool_call>\n{"name": "get_w\\qeather", "arguments": {"city": "x"}}\n</tool_call>'
+    say(engine, runner, text)
+    client = client_for(engine)
+    r = client.chat.completions.create(model="m", messages=USER, tools=[WEATHER], temperature=0)
+    assert r.choices[0].message.content == text and r.choices[0].message.tool_calls is None
+    content, _, finishes, _ = streamed(client, messages=USER, tools=[WEATHER], temperature=0)
+    assert content == text and finishes == ["stop"]
+
+
+def test_a_failure_reading_the_answer_gives_its_text_as_content_and_is_logged(scripted, monkeypatch, caplog):
+    engine, runner = scripted
+    say(engine, runner, CALLS)
+
+    def broken(self, delta):
+        raise RuntimeError("a reader's bug")
+    monkeypatch.setattr(ToolCallParser, "feed", broken)
+    client = client_for(engine)
+    with caplog.at_level(logging.ERROR, logger="strata.server"):
+        r = client.chat.completions.create(model="m", messages=USER, tools=[WEATHER], temperature=0)
+        content, _, finishes, _ = streamed(client, messages=USER, tools=[WEATHER], temperature=0)
+    assert r.choices[0].finish_reason == "stop" and r.choices[0].message.content == CALLS
+    assert (content, finishes) == (CALLS, ["stop"])
+    assert sum("reading the answer failed" in rec.getMessage() for rec in caplog.records) == 2  # once a request
+
+
+def test_a_whole_response_whose_handler_fails_leaves_no_request_running(scripted, monkeypatch):
+    """The handler fails while the request decodes: the request is aborted at once, not left to
+    run to max_tokens (the event loop stays up, as a server's does, so nothing else ends it)."""
+    engine, runner = scripted
+    say(engine, runner, "word " * 1500)
+
+    def broken(self, out):
+        raise RuntimeError("a handler's bug")
+    monkeypatch.setattr(completions._ChatView, "choices", broken)
+    decode = runner.decode
+
+    def slow(kvs, tokens):  # 1500 tokens take 7.5 s: only an abort ends the request within the deadline
+        time.sleep(0.005)
+        return decode(kvs, tokens)
+    monkeypatch.setattr(runner, "decode", slow)
+
+    async def run() -> tuple[int, int]:
+        app = create_app(ServerState(model_name="m", engine=engine))
+        transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
+        async with httpx.AsyncClient(transport=transport, base_url="http://testserver") as http:
+            r = await http.post("/v1/chat/completions", json={"model": "m", "messages": USER, "max_tokens": 1500})
+            deadline = time.monotonic() + 2
+            while engine.n_running and time.monotonic() < deadline:
+                await asyncio.sleep(0.01)
+            return r.status_code, engine.n_running
+    assert asyncio.run(run()) == (500, 0)

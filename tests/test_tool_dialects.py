@@ -1,9 +1,10 @@
 """The tool dialects (Hermes/Qwen3's JSON calls, Qwen3-Coder's XML calls) on the host: any split of
 an answer into deltas reads as the whole does; the argument deltas joined are the final arguments
 and parse; calls stream before their close tag; a cut anywhere leaves no markup in the content and
-closes a streamed call with JSON that parses; XML values take their schema's types; the dialect
-chosen from a template; the grammars of calls (token by token, through llguidance) strict unless
-lenient, and what they admit the reader reads into arguments that validate."""
+gives no call it cut; a broken call keeps the model's text; XML values take their schema's types;
+the dialect chosen from a template; the grammars of calls (token by token, through llguidance)
+strict unless lenient, $refs included, and what they admit the reader reads into arguments that
+validate."""
 
 from __future__ import annotations
 
@@ -11,9 +12,11 @@ import json
 from pathlib import Path
 
 import jsonschema
+import openai
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from pydantic import BaseModel, Field
 
 from strata_mgpu.config import EngineConfig
 from strata_mgpu.engine.engine import Engine
@@ -39,9 +42,10 @@ TYPED = {"type": "object", "properties": {
 FUNCTIONS = {"f": TYPED, "g": {"type": "object", "properties": {"s": {"type": "string"}}}}
 
 
-def read(dialect: ToolDialect, chunks: list[str], functions=FUNCTIONS, cut: bool = False):
+def read(dialect: ToolDialect, chunks: list[str], functions=FUNCTIONS, cut: bool = False, valid: bool = True):
     """(content, [(name, arguments)], the argument deltas of each call, where in `chunks` each
-    call's first argument delta came, cut_call) of an answer fed in `chunks`."""
+    call's first argument delta came, cut_call) of an answer fed in `chunks`; `valid`: each
+    call's arguments are a JSON object's text."""
     p = ToolCallParser(dialect, functions)
     content, calls, deltas, first = "", [], [], {}
     for i, c in enumerate([*chunks, None]):
@@ -53,11 +57,13 @@ def read(dialect: ToolDialect, chunks: list[str], functions=FUNCTIONS, cut: bool
             if d.id is None:
                 first.setdefault(d.index, i)
     heads = [d for d in deltas if d.id is not None]
-    assert [(d.index, d.id, d.name) for d in heads] == [(c.index, c.id, c.name) for c in calls]
+    # the calls' heads, and that of a call the limit cut (no call)
+    assert [(d.index, d.id, d.name) for d in heads][:len(calls)] == [(c.index, c.id, c.name) for c in calls]
+    assert len(heads) == len(calls) + p.cut_call
     pieces = [[d.arguments for d in deltas if d.index == c.index and d.id is None] for c in calls]
     for call, call_pieces in zip(calls, pieces, strict=True):
         assert "".join(call_pieces) == call.arguments and all(call_pieces)
-        assert isinstance(json.loads(call.arguments), dict)
+        assert not valid or isinstance(json.loads(call.arguments), dict)
     return content, [(c.name, c.arguments) for c in calls], pieces, first, p.cut_call
 
 
@@ -132,16 +138,39 @@ def test_any_split_reads_as_the_whole_and_the_deltas_join_to_the_arguments(name,
 @pytest.mark.parametrize("name", DIALECTS)
 @SETTINGS
 @given(data=st.data())
-def test_a_cut_anywhere_leaves_no_markup_and_closes_the_call_it_was_in(name, data):
+def test_a_cut_anywhere_leaves_no_markup_and_gives_no_call_it_cut(name, data):
+    """The calls a cut answer gives are the whole answer's first ones: those closed before the
+    cut, and one whose arguments had ended (its close tag cut off); a call cut inside its
+    arguments is none (`cut_call` where its head was out), nothing closes it."""
     dialect, text, _ = drawn(data, name)
     at = data.draw(st.integers(0, len(text)))
-    content, calls, _, _, cut_call = read(dialect, splits(data.draw, text[:at]), cut=True)
+    content, calls, pieces, _, cut_call = read(dialect, splits(data.draw, text[:at]), cut=True)
     assert dialect.call_open not in content and "<function=" not in content and "<parameter=" not in content
     whole = read(dialect, [text])[1]
     complete = text[:at].count(dialect.call_close)
-    assert calls[:complete] == whole[:complete]  # the calls before the cut, as the whole has them
-    assert len(calls) - complete == int(cut_call) and len(calls) <= len(whole)
-    assert all(n == w for (n, _), (w, _) in zip(calls, whole, strict=False))
+    assert calls == whole[:len(calls)]
+    assert len(calls) - complete in (0, 1) and not (cut_call and len(calls) > complete)
+
+
+CORRUPTIONS = ["False", "\n", "\x01", "\\q", "NaN", "}", '"', "<tool_call>", "</tool_call>", "<parameter=s>"]
+
+
+@pytest.mark.parametrize("name", DIALECTS)
+@SETTINGS
+@given(data=st.data())
+def test_a_corrupted_answer_reads_the_same_in_every_split_and_never_raises(name, data):
+    """Model text gone wrong anywhere (Python literals, raw control characters, bad escapes, NaN,
+    stray brackets and tags): whole, split, and cut at any point, the same calls and content, and
+    each call's deltas join to its arguments."""
+    dialect, text, _ = drawn(data, name)
+    for _ in range(data.draw(st.integers(1, 3))):
+        at = data.draw(st.integers(0, len(text)))
+        text = text[:at] + data.draw(st.sampled_from(CORRUPTIONS)) + text[at:]
+    whole = read(dialect, [text], valid=False)
+    assert read(dialect, splits(data.draw, text), valid=False)[:2] == whole[:2]
+    at = data.draw(st.integers(0, len(text)))
+    assert read(dialect, splits(data.draw, text[:at]), cut=True, valid=False)[:2] == \
+        read(dialect, [text[:at]], cut=True, valid=False)[:2]
 
 
 @pytest.mark.parametrize("dialect, text", [
@@ -166,9 +195,15 @@ def test_arguments_stream_as_they_are_generated_not_when_the_call_closes(dialect
     ("[1, 2]", {"type": "array"}, [1, 2]), ("null", {"type": ["integer", "null"]}, None),
     ("twelve", {"type": "integer"}, "twelve"), ("{'a': 1}", {"type": "object"}, "{'a': 1}"),
     ("2", {"enum": [1, 2]}, 2), ("x", {"anyOf": [{"type": "string"}, {"type": "integer"}]}, "x"),
+    # not JSON: NaN stays text; a lone surrogate is written escaped (the response must encode)
+    ("NaN", {"type": "number"}, "NaN"), ("-Infinity", {"type": "number"}, "-Infinity"),
+    ('{"a": "\\ud800"}', {"type": "object"}, {"a": "\ud800"}),
+    # a schema that says nothing readable is text
+    ("1", {"enum": None}, "1"), ("1", {"enum": "ab", "anyOf": 3}, "1"),
 ])
 def test_xml_values_take_the_type_their_schema_declares(value, schema, expected):
     assert json.loads(value_json(value, schema)) == expected
+    assert value_json(value, schema).encode()
 
 
 @pytest.mark.parametrize("text, content, calls", [
@@ -191,10 +226,46 @@ def test_xml_calls_are_read_as_vllm_reads_them(text, content, calls):
     assert read(QWEN3_CODER, list(text))[:2] == got[:2]
 
 
-def test_a_streamed_call_that_breaks_is_closed_with_what_parsed():
-    text = '<tool_call>\n{"name": "g", "arguments": {"s": "ab", "t": nope}}\n</tool_call> after'
-    content, calls, _, _, cut = read(HERMES, list(text))
-    assert calls == [("g", '{"s": "ab"}')] and content == "after" and not cut
+@pytest.mark.parametrize("arguments", ['{"s": "ab", "t": nope}', '{"path": "a.py", "overwrite": False}',
+                                       '{"s": "it\'s \\x41"}', '{"s": "a", }', '{"s": NaN}'])
+def test_a_sure_call_that_breaks_keeps_its_text_as_written_whole_and_streamed(arguments):
+    """The head was out (the name read, the arguments opened): the call stays, its arguments the
+    model's text (no JSON: a client's parse fails, as it should), never cut short into a valid
+    call with less in it; every split agrees."""
+    text = f'<tool_call>\n{{"name": "g", "arguments": {arguments}}}\n</tool_call> after'
+    for chunks in ([text], list(text)):
+        content, calls, _, _, cut = read(HERMES, chunks, valid=False)
+        assert calls == [("g", arguments)] and content == "after" and not cut
+    with pytest.raises(ValueError):
+        json.loads(arguments, parse_constant=lambda c: int(c))  # NaN is no JSON
+
+
+def test_raw_control_characters_in_strings_are_read_and_escaped_whole_and_streamed():
+    """A model's unescaped newline or tab inside a string value (json.loads(strict=False) reads
+    it): the call's arguments are that JSON with the characters escaped, in every split."""
+    text = '<tool_call>\n{"name": "g", "arguments": {"s": "import os\nos.remove(x)\t1"}}\n</tool_call>'
+    for chunks in ([text], list(text)):
+        content, calls, _, _, _ = read(HERMES, chunks)
+        assert content == "" and calls == [("g", '{"s": "import os\\nos.remove(x)\\t1"}')]
+    # a block read whole (keys in another order) reads them the same way
+    other = '<tool_call>\n{"arguments": {"s": "a\nb"}, "name": "g"}\n</tool_call>'
+    assert read(HERMES, [other])[:2] == ("", [("g", '{"s": "a\\nb"}')])
+
+
+@pytest.mark.parametrize("body", ['{"name": "f\\q", "arguments": {"s": 1}}',
+                                  '{"name": "f\\ud800", "arguments": {}}', '{"arguments": {"s": NaN}, "name": "g"}',
+                                  '{"arguments": {"s": "\\ud800"}, "name": 3}'])
+def test_a_block_that_is_no_call_is_content_in_every_split(body):
+    """A name with a bad escape or a lone surrogate, NaN (not JSON), a name not a string: content."""
+    text = f"<tool_call>\n{body}\n</tool_call>"
+    for chunks in ([text], list(text)):
+        assert read(HERMES, chunks)[:2] == (text, [])
+
+
+def test_a_lone_surrogate_read_whole_is_written_back_escaped():
+    text = '<tool_call>\n{"arguments": {"s": "\\ud800 é"}, "name": "g"}\n</tool_call>'
+    (name, arguments), = read(HERMES, [text])[1]
+    assert arguments == '{"s": "\\ud800 \\u00e9"}' and json.loads(arguments) == {"s": "\ud800 é"}
 
 
 # -- which dialect ---------------------------------------------------------------------------------------
@@ -264,17 +335,49 @@ def test_strict_schemas_refuse_keys_nobody_declared_and_the_lenient_reading_admi
         assert admits(loaded, lark, xml.format('{"lat": 1.5, "lon": 2}')) is not strict
 
 
-def test_strictness_closes_every_listed_object_and_leaves_stated_ones_and_allof():
-    schema = {"type": "object", "properties": {"a": {"type": "array", "items": {"properties": {"x": {}}}}},
-              "$defs": {"d": {"properties": {"y": {}}}}, "anyOf": [{"properties": {"z": {}}}],
-              "allOf": [{"properties": {"w": {}}}]}
-    out = strict_schema(schema)
-    assert out["additionalProperties"] is False and out["properties"]["a"]["items"]["additionalProperties"] is False
-    assert out["$defs"]["d"]["additionalProperties"] is False and out["anyOf"][0]["additionalProperties"] is False
-    assert "additionalProperties" not in out["allOf"][0] and "additionalProperties" not in schema  # input kept
-    kept = {"properties": {"a": {}}, "additionalProperties": {"type": "integer"}}
-    assert strict_schema(kept) == kept
-    assert strict_schema({"properties": {}, "patternProperties": {"^x": {}}}).get("additionalProperties") is None
+STRICTNESS = [  # (schema, instances the strict reading admits, instances it refuses)
+    # every object that lists properties is closed: at the top, in items, in $defs
+    ({"type": "object", "properties": {"a": {"type": "array", "items": {"properties": {"x": {}}}},
+                                       "d": {"$ref": "#/$defs/d"}}, "$defs": {"d": {"properties": {"y": {}}}}},
+     [{"a": [{"x": 1}], "d": {"y": 2}}], [{"z": 1}, {"a": [{"q": 1}]}, {"d": {"q": 1}}]),
+    # anyOf members that only add constraints to the same object are not closed themselves
+    ({"type": "object", "properties": {"a": {"type": "string"}, "b": {"type": "integer"}}, "required": ["a"],
+      "anyOf": [{"properties": {"a": {"const": "x"}}}, {"properties": {"b": {"const": 1}}}]},
+     [{"a": "x", "b": 2}, {"a": "y", "b": 1}], [{"a": "y", "b": 2}, {"a": "x", "c": 1}]),
+    # anyOf members that are objects of their own are
+    ({"anyOf": [{"type": "object", "properties": {"p": {}}}, {"type": "object", "properties": {"q": {}}}]},
+     [{"p": 1}, {"q": 1}], [{"p": 1, "z": 2}]),
+    # allOf: the objects inside a member closed, the member itself not (nor an object whose
+    # members list keys it does not)
+    ({"type": "object", "properties": {"o": {"allOf": [{"type": "object", "properties": {
+        "in": {"type": "object", "properties": {"k": {"type": "integer"}}}}}]}}},
+     [{"o": {"in": {"k": 1}}}], [{"o": {"in": {"k": 1, "zzz": 2}}}, {"p": 1}]),
+    ({"type": "object", "properties": {"a": {}}, "allOf": [{"properties": {"b": {}}}]}, [{"a": 1, "b": 2}], []),
+    # not (and if/then/else, dependentSchemas) left alone: closing its schema would invert it
+    ({"type": "object", "properties": {"a": {}, "b": {}},
+      "not": {"properties": {"a": {"const": 1}}, "required": ["a"]}},
+     [{"a": 2, "b": 1}], [{"a": 1, "b": 1}, {"a": 2, "c": 1}]),
+    # a schema's own word on other keys is kept
+    ({"type": "object", "properties": {"a": {}}, "unevaluatedProperties": {"type": "integer"}},
+     [{"a": 1, "z": 3}], [{"a": 1, "z": "s"}]),
+    ({"properties": {"a": {}}, "additionalProperties": {"type": "integer"}}, [{"a": 1, "z": 3}], [{"z": "s"}]),
+    ({"properties": {}, "patternProperties": {"^x": {}}}, [{"x1": 1}], []),
+]
+
+
+@pytest.mark.parametrize("schema, admitted, refused", STRICTNESS)
+def test_strictness_closes_objects_and_leaves_what_describes_the_same_object_to_it(schema, admitted, refused):
+    """jsonschema the judge: the strict reading admits the instances that follow the schema
+    without undeclared keys, and refuses the rest; the input schema is not changed."""
+    before = json.dumps(schema)
+    strict = strict_schema(schema)
+    assert json.dumps(schema) == before
+    for instance in admitted:
+        jsonschema.validate(instance, schema)
+        jsonschema.validate(instance, strict)
+    for instance in refused:
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(instance, strict)
 
 
 def test_json_whitespace_is_bounded_and_the_object_can_end(loaded):
@@ -310,6 +413,23 @@ def test_the_xml_grammar_holds_calls_to_the_offered_functions_and_their_paramete
     assert not admits(loaded, calls_grammar(loaded, QWEN3_CODER, [WEATHER], parallel=False), two)
 
 
+def test_the_xml_grammar_holds_text_values_to_their_listed_strings_through_refs_and_optionals(loaded):
+    """A string parameter's const, its enum under anyOf beside null (Optional[Literal[...]]) or
+    behind a $ref: only those strings are admitted."""
+    parameters = {"type": "object", "properties": {
+        "mode": {"anyOf": [{"enum": ["fast", "slow"], "type": "string"}, {"type": "null"}]},
+        "kind": {"const": "k"}, "color": {"$ref": "#/$defs/Color"}},
+        "$defs": {"Color": {"enum": ["red", "blue"], "type": "string"}}}
+    lark = calls_grammar(loaded, QWEN3_CODER, [{"name": "paint", "parameters": parameters}])
+
+    def call(mode: str, kind: str, color: str) -> str:
+        return (f"<tool_call>\n<function=paint>\n<parameter=mode>\n{mode}\n</parameter>\n<parameter=kind>\n{kind}"
+                f"\n</parameter>\n<parameter=color>\n{color}\n</parameter>\n</function>\n</tool_call>")
+    assert admits(loaded, lark, call("slow", "k", "blue"))
+    for bad in (call("medium", "k", "blue"), call("slow", "other", "blue"), call("slow", "k", "green")):
+        assert not admits(loaded, lark, bad), bad
+
+
 @pytest.mark.parametrize("dialect", [HERMES, QWEN3_CODER], ids=lambda d: d.name)
 def test_constrained_calls_on_the_random_model_read_into_arguments_that_validate(loaded, dialect):
     """What the grammar lets the random model write, the dialect's reader reads into calls whose
@@ -331,3 +451,41 @@ def test_constrained_calls_on_the_random_model_read_into_arguments_that_validate
         content, calls, _, _, _ = read(dialect, [text], functions={"get_weather": weather["parameters"]})
         assert content == "" and len(calls) == 1 and calls[0][0] == "get_weather"
         jsonschema.validate(json.loads(calls[0][1]), strict_schema(weather["parameters"]))
+
+
+class Item(BaseModel):
+    name: str = Field(max_length=6)
+    count: int = Field(ge=0, le=9)
+
+
+class Order(BaseModel):
+    item: Item
+    gift: Item | None
+
+
+@pytest.mark.parametrize("dialect", [HERMES, QWEN3_CODER], ids=lambda d: d.name)
+def test_nested_pydantic_models_refs_and_defs_hold_and_read_in_both_dialects(loaded, dialect):
+    """openai.pydantic_function_tool's schema of a nested model and an Optional one ($defs, a
+    $ref, anyOf [$ref, null]): tool_choice required compiles, and what the random model writes
+    under it reads into a call that validates against the original schema."""
+    f, spec, tok, compiler = loaded
+    function = openai.pydantic_function_tool(Order)["function"]
+    schema = function["parameters"]
+    assert "$defs" in schema and schema["properties"]["item"] == {"$ref": "#/$defs/Item"}
+    grammar = compiler.compile(calls_grammar(loaded, dialect, [function], parallel=False))
+    runner = load_reference_runner(f, spec)
+    requests = [(tok.encode(f"Order {i}:"), SamplingParams(max_tokens=120, temperature=t, seed=i, grammar=grammar))
+                for i, t in enumerate([0.0, 1.0])]
+    outs = engine_runs.run_all(Engine(runner, tok, EngineConfig(prefix_cache=False)), requests, max_steps=2_000)
+    for out in outs:
+        assert out[-1].finish_reason == "stop"
+        text = tok.decode([t for o in out for t in o.token_ids], skip_special=False)
+        content, calls, _, _, _ = read(dialect, [text], functions={"Order": schema})
+        assert content == "" and len(calls) == 1 and calls[0][0] == "Order"
+        jsonschema.validate(json.loads(calls[0][1]), schema)
+    # the XML dialect reads a $ref parameter as the object it points at (not as text)
+    xml = ('<tool_call>\n<function=Order>\n<parameter=item>\n{"name": "a", "count": 1}\n</parameter>\n'
+           '<parameter=gift>\nnull\n</parameter>\n</function>\n</tool_call>')
+    if dialect is QWEN3_CODER:
+        (_, arguments), = read(dialect, [xml], functions={"Order": schema})[1]
+        assert json.loads(arguments) == {"item": {"name": "a", "count": 1}, "gift": None}

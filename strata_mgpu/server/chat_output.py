@@ -43,6 +43,7 @@ class ChatAnswer:
 
     @property
     def cut_call(self) -> bool:
+        """The length limit cut a call whose head was given out (it is not among `calls`)."""
         return self._parser is not None and self._parser.cut_call
 
     def feed(self, text: str) -> ChatDelta:
@@ -50,7 +51,7 @@ class ChatAnswer:
         return self._record(reasoning, content, final=False, cut=False)
 
     def finish(self, cut: bool = False) -> ChatDelta:
-        """The answer has ended (`cut`: at the length limit, so a call it was in is no content)."""
+        """The answer has ended (`cut`: at the length limit, so a call it was in is no call, nor content)."""
         reasoning, content = self._splitter.finish() if self._splitter else ("", "")
         return self._record(reasoning, content, final=True, cut=cut)
 

@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -27,6 +29,8 @@ from strata_mgpu.server.logprobs import LegacyLogprobs, chat_entries
 from strata_mgpu.server.messages import template_messages, template_tools
 from strata_mgpu.server.reasoning import opens_reasoning
 from strata_mgpu.server.schemas import ChatCompletionRequest, CompletionRequest, NamedToolChoice, _Generation
+
+log = logging.getLogger("strata.server")
 
 DISCONNECT_POLL_S = 0.25
 REASONING_FORMATS = ("deepseek", "none")  # llama-server's --reasoning-format names
@@ -92,14 +96,15 @@ def prepare_chat(engine: Engine, grammars: Grammars, body: ChatCompletionRequest
     answer_schema = body.response_format.schema_of_answer if body.response_format else None
     if functions is not None and body.tool_choice not in (None, "auto"):
         answer_schema = None  # a call is required: the answer is calls
-    lark = chat_grammar(tok, dialect, functions=functions, parallel=body.parallel_tool_calls,
-                        answer_schema=answer_schema, thinking=thinking, strict=options.strict_json)
+    param = "tools" if functions else "response_format"
+    with _schema_errors(param):
+        lark = chat_grammar(tok, dialect, functions=functions, parallel=body.parallel_tool_calls,
+                            answer_schema=answer_schema, thinking=thinking, strict=options.strict_json)
     banned: tuple[int, ...] = ()
     if body.tool_choice == "none" and body.tools and dialect.call_open in tok.tokens:
         banned = (tok.tokens.index(dialect.call_open),)  # OpenAI's none: the model must not call
     offered = {t.function.name: t.function.parameters or {} for t in body.offered_tools}
-    return Prepared(prompt=tok.encode(text), grammar=_compiled(engine, grammars, lark, "tools" if functions else
-                                                                "response_format"),
+    return Prepared(prompt=tok.encode(text), grammar=_compiled(engine, grammars, lark, param),
                     banned=banned, split_reasoning=split, opened_reasoning=split and opened,
                     parse_tools=bool(body.offered_tools), functions=offered,
                     max_calls=None if body.parallel_tool_calls else 1, dialect=dialect)
@@ -127,6 +132,19 @@ def _called_functions(body: ChatCompletionRequest) -> list[dict[str, Any]] | Non
     return None
 
 
+@contextmanager
+def _schema_errors(param: str) -> Iterator[None]:
+    """A client's schema that breaks the building of its grammar is a 400 naming it: the schemas
+    are arbitrary JSON, so whatever fails in reading them (ValueError where the reading checks,
+    anything else where it did not foresee the shape) is the request's fault."""
+    try:
+        yield
+    except ValueError as e:
+        raise APIError(400, f"{param}: {e}", param=param) from None
+    except Exception as e:
+        raise APIError(400, f"{param}: the schema cannot be read ({type(e).__name__}: {e})", param=param) from None
+
+
 def _compiled(engine: Engine, grammars: Grammars, lark: str | None, param: str) -> Grammar | None:
     if lark is None:
         return None
@@ -151,8 +169,9 @@ def prepare_text(engine: Engine, grammars: Grammars, body: CompletionRequest, st
             raise APIError(400, f"prompt token ids must be in 0..{vocab - 1}", param="prompt")
         prompt = list(body.prompt)
     schema = body.response_format.schema_of_answer if body.response_format else None
-    return Prepared(prompt=prompt, grammar=_compiled(engine, grammars, text_grammar(schema, strict=strict_json),
-                                                     "response_format"))
+    with _schema_errors("response_format"):
+        lark = text_grammar(schema, strict=strict_json)
+    return Prepared(prompt=prompt, grammar=_compiled(engine, grammars, lark, "response_format"))
 
 
 # -- how each endpoint words its answer ----------------------------------------------------------------
@@ -173,18 +192,32 @@ class _ChatView:
                                  opened=prepared.opened_reasoning, parse_tools=prepared.parse_tools,
                                  functions=prepared.functions, max_calls=prepared.max_calls)
         self.entries: list[dict[str, Any]] | None = [] if logprobs else None
+        self.failed = False  # reading the answer failed: the rest is content
 
     @property
     def done(self) -> bool:
-        return self.answer.done
+        return not self.failed and self.answer.done
 
     def first_choices(self) -> list[dict[str, Any]]:
         return [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]
 
+    def _read(self, out: RequestOutput) -> ChatDelta:
+        """The answer's new pieces; where reading fails (a bug the model's text found), that text
+        and all that follows as content, the failure logged: never a 500 nor a stream cut off."""
+        if not self.failed:
+            try:
+                delta = self.answer.feed(out.text)
+                if out.finished:
+                    delta = _merged(delta, self.answer.finish(cut=out.finish_reason == "length"))
+                return delta
+            except Exception:
+                log.exception("reading the answer failed; the rest of it is given as content")
+                self.failed = True
+        self.answer.content.append(out.text)
+        return ChatDelta(content=out.text)
+
     def choices(self, out: RequestOutput) -> list[dict[str, Any]]:
-        delta = self.answer.feed(out.text)
-        if out.finished:
-            delta = _merged(delta, self.answer.finish(cut=out.finish_reason == "length"))
+        delta = self._read(out)
         parts: list[dict[str, Any]] = []
         if delta.reasoning:
             parts.append({"reasoning_content": delta.reasoning})
@@ -200,14 +233,16 @@ class _ChatView:
         return [{"index": 0, "delta": part, "logprobs": logprobs if i == 0 else None, "finish_reason": None}
                 for i, part in enumerate(parts)]
 
-    def finish_reason(self, reason: str | None) -> str | None:
-        """'tool_calls' where the answer made calls and ended; 'length' where the limit cut a call short."""
-        if self.answer.calls and (reason == "stop" or reason == "length" and not self.answer.cut_call):
+    def finish_reason(self, reason: str | None, streamed: bool = False) -> str | None:
+        """'tool_calls' where the answer made whole calls and ended, or ran to the limit (a call it
+        cut is left out); but 'length' in a stream that gave out the head of the call it cut: the
+        client must know its last call is incomplete."""
+        if self.answer.calls and reason in ("stop", "length") and not (streamed and self.answer.cut_call):
             return "tool_calls"
         return reason
 
     def last_choice(self, reason: str | None) -> dict[str, Any]:
-        return {"index": 0, "delta": {}, "logprobs": None, "finish_reason": self.finish_reason(reason)}
+        return {"index": 0, "delta": {}, "logprobs": None, "finish_reason": self.finish_reason(reason, streamed=True)}
 
     def whole_choice(self, reason: str | None) -> dict[str, Any]:
         logprobs = None if self.entries is None else {"content": self.entries, "refusal": None}
@@ -316,20 +351,24 @@ def _ended(engine: Engine, rid: str, view: _View, out: RequestOutput) -> str | N
 
 async def _whole(request: Request, engine: Engine, rid: str, created: int, model: str, view: _View,
                  outputs: asyncio.Queue[RequestOutput]) -> JSONResponse:
+    ended = False
     try:
         while True:
             out = await _next(request, engine, rid, outputs)
             if out is None:
+                ended = True  # _next aborted it
                 return JSONResponse(error_body(499, "client disconnected"), status_code=499)  # nginx's code
+            ended = out.finished
             if out.finish_reason == "error":
                 raise APIError(out.error_status, f"generation failed: {out.error}")
             view.choices(out)
             reason = _ended(engine, rid, view, out)
             if reason is not None:
+                ended = True
                 break
-    except asyncio.CancelledError:
-        engine.abort(rid)
-        raise
+    finally:
+        if not ended:  # cancelled, or the handler failed: free the request now, as a stream does
+            engine.abort(rid)
     return JSONResponse({
         "id": rid, "object": view.object, "created": created, "model": model,
         "choices": [view.whole_choice(reason)],

@@ -29,9 +29,16 @@ class CallReader(Protocol):
         """The arguments' text that may be sent so far: it only grows, and the final arguments
         (`end`'s) start with it. Empty while `name` is None."""
 
+    @property
+    def complete(self) -> bool:
+        """The call's arguments have ended (a cut at the length limit after this loses nothing)."""
+
     def end(self, closed: bool) -> tuple[str, str] | None:
-        """The block is over (`closed`: its close tag came; else the answer ended inside it): (name,
-        arguments as a JSON object's text), or None where it is no call (only while `name` is None)."""
+        """The block is over (`closed`: its close tag came; else the model ended the answer inside
+        it): (name, arguments), or None where it is no call (only while `name` is None). The
+        arguments are a JSON object's text, but for a sure call whose text broke or stopped before
+        its arguments closed: then the text as the model wrote it, no JSON (never closed by
+        invention)."""
 
 
 class ToolDialect(Protocol):

@@ -1,14 +1,18 @@
-"""A JSON object (or array) read as it arrives: how much of it is well formed, and how to close it.
+"""A JSON object (or array) read as it arrives: how much of it is well formed so far.
 
-`safe` is the length of the longest prefix read so far that `closing` (a closing quote, then the
-open containers' brackets) turns into valid JSON: right after a `{` or `[`, after a whole member
-or item, or inside a string value (not inside a key, an escape, a number or a literal). `end` is
-the text's length once the outermost container has closed; `broken` says a character broke it.
-A call that breaks or is cut short ends with `text[:safe] + closing`, which parses.
+`JsonPrefix.feed` takes the text piece by piece. `safe` is the length of the longest prefix read
+so far that ends at a point where JSON may be cut and closed: right after a `{` or `[`, after a
+whole member or item, or inside a string value (not inside a key, an escape, a number or a
+literal); a streamed tool call gives out its arguments up to there, never closing them itself.
+`end` is the text's length once the outermost container has closed; `broken` says a character
+broke it (nothing after it is read). A raw control character inside a string does not break it
+(`json.loads(strict=False)` reads it too): `text` is what was read with each such character
+escaped, so that it parses, and `safe_text` is `safe` measured in `text`.
 """
 
 from __future__ import annotations
 
+import json
 import re
 
 _NUMBER = re.compile(r"-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?")
@@ -26,29 +30,42 @@ class JsonPrefix:
     def __init__(self) -> None:
         self.n = 0  # characters read
         self.safe = 0
-        self.closing = ""  # what closes text[:safe]
+        self.text = ""  # what was read, raw control characters inside strings escaped
+        self.safe_text = 0
         self.end: int | None = None
         self.broken = False
         self._stack: list[str] = []  # the open containers: "{" or "["
         self._mode = _START
         self._string: bool | None = None  # inside a string: True for a key, False for a value
+        self._raw: str | None = None  # the escape of the control character just read inside a string
         self._escape = 0  # inside an escape: characters still to come (-1 right after "\", 1..4 in "\u....")
         self._token = ""  # a number or literal being read
+        self._piece: list[str] = []  # what this feed adds to text
+        self._n_text = 0  # text's length, with the piece
 
     @property
     def done(self) -> bool:
         return self.end is not None or self.broken
 
     def feed(self, text: str) -> None:
+        self._piece = []
         for c in text:
             if self.done:
-                return
+                break
             self._read(c)
             if self.broken:
-                return
+                break
             self.n += 1
+            if self._raw is None:
+                self._piece.append(c)
+                self._n_text += 1
+            else:
+                self._piece.append(self._raw)
+                self._n_text += len(self._raw)
+                self._raw = None
             if self.end is None:
                 self._note_safe()
+        self.text += "".join(self._piece)
 
     def _read(self, c: str) -> None:
         if self._string is not None:
@@ -120,7 +137,7 @@ class JsonPrefix:
             self._mode = _COLON if self._string else _AFTER
             self._string = None
         elif ord(c) < 0x20:
-            self.broken = True
+            self._raw = json.dumps(c)[1:-1]
 
     def _open(self, c: str) -> None:
         self._stack.append(c)
@@ -138,8 +155,5 @@ class JsonPrefix:
     def _note_safe(self) -> None:
         if self._token or self._escape:
             return
-        closers = "".join(_CLOSER[s] for s in reversed(self._stack))
-        if self._string is False:
-            self.safe, self.closing = self.n, '"' + closers
-        elif self._string is None and self._mode in (_AFTER, _VALUE_OR_END, _KEY_OR_END):
-            self.safe, self.closing = self.n, closers
+        if self._string is False or self._string is None and self._mode in (_AFTER, _VALUE_OR_END, _KEY_OR_END):
+            self.safe, self.safe_text = self.n, self._n_text

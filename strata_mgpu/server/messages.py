@@ -5,8 +5,9 @@ format: Qwen3's does `'</think>' in message.content` (a null content is a TypeEr
 of parts is dropped), Qwen3-Coder's iterates `tool_call.arguments|items` (a JSON string is a
 TypeError there). So before any template, each message becomes:
 
-- `content` a string: null -> "", a list of text parts -> their texts joined; any other part (an
-  image, audio, a file) is a 400 naming it (`messages[2].content[1].type`);
+- `content` a string: null -> "", a list of text parts -> their texts joined (an assistant's
+  `refusal` parts among them, as text); any other part (an image, audio, a file) is a 400 naming
+  it (`messages[2].content[1].type`);
 - `developer` -> `system` (the templates know no developer role);
 - a call's `arguments` a mapping, so a call is shown to the model in the form it writes calls;
 - reasoning under any of its names also under the names templates read (`reasoning_content`,
@@ -63,14 +64,15 @@ def _template_message(i: int, m: ChatMessage) -> dict[str, Any]:
     message = m.model_dump(exclude_unset=True)  # unknown fields too: a template may read them
     if message["role"] == "developer":
         message["role"] = "system"
-    message["content"] = _text(i, m.content)
+    message["content"] = _text(i, m.content, refusals=m.role == "assistant")
     reasoning = next((message[k] for k in REASONING_FIELDS if message.get(k) is not None), None)
     if reasoning is not None:
         message = {"thinking": reasoning, **message, "reasoning_content": reasoning}
     return message
 
 
-def _text(i: int, content: str | list[Any] | None) -> str:
+def _text(i: int, content: str | list[Any] | None, refusals: bool = False) -> str:
+    """The content as one string; `refusals`: an assistant's `refusal` parts are text too."""
     if content is None:
         return ""
     if isinstance(content, str):
@@ -84,11 +86,11 @@ def _text(i: int, content: str | list[Any] | None) -> str:
         if kind in NON_TEXT_PARTS:
             raise APIError(400, f"{where}.type: this model takes text only (the part is {kind!r})",
                            param=f"{where}.type")
-        if kind != "text":
+        if kind != "text" and not (kind == "refusal" and refusals):
             raise APIError(400, f"{where}.type: {kind!r} is no content part type known here (send 'text' parts)",
                            param=f"{where}.type")
-        text = part.get("text")
+        text = part.get(kind)
         if not isinstance(text, str):
-            raise APIError(400, f"{where}.text: a text part needs its 'text', a string", param=f"{where}.text")
+            raise APIError(400, f"{where}.{kind}: a {kind} part needs its {kind!r}, a string", param=f"{where}.{kind}")
         texts.append(text)
     return "".join(texts)

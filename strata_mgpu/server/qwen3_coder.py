@@ -13,9 +13,11 @@ read as vLLM's `qwen3_coder` parser reads it: a value runs to `</parameter>` (or
 parameter's schema declares (a value that does not parse stays a string).
 
 Streamed: once the block starts `<function=NAME>` with NAME an offered function, the call is sure;
-its arguments are given out as they are read (a newline at a string value's end held back until
-it is known not to be the last). A block cut short is closed with what it has. A block naming a
-function not offered is read once whole; any other shape is no call.
+its arguments are given out as they are read: `{`, each string value's characters as they arrive
+(a newline at the value's end held back until it is known not to be the last), each other value
+when it is whole, `}` at the block's end. A block the model ends early is read with what it
+has; the length limit cutting one before its `</function>` leaves it no call (`complete`). A
+block naming a function not offered is read once whole (a call then); any other shape is no call.
 """
 
 from __future__ import annotations
@@ -25,7 +27,8 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from strata_mgpu.server.json_schema import json_rule, strict_schema
+from strata_mgpu.server import model_json
+from strata_mgpu.server.json_schema import REF_LIMIT, json_rule, resolved, strict_schema, with_definitions
 
 _HEAD = re.compile(r"\s*<function=([^>\n]*)>")
 _OPEN_FUNCTION, _OPEN_PARAMETER = "<function=", "<parameter="
@@ -34,19 +37,23 @@ _VALUE_ENDS = (_CLOSE_PARAMETER, _OPEN_PARAMETER, _CLOSE_FUNCTION)
 NAME_LIMIT = 256  # a function's or parameter's name is read within this many characters
 
 
-def declared_types(schema: Any) -> set[str]:
-    """The JSON types a parameter's schema declares (`type`, enum and const values, anyOf / oneOf
-    members); empty where it declares none."""
-    if not isinstance(schema, dict):
+def declared_types(schema: Any, root: Any = None, depth: int = 0) -> set[str]:
+    """The JSON types a parameter's schema declares (`type`, enum and const values, anyOf /
+    oneOf members, a `$ref` into `root`, the function's parameters, followed); empty where it
+    declares none (or says nothing readable)."""
+    schema = resolved(schema, root)
+    if not isinstance(schema, dict) or depth > REF_LIMIT:  # a schema that refers to itself: what was read
         return set()
     kind = schema.get("type")
     types = {kind} if isinstance(kind, str) else {t for t in kind if isinstance(t, str)} if isinstance(kind, list) \
         else set()
-    values = schema.get("enum", []) + ([schema["const"]] if "const" in schema else [])
+    enum = schema.get("enum")
+    values = (enum if isinstance(enum, list) else []) + ([schema["const"]] if "const" in schema else [])
     types |= {_json_type(v) for v in values}
     for key in ("anyOf", "oneOf"):
-        for member in schema.get(key, []) if isinstance(schema.get(key), list) else []:
-            types |= declared_types(member)
+        members = schema.get(key)
+        for member in members if isinstance(members, list) else []:
+            types |= declared_types(member, root, depth + 1)
     return types
 
 
@@ -60,19 +67,20 @@ def _json_type(value: Any) -> str:
     return "null" if value is None else "array" if isinstance(value, list) else "object"
 
 
-def is_text(schema: Any) -> bool:
+def is_text(schema: Any, root: Any = None) -> bool:
     """Whether a parameter's value is given as a JSON string (it declares string, or nothing)."""
-    types = declared_types(schema)
+    types = declared_types(schema, root)
     return not types or "string" in types
 
 
-def value_json(value: str, schema: Any) -> str:
-    if not is_text(schema):
+def value_json(value: str, schema: Any, root: Any = None) -> str:
+    """A parameter's text as JSON of the type its schema declares (a string where it does not parse)."""
+    if not is_text(schema, root):
         text = value.strip()
         for candidate in (text, text.lower()):  # "True" for a boolean
             try:
-                return json.dumps(json.loads(candidate), ensure_ascii=False)
-            except json.JSONDecodeError:
+                return model_json.dumps(model_json.loads(candidate))
+            except ValueError:
                 continue
     return json.dumps(value, ensure_ascii=False)
 
@@ -96,6 +104,7 @@ class Qwen3CoderReader:
         self._decided = False
         self._name: str | None = None
         self._properties: dict[str, Any] = {}
+        self._root: Any = None  # the function's parameters schema, where its $refs point
         self._pos = 0  # the body is read up to here
         self._out = ""  # the arguments given out
         self._members = 0
@@ -110,6 +119,10 @@ class Qwen3CoderReader:
     @property
     def arguments(self) -> str:
         return self._out
+
+    @property
+    def complete(self) -> bool:
+        return self._function_done
 
     def feed(self, text: str) -> None:
         self._body += text
@@ -128,6 +141,7 @@ class Qwen3CoderReader:
                 schema = (self._functions or {}).get(name) or {}
                 properties = schema.get("properties") if isinstance(schema, dict) else None
                 self._properties = properties if isinstance(properties, dict) else {}
+                self._root = schema
             return
         head = self._body.lstrip()
         viable = _OPEN_FUNCTION.startswith(head) if len(head) < len(_OPEN_FUNCTION) else \
@@ -164,7 +178,7 @@ class Qwen3CoderReader:
 
     def _start_value(self, param: str) -> None:
         self._param, self._sent = param, 0
-        if is_text(self._properties.get(param)):
+        if is_text(self._properties.get(param), self._root):
             self._out += self._separator() + json.dumps(param, ensure_ascii=False) + ': "'
 
     def _separator(self) -> str:
@@ -174,7 +188,7 @@ class Qwen3CoderReader:
     def _read_value(self, rest: str, final: bool) -> bool:
         assert self._param is not None
         ends = [(i, tag) for tag in _VALUE_ENDS if (i := rest.find(tag)) >= 0]
-        text = is_text(self._properties.get(self._param))
+        text = is_text(self._properties.get(self._param), self._root)
         if ends or final:
             i, tag = min(ends) if ends else (len(rest) - _partial_tail(rest, _VALUE_ENDS), "")
             value = rest[:i]
@@ -184,7 +198,7 @@ class Qwen3CoderReader:
                 self._out += json.dumps(value[self._sent:], ensure_ascii=False)[1:]
             else:
                 self._out += self._separator() + json.dumps(self._param, ensure_ascii=False) + ": " + \
-                    value_json(value, self._properties.get(self._param))
+                    value_json(value, self._properties.get(self._param), self._root)
             self._pos += i + (len(tag) if tag == _CLOSE_PARAMETER else 0)
             self._param = None
             return True
@@ -218,24 +232,80 @@ def _literal(text: str) -> str:
     return json.dumps(text, ensure_ascii=False)
 
 
-def _value_rules(rule: str, schema: Any, strict: bool) -> list[str]:
-    if not is_text(schema):
-        body = schema if isinstance(schema, dict) else {}
+def _value_rules(rule: str, schema: Any, root: dict[str, Any], strict: bool) -> list[str]:
+    """Rules for `rule`: a parameter's value then "\\n</parameter>" (`root`: the parameters)."""
+    if not is_text(schema, root):
+        body = with_definitions(schema if isinstance(schema, dict) else {}, root)
         return [f"{rule}: {rule}_json \"\\n</parameter>\"", f"{rule}_json: {json_rule(body, strict=strict)}"]
-    enum = schema.get("enum") if isinstance(schema, dict) else None
-    if isinstance(enum, list) and enum and all(isinstance(v, str) for v in enum):
-        return [f"{rule}: ({' | '.join(_literal(v) for v in enum)}) \"\\n</parameter>\""]
+    choices = _text_choices(schema, root)
+    if choices:
+        return [f"{rule}: ({' | '.join(_literal(v) for v in choices)}) \"\\n</parameter>\""]
+    schema = resolved(schema, root)
     low = schema.get("minLength", 0) if isinstance(schema, dict) else 0
     high = schema.get("maxLength") if isinstance(schema, dict) else None
-    if isinstance(low, int) and low > 0 or isinstance(high, int):
+    if low > 0 or high is not None:
         token = f"{rule.upper()}_TEXT"
-        bound = f"{{{int(low)},{int(high) if isinstance(high, int) else ''}}}"
+        bound = f"{{{low},{high if high is not None else ''}}}"
         return [f'{rule}[lazy]: {token} "\\n</parameter>"', f"{token}: /(?s:.{bound})/ & NO_TAG"]
     return [f'{rule}[lazy]: NO_TAG "\\n</parameter>"']
 
 
-def _function_rules(i: int, function: dict[str, Any], strict: bool) -> list[str]:
+def _text_choices(schema: Any, root: Any, depth: int = 0) -> list[str] | None:
+    """The strings a text parameter may be where its schema lists them (`enum`, `const`, also in
+    each anyOf / oneOf member but a null one: Optional[Literal[...]]); None where it does not."""
+    schema = resolved(schema, root)
+    if not isinstance(schema, dict) or depth > REF_LIMIT:
+        return None
+    if "const" in schema:
+        return [schema["const"]] if isinstance(schema["const"], str) else None
+    enum = schema.get("enum")
+    if isinstance(enum, list) and enum:
+        return enum if all(isinstance(v, str) for v in enum) else None
+    for key in ("anyOf", "oneOf"):
+        members = schema.get(key)
+        if isinstance(members, list) and members:
+            choices: list[str] = []
+            for member in members:
+                if declared_types(member, root) == {"null"}:
+                    continue  # the reader gives text: a null is not written here
+                more = _text_choices(member, root, depth + 1)
+                if more is None:
+                    return None
+                choices += more
+            return choices or None
+    return None
+
+
+def _checked(function: dict[str, Any]) -> dict[str, Any]:
+    """The function's parameters schema, its parts this grammar reads checked (ValueError naming
+    the one that is not what JSON Schema says it is)."""
+    where = f"function {function['name']!r}: parameters"
     parameters = function.get("parameters") or {}
+    if not isinstance(parameters, dict):
+        raise ValueError(f"{where}: expected a JSON schema (an object)")
+    properties = parameters.get("properties") or {}
+    if not isinstance(properties, dict):
+        raise ValueError(f"{where}.properties: expected an object of the parameters' schemas")
+    required = parameters.get("required") or []
+    if not isinstance(required, list) or not all(isinstance(r, str) for r in required):
+        raise ValueError(f"{where}.required: expected a list of parameter names")
+    for param, schema in properties.items():
+        if not isinstance(schema, dict | bool):
+            raise ValueError(f"{where}.properties.{param}: expected a schema (an object)")
+        schema = resolved(schema, parameters)
+        if not isinstance(schema, dict):
+            continue
+        if "enum" in schema and not isinstance(schema["enum"], list):
+            raise ValueError(f"{where}.properties.{param}.enum: expected a list of values")
+        for key in ("minLength", "maxLength"):
+            value = schema.get(key)
+            if key in schema and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
+                raise ValueError(f"{where}.properties.{param}.{key}: expected a non-negative integer")
+    return parameters
+
+
+def _function_rules(i: int, function: dict[str, Any], strict: bool) -> list[str]:
+    parameters = _checked(function)
     if strict:
         parameters = strict_schema(parameters)
     properties = parameters.get("properties") or {}
@@ -247,14 +317,15 @@ def _function_rules(i: int, function: dict[str, Any], strict: bool) -> list[str]
     for j, (param, schema) in enumerate(properties.items()):
         rule = f"fn{i}_p{j}"
         rules.append(f"{rule}: {_literal(f'<parameter={param}>' + chr(10))} {rule}_v \"\\n\"")
-        rules += _value_rules(f"{rule}_v", schema, strict)
+        rules += _value_rules(f"{rule}_v", schema, parameters, strict)
         seq.append(rule if param in required else f"{rule}?")
     return [f'fn{i}: {head} {" ".join(seq)} "</function>"', *rules]
 
 
 def function_rules(functions: list[dict[str, Any]], strict: bool) -> list[str]:
-    """The grammar's `function`: one call of one of `functions`, its listed parameters in their order,
-    the required ones present, each value as its schema allows."""
+    """The grammar's `function`: one call of one of `functions`, its listed parameters in their
+    order, the required ones present, each value as its schema allows (a `$ref` followed, a JSON
+    value's schema given the parameters' `$defs`). ValueError where a schema cannot be read."""
     rules = ["function: " + " | ".join(f"fn{i}" for i in range(len(functions))), _NO_TAG]
     for i, function in enumerate(functions):
         rules += _function_rules(i, function, strict)

@@ -48,11 +48,13 @@ class _Strict(BaseModel):
 
 class FunctionCallIn(_Strict):
     name: str
-    arguments: dict[str, Any]  # given as OpenAI's JSON string (or as an object), kept parsed
+    arguments: dict[str, Any]  # given as OpenAI's JSON string (or as an object; "": {}), kept parsed
 
     @field_validator("arguments", mode="before")
     @classmethod
     def _json_object(cls, v: Any) -> Any:
+        if isinstance(v, str) and not v.strip():
+            return {}  # a call of no arguments, as some clients write it
         if isinstance(v, str):
             try:
                 v = json.loads(v)

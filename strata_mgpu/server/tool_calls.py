@@ -1,12 +1,21 @@
 """Tool calls parsed out of an answer, whole or streamed, in a model's dialect (`dialects.py`).
 
-Text outside the blocks stays content, but for whitespace beside a call; text that may be the
-start of a tag is held back until it can be told apart. A call is given out as soon as its reader
-is sure of it: its head, then its arguments in deltas whose join is the final arguments. A block
-the reader is not sure of is read whole at its close tag: a call then, or content, tags and all
-(a malformed call is never an error). Where the answer ends inside a block: a call given out is
-closed with what parsed (`cut_call`); a block that was not is content, or dropped where the answer
-was cut at the length limit. Every split of the text into deltas gives the same calls and content.
+The parser finds the blocks between the dialect's tags; a `CallReader` reads each block's text.
+Text outside the blocks stays content, but for whitespace at its start or end beside a call (text
+on both sides of a call keeps the whitespace before the call between them); text that may be the
+start of a tag is held back until it can be told apart.
+
+A call is given out as soon as its reader is sure of it (its function's name is read, and is one
+offered): its head (index, id, name), then its arguments in deltas as the reader reads them; the
+deltas joined are the call's final arguments: a JSON object's text, or, for a sure call whose
+text broke, that text as the model wrote it (`CallReader.end`). A block the reader is not sure of
+while it runs is read whole at its close tag: a call then, or content, tags and all (a model's
+malformed call is never an error). Where the model ends the answer inside a block, the reader
+ends it as it stands; a block that was not sure is content. Where the length limit cuts it
+(`finish(cut=True)`), a call whose arguments had not ended is no call (`cut_call` says its head
+was given out: nothing closes its streamed arguments) and a block that was not sure is dropped,
+with any tag's start held back: no markup in content. Every split of the text into deltas gives
+the same calls and content as the whole.
 """
 
 from __future__ import annotations
@@ -24,7 +33,7 @@ class ToolCall:
     index: int  # its place among the answer's calls, from 0
     id: str
     name: str
-    arguments: str  # a JSON object's text
+    arguments: str  # a JSON object's text (a broken call's: as written, `CallReader.end`)
 
 
 @dataclass(frozen=True)
@@ -69,7 +78,7 @@ class ToolCallParser:
         self._open, self._close = dialect.call_open, dialect.call_close
         self.max_calls = max_calls
         self.n_calls = 0
-        self.cut_call = False  # the answer ended inside a call that was given out
+        self.cut_call = False  # the length limit cut a call whose head was given out
         self._text = ""  # outside a block: not yet given out (a tag's possible start)
         self._gap = ""  # whitespace given out only if content follows it
         self._block: str | None = None  # inside a block: its text so far
@@ -115,20 +124,29 @@ class ToolCallParser:
         return out
 
     def finish(self, cut: bool = False) -> Parsed:
-        """The answer has ended (`cut`: at the length limit): an open block is closed or dropped, held text
-        is content."""
+        """The answer has ended (`cut`: at the length limit): an open block is ended, a call
+        cut before its arguments ended is dropped (`cut_call` where its head was out), held text
+        is content (dropped where cut: it is a tag's start)."""
         out = Parsed()
         if self.done:
             return out
         if self._block is not None:
+            reader = self._reader
+            assert reader is not None
             self._read(out, self._block[self._fed:])
             self._fed = len(self._block)
-            if self._id is not None:
-                self.cut_call = True
-            self._end(out, self._block, closed=False, cut=cut)
-        self._content(out, self._text)
+            if cut and reader.name is not None and not reader.complete:
+                self.cut_call = True  # its head is out: the client is told by finish_reason length
+                self._block = self._reader = self._id = None
+                self._gap = ""
+            else:
+                self._end(out, self._block, closed=False, cut=cut)
+        if not cut:
+            self._content(out, self._text)
+        elif self._text:
+            self._gap = ""  # the whitespace before a dropped tag's start goes with it
         self._text = ""
-        if not self.n_calls:  # whitespace at the very end of a plain answer is its own; beside a call, not
+        if not self.n_calls and not self.cut_call:  # a plain answer's end whitespace is its own; beside a call, not
             out.content += self._gap
         self._gap = ""
         return out
