@@ -186,15 +186,20 @@ def read_or_exit() -> EnvOptions:
         raise SystemExit(f"error: {e}") from None
 
 
-OMP_WAIT = "OMP_WAIT_POLICY"
+OMP_WAIT, OMP_SPIN = "OMP_WAIT_POLICY", "GOMP_SPINCOUNT"
+# libgomp's spins before an idle OpenMP thread sleeps: long enough to catch the next parallel region of
+# a decode step on a quiet host, short enough that threads sleep while other processes want the cores
+# (its own default, 300,000, and ACTIVE's unbounded spinning collapse decode under load; PASSIVE's
+# sleeping at once halves it on a quiet host: docs/BENCHMARKS.md, "A CPU stage on a shared host")
+OMP_SPINS = "20000"
 
 
 def default_omp_wait_policy() -> None:
-    """Let torch's OpenMP threads sleep between parallel regions (PASSIVE) unless the user chose:
-    libgomp's default spins a while after each, on cores that ggml's pool, a CPU stage's other
-    threads and other processes need (docs/CONFIG.md). libgomp reads it once, when torch loads it:
-    the package sets it on import, before anything of it imports torch."""
-    os.environ.setdefault(OMP_WAIT, "PASSIVE")
+    """Bound how long torch's OpenMP threads spin between parallel regions (ACTIVE, OMP_SPINS spins,
+    then they sleep) unless the user set either variable (docs/CONFIG.md). libgomp reads them once,
+    when torch loads it: the package sets them on import, before anything of it imports torch."""
+    if OMP_WAIT not in os.environ and OMP_SPIN not in os.environ:
+        os.environ[OMP_WAIT], os.environ[OMP_SPIN] = "ACTIVE", OMP_SPINS
 
 
 ALLOC_CONF = "PYTORCH_CUDA_ALLOC_CONF"

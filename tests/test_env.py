@@ -159,15 +159,16 @@ def test_a_tool_building_its_own_stage_takes_the_environment_too(monkeypatch):
     assert r.stderr.strip() == "error: STRATA_DECODE_GRAPH_BATCH='0': expected a whole number from 1 to 64"
 
 
-def test_torch_s_openmp_threads_sleep_when_idle_unless_the_user_chose(monkeypatch):
-    """Set as the package is imported, before torch loads libgomp (which reads it once)."""
+def test_torch_s_openmp_threads_spin_a_bounded_while_unless_the_user_chose(monkeypatch):
+    """Set as the package is imported, before torch loads libgomp (which reads them once); a user's
+    OMP_WAIT_POLICY or GOMP_SPINCOUNT leaves both as the user has them."""
     import subprocess
     import sys
 
-    code = "import os, strata_mgpu, torch; print(os.environ['OMP_WAIT_POLICY'])"
-    for given, want in ((None, "PASSIVE"), ("ACTIVE", "ACTIVE")):
-        environ = {k: v for k, v in os.environ.items() if k != env.OMP_WAIT}
-        if given is not None:
-            environ[env.OMP_WAIT] = given
-        out = subprocess.run([sys.executable, "-c", code], env=environ, capture_output=True, text=True, check=True)
+    code = "import os, strata_mgpu, torch; print(os.environ.get('OMP_WAIT_POLICY'), os.environ.get('GOMP_SPINCOUNT'))"
+    for given, want in (({}, f"ACTIVE {env.OMP_SPINS}"), ({env.OMP_WAIT: "PASSIVE"}, "PASSIVE None"),
+                        ({env.OMP_SPIN: "0"}, "None 0")):
+        environ = {k: v for k, v in os.environ.items() if k not in (env.OMP_WAIT, env.OMP_SPIN)}
+        out = subprocess.run([sys.executable, "-c", code], env={**environ, **given}, capture_output=True, text=True,
+                             check=True)
         assert out.stdout.strip() == want
