@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from strata_mgpu import env
-from strata_mgpu.config import EngineConfig, HostShare, Placement
+from strata_mgpu.config import EngineConfig, Placement
 from strata_mgpu.engine.build import build_runner
 from strata_mgpu.engine.engine import Engine, RequestOutput
 from strata_mgpu.engine.grammar import Grammar, GrammarCompiler, allowed_tokens, fill_bitmasks, mask_words
@@ -121,7 +121,7 @@ def main() -> None:
         tok = tokenizer_from_gguf(f)
         batches = [int(b) for b in args.batch.split(",")]
         placement = Placement.from_env(environment, devices=tuple(args.devices.split(",")),
-                                       max_vram_gib=(args.max_vram,), cpu_experts=HostShare("auto"))
+                                       max_vram_gib=(args.max_vram,))
         runner = build_runner(f, spec, placement, 256, kv_tokens=64 + args.tokens + 8, cpu_reference=True)
         grammar = GrammarCompiler(tok, spec.vocab_size).compile(
             "start: %json " + json.dumps(endless_schema(args.tokens)) + "\n")

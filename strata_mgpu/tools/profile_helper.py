@@ -183,7 +183,7 @@ def host_profile(runner, kv, prompt: torch.Tensor, top: int = 30) -> str:
 
 def main() -> None:
     from strata_mgpu import env
-    from strata_mgpu.config import HostShare, LayerSplit, Placement
+    from strata_mgpu.config import LayerSplit, Placement
     from strata_mgpu.engine.build import build_stages
     from strata_mgpu.env import default_allocator_config
     from strata_mgpu.model.gguf_reader import GGUFFile
@@ -215,7 +215,7 @@ def main() -> None:
     budgets = tuple(float(x) for x in args.max_vram.split(","))
     placement = Placement.from_env(environment, devices=tuple(args.devices.split(",")),
                                    layer_split=LayerSplit.parse(args.layer_split), max_vram_gib=budgets,
-                                   resident_experts=args.resident_experts, cpu_experts=HostShare("auto"))
+                                   resident_experts=args.resident_experts)
     runner = build_stages(f, spec, placement, args.tokens, kv_tokens=args.tokens + 1)
     if not isinstance(runner, SplitRunner) or not runner.helpers:
         raise SystemExit("the helper needs two or more stages (--devices 0,1 or 0,0)")

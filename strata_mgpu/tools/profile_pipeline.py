@@ -18,7 +18,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from strata_mgpu import env
-from strata_mgpu.config import HostShare, Placement
+from strata_mgpu.config import Placement
 from strata_mgpu.engine.build import build_stages
 from strata_mgpu.model.gguf_reader import GGUFFile
 from strata_mgpu.model.spec import spec_from_gguf
@@ -63,7 +63,7 @@ def main() -> None:
     spec = spec_from_gguf(f)
     budgets = tuple(float(x) for x in args.max_vram.split(","))
     placement = Placement.from_env(environment, prefill_help=False, devices=tuple(args.devices.split(",")),
-                                   max_vram_gib=budgets, cpu_experts=HostShare("auto"))
+                                   max_vram_gib=budgets)
     runner = build_stages(f, spec, placement, args.chunk, kv_tokens=args.tokens + 1)
     if not isinstance(runner, SplitRunner):
         raise SystemExit("the pipeline needs two or more stages (--devices 0,1 or 0,0)")
