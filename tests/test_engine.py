@@ -11,6 +11,7 @@ from strata_mgpu.config import EngineConfig
 from strata_mgpu.engine.engine import ContextOverflow, Engine, RequestOutput
 from strata_mgpu.engine.sampler import SamplingParams, StopMatcher
 from strata_mgpu.model.gguf_reader import GGUFFile
+from strata_mgpu.model.kv_pool import BlockPool
 from strata_mgpu.model.runner import DecoderRunner, load_reference_runner
 from strata_mgpu.model.spec import spec_from_gguf
 from strata_mgpu.model.tokenizer import tokenizer_from_gguf
@@ -280,18 +281,22 @@ class ScriptedKV:
         assert self.length <= self.max_length, "the engine ran a sequence past its context"
 
 
-class NoBlocks:
-    """The scripted sequences hold no rows: the prefix cache finds nothing to keep."""
+class ScriptedPool:
+    """Blocks of 4 tokens whose cells are nowhere: the scripted sequences hold no rows."""
 
-    block_tokens, block_bytes, host_tier = 4, 1, False
+    block_bytes, host_tier = 1, False
 
-    def cacheable(self, kv) -> bool:
-        return False
+    def __init__(self, n_blocks: int):
+        self.blocks = BlockPool(n_blocks, 4)
 
-    def save(self, kv, index):
-        raise AssertionError("a sequence that is not cacheable was saved from")
+    def copy_block(self, src: int, dst: int) -> None:
+        pass
 
-    offload = load = save
+    def offload(self, block: int) -> None:
+        raise AssertionError("a pool without a host tier offloaded a block")
+
+    def load(self, data, block: int) -> None:
+        raise AssertionError("a pool without a host tier loaded a block")
 
 
 @dataclass
@@ -314,17 +319,14 @@ class ScriptedRunner:
         """No host tier: a sequence is at most the whole budget."""
         return self.kv_token_budget or self.spec.context_length
 
-    def kv_cells(self, tokens: int) -> int:
-        return tokens
-
     def warm_decode_graphs(self, context: int) -> list[int]:
         return []
 
-    def new_sequence(self, max_length: int) -> ScriptedKV:
-        return ScriptedKV(max_length)
+    def kv_pool(self, block_tokens: int, cells: int) -> ScriptedPool:
+        return ScriptedPool(-(-(self.kv_token_budget or 2 * cells) // 4))
 
-    def kv_blocks(self, block_tokens: int) -> NoBlocks:
-        return NoBlocks()
+    def new_sequence(self, max_length: int, table=None, length: int = 0) -> ScriptedKV:
+        return ScriptedKV(max_length, length)
 
     def _row(self, kv: ScriptedKV) -> torch.Tensor:
         row = torch.zeros(self.spec.vocab_size)
@@ -487,31 +489,20 @@ def test_admission_keeps_within_the_kv_budget(loaded):
     tok = loaded[1]
     script = tok.encode("a b c d e f g h i j k l m n o p q r s t", add_special=False)
     fake = ScriptedRunner(loaded[0].spec, script, kv_token_budget=30)
-    engine = Engine(fake, tok, EngineConfig(ctx_size=64))
+    engine = Engine(fake, tok, EngineConfig(ctx_size=64, prefix_cache=False))
     assert engine.n_ctx == 30  # no single sequence can be longer than the whole budget
     with pytest.raises(ContextOverflow) as e:
         engine.submit([1] * 21, SamplingParams(max_tokens=10), lambda o: None)
     assert e.value.n_ctx == 30
     outs: list[list[RequestOutput]] = [[] for _ in range(3)]
-    for i in range(3):  # 5 + 10 cells each: two fit together, the third waits
-        engine.submit([1, 2, 3, 4, 5], SamplingParams(max_tokens=10, temperature=0, ignore_eos=True), outs[i].append)
-    most = 0
+    for i in range(3):  # a prompt and its first token take 2 of the pool's 8 blocks: all three are admitted
+        engine.submit([1, 2, 3, 4, 5], SamplingParams(max_tokens=2, temperature=0, ignore_eos=True), outs[i].append)
+    engine.step()
+    assert engine.n_running == 3 and engine.pool.blocks.free_blocks == 2
     while not all(o and o[-1].finished for o in outs):
         engine.step()
-        most = max(most, engine.n_running)
-        assert engine.n_running + engine.n_waiting + sum(bool(o and o[-1].finished) for o in outs) == 3
-    assert most == 2
-    assert all(o[-1].finish_reason == "length" and o[-1].n_generated == 10 for o in outs)
-
-
-def test_a_request_the_shrunken_budget_can_never_hold_ends_with_an_error(loaded):
-    engine, fake = scripted(loaded, [7] * 20, ctx_size=64)
-    out: list[RequestOutput] = []
-    engine.submit([1, 2, 3], SamplingParams(max_tokens=10, temperature=0), out.append)
-    fake.kv_token_budget = 8
-    engine.step()
-    assert engine.n_waiting == 0 and engine.n_running == 0
-    assert out[-1].finish_reason == "error" and "8 tokens" in out[-1].error
+    assert all(o[-1].finish_reason == "length" and o[-1].n_generated == 2 for o in outs)
+    assert engine.pool.blocks.free_blocks == 8  # every block back
 
 
 def test_each_steps_plan_says_what_its_calls_run(loaded):

@@ -1,21 +1,18 @@
-"""The prefix cache: a continuation on cached blocks equals the prompt computed whole (fp32, on the
-CPU reference, one CPU stage and a CPU split), through the engine too; the cache's tree, tiers,
-pins and budget on a store of plain Python blocks."""
+"""The prefix cache over the KV pool: a continuation on shared blocks equals the prompt computed whole
+(fp32, on the CPU reference, one CPU stage and a CPU split), through the engine too. The index, its
+tiers and the pool's counts on plain Python blocks: tests/test_kv_pool.py."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 from strata_mgpu.config import EngineConfig, LayerSplit
 from strata_mgpu.engine.engine import Engine, RequestOutput
-from strata_mgpu.engine.prefix_cache import DEVICE, HOST, PrefixCache
+from strata_mgpu.engine.prefix_cache import DEVICE
 from strata_mgpu.engine.sampler import SamplingParams
 from strata_mgpu.model.gguf_reader import GGUFFile
+from strata_mgpu.model.kv_pool import BlockTable
 from strata_mgpu.model.runner import load_reference_runner
 from strata_mgpu.model.spec import spec_from_gguf
 from strata_mgpu.model.tokenizer import tokenizer_from_gguf
@@ -41,22 +38,33 @@ def runners(model):
 
 
 @pytest.mark.parametrize("kind", ["reference", "stage", "split"])
-def test_continuation_on_cached_blocks_equals_the_prompt_computed_whole(model, kind):
+def test_continuation_on_shared_blocks_equals_the_prompt_computed_whole(model, kind):
+    """A sequence whose table starts with another's blocks (half of them back from host RAM, the last
+    one shared in part and so copied) continues as the prompt computed whole, for 32 greedy steps."""
     runner = runners(model)[kind]
     vocab = runner.spec.vocab_size
     g = torch.Generator().manual_seed(3)
     prompt = torch.randint(0, vocab, (150,), generator=g)
-    store = runner.kv_blocks(16)
+    pool = runner.kv_pool(16, 512)
+    blocks = pool.blocks
 
-    whole = runner.new_sequence(256)
+    whole = runner.new_sequence(256, BlockTable(blocks, 256))
     want = runner.prefill(whole, prompt)
 
-    first = runner.new_sequence(256)
+    first_table = BlockTable(blocks, 256)
+    first = runner.new_sequence(256, first_table)
     runner.prefill(first, prompt[:100])
-    blocks = [store.save(first, j) for j in range(100 // 16)]  # 6 blocks: 96 tokens
-    blocks = [store.offload(b) for b in blocks[:3]] + blocks[3:]  # half from the host tier
-    again = runner.new_sequence(256)
-    store.load(again, blocks, 90)  # part of the last block only
+    shared = first_table.ids[:100 // 16]  # 6 full blocks: 96 tokens
+    for b in shared[:3]:  # through the host tier: offloaded, and loaded into another block
+        data = pool.offload(b)
+        (moved,) = blocks.allocate(1)
+        pool.load(data, moved)
+        shared[shared.index(b)] = moved
+    table = BlockTable.adopt(blocks, 256, shared)
+    (own,) = blocks.allocate(1)  # 90 of the 96: the last block is written to, so a copy of its own
+    pool.copy_block(table.ids[-1], own)
+    table.replace_last(own)
+    again = runner.new_sequence(256, table, 90)
     assert again.length == 90
     got = runner.prefill(again, prompt[90:])
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
@@ -69,6 +77,9 @@ def test_continuation_on_cached_blocks_equals_the_prompt_computed_whole(model, k
             logits = runner.decode([kv], torch.tensor(tokens[-1:]))[0]
         chain.append(tokens)
     assert chain[0] == chain[1]
+    # the first sequence's rows are untouched by the second's writes
+    again_first = runner.prefill(first, prompt[100:])
+    torch.testing.assert_close(again_first, want, rtol=1e-5, atol=1e-5)
 
 
 def tokens_of(outs: list[RequestOutput]) -> list[int]:
@@ -118,6 +129,7 @@ def test_requests_sharing_a_prompt_find_it_while_the_first_still_decodes(model):
     assert outs[0][-1].timings.cache_n == 0
     assert outs[1][-1].timings.cache_n == 64  # all four blocks of the system prompt
     assert engine.prefix.stats.blocks[DEVICE] == 64 // 16 + 40 // 16 + 0  # shared blocks held once
+    assert engine.pool.blocks.used_blocks == engine.prefix.stats.blocks[DEVICE]  # and nothing else once both end
 
 
 def test_an_aborted_request_leaves_no_block_and_a_reset_clears_the_cache(model):
@@ -145,139 +157,6 @@ def test_no_prefix_cache_computes_every_prompt_whole(model):
         t = run(engine, prompt, SamplingParams(max_tokens=2, ignore_eos=True))[-1].timings
         assert t.cache_n == 0 and t.prompt_n == len(prompt)
     assert engine.prefix is None
-
-
-# -- the tree, tiers and pins, on plain Python blocks ------------------------------------------
-
-@dataclass
-class Seq:
-    """A sequence of `tokens` whose row r holds token r."""
-
-    tokens: list[int]
-    length: int = 0
-    nbytes: int = 0
-
-
-class ListBlocks:
-    """Blocks as lists of the tokens they hold, tagged with their tier: `load` checks that a
-    sequence gets exactly its prompt's rows."""
-
-    def __init__(self, block_tokens: int, host_tier: bool = True):
-        self.block_tokens, self.block_bytes, self.host_tier = block_tokens, 1, host_tier
-        self.loaded: list[tuple[str, ...]] = []
-
-    def cacheable(self, kv: Seq) -> bool:
-        return True
-
-    def save(self, kv: Seq, index: int):
-        b = self.block_tokens
-        assert (index + 1) * b <= kv.length
-        return ("device", tuple(kv.tokens[index * b:(index + 1) * b]))
-
-    def offload(self, block):
-        assert block[0] == "device"
-        return ("host", block[1])
-
-    def load(self, kv: Seq, blocks, n_tokens: int) -> None:
-        rows = [t for _, held in blocks for t in held][:n_tokens]
-        assert rows == kv.tokens[:n_tokens], "a block came back with another prefix's rows"
-        self.loaded.append(tuple(tier for tier, _ in blocks))
-        kv.length = n_tokens
-
-
-def computed(tokens: list[int]) -> Seq:
-    return Seq(tokens, length=len(tokens))
-
-
-def test_the_longest_cached_chain_is_taken_and_its_last_token_computed():
-    store = ListBlocks(4)
-    cache = PrefixCache(store, host_bytes=100)
-    cache.insert(computed(list(range(12))), list(range(12)), 12)
-    assert cache.match([9, 9, 9, 9, 9]) is None
-    found = cache.match(list(range(8)) + [50, 51, 52, 53])
-    assert found is not None and found.n_tokens == 8 and len(found.blocks) == 2
-    whole = cache.match(list(range(12)))
-    assert whole is not None and whole.n_tokens == 11 and len(whole.blocks) == 3  # its last token computed
-    kv = Seq(list(range(12)))
-    cache.restore(kv, whole)
-    assert kv.length == 11 and all(b.pins == 0 for b in whole.blocks[2:])
-    cache.release(found)
-    assert all(b.pins == 0 for b in found.blocks)
-
-
-def test_device_blocks_move_to_host_then_drop_least_recently_used_first():
-    store = ListBlocks(2)
-    cache = PrefixCache(store, host_bytes=3)  # three blocks of host tier
-    a, b = [1, 1, 2, 2, 3, 3], [7, 7, 8, 8]
-    cache.insert(computed(a), a, 6)
-    cache.insert(computed(b), b, 4)
-    assert cache.device_cells == 10
-    cache.release(cache.match(b + [0]))  # b is the more recently used
-    cache.shrink_device(4)  # a's three blocks to the host
-    assert cache.stats.blocks == {DEVICE: 2, HOST: 3}
-    cache.shrink_device(0)  # b's must go too: the host drops a's deepest first
-    assert cache.stats.blocks[DEVICE] == 0 and cache.stats.blocks[HOST] == 3
-    kv = Seq(b + [0])
-    cache.restore(kv, cache.match(b + [0]))
-    assert store.loaded[-1] == ("host", "host")
-    assert cache.match(a) is not None and cache.match(a).n_tokens == 2  # only a's first block is left
-    assert cache.stats.dropped_blocks == 2
-
-
-def test_pinned_blocks_stay_through_shrinks_and_resets():
-    store = ListBlocks(2)
-    cache = PrefixCache(store, host_bytes=0)  # no host tier room: moving a block out drops it
-    a = [1, 2, 3, 4]
-    cache.insert(computed(a), a, 4)
-    found = cache.match(a + [5])
-    cache.shrink_device(0)
-    assert cache.clear() == 0 and cache.stats.blocks[DEVICE] == 2
-    cache.restore(Seq(a + [5]), found)
-    assert cache.clear() == 2 and cache.match(a + [5]) is None
-
-
-def test_one_tier_caches_within_its_room():
-    store = ListBlocks(2, host_tier=False)  # the device is the host: --cache-ram bounds the only tier
-    cache = PrefixCache(store, host_bytes=2)
-    seq = list(range(10))
-    assert cache.insert(computed(seq), seq, 10) == 2  # its own first blocks are never dropped for its later ones
-    assert cache.device_cells == 0 and cache.stats.blocks[DEVICE] == 2
-    other = [50, 51, 52, 53]
-    assert cache.insert(computed(other), other, 4) == 2  # the older chain makes room
-    assert cache.match(seq) is None and cache.match(other + [0]).n_tokens == 4
-
-
-@settings(max_examples=60, deadline=None)
-@given(st.lists(st.tuples(st.sampled_from(["insert", "match", "shrink", "clear"]),
-                          st.lists(st.integers(0, 3), min_size=1, max_size=12), st.integers(0, 12)),
-                max_size=25),
-       st.integers(0, 6))
-def test_the_tiers_never_exceed_their_room_and_every_restore_is_exact(ops, host_room):
-    store = ListBlocks(2)
-    cache = PrefixCache(store, host_bytes=host_room)
-    pinned = []
-    for op, tokens, n in ops:
-        if op == "insert":
-            cache.insert(computed(tokens), tokens, n)
-        elif op == "match":
-            found = cache.match(tokens)
-            if found is not None:
-                if n % 2:
-                    pinned.append(found)
-                else:
-                    cache.restore(Seq(tokens), found)
-        elif op == "shrink":
-            cache.shrink_device(n)
-            assert cache.device_cells <= max(n, sum(2 for f in pinned for b in f.blocks if b.tier == DEVICE))
-        else:
-            cache.clear()
-        assert cache.stats.blocks[HOST] <= host_room
-        live = list(cache._walk())
-        assert cache.stats.blocks[DEVICE] == sum(b.tier == DEVICE for b in live)
-        assert cache.stats.blocks[HOST] == sum(b.tier == HOST for b in live)
-    for found in pinned:
-        cache.release(found)
-    assert all(b.pins == 0 for b in cache._walk())
 
 
 # -- what the server reports ------------------------------------------------------------------

@@ -34,7 +34,7 @@ from strata_mgpu.engine.metrics import EngineMetrics
 from strata_mgpu.engine.output import OutputProcessor
 from strata_mgpu.engine.prefix_cache import PrefixCache
 from strata_mgpu.engine.request import ContextOverflow, Failure, Phase, Request, RequestOutput, Timings
-from strata_mgpu.engine.runner import ModelRunner
+from strata_mgpu.engine.runner import KVPool, ModelRunner
 from strata_mgpu.engine.sampler import SamplingParams, StopMatcher
 from strata_mgpu.engine.scheduler import PrefillChunk, Scheduler, StepPlan
 from strata_mgpu.engine.step_tokens import StepTokens
@@ -56,11 +56,14 @@ class Engine:
         self.n_ctx = min(config.n_ctx(runner.spec.context_length), runner.max_context)
         self.metrics = metrics or EngineMetrics()
         self.sampler = BatchSampler()
-        self.prefix = make_prefix_cache(runner, config)
+        self.pool = runner.kv_pool(config.prefix_block_tokens, config.kv_cells(runner.spec.context_length))
+        self.metrics.watch_pool(self.pool.blocks)
+        self.prefix = make_prefix_cache(self.pool, config)
         if self.prefix is not None:
             self.metrics.watch_prefix_cache(self.prefix)
         self.output = OutputProcessor(tokenizer, self.sampler, self.metrics, self.prefix)
-        self.scheduler = Scheduler(runner, config, self.n_ctx, self.sampler, self.output, self.metrics, self.prefix)
+        self.scheduler = Scheduler(runner, self.pool, config, self.n_ctx, self.sampler, self.output, self.metrics,
+                                   self.prefix)
         self._in_flight: StepTokens | None = None  # the last step's tokens, not yet on the host
         self._failed: list[tuple[list[Request], Failure]] = []  # this step's failed calls: their requests, why
         self._ids = itertools.count()
@@ -186,14 +189,10 @@ class Engine:
         runner's `silent_faults` before this step."""
         for chunk in pack:
             req = chunk.request
-            if req.kv is None:
+            if not req.t_first_chunk:  # (a preempted request keeps its first times)
                 req.faults_at_first_chunk = faults
                 req.t_first_chunk = time.perf_counter()
                 req.timings.queue_ms = 1e3 * (req.t_first_chunk - req.t_submit)
-                req.kv = self.runner.new_sequence(req.kv_tokens)  # never more than admission counted
-                if req.prefix is not None:
-                    assert self.prefix is not None and chunk.start == req.prefix.n_tokens
-                    self.prefix.restore(req.kv, req.prefix)
         t0 = time.perf_counter()
         tensors = [torch.tensor(chunk.tokens, dtype=torch.long) for chunk in pack]
         logits: torch.Tensor | None
@@ -222,14 +221,13 @@ class Engine:
         return done, drawn
 
     def _save_prompts(self, done: list[Request]) -> None:
-        """The prefix cache keeps the full blocks of prompts just computed (after their first tokens went
-        out, so the copies are not on their time to first token)."""
+        """The prefix cache indexes the full blocks of prompts just computed (after their first tokens went
+        out)."""
         if self.prefix is None:
             return
         for req in done:
-            if req.kv is not None:  # not ended by its first token
-                self.prefix.insert(req.kv, req.prompt, len(req.prompt))
-        self.scheduler.fit_prefix_cache()
+            if req.table is not None:  # not ended by its first token
+                self.prefix.insert(req.table, req.prefill_tokens, len(req.prefill_tokens))
 
     def _decode(self, reqs: list[Request]) -> Draw:
         """Their next tokens [B] (device). With a grammar row in the batch, the step in flight lands here,
@@ -247,19 +245,21 @@ class Engine:
         return drawn
 
 
-def make_prefix_cache(runner: ModelRunner[Any], config: EngineConfig) -> PrefixCache | None:
-    """The engine's prefix cache (None where `config.prefix_cache` is off): a host tier of
-    `--cache-ram` bounded by half the RAM free now, so a cache may not crowd out what the process needs."""
+def make_prefix_cache(pool: KVPool, config: EngineConfig) -> PrefixCache | None:
+    """The engine's prefix cache over the runner's pool (None where `config.prefix_cache` is off): a host
+    tier of `--cache-ram` bounded by half the RAM free now, so a cache may not crowd out what the process
+    needs."""
     if not config.prefix_cache:
         return None
-    asked = int(config.cache_ram_gib * (1 << 30))
+    asked = int(config.cache_ram_gib * (1 << 30)) if pool.host_tier else 0
     free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     host_bytes = min(asked, free // 2)
     if host_bytes < asked:
         log.warning("--cache-ram %.1f GiB: the host holds %.1f GiB free, so the prefix cache keeps at most %.1f GiB "
                     "there", config.cache_ram_gib, free / (1 << 30), host_bytes / (1 << 30))
-    cache = PrefixCache(runner.kv_blocks(config.prefix_block_tokens), host_bytes=host_bytes)
-    where = "host RAM" if cache.store.host_tier else "memory"
-    log.info("prefix cache: blocks of %d tokens (%.1f MiB), up to %d in %s beside the device's KV budget",
-             cache.block_tokens, cache.store.block_bytes / (1 << 20), cache.host_blocks, where)
+    cache = PrefixCache(pool, host_bytes=host_bytes)
+    b = pool.blocks
+    log.info("KV pool: %d blocks of %d tokens (%.1f MiB each), shared by the sequences and the prefix cache; %d more "
+             "blocks of cached prefixes in host RAM", b.n_blocks, b.block_tokens, pool.block_bytes / (1 << 20),
+             cache.host_blocks)
     return cache

@@ -9,6 +9,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from strata_mgpu.engine.prefix_cache import PrefixCache
+from strata_mgpu.model.kv_pool import BlockPool
 
 
 class EngineMetrics:
@@ -30,6 +31,12 @@ class EngineMetrics:
                                 registry=r)
         self.running = Gauge("strata_requests_running", "Requests being prefilled or decoded", registry=r)
         self.waiting = Gauge("strata_requests_waiting", "Requests queued for a slot", registry=r)
+        self.preemptions = Counter("strata_preemptions", "Running requests sent back to the queue because the "
+                                   "KV pool ran dry (computed again when readmitted)", registry=r)
+
+    def watch_pool(self, pool: BlockPool) -> None:
+        """Export the KV pool's blocks by state, read at each scrape."""
+        self.registry.register(_PoolCollector(pool))
 
     def watch_prefix_cache(self, cache: PrefixCache) -> None:
         """Export the prefix cache's counters and tiers, read at each scrape."""
@@ -37,6 +44,22 @@ class EngineMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _PoolCollector(Collector):
+    def __init__(self, pool: BlockPool):
+        self.pool = pool
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        refs = self.pool.refs
+        shared = sum(1 for n in refs if n > 1)
+        blocks = GaugeMetricFamily("strata_kv_pool_blocks", f"Blocks of the KV pool ({self.pool.block_tokens} "
+                                   "tokens each): free, held once, held by more than one sequence or the prefix cache",
+                                   labels=["state"])
+        blocks.add_metric(["free"], self.pool.free_blocks)
+        blocks.add_metric(["held"], self.pool.used_blocks - shared)
+        blocks.add_metric(["shared"], shared)
+        yield blocks
 
 
 class _PrefixCacheCollector(Collector):

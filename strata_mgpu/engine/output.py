@@ -17,6 +17,7 @@ from strata_mgpu.engine.metrics import EngineMetrics
 from strata_mgpu.engine.prefix_cache import PrefixCache
 from strata_mgpu.engine.request import Failure, Phase, Request, RequestOutput
 from strata_mgpu.engine.step_tokens import StepTokens
+from strata_mgpu.model.kv_pool import BlockTable
 from strata_mgpu.model.tokenizer import Tokenizer
 
 log = logging.getLogger("strata.engine")
@@ -104,7 +105,7 @@ class OutputProcessor:
         was_queued = req.phase is Phase.WAITING
         req.phase = Phase.DONE
         self._keep_blocks(req, reason)
-        req.kv = None  # frees the cache now
+        self.release(req)
         req.last_token = None
         if req.draw is not None:
             self.sampler.close(req.draw)
@@ -135,16 +136,25 @@ class OutputProcessor:
                 self.finish(req, "abort", notify=False)
 
     def _keep_blocks(self, req: Request, reason: str) -> None:
-        """The prefix cache keeps the full blocks of a request that ended normally (the last token drawn
-        has no KV row); an aborted or failed one leaves none (its last forward may not have run)."""
-        if self.prefix is None:
-            return
-        if req.prefix is not None:
-            self.prefix.release(req.prefix)
-            req.prefix = None
-        if reason in ("stop", "length") and req.kv is not None:
+        """The prefix cache indexes the full blocks of a request that ended normally (the last token drawn
+        has no KV row); an aborted or failed one's none (its last forward may not have run)."""
+        if self.prefix is not None and reason in ("stop", "length") and req.kv is not None and req.table is not None:
             tokens = [*req.prompt, *req.generated]
-            self.prefix.insert(req.kv, tokens, min(req.kv.length, len(tokens)))
+            self.prefix.insert(req.table, tokens, min(req.kv.length, len(tokens)))
+
+    def release(self, req: Request) -> None:
+        """The request's sequence and its blocks given back (at its end, or a preemption)."""
+        req.kv = None
+        if req.table is not None:
+            self.give_back(req.table)
+            req.table = None
+
+    def give_back(self, table: BlockTable) -> None:
+        """A table's references back to the pool; the prefix cache's blocks it held become reclaimable."""
+        ids = list(table.ids)
+        table.free()
+        if self.prefix is not None:
+            self.prefix.released(ids)
 
 
 def request_line(req: Request, reason: str) -> str:

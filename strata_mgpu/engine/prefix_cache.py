@@ -1,52 +1,60 @@
-"""The prefix cache: a conversation's KV computed once.
+"""The prefix cache: an index over the KV pool's blocks, so a conversation's KV is computed once.
 
-Full blocks of `B` tokens stay, keyed by their token prefix: a tree whose node is one block,
-reached from its parent by the block's tokens (exact keys: no two prefixes share a node). A new
-request takes the longest matching chain and computes only the rest. Blocks are saved when a
-prompt has been computed and when a request ends normally; never from an aborted or failed
-request, whose last forward may not have completed.
+A node is one full block of `B` tokens, reached from its parent by the block's tokens (exact keys:
+no two prefixes share a node). A node on the device names a pool block and holds one reference to
+it; the sequences that computed or continue that prefix hold theirs, so a hit in VRAM copies
+nothing: the new sequence's table starts with the same blocks. Blocks are indexed when a prompt
+has been computed and when a request ends normally; never from an aborted or failed request,
+whose last forward may not have completed.
 
-Tiers: the runner's device (counted against its KV budget; the least recently used move out when
-admission needs the room), then pinned host RAM (`--cache-ram`); past that the least recently
-used are dropped, leaves first. A matched request pins its blocks until they are copied in.
-Everything here runs on the engine's thread. Sequences whose KV spills are not saved.
+Tiers: the pool (on the runner's device), then pinned host RAM (`--cache-ram`). When the pool
+runs dry it asks the cache (`reclaim`) for blocks only the cache holds, least recently used
+first: each moves to the host tier where there is room, else it is dropped; the host tier drops
+its least recently used. Both orders are kept in insertion-ordered dicts, touched deepest block
+first, so a node is always older than its parent: the oldest is a leaf of its tier and taking it
+is O(1). Along any path the device nodes come first, then the host ones.
+Everything here runs on the engine's thread.
 """
 
 from __future__ import annotations
 
-import itertools
+from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from strata_mgpu.engine.runner import KVBlocks, SequenceState
+from strata_mgpu.engine.runner import KVPool
+from strata_mgpu.model.kv_pool import BlockTable, PoolExhausted
 
 DEVICE, HOST = "device", "host"
 
 
 @dataclass(eq=False)
-class Block:
-    """One cached block: positions [depth B, (depth + 1) B) of every sequence whose prompt starts
-    with the tokens on the path from the root to it."""
+class Node:
+    """Positions [depth B, (depth + 1) B) of every sequence whose prompt starts with the tokens on the path
+    from the root to it: in pool block `block` (the device tier), or as `host` cells (the host tier)."""
 
     tokens: tuple[int, ...]
-    parent: Block | None
-    depth: int  # its index in the sequence
-    data: Any = None  # the runner's block (KVBlocks), None at the root
-    tier: str = DEVICE
-    last_used: int = 0
-    pins: int = 0
-    children: dict[tuple[int, ...], Block] = field(default_factory=dict)
+    parent: Node | None
+    depth: int
+    block: int | None = None
+    host: Any = None
+    children: dict[tuple[int, ...], Node] = field(default_factory=dict)
+
+    @property
+    def tier(self) -> str:
+        return DEVICE if self.block is not None else HOST
 
 
 @dataclass
 class PrefixMatch:
-    """The blocks a request's prompt starts with, pinned until `restore` or `release`; the request
-    computes its prompt from `n_tokens` on (at least its last token)."""
+    """The cached blocks a prompt starts with, as pool blocks (one reference each taken for the new
+    sequence's table); the prompt is computed from `n_tokens` on (at least its last token). `copied`:
+    blocks brought back from host RAM."""
 
-    blocks: list[Block]
+    blocks: list[int]
     n_tokens: int
-    pinned: bool = True
+    copied: int = 0
 
 
 @dataclass
@@ -58,161 +66,197 @@ class CacheStats:
     cached_tokens: int = 0
     saved_blocks: int = 0
     offloaded_blocks: int = 0
+    loaded_blocks: int = 0
     dropped_blocks: int = 0
     blocks: dict[str, int] = field(default_factory=lambda: {DEVICE: 0, HOST: 0})
 
 
 class PrefixCache:
-    """Blocks of `store.block_tokens` tokens of a runner's sequences (see the module docstring)."""
+    """The index over `pool`'s blocks (see the module docstring); `host_bytes`: the host tier's room."""
 
-    def __init__(self, store: KVBlocks[Any], *, host_bytes: int):
-        self.store = store
-        self.block_tokens = store.block_tokens
-        self.host_blocks = max(0, host_bytes // store.block_bytes)  # the host tier's (or only tier's) room
-        self.root = Block(tokens=(), parent=None, depth=-1)
+    def __init__(self, pool: KVPool, *, host_bytes: int):
+        self.pool, self.blocks = pool, pool.blocks
+        self.block_tokens = self.blocks.block_tokens
+        self.host_blocks = max(0, host_bytes // pool.block_bytes) if pool.host_tier else 0
+        self.root = Node(tokens=(), parent=None, depth=-1)
         self.stats = CacheStats()
-        self._clock = itertools.count(1)
+        self._node_of: dict[int, Node] = {}  # pool block -> the node naming it
+        self._idle: OrderedDict[Node, None] = OrderedDict()  # device nodes no sequence holds, oldest first
+        self._host: OrderedDict[Node, None] = OrderedDict()  # host nodes, oldest first
+        self.blocks.reclaim = self.reclaim
 
     # -- what the scheduler and the engine ask -----------------------------------------------
     @property
-    def device_cells(self) -> int:
-        """KV cells the device tier takes (they count against the runner's KV budget)."""
-        return self.stats.blocks[DEVICE] * self.block_tokens if self.store.host_tier else 0
+    def reclaimable(self) -> int:
+        """Pool blocks the cache alone holds: what `reclaim` can give back."""
+        return len(self._idle)
 
     def match(self, prompt: Sequence[int]) -> PrefixMatch | None:
-        """The longest chain of cached blocks the prompt starts with, pinned; None when there is none."""
+        """The longest chain of cached blocks the prompt starts with, host ones brought back into the pool
+        while it has room; one reference of each taken for the caller. None when there is none."""
         self.stats.queries += 1
-        blocks: list[Block] = []
+        path: list[Node] = []
         node, b = self.root, self.block_tokens
         for j in range(len(prompt) // b):
             child = node.children.get(tuple(prompt[j * b:(j + 1) * b]))
             if child is None:
                 break
-            blocks.append(child)
+            path.append(child)
             node = child
-        n_tokens = min(len(blocks) * b, len(prompt) - 1)  # its last token is computed: its logits start the answer
+        n_tokens = min(len(path) * b, len(prompt) - 1)  # its last token is computed: its logits start the answer
+        path = path[:-(-n_tokens // b)] if n_tokens > 0 else []
+        device = [n for n in path if n.block is not None]  # a prefix of the path (device nodes come first)
+        for n in device:  # held now: no reclaim below takes them
+            self._idle.pop(n, None)
+        self.blocks.ref(n.block for n in device if n.block is not None)
+        found = [n.block for n in device if n.block is not None]
+        copied = 0
+        for n in path[len(device):]:
+            try:
+                (block,) = self.blocks.allocate(1)  # the cache's reference
+            except PoolExhausted:
+                break
+            self.pool.load(n.host, block)
+            self._host.pop(n, None)
+            n.host, n.block = None, block
+            self._node_of[block] = n
+            self.stats.blocks[HOST] -= 1
+            self.stats.blocks[DEVICE] += 1
+            self.stats.loaded_blocks += 1
+            self.blocks.ref([block])  # the caller's
+            found.append(block)
+            copied += 1
+        n_tokens = min(n_tokens, len(found) * b)
+        self._touch(path[:len(found)])
         if n_tokens <= 0:
             return None
-        blocks = blocks[:-(-n_tokens // b)]
-        for block in blocks:
-            block.pins += 1
-        self._touch(blocks)
         self.stats.hits += 1
         self.stats.cached_tokens += n_tokens
-        return PrefixMatch(blocks, n_tokens)
+        return PrefixMatch(found, n_tokens, copied)
 
-    def restore(self, kv: SequenceState, found: PrefixMatch) -> None:
-        """Copy the matched blocks into the request's fresh cache (queued on the runner's streams), then
-        unpin them."""
-        try:
-            self.store.load(kv, [block.data for block in found.blocks], found.n_tokens)
-        finally:
-            self.release(found)
-
-    def release(self, found: PrefixMatch) -> None:
-        if found.pinned:
-            found.pinned = False
-            for block in found.blocks:
-                block.pins -= 1
-
-    def insert(self, kv: SequenceState, tokens: Sequence[int], n_rows: int) -> int:
-        """Save the full blocks of the sequence's first `n_rows` rows not cached yet; the number saved."""
-        if not self.store.cacheable(kv):
-            return 0
+    def insert(self, table: BlockTable, tokens: Sequence[int], n_rows: int) -> int:
+        """Index the full blocks of a sequence's first `n_rows` rows not indexed yet (the cache takes a
+        reference of each); the number indexed."""
         b = self.block_tokens
         node, saved = self.root, 0
-        path: list[Block] = []
-        for j in range(min(n_rows, len(tokens)) // b):
-            key = tuple(tokens[j * b:(j + 1) * b])
+        path: list[Node] = []
+        for j in range(min(n_rows, len(tokens), len(table.ids) * b) // b):
+            key, block = tuple(tokens[j * b:(j + 1) * b]), table.ids[j]
             child = node.children.get(key)
             if child is None:
-                if not self.store.host_tier and not self._room_on_host(1, keep=path):
-                    break
-                child = Block(tokens=key, parent=node, depth=j, data=self.store.save(kv, j))
+                child = Node(tokens=key, parent=node, depth=j, block=block)
                 node.children[key] = child
-                self.stats.blocks[DEVICE] += 1
+                self._hold(child, block)
                 self.stats.saved_blocks += 1
                 saved += 1
+            elif child.block is None:  # on the host: the sequence's copy takes its place in the pool
+                self._host.pop(child, None)
+                child.host = None
+                self.stats.blocks[HOST] -= 1
+                self._hold(child, block)
             path.append(child)
             node = child
         self._touch(path)
         return saved
 
-    def shrink_device(self, max_cells: int) -> None:
-        """Move device blocks out (least recently used first) until the tier takes at most `max_cells`."""
-        if not self.store.host_tier or self.device_cells <= max(0, max_cells):
-            return
-        for block in self._oldest(DEVICE):
-            if self.device_cells <= max(0, max_cells):
-                return
-            if block.parent is None:  # dropped with an ancestor before it
+    def released(self, blocks: Sequence[int]) -> None:
+        """A sequence gave its blocks back: those the cache alone holds now become reclaimable, the most
+        recently used (deepest last in the table, so touched first)."""
+        for block in reversed(blocks):
+            node = self._node_of.get(block)
+            if node is not None and self.blocks.refs[block] == 1:
+                self._idle[node] = None
+                self._idle.move_to_end(node)
+
+    def reclaim(self, n: int) -> int:
+        """Give up to n pool blocks back (the pool's hook): idle device blocks, oldest first, each to the host
+        tier where it has room (its oldest dropped for it), else dropped. The number given back."""
+        freed = 0
+        while freed < n and self._idle:
+            node = next(iter(self._idle))
+            if any(c.block is not None for c in node.children.values()):
+                self._idle.move_to_end(node)  # a device child first: not reached while the order holds
                 continue
-            if self._room_on_host(1, keep=[block]):
-                block.data = self.store.offload(block.data)
-                block.tier = HOST
-                self.stats.blocks[DEVICE] -= 1
-                self.stats.blocks[HOST] += 1
-                self.stats.offloaded_blocks += 1
-            else:
-                self._drop(block)
+            self._evict(node)
+            freed += 1
+        return freed
 
     def clear(self) -> int:
-        """Drop every block not pinned; the number dropped."""
+        """Drop every block no sequence holds; the number dropped."""
         before = self.stats.dropped_blocks
-        for block in list(self.root.children.values()):
-            self._drop(block)
+        for node in sorted(self._walk(), key=lambda x: -x.depth):
+            if not node.children and (node.block is None or self.blocks.refs[node.block] == 1):
+                self._drop(node)
         return self.stats.dropped_blocks - before
 
     def tier_bytes(self) -> dict[str, int]:
-        return {tier: n * self.store.block_bytes for tier, n in self.stats.blocks.items()}
+        return {tier: n * self.pool.block_bytes for tier, n in self.stats.blocks.items()}
 
     # -- inside --------------------------------------------------------------------------------
-    def _touch(self, path: list[Block]) -> None:
-        t = next(self._clock)
-        for block in path:  # one time for the whole path; ties go deepest first (`_oldest`)
-            block.last_used = t
+    def _hold(self, node: Node, block: int) -> None:
+        self.blocks.ref([block])
+        node.block = block
+        self._node_of[block] = node
+        self.stats.blocks[DEVICE] += 1
 
-    def _walk(self) -> Iterator[Block]:
+    def _touch(self, path: Sequence[Node]) -> None:
+        """Most recent now, deepest first: each node stays older than its parent."""
+        for node in reversed(path):
+            for order in (self._idle, self._host):
+                if node in order:
+                    order.move_to_end(node)
+
+    def _evict(self, node: Node) -> None:
+        """An idle device node out of the pool: to the host tier, or dropped."""
+        assert node.block is not None and self.blocks.refs[node.block] == 1
+        if self.host_blocks and self._room_on_host(keep=node):
+            host = self.pool.offload(node.block)
+            self._idle.pop(node)
+            self._release_block(node)
+            node.host = host
+            self._host[node] = None  # after its children, offloaded before it
+            self.stats.blocks[HOST] += 1
+            self.stats.offloaded_blocks += 1
+        else:
+            self._drop(node)
+
+    def _room_on_host(self, keep: Node) -> bool:
+        while self.stats.blocks[HOST] >= self.host_blocks:
+            victim = next((v for v in self._host if not v.children), None)
+            if victim is None:
+                return False
+            self._drop(victim)
+        return True
+
+    def _release_block(self, node: Node) -> None:
+        assert node.block is not None
+        del self._node_of[node.block]
+        self.blocks.unref([node.block])
+        node.block = None
+        self.stats.blocks[DEVICE] -= 1
+
+    def _drop(self, node: Node) -> None:
+        """Forget a node and everything below it (unreachable without it)."""
+        for child in list(node.children.values()):
+            self._drop(child)
+        if node.children or node.parent is None:
+            return
+        if node.block is not None:
+            if self.blocks.refs[node.block] > 1:  # a sequence holds it: it stays indexed
+                return
+            self._idle.pop(node, None)
+            self._release_block(node)
+        elif node.host is not None:
+            self._host.pop(node, None)
+            node.host = None
+            self.stats.blocks[HOST] -= 1
+        del node.parent.children[node.tokens]
+        node.parent = None
+        self.stats.dropped_blocks += 1
+
+    def _walk(self) -> Iterator[Node]:
         stack = list(self.root.children.values())
         while stack:
-            block = stack.pop()
-            yield block
-            stack.extend(block.children.values())
-
-    def _oldest(self, tier: str) -> list[Block]:
-        return sorted((b for b in self._walk() if b.tier == tier and not b.pins),
-                      key=lambda b: (b.last_used, -b.depth))
-
-    def _room_on_host(self, n: int, keep: Sequence[Block] = ()) -> bool:
-        """Drop least recently used host blocks (never `keep` or its ancestors) for n more; whether there is room."""
-        tier = HOST if self.store.host_tier else DEVICE
-        if self.stats.blocks[tier] + n <= self.host_blocks:
-            return True
-        protected = {id(a) for b in keep for a in _chain(b)}
-        for victim in self._oldest(tier):
-            if victim.parent is None or id(victim) in protected:
-                continue  # None: dropped already, with an ancestor dropped before it
-            self._drop(victim)
-            if self.stats.blocks[tier] + n <= self.host_blocks:
-                return True
-        return False
-
-    def _drop(self, block: Block) -> None:
-        """Forget a block and everything below it (unreachable without it); pinned blocks and their
-        ancestors stay."""
-        for child in list(block.children.values()):
-            self._drop(child)
-        if block.pins or block.children:
-            return
-        assert block.parent is not None
-        del block.parent.children[block.tokens]
-        self.stats.blocks[block.tier] -= 1
-        self.stats.dropped_blocks += 1
-        block.data, block.parent = None, None
-
-
-def _chain(block: Block) -> Iterator[Block]:
-    node: Block | None = block
-    while node is not None and node.parent is not None:
-        yield node
-        node = node.parent
+            node = stack.pop()
+            yield node
+            stack.extend(node.children.values())

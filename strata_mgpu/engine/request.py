@@ -16,9 +16,9 @@ from dataclasses import dataclass, field
 import torch
 
 from strata_mgpu.engine.device_sampler import DrawState, TokenLogprobs
-from strata_mgpu.engine.prefix_cache import PrefixMatch
 from strata_mgpu.engine.runner import SequenceState
 from strata_mgpu.engine.sampler import SamplingParams, StopMatcher
+from strata_mgpu.model.kv_pool import BlockTable
 from strata_mgpu.model.tokenizer import IncrementalDetokenizer
 
 log = logging.getLogger("strata.engine")
@@ -112,10 +112,12 @@ class Request:
     stops: StopMatcher
     phase: Phase = Phase.WAITING
     draw: DrawState | None = None  # the sampler's state of the request, from admission on
-    kv: SequenceState | None = None  # the runner's state of the sequence, from its first chunk
-    n_prefilled: int = 0  # prompt tokens in the KV cache
-    prefix: PrefixMatch | None = None  # cached blocks it starts with, from admission until they are copied in
+    kv: SequenceState | None = None  # the runner's state of the sequence, from admission to its end
+    table: BlockTable | None = None  # its KV's blocks in the runner's pool, as long as `kv`
+    n_prefilled: int = 0  # tokens of `prefill_tokens` in the KV cache
     n_cached: int = 0  # prompt tokens taken from the prefix cache (not computed)
+    resumed: list[int] = field(default_factory=list)  # tokens it had drawn when it was preempted: prefilled again
+    n_preempted: int = 0
     last_token: torch.Tensor | None = None  # [1] on the device: the newest drawn token, the next decode input
     generated: list[int] = field(default_factory=list)  # tokens landed on the host and accepted
     timings: Timings = field(default_factory=Timings)
@@ -125,6 +127,11 @@ class Request:
     # chunk of it ran fails the request when its first token lands
     faults_at_first_chunk: int = 0
     t_prompt_done: float = 0.0
+
+    @property
+    def prefill_tokens(self) -> list[int]:
+        """What its prefill computes: the prompt, and after a preemption the tokens drawn before it."""
+        return [*self.prompt, *self.resumed] if self.resumed else self.prompt
 
     @property
     def kv_tokens(self) -> int:

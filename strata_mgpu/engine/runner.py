@@ -11,6 +11,7 @@ from typing import Any, Protocol, TypeVar
 
 import torch
 
+from strata_mgpu.model.kv_pool import BlockPool, BlockTable
 from strata_mgpu.model.spec import ModelSpec
 
 
@@ -29,40 +30,36 @@ class SequenceState(Protocol):
 
 
 S = TypeVar("S", bound=SequenceState)
-S_contra = TypeVar("S_contra", bound=SequenceState, contravariant=True)
 
 
-class KVBlocks(Protocol[S_contra]):
-    """Fixed-size blocks of a runner's sequences' KV, for the prefix cache: copies out of a sequence,
-    to host RAM, and back into a fresh sequence. Every copy is queued in order behind the runner's
-    forwards (no host wait)."""
+class KVPool(Protocol):
+    """A runner's paged KV (model/kv_pool.py): the blocks' bookkeeping, which the engine drives (its
+    sequences' tables, the prefix cache's references), and the copies of whole blocks on every stage the
+    runner has, each queued in order behind its forwards (no host wait)."""
 
     @property
-    def block_tokens(self) -> int: ...
+    def blocks(self) -> BlockPool: ...
 
     @property
     def block_bytes(self) -> int:
-        """Bytes one block takes (on the device, or in host RAM once offloaded)."""
+        """Device bytes one block takes on all the runner's stages together."""
         ...
 
     @property
     def host_tier(self) -> bool:
-        """Blocks can move to pinned host RAM (False where the runner's device is the host)."""
+        """Blocks can be kept in pinned host RAM (False where the runner's device is the host)."""
         ...
 
-    def cacheable(self, kv: S_contra) -> bool:
-        """False for a sequence whose KV spills."""
+    def copy_block(self, src: int, dst: int) -> None:
+        """Block src's cells into block dst (a shared partial block copied before a sequence writes it)."""
         ...
 
-    def save(self, kv: S_contra, index: int) -> Any:
-        """Positions [index B, (index + 1) B) of the sequence, every layer, as a new device block."""
+    def offload(self, block: int) -> Any:
+        """The block's cells copied to host RAM (queued): what `load` takes back."""
         ...
 
-    def offload(self, block: Any) -> Any:
-        ...
-
-    def load(self, kv: S_contra, blocks: Sequence[Any], n_tokens: int) -> None:
-        """Blocks copied into a fresh sequence at positions 0.., which then holds `n_tokens`."""
+    def load(self, data: Any, block: int) -> None:
+        """Cells `offload` returned copied into `block` (queued)."""
         ...
 
 
@@ -79,19 +76,21 @@ class ModelRunner(Protocol[S]):
 
     @property
     def max_context(self) -> int:
-        """The longest sequence the runner can hold (in VRAM, or partly in host RAM)."""
+        """The longest sequence the runner can hold (in its pool, or partly in host RAM)."""
         ...
 
-    def kv_cells(self, tokens: int) -> int:
-        """Cells of `kv_token_budget` a sequence of `tokens` takes (fewer where older cells live in host RAM)."""
+    def kv_pool(self, block_tokens: int, cells: int) -> KVPool:
+        """A fresh KV pool of blocks of `block_tokens` positions, what every later sequence's blocks come from
+        (one engine drives a runner: an earlier pool's blocks are forgotten). `cells`: the positions asked
+        for where the runner has no plan of its own (the CPU reference); a stage's pool holds what its VRAM
+        plan keeps."""
         ...
 
-    def new_sequence(self, max_length: int) -> S:
-        """State of one sequence (its KV cache), able to hold max_length tokens."""
-        ...
-
-    def kv_blocks(self, block_tokens: int) -> KVBlocks[S]:
-        """Blocks of `block_tokens` positions of its sequences' KV (the prefix cache's store)."""
+    def new_sequence(self, max_length: int, table: BlockTable | None = None, length: int = 0) -> S:
+        """State of one sequence able to hold max_length tokens, its KV in `table`'s blocks of the runner's
+        pool (the first `length` positions already written: a cached prefix). Without a table (tools, tests)
+        the sequence takes a table of its own, freed with it. A sequence longer than the pool holds takes a
+        table of every block: its older cells live in host RAM."""
         ...
 
     def prefill(self, kv: S, tokens: torch.Tensor, whole_prompt: bool = False,

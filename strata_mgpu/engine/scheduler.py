@@ -3,10 +3,14 @@
 `add`, `abort` and `stop` may be called from any thread (they take the condition variable the
 engine's thread waits on while idle); everything else is called by the engine's thread.
 
-Admission is in order, while there is a slot and KV room: every running request keeps room for
-its prompt + max_tokens, and so do the prefix cache's device blocks, which move to host RAM when
-a request needs their room. A request the budget can never hold ends with `ContextOverflow`; one
-that does not fit yet waits, and so do all behind it.
+KV is the runner's pool of blocks (model/kv_pool.py). Admission is in order, while there is a
+slot and the pool (its free blocks, and those only the prefix cache holds) has room for the
+request's prompt past its cached prefix and its first token; one that does not fit yet waits,
+and so do all behind it. Sequences then grow block by block as each step plans their rows; where
+the pool runs dry the youngest running request is preempted: its blocks go back (its indexed
+prefix stays in the cache), it waits at the head of the queue, and when admitted again it
+computes its prompt and the tokens it had drawn, mostly from the cache. A request longer than
+the whole pool (its older cells in host RAM) runs alone, on every block.
 """
 
 from __future__ import annotations
@@ -22,8 +26,9 @@ from strata_mgpu.engine.device_sampler import BatchSampler
 from strata_mgpu.engine.metrics import EngineMetrics
 from strata_mgpu.engine.output import OutputProcessor
 from strata_mgpu.engine.prefix_cache import PrefixCache
-from strata_mgpu.engine.request import ContextOverflow, Phase, Request
-from strata_mgpu.engine.runner import ModelRunner
+from strata_mgpu.engine.request import Phase, Request
+from strata_mgpu.engine.runner import KVPool, ModelRunner
+from strata_mgpu.model.kv_pool import BlockTable, PoolExhausted
 
 ARRIVAL_WINDOW_TURNS = 8  # an idle engine's wait for a burst: at most this many arrival gaps
 # the share of a step's chunk that later prompts' whole rests may take ahead of the first prompt's
@@ -33,15 +38,19 @@ SHORT_SHARE = 0.5
 
 @dataclass(frozen=True)
 class PrefillChunk:
-    """One request's part of a prefill call: `tokens` = its prompt[start:start + len(tokens)]."""
+    """One request's part of a prefill call: `tokens` = its prefill_tokens[start:start + len(tokens)]."""
 
     request: Request
-    start: int  # prompt tokens in its KV cache before this chunk
+    start: int  # its tokens in its KV cache before this chunk
     tokens: list[int]
 
     @property
+    def end(self) -> int:
+        return self.start + len(self.tokens)
+
+    @property
     def ends_prompt(self) -> bool:
-        return self.start + len(self.tokens) == len(self.request.prompt)
+        return self.end == len(self.request.prefill_tokens)
 
     @property
     def whole_prompt(self) -> bool:
@@ -71,10 +80,11 @@ class StepPlan:
 class Scheduler:
     """The waiting queue, the running list and the aborts asked for; each step's plan."""
 
-    def __init__(self, runner: ModelRunner[Any], config: EngineConfig, n_ctx: int,
+    def __init__(self, runner: ModelRunner[Any], pool: KVPool, config: EngineConfig, n_ctx: int,
                  sampler: BatchSampler, output: OutputProcessor, metrics: EngineMetrics,
                  prefix: PrefixCache | None = None):
         self.runner = runner
+        self.pool, self.blocks = pool, pool.blocks
         self.prefix = prefix
         self.config = config
         self.n_ctx = n_ctx
@@ -147,11 +157,8 @@ class Scheduler:
         self._take_aborts()
         self._take_resets()
         with self.cv:
-            rejected = self._admit()
+            self._admit()
             self.metrics.waiting.set(len(self.waiting))
-        for r in rejected:
-            self.output.finish(r, "error", error=str(ContextOverflow(len(r.prompt), r.params.max_tokens,
-                                                                      self.runner.kv_token_budget or self.n_ctx)))
         return self.plan()
 
     def _take_aborts(self) -> None:
@@ -175,52 +182,114 @@ class Scheduler:
             for done in resets:
                 done.set_result(dropped)
 
-    def _admit(self) -> list[Request]:
-        """Returns the requests that can never fit. Holds cv."""
-        budget = self.runner.kv_token_budget
-        held = self.running_cells()
-        rejected = []
+    @property
+    def pool_tokens(self) -> int:
+        return self.blocks.n_blocks * self.blocks.block_tokens
+
+    def _admit(self) -> None:
+        """Holds cv."""
         while self.waiting and len(self.running) < self.config.max_running:
             req = self.waiting[0]
-            cells = self.runner.kv_cells(req.kv_tokens)
-            if budget is not None and held + cells + self.cached_cells() > budget:
-                if self.prefix is not None:
-                    self.prefix.shrink_device(budget - held - cells)
-                if held + cells + self.cached_cells() > budget:
-                    if cells <= budget:
-                        break  # it waits for room
-                    rejected.append(self.waiting.popleft())
-                    continue
+            if req.phase is Phase.DONE:  # preempted, then ended by a token that landed while it waited
+                self.waiting.popleft()
+                continue
+            if not self._take_blocks(req):
+                break  # it waits for room
             self.waiting.popleft()
-            assert req.phase is Phase.WAITING and req.draw is None, f"{req.id} admitted twice"
+            assert req.phase is Phase.WAITING, f"{req.id} admitted twice"
             req.phase = Phase.PREFILL
-            req.draw = self.sampler.open(req.params)
-            if self.prefix is not None:
-                req.prefix = self.prefix.match(req.prompt)
-                req.n_cached = req.n_prefilled = req.prefix.n_tokens if req.prefix is not None else 0
+            if req.draw is None:  # a preempted request keeps its draw state
+                req.draw = self.sampler.open(req.params)
             self.running.append(req)
-            held += cells
-        return rejected
 
-    def running_cells(self) -> int:
-        return sum(self.runner.kv_cells(r.kv_tokens) for r in self.running)
+    def _take_blocks(self, req: Request) -> bool:
+        """The request's table and sequence: the prefix cache's blocks, and room for the rest of its prompt
+        and its first token. False (nothing taken) where the pool cannot give that now."""
+        if req.n_preempted:  # every token it drew has landed by now (it was preempted a step before)
+            req.resumed = list(req.generated)
+        tokens = req.prefill_tokens
+        if req.kv_tokens > self.pool_tokens:  # its older cells spill to host RAM: the whole pool, alone
+            if self.running:
+                return False
+            table = BlockTable(self.blocks, self.pool_tokens)
+            try:
+                table.ensure(self.pool_tokens)
+            except PoolExhausted:
+                return False
+            req.table, req.n_prefilled = table, 0
+            req.kv = self.runner.new_sequence(req.kv_tokens, table)
+            return True
+        found = self.prefix.match(tokens) if self.prefix is not None else None
+        n_cached = found.n_tokens if found is not None else 0
+        table = BlockTable(self.blocks, req.kv_tokens, found.blocks if found is not None else ())  # refs: the match's
+        partial = n_cached % self.blocks.block_tokens != 0  # its last block is written to: a copy of its own
+        need = table.missing(len(tokens) + 1) + partial
+        if need > self.blocks.available(self.prefix.reclaimable if self.prefix is not None else 0):
+            self._give_back(table)
+            return False
+        try:
+            if partial:
+                (own,) = self.blocks.allocate(1)
+                self.pool.copy_block(table.ids[-1], own)
+                shared = table.replace_last(own)
+                if self.prefix is not None:
+                    self.prefix.released([shared])
+            table.ensure(len(tokens) + 1)
+        except PoolExhausted:
+            self._give_back(table)
+            return False
+        req.table = table
+        if not req.resumed:
+            req.n_cached = n_cached
+        req.n_prefilled = n_cached
+        req.kv = self.runner.new_sequence(req.kv_tokens, table, n_cached)
+        return True
 
-    def cached_cells(self) -> int:
-        return self.prefix.device_cells if self.prefix is not None else 0
+    def _give_back(self, table: BlockTable) -> None:
+        self.output.give_back(table)
 
-    def fit_prefix_cache(self) -> None:
-        """Keep the prefix cache's device blocks within what the running requests leave of the KV budget."""
-        budget = self.runner.kv_token_budget
-        if self.prefix is not None and budget is not None:
-            self.prefix.shrink_device(budget - self.running_cells())
+    def preempt(self, req: Request) -> None:
+        """Out of the running list, its blocks back to the pool; at the head of the queue, to compute its
+        prompt and the tokens it drew again (the prefix cache keeps what it indexed of them)."""
+        self.output.release(req)
+        req.n_prefilled = 0
+        req.n_preempted += 1
+        req.last_token = None
+        req.phase = Phase.WAITING
+        self.running.remove(req)
+        with self.cv:
+            self.waiting.appendleft(req)
+        self.metrics.preemptions.inc()
 
     def plan(self) -> StepPlan:
+        """The step's chunks and rows, their blocks taken; where the pool runs dry, the youngest running
+        request is preempted and the step planned again without it."""
+        while True:
+            plan = self._plan()
+            if self._grow(plan):
+                return plan
+            self.preempt(self.running[-1])
+
+    def _plan(self) -> StepPlan:
         prefill = self._prefill_pack()
         ending = {id(chunk.request) for chunk in prefill if chunk.ends_prompt}
         decode = [r for r in self.running
                   if (r.phase is Phase.DECODE and r.draw_state.n_drawn < r.params.max_tokens)
                   or (id(r) in ending and r.params.max_tokens > 1)]  # the prefill draws its first token
         return StepPlan(prefill=prefill, decode=decode)
+
+    def _grow(self, plan: StepPlan) -> bool:
+        """Blocks for every position the plan writes, oldest request first; False where the pool ran dry."""
+        ends: dict[int, int] = {id(chunk.request): chunk.end for chunk in plan.prefill}
+        for r in plan.decode:
+            ends[id(r)] = ends.get(id(r), r.kv_state.length) + 1
+        try:
+            for r in self.running:
+                if id(r) in ends and r.table is not None:
+                    r.table.ensure(min(ends[id(r)], r.table.max_blocks * self.blocks.block_tokens))
+        except PoolExhausted:
+            return False
+        return True
 
     def _prefill_pack(self) -> list[PrefillChunk]:
         """The step's prompt tokens, at most a chunk: later prompts whose rest fits within SHORT_SHARE of
@@ -231,24 +300,24 @@ class Scheduler:
         if not prefilling:
             return []
         first, later = prefilling[0], prefilling[1:]
-        assert first.n_prefilled < len(first.prompt), f"{first.id} is in prefill with its prompt prefilled"
+        assert first.n_prefilled < len(first.prefill_tokens), f"{first.id} is in prefill with its prompt prefilled"
 
         def whole(r: Request) -> PrefillChunk:
-            return PrefillChunk(r, r.n_prefilled, r.prompt[r.n_prefilled:])
+            return PrefillChunk(r, r.n_prefilled, r.prefill_tokens[r.n_prefilled:])
 
         shorts, short_room = [], int(self.config.chunk_size * SHORT_SHARE)
         for r in later:
-            rest = len(r.prompt) - r.n_prefilled
+            rest = len(r.prefill_tokens) - r.n_prefilled
             if rest <= short_room:
                 shorts.append(whole(r))
                 short_room -= rest
         room = self.config.chunk_size - sum(len(c.tokens) for c in shorts)
         start = first.n_prefilled
-        pack = [PrefillChunk(first, start, first.prompt[start:start + room]), *shorts]
+        pack = [PrefillChunk(first, start, first.prefill_tokens[start:start + room]), *shorts]
         room -= len(pack[0].tokens)
         packed = {id(c.request) for c in shorts}
         for r in later:
-            rest = len(r.prompt) - r.n_prefilled
+            rest = len(r.prefill_tokens) - r.n_prefilled
             if id(r) not in packed and rest <= room:
                 pack.append(whole(r))
                 room -= rest

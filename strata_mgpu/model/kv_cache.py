@@ -89,6 +89,9 @@ class SequenceKV(Protocol):
     writes each layer's keys and values (`write`), then advances. `k`/`v` [L, capacity, Hkv, row]
     hold the VRAM cells as `format` stores them; where `graph_capturable` every cell sits at its own
     position, so the decode step's kernels may read and write them in place by address.
+    `block_table`: where cells are a pool's (model/kv_pool.py), int32 [max blocks] on the device,
+    position p in cell `block_table[p // block_tokens] * block_tokens + p % block_tokens` of `k`/`v`
+    (then the pool's whole storage); None: cell p is position p.
     """
 
     k: torch.Tensor
@@ -96,6 +99,8 @@ class SequenceKV(Protocol):
     length: int
     max_length: int
     format: KVFormat
+    block_table: torch.Tensor | None
+    block_tokens: int
 
     @property
     def capacity(self) -> int: ...
@@ -148,6 +153,9 @@ class KVCache:
     Unwritten rows are zeros, never garbage: the static decode step attends over the whole capacity
     under a mask, and a masked NaN would still poison the softmax and P @ V.
     """
+
+    block_table: torch.Tensor | None = None  # cell p is position p
+    block_tokens = 0
 
     def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, *, capacity: int = 256,
                  max_length: int, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,

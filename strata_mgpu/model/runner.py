@@ -12,8 +12,17 @@ from gguf.constants import GGMLQuantizationType
 
 from strata_mgpu.model.decoder import Decoder, Segment
 from strata_mgpu.model.gguf_reader import GGUFFile
-from strata_mgpu.model.kv_blocks import KVBlockStore
-from strata_mgpu.model.kv_cache import PLAIN_KV, KVCache, SequenceKV
+from strata_mgpu.model.kv_cache import PLAIN_KV, SequenceKV
+from strata_mgpu.model.kv_pool import (
+    DEFAULT_BLOCK_TOKENS,
+    BlockPool,
+    BlockTable,
+    KVStorage,
+    PagedKV,
+    PoolStorages,
+    StoragePool,
+    free_with,
+)
 from strata_mgpu.model.reference import ReferenceModel
 from strata_mgpu.model.spec import ModelSpec
 from strata_mgpu.model.weights import load_weights
@@ -26,20 +35,34 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 class DecoderRunner:
-    """The engine's `ModelRunner` over a `Decoder` in host memory: no KV limit, nothing replayed."""
+    """The engine's `ModelRunner` over a `Decoder` in host memory: no VRAM limit, nothing replayed. Its
+    KV pool holds twice the cells asked for (the running sequences' and as many of cached prefixes,
+    there being no host tier beside it)."""
 
     kv_token_budget: int | None = None  # KV cells of all sequences together: no limit
 
     def __init__(self, model: Decoder):
         self.model = model
         self.spec = model.spec
+        self._pool: StoragePool | None = None  # the latest: where a sequence without a table takes its blocks
+        self._storages = PoolStorages()
 
     @property
     def max_context(self) -> int:
         return self.spec.context_length
 
-    def kv_cells(self, tokens: int) -> int:
-        return tokens
+    def kv_pool(self, block_tokens: int, cells: int) -> StoragePool:
+        """A fresh pool: blocks for twice `cells`."""
+        s = self.spec
+        n_blocks = max(1, -(-2 * cells // block_tokens))
+        blocks = BlockPool(n_blocks, block_tokens)
+        storage = self._storages.add(
+            blocks, lambda: KVStorage(len(self.model.w.layers), s.n_kv_heads, s.head_dim, n_blocks=n_blocks,
+                                      block_tokens=block_tokens, device=self.model.device,
+                                      format=self.model.kv_format),
+            lambda st: (st.n_blocks, st.block_tokens) == (n_blocks, block_tokens))
+        self._pool = StoragePool(blocks, storage)
+        return self._pool
 
     def warm_decode_graphs(self, context: int) -> list[int]:
         return []
@@ -51,13 +74,14 @@ class DecoderRunner:
         return (f"{self.model.device} in {dtype_name(self.model.w.dtype)}: the torch reference forward (plain "
                 f"torch ops, every expert in host RAM)")
 
-    def new_sequence(self, max_length: int) -> KVCache:
-        return self.model.new_cache(max_length=max_length)
-
-    def kv_blocks(self, block_tokens: int) -> KVBlockStore:
-        s = self.spec
-        return KVBlockStore(len(self.model.w.layers), s.n_kv_heads, s.head_dim, block_tokens=block_tokens,
-                            device=self.model.device, format=self.model.kv_format)
+    def new_sequence(self, max_length: int, table: BlockTable | None = None, length: int = 0) -> PagedKV:
+        pool = self._pool or self.kv_pool(DEFAULT_BLOCK_TOKENS, self.spec.context_length)
+        own = table is None
+        table = BlockTable(pool.blocks, max_length) if table is None else table
+        kv = PagedKV(self._storages.of(table.pool), table, length=length, max_length=max_length)
+        if own:
+            free_with(kv, table)
+        return kv
 
     @torch.inference_mode()
     def prefill(self, kv: SequenceKV, tokens: torch.Tensor, whole_prompt: bool = False,

@@ -1,20 +1,21 @@
-"""A split's KV: a sequence's caches, one a stage (`SplitKV`), and its prefix-cache blocks: each
-stage keeps its own layers' part of every block, on its own device; a block is the tuple of the
-stages' parts.
+"""A split's KV: a sequence's caches, one a stage (`SplitKV`), and its pool (`SplitPool`): one
+bookkeeping of blocks for all stages, each stage holding every block's cells of its own layers on
+its own device; a block's copies run on every stage, a block offloaded is the tuple of the stages'
+parts.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import torch
 
 from strata_mgpu.model.kv_cache import SequenceKV
-from strata_mgpu.stage.kv.blocks import StageBlocks
+from strata_mgpu.model.kv_pool import BlockPool
+from strata_mgpu.stage.kv.pool import StagePool
 
-SplitBlock = tuple[torch.Tensor, ...]  # one part a stage, in stage order
+HostBlock = tuple[tuple[torch.Tensor, torch.Tensor], ...]  # a stage's keys and values, in stage order
 
 
 @dataclass
@@ -38,16 +39,16 @@ class SplitKV:
         return self.parts[0].length
 
 
-class SplitBlocks:
-    """`KVBlocks` of a split's sequences, from each stage's own."""
+class SplitPool:
+    """The `KVPool` of a split: the stages' pools over one `BlockPool`."""
 
-    def __init__(self, parts: list[StageBlocks]):
-        assert parts and len({p.block_tokens for p in parts}) == 1
+    def __init__(self, parts: list[StagePool]):
+        assert parts and all(p.blocks is parts[0].blocks for p in parts)
         self.parts = parts
 
     @property
-    def block_tokens(self) -> int:
-        return self.parts[0].block_tokens
+    def blocks(self) -> BlockPool:
+        return self.parts[0].blocks
 
     @property
     def block_bytes(self) -> int:
@@ -55,18 +56,16 @@ class SplitBlocks:
 
     @property
     def host_tier(self) -> bool:
-        """Where any stage is a GPU: a CPU stage's part then simply stays where it is."""
+        """Where any stage is a GPU (a CPU stage's part is copied within host RAM)."""
         return any(p.host_tier for p in self.parts)
 
-    def cacheable(self, kv: SplitKV) -> bool:
-        return all(p.cacheable(part) for p, part in zip(self.parts, kv.parts, strict=True))
+    def copy_block(self, src: int, dst: int) -> None:
+        for p in self.parts:
+            p.copy_block(src, dst)
 
-    def save(self, kv: SplitKV, index: int) -> SplitBlock:
-        return tuple(p.save(part, index) for p, part in zip(self.parts, kv.parts, strict=True))
+    def offload(self, block: int) -> HostBlock:
+        return tuple(p.offload(block) for p in self.parts)
 
-    def offload(self, block: SplitBlock) -> SplitBlock:
-        return tuple(p.offload(b) if p.host_tier else b for p, b in zip(self.parts, block, strict=True))
-
-    def load(self, kv: SplitKV, blocks: Sequence[SplitBlock], n_tokens: int) -> None:
-        for k, (p, part) in enumerate(zip(self.parts, kv.parts, strict=True)):
-            p.load(part, [b[k] for b in blocks], n_tokens)
+    def load(self, data: HostBlock, block: int) -> None:
+        for p, part in zip(self.parts, data, strict=True):
+            p.load(part, block)

@@ -18,10 +18,11 @@ import torch
 from strata_mgpu.config import LayerSplit
 from strata_mgpu.model.decoder import Segment
 from strata_mgpu.model.gguf_reader import GGUFFile
+from strata_mgpu.model.kv_pool import DEFAULT_BLOCK_TOKENS, BlockPool, BlockTable, free_with
 from strata_mgpu.model.spec import ModelSpec
 from strata_mgpu.split.exchange import Exchange
 from strata_mgpu.split.help_rule import HelpPolicy
-from strata_mgpu.split.kv_blocks import SplitBlocks, SplitKV
+from strata_mgpu.split.kv_blocks import SplitKV, SplitPool
 from strata_mgpu.split.peer_prefill import MESSAGES_PER_LAYER, PeerPrefill
 from strata_mgpu.split.rate_model import stage_load
 from strata_mgpu.split.workers import StageWorkers, wait_all
@@ -85,13 +86,9 @@ class SplitRunner:
         self.last_help: list[int] = []
         self.prompt_clock: PromptTimer = PromptClock(stages[-1].ctx)  # one-chunk prompts, for the policy's rates
         self.kv_token_budget = min(s.kv_token_budget for s in stages)  # every stage holds every sequence's KV
+        self._pool: SplitPool | None = None
         threaded = stage_threads and all(s.ctx.is_cuda for s in stages)  # CPU work runs as it is queued
         self.workers = StageWorkers([s.ctx for s in stages], threaded)
-
-    def kv_cells(self, tokens: int) -> int:
-        """VRAM KV cells a sequence of `tokens` counts against `kv_token_budget`, the smallest stage's.
-        Safe for every stage: on one of window W >= the smallest S, min(t, W) <= (W / S) * min(t, S)."""
-        return min(tokens, self.kv_token_budget)
 
     @property
     def max_context(self) -> int:
@@ -136,14 +133,26 @@ class SplitRunner:
     def describe(self) -> str:
         return f"{len(self.stages)} stages: " + " | ".join(s.describe(with_layers=True) for s in self.stages)
 
-    def new_sequence(self, max_length: int) -> SplitKV:
-        parts = []
-        for s in self.stages:  # each stage's own KV (VRAM, or VRAM and host), made on its own stream
-            parts.append(s.new_sequence(max_length))
-        return SplitKV(parts)
+    def kv_pool(self, block_tokens: int, cells: int) -> SplitPool:
+        """Blocks as many as the smallest stage's plan holds, every stage's cells of them."""
+        blocks = BlockPool(min(s.kv.blocks_for(block_tokens) for s in self.stages), block_tokens)
+        self._pool = SplitPool([s.kv.make_pool(block_tokens, blocks) for s in self.stages])
+        return self._pool
 
-    def kv_blocks(self, block_tokens: int) -> SplitBlocks:
-        return SplitBlocks([s.kv_blocks(block_tokens) for s in self.stages])
+    def new_sequence(self, max_length: int, table: BlockTable | None = None, length: int = 0) -> SplitKV:
+        pool = self._pool or self.kv_pool(DEFAULT_BLOCK_TOKENS, 0)
+        own = table is None
+        if table is None:
+            blocks = pool.blocks
+            pool_tokens = blocks.n_blocks * blocks.block_tokens
+            table = BlockTable(blocks, min(max_length, pool_tokens))
+            if max_length > pool_tokens:
+                table.ensure(pool_tokens)
+        # each stage's own KV (in its pool, or two-tier on all of it), made on its own stream
+        kv = SplitKV([s.new_sequence(max_length, table, length) for s in self.stages])
+        if own:
+            free_with(kv, table)
+        return kv
 
     @torch.inference_mode()
     def prefill(self, kv: SplitKV, tokens: torch.Tensor, whole_prompt: bool = False,

@@ -19,6 +19,7 @@ from strata_mgpu.env import EnvOptions
 from strata_mgpu.kernels.experts import CudaKernels, TorchKernels
 from strata_mgpu.model.decoder import Decoder, Segment
 from strata_mgpu.model.kv_cache import SequenceKV
+from strata_mgpu.model.kv_pool import BlockTable
 from strata_mgpu.model.runner import dtype_name, prefill_last_logits, prefill_pack_logits
 from strata_mgpu.model.spec import ModelSpec
 from strata_mgpu.stage.device import DeviceContext
@@ -29,7 +30,7 @@ from strata_mgpu.stage.experts.streamed import StreamedExperts
 from strata_mgpu.stage.graphs.replay import DecodeGraphs
 from strata_mgpu.stage.host.arena import HostExpertArena
 from strata_mgpu.stage.kv.allocator import StageKV
-from strata_mgpu.stage.kv.blocks import StageBlocks
+from strata_mgpu.stage.kv.pool import StagePool
 from strata_mgpu.stage.memory_plan import GiB, MemoryPlan, vram_plan_line
 
 log = logging.getLogger("strata.stage")
@@ -124,14 +125,11 @@ class Stage:
     def max_context(self) -> int:
         return self.kv.max_context
 
-    def kv_cells(self, tokens: int) -> int:
-        return self.kv.cells(tokens)
+    def kv_pool(self, block_tokens: int, cells: int) -> StagePool:
+        return self.kv.make_pool(block_tokens)
 
-    def new_sequence(self, max_length: int) -> SequenceKV:
-        return self.kv.new_sequence(max_length)
-
-    def kv_blocks(self, block_tokens: int) -> StageBlocks:
-        return StageBlocks(self.ctx, self.spec, self.layers, block_tokens=block_tokens, format=self.kv.format)
+    def new_sequence(self, max_length: int, table: BlockTable | None = None, length: int = 0) -> SequenceKV:
+        return self.kv.new_sequence(max_length, table, length)
 
     @torch.inference_mode()
     def prefill(self, kv: SequenceKV, tokens: torch.Tensor, whole_prompt: bool = False,

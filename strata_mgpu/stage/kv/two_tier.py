@@ -141,12 +141,17 @@ class TwoTierKV:
     """One sequence's KV for `n_layers` layers (see the module docstring). `KVCache`'s interface plus
     `prefetch(layer)` (called one layer ahead) and `drain()` (called when a forward fails).
 
-    `k`, `v` [L, W', Hkv, Dh] are the VRAM ring (W' grows by doubling up to W).
+    `k`, `v` [L, W', Hkv, Dh] are the VRAM ring (W' grows by doubling up to W; given whole, the KV pool's
+    cells, as a sequence longer than the pool holds it).
     """
+
+    block_table: torch.Tensor | None = None  # ring slot p holds position p until the first spill
+    block_tokens = 0
 
     def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, *, window: int, max_length: int,
                  staging: KVStaging, capacity: int = 256, dtype: torch.dtype = torch.float32,
-                 kv_types: tuple[GGMLQuantizationType, GGMLQuantizationType] = PLAIN_KV):
+                 kv_types: tuple[GGMLQuantizationType, GGMLQuantizationType] = PLAIN_KV,
+                 ring: tuple[torch.Tensor, torch.Tensor] | None = None):
         if not 0 < window < max_length:
             raise ValueError(f"a two-tier cache needs 0 < window ({window}) < max_length ({max_length})")
         if staging.max_cells < max_length:
@@ -160,9 +165,13 @@ class TwoTierKV:
         self.owner = next(_owner_ids)
         # Declared per layer: a layer's spill and another layer's upload touch disjoint rows.
         self._host_rows_name = [f"{self.ctx.name} kv {self.owner} host rows of layer {i}" for i in range(n_layers)]
-        cap = min(capacity, window)
-        self.k = self.format.zeros(self.format.keys, n_layers, cap, n_kv_heads, head_dim, device=self.device)
-        self.v = self.format.zeros(self.format.values, n_layers, cap, n_kv_heads, head_dim, device=self.device)
+        if ring is not None:  # the KV pool's cells, every block of it: the ring at its full window
+            assert ring[0].shape[:2] == (n_layers, window) and ring[1].shape[:2] == (n_layers, window)
+            self.k, self.v = ring
+        else:
+            cap = min(capacity, window)
+            self.k = self.format.zeros(self.format.keys, n_layers, cap, n_kv_heads, head_dim, device=self.device)
+            self.v = self.format.zeros(self.format.values, n_layers, cap, n_kv_heads, head_dim, device=self.device)
         self._heads, self._head_dim = n_kv_heads, head_dim
         self.host_rows = [0] * n_layers  # per layer: positions [0, h) are on the host
         self.host_k: torch.Tensor | None = None  # [L, C, Hkv, R], allocated at the first spill
