@@ -315,8 +315,10 @@ def info(model: Path, link_gbps: float, max_vram: str | None, devices: str, laye
     except (GGUFError, SplitError, PlanError, DeviceError) as e:
         fail(str(e))
     out.print(*report.info_tables(mi, model.name, link_gbps), sep="\n")
+    defaults = EngineConfig()
     for name, layers, plan in plans:
         out.print(report.plan_table(name, layers, plan, mi.spec.n_experts))
+        out.print(report.pool_line(name, plan, defaults.prefix_block_tokens, defaults.cache_ram_gib))
 
 def _int_list(value: str) -> list[int]:
     try:

@@ -36,7 +36,7 @@ class EngineConfig:
     arrival_gap_ms: float = 2.0
     prefix_cache: bool = True  # keep full KV blocks of conversations for the next turn (--no-prefix-cache)
     cache_ram_gib: float = 8.0  # the prefix cache's host-RAM tier (--cache-ram), llama-server's default
-    prefix_block_tokens: int = 64  # tokens a cached block holds: a continuation recomputes fewer than this
+    prefix_block_tokens: int = 64  # tokens a block of the KV pool holds: a cached continuation recomputes fewer
     kv_tokens: int | None = None  # KV cells in VRAM for all sequences together (--kv-tokens); None: one context
 
     def __post_init__(self) -> None:

@@ -82,6 +82,14 @@ def plan_table(device: str, layers: range, plan: MemoryPlan, n_experts: int) -> 
     return t
 
 
+def pool_line(device: str, plan: MemoryPlan, block_tokens: int, cache_ram_gib: float) -> str:
+    """The KV pool a stage's plan makes: its blocks, and the host tier beside it."""
+    n = max(1, plan.kv_tokens // block_tokens)
+    return (f"KV pool on {device}: {n:,} blocks of {block_tokens} tokens ({plan.kv / n / 2**20:.1f} MiB each, "
+            f"{plan.kv_type}), shared by the running sequences and the prefix cache; cached prefixes moved out of "
+            f"it in up to {cache_ram_gib:g} GiB of pinned host RAM (--cache-ram)")
+
+
 def _gb_per_s(x: float | None) -> str:
     """'9.6 GB/s', '0.049 GB/s': two figures at least, so a slow rate does not read 0.0."""
     return "n/a" if x is None else f"{x:.1f} GB/s" if x >= 1 else f"{x:.2g} GB/s"

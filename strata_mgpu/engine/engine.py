@@ -58,6 +58,9 @@ class Engine:
         self.sampler = BatchSampler()
         self.pool = runner.kv_pool(config.prefix_block_tokens, config.kv_cells(runner.spec.context_length))
         self.metrics.watch_pool(self.pool.blocks)
+        b = self.pool.blocks
+        log.info("KV pool: %d blocks of %d tokens (%.2f MiB each, %s)", b.n_blocks, b.block_tokens,
+                 self.pool.block_bytes / (1 << 20), "on the device" if self.pool.host_tier else "in host RAM")
         self.prefix = make_prefix_cache(self.pool, config)
         if self.prefix is not None:
             self.metrics.watch_prefix_cache(self.prefix)
@@ -258,8 +261,6 @@ def make_prefix_cache(pool: KVPool, config: EngineConfig) -> PrefixCache | None:
         log.warning("--cache-ram %.1f GiB: the host holds %.1f GiB free, so the prefix cache keeps at most %.1f GiB "
                     "there", config.cache_ram_gib, free / (1 << 30), host_bytes / (1 << 30))
     cache = PrefixCache(pool, host_bytes=host_bytes)
-    b = pool.blocks
-    log.info("KV pool: %d blocks of %d tokens (%.1f MiB each), shared by the sequences and the prefix cache; %d more "
-             "blocks of cached prefixes in host RAM", b.n_blocks, b.block_tokens, pool.block_bytes / (1 << 20),
+    log.info("prefix cache: an index over the KV pool's blocks; up to %d blocks moved out of it kept in host RAM",
              cache.host_blocks)
     return cache

@@ -87,7 +87,7 @@ class MemoryPlan:
         """(what, bytes) in the order they are placed; the budget and what is left last."""
         out = [("dense weights", self.dense), ("expert workspace (bf16, one layer)", self.workspace),
                ("activations (one chunk)", self.activations),
-               (f"KV cache ({self.kv_tokens:,} tokens, {self.kv_type})", self.kv),
+               (f"KV pool ({self.kv_tokens:,} tokens, {self.kv_type})", self.kv),
                ("KV staging (host prefix uploads)", self.kv_staging),
                ("decode graphs and GEMM workspaces", self.decode), ("allocator slack", self.slack),
                (f"expert ring ({self.ring_slots} x {self.streamed_per_layer} experts)", self.ring),

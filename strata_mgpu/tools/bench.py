@@ -22,6 +22,7 @@ from typing import NamedTuple
 import torch
 
 from strata_mgpu.kernels.cpu_experts import ExpertRate
+from strata_mgpu.model.kv_pool import DEFAULT_BLOCK_TOKENS
 from strata_mgpu.split.runner import SplitRunner
 from strata_mgpu.stage.experts.cache import vram_share
 from strata_mgpu.stage.experts.cpu_handover import CpuHandover
@@ -296,8 +297,10 @@ def decode_batch_prompts(batch: int, prompt_tokens: int = 64, step: int = 7) -> 
 
 
 def decode_batch_kv_tokens(batch: int, n_steps: int, warmup: int = 2) -> int:
-    """KV cells `time_decode_batch` takes for all its sequences together (a runner plans for this)."""
-    return sum(n + warmup + n_steps + 1 for n in decode_batch_prompts(batch))
+    """KV cells `time_decode_batch` takes for all its sequences together (a runner plans for this), each
+    in whole blocks of the pool."""
+    b = DEFAULT_BLOCK_TOKENS
+    return sum(-(-(n + warmup + n_steps + 1) // b) * b for n in decode_batch_prompts(batch))
 
 
 def time_decode_batch(runner, batch: int, n_steps: int, warmup: int = 2, chunk: int = 8192, seed: int = 0

@@ -77,27 +77,31 @@ class StageKV:
         if max_length > self.max_context:
             raise ValueError(f"a sequence of {max_length} tokens exceeds the {self.max_context} this stage planned "
                              f"its KV for")
-        pool = self.pool or self.make_pool(DEFAULT_BLOCK_TOKENS)
+        pool = self.pool or self.make_pool(min(DEFAULT_BLOCK_TOKENS, self.vram_cells))
         blocks = pool.blocks if table is None else table.pool
         storage = self._storages.of(blocks)
         pool_tokens = blocks.n_blocks * blocks.block_tokens
         own = table is None
         if table is None:
             table = BlockTable(blocks, min(max_length, pool_tokens))
-            if max_length > pool_tokens:
-                table.ensure(pool_tokens)
         kv: PagedKV | TwoTierKV
         with self.ctx.on_compute():
             if max_length <= pool_tokens:
                 kv = PagedKV(storage, table, length=length, max_length=max_length)
             else:
-                assert len(table.ids) == blocks.n_blocks and length == 0, "a two-tier sequence holds the whole pool"
+                assert length == 0, "a two-tier sequence starts empty"
                 if self._staging is None:  # one buffer for the planned context, as the plan counted it
                     self._staging = KVStaging.for_model(self.spec, self.max_context, ctx=self.ctx, dtype=self.dtype,
                                                         kv_types=self.format.types, prefetch=self.prefetch)
+                if own and table.missing(pool_tokens) > blocks.free_blocks:
+                    # (tools, tests: beside other sequences, outside any engine) a ring of its own, as wide
+                    ring = None
+                else:
+                    table.ensure(pool_tokens)
+                    ring = (storage.k, storage.v)  # the whole pool's cells
                 kv = TwoTierKV(len(self.layers), self.spec.n_kv_heads, self.spec.head_dim, window=pool_tokens,
                                max_length=max_length, staging=self._staging, dtype=self.dtype,
-                               kv_types=self.format.types, ring=(storage.k, storage.v))
+                               kv_types=self.format.types, ring=ring, capacity=pool_tokens)
         if own:
             free_with(kv, table)
         return kv
