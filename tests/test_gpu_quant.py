@@ -1,7 +1,7 @@
 """GPU checks of every served block format (marker `gpu`; skipped without CUDA): the CUDA dequant
-bit-exact against the torch twin on random blocks (and MXFP4's on every scale byte), decode's fused expert kernels and the address
-gather against the twin for every type on both sides of an expert, the grouped expert kernels
-against the pick-by-pick ones, and the path counters."""
+bit-exact against the torch twin on random blocks (MXFP4's also on every scale byte), decode's
+fused expert kernels and the address gather against the twin for every type on both sides of an
+expert, the grouped expert kernels against the pick-by-pick ones, and the path counters."""
 
 from __future__ import annotations
 

@@ -166,7 +166,7 @@ def test_gen_model_mxfp4_experts_are_served_as_the_reference_computes(tmp_path):
         assert r.exit_code == 0, r.output
         f = GGUFFile(path)
         spec = spec_from_gguf(f)
-        types = [(f.tensor(f"blk.{i}.ffn_up_exps.weight").ggml_type, f.tensor(f"blk.{i}.ffn_down_exps.weight").ggml_type)
+        types = [tuple(f.tensor(f"blk.{i}.ffn_{kind}_exps.weight").ggml_type for kind in ("up", "down"))
                  for i in range(spec.n_layers)]
         assert types == ([(Q.MXFP4, Q.MXFP4)] * spec.n_layers if not extra else
                          [(Q.MXFP4, Q.Q8_0)] * 2 + [(Q.Q4_0, Q.Q8_0)] * (spec.n_layers - 2))
