@@ -65,8 +65,8 @@ HOST_PROMPT_HELP = EnvVar("STRATA_HOST_PROMPT_HELP", "0",
 
 DENSE_BLOCKS = EnvVar("STRATA_DENSE_BLOCKS", "1",
                       "1 (default) keeps a GPU stage's attention projections and head as the file's blocks where "
-                      "they are Q4_0, Q8_0, Q4_K, Q5_K or Q6_K (decode multiplies them in place, prompts through a "
-                      "transient bf16 copy); 0: bf16 copies of every one (twice Q8_0's VRAM)")
+                      "they are Q4_0, Q8_0, Q4_K, Q5_K, Q6_K or MXFP4 (decode multiplies them in place, prompts "
+                      "through a transient bf16 copy); 0: bf16 copies of every one (twice Q8_0's VRAM)")
 
 ADAPT_THREADS = EnvVar("STRATA_ADAPT_THREADS", "1",
                        "1 (default): a CPU stage computes on the count of its --threads its calls measure fastest "

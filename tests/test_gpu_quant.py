@@ -1,7 +1,7 @@
 """GPU checks of every served block format (marker `gpu`; skipped without CUDA): the CUDA dequant
-bit-exact against the torch twin on random blocks, decode's fused expert kernels and the address
-gather against the twin for every type on both sides of an expert, the grouped expert kernels
-against the pick-by-pick ones, and the path counters."""
+bit-exact against the torch twin on random blocks (MXFP4's also on every scale byte), decode's
+fused expert kernels and the address gather against the twin for every type on both sides of an
+expert, the grouped expert kernels against the pick-by-pick ones, and the path counters."""
 
 from __future__ import annotations
 
@@ -54,8 +54,6 @@ def test_cuda_dequant_is_bit_exact_with_the_twin(kernels, ggml_type):
     if fmt.is_float:
         stride += (-stride) % fmt.type_size  # F32/F16/BF16 read whole words
     blocks = raw_blocks(ggml_type, groups * per_group // fmt.block_size, np.random.default_rng(seed))
-    if ggml_type == GGMLQuantizationType.MXFP4:  # E8M0 scales of normal floats only: a raw scale outside
-        blocks[:, 0] = np.clip(blocks[:, 0], 2, 253)  # 2..253 differed from the twin on the GPU (open)
     strided = np.zeros((groups, stride), dtype=np.uint8)
     strided[:, :run_bytes] = blocks.reshape(groups, run_bytes)
     src = torch.from_numpy(strided.reshape(-1)).to(CUDA)
@@ -68,6 +66,29 @@ def test_cuda_dequant_is_bit_exact_with_the_twin(kernels, ggml_type):
     assert kernels.paths["dequant:cuda"] == before + 1  # the kernel ran, not the twin
     ok, at = same_bf16_bits(got, want)
     assert ok, f"seed {seed}: {ggml_type.name} differs first at weight {at} (block {at // fmt.block_size})"
+
+
+def test_cuda_dequant_of_mxfp4_on_every_scale_byte(kernels):
+    """MXFP4's 256 E8M0 scale bytes (subnormal scales 0 and 1, the overflowing 253..255): the
+    kernel and the twin on the GPU each equal the twin on the host (= ggml's C,
+    tests/test_quant_mxfp4.py), rounded to bf16 there."""
+    from tests.test_quant_mxfp4 import every_scale_blocks
+
+    seed = fresh_seed()
+    blocks = every_scale_blocks(np.random.default_rng(seed))
+    n = blocks.shape[0] * 32
+    host = torch.empty(n, dtype=torch.bfloat16)
+    src_host = torch.from_numpy(blocks.reshape(-1).copy())
+    TorchKernels().dequant(src_host, GGMLQuantizationType.MXFP4, 1, n, 0, host)
+    src = src_host.to(CUDA)
+    before = kernels.paths["dequant:cuda"]
+    for name, run in (("kernel", kernels), ("GPU twin", TorchKernels())):
+        got = torch.full((n,), float("nan"), dtype=torch.bfloat16, device=CUDA)
+        run.dequant(src, GGMLQuantizationType.MXFP4, 1, n, 0, got)
+        torch.cuda.synchronize()
+        ok, at = same_bf16_bits(got.cpu(), host)
+        assert ok, f"seed {seed}: the {name} differs first at weight {at}, scale byte {blocks[at // 32, 0]}"
+    assert kernels.paths["dequant:cuda"] == before + 1  # the kernel ran, not the twin
 
 
 # (gate/up, down): every type on each side once
@@ -140,7 +161,8 @@ def test_fused_decode_and_gather_of_every_type_equal_twin(kernels, tmp_path_fact
 
 
 Q8 = GGMLQuantizationType
-GROUPED_PAIRS = [(Q8.Q4_K, Q8.Q6_K), (Q8.Q8_0, Q8.Q4_0), (Q8.Q5_K, Q8.Q8_0), (Q8.Q6_K, Q8.Q5_K), (Q8.Q4_0, Q8.Q4_K)]
+GROUPED_PAIRS = [(Q8.Q4_K, Q8.Q6_K), (Q8.Q8_0, Q8.Q4_0), (Q8.Q5_K, Q8.Q8_0), (Q8.Q6_K, Q8.Q5_K), (Q8.Q4_0, Q8.Q4_K),
+                 (Q8.MXFP4, Q8.MXFP4)]
 
 
 @pytest.mark.parametrize("types", GROUPED_PAIRS, ids=lambda t: f"{t[0].name}-{t[1].name}")

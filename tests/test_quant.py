@@ -29,13 +29,22 @@ def fresh_seed() -> int:
     return int(np.random.SeedSequence().entropy % 2**32)  # fresh inputs each run; printed on failure
 
 
+# MXFP4's E8M0 scale bytes raw_blocks draws: 2^-24 .. 2^15 (d = 2^(e - 128)), fp16's magnitudes, so
+# that every path's sums stay finite (an integer dot's d * sum q x overflows fp32 from e ~ 240 on,
+# where the weights themselves do not). Every byte, the edges included: tests/test_quant_mxfp4.py.
+E8M0_DRAWN = (104, 143)
+
+
 def raw_blocks(ggml_type: Q, n_blocks: int, rng: np.random.Generator) -> np.ndarray:
-    """[N, type_size] random bytes, fp16 scale words made finite (any of them: tiny, huge, negative)."""
+    """[N, type_size] random bytes, fp16 scale words made finite (any of them: tiny, huge, negative),
+    E8M0 scale bytes within E8M0_DRAWN."""
     fmt = block_format(ggml_type)
     blocks = rng.integers(0, 256, size=(n_blocks, fmt.type_size), dtype=np.uint8)
     bits = f16_scale_bits(fmt, blocks)  # [N, scales]
     bits[(bits & 0x7C00) == 0x7C00] &= 0xBFFF  # inf/NaN exponent -> a finite one
     set_f16_scale_bits(fmt, blocks, bits)
+    for at in fmt.e8m0_fields:
+        blocks[:, at] = rng.integers(E8M0_DRAWN[0], E8M0_DRAWN[1] + 1, size=n_blocks)
     return blocks
 
 
@@ -71,7 +80,7 @@ def assert_same_bits(got: np.ndarray, ref: np.ndarray, what: str) -> None:
 def check_against_gguf(ggml_type: Q, blocks: np.ndarray, what: str) -> None:
     fmt = block_format(ggml_type)
     n = blocks.shape[0]
-    with np.errstate(over="ignore"):  # MXFP4's largest exponents overflow to inf, in both
+    with np.errstate(over="ignore"):  # MXFP4's largest exponents overflow to inf (test_quant_mxfp4.py)
         ref = gguf_quants.dequantize(blocks.reshape(1, -1), ggml_type).reshape(n, fmt.block_size)
     got = dequantize(blocks.reshape(1, -1), ggml_type, (n * fmt.block_size,)).numpy().reshape(n, fmt.block_size)
     assert got.dtype == np.float32

@@ -1,5 +1,5 @@
 // Decode's dense projections read as the file stores them: a few rows x [T, K] times W [N, K] in
-// GGML blocks of an integer type of q8_dot.cuh (Q4_0, Q8_0, Q4_K, Q5_K, Q6_K), the input quantized
+// GGML blocks of an integer type of q8_dot.cuh (Q4_0, Q8_0, Q4_K, Q5_K, Q6_K, MXFP4), the input quantized
 // to 8 bits first (quantize_q8 in moe_decode.cu). At batch 1 a projection is a matrix-vector
 // product bound by the weights' bytes: Q8_0 is 1.06 bytes a weight where bf16 is 2, Q4_K 0.56.
 //

@@ -50,9 +50,29 @@ __device__ __forceinline__ float iq4_value(int q) {
     return (float)table16(0xBFAD9881u, 0xF6EADDCFu, 0x26190D01u, 0x71594535u, q);
 }
 
-// MXFP4 (E2M1) codebook, doubled: 0 1 2 3 4 6 8 12 0 -1 -2 -3 -4 -6 -8 -12.
-__device__ __forceinline__ float mxfp4_value(int q) {
-    return (float)table16(0x03020100u, 0x0C080604u, 0xFDFEFF00u, 0xF4F8FAFCu, q);
+// MXFP4 (E2M1) codebook, doubled: 0 1 2 3 4 6 8 12 0 -1 -2 -3 -4 -6 -8 -12 (signed bytes, low first).
+#define MXFP4_TABLE 0x03020100u, 0x0C080604u, 0xFDFEFF00u, 0xF4F8FAFCu
+__device__ __forceinline__ float mxfp4_value(int q) { return (float)table16(MXFP4_TABLE, q); }
+
+// MXFP4's scale byte e as half of 2^(e - 127), ggml_e8m0_to_fp32_half's bits: subnormal for e < 2,
+// 2^127 at most (e = 255 is no NaN here, as in ggml); the halving pairs with the doubled codebook.
+__device__ __forceinline__ float e8m0_half(unsigned e) { return __uint_as_float(e < 2 ? 0x00200000u << e : (e - 1) << 23); }
+
+// The 8 nibbles of word q as 8 codebook bytes (the table's 16 signed bytes in words t0..t3): the
+// low nibbles' values in *lo, the high nibbles' in *hi, byte k from byte k of q; four byte permutes
+// a word (ggml-cuda's get_int_from_table_16), no table in memory. __byte_perm reads the low 3 bits
+// of each selector nibble: a nibble picks within t0:t1 and within t2:t3, its bit 3 between them.
+__device__ __forceinline__ void table16_bytes(unsigned q, unsigned t0, unsigned t1, unsigned t2, unsigned t3,
+                                              unsigned* lo, unsigned* hi) {
+    const unsigned pick = 0x32103210u | ((q & 0x88888888u) >> 1);
+    unsigned v[2];
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {  // v[i]: the values of nibbles 4i .. 4i + 3 of q, in order
+        const unsigned s = q >> (16 * i);
+        v[i] = __byte_perm(__byte_perm(t0, t1, s), __byte_perm(t2, t3, s), pick >> (16 * i));
+    }
+    *lo = __byte_perm(v[0], v[1], 0x6420);
+    *hi = __byte_perm(v[0], v[1], 0x7531);
 }
 
 // The 4N bytes at p (any alignment) as N little-endian words: read as aligned 4-byte words (N + 1
@@ -298,8 +318,7 @@ template <> __device__ __forceinline__ void sub_block<23>(const u8* b, int j, fl
 
 // MXFP4 [e:e8m0][qs:16]: half of 2^(e - 127) (ggml_e8m0_to_fp32_half) * doubled codebook[q]
 template <> __device__ __forceinline__ void sub_block<39>(const u8* b, int, float* v) {
-    const unsigned e = b[0];
-    const float d = __uint_as_float(e < 2 ? 0x00200000u << e : (e - 1) << 23);
+    const float d = e8m0_half(b[0]);
 #pragma unroll
     for (int l = 0; l < 32; ++l) v[l] = __fmul_rn(d, mxfp4_value(nibble(b + 1, l)));
 }

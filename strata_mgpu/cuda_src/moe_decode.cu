@@ -11,7 +11,7 @@
 // A pick of -1 adds nothing: the host's cores compute that expert (cpu_handover.cu) and add it after.
 // Rounding follows the torch twin (GEMM outputs, SiLU and the product rounded to bf16; routing
 // weights cast to bf16; an fp32 sum over the picks). The dots themselves take one of two paths:
-//   integer (Q8Dot<TYPE>::ok, q8_dot.cuh: Q4_0, Q8_0, Q4_K, Q5_K, Q6_K): the kernel's input is
+//   integer (Q8Dot<TYPE>::ok, q8_dot.cuh: Q4_0, Q8_0, Q4_K, Q5_K, Q6_K, MXFP4): the kernel's input is
 //     quantized to 8 bits first (quantize_q8, below: x into xq [T, D / 32] sub-blocks, act into
 //     aq [P, F / 32]) and each weight stays an integer; the twin does the same quantization.
 //   float (the other types): weights rounded to bf16, as the twin's dequant does, times the bf16

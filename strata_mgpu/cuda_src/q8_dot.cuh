@@ -10,7 +10,8 @@
 //     sum_l w_l x_l = dx * sum_halves (scale_h * sum_l q_l xq_l - offset_h * sum_l xq_l)
 //
 // for w_l = scale_h * q_l - offset_h (every type here has that form, a scale and an offset for
-// each 16-weight half of a sub-block, mostly the same for both halves) and x_l = dx * xq_l.
+// each 16-weight half of a sub-block, mostly the same for both halves) and x_l = dx * xq_l. A
+// codebook type's q_l are its codebook's integers (MXFP4: E2M1 doubled, looked up in registers).
 //
 // A quantized sub-block of activations (`quantize_q8` writes them, Q8_WORDS words each, 48 bytes:
 // a warp's 16-byte shared-memory loads at that stride hit distinct banks):
@@ -28,7 +29,7 @@ constexpr int Q8_WORDS = 12;
 // Which types have an integer dot (the others run moe_decode.cu's float path); kernels/experts.py's
 // Q8_DOT_TYPES must list the same ids (tests/test_q8_dot.py checks).
 template <int TYPE> struct Q8Dot { static constexpr bool ok = false; };
-#define Q8_DOT_TYPES(X) X(2) X(8) X(12) X(13) X(14)
+#define Q8_DOT_TYPES(X) X(2) X(8) X(12) X(13) X(14) X(39)
 #define Q8_DOT_OK(T) \
     template <> struct Q8Dot<T> { static constexpr bool ok = true; };
 Q8_DOT_TYPES(Q8_DOT_OK)
@@ -115,4 +116,15 @@ template <> __device__ __forceinline__ void q8_unpack<14>(const u8* b, int j, Q8
     u->s1 = __fmul_rn(d, (float)sc[2 * g + 1]);
     u->o0 = __fmul_rn(u->s0, 32.f);
     u->o1 = __fmul_rn(u->s1, 32.f);
+}
+
+// MXFP4 [e:e8m0][qs:16]: w = d * q, d half of 2^(e - 127), q the doubled E2M1 codebook's integer
+// (-12..12); values 0-15 the low nibbles' codes, 16-31 the high ones', as sub_block<39>
+template <> __device__ __forceinline__ void q8_unpack<39>(const u8* b, int, Q8Sub* u) {
+    unsigned w[4];
+    load_words<4>(b + 1, w);
+#pragma unroll
+    for (int k = 0; k < 4; ++k) table16_bytes(w[k], MXFP4_TABLE, &u->q[k], &u->q[4 + k]);
+    u->s0 = u->s1 = e8m0_half(b[0]);
+    u->o0 = u->o1 = 0.f;
 }

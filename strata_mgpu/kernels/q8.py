@@ -15,7 +15,7 @@ from strata_mgpu.quant.formats import FUSED_DECODE_TYPES
 Q = GGMLQuantizationType
 # Types whose fused kernels dot integers against 8-bit activations (cuda_src/q8_dot.cuh's
 # Q8_DOT_TYPES): their input is quantized first, and the twin quantizes it the same way.
-Q8_DOT_TYPES = frozenset({Q.Q4_0, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K})
+Q8_DOT_TYPES = frozenset({Q.Q4_0, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.MXFP4})
 Q8_WORDS = 12  # words (int32) of one quantized 32-value sub-block: 32 int8, the scale, two half sums, a pad
 Q8_THREADS = 256  # quantize_q8: a warp a sub-block
 MOE_FILE = "moe_decode.cu"

@@ -171,11 +171,18 @@ def _iq4_xs(b: torch.Tensor) -> torch.Tensor:  # [d:f16][scales_h:u16][scales_l:
     return (dl * _codebook(IQ4_VALUES, b.device)[codes]).reshape(n, 256)
 
 
+@cache
+def _e8m0_halves(device: torch.device) -> torch.Tensor:
+    """[256] float32: scale byte e as half of 2^(e - 127) (the codebook is doubled), the bits of
+    ggml_e8m0_to_fp32_half: subnormal below e = 2, 2^127 at e = 255 (no NaN). A table built on the
+    host, so no device's shifts or flushing of subnormals enter it."""
+    e = np.arange(256, dtype=np.uint32)
+    bits = np.where(e < 2, np.uint32(0x00200000) << e, (e - 1) << np.uint32(23)).astype(np.uint32)
+    return torch.from_numpy(bits.view(np.float32)).to(device)
+
+
 def _mxfp4(b: torch.Tensor) -> torch.Tensor:  # [e:e8m0][qs:16]
-    e = b[:, 0:1].long()
-    # Half of 2^(e - 127) (the codebook is doubled), as ggml_e8m0_to_fp32_half: subnormal below e = 2.
-    bits = torch.where(e < 2, 0x00200000 << e, (e - 1) << 23).to(torch.int32)
-    d = bits.view(torch.float32)  # [N, 1]
+    d = _e8m0_halves(b.device)[b[:, 0:1].long()]  # [N, 1]
     return d * _codebook(MXFP4_VALUES, b.device)[_nibbles(b[:, 1:17]).long()]
 
 
