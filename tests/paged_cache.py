@@ -5,6 +5,8 @@ own pool (model/kv_pool.py) replaces it where these tests take a real one."""
 
 from __future__ import annotations
 
+import copy
+
 import torch
 from gguf.constants import GGMLQuantizationType
 
@@ -28,6 +30,12 @@ class Pool:
 
     def sequence(self, blocks: list[int], max_blocks: int) -> PagedKV:
         return PagedKV(self, blocks, max_blocks)
+
+    def copy(self) -> Pool:
+        """A pool of the same cells in storage of its own."""
+        twin = copy.copy(self)
+        twin.k, twin.v = self.k.clone(), self.v.clone()
+        return twin
 
 
 class PagedKV:
@@ -53,6 +61,10 @@ class PagedKV:
         self.block_table[len(self.blocks)] = block
         self.blocks.append(block)
 
+    def on(self, pool: Pool) -> PagedKV:
+        """The same blocks in another pool (a table of its own)."""
+        return PagedKV(pool, self.blocks, self.block_table.numel())
+
     def cells(self) -> torch.Tensor:
         """The pool's cells of positions 0..capacity-1 [capacity] int64."""
         return kv_cells(self, torch.arange(self.capacity, device=self.k.device))
@@ -70,7 +82,7 @@ class PagedKV:
 
 def random_blocks(n_blocks: int, counts: list[int], generator: torch.Generator) -> list[list[int]]:
     """Disjoint lists of `counts` blocks each, drawn from a random permutation of the pool's."""
-    order = torch.randperm(n_blocks, generator=generator).tolist()
+    order = torch.randperm(n_blocks, generator=generator, device=generator.device).tolist()
     assert sum(counts) <= n_blocks
     starts = [sum(counts[:i]) for i in range(len(counts))]
     return [order[s:s + c] for s, c in zip(starts, counts, strict=True)]
