@@ -270,7 +270,7 @@ def test_the_fused_rotation_reads_the_tables_it_is_given(monkeypatch):
     launches = []
     monkeypatch.setattr(DO.CudaDecodeOps, "_ok", staticmethod(lambda *t: True))
     monkeypatch.setattr(DO.CudaDecodeOps, "_rows_ok", staticmethod(lambda t: True))
-    monkeypatch.setattr(ops, "kv_table", lambda kvs: torch.zeros(len(kvs), 3, dtype=torch.int64))
+    monkeypatch.setattr(ops, "kv_table", lambda kvs: torch.zeros(len(kvs), DO.KV_TABLE_COLUMNS, dtype=torch.int64))
     monkeypatch.setattr(ops, "_launch", lambda name, grid, block, *args, shared_mem=0:
                         launches.append((name, grid, block, args)))
     n, dh = 3, spec.head_dim

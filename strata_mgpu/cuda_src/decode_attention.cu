@@ -2,10 +2,13 @@
 // (flash-decoding), so that the cost follows each sequence's length, not its cache's capacity.
 //
 // Row b of the batch is one new token of sequence b: q [B, H, Dh] bf16 (normed and rotated), its
-// keys and values the cells 0..positions[b] of that sequence's cache. The caches are found through
-// a table of B rows (k base, v base, the keys' layer stride in their elements): layer `layer`'s
-// keys are [capacity, Hkv, Dh] bf16 at k_base + layer * stride. With KQ8 (VQ8) the keys (values)
-// are ggml Q8_0 blocks instead, [capacity, Hkv, Dh / 32 * 34] bytes (fp16 d, 32 int8 q: x = d q),
+// keys and values its positions 0..positions[b]. The caches are found through a table of B rows
+// of 5 int64 (kernels.decode_ops.kv_table_row): k base, v base, the keys' layer stride in their
+// elements, a block table's address or 0, log2 of its block tokens or 0. Layer `layer`'s keys are
+// [cells, Hkv, Dh] bf16 at k_base + layer * stride; position p sits in cell p, or, where the row
+// has a block table bt (int32, a paged cache: k/v base are the pool's, shared by its sequences),
+// in cell bt[p >> shift] << shift | p & (2^shift - 1). With KQ8 (VQ8) the keys (values)
+// are ggml Q8_0 blocks instead, [cells, Hkv, Dh / 32 * 34] bytes (fp16 d, 32 int8 q: x = d q),
 // dequantized in the tile load (x rounded to bf16, as the twin's load), the other's layer stride
 // following from the keys' (the same cells).
 //
@@ -13,7 +16,9 @@
 //                    takes query heads [c * HC, min((c + 1) * HC, G)) of KV head g's G = H / Hkv and the
 //                    keys [s * W, min((s + 1) * W, pos + 1)) (W = row_split_keys: the row's own
 //                    keys over all S splits, at most L), in tiles of TK keys, tile i to warp
-//                    i % WARPS. Each warp streams its tiles' keys and values into its own ring of
+//                    i % WARPS (a tile's first position a multiple of TK: SPLIT_GRANULE is, and so
+//                    its TK cells lie in one block of a paged cache, one table load a tile). Each
+//                    warp streams its tiles' keys and values into its own ring of
 //                    shared memory (cp.async, NS tiles in flight, no block barrier in the loop; Q8_0
 //                    cells through registers, dequantized to bf16 on the way), scores a
 //                    tile on the tensor cores (bf16 products, fp32 sums), keeps a running max and sum
@@ -45,6 +50,7 @@ constexpr int TK = 8;           // keys a tile: the mma's 8 columns
 constexpr int WARPS = 2;        // warps a block (kernels.decode_ops.ATTN_WARPS)
 constexpr int RING = 16 << 10;  // bytes of a warp's ring: NS stages of a tile's keys and values (4 * TK * DH bytes)
 constexpr int CG = 8;           // split groups of attn_combine (kernels.decode_ops.ATTN_COMBINE_GROUPS)
+constexpr int KV_ROW = 5;       // int64 a row of the caches' table (kernels.decode_ops.KV_TABLE_COLUMNS)
 constexpr float LOG2E = 1.4426950408889634f;
 
 // n (2, 4 or 8) consecutive bf16 at p (aligned to their size) as floats, in one load.
@@ -135,6 +141,7 @@ __device__ __forceinline__ void load_q8_0_piece(bf16* dst, const unsigned char* 
 #ifndef SPLIT_GRANULE  // kernels/decode_ops.py's ATTN_MIN_KEYS, given at compile time (ATTN_DEFINES)
 #error "SPLIT_GRANULE: compile with -DSPLIT_GRANULE=<ATTN_MIN_KEYS> (kernels/decode_ops.py)"
 #endif
+static_assert(SPLIT_GRANULE % TK == 0, "a split starts a tile: a tile's keys then lie in one block");
 __device__ __forceinline__ int row_split_keys(long long pos, int L, int S) {
     const long long per = (pos + S) / S;  // ceil((pos + 1) / S)
     return (int)min((long long)L, (per + SPLIT_GRANULE - 1) / SPLIT_GRANULE * SPLIT_GRANULE);
@@ -171,31 +178,37 @@ __global__ void __launch_bounds__(32 * WARPS)
         }
         return;
     }
-    const long long stride = table[3 * b + 2];
-    const bf16* kc = reinterpret_cast<const bf16*>(table[3 * b]) + layer * stride + g * DH;
-    const bf16* vc = reinterpret_cast<const bf16*>(table[3 * b + 1]) + layer * stride + g * DH;
+    const long long* cache = table + KV_ROW * b;
+    const long long stride = cache[2];
+    const bf16* kc = reinterpret_cast<const bf16*>(cache[0]) + layer * stride + g * DH;
+    const bf16* vc = reinterpret_cast<const bf16*>(cache[1]) + layer * stride + g * DH;
+    const int* blocks = reinterpret_cast<const int*>(cache[3]);  // null: cell = position
+    const int shift = (int)cache[4];
     const long long row = (long long)Hkv * DH;  // elements from one position to the next
     // Q8_0 cells: a head's row of QB bytes, a position's of Hkv * QB; a layer's bytes from the keys' stride
     constexpr int QB = DH / 32 * 34;
     const long long k_layer = KQ8 ? stride : 2 * stride;
     const long long v_layer = KQ8 == VQ8 ? k_layer : KQ8 ? k_layer / QB * (2 * DH) : k_layer / (2 * DH) * QB;
-    const unsigned char* kq = reinterpret_cast<const unsigned char*>(table[3 * b]) + layer * k_layer + g * QB;
-    const unsigned char* vq = reinterpret_cast<const unsigned char*>(table[3 * b + 1]) + layer * v_layer + g * QB;
+    const unsigned char* kq = reinterpret_cast<const unsigned char*>(cache[0]) + layer * k_layer + g * QB;
+    const unsigned char* vq = reinterpret_cast<const unsigned char*>(cache[1]) + layer * v_layer + g * QB;
     if constexpr (KQ8 && !VQ8)  // bf16 values after Q8_0 keys: their layer stride is not the keys'
-        vc = reinterpret_cast<const bf16*>(table[3 * b + 1] + layer * v_layer) + g * DH;
+        vc = reinterpret_cast<const bf16*>(cache[1] + layer * v_layer) + g * DH;
     const int tiles = (n + TK - 1) / TK, mine = (tiles - warp + WARPS - 1) / WARPS;  // this warp's: warp + k * WARPS
 
     // Tile k of this warp into stage k % NS: lane copies piece f % (DH / 8) of key f / (DH / 8) for
-    // f = i * 32 + lane (whole rows a warp instruction); keys past the split read as zeros. Every
-    // call commits a group, empty or not, so that copy_wait's count is the tile's.
+    // f = i * 32 + lane (whole rows a warp instruction); keys past the split read as zeros (from the
+    // split's last cell, a mapped one). Every call commits a group, empty or not, so that
+    // copy_wait's count is the tile's.
     auto fetch = [&](int k) {
         if (k < mine) {
             bf16* st = ring[warp][k % NS];
             const int k0 = (warp + k * WARPS) * TK;
+            long long first = j0 + k0;  // the tile's first key: its cell, the others' follow it
+            if (blocks != nullptr) first = ((long long)blocks[first >> shift] << shift) | (first & ((1LL << shift) - 1));
 #pragma unroll
             for (int i = 0; i < KC; ++i) {
                 const int f = i * 32 + lane, jj = f / (DH / 8), pc = f % (DH / 8);
-                const long long cell = j0 + min(k0 + jj, n - 1), at = cell * row + pc * 8;
+                const long long cell = first + (min(k0 + jj, n - 1) - k0), at = cell * row + pc * 8;
                 bf16* kd = st + jj * DH + (pc ^ ((jj & 1) << 2)) * 8;
                 if constexpr (KQ8) load_q8_0_piece(kd, kq + cell * Hkv * QB, pc, k0 + jj < n);
                 else copy16(kd, kc + at, k0 + jj < n);

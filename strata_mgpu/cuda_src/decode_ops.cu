@@ -9,7 +9,8 @@
 //   add_rms_norm_rows: x [R, N] += y [R, N]; out = rmsnorm(x) * w
 //   qk_norm_rope_kv:   B rows, each one token of its own sequence: q [B, H, Dh], k, v [B, Hkv, Dh]
 //                      -> q normed and rotated by row b's cos/sin [B, Dh] (into q_out); k normed,
-//                      rotated and v written into row b's KV cache at positions[b]; its _k8, _v8
+//                      rotated and v written into row b's KV cache at positions[b] (its cell, through
+//                      the cache's block table where it has one); its _k8, _v8
 //                      and _k8v8 variants store keys, values or both as ggml Q8_0 blocks
 //   route_rows:        h [T, D] bf16, router [E, D] fp32 -> logits [T, E] fp32, then (by the
 //                      last block of each row) the A largest softmax probabilities (renormalized
@@ -76,6 +77,8 @@ __device__ __forceinline__ void store_q8_0_run(float x, unsigned char* dst) {
     if (lane == 0) *reinterpret_cast<__half*>(dst) = __float2half_rn(d);  // blocks are 2-byte aligned
 }
 
+constexpr int KV_ROW = 5;  // int64 a row of the caches' table (kernels.decode_ops.KV_TABLE_COLUMNS)
+
 // Bytes of a head's Dh values as stored: bf16, or Dh / 32 Q8_0 blocks.
 template <bool Q8>
 __device__ __forceinline__ long long head_bytes(int Dh) { return Q8 ? Dh / 32 * 34 : 2LL * Dh; }
@@ -83,10 +86,12 @@ __device__ __forceinline__ long long head_bytes(int Dh) { return Q8 ? Dh / 32 * 
 // grid (H + 2 Hkv, B), one warp a head: blocks 0..H-1 are q's heads, H..H+Hkv-1 k's, then v's.
 // Dh <= 256, even (a multiple of 32 where a Q8 variant stores it). Row b of q, k, v starts at b *
 // its row stride (elements; the three may be column blocks of one fused projection). Row b's
-// cache (`table` row b: k base, v base, the keys' layer stride in their elements, as in
-// decode_attention.cu, the values' following from it): layer `layer`'s rows [capacity, Hkv, Dh]
-// bf16 (or [capacity, Hkv, Dh / 32 * 34] bytes of Q8_0 blocks, KQ8 / VQ8); row positions[b] is
-// written. q's result goes to q_out [B, H, Dh]. Rotation by the host's tables cos, sin [B, Dh]
+// cache (`table` row b, 5 int64 as in decode_attention.cu: k base, v base, the keys' layer stride
+// in their elements, the values' following from it, a block table's address or 0, log2 of its
+// block tokens or 0): layer `layer`'s cells [cells, Hkv, Dh] bf16 (or [cells, Hkv, Dh / 32 * 34]
+// bytes of Q8_0 blocks, KQ8 / VQ8); the cell of position positions[b] is written (the position
+// itself, or through the block table: bt[p >> shift] << shift | p & (2^shift - 1)).
+// q's result goes to q_out [B, H, Dh]. Rotation by the host's tables cos, sin [B, Dh]
 // (ops.rope_cos_sin: RoPE's scaling, YaRN's attention factor included, lives there).
 template <bool KQ8, bool VQ8>
 __device__ __forceinline__ void qk_norm_rope_kv_row(const bf16* q, long long q_stride, const bf16* __restrict__ k,
@@ -96,7 +101,6 @@ __device__ __forceinline__ void qk_norm_rope_kv_row(const bf16* q, long long q_s
                                 const bf16* __restrict__ sin_table, float eps,
                                 const long long* __restrict__ table, int layer, bf16* __restrict__ q_out) {
     const int head = blockIdx.x, lane = threadIdx.x, b = blockIdx.y;
-    const long long* position = positions + b;
     q += b * q_stride;
     k += b * k_stride;
     v += b * v_stride;
@@ -104,17 +108,24 @@ __device__ __forceinline__ void qk_norm_rope_kv_row(const bf16* q, long long q_s
     cos_table += (long long)b * Dh;
     sin_table += (long long)b * Dh;
     // a layer's bytes: the keys' stride in their elements, the values' the same cells in theirs
-    const long long k_layer = table[3 * b + 2] * (KQ8 ? 1 : 2);
+    const long long* cache = table + KV_ROW * b;
+    const long long k_layer = cache[2] * (KQ8 ? 1 : 2);
     const long long v_layer = KQ8 == VQ8 ? k_layer : k_layer / head_bytes<KQ8>(Dh) * head_bytes<VQ8>(Dh);
-    unsigned char* k_bytes = reinterpret_cast<unsigned char*>(table[3 * b]) + layer * k_layer;
-    unsigned char* v_bytes = reinterpret_cast<unsigned char*>(table[3 * b + 1]) + layer * v_layer;
+    unsigned char* k_bytes = reinterpret_cast<unsigned char*>(cache[0]) + layer * k_layer;
+    unsigned char* v_bytes = reinterpret_cast<unsigned char*>(cache[1]) + layer * v_layer;
     bf16* k_cache = reinterpret_cast<bf16*>(k_bytes);
     bf16* v_cache = reinterpret_cast<bf16*>(v_bytes);
-    const long long row = *position * (long long)Hkv * Dh;
+    const int* blocks = reinterpret_cast<const int*>(cache[3]);
+    long long cell = positions[b];  // the written cell: the position's, or its block's through the table
+    if (blocks != nullptr) {
+        const int shift = (int)cache[4];
+        cell = ((long long)blocks[cell >> shift] << shift) | (cell & ((1LL << shift) - 1));
+    }
+    const long long row = cell * Hkv * Dh;
     if (head >= H + Hkv) {  // v: a copy into the cache (quantized a run of 32 at a time)
         const int hv = head - H - Hkv;
         if constexpr (VQ8) {
-            unsigned char* dst = v_bytes + (*position * Hkv + hv) * head_bytes<true>(Dh);
+            unsigned char* dst = v_bytes + (cell * Hkv + hv) * head_bytes<true>(Dh);
             for (int j = 0; j < Dh / 32; ++j) store_q8_0_run(__bfloat162float(v[hv * Dh + 32 * j + lane]), dst + 34 * j);
         } else {
             for (int d = lane; d < Dh; d += 32) v_cache[row + hv * Dh + d] = v[hv * Dh + d];
@@ -159,7 +170,7 @@ __device__ __forceinline__ void qk_norm_rope_kv_row(const bf16* q, long long q_s
         }
     if constexpr (KQ8) {
         if (!is_q) {  // the rotated key (bf16 values) quantized: block j is value lane of run j
-            unsigned char* kq = k_bytes + (*position * Hkv + (head - H)) * head_bytes<true>(Dh);
+            unsigned char* kq = k_bytes + (cell * Hkv + (head - H)) * head_bytes<true>(Dh);
 #pragma unroll
             for (int j = 0; j < 8; ++j)
                 if (j < per) store_q8_0_run(out[j], kq + 34 * j);

@@ -22,7 +22,7 @@ from strata_mgpu.kernels import nvrtc
 from strata_mgpu.kernels.paths import PathCounter
 from strata_mgpu.kernels.q8 import Q8_WORDS
 from strata_mgpu.model.kv_cache import PLAIN_KV, KVFormat, SequenceKV
-from strata_mgpu.model.ops import DecodeOps
+from strata_mgpu.model.ops import DecodeOps, block_table
 from strata_mgpu.model.spec import ModelSpec
 from strata_mgpu.model.weights import LayerWeights
 
@@ -65,12 +65,25 @@ ATTN_DEFINES = (("SPLIT_GRANULE", ATTN_MIN_KEYS),)  # what decode_attention.cu i
 ATTN_SPLITS = 128
 ATTN_MIN_CAPABILITY = (8, 0)  # mma.sync on bf16 and cp.async
 KV_TABLES = 64  # batches whose cache table is kept (a capture replays the table it was given)
+KV_TABLE_COLUMNS = 5  # kv_table_row's
+# a paged cache's block tokens: a power of two at least this (a multiple of decode_attention.cu's TK = 8
+# keys a tile, whose cells then sit in one block)
+MIN_BLOCK_TOKENS = 16
 
 
 def attention_split(capacity: int) -> int:
     """Keys one block of attn_split takes for caches of up to `capacity` cells: ATTN_MIN_KEYS, or a
     multiple of it keeping the splits at most ATTN_SPLITS (a block's shared memory does not grow)."""
     return max(ATTN_MIN_KEYS, -(-capacity // ATTN_SPLITS // ATTN_MIN_KEYS) * ATTN_MIN_KEYS)
+
+
+def kv_table_row(kv: SequenceKV) -> tuple[int, int, int, int, int]:
+    """A cache as the kernels find it (a row of `CudaDecodeOps.kv_table`): its keys' and values' base
+    addresses, its keys' layer stride in their elements (bytes where Q8_0), its block table's address
+    and log2 of its block tokens (both 0 for a contiguous cache, whose cell is the position)."""
+    paged = block_table(kv)
+    table, shift = (0, 0) if paged is None else (paged[0].data_ptr(), paged[1].bit_length() - 1)
+    return kv.k.data_ptr(), kv.v.data_ptr(), kv.k.stride(0), table, shift
 
 
 def distinct(kvs: Sequence[SequenceKV]) -> list[SequenceKV]:
@@ -145,10 +158,11 @@ class CudaDecodeOps(DecodeOps):
         return t.is_cuda and t.dtype == torch.bfloat16 and t.dim() == 2 and t.stride(1) == 1
 
     def kv_table(self, kvs: Sequence[SequenceKV]) -> torch.Tensor:
-        """[B, 3] int64 on the device: each cache's keys' and values' addresses and its keys' layer stride
-        in elements (bytes where Q8_0). Made eagerly and kept: a graph capture (which may not copy from
-        the host) finds the table its warm-up step made; a cache that moves is a new key."""
-        key = tuple((kv.k.data_ptr(), kv.v.data_ptr(), kv.k.stride(0)) for kv in kvs)
+        """[B, KV_TABLE_COLUMNS] int64 on the device, row b `kv_table_row(kvs[b])`. Made eagerly and kept: a
+        graph capture (which may not copy from the host) finds the table its warm-up step made; a cache
+        that moves is a new key. A paged cache's row names its block table's address, not the blocks:
+        a captured step reads the table's contents of each replay."""
+        key = tuple(kv_table_row(kv) for kv in kvs)
         table = self._tables.get(key)
         if table is None:
             if torch.cuda.is_current_stream_capturing():
@@ -157,7 +171,7 @@ class CudaDecodeOps(DecodeOps):
             # makes a table for its new cache, and a pageable copy would wait for the work queued before it
             host = torch.tensor(key, dtype=torch.int64)
             host = host.pin_memory() if self.device.type == "cuda" else host
-            table = host.to(self.device, non_blocking=True).view(len(kvs), 3)
+            table = host.to(self.device, non_blocking=True).view(len(kvs), KV_TABLE_COLUMNS)
             self._tables[key] = table
             while len(self._tables) > KV_TABLES:
                 self._tables.popitem(last=False)
@@ -167,13 +181,27 @@ class CudaDecodeOps(DecodeOps):
     def _stored_ok(self, t: torch.Tensor, stored: GGMLQuantizationType) -> bool:
         return t.is_cuda and t.is_contiguous() and t.dtype == torch.uint8 if stored == Q.Q8_0 else self._ok(t)
 
+    @staticmethod
+    def _blocks_ok(kv: SequenceKV) -> bool:
+        """Contiguous, or a paged cache the kernels can read: its table int32 on the cache's device, entries
+        for its whole capacity, blocks of a power of two >= MIN_BLOCK_TOKENS cells (no tile straddles two)."""
+        paged = block_table(kv)
+        if paged is None:
+            return True
+        table, b = paged
+        return (table.device == kv.k.device and table.dtype == torch.int32 and table.dim() == 1
+                and table.is_contiguous() and b >= MIN_BLOCK_TOKENS and b & (b - 1) == 0
+                and table.numel() * b >= kv.capacity)
+
     def _caches_ok(self, kvs: Sequence[SequenceKV], kv_heads: int, head_dim: int) -> bool:
-        """Every cache in the format these ops were built for: [layers, capacity, kv_heads, head_dim] bf16
-        (or head_dim / 32 * 34 bytes where Q8_0), contiguous on the device."""
+        """Every cache in the format these ops were built for: [layers, cells, kv_heads, head_dim] bf16
+        (or head_dim / 32 * 34 bytes where Q8_0), contiguous on the device (a paged cache's: the pool's
+        storage, its block table as `_blocks_ok` wants it)."""
         want = self._format
         return all(kv.format == want and self._stored_ok(kv.k, want.keys) and self._stored_ok(kv.v, want.values)
                    and kv.k.shape[2:] == (kv_heads, want.row(want.keys, head_dim)) and kv.k.shape[:2] == kv.v.shape[:2]
-                   and kv.v.shape[2:] == (kv_heads, want.row(want.values, head_dim)) for kv in distinct(kvs))
+                   and kv.v.shape[2:] == (kv_heads, want.row(want.values, head_dim)) and self._blocks_ok(kv)
+                   for kv in distinct(kvs))
 
     def qk_norm_rope_kv(self, spec: ModelSpec, w: LayerWeights, layer: int, q: torch.Tensor, k: torch.Tensor,
                         v: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -183,7 +211,8 @@ class CudaDecodeOps(DecodeOps):
                       and self._caches_ok(kvs, spec.n_kv_heads, dh) and all(self._rows_ok(t) for t in (q, k, v)))
         if not (tensors_ok and dh % 64 == 0 and dh <= 256 and positions.dtype == torch.int64
                 and positions.is_contiguous() and q.shape[0] == n):
-            self._twin("qk_norm_rope_kv", NOT_BF16 + " (or cos/sin not [B, Dh], or a cache of another format)"
+            self._twin("qk_norm_rope_kv", NOT_BF16 + " (or cos/sin not [B, Dh], a cache of another format or "
+                       "a block table the kernels cannot read)"
                        if not tensors_ok
                        else f"head dim {dh} (multiples of 64 up to 256), positions not int64, or {q.shape[0]} "
                        f"rows for {n} caches")
@@ -208,7 +237,8 @@ class CudaDecodeOps(DecodeOps):
         aligned = all(t.data_ptr() % 16 == 0 for t in (q, *(c for kv in distinct(kvs) for c in (kv.k, kv.v))))
         if not (tensors_ok and self._attention_arch_ok and dh in ATTN_HEAD_DIMS and h % hkv == 0 and aligned
                 and positions.dtype == torch.int64 and positions.is_contiguous()):
-            self._twin("attention", NOT_BF16 if not tensors_ok else
+            self._twin("attention", NOT_BF16 + " (or a cache of another format or a block table the kernels "
+                       "cannot read)" if not tensors_ok else
                        f"compute capability below {ATTN_MIN_CAPABILITY}" if not self._attention_arch_ok else
                        f"head dim {dh} (one of {ATTN_HEAD_DIMS}), {h} query heads over {hkv} KV heads, "
                        "q or a cache not 16-byte aligned, or positions not int64")

@@ -119,6 +119,35 @@ def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible:
     return out[0].transpose(0, 1)
 
 
+def block_table(kv: SequenceKV) -> tuple[torch.Tensor, int] | None:
+    """A paged cache's (block table, block tokens B): position p sits in cell table[p // B] * B + p % B
+    of `kv.k` / `kv.v` (the table int32 [max_blocks] on the cache's device, B a power of two); None
+    where cell = position."""
+    # by name until this branch's `SequenceKV` declares them (main's does): then kv.block_table, kv.block_tokens
+    table = getattr(kv, "block_table", None)
+    return None if table is None else (table, getattr(kv, "block_tokens", 0))
+
+
+def kv_cells(kv: SequenceKV, positions: torch.Tensor) -> torch.Tensor:
+    """The cells of kv.k / kv.v [L, cells, Hkv, row] holding `positions` [N] int64 -> [N] int64: the
+    positions themselves in a contiguous cache, else through its block table."""
+    paged = block_table(kv)
+    if paged is None:
+        return positions
+    table, b = paged
+    return table[positions // b].long() * b + positions % b
+
+
+def sequence_cells(kv: SequenceKV, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Layer `layer`'s stored keys and values of positions 0..capacity-1, in position order
+    ([capacity, Hkv, row] each): views of a contiguous cache, gathered from a paged one's blocks."""
+    k, v = kv.k[layer], kv.v[layer]
+    if block_table(kv) is None:
+        return k, v
+    cells = kv_cells(kv, torch.arange(kv.capacity, device=k.device))
+    return k[cells], v[cells]
+
+
 def route(h: torch.Tensor, router: torch.Tensor, n_used: int, renormalize: bool
           ) -> tuple[torch.Tensor, torch.Tensor]:
     """Router softmax -> top-k -> renormalize. h [T, D] -> (weights [T, A] fp32, experts [T, A])."""
@@ -151,9 +180,10 @@ class DecodeOps:
         qn, kn = qk_norm_rope(spec, w, q, k, cos, sin)
         for b, kv in enumerate(kvs):
             r, f = slice(b, b + 1), kv.format
-            kv.k[layer].index_copy_(0, positions[r], f.store(f.keys, kn[r]).to(kv.k.dtype))
-            kv.v[layer].index_copy_(0, positions[r], f.store(f.values, v[r].view(1, spec.n_kv_heads,
-                                                                                  spec.head_dim)).to(kv.v.dtype))
+            cells = kv_cells(kv, positions[r])
+            kv.k[layer].index_copy_(0, cells, f.store(f.keys, kn[r]).to(kv.k.dtype))
+            kv.v[layer].index_copy_(0, cells, f.store(f.values, v[r].view(1, spec.n_kv_heads,
+                                                                          spec.head_dim)).to(kv.v.dtype))
         return qn
 
     def kv_table(self, kvs: Sequence[SequenceKV]) -> torch.Tensor | None:
@@ -165,15 +195,15 @@ class DecodeOps:
 
     def attention(self, layer: int, q: torch.Tensor, positions: torch.Tensor, kvs: Sequence[SequenceKV],
                   table: torch.Tensor | None = None, capacity: int | None = None) -> torch.Tensor:
-        """q [B, H, Dh], row b at positions[b] of kvs[b], against that cache's cells 0..positions[b] of
-        layer `layer` -> [B, H, Dh]. Here: the whole capacity under a mask (a Q8_0 cache dequantized
-        first, as the kernel's tile loads do)."""
+        """q [B, H, Dh], row b at positions[b] of kvs[b], against that cache's positions 0..positions[b]
+        of layer `layer` -> [B, H, Dh]. Here: the whole capacity under a mask, a paged cache's cells
+        gathered through its block table (a Q8_0 cache dequantized first, as the kernel's tile loads do)."""
         outs = []
         for b, kv in enumerate(kvs):
             f = kv.format
+            k, v = sequence_cells(kv, layer)  # [S, Hkv, row]
             visible = torch.arange(kv.capacity, device=positions.device) <= positions[b]  # [S]
-            outs.append(masked_attention(q[b:b + 1], f.load(f.keys, kv.k[layer]), f.load(f.values, kv.v[layer]),
-                                         visible))  # [1, H, Dh]
+            outs.append(masked_attention(q[b:b + 1], f.load(f.keys, k), f.load(f.values, v), visible))  # [1, H, Dh]
         return outs[0] if len(outs) == 1 else torch.cat(outs)
 
     def route(self, h: torch.Tensor, router: torch.Tensor, n_used: int, renormalize: bool
