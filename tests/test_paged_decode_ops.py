@@ -64,7 +64,8 @@ def test_attention_twin_through_a_block_table_equals_the_contiguous_cells(fmt, b
     assert torch.equal(got, want)
     # the table matters: the same rows reading the pool's storage as cell = position differ
     assert not torch.equal(got, DecodeOps().attention(1, q, positions, [SimpleNamespace(
-        k=kv.k[:, :kv.capacity], v=kv.v[:, :kv.capacity], format=kv.format, capacity=kv.capacity) for kv in kvs]))
+        k=kv.k[:, :kv.capacity], v=kv.v[:, :kv.capacity], format=kv.format, capacity=kv.capacity, block_table=None,
+        block_tokens=0) for kv in kvs]))
 
 
 @pytest.mark.parametrize("fmt,block_tokens,seed", CASES, ids=IDS)

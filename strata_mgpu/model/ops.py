@@ -123,9 +123,7 @@ def block_table(kv: SequenceKV) -> tuple[torch.Tensor, int] | None:
     """A paged cache's (block table, block tokens B): position p sits in cell table[p // B] * B + p % B
     of `kv.k` / `kv.v` (the table int32 [max_blocks] on the cache's device, B a power of two); None
     where cell = position."""
-    # by name until this branch's `SequenceKV` declares them (main's does): then kv.block_table, kv.block_tokens
-    table = getattr(kv, "block_table", None)
-    return None if table is None else (table, getattr(kv, "block_tokens", 0))
+    return None if kv.block_table is None else (kv.block_table, kv.block_tokens)
 
 
 def kv_cells(kv: SequenceKV, positions: torch.Tensor) -> torch.Tensor:

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 
 import torch
 
+from strata_mgpu.kernels.decode_ops import kv_table_row
 from strata_mgpu.model.decoder import Decoder
 from strata_mgpu.model.kv_cache import KVCache, SequenceKV
 from strata_mgpu.stage.device import DeviceContext
@@ -77,8 +78,8 @@ class DecodeGraph:
         self.inp = torch.zeros((bucket, *inp.shape[1:]), dtype=inp.dtype, device=device)  # the replays' input
         self.positions = torch.zeros(bucket, dtype=torch.long, device=device)  # [bucket]
         table = model.ops.kv_table(padded)  # None for the torch ops, which read the caches themselves
-        self.table = None if table is None else table.clone()  # [bucket, 3], the graph's own
-        self._table_rows: list[tuple[int, int, int]] = []  # what self.table holds, as the host last wrote it
+        self.table = None if table is None else table.clone()  # [bucket, KV_TABLE_COLUMNS], the graph's own
+        self._table_rows: list[tuple[int, ...]] = []  # what self.table holds, as the host last wrote it
         self._load(kvs, inp)
         with ctx.current():  # the capture stream is the current device's: the stage's
             # Warm up outside the capture (lazy initializations may not happen inside it), on the
@@ -115,7 +116,7 @@ class DecodeGraph:
             self.positions.copy_(torch.tensor([kv.length for kv in kvs] + [0] * pad, dtype=torch.long),
                                  non_blocking=True)
         if self.table is not None:
-            rows = [(kv.k.data_ptr(), kv.v.data_ptr(), kv.k.stride(0)) for kv in [*kvs, *[self.pad] * pad]]
+            rows = [kv_table_row(kv) for kv in [*kvs, *[self.pad] * pad]]
             if rows != self._table_rows:  # only when a sequence joined, left or moved its cache
                 self.table.copy_(torch.tensor(rows, dtype=torch.long), non_blocking=True)
                 self._table_rows = rows
