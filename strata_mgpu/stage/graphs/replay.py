@@ -74,7 +74,8 @@ class DecodeGraphs:
                 return None
             try:
                 # at least as many cells as a graph captured ahead covers: no recapture below that
-                cells = min(WARM_GRAPH_CELLS, max(kv.capacity for kv in kvs))
+                # (a paged sequence's capacity grows by blocks: its longest, or it would recapture as it grows)
+                cells = min(WARM_GRAPH_CELLS, max(kv.max_length for kv in kvs))
                 graph = self.captured[bucket] = DecodeGraph(self.model, kvs, inp, bucket, self._pad(), cells,
                                                             capture=self._capture())
             except torch.OutOfMemoryError:  # no room for this capture now: eager for a while
