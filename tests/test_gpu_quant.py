@@ -87,7 +87,7 @@ def test_cuda_dequant_of_mxfp4_on_every_scale_byte(kernels):
         run.dequant(src, GGMLQuantizationType.MXFP4, 1, n, 0, got)
         torch.cuda.synchronize()
         # scale bytes 0 and 1 (subnormal scales: weights below 1e-38) left out: on the H200 the kernel's
-        # results there differ from ggml's C (open; the twin on the GPU matches)
+        # results there differed from ggml's C (open)
         normal = torch.from_numpy(np.repeat(blocks[:, 0] >= 2, 32))
         ok, at = same_bf16_bits(got.cpu()[normal], host[normal])
         assert ok, f"seed {seed}: the {name} differs first at weight {at} of the normal scales' weights"
