@@ -26,7 +26,9 @@ def test_each_turn_computes_what_is_new(tiny_gguf, tmp_path):
                     if k:  # the last turn's prompt and answer, less what ends past its last full block
                         seen = s.turns[k - 1].prompt_tokens + 8
                         assert seen - 64 - 8 <= t.cached_tokens <= seen, (k, t, seen)
-        assert "turns 2+" in lines[-1]
+        assert "turns 2+" in lines[-2] and "KV pool" in lines[-1]
+        # the pool read from /metrics: the cached conversations' blocks stay in use after the run
+        assert all(r.pool is not None and r.pool.used_blocks > 0 and r.pool.preemptions == 0 for r in result.runs)
         out = tmp_path / "trace.json"
         cli = subprocess.run([sys.executable, "-m", "strata_mgpu.tools.agent_trace", base, "--sessions", "1",
                               "--turns", "2", "--system-tokens", "50", "--turn-tokens", "20", "--answer-tokens", "4",

@@ -54,10 +54,22 @@ class Session:
 
 
 @dataclass
+class PoolPeak:
+    """What a strata server's /metrics said of its KV pool while a run went (none from other servers): the
+    most blocks in use, the most held more than once (shared prefixes), and the preemptions."""
+
+    used_blocks: int = 0
+    shared_blocks: int = 0
+    free_blocks_least: int = -1
+    preemptions: int = 0
+
+
+@dataclass
 class TraceRun:
     concurrent: int
     sessions: list[Session]
     wall_s: float  # all sessions, first request to last answer
+    pool: PoolPeak | None = None
 
 
 @dataclass
@@ -151,6 +163,52 @@ def run_trace(url: str, sessions: list[int], turns: int, system_tokens: int, tur
     return result
 
 
+class PoolWatch:
+    """Polls the server's /metrics for its KV pool's blocks (`strata_kv_pool_blocks`) while a run goes."""
+
+    def __init__(self, client: httpx.Client, every_s: float = 0.25):
+        self.client, self.every_s = client, every_s
+        self.peak: PoolPeak | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._poll, daemon=True)
+
+    def __enter__(self) -> PoolWatch:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self._read()  # the preemptions at the end
+
+    def _poll(self) -> None:
+        while not self._stop.wait(self.every_s):
+            if not self._read():
+                return
+
+    def _read(self) -> bool:
+        try:
+            r = self.client.get("/metrics")
+        except httpx.HTTPError:
+            return False
+        if r.status_code != 200 or "strata_kv_pool_blocks" not in r.text:
+            return False
+        blocks, preempted = {}, 0
+        for line in r.text.splitlines():
+            if line.startswith("strata_kv_pool_blocks{"):
+                state = line.split('state="', 1)[1].split('"', 1)[0]
+                blocks[state] = int(float(line.rsplit(" ", 1)[1]))
+            elif line.startswith("strata_preemptions_total "):
+                preempted = int(float(line.rsplit(" ", 1)[1]))
+        p = self.peak = self.peak or PoolPeak()
+        p.used_blocks = max(p.used_blocks, blocks.get("held", 0) + blocks.get("shared", 0))
+        p.shared_blocks = max(p.shared_blocks, blocks.get("shared", 0))
+        free = blocks.get("free", 0)
+        p.free_blocks_least = free if p.free_blocks_least < 0 else min(p.free_blocks_least, free)
+        p.preemptions = preempted
+        return True
+
+
 def run_sessions(client: TraceClient, n: int, system: str, turns: int, turn_tokens: int, answer_tokens: int,
                  seeds: list[int]) -> TraceRun:
     """n sessions at once on one system prompt, each on its own thread, started together."""
@@ -166,13 +224,15 @@ def run_sessions(client: TraceClient, n: int, system: str, turns: int, turn_toke
 
     t0 = time.perf_counter()
     threads = [threading.Thread(target=work, args=(i,)) for i in range(n)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    with PoolWatch(httpx.Client(base_url=client.client.base_url, headers=client.client.headers)) as watch:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
     if errors:
         raise errors[0]
-    return TraceRun(concurrent=n, sessions=[s for s in out if s is not None], wall_s=time.perf_counter() - t0)
+    return TraceRun(concurrent=n, sessions=[s for s in out if s is not None], wall_s=time.perf_counter() - t0,
+                    pool=watch.peak)
 
 
 def summary(run: TraceRun, reference_ttft_ms: float) -> str:
@@ -194,6 +254,10 @@ def summary(run: TraceRun, reference_ttft_ms: float) -> str:
                      f"{statistics.mean(t.ttft_ms for t in later) / reference_ttft_ms:.2f}x the fresh prompt's")
     lines.append(f"  all turns: {sum(t.computed_tokens for t in turns):,} tokens computed, "
                  f"{sum(t.cached_tokens for t in turns):,} cached")
+    if run.pool is not None:
+        p = run.pool
+        lines.append(f"  KV pool: at most {p.used_blocks:,} blocks in use, {p.shared_blocks:,} of them shared, "
+                     f"{p.free_blocks_least:,} free at the least; {p.preemptions} preemptions since start")
     return "\n".join(lines)
 
 
