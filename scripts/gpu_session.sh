@@ -45,6 +45,8 @@
 #           `strata serve` at --max-vram 16 and 40 (1 and 4 sessions of 10 turns: 4K system prompt,
 #           +1.5K and 150 generated a turn), and at 16 with --no-prefix-cache
 #   prefixkv the 4-session trace with --kv-tokens 98304 (KV cells for all four) at --max-vram 40 and 16
+#   pool42  #42's agent trace through the KV pool (4 sessions at once, 6 turns, a 3K system prompt, +2.7K and 96
+#           generated a turn): --max-vram 40 --kv-tokens 131072, --max-vram 16; then 16 sessions at 40
 #   llama   the agent trace against llama-server (.llama/llama-server, built from the llama-cpp-python
 #           sdist's vendor/llama.cpp with CUDA for sm_90; carried), all layers on the card, and with
 #           --n-cpu-moe 18 (about 16 GiB of VRAM)
@@ -368,6 +370,12 @@ fi
 if has prefixkv; then  # four sessions at once with KV cells for all of them (--kv-tokens), at 40 and 16
   TRACE_ARGS="--sessions 4" trace one40kv --max-vram 40 --ctx-size 32768 --kv-tokens 98304
   TRACE_ARGS="--sessions 4" trace one16kv --max-vram 16 --ctx-size 32768 --kv-tokens 98304
+fi
+if has pool42; then
+  POOL_TRACE="--turns 6 --system-tokens 3072 --turn-tokens 2700 --answer-tokens 96"
+  TRACE_ARGS="--sessions 4 $POOL_TRACE" trace pool40 --max-vram 40 --ctx-size 32768 --kv-tokens 131072
+  TRACE_ARGS="--sessions 4 $POOL_TRACE" trace pool16 --max-vram 16 --ctx-size 32768
+  TRACE_ARGS="--sessions 16 $POOL_TRACE" trace pool40x16 --max-vram 40 --ctx-size 32768 --kv-tokens 131072
 fi
 if has llama; then  # the same traces against llama-server (.llama/llama-server, carried): all on the card, and
   # at about 16 GiB with the experts of its first layers on the host's cores (--n-cpu-moe)
