@@ -47,6 +47,8 @@
 #   prefixkv the 4-session trace with --kv-tokens 98304 (KV cells for all four) at --max-vram 40 and 16
 #   pool42  #42's agent trace through the KV pool (4 sessions at once, 6 turns, a 3K system prompt, +2.7K and 96
 #           generated a turn): --max-vram 40 --kv-tokens 131072, --max-vram 16; then 16 sessions at 40
+#   cmp42   prefill (2K, 8K) and decode (batch 1 and 8) at --max-vram 40, at this tree and at the tree before the
+#           KV pool (.prepool/strata_mgpu, carried: `git archive 4e3cafa strata_mgpu | tar x -C .prepool`), in turn
 #   llama   the agent trace against llama-server (.llama/llama-server, built from the llama-cpp-python
 #           sdist's vendor/llama.cpp with CUDA for sm_90; carried), all layers on the card, and with
 #           --n-cpu-moe 18 (about 16 GiB of VRAM)
@@ -370,6 +372,13 @@ fi
 if has prefixkv; then  # four sessions at once with KV cells for all of them (--kv-tokens), at 40 and 16
   TRACE_ARGS="--sessions 4" trace one40kv --max-vram 40 --ctx-size 32768 --kv-tokens 98304
   TRACE_ARGS="--sessions 4" trace one16kv --max-vram 16 --ctx-size 32768 --kv-tokens 98304
+fi
+if has cmp42; then
+  for round in 1 2; do
+    bench "cmp_pool_$round" --max-vram 40 --prompt-tokens 2048,8192 --decode-tokens 128 --runs 3 --decode-batch 1,8
+    PYTHONPATH=$PWD/.prepool:/tmp/site bench "cmp_prepool_$round" --max-vram 40 --prompt-tokens 2048,8192 \
+      --decode-tokens 128 --runs 3 --decode-batch 1,8
+  done
 fi
 if has pool42; then
   POOL_TRACE="--turns 6 --system-tokens 3072 --turn-tokens 2700 --answer-tokens 96"
