@@ -376,8 +376,9 @@ fi
 if has cmp42; then
   for round in 1 2; do
     bench "cmp_pool_$round" --max-vram 40 --prompt-tokens 2048,8192 --decode-tokens 128 --runs 3 --decode-batch 1,8
-    PYTHONPATH=$PWD/.prepool:/tmp/site bench "cmp_prepool_$round" --max-vram 40 --prompt-tokens 2048,8192 \
-      --decode-tokens 128 --runs 3 --decode-batch 1,8
+    # from inside it: `python3 -m` puts the working directory first on the path
+    (cd .prepool && PYTHONPATH=/tmp/site bench "cmp_prepool_$round" --max-vram 40 --prompt-tokens 2048,8192 \
+      --decode-tokens 128 --runs 3 --decode-batch 1,8)
   done
 fi
 if has pool42; then
