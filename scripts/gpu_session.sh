@@ -49,6 +49,7 @@
 #           generated a turn): --max-vram 40 --kv-tokens 131072, --max-vram 16; then 16 sessions at 40
 #   cmp42   prefill (2K, 8K) and decode (batch 1 and 8) at --max-vram 40, at this tree and at the tree before the
 #           KV pool (.prepool/strata_mgpu, carried: `git archive 4e3cafa strata_mgpu | tar x -C .prepool`), in turn
+#   attn    scripts/attn_probe.py: a 2K chunk's attention over 20K cached keys (30B-A3B's heads), three ways
 #   llama   the agent trace against llama-server (.llama/llama-server, built from the llama-cpp-python
 #           sdist's vendor/llama.cpp with CUDA for sm_90; carried), all layers on the card, and with
 #           --n-cpu-moe 18 (about 16 GiB of VRAM)
@@ -372,6 +373,11 @@ fi
 if has prefixkv; then  # four sessions at once with KV cells for all of them (--kv-tokens), at 40 and 16
   TRACE_ARGS="--sessions 4" trace one40kv --max-vram 40 --ctx-size 32768 --kv-tokens 98304
   TRACE_ARGS="--sessions 4" trace one16kv --max-vram 16 --ctx-size 32768 --kv-tokens 98304
+fi
+if has attn; then
+  for cached in 4096 20000; do
+    python3 scripts/attn_probe.py --chunk 2048 --cached $cached 2>&1 | tee -a "$OUT/attn_probe.log" || status=1
+  done
 fi
 if has cmp42; then
   for round in 1 2; do
