@@ -19,7 +19,7 @@ from strata_mgpu.tools.bench import (
     prompts_within,
 )
 
-PLAN = [("dense weights", 2_000_000), ("KV cache (4,097 tokens)", 16_000_000)]
+PLAN = [("dense weights", 2_000_000), ("KV pool (4,097 tokens)", 16_000_000)]
 
 
 def prefill(tokens: int, streamed: int, link: bool) -> PrefillResult:

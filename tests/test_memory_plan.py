@@ -46,7 +46,7 @@ def test_too_small_a_budget_is_one_line_naming_the_lines():
         plan_memory(SPEC_30B, n_layers=48, expert_bytes=EXPERT_30B, dense=int(3.3e9), budget=4 * GiB,
                     chunk_tokens=8192, kv_tokens=40960, where="stage on cuda:0")
     msg = str(e.value)
-    assert "\n" not in msg and "stage on cuda:0" in msg and "dense weights" in msg and "KV cache" in msg
+    assert "\n" not in msg and "stage on cuda:0" in msg and "dense weights" in msg and "KV pool" in msg
     with pytest.raises(PlanError, match="resident experts 200"):
         plan_memory(SPEC_30B, n_layers=48, expert_bytes=EXPERT_30B, dense=0, budget=40 * GiB, chunk_tokens=512,
                     kv_tokens=512, resident_per_layer=200)

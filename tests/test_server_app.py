@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -191,6 +192,10 @@ def test_out_of_memory_is_a_503_in_one_line_and_the_server_goes_on(tiny_gguf, ca
         assert any('"unavailable_error"' in e for e in events) and events[-1] == "[DONE]"
         ok = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
         assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 2  # the others go on
+        deadline = time.monotonic() + 5  # (the answer goes out before the engine's step retires its request)
+        while engine.n_running and time.monotonic() < deadline:
+            time.sleep(0.01)
         assert engine.n_running == 0  # the failed requests' KV is gone
+        assert engine.pool.blocks.used_blocks == engine.prefix.stats.blocks["device"]  # its blocks too
     finally:
         engine.shutdown()
