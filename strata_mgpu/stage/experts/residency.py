@@ -51,7 +51,7 @@ class LfuPolicy:
         if not (self.half_life > 0 and self.margin >= 1 and self.min_count >= 0):
             raise ValueError(f"LFU: half-life > 0, margin >= 1, min_count >= 0: {self}")
 
-    def decay(self, steps: int) -> float:
+    def decay(self, steps: float) -> float:
         """The factor counts take over `steps` decode steps, in (0, 1]."""
         return float(0.5 ** (steps / self.half_life))
 
@@ -75,7 +75,7 @@ class LfuPolicy:
 def hit_share(counts: np.ndarray, resident: np.ndarray) -> float | None:
     """The share of the counted picks that `resident` holds (None: nothing counted)."""
     total = float(counts.sum())
-    return float(counts[resident].sum()) / total if total > 0 else None
+    return min(1.0, float(counts[resident].sum()) / total) if total > 0 else None  # sums round apart
 
 
 @dataclass
