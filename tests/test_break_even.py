@@ -58,7 +58,7 @@ def test_a_few_row_prompt_gathers_below_the_break_even_and_answers_as_streaming(
     spec = spec_from_gguf(f)
     stage = build_stage(f, spec, StageOptions(device=CPU, switches=StageSwitches(resident_experts=2)))
     experts, paths = stage.experts, stage.kernels.paths
-    E, A, missing = spec.n_experts, spec.n_experts_used, spec.n_experts - 2
+    A, missing = spec.n_experts_used, spec.n_experts - 2
     b = experts._expert_bytes
     miss = 1 - stage.experts.cache.expected_hit
     # mapped reads such that streaming a layer costs what 2.5 gathered rows do: 3 rows stream

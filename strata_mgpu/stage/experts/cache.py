@@ -135,15 +135,22 @@ class ExpertCache:
         assert slot >= 0, f"expert {e} of local layer {i} is not resident"
         self.slot_of_host[i, e] = -1
         self.slot_of[i, e].fill_(-1)  # a fill with its value as an argument: no copy from the host
+        self.ctx.access(self.slot_name(slot), "r")  # (the twin's) the last kernels reading its old expert
         return slot
 
     def admit(self, i: int, e: int, slot: int) -> None:
         """Expert e of local layer i, its bytes now in `slot` (the current stream ordered after their
         upload), is read from there from the next kernel on."""
         assert int(self.slot_of_host[i, e]) < 0 and not bool((self.slot_of_host == slot).any()), "slot taken"
+        self.ctx.access(self.slot_name(slot), "r")  # (the twin's) the first kernels reading its new expert
         self.slot_of_host[i, e] = slot
         self.slot_of[i, e].fill_(slot)
         self.swapped += 1
+
+    def slot_name(self, slot: int) -> str:
+        """How the ordering twin knows slot `slot` (the kernels' reads of it are declared where the table
+        changes: at `evict` and `admit`)."""
+        return f"{self.ctx.name} expert slot {slot}"
 
 
 def vram_share(caches: Sequence[ExpertCache], from_vram: float, picks: float) -> float | None:

@@ -23,7 +23,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
-import torch
 
 from strata_mgpu.stage.experts.cache import ExpertCache
 from strata_mgpu.stage.streams import Event
@@ -147,8 +146,9 @@ class Residency:
             ctx.wait(freed)
             for s, slot in zip(starting, slots, strict=True):
                 src = cache.arena.expert(cache.layers[s.layer], s.into)
+                ctx.access(cache.slot_name(slot), "w")
                 cache.slots[slot, :src.numel()].copy_(src, non_blocking=True)
-                filled = ctx.event(f"expert slot {slot} filled")
+                filled = ctx.event("expert slot filled")
                 ctx.record(filled)
                 self._moving.append(_Moving(s, slot, filled))
 
