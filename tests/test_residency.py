@@ -120,3 +120,24 @@ def test_concentrated_traffic_becomes_resident_and_answers_stay_the_oracles(tiny
     assert torch.equal(cache.slot_of, cache.slot_of_host)
     assert cache.expected_hit > 0.5  # what the break-even now reckons with (2 of the 3 picked experts)
     assert still.experts.cache.swapped == 0
+
+
+def test_a_streamed_prompt_between_a_swaps_two_steps_lands_it_first(tiny_gguf):
+    """A prompt that streams whole layers, begun while an expert is out of the table and its successor's
+    upload not yet in (a swap's two steps): the ring holds E - K experts a layer, so the pass lands
+    the swap first, and answers as a stage whose residency is held still."""
+    f = GGUFFile(tiny_gguf)
+    spec = spec_from_gguf(f)
+    moving = build_stage(f, spec, StageOptions(device=CPU, switches=StageSwitches(resident_experts=2)))
+    still = build_stage(f, spec, StageOptions(device=CPU, switches=StageSwitches(resident_experts=2,
+                                                                                 residency_swaps=0)))
+    cache = moving.experts.cache
+    cache.picks[:, spec.n_experts - 1] = 100.0
+    for _ in range(PERIOD):
+        moving.refill_cache([])
+    assert cache._moving and cache.swapped == 0  # evicted, uploaded, not yet in the table
+    prompt = torch.randint(0, spec.vocab_size, (3 * spec.n_experts,), generator=torch.Generator().manual_seed(5))
+    assert moving.experts.should_stream(prompt.numel())
+    a = moving.prefill(moving.new_sequence(64), prompt)
+    assert not cache._moving and cache.swapped > 0
+    assert torch.equal(a, still.prefill(still.new_sequence(64), prompt))

@@ -19,6 +19,7 @@ import torch
 
 from strata_mgpu.stage.device import DeviceContext, HostCopy
 from strata_mgpu.stage.host.arena import HostExpertArena
+from strata_mgpu.stage.streams import Event
 
 
 class ExpertCache:
@@ -58,6 +59,7 @@ class ExpertCache:
         self.vram_picks = self.all_picks = 0.0
         self.scores = np.zeros((len(layers), E))
         self._flushing: list[HostCopy] = []
+        self._moving: list[tuple[int, int, int, Event]] = []  # (layer, expert, slot, its upload's event)
         self._one = torch.ones(1, dtype=self.picks.dtype, device=ctx.device)  # a pick's count, viewed as many
 
     @property
@@ -137,6 +139,20 @@ class ExpertCache:
         self.slot_of[i, e].fill_(-1)  # a fill with its value as an argument: no copy from the host
         self.ctx.access(self.slot_name(slot), "r")  # (the twin's) the last kernels reading its old expert
         return slot
+
+    def moving(self, i: int, e: int, slot: int, filled: Event) -> None:
+        """Expert e of local layer i is on its way into `slot` (`filled` recorded after its upload): in
+        the table at the next `land`."""
+        self._moving.append((i, e, slot, filled))
+
+    def land(self) -> None:
+        """The experts on their way into the table, the current stream ordered after their uploads (a
+        device-side wait): before each decode step, and before a pass that streams, whose ring holds
+        the E - K experts a layer that are not resident and no more."""
+        for i, e, slot, filled in self._moving:
+            self.ctx.wait(filled)
+            self.admit(i, e, slot)
+        self._moving = []
 
     def admit(self, i: int, e: int, slot: int) -> None:
         """Expert e of local layer i, its bytes now in `slot` (the current stream ordered after their

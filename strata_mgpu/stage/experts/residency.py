@@ -25,7 +25,6 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from strata_mgpu.stage.experts.cache import ExpertCache
-from strata_mgpu.stage.streams import Event
 
 PERIOD = 8  # decode steps between decays of the counts (and host copies of them)
 
@@ -78,13 +77,6 @@ def hit_share(counts: np.ndarray, resident: np.ndarray) -> float | None:
 
 
 @dataclass
-class _Moving:
-    swap: Swap
-    slot: int
-    filled: Event  # recorded on the upload stream after the copy into the slot
-
-
-@dataclass
 class Residency:
     """The stage's experts kept by `policy`, at most `swaps_per_step` moved a decode step (0: held still).
     `cache` None: a stage with no resident experts (nothing to do)."""
@@ -94,7 +86,6 @@ class Residency:
     swaps_per_step: int = 4
     steps: int = 0
     _queued: list[Swap] = field(default_factory=list)  # chosen, not yet started
-    _moving: list[_Moving] = field(default_factory=list)  # uploads queued at an earlier step
 
     @property
     def active(self) -> bool:
@@ -107,7 +98,7 @@ class Residency:
         cache = self.cache
         assert cache is not None
         self.steps += 1
-        self._land(cache)
+        cache.land()
         if self.steps % PERIOD == 0:
             cache.scores *= self.policy.decay(PERIOD)
             cache.flush()
@@ -116,7 +107,7 @@ class Residency:
         self._start(cache)
 
     def _choose(self, cache: ExpertCache) -> None:
-        """This round's swaps, from the scores (nothing moving: `_land` ran), and the hit rate they make."""
+        """This round's swaps, from the scores (nothing moving: `land` ran), and the hit rate they make."""
         resident = cache.slot_of_host.numpy() >= 0
         self._queued = self.policy.swaps(cache.scores, resident, self.swaps_per_step * PERIOD)
         after = resident.copy()
@@ -125,13 +116,6 @@ class Residency:
         hit = hit_share(cache.scores, after)
         if hit is not None:
             cache.expected_hit = hit
-
-    def _land(self, cache: ExpertCache) -> None:
-        """The uploads of an earlier step into the table, after the compute stream waited for them."""
-        for m in self._moving:
-            cache.ctx.wait(m.filled)
-            cache.admit(m.swap.layer, m.swap.into, m.slot)
-        self._moving = []
 
     def _start(self, cache: ExpertCache) -> None:
         ctx = cache.ctx
@@ -150,7 +134,7 @@ class Residency:
                 cache.slots[slot, :src.numel()].copy_(src, non_blocking=True)
                 filled = ctx.event("expert slot filled")
                 ctx.record(filled)
-                self._moving.append(_Moving(s, slot, filled))
+                cache.moving(s.layer, s.into, slot, filled)
 
     def settle(self) -> None:
         """The counts so far flushed and every swap they call for made, waiting for the host (tests and
@@ -159,10 +143,10 @@ class Residency:
             return
         cache = self.cache
         assert cache is not None
-        self._land(cache)
+        cache.land()
         cache.flush()
         cache.absorb(wait=True)
         self._choose(cache)
-        while self._queued or self._moving:
-            self._land(cache)
+        while self._queued:
             self._start(cache)
+            cache.land()

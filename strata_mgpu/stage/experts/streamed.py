@@ -192,6 +192,8 @@ class StreamedExperts:
         # a hand-over that has failed (the next decode step's arm detaches it) takes no pass: the
         # layers would go on without the host's part, and the fault count would not rise again
         self._handing_over = self.handover is not None and self.handover.silent_faults() == 0
+        if self.streaming and self.cache is not None:
+            self.cache.land()  # the experts moving into VRAM in the table: the ring holds only the rest
         if not self.streaming:
             if self.handover is not None:
                 self.handover.wake()  # the worker polls (a decode step's arm, in Stage.decode_rows, counts it)
