@@ -78,8 +78,8 @@ def hit_share(counts: np.ndarray, resident: np.ndarray) -> float | None:
 
 @dataclass
 class Residency:
-    """The stage's experts kept by `policy`, at most `swaps_per_step` moved a decode step (0: held still).
-    `cache` None: a stage with no resident experts (nothing to do)."""
+    """The stage's experts kept by `policy`, at most `swaps_per_step` moved a decode step (0: held still,
+    the counts and the expected hit rate still followed). `cache` None: nothing to do."""
 
     cache: ExpertCache | None
     policy: LfuPolicy = field(default_factory=lambda: LfuPolicy(512))
@@ -89,7 +89,7 @@ class Residency:
 
     @property
     def active(self) -> bool:
-        return self.cache is not None and self.swaps_per_step > 0 and not self.cache.holds_every_expert
+        return self.cache is not None and not self.cache.holds_every_expert
 
     def __call__(self, kvs: Sequence[object] = ()) -> None:
         """Before a decode step of `kvs`, on the compute stream."""
@@ -109,7 +109,8 @@ class Residency:
     def _choose(self, cache: ExpertCache) -> None:
         """This round's swaps, from the scores (nothing moving: `land` ran), and the hit rate they make."""
         resident = cache.slot_of_host.numpy() >= 0
-        self._queued = self.policy.swaps(cache.scores, resident, self.swaps_per_step * PERIOD)
+        self._queued = (self.policy.swaps(cache.scores, resident, self.swaps_per_step * PERIOD)
+                        if self.swaps_per_step > 0 else [])
         after = resident.copy()
         for s in self._queued:
             after[s.layer, s.out], after[s.layer, s.into] = False, True
