@@ -182,8 +182,11 @@ def _pass_rates(ctx: DeviceContext, kernels: TorchKernels, arena: HostExpertAren
                 ) -> PassRates | None:
     """The link probe's rate and the kernels' reads of the mapped arena (into a ring slot, before any
     pass holds the ring): what a pass's break-even is reckoned from; None where unmeasured (the CPU)."""
-    link = link_rate(ctx) or measure_link_rate(ctx)
-    mapped = measure_mapped_rate(ctx, kernels, arena.buffer, ring.slots[0].buffer) if ring is not None else None
+    if ring is None:
+        return None
+    slot = ring.slots[0].buffer
+    link = link_rate(ctx) or measure_link_rate(ctx, into=slot)
+    mapped = measure_mapped_rate(ctx, kernels, arena.buffer, slot)
     return PassRates(link, mapped) if link and mapped else None
 
 
