@@ -12,6 +12,7 @@ from strata_mgpu.model.gguf_reader import GGUFFile
 from strata_mgpu.model.spec import spec_from_gguf
 from strata_mgpu.model.synthetic import write_model
 from strata_mgpu.stage.build import build_stage
+from strata_mgpu.stage.experts.break_even import EXPERT_DEQUANT_S, PICK_S
 from strata_mgpu.stage.experts.residency import PERIOD
 from strata_mgpu.stage.stage import StageOptions
 from tests.test_gpu import BF16_Q8_TOL, rel_err
@@ -33,7 +34,9 @@ def test_a_few_row_prompt_gathers_below_the_measured_break_even_and_answers_as_s
     stage = build_stage(f, spec, StageOptions(device=CUDA, switches=StageSwitches(
         resident_experts=spec.n_experts // 2, cuda_graphs=False)))
     experts = stage.experts
-    assert experts.rates is not None and experts.rates.mapped_bytes_per_s > 1e9  # both probes ran
+    rates = experts.rates
+    assert rates is not None and rates.mapped_bytes_per_s > 1e9  # both probes ran, and the compute's
+    assert rates.pick_s != PICK_S and rates.expert_s != EXPERT_DEQUANT_S and rates.pick_s > 0 < rates.expert_s
     rows = experts.stream_rows()
     assert stage.options.switches.decode_graph_batch <= rows <= 512 // spec.n_experts_used
     n = rows - 1

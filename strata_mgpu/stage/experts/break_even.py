@@ -11,8 +11,9 @@ picks missing from VRAM:
 
 so n rows gather while n < break-even = streamed / (A (m b / mapped + pick_s)). `link` is the link
 probe's pinned bytes/s, `mapped` the copy kernel's reads of the mapped arena (`measure_mapped_rate`),
-m the expert cache's expected miss share under its pick counts. The compute terms are one H200's
-kernel figures (docs/BENCHMARKS.md); the link terms bind at few rows wherever experts stream.
+m the expert cache's expected miss share under its pick counts, pick_s and expert_s the card's own
+(`measure_compute`: a gathered pass of resident picks and a dequantization of the resident experts,
+timed when the stage is built); the link terms bind at few rows wherever experts stream.
 """
 
 from __future__ import annotations
@@ -23,12 +24,15 @@ from dataclasses import dataclass
 import torch
 
 from strata_mgpu.kernels.experts import TorchKernels
+from strata_mgpu.model.expert_layout import ExpertLayout
 from strata_mgpu.stage.device import DeviceContext
+from strata_mgpu.stage.experts.cache import ExpertCache
 
-# a gathered pick's compute from VRAM, one layer, pick by pick (tools.bench_kernels, 8-512 rows of 30B-A3B)
+# where unmeasured: one H200's (tools.bench_kernels, 30B-A3B): a gathered pick from VRAM, one layer,
+# pick by pick, and one expert of a whole-layer pass dequantized to bf16
 PICK_S = 1.7e-6
-# dequantizing one expert of a whole-layer pass to bf16 (the same bench: a layer of 128 experts)
 EXPERT_DEQUANT_S = 6.0e-6
+MEASURE_ROWS = 8  # rows of the timed gathered pass
 
 
 @dataclass(frozen=True)
@@ -93,3 +97,36 @@ def measure_mapped_rate(ctx: DeviceContext, kernels: TorchKernels, host: torch.T
             kernels.copy_wide(out, src)
             seconds.append(ctx.mark().seconds_since(start))
     return nbytes / statistics.median(seconds[1:])
+
+
+def measure_compute(kernels: TorchKernels, cache: ExpertCache, lay: ExpertLayout, w_gate_up: torch.Tensor,
+                    w_down: torch.Tensor, hidden: int, n_used: int, repeats: int = 3) -> tuple[float, float] | None:
+    """(pick_s, expert_s) on the stage's card: local layer 0's gathered pass of MEASURE_ROWS rows (fewer
+    where the workspace holds fewer picks) picking resident experts (the decode kernels), and its
+    resident experts dequantized into the workspace `w_gate_up` / `w_down` (a whole-layer pass's first
+    step), medians of `repeats` after a warm-up. None on the CPU, or with fewer resident experts a layer
+    than a row picks."""
+    ctx = cache.ctx
+    if not ctx.is_cuda or cache.per_layer < n_used:
+        return None
+    resident = (cache.slot_of_host[0] >= 0).nonzero().flatten()
+    n = resident.numel()
+    rows = max(1, min(MEASURE_ROWS, w_gate_up.shape[0] // n_used))  # the twins' fallback gathers into the workspace
+    g = torch.Generator().manual_seed(0)
+    ids = resident[torch.arange(rows * n_used) % n].view(rows, n_used).to(ctx.device)
+    h = torch.randn(rows, hidden, generator=g).to(w_gate_up.dtype).to(ctx.device)
+    weights = torch.full((rows, n_used), 1.0 / n_used, device=ctx.device)
+    on_device = resident.to(ctx.device)
+    picks, experts = [], []
+    with ctx.on_compute():
+        for _ in range(repeats + 1):
+            start = ctx.mark()
+            kernels.moe_gathered(cache, 0, lay, h, weights, ids, w_gate_up, w_down)
+            gathered = ctx.mark()
+            kernels.dequant_addressed(cache.addresses(0, on_device),
+                                      lambda: [cache.source(0, e) for e in resident.tolist()], lay, n, w_gate_up,
+                                      w_down)
+            done = ctx.mark()
+            picks.append(gathered.seconds_since(start))
+            experts.append(done.seconds_since(gathered))
+    return statistics.median(picks[1:]) / (rows * n_used), statistics.median(experts[1:]) / n
