@@ -90,6 +90,12 @@
 #   x2cells #13's loose ends: two cards, residency off, 1K and 2K at shares 0.45 / 0.47 / 0.5 (--runs 5, the rate
 #           model's outlier cell); then two stages of one card (--devices 0,0 --max-vram 8,8) at 1K / 4K / 8K
 #   x2oom   the 8,8 sweep cells at 6K and 8K with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
+#   fewrows prompts of 1-64 tokens at --max-vram 16 with STRATA_GATHER_ROWS=auto (the break-even of the
+#           measured rates; the stage logs it), 16 (the rule before it: E picks), 1 (every prompt streams) and
+#           64 (every one gathers): where gathering really stops paying, against where the rule puts it
+#   resid   decode at --max-vram 16 after a 1K prompt with STRATA_RESIDENCY_SWAPS=0 (held still), 4 and 16 and
+#           STRATA_RESIDENCY_HALF_LIFE 128 / 512 / 2048; tools/router_predict on the model (synthetic: the
+#           rates mean little, the run times are what counts)
 # Results under $OUT: gpu.txt, gpu_tests.log and results.tgz (every bench_*/sweep_* log and JSON:
 # the device tool brings back few files). A failing GPU test fails the run.
 # Usage (repo root, .whl carried): STEPS="tests gen b16 b40" bash scripts/gpu_session.sh
@@ -423,6 +429,24 @@ if has dec32k; then
     bench dec${ctx}_40 --max-vram 40 --prompt-tokens 1024 --decode-context $ctx --decode-tokens 64 --runs 1
     bench dec${ctx}_16 --max-vram 16 --prompt-tokens 1024 --decode-context $ctx --decode-tokens 64 --runs 1
   done
+fi
+if has fewrows; then
+  for rows in auto 16 1 64; do
+    STRATA_GATHER_ROWS=$rows bench "fewrows_$rows" --max-vram 16 --prompt-tokens 1,8,14,16,24,32,48,64 \
+      --decode-tokens 0 --runs 5
+  done
+fi
+if has resid; then
+  for swaps in 0 4 16; do
+    STRATA_RESIDENCY_SWAPS=$swaps bench "resid_s$swaps" --max-vram 16 --prompt-tokens 1024 --decode-tokens 256 --runs 1
+  done
+  for half in 128 2048; do
+    STRATA_RESIDENCY_HALF_LIFE=$half bench "resid_h$half" --max-vram 16 --prompt-tokens 1024 --decode-tokens 256 \
+      --runs 1
+  done
+  python3 -m strata_mgpu.tools.router_predict $MODEL --max-vram 40 --prompts 4 --tokens 512 --slots 64 \
+    > "$OUT/router_predict.log" 2>&1 || status=1
+  tail -5 "$OUT/router_predict.log"
 fi
 if has kbench; then
   python3 -m strata_mgpu.tools.bench_kernels --json "$OUT/kbench.json" 2>&1 | tee "$OUT/kbench.log" || status=1

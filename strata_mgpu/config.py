@@ -153,6 +153,11 @@ class StageSwitches:
     # dense_q8 takes their type (`kernels.dense.DeviceDense`); False: bf16 copies (STRATA_DENSE_BLOCKS)
     dense_blocks: bool = True
     adapt_threads: bool = True  # a CPU stage computes on the count of --threads measured fastest (STRATA_ADAPT_THREADS)
+    # where some experts stream, passes of this many rows or more stream whole layers; None: the break-even
+    # from measured rates (STRATA_GATHER_ROWS, stage.experts.break_even)
+    gather_rows: int | None = None
+    residency_half_life: int = 512  # decode steps over which a pick count halves (STRATA_RESIDENCY_HALF_LIFE)
+    residency_swaps: int = 4  # experts a decode step moves into VRAM at most (STRATA_RESIDENCY_SWAPS)
 
     def __post_init__(self) -> None:
         if self.dtype not in ("bf16", "fp32"):
@@ -161,6 +166,11 @@ class StageSwitches:
             raise ValueError(f"--resident-experts {self.resident_experts}: 0 or more")
         if not 1 <= self.decode_graph_batch <= 64:
             raise ValueError(f"decode graph batch {self.decode_graph_batch}: 1 to 64")
+        if self.gather_rows is not None and self.gather_rows < 1:
+            raise ValueError(f"gather rows {self.gather_rows}: 1 or more (None: from measured rates)")
+        if self.residency_half_life < 1 or self.residency_swaps < 0:
+            raise ValueError(f"residency half-life {self.residency_half_life} (1 or more), swaps "
+                             f"{self.residency_swaps} (0 or more)")
         for option, t in (("--cache-type-k", self.cache_type_k), ("--cache-type-v", self.cache_type_v)):
             if t not in KV_CACHE_TYPES:
                 raise ValueError(f"{option} {t.name.lower()}: one of {', '.join(KV_CACHE_TYPE_NAMES)}")
@@ -169,7 +179,9 @@ class StageSwitches:
     def env_fields(cls, environment: EnvOptions) -> dict[str, Any]:
         return {"decode_graph_batch": environment.decode_graph_batch, "kv_prefetch": environment.kv_prefetch,
                 "host_prompt_help": environment.host_prompt_help, "dense_blocks": environment.dense_blocks,
-                "adapt_threads": environment.adapt_threads}
+                "adapt_threads": environment.adapt_threads, "gather_rows": environment.gather_rows,
+                "residency_half_life": environment.residency_half_life,
+                "residency_swaps": environment.residency_swaps}
 
     @classmethod
     def from_env(cls, environment: EnvOptions, **fields: Any) -> Self:

@@ -73,8 +73,22 @@ ADAPT_THREADS = EnvVar("STRATA_ADAPT_THREADS", "1",
                        "(probing one fewer or more now and then, at once when its threads wait for cores), fewer "
                        "while other processes keep the cores busy; 0: always on --threads")
 
+GATHER_ROWS = EnvVar("STRATA_GATHER_ROWS", "auto",
+                     "where some experts stream, a pass of at least this many rows streams whole layers and a "
+                     "shorter one gathers only its picked experts; auto (default): the break-even of the link "
+                     "probe's rate, the mapped reads' and the expert cache's hit rate (docs/ARCHITECTURE.md)")
+
+RESIDENCY_HALF_LIFE = EnvVar("STRATA_RESIDENCY_HALF_LIFE", "512",
+                             "decode steps over which an expert's pick count halves: which experts stay resident "
+                             "follows the picks of about this many recent steps")
+
+RESIDENCY_SWAPS = EnvVar("STRATA_RESIDENCY_SWAPS", "4",
+                         "experts a decode step moves into VRAM at most (uploads on the upload stream, beside the "
+                         "step); 0 keeps the experts resident at load")
+
 ALL = (CACHE_DIR, LOG_LEVEL, PREFILL_HELP, PREFILL_HELP_FRAC, HELP_HALVES, KV_PREFETCH, STAGE_THREADS,
-       DECODE_GRAPH_BATCH, HOST_PROMPT_HELP, DENSE_BLOCKS, ADAPT_THREADS)
+       DECODE_GRAPH_BATCH, HOST_PROMPT_HELP, DENSE_BLOCKS, ADAPT_THREADS, GATHER_ROWS, RESIDENCY_HALF_LIFE,
+       RESIDENCY_SWAPS)
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
@@ -139,6 +153,9 @@ class EnvOptions:
     host_prompt_help: bool = False
     dense_blocks: bool = True
     adapt_threads: bool = True
+    gather_rows: int | None = None  # None: auto
+    residency_half_life: int = 512
+    residency_swaps: int = 4
 
     @property
     def demo_dir(self) -> Path:
@@ -174,6 +191,12 @@ def read(environ: Mapping[str, str] | None = None) -> EnvOptions:
         host_prompt_help=_zero_or_one(raw(HOST_PROMPT_HELP), HOST_PROMPT_HELP.name),
         dense_blocks=_zero_or_one(raw(DENSE_BLOCKS), DENSE_BLOCKS.name),
         adapt_threads=_zero_or_one(raw(ADAPT_THREADS), ADAPT_THREADS.name),
+        gather_rows=(None if raw(GATHER_ROWS).strip().lower() == "auto" else
+                     _whole_number(raw(GATHER_ROWS), GATHER_ROWS.name, 1, None, "auto or a whole number of rows")),
+        residency_half_life=_whole_number(raw(RESIDENCY_HALF_LIFE), RESIDENCY_HALF_LIFE.name, 1, None,
+                                          "a whole number of decode steps, at least 1"),
+        residency_swaps=_whole_number(raw(RESIDENCY_SWAPS), RESIDENCY_SWAPS.name, 0, None,
+                                      "a whole number of experts (0: none)"),
     )
 
 

@@ -23,7 +23,7 @@ def test_defaults_are_the_variables_own():
     assert got == env.EnvOptions()
     assert (got.log_level, got.prefill_help, got.prefill_help_frac, got.help_halves, got.kv_prefetch,
             got.stage_threads, got.decode_graph_batch, got.cache_dir) == ("INFO", True, "auto", 0, True, True, 8, None)
-    assert {var.default for var in env.ALL} == {None, "INFO", "1", "auto", "0", "8"}
+    assert {var.default for var in env.ALL} == {None, "INFO", "1", "auto", "0", "8", "512", "4"}
     assert env.read({var.name: "" for var in env.ALL}) == got  # empty is unset
 
 
@@ -43,6 +43,10 @@ def test_defaults_are_the_variables_own():
     ("STRATA_DENSE_BLOCKS", "0", "dense_blocks", False),
     ("STRATA_DENSE_BLOCKS", " 1", "dense_blocks", True),
     ("STRATA_ADAPT_THREADS", "0", "adapt_threads", False),
+    ("STRATA_GATHER_ROWS", " Auto ", "gather_rows", None),
+    ("STRATA_GATHER_ROWS", "24", "gather_rows", 24),
+    ("STRATA_RESIDENCY_HALF_LIFE", "2048", "residency_half_life", 2048),
+    ("STRATA_RESIDENCY_SWAPS", "0", "residency_swaps", 0),
 ])
 def test_values(name, raw, field, want):
     assert getattr(env.read({name: raw}), field) == want
@@ -65,6 +69,10 @@ def test_values(name, raw, field, want):
     ("STRATA_ADAPT_THREADS", "2", "expected 0 or 1"),
     ("STRATA_PREFILL_HELP_FRAC", "fast", "expected auto, rule or a number"),
     ("STRATA_LOG_LEVEL", "LOUD", "expected DEBUG, INFO"),
+    ("STRATA_GATHER_ROWS", "0", "auto or a whole number of rows"),
+    ("STRATA_GATHER_ROWS", "many", "auto or a whole number of rows"),
+    ("STRATA_RESIDENCY_HALF_LIFE", "0", "decode steps, at least 1"),
+    ("STRATA_RESIDENCY_SWAPS", "-1", "whole number of experts"),
 ])
 def test_bad_values_are_one_line_errors(name, raw, message):
     with pytest.raises(env.EnvError, match=f"{name}=.*{message}") as e:

@@ -27,12 +27,13 @@ def test_counts_are_exact_and_their_operand_never_moves(tiny_gguf):
         assert torch.equal(cache.picks, before) and cache._one.data_ptr() == one
 
 
-def test_tally_counts_each_pick_where_it_was_read_across_refills(tiny_gguf):
+def test_tally_counts_each_pick_where_it_was_read_across_swaps(tiny_gguf):
     """`tally`: picks read from VRAM and all picks since the cache was made, each counted under
-    the residency of its time, though `refill` moves experts and halves the counts between."""
+    the residency of its time, though the residency moves experts and decays the scores between."""
     f = GGUFFile(tiny_gguf)
     spec = spec_from_gguf(f)
-    cache = build_stage(f, spec, StageOptions(device=torch.device("cpu"))).experts.cache
+    stage = build_stage(f, spec, StageOptions(device=torch.device("cpu")))
+    cache = stage.experts.cache
     assert 0 < cache.per_layer < spec.n_experts
     g = torch.Generator().manual_seed(1)
     vram = total = 0.0
@@ -46,7 +47,8 @@ def test_tally_counts_each_pick_where_it_was_read_across_refills(tiny_gguf):
             total += experts.numel()
             cache.observe(layer, experts)
         assert cache.tally() == (vram, total)
-        cache.refill()
+        assert not cache.picks.any()  # flushed: the device counts start again from zero
+        stage.refill.settle()
     assert cache.swapped > 0  # residency did change between tallies
 
 

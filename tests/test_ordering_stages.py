@@ -18,7 +18,9 @@ from strata_mgpu.stage.device import DeviceContext
 from strata_mgpu.stage.experts.ring import ExpertRing, Slot
 from strata_mgpu.stage.stage import StageOptions
 from strata_mgpu.stage.streams import OrderingError, ordering_twin
+from tests import test_break_even as break_even_tests
 from tests import test_peer_prefill as helper_tests
+from tests import test_residency as residency_tests
 from tests import test_split as split_tests
 from tests import test_stage as stage_tests
 from tests import test_static_rows as static_tests
@@ -59,6 +61,12 @@ RERUN = {
     "resident_in_place": (lambda t, g, tmp: stage_tests.test_resident_experts_computed_in_place_equal_all_streamed(g),
                           True),
     "helper_streamed_only": (lambda t, g, tmp: helper_tests.test_helper_takes_only_streamed_experts(t, 3), True),
+    "residency_concentrated": (
+        lambda t, g, tmp: residency_tests.test_concentrated_traffic_becomes_resident_and_answers_stay_the_oracles(g),
+        True),
+    "few_rows_gather": (
+        lambda t, g, tmp: break_even_tests.test_a_few_row_prompt_gathers_below_the_break_even_and_answers_as_streaming(
+            g), True),
     "failed_pass": (lambda t, g, tmp: stage_tests.test_a_pass_that_fails_partway_gives_the_ring_back(g), True),
     "failed_helped_pass": (lambda t, g, tmp: helper_tests.test_a_failed_helped_pass_gives_both_rings_back(t, 3), True),
     "failed_after_hand_over": (lambda t, g, tmp: helper_tests.test_a_failed_helped_pass_gives_both_rings_back(t, 2),
@@ -122,6 +130,21 @@ def helped_prefill_in_halves(tiny) -> None:
     runner.prefill(runner.new_sequence(256), torch.randint(0, spec.vocab_size, (100,)), whole_prompt=True)
     assert firsts == [True, False] * spec.n_layers
 
+def residency_swaps(tiny) -> None:
+    """Decode steps whose hot expert the residency moves in, a swap a step."""
+    from strata_mgpu.config import StageSwitches
+    from strata_mgpu.stage.experts.residency import PERIOD
+
+    f, spec = tiny
+    stage = build_stage(f, spec, StageOptions(device=torch.device("cpu"), chunk_size=64,
+                                              switches=StageSwitches(residency_swaps=1)))
+    kv = stage.new_sequence(64)
+    stage.prefill(kv, torch.randint(0, spec.vocab_size, (4,)))
+    stage.experts.cache.picks[:, spec.n_experts - 1] = 100.0  # not resident at load
+    for _ in range(PERIOD + spec.n_layers + 1):
+        stage.decode([kv], torch.randint(0, spec.vocab_size, (1,)))
+    assert stage.experts.cache.swapped >= spec.n_layers
+
 
 # (the wait's event, the run that needs it, what the twin must say)
 NEEDED_WAITS = [
@@ -129,6 +152,12 @@ NEEDED_WAITS = [
      r"cpu0\.compute reads 'cpu0 ring slot 0' .*write on cpu0\.upload .*missing a wait on 'cpu0 ring slot 0 ready'"),
     ("cpu0 ring slot 1 free", one_stage_prefill,
      r"cpu0\.upload writes 'cpu0 ring slot 1' .*read on cpu0\.compute .*missing a wait on 'cpu0 ring slot 1 free'"),
+    ("cpu0 expert slots freed", residency_swaps,  # the upload into a slot after the kernels reading its old expert
+     r"cpu0\.upload writes 'cpu0 expert slot \d+' .*read on cpu0\.compute .*missing a wait on "
+     r"'cpu0 expert slots freed'"),
+    ("cpu0 expert slot filled", residency_swaps,  # the new expert in the table after its upload
+     r"cpu0\.compute reads 'cpu0 expert slot \d+' .*write on cpu0\.upload .*missing a wait on "
+     r"'cpu0 expert slot filled'"),
     ("cpu1 hand-over from cpu0 buffer 0 read", split_prefill_in_chunks,
      r"cpu0\.compute writes 'cpu0 hand-over to cpu1 buffer 0' .*read on cpu1\.compute .*missing a wait on "
      r"'cpu1 hand-over from cpu0 buffer 0 read'"),

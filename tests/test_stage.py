@@ -143,6 +143,8 @@ def test_expert_cache_table_and_addresses(tiny_gguf):
 
 
 def test_cache_follows_the_routing_and_answers_stay_the_same(tiny_gguf):
+    from strata_mgpu.stage.experts.residency import PERIOD
+
     f = GGUFFile(tiny_gguf)
     spec = spec_from_gguf(f)
     ref = load_reference_runner(f, spec)
@@ -154,21 +156,19 @@ def test_cache_follows_the_routing_and_answers_stay_the_same(tiny_gguf):
     assert float(cache.picks.sum()) == 40 * spec.n_experts_used * spec.n_layers  # counted on the device
     kv_s, kv_r = stage.new_sequence(128), ref.new_sequence(128)
     b, a = stage.prefill(kv_s, prompt), ref.prefill(kv_r, prompt)
-    assert cache.swapped == 0  # not before the prompt: moves there would slow its stream
+    assert cache.swapped == 0  # not in a prompt: moves there would slow its stream
     cache.picks.zero_()
     cache.picks[:, 5] = 100.0  # expert 5 is hot in every layer
-    cache.picks[:, 6] = 1.0  # expert 6 barely: within the margin, it stays out
-    for _ in range(3):
+    for step in range(1, PERIOD + 3):
         token = torch.tensor([int(a.argmax())])
-        a, b = ref.decode([kv_r], token)[0], stage.decode([kv_s], token)[0]  # the first step refills first
+        a, b = ref.decode([kv_r], token)[0], stage.decode([kv_s], token)[0]
         assert rel_err(b, a) <= 1e-5
-        assert cache.swapped == spec.n_layers  # once: the sequence's first step only
-        assert all(int(cache.slot_of_host[i, 5]) >= 0 and int(cache.slot_of_host[i, 6]) < 0
-                   for i in range(spec.n_layers))
-        assert torch.equal(cache.slot_of, cache.slot_of_host)
+        # chosen at a flush, in the table a step later (expert 5 in each layer, perhaps others the steps picked)
+        assert (cache.swapped == 0) if step <= PERIOD else (cache.swapped >= spec.n_layers)
+    assert all(int(cache.slot_of_host[i, 5]) >= 0 for i in range(spec.n_layers))
+    assert torch.equal(cache.slot_of, cache.slot_of_host)
     n = stage.arena.layouts[0].expert_bytes
     assert torch.equal(cache.source(0, 5)[:n], stage.arena.expert(0, 5))
-    assert 50.0 <= float(cache.picks[0, 5]) <= 50.0 + 3  # halved at the refill, then at most one pick a token
 
 
 def test_resident_experts_computed_in_place_equal_all_streamed(tiny_gguf):

@@ -23,11 +23,13 @@ from strata_mgpu.model.gguf_reader import GGUFFile
 from strata_mgpu.model.spec import ModelSpec
 from strata_mgpu.model.weights import BlockMatrix, ModelWeights, every_type, load_weights
 from strata_mgpu.stage.device import DeviceContext
-from strata_mgpu.stage.experts.cache import ExpertCache, RefillOnFirstStep
+from strata_mgpu.stage.experts.break_even import PassRates, measure_compute, measure_mapped_rate
+from strata_mgpu.stage.experts.cache import ExpertCache
 from strata_mgpu.stage.experts.cpu_handover import HANDOVER_POLL, CpuHandover
 from strata_mgpu.stage.experts.handover import MAX_EXPERTS, Handover
 from strata_mgpu.stage.experts.handover_twin import HandoverTwin
 from strata_mgpu.stage.experts.host_cores import HostCoreExperts, HostDense
+from strata_mgpu.stage.experts.residency import LfuPolicy, Residency
 from strata_mgpu.stage.experts.ring import ExpertRing
 from strata_mgpu.stage.experts.streamed import StreamedExperts
 from strata_mgpu.stage.graphs.replay import DecodeGraphs
@@ -90,6 +92,13 @@ def build_stage(f: GGUFFile, spec: ModelSpec, opts: StageOptions, layers: range 
         experts = StreamedExperts(ctx, spec, arena, kernels, ring, cache, layers, dtype=dtype)
         experts.attach_handover(_handover(ctx, spec, opts, arena, cache, kernels, layers, dtype),
                                 prompts=switches.host_prompt_help)
+        experts.set_gather_rule(_pass_rates(ctx, kernels, arena, ring, experts) if experts.partly_resident else None,
+                                floor_rows=switches.decode_graph_batch, fixed_rows=switches.gather_rows)
+        if experts.partly_resident:
+            log.info("stage on %s: a pass of fewer than %d rows gathers its picked experts, longer ones stream "
+                     "whole layers (%s)", ctx.device, experts.stream_rows(),
+                     f"STRATA_GATHER_ROWS={switches.gather_rows}" if switches.gather_rows is not None else
+                     _rates_line(experts.rates))
     fused_ops = isinstance(kernels, CudaKernels) and dtype == torch.bfloat16
     # one path counter for the kernels and the fused ops
     ops = CudaDecodeOps(ctx.device, paths=kernels.paths, kv_types=switches.kv_types) if fused_ops else None
@@ -119,7 +128,8 @@ def build_stage(f: GGUFFile, spec: ModelSpec, opts: StageOptions, layers: range 
                  report.pass_bytes / 1e9, report.kernels)
     log.info("memory plan of %s: %s", ctx.device, plan.describe())
     return Stage(options=opts, spec=spec, layers=layers, ctx=ctx, arena=arena, plan=plan, kernels=kernels,
-                 experts=experts, model=model, kv=kv, graphs=graphs, refill=RefillOnFirstStep(cache), report=report)
+                 experts=experts, model=model, kv=kv, graphs=graphs, report=report,
+                 refill=Residency(cache, LfuPolicy(switches.residency_half_life), switches.residency_swaps))
 
 
 def _handover(ctx: DeviceContext, spec: ModelSpec, opts: StageOptions, arena: HostExpertArena,
@@ -166,6 +176,32 @@ def _handover(ctx: DeviceContext, spec: ModelSpec, opts: StageOptions, arena: Ho
             return None
     log.info("stage on %s: decode hands %s", ctx.device, handover.describe())
     return handover
+
+
+def _pass_rates(ctx: DeviceContext, kernels: TorchKernels, arena: HostExpertArena, ring: ExpertRing | None,
+                experts: StreamedExperts) -> PassRates | None:
+    """The link probe's rate, the kernels' reads of the mapped arena (into a ring slot, before any pass
+    holds the ring) and the card's compute of a pick and of an expert: what a pass's break-even is
+    reckoned from; None where unmeasured (the CPU)."""
+    if ring is None or experts.cache is None:
+        return None
+    slot = ring.slots[0].buffer
+    link = link_rate(ctx) or measure_link_rate(ctx, into=slot)
+    mapped = measure_mapped_rate(ctx, kernels, arena.buffer, slot)
+    if not (link and mapped):
+        return None
+    ws = experts.workspace
+    compute = measure_compute(kernels, experts.cache, arena.layouts[experts.layers[0]], ws.w_gate_up, ws.w_down,
+                              experts.spec.hidden, experts.spec.n_experts_used)
+    return PassRates(link, mapped) if compute is None else PassRates(link, mapped, *compute)
+
+
+def _rates_line(rates: PassRates | None) -> str:
+    if rates is None:
+        return "no measured rates: from E picks"
+    return (f"the break-even of the link's {rates.link_bytes_per_s / 1e9:.1f} GB/s against mapped reads' "
+            f"{rates.mapped_bytes_per_s / 1e9:.1f} GB/s, {1e6 * rates.pick_s:.2f} us a gathered pick and "
+            f"{1e6 * rates.expert_s:.2f} us an expert dequantized, at the cache's expected hit rate")
 
 
 def holds_blocks(dense: ModelWeights) -> bool:

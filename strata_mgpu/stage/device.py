@@ -200,7 +200,11 @@ class HostCopy:
             self._ready = torch.cuda.Event()
             self._ready.record(torch.cuda.current_stream(tensor.device))
         else:
-            self.host = tensor.cpu()
+            self.host = tensor.clone()
+
+    def ready(self) -> bool:
+        """Has the copy landed? Never waits."""
+        return self._ready is None or self._ready.query()
 
     def wait(self) -> torch.Tensor:
         if self._ready is not None:

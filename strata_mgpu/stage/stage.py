@@ -23,9 +23,9 @@ from strata_mgpu.model.kv_pool import BlockTable
 from strata_mgpu.model.runner import dtype_name, prefill_last_logits, prefill_pack_logits
 from strata_mgpu.model.spec import ModelSpec
 from strata_mgpu.stage.device import DeviceContext
-from strata_mgpu.stage.experts.cache import RefillOnFirstStep
 from strata_mgpu.stage.experts.host_cores import HostCoreExperts
 from strata_mgpu.stage.experts.lending import LentBuffers, PrefillHelper
+from strata_mgpu.stage.experts.residency import Residency
 from strata_mgpu.stage.experts.streamed import StreamedExperts
 from strata_mgpu.stage.graphs.replay import DecodeGraphs
 from strata_mgpu.stage.host.arena import HostExpertArena
@@ -101,7 +101,7 @@ class Stage:
     model: Decoder  # its expert backend is `experts`
     kv: StageKV
     graphs: DecodeGraphs
-    refill: RefillOnFirstStep
+    refill: Residency  # before each decode step: the resident experts follow the picks
     report: StageReport
 
     @property
@@ -150,16 +150,39 @@ class Stage:
 
     @torch.inference_mode()
     def warm_decode_graphs(self, context: int) -> list[int]:
-        """Every batch bucket's decode graph captured before the first request, the expert cache's pick
-        counts put back as they were before the captures' dummy steps."""
+        """Every batch bucket's decode graph captured before the first request (on a GPU the two prompt
+        paths run once first, `warm_prompts`), the expert cache's pick counts put back as they were
+        before the dummy passes."""
         cache = self.experts.cache
         with self.ctx.on_compute():
             picks = cache.picks.clone() if cache is not None else None
             try:
+                if self.ctx.is_cuda:
+                    self.warm_prompts()
                 return self.graphs.warm(context, self.plan.kv_tokens)
             finally:
                 if cache is not None and picks is not None:
                     cache.picks.copy_(picks)
+
+    @torch.inference_mode()
+    def warm_prompts(self) -> list[int]:
+        """A prompt of the most rows that gather and one of the fewest that stream, on a dummy sequence,
+        so that what a path does once (cuBLAS's first GEMMs of a prompt's rows, a first pass through the
+        ring) is not a first request's. The row counts run; the caller keeps the pick counts."""
+        if not isinstance(self.experts, StreamedExperts):
+            return []
+        limit = self.experts.stream_rows()
+        rows = sorted({max(1, limit - 1), max(1, limit)})
+        g = torch.Generator().manual_seed(0)
+        with self.ctx.on_compute():
+            for n in rows:
+                kv = self.model.new_cache(n, capacity=n)
+                if self.is_first:
+                    x = self.model.embed(torch.randint(0, self.spec.vocab_size, (n,), generator=g).to(self.ctx.device))
+                else:
+                    x = torch.randn(n, self.spec.hidden, generator=g).to(self.model.w.dtype).to(self.ctx.device)
+                self.model.run(x, [Segment(0, n, kv)])
+        return rows
 
     def silent_faults(self) -> int:
         return self.experts.silent_faults()

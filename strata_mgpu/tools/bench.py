@@ -273,11 +273,11 @@ def time_decode(runner, n: int, prompt_tokens: int = 64, seed: int = 0, chunk: i
     kv = runner.new_sequence(prompt_tokens + n + 3)  # + the two warm-up steps
     prefill_chunks(runner, tokens[:prompt_tokens], chunk, kv)
     steps = iter(tokens[prompt_tokens:].view(-1, 1))
-    for _ in range(2):  # warm up: kernels, graph capture, the cache's refill at the first step
+    for _ in range(2):  # warm up: kernels, graph capture
         int(runner.decode([kv], next(steps))[0].argmax())
     caches = [s.experts.cache for s in runner.stages if s.experts.cache is not None]
     sync_stages(runner.stages)
-    before = [c.picks.clone() for c in caches]
+    before = [c.tally() for c in caches]
     t0 = time.perf_counter()
     issue = 0.0
     for _ in range(n):
@@ -286,9 +286,9 @@ def time_decode(runner, n: int, prompt_tokens: int = 64, seed: int = 0, chunk: i
         issue += time.perf_counter() - t
         int(logits[0].argmax())  # the host needs each step's logits
     seconds = time.perf_counter() - t0
-    picked = [(c.picks - b).cpu() for c, b in zip(caches, before, strict=True)]  # no refill in between
-    total = sum(float(p.sum()) for p in picked)
-    hits = sum(float((p * (c.slot_of_host >= 0)).sum()) for p, c in zip(picked, caches, strict=True))
+    after = [c.tally() for c in caches]  # each pick counted under the residency of when its flush landed
+    hits = sum(a[0] - b[0] for a, b in zip(after, before, strict=True))
+    total = sum(a[1] - b[1] for a, b in zip(after, before, strict=True))
     return DecodeTiming(n / seconds, vram_share(caches, hits, total), 1e3 * issue / n)
 
 

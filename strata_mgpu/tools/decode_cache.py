@@ -14,7 +14,7 @@ from strata_mgpu import env
 from strata_mgpu.model.gguf_reader import GGUFFile
 from strata_mgpu.model.spec import spec_from_gguf
 from strata_mgpu.stage.build import build_stage
-from strata_mgpu.stage.experts.cache import RefillOnFirstStep
+from strata_mgpu.stage.experts.residency import Residency
 from strata_mgpu.stage.stage import StageOptions
 from strata_mgpu.tools.bench import time_decode
 
@@ -33,7 +33,7 @@ def main() -> None:
     cache = stage.experts.cache
     if cache is None:
         raise SystemExit("this stage keeps no experts resident: nothing to compare")
-    following, stage.refill = stage.refill, RefillOnFirstStep(None)  # held still: the first K experts a layer
+    following, stage.refill = stage.refill, Residency(None)  # held still: the first K experts a layer
     for i in range(args.sequences):
         tps, hit, _ = time_decode(stage, args.tokens, seed=i)
         assert hit is not None  # the stage has an expert cache

@@ -5,26 +5,26 @@ from the pinned host arena through its device mapping (UVA). `slot_of[layer, exp
 resident) and `host_offset` let the device build each expert's address itself, so a decode step
 never synchronizes the host.
 
-K experts of every layer stay. Every forward counts each layer's picks on the device, and when a
-sequence starts decoding `refill` swaps in experts picked clearly more often than the ones they
-replace (a margin and a cap on the bytes moved keep near-ties from churning): trained models
-route with locality, which this follows.
+K experts of every layer stay. Every forward counts each layer's picks on the device; which K
+follows those counts as decode runs (`residency.Residency`: an LFU with decay, a few experts moved
+a step through `evict` and `admit`).
 """
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
-from strata_mgpu.stage.device import DeviceContext
+from strata_mgpu.stage.device import DeviceContext, HostCopy
 from strata_mgpu.stage.host.arena import HostExpertArena
+from strata_mgpu.stage.streams import Event
 
 
 class ExpertCache:
-    """The stage's resident experts and where every other expert is read, the picks counted and the
-    refills that follow them."""
+    """The stage's resident experts and where every other expert is read, and the picks counted (on the
+    device, flushed to the host)."""
 
     def __init__(self, ctx: DeviceContext, arena: HostExpertArena, layers: range, n_slots: int):
         E = arena.spec.n_experts
@@ -49,12 +49,17 @@ class ExpertCache:
         self.host_offset = host_offset.to(ctx.device)  # [L, E] bytes from the arena's start
         self.arena = arena
         self.lookups = self.hits = 0  # counted by the torch twin path
-        self.picks = torch.zeros(len(layers), E, dtype=torch.float32, device=ctx.device)  # [L, E], decayed
-        self.swapped = 0  # experts moved into VRAM by refills
-        # picks read from VRAM and all picks, counted up to the last `tally` (the host's copy of
-        # `picks` then, to take the next tally's new picks from)
+        self.picks = torch.zeros(len(layers), E, dtype=torch.float32, device=ctx.device)  # [L, E], since the last flush
+        self.swapped = 0  # experts moved into VRAM since load
+        # the share of picks the resident experts are expected to take, by the decayed counts (K / E before
+        # any): what a pass's break-even reads on the host (`break_even`), set by the residency
+        self.expected_hit = per_layer / E
+        # the picks flushed to the host so far: read from VRAM (under the residency when they landed), all,
+        # and each expert's (the LFU's scores: decayed by the residency); flushes on their way
         self.vram_picks = self.all_picks = 0.0
-        self._tallied = torch.zeros(len(layers), E)
+        self.scores = np.zeros((len(layers), E))
+        self._flushing: list[HostCopy] = []
+        self._moving: list[tuple[int, int, int, Event]] = []  # (layer, expert, slot, its upload's event)
         self._one = torch.ones(1, dtype=self.picks.dtype, device=ctx.device)  # a pick's count, viewed as many
 
     @property
@@ -99,69 +104,69 @@ class ExpertCache:
         # one tensor for every call, never replaced: a captured decode graph reads it at its address
         self.picks[i].index_add_(0, flat, self._one.expand(flat.numel()))  # one launch
 
-    def tally(self, picks: torch.Tensor | None = None) -> tuple[float, float]:
-        """Add the picks counted since the last tally to (vram_picks, all_picks) and return them. picks:
-        `self.picks` on the host, where the caller has it (else one sync)."""
-        if picks is None:
-            with self.ctx.on_compute():  # after the forwards that counted them
-                picks = self.picks.to("cpu", copy=True)  # a copy on the CPU too: `picks` changes in place
-        new = picks - self._tallied  # [L, E]
-        self.vram_picks += float((new * (self.slot_of_host >= 0)).sum())
-        self.all_picks += float(new.sum())
-        self._tallied = picks
+    def flush(self) -> None:
+        """Queue the counts since the last flush to the host and zero them on the device, on the current
+        stream (after the forwards that counted them); they are added to the totals as they land."""
+        self._flushing.append(HostCopy(self.picks))
+        self.picks.zero_()  # in place, after the copy on the same stream: no pick lost or counted twice
+
+    def absorb(self, wait: bool = False) -> bool:
+        """Add the flushes that have landed (every one, waiting, with `wait`) to the totals and scores; True
+        where any did. Never waits without `wait`."""
+        landed = False
+        while self._flushing and (wait or self._flushing[0].ready()):
+            counts = self._flushing.pop(0).wait().double().numpy()  # [L, E]
+            self.vram_picks += float(counts[self.slot_of_host.numpy() >= 0].sum())
+            self.all_picks += float(counts.sum())
+            self.scores += counts
+            landed = True
+        return landed
+
+    def tally(self) -> tuple[float, float]:
+        """(vram_picks, all_picks) with every pick counted so far: a flush, waited for (one host sync)."""
+        if not self.holds_every_expert:
+            with self.ctx.on_compute():
+                self.flush()
+            self.absorb(wait=True)
         return self.vram_picks, self.all_picks
 
-    def refill(self, margin: float = 1.5, max_share: float = 0.125) -> int:
-        """Swap in experts picked more than `margin` times as often as the resident ones they replace, at
-        most `max_share` of each layer's slots; then halve the counts. Call on the forwards' stream. One
-        host sync. Returns the number of experts moved."""
-        if self.per_layer == 0 or self.per_layer == self.arena.spec.n_experts:
-            return 0
-        picks = self.picks.to("cpu", copy=True)
-        self.tally(picks)
-        budget = max(1, int(max_share * self.per_layer))
-        moved = 0
-        resident = self.slot_of_host >= 0
-        hottest_outside = torch.where(resident, -1.0, picks).amax(1)  # [L]
-        coldest_inside = torch.where(resident, picks, float("inf")).amin(1)
-        for i in (hottest_outside > margin * coldest_inside + 1).nonzero().flatten().tolist():
-            layer = self.layers[i]
-            moved_here = 0
-            inside = resident[i].nonzero().flatten().tolist()
-            outside = (~resident[i]).nonzero().flatten().tolist()
-            coldest = sorted(inside, key=lambda e: (float(picks[i, e]), e))
-            hottest = sorted(outside, key=lambda e: (-float(picks[i, e]), e))
-            for e_out, e_in in zip(coldest, hottest, strict=False):
-                if moved_here >= budget or float(picks[i, e_in]) <= margin * float(picks[i, e_out]) + 1:
-                    break
-                slot = int(self.slot_of_host[i, e_out])
-                src = self.arena.expert(layer, e_in)
-                self.slots[slot, :src.numel()].copy_(src, non_blocking=True)
-                self.slot_of_host[i, e_out], self.slot_of_host[i, e_in] = -1, slot
-                moved_here += 1
-            moved += moved_here
-        if moved:
-            self.slot_of.copy_(self.slot_of_host)  # in place: captured graphs read the same table
-            self.swapped += moved
-        self.picks.mul_(0.5)
-        self._tallied = picks * 0.5  # the same halving, exact in floats
-        return moved
+    def evict(self, i: int, e: int) -> int:
+        """Expert e of local layer i is read from the host arena from the next kernel queued on the
+        current stream on; returns the slot it held (free once that stream's earlier work is done)."""
+        slot = int(self.slot_of_host[i, e])
+        assert slot >= 0, f"expert {e} of local layer {i} is not resident"
+        self.slot_of_host[i, e] = -1
+        self.slot_of[i, e].fill_(-1)  # a fill with its value as an argument: no copy from the host
+        self.ctx.access(self.slot_name(slot), "r")  # (the twin's) the last kernels reading its old expert
+        return slot
 
+    def moving(self, i: int, e: int, slot: int, filled: Event) -> None:
+        """Expert e of local layer i is on its way into `slot` (`filled` recorded after its upload): in
+        the table at the next `land`."""
+        self._moving.append((i, e, slot, filled))
 
-class RefillOnFirstStep:
-    """Before a sequence's first decode step, the cache follows the routing seen so far. Not before the
-    prompt: the moves would share the link with the prefill's stream. One host sync, where the engine
-    waits for the prompt's logits anyway."""
+    def land(self) -> None:
+        """The experts on their way into the table, the current stream ordered after their uploads (a
+        device-side wait): before each decode step, and before a pass that streams, whose ring holds
+        the E - K experts a layer that are not resident and no more."""
+        for i, e, slot, filled in self._moving:
+            self.ctx.wait(filled)
+            self.admit(i, e, slot)
+        self._moving = []
 
-    def __init__(self, cache: ExpertCache | None):
-        self.cache = cache
-        self._decoding: weakref.WeakSet[object] = weakref.WeakSet()  # sequences past their first decode step
+    def admit(self, i: int, e: int, slot: int) -> None:
+        """Expert e of local layer i, its bytes now in `slot` (the current stream ordered after their
+        upload), is read from there from the next kernel on."""
+        assert int(self.slot_of_host[i, e]) < 0 and not bool((self.slot_of_host == slot).any()), "slot taken"
+        self.ctx.access(self.slot_name(slot), "r")  # (the twin's) the first kernels reading its new expert
+        self.slot_of_host[i, e] = slot
+        self.slot_of[i, e].fill_(slot)
+        self.swapped += 1
 
-    def __call__(self, kvs: Sequence[object]) -> None:
-        new = [kv for kv in kvs if kv not in self._decoding]
-        if self.cache is not None and new:
-            self.cache.refill()
-        self._decoding.update(new)
+    def slot_name(self, slot: int) -> str:
+        """How the ordering twin knows slot `slot` (the kernels' reads of it are declared where the table
+        changes: at `evict` and `admit`)."""
+        return f"{self.ctx.name} expert slot {slot}"
 
 
 def vram_share(caches: Sequence[ExpertCache], from_vram: float, picks: float) -> float | None:

@@ -135,12 +135,12 @@ class CpuHandover:
         return self.share_value
 
     def retune(self) -> None:
-        """`auto`: the share again, at the expert cache's hit rate and the host's refitted rate; a fixed
-        share stays. A share that falls to 0 stays there: no request comes to measure again."""
+        """`auto`: the share again, at the expert cache's expected hit rate (its residency under the
+        decayed pick counts) and the host's refitted rate; a fixed share stays. A share that falls to 0
+        stays there: no request comes to measure again."""
         if self.auto is None:
             return
-        vram, picks = self.cache.vram_picks, self.cache.all_picks
-        hit = vram / picks if picks > 0 else self.cache.hit_rate_uniform
+        hit = self.cache.expected_hit
         samples = list(self.worker.samples)
         if len(samples) >= 32:
             self.auto = replace(self.auto, host=self.auto.host.refit(samples))

@@ -4,12 +4,14 @@ pinned host arena. The `ExpertBackend` of a stage.
 Shape legend: T = token rows, D = hidden, E = experts, A = experts per token, M = T * A routed
 rows, F = expert width.
 
-Two ways through a layer, picked per forward by its picks (`gather_pick_limit`):
+Two ways through a layer, picked per forward by its row count (`stream_rows`):
 - a prompt pass computes every expert of the layer once: resident ones in place, the others
   streamed through the ring a layer or more ahead. A helper takes the last of each layer's
   streamed experts; a helped pass of `halves_from` rows or more runs in two halves of rows.
-- gather (decode, and short prompts where every expert is resident): only the experts the rows
-  picked, each read where it lives, a VRAM slot or the mapped pinned arena (no host sync).
+- gather (decode, and prompts below the limit): only the experts the rows picked, each read where
+  it lives, a VRAM slot or the mapped pinned arena (no host sync). Where every expert is resident
+  the limit is the kernels' (`gather_pick_limit`); where some stream, the break-even of the measured
+  rates at the cache's hit rate (`break_even.gather_rows`).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import torch
 from strata_mgpu.kernels.experts import CudaKernels, TorchKernels
 from strata_mgpu.model.spec import ModelSpec
 from strata_mgpu.stage.device import DeviceContext
+from strata_mgpu.stage.experts.break_even import PassRates, gather_rows
 from strata_mgpu.stage.experts.cache import ExpertCache
 from strata_mgpu.stage.experts.handover import Handover
 from strata_mgpu.stage.experts.host_prompt import HostPrefillHelper
@@ -92,7 +95,42 @@ class StreamedExperts:
                  else None for layer in layers]
         fused = dtype == torch.bfloat16 and all(plan is not None for plan in plans)
         grouped = fused and all(plan is not None and CudaKernels.grouped_serves(plan, D) for plan in plans)
-        self.gather_picks = gather_pick_limit(E, cache is not None and cache.per_layer >= E, fused, grouped)
+        self._resident_picks = gather_pick_limit(E, cache is not None and cache.per_layer >= E, fused, grouped)
+        # where some experts stream: the rows the gathered kernels take (the twins' workspace holds E experts)
+        self._cap_rows = GATHER_PICKS_BY_PICK // spec.n_experts_used if fused else -(-E // spec.n_experts_used)
+        self._expert_bytes = sum(arena.layouts[layer].expert_bytes for layer in layers) / max(1, len(layers))
+        self.rates: PassRates | None = None  # set_gather_rule: the measured rates of the break-even
+        self.floor_rows = 1
+        self.fixed_rows: int | None = None
+
+    def set_gather_rule(self, rates: PassRates | None, floor_rows: int, fixed_rows: int | None = None) -> None:
+        """Where some experts stream, passes of fewer rows than the break-even of `rates` gather (None: E
+        picks), never fewer than `floor_rows`; `fixed_rows`: that many instead (STRATA_GATHER_ROWS)."""
+        self.rates, self.floor_rows, self.fixed_rows = rates, floor_rows, fixed_rows
+
+    @property
+    def partly_resident(self) -> bool:
+        return self.cache is not None and self.cache.per_layer < self.spec.n_experts
+
+    def stream_rows(self) -> int:
+        """Rows from which a forward streams whole layers (0: every forward streams)."""
+        if self.cache is None:
+            return 0
+        if not self.partly_resident:
+            return -(-self._resident_picks // self.spec.n_experts_used)
+        if self.fixed_rows is not None:
+            return max(1, min(self.fixed_rows, self._cap_rows))
+        return gather_rows(self.rates, n_experts=self.spec.n_experts, n_used=self.spec.n_experts_used,
+                           missing=self.spec.n_experts - self.cache.per_layer, expert_bytes=self._expert_bytes,
+                           miss_share=1.0 - self.cache.expected_hit, floor_rows=self.floor_rows,
+                           cap_rows=self._cap_rows)
+
+    @property
+    def gather_picks(self) -> int:
+        """Picks (rows x experts a row) from which a forward streams whole layers."""
+        if not self.partly_resident:
+            return self._resident_picks
+        return self.stream_rows() * self.spec.n_experts_used
 
     def attach_handover(self, handover: Handover | None, prompts: bool = False) -> None:
         """Gathered passes of up to `handover.max_rows` rows hand a share of their missing experts to the
@@ -154,6 +192,8 @@ class StreamedExperts:
         # a hand-over that has failed (the next decode step's arm detaches it) takes no pass: the
         # layers would go on without the host's part, and the fault count would not rise again
         self._handing_over = self.handover is not None and self.handover.silent_faults() == 0
+        if self.streaming and self.cache is not None:
+            self.cache.land()  # the experts moving into VRAM in the table: the ring holds only the rest
         if not self.streaming:
             if self.handover is not None:
                 self.handover.wake()  # the worker polls (a decode step's arm, in Stage.decode_rows, counts it)
