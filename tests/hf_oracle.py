@@ -58,3 +58,75 @@ def rope_parameters(spec: ModelSpec) -> dict:
             params["attention_factor"] = r.mscale
     assert r.attn_factor == 1.0 or r.kind == RopeScalingType.YARN, "transformers has no attn_factor here"
     return params
+
+
+def _grouped(t: torch.Tensor, dim: int, n_k: int, n_v: int, head: int) -> torch.Tensor:
+    """Value heads along `dim` from the file's tiled order (head j = v Hk + k) back to transformers'
+    grouped one (k r + v): the inverse of llama.cpp's converter's reorder."""
+    shape = list(t.shape)
+    t = t.reshape(*shape[:dim], n_v // n_k, n_k, head, *shape[dim + 1:])
+    return t.transpose(dim, dim + 1).reshape(shape)
+
+
+def hf_qwen35moe(spec: ModelSpec, w: ModelWeights):
+    """transformers' Qwen3_5MoeForCausalLM with the weights a qwen35moe GGUF holds, mapped back as
+    llama.cpp's converter maps them forward (RMSNorm weights less 1 but the gated norm's,
+    A_log = log(-ssm_a), value heads regrouped)."""
+    from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
+
+    d = spec.delta
+    assert d is not None
+    cfg = Qwen3_5MoeTextConfig(
+        vocab_size=spec.vocab_size, hidden_size=spec.hidden, num_hidden_layers=spec.n_layers,
+        num_attention_heads=spec.n_heads, num_key_value_heads=spec.n_kv_heads, head_dim=spec.head_dim,
+        max_position_embeddings=spec.context_length, rms_norm_eps=spec.rms_eps, tie_word_embeddings=spec.tied_output,
+        linear_conv_kernel_dim=d.conv_kernel, linear_key_head_dim=d.k_head_dim, linear_value_head_dim=d.v_head_dim,
+        linear_num_key_heads=d.n_k_heads, linear_num_value_heads=d.n_v_heads, moe_intermediate_size=spec.expert_ffn,
+        shared_expert_intermediate_size=spec.shared_expert_ffn, num_experts_per_tok=spec.n_experts_used,
+        num_experts=spec.n_experts,
+        layer_types=["linear_attention" if spec.is_linear(i) else "full_attention" for i in range(spec.n_layers)],
+        rope_parameters={"rope_type": "default", "rope_theta": spec.rope_base,
+                         "partial_rotary_factor": spec.rotary_dim / spec.head_dim,
+                         "mrope_section": [3, 3, 2], "mrope_interleaved": True},
+    )
+    cfg._attn_implementation = "eager"
+    model = Qwen3_5MoeForCausalLM(cfg).float().eval()
+    assert w.out_norm is not None
+    sd = {"model.embed_tokens.weight": w.embed, "model.norm.weight": w.out_norm - 1, "lm_head.weight": w.output}
+    nk, nv = d.n_k_heads, d.n_v_heads
+    for i, lw in enumerate(w.layers):
+        p = f"model.layers.{i}."
+        assert lw.gate is not None and lw.up is not None and lw.shared is not None
+        sd |= {
+            p + "input_layernorm.weight": lw.attn_norm - 1, p + "post_attention_layernorm.weight": lw.ffn_norm - 1,
+            p + "mlp.gate.weight": lw.router,
+            p + "mlp.experts.gate_up_proj": torch.cat([lw.gate, lw.up], dim=1),
+            p + "mlp.experts.down_proj": lw.down,
+            p + "mlp.shared_expert.gate_proj.weight": lw.shared.gate, p + "mlp.shared_expert.up_proj.weight": lw.shared.up,
+            p + "mlp.shared_expert.down_proj.weight": lw.shared.down,
+            p + "mlp.shared_expert_gate.weight": lw.shared.gate_inp[None],
+        }
+        if lw.delta is None:
+            assert lw.q_norm is not None and lw.k_norm is not None
+            sd |= {p + "self_attn.q_proj.weight": lw.wq, p + "self_attn.k_proj.weight": lw.wk,
+                   p + "self_attn.v_proj.weight": lw.wv, p + "self_attn.o_proj.weight": lw.wo,
+                   p + "self_attn.q_norm.weight": lw.q_norm - 1, p + "self_attn.k_norm.weight": lw.k_norm - 1}
+            continue
+        ld, qk = lw.delta, 2 * d.key_dim
+        assert isinstance(ld.wqkv, torch.Tensor) and isinstance(ld.wz, torch.Tensor)
+        assert isinstance(ld.wout, torch.Tensor)
+        sd |= {
+            p + "linear_attn.in_proj_qkv.weight": torch.cat([ld.wqkv[:qk], _grouped(ld.wqkv[qk:], 0, nk, nv, d.v_head_dim)]),
+            p + "linear_attn.in_proj_z.weight": _grouped(ld.wz, 0, nk, nv, d.v_head_dim),
+            p + "linear_attn.in_proj_b.weight": _grouped(ld.w_beta, 0, nk, nv, 1),
+            p + "linear_attn.in_proj_a.weight": _grouped(ld.w_alpha, 0, nk, nv, 1),
+            p + "linear_attn.A_log": _grouped(torch.log(-ld.decay_rate), 0, nk, nv, 1),
+            p + "linear_attn.dt_bias": _grouped(ld.dt_bias, 0, nk, nv, 1),
+            p + "linear_attn.conv1d.weight": torch.cat([ld.conv[:qk], _grouped(ld.conv[qk:], 0, nk, nv, d.v_head_dim)])[:, None],
+            p + "linear_attn.norm.weight": ld.norm,
+            p + "linear_attn.out_proj.weight": _grouped(ld.wout, 1, nk, nv, d.v_head_dim),
+        }
+    missing, unexpected = model.load_state_dict(sd, strict=False)
+    missing = [m for m in missing if "rotary" not in m]
+    assert not missing and not unexpected, (missing, unexpected)
+    return model

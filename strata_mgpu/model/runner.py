@@ -1,5 +1,7 @@
 """`DecoderRunner`: the engine's `ModelRunner` over a `Decoder` in host memory (the fp32 reference),
-its loader, and the prefill calls every runner over a `Decoder` makes.
+its loader, and the prefill calls every runner over a `Decoder` makes. Over a hybrid decoder its
+sequences are `HybridSequence`s (KV and DeltaNet state), which the prefix cache does not keep yet
+(`HybridBlocks`).
 """
 
 from __future__ import annotations
@@ -13,10 +15,14 @@ from gguf.constants import GGMLQuantizationType
 from strata_mgpu.model.decoder import Decoder, Segment
 from strata_mgpu.model.gguf_reader import GGUFFile
 from strata_mgpu.model.kv_blocks import KVBlockStore
-from strata_mgpu.model.kv_cache import PLAIN_KV, KVCache, SequenceKV
+from strata_mgpu.model.kv_cache import PLAIN_KV, SequenceKV
+from strata_mgpu.model.linear_state import HybridSequence
 from strata_mgpu.model.reference import ReferenceModel
 from strata_mgpu.model.spec import ModelSpec
 from strata_mgpu.model.weights import load_weights
+
+# A runner's sequence over a Decoder: its KV, or with a hybrid decoder its KV and DeltaNet state
+RunnerSequence = SequenceKV | HybridSequence
 
 DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
@@ -51,39 +57,81 @@ class DecoderRunner:
         return (f"{self.model.device} in {dtype_name(self.model.w.dtype)}: the torch reference forward (plain "
                 f"torch ops, every expert in host RAM)")
 
-    def new_sequence(self, max_length: int) -> KVCache:
-        return self.model.new_cache(max_length=max_length)
+    def new_sequence(self, max_length: int) -> RunnerSequence:
+        kv = self.model.new_cache(max_length=max_length)
+        linear = self.model.new_linear_state()
+        return kv if linear is None else HybridSequence(kv, linear)
 
-    def kv_blocks(self, block_tokens: int) -> KVBlockStore:
+    def kv_blocks(self, block_tokens: int) -> KVBlockStore | HybridBlocks:
         s = self.spec
-        return KVBlockStore(len(self.model.w.layers), s.n_kv_heads, s.head_dim, block_tokens=block_tokens,
-                            device=self.model.device, format=self.model.kv_format)
+        store = KVBlockStore(self.model.n_kv_layers, s.n_kv_heads, s.head_dim, block_tokens=block_tokens,
+                             device=self.model.device, format=self.model.kv_format)
+        return HybridBlocks(store) if self.model.linear_layers else store
 
     @torch.inference_mode()
-    def prefill(self, kv: SequenceKV, tokens: torch.Tensor, whole_prompt: bool = False,
+    def prefill(self, kv: RunnerSequence, tokens: torch.Tensor, whole_prompt: bool = False,
                 want_logits: bool = True) -> torch.Tensor:
         return prefill_last_logits(self.model, kv, tokens)
 
     @torch.inference_mode()
-    def prefill_many(self, kvs: Sequence[SequenceKV], chunks: Sequence[torch.Tensor]) -> torch.Tensor:
+    def prefill_many(self, kvs: Sequence[RunnerSequence], chunks: Sequence[torch.Tensor]) -> torch.Tensor:
         return prefill_pack_logits(self.model, kvs, chunks)
 
     @torch.inference_mode()
-    def decode(self, kvs: Sequence[SequenceKV], tokens: torch.Tensor) -> torch.Tensor:
-        segments = [Segment(i, i + 1, kv) for i, kv in enumerate(kvs)]
+    def decode(self, kvs: Sequence[RunnerSequence], tokens: torch.Tensor) -> torch.Tensor:
+        segments = [segment(i, i + 1, kv) for i, kv in enumerate(kvs)]
         return self.model.logits(self.model.forward(tokens.to(self.model.device), segments))
 
 
-def prefill_last_logits(model: Decoder, kv: SequenceKV, tokens: torch.Tensor) -> torch.Tensor:
-    hidden = model.forward(tokens.to(model.device), [Segment(0, tokens.shape[0], kv)])
+class HybridBlocks:
+    """The prefix cache's store over hybrid sequences: none is cacheable yet (their DeltaNet state is
+    not saved at block boundaries), so the cache never saves or restores one."""
+
+    def __init__(self, store: KVBlockStore):
+        self.store = store
+
+    @property
+    def block_tokens(self) -> int:
+        return self.store.block_tokens
+
+    @property
+    def block_bytes(self) -> int:
+        return self.store.block_bytes
+
+    @property
+    def host_tier(self) -> bool:
+        return self.store.host_tier
+
+    def cacheable(self, kv: HybridSequence) -> bool:
+        return False
+
+    def save(self, kv: HybridSequence, index: int) -> torch.Tensor:
+        raise AssertionError("a hybrid sequence is not cacheable: its DeltaNet state is not saved with blocks")
+
+    def offload(self, block: torch.Tensor) -> torch.Tensor:
+        return self.store.offload(block)
+
+    def load(self, kv: HybridSequence, blocks: Sequence[torch.Tensor], n_tokens: int) -> None:
+        raise AssertionError("a hybrid sequence is not cacheable: its DeltaNet state is not saved with blocks")
+
+
+def segment(start: int, end: int, seq: RunnerSequence) -> Segment:
+    """Rows [start, end) of a forward as `seq`'s segment: its KV, and its DeltaNet state where it has one."""
+    if isinstance(seq, HybridSequence):
+        return Segment(start, end, seq.kv, seq.linear)
+    return Segment(start, end, seq)
+
+
+def prefill_last_logits(model: Decoder, kv: RunnerSequence, tokens: torch.Tensor) -> torch.Tensor:
+    hidden = model.forward(tokens.to(model.device), [segment(0, tokens.shape[0], kv)])
     return model.logits(hidden[-1:])[0]
 
 
-def prefill_pack_logits(model: Decoder, kvs: Sequence[SequenceKV], chunks: Sequence[torch.Tensor]) -> torch.Tensor:
+def prefill_pack_logits(model: Decoder, kvs: Sequence[RunnerSequence], chunks: Sequence[torch.Tensor]) -> torch.Tensor:
     """One forward packed as segments; logits [N, V] of each chunk's last token."""
     assert len(kvs) == len(chunks) > 0 and len({id(kv) for kv in kvs}) == len(kvs)
     ends = list(itertools.accumulate(c.shape[0] for c in chunks))
-    segments = [Segment(end - c.shape[0], end, kv) for kv, c, end in zip(kvs, chunks, ends, strict=True)]
+    segments = [segment(end - c.shape[0], end, kv) for kv, c, end in zip(kvs, chunks, ends, strict=True)]
     hidden = model.forward(torch.cat(list(chunks)).to(model.device), segments)  # [sum T_i, D]
     return model.logits(torch.cat([hidden[end - 1:end] for end in ends]))  # slices: no index upload
 
