@@ -93,7 +93,11 @@ def hf_qwen35moe(spec: ModelSpec, w: ModelWeights):
     model = Qwen3_5MoeForCausalLM(cfg).float().eval()
     assert w.out_norm is not None
     sd = {"model.embed_tokens.weight": w.embed, "model.norm.weight": w.out_norm - 1, "lm_head.weight": w.output}
-    nk, nv = d.n_k_heads, d.n_v_heads
+    nk, nv, qk = d.n_k_heads, d.n_v_heads, 2 * d.key_dim
+
+    def v_rows(t: torch.Tensor) -> torch.Tensor:  # q and k channels as they are, v's regrouped
+        return torch.cat([t[:qk], _grouped(t[qk:], 0, nk, nv, d.v_head_dim)])
+
     for i, lw in enumerate(w.layers):
         p = f"model.layers.{i}."
         assert lw.gate is not None and lw.up is not None and lw.shared is not None
@@ -102,7 +106,8 @@ def hf_qwen35moe(spec: ModelSpec, w: ModelWeights):
             p + "mlp.gate.weight": lw.router,
             p + "mlp.experts.gate_up_proj": torch.cat([lw.gate, lw.up], dim=1),
             p + "mlp.experts.down_proj": lw.down,
-            p + "mlp.shared_expert.gate_proj.weight": lw.shared.gate, p + "mlp.shared_expert.up_proj.weight": lw.shared.up,
+            p + "mlp.shared_expert.gate_proj.weight": lw.shared.gate,
+            p + "mlp.shared_expert.up_proj.weight": lw.shared.up,
             p + "mlp.shared_expert.down_proj.weight": lw.shared.down,
             p + "mlp.shared_expert_gate.weight": lw.shared.gate_inp[None],
         }
@@ -112,17 +117,18 @@ def hf_qwen35moe(spec: ModelSpec, w: ModelWeights):
                    p + "self_attn.v_proj.weight": lw.wv, p + "self_attn.o_proj.weight": lw.wo,
                    p + "self_attn.q_norm.weight": lw.q_norm - 1, p + "self_attn.k_norm.weight": lw.k_norm - 1}
             continue
-        ld, qk = lw.delta, 2 * d.key_dim
+        ld = lw.delta
+
         assert isinstance(ld.wqkv, torch.Tensor) and isinstance(ld.wz, torch.Tensor)
         assert isinstance(ld.wout, torch.Tensor)
         sd |= {
-            p + "linear_attn.in_proj_qkv.weight": torch.cat([ld.wqkv[:qk], _grouped(ld.wqkv[qk:], 0, nk, nv, d.v_head_dim)]),
+            p + "linear_attn.in_proj_qkv.weight": v_rows(ld.wqkv),
             p + "linear_attn.in_proj_z.weight": _grouped(ld.wz, 0, nk, nv, d.v_head_dim),
             p + "linear_attn.in_proj_b.weight": _grouped(ld.w_beta, 0, nk, nv, 1),
             p + "linear_attn.in_proj_a.weight": _grouped(ld.w_alpha, 0, nk, nv, 1),
             p + "linear_attn.A_log": _grouped(torch.log(-ld.decay_rate), 0, nk, nv, 1),
             p + "linear_attn.dt_bias": _grouped(ld.dt_bias, 0, nk, nv, 1),
-            p + "linear_attn.conv1d.weight": torch.cat([ld.conv[:qk], _grouped(ld.conv[qk:], 0, nk, nv, d.v_head_dim)])[:, None],
+            p + "linear_attn.conv1d.weight": v_rows(ld.conv)[:, None],
             p + "linear_attn.norm.weight": ld.norm,
             p + "linear_attn.out_proj.weight": _grouped(ld.wout, 1, nk, nv, d.v_head_dim),
         }

@@ -113,7 +113,14 @@ def build_runner(f: GGUFFile, spec: ModelSpec, placement: Placement, chunk_size:
     """`build_stages`; with `cpu_reference` (what `serve` asks for), one CPU device without ggml-python
     serves the fp32 oracle instead, said once (the stage's torch twin would be slower)."""
     devices = resolve_devices(placement)
-    missing = ggml_missing() if cpu_reference and len(devices) == 1 and devices[0].type == "cpu" else None
+    one_cpu = cpu_reference and len(devices) == 1 and devices[0].type == "cpu"
+    if spec.hybrid:  # gated DeltaNet layers: the reference forward serves them, stages not yet
+        if not one_cpu:
+            raise PlanError(f"{spec.arch} (gated DeltaNet layers) is served by the CPU reference only for now: "
+                            f"give --devices cpu")
+        return load_reference_runner(f, spec, on_progress=(lambda d, t: on_progress("layers", d, t))
+                                     if on_progress else None, kv_types=placement.kv_types)
+    missing = ggml_missing() if one_cpu else None
     if missing is not None:
         warn_once("serving the fp32 reference forward on the CPU (every expert dequantized in RAM)", missing)
         return load_reference_runner(f, spec, on_progress=(lambda d, t: on_progress("layers", d, t))

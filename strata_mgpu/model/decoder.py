@@ -30,8 +30,14 @@ from strata_mgpu.model.kv_cache import PLAIN_KV, KVCache, KVFormat, SequenceKV
 from strata_mgpu.model.linear_state import LinearState
 from strata_mgpu.model.ops import PLAIN_OPS, DecodeOps, causal_attention, qk_norm_rope, rms_norm, rope_cos_sin
 from strata_mgpu.model.spec import ModelSpec
-from strata_mgpu.model.weights import (BlockMatrix, DeltaNetWeights, LayerWeights, Matrix, ModelWeights,
-                                       SharedExpertWeights)
+from strata_mgpu.model.weights import (
+    BlockMatrix,
+    DeltaNetWeights,
+    LayerWeights,
+    Matrix,
+    ModelWeights,
+    SharedExpertWeights,
+)
 from strata_mgpu.quant.dequant import dequantize_rows
 
 # (local layer, h [T, D], router [E, D]) -> (weights [T, A] fp32, experts [T, A])

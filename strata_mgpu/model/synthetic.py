@@ -28,8 +28,16 @@ from gguf import GGUFWriter
 from gguf import quants as gguf_quants
 from gguf.constants import TENSOR_NAMES, GGMLQuantizationType, LlamaFileType, RopeScalingType
 
-from strata_mgpu.model.spec import (EXPERT_TENSORS, NO_ROPE_SCALING, QWEN35MOE, ROPE_SCALINGS, DeltaNetShape, ModelSpec,
-                                    RopeScaling, T)
+from strata_mgpu.model.spec import (
+    EXPERT_TENSORS,
+    NO_ROPE_SCALING,
+    QWEN35MOE,
+    ROPE_SCALINGS,
+    DeltaNetShape,
+    ModelSpec,
+    RopeScaling,
+    T,
+)
 from strata_mgpu.model.vocab import CHAT_TEMPLATE, build_vocab
 from strata_mgpu.quant.formats import BlockFormat, block_format, parse_type, set_f16_scale_bits
 
