@@ -1,7 +1,7 @@
 """qwen35moe (gated DeltaNet + gated attention + a shared expert) on the reference forward: against
-transformers' Qwen3_5MoeForCausalLM on the same weights, the chunked scan against the recurrence,
-chunks and packs against whole prompts, and the DeltaNet state's snapshot against the sequence it
-was taken from."""
+transformers' Qwen3_5MoeForCausalLM on the same weights (qwen3next against Qwen3NextForCausalLM),
+the chunked scan against the recurrence, chunks and packs against whole prompts, and the DeltaNet
+state's snapshot against the sequence it was taken from."""
 
 from __future__ import annotations
 
@@ -22,12 +22,12 @@ from strata_mgpu.model.kv_blocks import KVBlockStore
 from strata_mgpu.model.reference import ReferenceModel
 from strata_mgpu.model.runner import DecoderRunner, load_reference_runner
 from strata_mgpu.model.spec import spec_from_gguf
-from strata_mgpu.model.synthetic import PRESETS, preset_spec
+from strata_mgpu.model.synthetic import PRESETS, preset_spec, write_model
 from strata_mgpu.model.tokenizer import tokenizer_from_gguf
 from strata_mgpu.model.weights import load_weights
 from strata_mgpu.stage.memory_plan import PlanError
 from tests.engine_runs import run_all
-from tests.hf_oracle import hf_qwen35moe
+from tests.hf_oracle import hf_qwen3next, hf_qwen35moe
 from tests.server_proc import running_server
 from tests.test_reference_oracle import TOL, hf_step, rel_err
 from tests.test_spec import _copy_with
@@ -87,10 +87,22 @@ def test_chunked_scan_equals_the_recurrence(n):
     assert rel_err(out, ref) <= 1e-5 and rel_err(end, ref_end) <= 1e-5
 
 
+@pytest.fixture(scope="module")
+def next_models(tmp_path_factory):
+    path = tmp_path_factory.mktemp("models") / "tiny-next.gguf"
+    write_model(path, "tiny-next", seed=7)
+    f = GGUFFile(path)
+    spec = spec_from_gguf(f)
+    w = load_weights(f, spec)
+    return ReferenceModel(spec, w), hf_qwen3next(spec, w)
+
+
+@pytest.mark.parametrize("arch", ["qwen35moe", "qwen3next"])
 @torch.no_grad()
-def test_prefill_and_decode_match_transformers(models):
+def test_prefill_and_decode_match_transformers(arch, request):
     """A prompt past one chunk of the scan, then decoded tokens through the one-step recurrence."""
-    ours, hf = models
+    ours, hf = request.getfixturevalue("models" if arch == "qwen35moe" else "next_models")
+    assert ours.spec.arch == arch
     g = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
     prompt = torch.randint(0, ours.spec.vocab_size, (83,), generator=g)
     kv, linear = ours.new_cache(max_length=256, capacity=8), ours.new_linear_state()

@@ -17,7 +17,7 @@ TENSOR_CLASSES: dict[str, tuple[MODEL_TENSOR, ...]] = {
     "embeddings": (T.TOKEN_EMBD,),
     "attention": (T.ATTN_Q, T.ATTN_K, T.ATTN_V, T.ATTN_OUT),
     "linear attention": (T.ATTN_QKV, T.ATTN_GATE, T.SSM_CONV1D, T.SSM_DT, T.SSM_A, T.SSM_BETA, T.SSM_ALPHA,
-                         T.SSM_OUT),
+                         T.SSM_BETA_ALPHA, T.SSM_OUT),
     "router": (T.FFN_GATE_INP,),
     "experts gate": (T.FFN_GATE_EXP,),
     "experts up": (T.FFN_UP_EXP,),

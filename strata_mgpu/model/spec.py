@@ -2,8 +2,9 @@
 
 One builder per `general.architecture`, registered in `SPEC_BUILDERS`: qwen3moe, and qwen35moe
 (Qwen3.5/3.6-MoE: gated DeltaNet layers between gated full-attention ones, a shared expert beside
-the routed ones). `validate_tensors` checks every expected tensor's presence, shape and type
-against the spec, so that nothing later has to.
+the routed ones) with qwen3next (Qwen3-Next: the same layers, its beta and alpha projections one
+tensor, its value heads in transformers' grouped order). `validate_tensors` checks every expected
+tensor's presence, shape and type against the spec, so that nothing later has to.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from strata_mgpu.quant.formats import block_format
 
 T = MODEL_TENSOR
 QWEN35MOE = MODEL_ARCH_NAMES[MODEL_ARCH.QWEN35MOE]
+QWEN3NEXT = MODEL_ARCH_NAMES[MODEL_ARCH.QWEN3NEXT]
+HYBRID_ARCHS = (QWEN35MOE, QWEN3NEXT)
 
 
 # `{arch}.rope.scaling.type` values served: what llama.cpp serves but LongRoPE
@@ -160,8 +163,8 @@ class ModelSpec:
 
     @property
     def ffn_norm_kind(self) -> MODEL_TENSOR:
-        """The MoE block's input norm: qwen35moe's files call it post_attention_norm."""
-        return T.ATTN_POST_NORM if self.arch == QWEN35MOE else T.FFN_NORM
+        """The MoE block's input norm: qwen35moe's and qwen3next's files call it post_attention_norm."""
+        return T.ATTN_POST_NORM if self.arch in HYBRID_ARCHS else T.FFN_NORM
 
     def expected_tensors(self) -> dict[str, tuple[int, ...]]:
         """Tensor name -> shape (torch order, [out, in]) the model must have."""
@@ -206,14 +209,14 @@ class ModelSpec:
     def _delta_tensors(self, i: int) -> dict[str, tuple[int, ...]]:
         d, D = self.delta, self.hidden
         assert d is not None, "a hybrid spec has its DeltaNet shapes"
-        return {
+        rates = ({tname(T.SSM_BETA_ALPHA, i): (2 * d.n_v_heads, D)} if self.arch == QWEN3NEXT
+                 else {tname(T.SSM_BETA, i): (d.n_v_heads, D), tname(T.SSM_ALPHA, i): (d.n_v_heads, D)})
+        return rates | {
             tname(T.ATTN_QKV, i): (d.conv_dim, D),
             tname(T.ATTN_GATE, i): (d.value_dim, D),
             tname(T.SSM_CONV1D, i): (d.conv_dim, d.conv_kernel),
             tname(T.SSM_DT, i, ".bias"): (d.n_v_heads,),
             tname(T.SSM_A, i, ""): (d.n_v_heads,),
-            tname(T.SSM_BETA, i): (d.n_v_heads, D),
-            tname(T.SSM_ALPHA, i): (d.n_v_heads, D),
             tname(T.SSM_NORM, i): (d.v_head_dim,),
             tname(T.SSM_OUT, i): (D, d.value_dim),
         }
@@ -289,11 +292,13 @@ def _qwen3moe(f: GGUFFile, arch: str, check: bool = True) -> ModelSpec:
     return spec
 
 
-def _qwen35moe(f: GGUFFile, arch: str) -> ModelSpec:
-    """Qwen3.5/3.6-MoE as llama.cpp's converter writes it: qwen3moe's keys, plus the DeltaNet layers'
-    `ssm.*`, `full_attention_interval`, the partial RoPE's `rope.dimension_count` and the shared
-    expert's width. Its attention always has the output gate; text positions make its sectioned
-    RoPE (`rope.dimension_sections`) plain RoPE, every section rotated by the same position."""
+def _hybrid(f: GGUFFile, arch: str) -> ModelSpec:
+    """Qwen3.5/3.6-MoE (qwen35moe) and Qwen3-Next (qwen3next) as llama.cpp's converter writes them:
+    qwen3moe's keys, plus the DeltaNet layers' `ssm.*`, `full_attention_interval`, the partial
+    RoPE's `rope.dimension_count` and the shared expert's width. Their attention always has the
+    output gate; text positions make qwen35moe's sectioned RoPE (`rope.dimension_sections`) plain
+    RoPE, every section rotated by the same position. What differs is in the tensors: qwen3next
+    keeps beta and alpha as one `ssm_ba`, and its value heads grouped (the converter tiles qwen35moe's)."""
     L, S = Keys.LLM, Keys.SSM
 
     def key(k: str) -> str:
@@ -304,7 +309,7 @@ def _qwen35moe(f: GGUFFile, arch: str) -> ModelSpec:
     inner = f.require(key(S.INNER_SIZE), int)
     delta = DeltaNetShape(conv_kernel=f.require(key(S.CONV_KERNEL), int), n_k_heads=f.require(key(S.GROUP_COUNT), int),
                           n_v_heads=n_v, k_head_dim=f.require(key(S.STATE_SIZE), int),
-                          v_head_dim=inner // n_v if n_v > 0 else 0, v_tiled=True)
+                          v_head_dim=inner // n_v if n_v > 0 else 0, v_tiled=arch == QWEN35MOE)
     spec = replace(spec, delta=delta, attn_output_gate=True,
                    rope_dim=f.get(key(Keys.Rope.DIMENSION_COUNT), spec.head_dim),
                    shared_expert_ffn=f.require(key(L.EXPERT_SHARED_FEED_FORWARD_LENGTH), int),
@@ -388,7 +393,8 @@ def _check_spec(f: GGUFFile, s: ModelSpec) -> None:
 
 SPEC_BUILDERS: dict[str, Callable[[GGUFFile, str], ModelSpec]] = {
     MODEL_ARCH_NAMES[MODEL_ARCH.QWEN3MOE]: _qwen3moe,
-    QWEN35MOE: _qwen35moe,
+    QWEN35MOE: _hybrid,
+    QWEN3NEXT: _hybrid,
 }
 
 

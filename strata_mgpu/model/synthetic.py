@@ -31,6 +31,7 @@ from gguf.constants import TENSOR_NAMES, GGMLQuantizationType, LlamaFileType, Ro
 from strata_mgpu.model.spec import (
     EXPERT_TENSORS,
     NO_ROPE_SCALING,
+    QWEN3NEXT,
     QWEN35MOE,
     ROPE_SCALINGS,
     DeltaNetShape,
@@ -61,13 +62,14 @@ class Preset:
     tied_output: bool = False
     # qwen35moe's (all left as they are: qwen3moe)
     delta: DeltaNetShape | None = None
+    arch: str = QWEN35MOE  # the hybrid's: qwen35moe, or qwen3next
     full_attention_interval: int = 0
     rope_dim: int = 0
     shared_expert_ffn: int = 0
 
     def spec(self, name: str) -> ModelSpec:
         hybrid = self.delta is not None
-        return ModelSpec(arch=QWEN35MOE if hybrid else "qwen3moe", name=name, n_layers=self.n_layers,
+        return ModelSpec(arch=self.arch if hybrid else "qwen3moe", name=name, n_layers=self.n_layers,
                          hidden=self.hidden, n_heads=self.n_heads, n_kv_heads=self.n_kv_heads, head_dim=self.head_dim,
                          n_experts=self.n_experts, n_experts_used=self.n_experts_used, expert_ffn=self.expert_ffn,
                          vocab_size=self.vocab_size, context_length=self.context_length,
@@ -96,6 +98,11 @@ PRESETS: dict[str, Preset] = {
                           expert_ffn=256, vocab_size=2048, context_length=4096, delta=DeltaNetShape(
                               conv_kernel=4, n_k_heads=2, n_v_heads=4, k_head_dim=64, v_head_dim=64),
                           full_attention_interval=2, rope_dim=16, shared_expert_ffn=256),
+    # the same as qwen3next, as llama.cpp's converter writes Qwen3-Next (ssm_ba; value heads grouped)
+    "tiny-next": Preset(n_layers=4, hidden=256, n_heads=4, n_kv_heads=2, head_dim=64, n_experts=8, n_experts_used=2,
+                        expert_ffn=256, vocab_size=2048, context_length=4096, arch=QWEN3NEXT, delta=DeltaNetShape(
+                            conv_kernel=4, n_k_heads=2, n_v_heads=4, k_head_dim=64, v_head_dim=64, v_tiled=False),
+                        full_attention_interval=2, rope_dim=16, shared_expert_ffn=256),
     # Qwen3.5-35B-A3B's text shapes (its config.json: 40 layers, 3 DeltaNet then 1 attention, 16 QK
     # and 32 V linear heads of 128, 16 query and 2 KV heads of 256, 64 of them rotated, 256
     # experts of 512, 8 used, a shared expert of 512, rope_theta 1e7, 262,144 positions)
@@ -386,7 +393,8 @@ def write_model(path: str | Path, preset_name: str, *, expert_type: Q = Q.Q4_K, 
         w.add_ssm_inner_size(d.value_dim)
         w.add_full_attention_interval(spec.full_attention_interval)
         w.add_rope_dimension_count(spec.rotary_dim)
-        w.add_rope_dimension_sections([11, 11, 10, 0])
+        if spec.arch == QWEN35MOE:  # its loader requires them (text positions: any sections read alike)
+            w.add_rope_dimension_sections([11, 11, 10, 0])
     w.add_file_type(file_type(expert_type, down_type))
     w.add_quantization_version(2)
     w.add_string("strata.synthetic.seed", str(seed))

@@ -13,7 +13,7 @@ import torch
 from gguf.constants import GGMLQuantizationType
 
 from strata_mgpu.model.gguf_reader import GGUFFile
-from strata_mgpu.model.spec import ModelSpec, T, tname
+from strata_mgpu.model.spec import QWEN3NEXT, ModelSpec, T, tname
 from strata_mgpu.quant.dequant import dequantize
 
 
@@ -151,9 +151,14 @@ def load_weights(f: GGUFFile, spec: ModelSpec, *, dtype: torch.dtype = torch.flo
     def delta(i: int) -> DeltaNetWeights:
         d = spec.delta
         assert d is not None
+        if spec.arch == QWEN3NEXT:  # ssm_ba [Hk, (beta r, alpha r), D], r = Hv / Hk: each key head's value heads
+            ba = get(T.SSM_BETA_ALPHA, i).view(d.n_k_heads, 2, d.n_v_heads // d.n_k_heads, spec.hidden)
+            w_beta, w_alpha = (ba[:, j].reshape(d.n_v_heads, spec.hidden) for j in range(2))
+        else:
+            w_beta, w_alpha = get(T.SSM_BETA, i), get(T.SSM_ALPHA, i)
         return DeltaNetWeights(
-            wqkv=matrix(T.ATTN_QKV, i), wz=matrix(T.ATTN_GATE, i), w_beta=get(T.SSM_BETA, i),
-            w_alpha=get(T.SSM_ALPHA, i), conv=get(T.SSM_CONV1D, i), dt_bias=get(T.SSM_DT, i, suffix=".bias"),
+            wqkv=matrix(T.ATTN_QKV, i), wz=matrix(T.ATTN_GATE, i), w_beta=w_beta,
+            w_alpha=w_alpha, conv=get(T.SSM_CONV1D, i), dt_bias=get(T.SSM_DT, i, suffix=".bias"),
             decay_rate=get(T.SSM_A, i, suffix=""), norm=get(T.SSM_NORM, i), wout=matrix(T.SSM_OUT, i),
             key_heads=torch.tensor(d.key_head_of(), device=device))
 
