@@ -224,3 +224,22 @@ def test_stages_refuse_a_hybrid_model_in_one_line(tiny_hybrid_gguf):
     with pytest.raises(PlanError, match="CPU reference only"):
         build_runner(f, spec, Placement(devices=("cpu",)), 64, kv_tokens=128)
     assert isinstance(build_runner(f, spec, Placement(devices=("cpu",)), 64, cpu_reference=True), DecoderRunner)
+
+
+def test_gen_model_writes_a_cut_of_a_hybrid_preset(tmp_path):
+    """`--layers 2` of tiny-hybrid: one DeltaNet layer then one attention layer, a file the strict
+    reader takes and the reference runs (35b-a3b-hybrid's cut is the same code at ~0.85 GB a layer)."""
+    from click.testing import CliRunner
+
+    from strata_mgpu.cli import main
+
+    out = tmp_path / "h.gguf"
+    r = CliRunner().invoke(main, ["gen-model", str(out), "--preset", "tiny-hybrid", "--layers", "2"])
+    assert r.exit_code == 0, r.output
+    f = GGUFFile(out)
+    spec = spec_from_gguf(f)
+    assert spec == dataclasses.replace(preset_spec("tiny-hybrid", layers=2), rms_eps=spec.rms_eps)
+    assert spec.attention_layers == [1]
+    runner = load_reference_runner(f, spec)
+    logits = runner.prefill(runner.new_sequence(64), torch.arange(10))
+    assert logits.shape == (spec.vocab_size,) and bool(torch.isfinite(logits).all())
