@@ -37,7 +37,9 @@ class LinearSnapshot:
 class LinearState:
     """The DeltaNet state of one sequence for a decoder's linear layers (`layers`: their local
     indexes), zeros before its first token. A forward updates each layer's state in place
-    (`layer(i)`) and then advances `length` by its rows."""
+    (`layer(i)`) and then advances `length` by its rows; one that fails midway leaves some layers
+    past `length`, so its sequence is dropped (as the engine drops a failed call's requests) or
+    restored from a snapshot."""
 
     def __init__(self, shape: DeltaNetShape, layers: Sequence[int], device: torch.device | str,
                  dtype: torch.dtype = torch.float32):
