@@ -52,7 +52,9 @@ def test_spec_of_tiny_hybrid(tiny_hybrid_gguf):
 def test_35b_a3b_hybrid_shapes():
     spec = preset_spec("35b-a3b-hybrid")
     assert spec.attention_layers == list(range(3, 40, 4))
-    assert spec.n_params == pytest.approx(34.7e9, rel=0.02)  # the text model without its MTP block
+    assert spec.n_params == pytest.approx(35.5e9, rel=0.01)  # the text model and its MTP block
+    assert spec.mtp_layers == 1 and spec.expected_tensors()["blk.40.nextn.eh_proj.weight"] == (2048, 4096)
+    assert spec.expected_tensors()["blk.40.attn_q.weight"] == (2 * 16 * 256, 2048)  # MTP: an attention block
     assert spec.n_active_params - spec.vocab_size * spec.hidden == pytest.approx(3.0e9, rel=0.1)  # A3B, less embd
     assert spec.linear_state_bytes() == 30 * (8192 * 3 + 32 * 128 * 128) * 4  # fp32, one sequence
     assert preset_spec("35b-a3b-hybrid", layers=5).attention_layers == [3]
@@ -65,12 +67,33 @@ def test_35b_a3b_hybrid_shapes():
     (dict(reshape="blk.0.attn_qkv.weight"), "tensor 'blk.0.attn_qkv.weight' has shape"),
     (dict(reshape="blk.1.attn_q.weight"), "tensor 'blk.1.attn_q.weight' has shape"),
     (dict(drop_key="qwen35moe.ssm.group_count"), "missing metadata key 'qwen35moe.ssm.group_count'"),
+    (dict(drop_tensor="blk.4.nextn.eh_proj.weight"), "missing tensor 'blk.4.nextn.eh_proj.weight'"),
+    (dict(drop_key="qwen35moe.nextn_predict_layers"), "missing tensor 'blk.4.ssm_"),  # blk.4: a 5th layer then
 ])
 def test_hybrid_spec_errors_name_the_problem(tiny_hybrid_gguf, tmp_path, change, message):
     bad = _copy_with(tiny_hybrid_gguf, tmp_path / "bad.gguf", **change)
     with pytest.raises(GGUFError, match=message) as e:
         spec_from_gguf(GGUFFile(bad))
     assert "\n" not in str(e.value)
+
+
+def test_an_mtp_block_may_have_its_own_embedding_and_head(tiny_hybrid_gguf, tmp_path):
+    """llama.cpp's optional nextn tensors: taken where they fit, refused where misshapen or elsewhere."""
+    import numpy as np
+
+    V, D = PRESETS["tiny-hybrid"].vocab_size, PRESETS["tiny-hybrid"].hidden
+    ok = _copy_with(tiny_hybrid_gguf, tmp_path / "ok.gguf", add={
+        "blk.4.nextn.embed_tokens.weight": np.zeros((V, D), np.float32),
+        "blk.4.nextn.shared_head_head.weight": np.zeros((V, D), np.float32)})
+    assert spec_from_gguf(GGUFFile(ok)).mtp_layers == 1
+    bad = _copy_with(tiny_hybrid_gguf, tmp_path / "bad.gguf",
+                     add={"blk.4.nextn.embed_tokens.weight": np.zeros((V, D // 2), np.float32)})
+    with pytest.raises(GGUFError, match="tensor 'blk.4.nextn.embed_tokens.weight' has shape"):
+        spec_from_gguf(GGUFFile(bad))
+    elsewhere = _copy_with(tiny_hybrid_gguf, tmp_path / "elsewhere.gguf",
+                           add={"blk.3.nextn.embed_tokens.weight": np.zeros((V, D), np.float32)})
+    with pytest.raises(GGUFError, match="unexpected tensor 'blk.3.nextn.embed_tokens.weight'"):
+        spec_from_gguf(GGUFFile(elsewhere))
 
 
 @pytest.mark.parametrize("n", [1, 5, 63, 64, 65, 150])

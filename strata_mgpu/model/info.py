@@ -26,6 +26,8 @@ TENSOR_CLASSES: dict[str, tuple[MODEL_TENSOR, ...]] = {
                            T.FFN_GATE_INP_SHEXP),
     "norms": (T.ATTN_NORM, T.FFN_NORM, T.ATTN_POST_NORM, T.ATTN_Q_NORM, T.ATTN_K_NORM, T.SSM_NORM, T.OUTPUT_NORM),
     "output": (T.OUTPUT,),
+    "multi-token prediction": (T.NEXTN_EH_PROJ, T.NEXTN_ENORM, T.NEXTN_HNORM, T.NEXTN_SHARED_HEAD_NORM,
+                               T.NEXTN_EMBED_TOKENS, T.NEXTN_SHARED_HEAD_HEAD),
 }
 OTHER = "other"
 _CLASS_OF = {TENSOR_NAMES[k]: cls for cls, kinds in TENSOR_CLASSES.items() for k in kinds}

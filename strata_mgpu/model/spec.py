@@ -124,6 +124,9 @@ class ModelSpec:
     # every n-th layer (1-based) is full attention, the rest gated DeltaNet; 0: every layer attention
     full_attention_interval: int = 0
     delta: DeltaNetShape | None = None  # the DeltaNet layers' shapes, where there are such layers
+    # multi-token prediction blocks after the n_layers (`{arch}.nextn_predict_layers`; llama.cpp's
+    # converter writes Qwen3.5's one): in the file and checked, not run
+    mtp_layers: int = 0
 
     @property
     def q_dim(self) -> int:
@@ -148,7 +151,8 @@ class ModelSpec:
 
     def is_linear(self, layer: int) -> bool:
         """Layer `layer` (of the whole model) is gated DeltaNet, not full attention."""
-        return self.full_attention_interval > 0 and (layer + 1) % self.full_attention_interval != 0
+        return (self.full_attention_interval > 0 and layer < self.n_layers
+                and (layer + 1) % self.full_attention_interval != 0)
 
     @property
     def hybrid(self) -> bool:
@@ -175,8 +179,11 @@ class ModelSpec:
         }
         if not self.tied_output:
             shapes[tname(T.OUTPUT)] = (self.vocab_size, D)
-        for i in range(self.n_layers):
+        for i in range(self.n_layers + self.mtp_layers):
             shapes[tname(T.ATTN_NORM, i)] = (D,)
+            if i >= self.n_layers:  # an MTP block: an attention layer and its own input projection
+                shapes |= {tname(T.NEXTN_EH_PROJ, i): (D, 2 * D), tname(T.NEXTN_ENORM, i): (D,),
+                           tname(T.NEXTN_HNORM, i): (D,), tname(T.NEXTN_SHARED_HEAD_NORM, i): (D,)}
             shapes |= self._delta_tensors(i) if self.is_linear(i) else self._attention_tensors(i)
             shapes |= {
                 tname(self.ffn_norm_kind, i): (D,),
@@ -194,6 +201,12 @@ class ModelSpec:
                     tname(T.FFN_DOWN_SHEXP, i): (D, Fs),
                 }
         return shapes
+
+    def optional_tensors(self) -> dict[str, tuple[int, ...]]:
+        """Tensors a file may have beside the expected ones: an MTP block's own embedding and head."""
+        mtp = range(self.n_layers, self.n_layers + self.mtp_layers)
+        return {tname(kind, i): (self.vocab_size, self.hidden) for i in mtp
+                for kind in (T.NEXTN_EMBED_TOKENS, T.NEXTN_SHARED_HEAD_HEAD)}
 
     def _attention_tensors(self, i: int) -> dict[str, tuple[int, ...]]:
         D = self.hidden
@@ -227,9 +240,12 @@ class ModelSpec:
 
     @property
     def n_active_params(self) -> int:
-        """Parameters touched per token: all but the unused experts (and the embedding rows)."""
+        """Parameters touched per token: all but the unused experts and the MTP blocks (and the embedding
+        rows)."""
         per_expert = 3 * self.hidden * self.expert_ffn
-        return self.n_params - self.n_layers * (self.n_experts - self.n_experts_used) * per_expert
+        mtp = sum(math.prod(s) for name, s in self.expected_tensors().items()
+                  if name.startswith("blk.") and int(name.split(".")[1]) >= self.n_layers)
+        return self.n_params - mtp - self.n_layers * (self.n_experts - self.n_experts_used) * per_expert
 
     @property
     def attention_layers(self) -> list[int]:
@@ -305,12 +321,16 @@ def _hybrid(f: GGUFFile, arch: str) -> ModelSpec:
         return k.format(arch=arch)
 
     spec = _qwen3moe(f, arch, check=False)
+    mtp = f.get(key(L.NEXTN_PREDICT_LAYERS), 0)
+    if not (isinstance(mtp, int) and 0 <= mtp < spec.n_layers):
+        raise GGUFError(f"{f.path}: metadata {key(L.NEXTN_PREDICT_LAYERS)!r} = {mtp!r} must be a whole number "
+                        f"below the {spec.n_layers} blocks")
     n_v = f.require(key(S.TIME_STEP_RANK), int)
     inner = f.require(key(S.INNER_SIZE), int)
     delta = DeltaNetShape(conv_kernel=f.require(key(S.CONV_KERNEL), int), n_k_heads=f.require(key(S.GROUP_COUNT), int),
                           n_v_heads=n_v, k_head_dim=f.require(key(S.STATE_SIZE), int),
                           v_head_dim=inner // n_v if n_v > 0 else 0, v_tiled=arch == QWEN35MOE)
-    spec = replace(spec, delta=delta, attn_output_gate=True,
+    spec = replace(spec, n_layers=spec.n_layers - mtp, mtp_layers=mtp, delta=delta, attn_output_gate=True,
                    rope_dim=f.get(key(Keys.Rope.DIMENSION_COUNT), spec.head_dim),
                    shared_expert_ffn=f.require(key(L.EXPERT_SHARED_FEED_FORWARD_LENGTH), int),
                    full_attention_interval=f.get(key(L.FULL_ATTENTION_INTERVAL), 4))
@@ -412,8 +432,9 @@ def spec_from_gguf(f: GGUFFile, *, check_tensors: bool = True) -> ModelSpec:
 
 def validate_tensors(f: GGUFFile, spec: ModelSpec) -> None:
     """Every expected tensor exists with the spec's shape and a supported type; nothing else is there."""
-    expected = spec.expected_tensors()
-    for name, shape in expected.items():
+    expected, optional = spec.expected_tensors(), spec.optional_tensors()
+    present = {name: shape for name, shape in optional.items() if name in f.tensors}
+    for name, shape in {**expected, **present}.items():
         info = f.tensors.get(name)
         if info is None:
             raise GGUFError(f"{f.path}: missing tensor {name!r} (expected shape {list(shape)})")
@@ -423,7 +444,7 @@ def validate_tensors(f: GGUFFile, spec: ModelSpec) -> None:
             block_format(info.ggml_type)
         except ValueError as e:
             raise GGUFError(f"{f.path}: tensor {name!r}: {e}") from None
-    extra = sorted(set(f.tensors) - set(expected))
+    extra = sorted(set(f.tensors) - set(expected) - set(optional))
     if extra:
         raise GGUFError(f"{f.path}: unexpected tensor {extra[0]!r} for architecture {spec.arch!r}"
                         + (f" (and {len(extra) - 1} more)" if len(extra) > 1 else ""))

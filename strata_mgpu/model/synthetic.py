@@ -63,6 +63,7 @@ class Preset:
     # qwen35moe's (all left as they are: qwen3moe)
     delta: DeltaNetShape | None = None
     arch: str = QWEN35MOE  # the hybrid's: qwen35moe, or qwen3next
+    mtp_layers: int = 0  # MTP blocks written after the layers (checked by the reader, not run)
     full_attention_interval: int = 0
     rope_dim: int = 0
     shared_expert_ffn: int = 0
@@ -75,7 +76,8 @@ class Preset:
                          vocab_size=self.vocab_size, context_length=self.context_length,
                          rope_base=self.rope_base, rms_eps=self.rms_eps, tied_output=self.tied_output,
                          delta=self.delta, full_attention_interval=self.full_attention_interval,
-                         rope_dim=self.rope_dim, shared_expert_ffn=self.shared_expert_ffn, attn_output_gate=hybrid)
+                         rope_dim=self.rope_dim, shared_expert_ffn=self.shared_expert_ffn, attn_output_gate=hybrid,
+                         mtp_layers=self.mtp_layers)
 
 
 # K-quants need rows (hidden, expert_ffn) in whole 256-weight blocks, hence the widths.
@@ -93,11 +95,12 @@ PRESETS: dict[str, Preset] = {
     "235b-a22b": Preset(n_layers=94, hidden=4096, n_heads=64, n_kv_heads=4, head_dim=128, n_experts=128,
                         n_experts_used=8, expert_ffn=1536, vocab_size=151936, context_length=40960),
     # qwen35moe, both layer kinds in turn (layers 0 and 2 gated DeltaNet, 1 and 3 full attention),
-    # twice as many value heads as key heads (as Qwen3.5's), a quarter of each head rotated
+    # twice as many value heads as key heads (as Qwen3.5's), a quarter of each head rotated, and an
+    # MTP block after them (blk.4), as the converter writes Qwen3.5's
     "tiny-hybrid": Preset(n_layers=4, hidden=256, n_heads=4, n_kv_heads=2, head_dim=64, n_experts=8, n_experts_used=2,
                           expert_ffn=256, vocab_size=2048, context_length=4096, delta=DeltaNetShape(
                               conv_kernel=4, n_k_heads=2, n_v_heads=4, k_head_dim=64, v_head_dim=64),
-                          full_attention_interval=2, rope_dim=16, shared_expert_ffn=256),
+                          full_attention_interval=2, rope_dim=16, shared_expert_ffn=256, mtp_layers=1),
     # the same as qwen3next, as llama.cpp's converter writes Qwen3-Next (ssm_ba; value heads grouped)
     "tiny-next": Preset(n_layers=4, hidden=256, n_heads=4, n_kv_heads=2, head_dim=64, n_experts=8, n_experts_used=2,
                         expert_ffn=256, vocab_size=2048, context_length=4096, arch=QWEN3NEXT, delta=DeltaNetShape(
@@ -105,12 +108,12 @@ PRESETS: dict[str, Preset] = {
                         full_attention_interval=2, rope_dim=16, shared_expert_ffn=256),
     # Qwen3.5-35B-A3B's text shapes (its config.json: 40 layers, 3 DeltaNet then 1 attention, 16 QK
     # and 32 V linear heads of 128, 16 query and 2 KV heads of 256, 64 of them rotated, 256
-    # experts of 512, 8 used, a shared expert of 512, rope_theta 1e7, 262,144 positions)
+    # experts of 512, 8 used, a shared expert of 512, rope_theta 1e7, 262,144 positions; its MTP block)
     "35b-a3b-hybrid": Preset(n_layers=40, hidden=2048, n_heads=16, n_kv_heads=2, head_dim=256, n_experts=256,
                              n_experts_used=8, expert_ffn=512, vocab_size=248320, context_length=262144,
                              rope_base=10_000_000.0, delta=DeltaNetShape(
                                  conv_kernel=4, n_k_heads=16, n_v_heads=32, k_head_dim=128, v_head_dim=128),
-                             full_attention_interval=4, rope_dim=64, shared_expert_ffn=512),
+                             full_attention_interval=4, rope_dim=64, shared_expert_ffn=512, mtp_layers=1),
 }
 
 
@@ -366,7 +369,7 @@ def write_model(path: str | Path, preset_name: str, *, expert_type: Q = Q.Q4_K, 
 
     w = GGUFWriter(path, spec.arch, split_max_size=split_max_bytes)
     w.add_name(spec.name)
-    w.add_block_count(spec.n_layers)
+    w.add_block_count(spec.n_layers + spec.mtp_layers)
     w.add_context_length(spec.context_length)
     w.add_embedding_length(spec.hidden)
     w.add_feed_forward_length(spec.expert_ffn * spec.n_experts_used)
@@ -392,6 +395,8 @@ def write_model(path: str | Path, preset_name: str, *, expert_type: Q = Q.Q4_K, 
         w.add_ssm_time_step_rank(d.n_v_heads)
         w.add_ssm_inner_size(d.value_dim)
         w.add_full_attention_interval(spec.full_attention_interval)
+        if spec.mtp_layers:
+            w.add_nextn_predict_layers(spec.mtp_layers)
         w.add_rope_dimension_count(spec.rotary_dim)
         if spec.arch == QWEN35MOE:  # its loader requires them (text positions: any sections read alike)
             w.add_rope_dimension_sections([11, 11, 10, 0])
