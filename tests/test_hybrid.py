@@ -266,3 +266,40 @@ def test_gen_model_writes_a_cut_of_a_hybrid_preset(tmp_path):
     runner = load_reference_runner(f, spec)
     logits = runner.prefill(runner.new_sequence(64), torch.arange(10))
     assert logits.shape == (spec.vocab_size,) and bool(torch.isfinite(logits).all())
+
+
+@torch.no_grad()
+def test_snapshots_recorded_at_block_boundaries_inside_a_chunk(models):
+    """A 150-token prompt in one forward, its state marked at 64 and 128: the snapshot at 128 is the
+    state of the same 128 tokens prefilled alone, and a fresh sequence restored from it (with the KV
+    blocks of those 128 positions) continues with the prompt's rest and decodes as the original."""
+    ours, _ = models
+    V = ours.spec.vocab_size
+    prompt = torch.randint(0, V, (150,))
+    kv, linear = ours.new_cache(256), ours.new_linear_state()
+    assert linear is not None
+    linear.mark(64, 128, 150, 999)
+    original = ours.prefill(prompt, kv, linear)
+    at_64, at_128, at_end = linear.taken(64), linear.taken(128), linear.taken(150)
+    assert at_64 is not None and at_128 is not None and at_end is not None and linear.taken(999) is None
+    assert linear.taken(128) is None  # handed over once
+    end = linear.snapshot()
+    for i, s in end.layers.items():  # recorded after the last row: the state the forward ends with
+        assert torch.equal(at_end.layers[i].recurrent, s.recurrent) and torch.equal(at_end.layers[i].conv, s.conv)
+
+    alone = ours.new_linear_state()
+    assert alone is not None
+    ours.prefill(prompt[:128], ours.new_cache(256), alone)
+    for i, s in alone.snapshot().layers.items():
+        got = at_128.layers[i]
+        assert rel_err(got.recurrent, s.recurrent) <= 1e-5 and rel_err(got.conv, s.conv) <= 1e-5
+
+    store = KVBlockStore(ours.n_kv_layers, ours.spec.n_kv_heads, ours.spec.head_dim, block_tokens=64,
+                         device=ours.device, format=ours.kv_format)
+    kv2, linear2 = ours.new_cache(256), ours.new_linear_state()
+    assert linear2 is not None
+    store.load(kv2, [store.save(kv, j) for j in range(2)], 128)
+    linear2.restore(at_128)
+    assert rel_err(ours.prefill(prompt[128:], kv2, linear2), original[128:]) <= 1e-5
+    nxt = original[-1].argmax()[None]
+    assert rel_err(ours.prefill(nxt, kv2, linear2), ours.prefill(nxt, kv, linear)) <= 1e-5

@@ -346,7 +346,8 @@ class Decoder:
 
     def _delta_net(self, i: int, w: DeltaNetWeights, h: torch.Tensor, part: Rows) -> torch.Tensor:
         """Layer i's gated DeltaNet over `part`'s normed rows h [t, D], projected by its out: [t, D].
-        Each segment's rows continue (and update) its sequence's state."""
+        Each segment's rows continue (and update) its sequence's state, in pieces cut at the
+        boundaries its state marked (`LinearState.mark`), where the state is recorded."""
         s, mm = self.spec, self.dense
         assert s.delta is not None
         d, t = s.delta, h.shape[0]
@@ -354,13 +355,19 @@ class Decoder:
         a, b = h @ w.w_alpha.T, h @ w.w_beta.T  # [t, Hv] each
         out = torch.empty(t, d.n_v_heads, d.v_head_dim, device=h.device, dtype=h.dtype)
         for seg in part.segments:
-            rows = slice(seg.start, seg.end)
             assert seg.linear is not None
-            state = seg.linear.layer(i)
-            conv, state.conv = causal_conv(qkv[rows], state.conv, w.conv)  # [n, C]
-            q, k, v, g, beta = delta_heads(d, conv, a[rows], b[rows], w.dt_bias, w.decay_rate, w.key_heads)
-            o, state.recurrent = delta_rule(q, k, v, g, beta, state.recurrent)  # [n, Hv, Dv] fp32
-            out[rows] = o.to(h.dtype)
+            state, first = seg.linear.layer(i), seg.linear.length + part.at  # the segment's first token
+            cuts = seg.linear.cuts(first, seg.n)
+            for lo, hi in zip([0, *cuts], [*cuts, seg.n], strict=True):
+                if lo == hi:
+                    continue
+                rows = slice(seg.start + lo, seg.start + hi)
+                conv, state.conv = causal_conv(qkv[rows], state.conv, w.conv)  # [n, C]
+                q, k, v, g, beta = delta_heads(d, conv, a[rows], b[rows], w.dt_bias, w.decay_rate, w.key_heads)
+                o, state.recurrent = delta_rule(q, k, v, g, beta, state.recurrent)  # [n, Hv, Dv] fp32
+                out[rows] = o.to(h.dtype)
+                if hi in cuts:
+                    seg.linear.record(first + hi, i)
         normed = gated_norm(out, z.view(t, d.n_v_heads, d.v_head_dim), w.norm, s.rms_eps)
         return mm(normed.reshape(t, d.value_dim), w.wout)
 

@@ -2,7 +2,9 @@
 the delta rule's recurrent state. The KV cache (`SequenceKV`) holds the full-attention layers only;
 this holds the rest, at the same token boundary (`length`). `snapshot` / `restore` copy it out at
 a boundary and back into a fresh sequence (what a prefix cache of a hybrid model keeps beside its
-KV blocks); `HybridSequence` is the two together, as a runner over a hybrid decoder holds them.
+KV blocks); `mark` asks the next forwards to record a snapshot at a boundary inside their rows
+(a block boundary a prompt's chunk passes), `taken` hands it over. `HybridSequence` is the two
+together, as a runner over a hybrid decoder holds them.
 """
 
 from __future__ import annotations
@@ -45,6 +47,8 @@ class LinearState:
                  dtype: torch.dtype = torch.float32):
         s = shape
         self.length = 0
+        self._marks: set[int] = set()  # boundaries to record as forwards pass them
+        self._taken: dict[int, dict[int, LayerState]] = {}  # boundary -> the layers recorded there so far
         self._layers = {i: LayerState(conv=torch.zeros(s.conv_dim, s.conv_kernel - 1, device=device, dtype=dtype),
                                       recurrent=torch.zeros(s.n_v_heads, s.k_head_dim, s.v_head_dim, device=device,
                                                             dtype=torch.float32))
@@ -64,6 +68,29 @@ class LinearState:
         """Copies of the state as it is now, after `length` tokens."""
         return LinearSnapshot(self.length, {i: LayerState(s.conv.clone(), s.recurrent.clone())
                                             for i, s in self._layers.items()})
+
+    def mark(self, *boundaries: int) -> None:
+        """Record a snapshot after each of these token counts (past `length`) as the forwards pass it."""
+        self._marks.update(b for b in boundaries if b > self.length)
+
+    def cuts(self, first: int, n: int) -> list[int]:
+        """The marked boundaries within n rows from token `first` on, as row counts in (0, n]."""
+        return sorted(b - first for b in self._marks if first < b <= first + n)
+
+    def record(self, boundary: int, layer: int) -> None:
+        """Layer `layer`'s state, which has just taken the tokens up to `boundary`, copied for its snapshot."""
+        s = self._layers[layer]
+        self._taken.setdefault(boundary, {})[layer] = LayerState(s.conv.clone(), s.recurrent.clone())
+
+    def taken(self, boundary: int) -> LinearSnapshot | None:
+        """The snapshot at a marked boundary once every layer has recorded it (then no longer kept here);
+        None before."""
+        got = self._taken.get(boundary)
+        if got is None or got.keys() != self._layers.keys():
+            return None
+        del self._taken[boundary]
+        self._marks.discard(boundary)
+        return LinearSnapshot(boundary, got)
 
     def restore(self, snap: LinearSnapshot) -> None:
         """This state made the snapshot's (the sequence's KV must hold the same `snap.length` tokens)."""
