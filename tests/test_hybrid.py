@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from strata_mgpu.config import EngineConfig, Placement
-from strata_mgpu.engine.build import build_runner
+from strata_mgpu.engine.build import build_runner, preview_plans
 from strata_mgpu.engine.engine import Engine
 from strata_mgpu.engine.sampler import SamplingParams
 from strata_mgpu.model.decoder import Segment
@@ -25,7 +25,7 @@ from strata_mgpu.model.spec import spec_from_gguf
 from strata_mgpu.model.synthetic import PRESETS, preset_spec, write_model
 from strata_mgpu.model.tokenizer import tokenizer_from_gguf
 from strata_mgpu.model.weights import load_weights
-from strata_mgpu.stage.memory_plan import PlanError
+from strata_mgpu.stage.device import DeviceError
 from tests.engine_runs import run_all
 from tests.hf_oracle import hf_qwen3next, hf_qwen35moe
 from tests.server_proc import running_server
@@ -244,8 +244,10 @@ def test_stages_refuse_a_hybrid_model_in_one_line(tiny_hybrid_gguf):
     """Only the reference serves DeltaNet layers so far: a stage's placement (bench's) says so."""
     f = GGUFFile(tiny_hybrid_gguf)
     spec = spec_from_gguf(f)
-    with pytest.raises(PlanError, match="CPU reference only"):
+    with pytest.raises(DeviceError, match="CPU reference only"):
         build_runner(f, spec, Placement(devices=("cpu",)), 64, kv_tokens=128)
+    with pytest.raises(DeviceError, match="CPU reference only"):
+        preview_plans(f, spec, Placement(devices=("cuda:0",), max_vram_gib=(16.0,)), 64, 1024)  # strata info's
     assert isinstance(build_runner(f, spec, Placement(devices=("cpu",)), 64, cpu_reference=True), DecoderRunner)
 
 
