@@ -18,7 +18,6 @@ from strata_mgpu.engine.sampler import SamplingParams
 from strata_mgpu.model.decoder import Segment
 from strata_mgpu.model.delta_net import delta_rule_chunked, delta_rule_steps, l2norm
 from strata_mgpu.model.gguf_reader import GGUFError, GGUFFile
-from strata_mgpu.model.kv_blocks import KVBlockStore
 from strata_mgpu.model.reference import ReferenceModel
 from strata_mgpu.model.runner import DecoderRunner, load_reference_runner
 from strata_mgpu.model.spec import spec_from_gguf
@@ -31,6 +30,14 @@ from tests.hf_oracle import hf_qwen3next, hf_qwen35moe
 from tests.server_proc import running_server
 from tests.test_reference_oracle import TOL, hf_step, rel_err
 from tests.test_spec import _copy_with
+
+
+def copy_prefix(src, dst, n: int) -> None:
+    """The first n positions of a plain cache's every layer into a fresh one, which then holds n."""
+    dst.reserve(n)
+    dst.k[:, :n].copy_(src.k[:, :n])
+    dst.v[:, :n].copy_(src.v[:, :n])
+    dst.advance(n)
 
 
 @pytest.fixture(scope="module")
@@ -171,7 +178,7 @@ def test_chunks_packs_and_batches_equal_whole_prompts(models):
 
 @torch.no_grad()
 def test_a_snapshot_restored_into_a_fresh_sequence_continues_as_the_original(models):
-    """The DeltaNet state copied at token 64 (with the KV blocks of those 64 positions) and restored
+    """The DeltaNet state copied at token 64 (with the KV cells of those 64 positions) and restored
     into a fresh sequence: the same logits as the original's, bit for bit, for the rest of the prompt
     and the decoded tokens."""
     ours, _ = models
@@ -181,15 +188,13 @@ def test_a_snapshot_restored_into_a_fresh_sequence_continues_as_the_original(mod
     assert linear is not None
     ours.prefill(prompt, kv, linear)
     snap = linear.snapshot()
-    store = KVBlockStore(ours.n_kv_layers, ours.spec.n_kv_heads, ours.spec.head_dim, block_tokens=32,
-                         device=ours.device, format=ours.kv_format)
-    blocks = [store.save(kv, j) for j in range(2)]
+    kv2 = ours.new_cache(256)
+    copy_prefix(kv, kv2, 64)  # as the prefix cache shares or copies its KV blocks
     original = ours.prefill(rest, kv, linear)
     more = [ours.prefill(t[None], kv, linear) for t in (original[-1].argmax(), torch.tensor(3))]
 
-    kv2, linear2 = ours.new_cache(256), ours.new_linear_state()
+    linear2 = ours.new_linear_state()
     assert linear2 is not None
-    store.load(kv2, blocks, 64)
     linear2.restore(snap)
     assert torch.equal(ours.prefill(rest, kv2, linear2), original)
     for t, ref in zip((original[-1].argmax(), torch.tensor(3)), more, strict=True):
@@ -274,7 +279,7 @@ def test_gen_model_writes_a_cut_of_a_hybrid_preset(tmp_path):
 def test_snapshots_recorded_at_block_boundaries_inside_a_chunk(models):
     """A 150-token prompt in one forward, its state marked at 64 and 128: the snapshot at 128 is the
     state of the same 128 tokens prefilled alone, and a fresh sequence restored from it (with the KV
-    blocks of those 128 positions) continues with the prompt's rest and decodes as the original."""
+    cells of those 128 positions) continues with the prompt's rest and decodes as the original."""
     ours, _ = models
     V = ours.spec.vocab_size
     prompt = torch.randint(0, V, (150,))
@@ -296,11 +301,9 @@ def test_snapshots_recorded_at_block_boundaries_inside_a_chunk(models):
         got = at_128.layers[i]
         assert rel_err(got.recurrent, s.recurrent) <= 1e-5 and rel_err(got.conv, s.conv) <= 1e-5
 
-    store = KVBlockStore(ours.n_kv_layers, ours.spec.n_kv_heads, ours.spec.head_dim, block_tokens=64,
-                         device=ours.device, format=ours.kv_format)
     kv2, linear2 = ours.new_cache(256), ours.new_linear_state()
     assert linear2 is not None
-    store.load(kv2, [store.save(kv, j) for j in range(2)], 128)
+    copy_prefix(kv, kv2, 128)
     linear2.restore(at_128)
     assert rel_err(ours.prefill(prompt[128:], kv2, linear2), original[128:]) <= 1e-5
     nxt = original[-1].argmax()[None]
