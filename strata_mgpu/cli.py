@@ -176,8 +176,9 @@ def _env() -> env.EnvOptions:
 
 @main.command("gen-model")
 @click.argument("out_path", metavar="OUT.gguf", type=click.Path(dir_okay=False, path_type=Path))
-@click.option("--preset", type=click.Choice(["tiny", "small", "30b-a3b", "235b-a22b"]), default="tiny",
-              show_default=True)
+@click.option("--preset", type=click.Choice(["tiny", "small", "30b-a3b", "235b-a22b", "tiny-hybrid", "tiny-next",
+                                                  "35b-a3b-hybrid"]),
+              default="tiny", show_default=True, help="qwen3moe shapes, qwen35moe's (-hybrid) or qwen3next's (-next)")
 @click.option("--layers", type=click.IntRange(min=1), default=None, help="write only the preset's first N layers")
 @click.option("--expert-type", default="Q4_K", show_default=True, help="type of the experts' gate and up")
 @click.option("--down-type", default=None, help="type of the experts' down (default: Q6_K for Q4_K/Q5_K)")
@@ -195,7 +196,7 @@ def _env() -> env.EnvOptions:
 def gen_model(out_path: Path, preset: str, layers: int | None, expert_type: str, down_type: str | None,
               mix: str | None, dense_type: str, rope_scaling: str, seed: int, split_max_size: str | None,
               chat_template_file: Path | None) -> None:
-    """Write a synthetic qwen3moe GGUF with real quantized blocks."""
+    """Write a synthetic qwen3moe (or qwen35moe: the -hybrid presets) GGUF with real quantized blocks."""
     from strata_mgpu.model import synthetic as syn
     from strata_mgpu.model.tokenizer import ChatTemplate
 

@@ -38,6 +38,14 @@ def tiny_gguf(tmp_path_factory) -> Path:
     return path
 
 
+@pytest.fixture(scope="session")
+def tiny_hybrid_gguf(tmp_path_factory) -> Path:
+    """The tiny-hybrid preset (qwen35moe): Q4_K gate/up, Q6_K down, Q8_0 dense weights."""
+    path = tmp_path_factory.mktemp("models") / "tiny-hybrid.gguf"
+    write_model(path, "tiny-hybrid", seed=7)
+    return path
+
+
 TEMPLATES = Path(__file__).parent / "data" / "templates"
 REAL_TEMPLATES = ("qwen3", "qwen3-coder", "qwen3-thinking-2507")  # tests/data/templates/NAME.jinja
 

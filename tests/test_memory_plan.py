@@ -8,7 +8,6 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from strata_mgpu.model.spec import ModelSpec
 from strata_mgpu.model.synthetic import PRESETS
 from strata_mgpu.stage.memory_plan import (
     GiB,
@@ -21,7 +20,7 @@ from strata_mgpu.stage.memory_plan import (
     workspace_bytes,
 )
 
-SPEC_30B = ModelSpec(arch="qwen3moe", **dataclasses.asdict(PRESETS["30b-a3b"]))
+SPEC_30B = PRESETS["30b-a3b"].spec("")
 EXPERT_30B = 391_600_000 // 128  # Q4_K gate/up + Q6_K down: about 3.06 MB an expert
 
 

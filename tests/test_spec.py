@@ -25,8 +25,8 @@ def test_30b_shapes():
     assert spec.n_active_params == pytest.approx(3.3e9, rel=0.1)
 
 
-def _copy_with(src, dst, *, drop_key=None, drop_tensor=None, reshape=None, arch=None):
-    """Rewrite a GGUF with one thing changed, via gguf-py's writer."""
+def _copy_with(src, dst, *, drop_key=None, drop_tensor=None, reshape=None, arch=None, add=None):
+    """Rewrite a GGUF with one thing changed, via gguf-py's writer (`add`: name -> F32 array, more tensors)."""
     from gguf import GGUFReader
 
     r = GGUFReader(src)
@@ -45,6 +45,8 @@ def _copy_with(src, dst, *, drop_key=None, drop_tensor=None, reshape=None, arch=
             shape = [shape[0] // 2, *shape[1:]]
             data = data[: data.shape[0] // 2]
         w.add_tensor(t.name, data, raw_shape=data.shape, raw_dtype=t.tensor_type)
+    for name, data in (add or {}).items():
+        w.add_tensor(name, data)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

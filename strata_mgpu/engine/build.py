@@ -16,7 +16,7 @@ from strata_mgpu.model.runner import DecoderRunner, load_reference_runner
 from strata_mgpu.model.spec import ModelSpec, T, tname
 from strata_mgpu.split.help_rule import HelpPolicy
 from strata_mgpu.split.runner import SplitError, SplitRunner, build_split, plan_layers
-from strata_mgpu.stage.build import build_stage, stage_plan
+from strata_mgpu.stage.build import build_stage, check_layers_served, stage_plan
 from strata_mgpu.stage.device import DeviceError, check_device, parse_device
 from strata_mgpu.stage.host.pinned import PinError
 from strata_mgpu.stage.memory_plan import MemoryPlan, PlanError, dense_bytes
@@ -44,8 +44,11 @@ def cpu_budget_warning(placement: Placement) -> str | None:
 
 
 def check_placement(placement: Placement, spec: ModelSpec) -> None:
-    """Fail before anything loads: devices that do not exist, a split that does not fit."""
-    resolve_devices(placement)
+    """Fail before anything loads: devices that do not exist, a split that does not fit, a model stages
+    do not serve on a placement the CPU reference does not take."""
+    devices = resolve_devices(placement)
+    if not (len(devices) == 1 and devices[0].type == "cpu"):
+        check_layers_served(spec)
     stage_layers(placement, spec)
 
 
@@ -80,6 +83,7 @@ def preview_plans(f: GGUFFile, spec: ModelSpec, placement: Placement, chunk_size
                   ) -> list[tuple[str, range, MemoryPlan]]:
     """Each stage's VRAM plan from the file alone (no GPU needed): what `strata info --max-vram` prints,
     and what a stage built on a card with that budget free would plan."""
+    check_layers_served(spec)
     names = [d.strip() for d in placement.devices]
     options = stage_options(placement, chunk_size, kv_tokens, devices=[parse_device(n) for n in names])
     elem = 4 if placement.dtype == "fp32" else 2
@@ -113,7 +117,11 @@ def build_runner(f: GGUFFile, spec: ModelSpec, placement: Placement, chunk_size:
     """`build_stages`; with `cpu_reference` (what `serve` asks for), one CPU device without ggml-python
     serves the fp32 oracle instead, said once (the stage's torch twin would be slower)."""
     devices = resolve_devices(placement)
-    missing = ggml_missing() if cpu_reference and len(devices) == 1 and devices[0].type == "cpu" else None
+    one_cpu = cpu_reference and len(devices) == 1 and devices[0].type == "cpu"
+    if spec.hybrid and one_cpu:  # gated DeltaNet layers: the reference serves them (stages refuse them)
+        return load_reference_runner(f, spec, on_progress=(lambda d, t: on_progress("layers", d, t))
+                                     if on_progress else None, kv_types=placement.kv_types)
+    missing = ggml_missing() if one_cpu else None
     if missing is not None:
         warn_once("serving the fp32 reference forward on the CPU (every expert dequantized in RAM)", missing)
         return load_reference_runner(f, spec, on_progress=(lambda d, t: on_progress("layers", d, t))

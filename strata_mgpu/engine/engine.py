@@ -61,7 +61,10 @@ class Engine:
         b = self.pool.blocks
         log.info("KV pool: %d blocks of %d tokens (%.2f MiB each, %s)", b.n_blocks, b.block_tokens,
                  self.pool.block_bytes / (1 << 20), "on the device" if self.pool.host_tier else "in host RAM")
-        self.prefix = make_prefix_cache(self.pool, config)
+        if runner.spec.hybrid and config.prefix_cache:  # its DeltaNet state is not saved with the blocks yet
+            log.info("prefix cache off: %s's linear layers' state is not kept with cached blocks yet",
+                     runner.spec.arch)
+        self.prefix = make_prefix_cache(self.pool, config) if not runner.spec.hybrid else None
         if self.prefix is not None:
             self.metrics.watch_prefix_cache(self.prefix)
         self.output = OutputProcessor(tokenizer, self.sampler, self.metrics, self.prefix)

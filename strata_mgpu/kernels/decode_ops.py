@@ -207,6 +207,7 @@ class CudaDecodeOps(DecodeOps):
                         v: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                         kvs: Sequence[SequenceKV], table: torch.Tensor | None = None) -> torch.Tensor:
         dh, n = spec.head_dim, len(kvs)
+        assert w.q_norm is not None and w.k_norm is not None, "an attention layer"
         tensors_ok = (self._ok(w.q_norm, w.k_norm, cos, sin) and cos.shape == sin.shape == (n, dh)
                       and self._caches_ok(kvs, spec.n_kv_heads, dh) and all(self._rows_ok(t) for t in (q, k, v)))
         if not (tensors_ok and dh % 64 == 0 and dh <= 256 and positions.dtype == torch.int64

@@ -9,6 +9,10 @@ a decode step one row per running sequence. Everything but attention runs on all
 What differs between forwards is the path (`ForwardPath`), chosen once per call: segment
 attention (SDPA, prompts) or row attention (the decode step's fused ops, capturable as a CUDA
 graph); all rows at once or a helped prompt's two halves; experts streamed or gathered.
+
+A hybrid model's layer mixes tokens by full attention or by gated DeltaNet (`model.delta_net`); the
+latter's state lives beside each sequence's KV (`Segment.linear`), whose cache holds only the
+full-attention layers (`Decoder.kv_slot`). Such models take the segment path.
 """
 
 from __future__ import annotations
@@ -20,11 +24,20 @@ from typing import Protocol
 import torch
 from gguf.constants import GGMLQuantizationType
 
+from strata_mgpu.model.delta_net import causal_conv, delta_heads, delta_rule, gated_norm
 from strata_mgpu.model.expert_backend import ExpertBackend
 from strata_mgpu.model.kv_cache import PLAIN_KV, KVCache, KVFormat, SequenceKV
+from strata_mgpu.model.linear_state import LinearState
 from strata_mgpu.model.ops import PLAIN_OPS, DecodeOps, causal_attention, qk_norm_rope, rms_norm, rope_cos_sin
 from strata_mgpu.model.spec import ModelSpec
-from strata_mgpu.model.weights import BlockMatrix, LayerWeights, Matrix, ModelWeights
+from strata_mgpu.model.weights import (
+    BlockMatrix,
+    DeltaNetWeights,
+    LayerWeights,
+    Matrix,
+    ModelWeights,
+    SharedExpertWeights,
+)
 from strata_mgpu.quant.dequant import dequantize_rows
 
 # (local layer, h [T, D], router [E, D]) -> (weights [T, A] fp32, experts [T, A])
@@ -61,6 +74,7 @@ class Segment:
     start: int
     end: int
     kv: SequenceKV
+    linear: LinearState | None = None  # its DeltaNet state, where the decoder has linear layers
 
     @property
     def n(self) -> int:
@@ -95,10 +109,15 @@ class SegmentAttention:
 
     def __call__(self, i: int, w: LayerWeights, h: torch.Tensor, part: Rows) -> torch.Tensor:
         s, mm = self.spec, self.dense
+        assert w.wq is not None and w.wk is not None and w.wv is not None and w.wo is not None, "an attention layer"
         if isinstance(w.wqkv, BlockMatrix):  # blocks: one product rather than three calls into the kernels
-            q, k, v = mm(h, w.wqkv).split([s.q_dim, s.kv_dim, s.kv_dim], dim=1)
+            q, k, v = mm(h, w.wqkv).split([s.q_proj_dim, s.kv_dim, s.kv_dim], dim=1)
         else:
             q, k, v = mm.many(h, (w.wq, w.wk, w.wv))
+        gate = None
+        if s.attn_output_gate:  # [t, H, 2 Dh]: each head's query, then its gate
+            q, gate = q.reshape(h.shape[0], s.n_heads, 2 * s.head_dim).split(s.head_dim, dim=2)
+            q, gate = q.reshape(h.shape[0], s.q_dim), gate.reshape(h.shape[0], s.q_dim)
         q, k = qk_norm_rope(s, w, q, k, self.cos[part.rows], self.sin[part.rows])
         v = v.reshape(h.shape[0], s.n_kv_heads, s.head_dim)
         for seg in part.segments:  # layer i + 1's keys arrive while layer i attends and runs its experts
@@ -111,7 +130,8 @@ class SegmentAttention:
                 rows = slice(seg.start, seg.end)
                 k_all, v_all = seg.kv.write(i, k[rows], v[rows], at=part.at)  # [S, Hkv, Dh]
                 out[rows] = causal_attention(q[rows], k_all, v_all)
-        return mm(out.reshape(-1, s.q_dim), w.wo)
+        attended = out.reshape(-1, s.q_dim)
+        return mm(attended if gate is None else attended * torch.sigmoid(gate), w.wo)
 
 
 class RowAttention:
@@ -129,6 +149,7 @@ class RowAttention:
 
     def __call__(self, i: int, w: LayerWeights, h: torch.Tensor, part: Rows) -> torch.Tensor:
         s, mm = self.spec, self.dense
+        assert w.wq is not None and w.wk is not None and w.wv is not None and w.wo is not None, "an attention layer"
         if w.wqkv is not None:  # one GEMM: [B, (H + 2 Hkv) * Dh], split into column blocks
             q, k, v = mm(h, w.wqkv).split([s.q_dim, s.kv_dim, s.kv_dim], dim=1)
         else:  # made apart (blocks of different types): h prepared once for the three
@@ -162,7 +183,8 @@ class Decoder:
     """The decoder forward over dense weights (any dtype, any device) and an expert backend.
 
     `static_rows`: forwards of few rows take the row path where they may (`_takes_static`); on for
-    a GPU stage with fused ops, since there launches, not the GPU, bound a short prompt.
+    a GPU stage with fused ops, since there launches, not the GPU, bound a short prompt; off where
+    the fused kernels do not serve the spec's layers (`ModelSpec.fused_attention`: hybrid models).
     `routing`: where set, replaces every layer's routing (tests record or force it).
     `dense`: what multiplies the projections (`DenseMatmul`).
     """
@@ -176,8 +198,11 @@ class Decoder:
         self.kv_format = KVFormat(weights.dtype, *kv_types)  # how its caches store keys and values
         self.experts = experts
         self.ops = ops or DecodeOps()
-        self.static_rows = static_rows
+        self.static_rows = static_rows and spec.fused_attention
         self.routing: Routing | None = None
+        # layer -> its slot in a sequence's KV cache (full-attention layers only); its linear layers
+        self.kv_slot = [sum(lw.delta is None for lw in weights.layers[:i]) for i in range(len(weights.layers))]
+        self.linear_layers = [i for i, lw in enumerate(weights.layers) if lw.delta is not None]
 
     @property
     def device(self) -> torch.device:
@@ -186,8 +211,20 @@ class Decoder:
     def new_cache(self, max_length: int, capacity: int = 256) -> KVCache:
         s = self.spec
         f = self.kv_format
-        return KVCache(len(self.w.layers), s.n_kv_heads, s.head_dim, capacity=capacity, max_length=max_length,
+        return KVCache(self.n_kv_layers, s.n_kv_heads, s.head_dim, capacity=capacity, max_length=max_length,
                        device=self.device, dtype=f.dtype, keys=f.keys, values=f.values)
+
+    @property
+    def n_kv_layers(self) -> int:
+        """Layers a sequence's KV cache holds: the full-attention ones."""
+        return len(self.w.layers) - len(self.linear_layers)
+
+    def new_linear_state(self) -> LinearState | None:
+        """A fresh sequence's DeltaNet state for this decoder's linear layers; None where it has none."""
+        if not self.linear_layers:
+            return None
+        assert self.spec.delta is not None
+        return LinearState(self.spec.delta, self.linear_layers, self.device, self.w.dtype)
 
     def forward(self, tokens: torch.Tensor, segments: Sequence[Segment]) -> torch.Tensor:
         """tokens [T] (sequences packed as `segments`) -> final hidden states [T, D]."""
@@ -205,6 +242,8 @@ class Decoder:
         segment's rows continue its sequence at `kv.length`; caches advance afterwards."""
         for seg in segments:
             seg.kv.reserve(seg.n)
+            if self.linear_layers and (seg.linear is None or seg.linear.length != seg.kv.length):
+                raise ValueError("a hybrid model's sequence needs its DeltaNet state at its KV's length")
         positions = torch.cat([torch.arange(seg.kv.length, seg.kv.length + seg.n, device=x.device)
                                for seg in segments])  # [T]
         n = x.shape[0]
@@ -224,6 +263,8 @@ class Decoder:
         x = self._layers(x, segments, path)
         for seg in segments:
             seg.kv.advance(seg.n)
+            if seg.linear is not None:
+                seg.linear.advance(seg.n)
         return x
 
     def _takes_static(self, n_rows: int, segments: Sequence[Segment], streams: bool) -> bool:
@@ -240,6 +281,7 @@ class Decoder:
     def _row_path(self, positions: torch.Tensor, kvs: Sequence[SequenceKV], table: torch.Tensor | None,
                   capacity: int | None, streams: bool) -> ForwardPath:
         assert all(kv.graph_capturable for kv in kvs), "a cache keeps cells outside kv.k/kv.v: decode it with run()"
+        assert self.spec.fused_attention, "the fused decode ops do not serve this model's layers: decode it with run()"
         s = self.spec
         cos, sin = rope_cos_sin(positions, s, self.w.dtype)  # [B, Dh]
         table = self.ops.kv_table(kvs) if table is None else table
@@ -274,10 +316,10 @@ class Decoder:
         keys, as causal attention over all rows would."""
         if not halves:
             return [Rows(x, slice(0, x.shape[0]), segments)]
-        kv, n = segments[0].kv, x.shape[0]
+        kv, linear, n = segments[0].kv, segments[0].linear, x.shape[0]
         cut = n // 2
-        return [Rows(x[:cut], slice(0, cut), [Segment(0, cut, kv)]),
-                Rows(x[cut:], slice(cut, n), [Segment(0, n - cut, kv)], at=cut)]
+        return [Rows(x[:cut], slice(0, cut), [Segment(0, cut, kv, linear)]),
+                Rows(x[cut:], slice(cut, n), [Segment(0, n - cut, kv, linear)], at=cut)]
 
     def _layer(self, i: int, w: LayerWeights, part: Rows, path: ForwardPath, first: bool) -> None:
         """Layer i over `part`: the last layer's expert output added (its helper's part collected now),
@@ -287,7 +329,10 @@ class Decoder:
             h = ops.rms_norm(part.x, w.attn_norm, s.rms_eps)
         else:
             part.x, h = ops.add_rms_norm(part.x, self.experts.finish(part.pending), w.attn_norm, s.rms_eps)
-        attended = path.attention(i, w, h, part)
+        if w.delta is not None:
+            attended = self._delta_net(i, w.delta, h, part)
+        else:
+            attended = path.attention(self.kv_slot[i], w, h, part)
         hq = None
         if path.fused_moe_input and self.routing is None:  # add, norm, routing, quantized input: one launch
             part.x, h, weights, experts, hq = ops.moe_input(part.x, attended, w.ffn_norm, s.rms_eps, w.router,
@@ -296,6 +341,41 @@ class Decoder:
             part.x, h = ops.add_rms_norm(part.x, attended, w.ffn_norm, s.rms_eps)
             weights, experts = self.routing(i, h, w.router) if self.routing is not None else self.route(i, h, w.router)
         part.pending = self.experts.start(i, h, weights, experts, hq=hq, first=first)
+        if w.shared is not None:  # dense, beside the routed experts' pass
+            part.x = part.x + self._shared_expert(w.shared, h)
+
+    def _delta_net(self, i: int, w: DeltaNetWeights, h: torch.Tensor, part: Rows) -> torch.Tensor:
+        """Layer i's gated DeltaNet over `part`'s normed rows h [t, D], projected by its out: [t, D].
+        Each segment's rows continue (and update) its sequence's state, in pieces cut at the
+        boundaries its state marked (`LinearState.mark`), where the state is recorded."""
+        s, mm = self.spec, self.dense
+        assert s.delta is not None
+        d, t = s.delta, h.shape[0]
+        qkv, z = mm.many(h, (w.wqkv, w.wz))  # [t, C], [t, Hv Dv]
+        a, b = h @ w.w_alpha.T, h @ w.w_beta.T  # [t, Hv] each
+        out = torch.empty(t, d.n_v_heads, d.v_head_dim, device=h.device, dtype=h.dtype)
+        for seg in part.segments:
+            assert seg.linear is not None
+            state, first = seg.linear.layer(i), seg.linear.length + part.at  # the segment's first token
+            cuts = seg.linear.cuts(first, seg.n)
+            for lo, hi in zip([0, *cuts], [*cuts, seg.n], strict=True):
+                if lo == hi:
+                    continue
+                rows = slice(seg.start + lo, seg.start + hi)
+                conv, state.conv = causal_conv(qkv[rows], state.conv, w.conv)  # [n, C]
+                q, k, v, g, beta = delta_heads(d, conv, a[rows], b[rows], w.dt_bias, w.decay_rate, w.key_heads)
+                o, state.recurrent = delta_rule(q, k, v, g, beta, state.recurrent)  # [n, Hv, Dv] fp32
+                out[rows] = o.to(h.dtype)
+                if hi in cuts:
+                    seg.linear.record(first + hi, i)
+        normed = gated_norm(out, z.view(t, d.n_v_heads, d.v_head_dim), w.norm, s.rms_eps)
+        return mm(normed.reshape(t, d.value_dim), w.wout)
+
+    def _shared_expert(self, w: SharedExpertWeights, h: torch.Tensor) -> torch.Tensor:
+        """h [t, D] -> sigmoid(h . gate_inp) * down(silu(gate h) * up h): [t, D]."""
+        g, u = self.dense.many(h, (w.gate, w.up))
+        y = self.dense(torch.nn.functional.silu(g) * u, w.down)
+        return y * torch.sigmoid(h @ w.gate_inp)[:, None]
 
     def step_static(self, inp: torch.Tensor, positions: torch.Tensor, kvs: Sequence[SequenceKV],
                     table: torch.Tensor | None = None, capacity: int | None = None) -> torch.Tensor:
@@ -317,6 +397,6 @@ class Decoder:
         assert self.w.output is not None and self.w.out_norm is not None, "only the last stage has the head"
         return self.dense(rms_norm(hidden, self.w.out_norm, self.spec.rms_eps), self.w.output)
 
-    def prefill(self, tokens: torch.Tensor, kv: SequenceKV) -> torch.Tensor:
-        """All-position logits [T, V] of one sequence's new tokens."""
-        return self.logits(self.forward(tokens, [Segment(0, tokens.shape[0], kv)]))
+    def prefill(self, tokens: torch.Tensor, kv: SequenceKV, linear: LinearState | None = None) -> torch.Tensor:
+        """All-position logits [T, V] of one sequence's new tokens (`linear`: its DeltaNet state)."""
+        return self.logits(self.forward(tokens, [Segment(0, tokens.shape[0], kv, linear)]))

@@ -15,15 +15,19 @@ from strata_mgpu.model.spec import EXPERT_TENSORS, ModelSpec, T, spec_from_gguf,
 # The classes the quant mix is counted in, in the order shown, and the tensors of each.
 TENSOR_CLASSES: dict[str, tuple[MODEL_TENSOR, ...]] = {
     "embeddings": (T.TOKEN_EMBD,),
-    "attention": (T.ATTN_Q, T.ATTN_K, T.ATTN_V, T.ATTN_QKV, T.ATTN_OUT),
+    "attention": (T.ATTN_Q, T.ATTN_K, T.ATTN_V, T.ATTN_OUT),
+    "linear attention": (T.ATTN_QKV, T.ATTN_GATE, T.SSM_CONV1D, T.SSM_DT, T.SSM_A, T.SSM_BETA, T.SSM_ALPHA,
+                         T.SSM_BETA_ALPHA, T.SSM_OUT),
     "router": (T.FFN_GATE_INP,),
     "experts gate": (T.FFN_GATE_EXP,),
     "experts up": (T.FFN_UP_EXP,),
     "experts down": (T.FFN_DOWN_EXP,),
     "dense FFN / shared": (T.FFN_GATE, T.FFN_UP, T.FFN_DOWN, T.FFN_GATE_SHEXP, T.FFN_UP_SHEXP, T.FFN_DOWN_SHEXP,
                            T.FFN_GATE_INP_SHEXP),
-    "norms": (T.ATTN_NORM, T.FFN_NORM, T.ATTN_Q_NORM, T.ATTN_K_NORM, T.OUTPUT_NORM),
+    "norms": (T.ATTN_NORM, T.FFN_NORM, T.ATTN_POST_NORM, T.ATTN_Q_NORM, T.ATTN_K_NORM, T.SSM_NORM, T.OUTPUT_NORM),
     "output": (T.OUTPUT,),
+    "multi-token prediction": (T.NEXTN_EH_PROJ, T.NEXTN_ENORM, T.NEXTN_HNORM, T.NEXTN_SHARED_HEAD_NORM,
+                               T.NEXTN_EMBED_TOKENS, T.NEXTN_SHARED_HEAD_HEAD),
 }
 OTHER = "other"
 _CLASS_OF = {TENSOR_NAMES[k]: cls for cls, kinds in TENSOR_CLASSES.items() for k in kinds}
@@ -31,7 +35,7 @@ _CLASS_OF = {TENSOR_NAMES[k]: cls for cls, kinds in TENSOR_CLASSES.items() for k
 
 def tensor_class(name: str) -> str:
     """'blk.3.ffn_down_exps.weight' -> 'experts down'; a name of no class -> 'other'."""
-    base = re.sub(r"^blk\.\d+\.", "blk.{bid}.", name.removesuffix(".weight"))
+    base = re.sub(r"^blk\.\d+\.", "blk.{bid}.", name.removesuffix(".weight").removesuffix(".bias"))
     return _CLASS_OF.get(base, OTHER)
 
 

@@ -205,18 +205,12 @@ class PagedKV:
         # ids on the device, laid out for the table's most blocks: its address never changes, so a
         # captured decode step reads a sequence's new blocks as the sequence grows
         device = storage.device
-        self.block_table = torch.zeros(table.max_blocks, dtype=torch.int32, device=device)
+        self.k, self.v = storage.k, storage.v  # the whole pool's cells
+        self._ids = torch.zeros(table.max_blocks, dtype=torch.int32, device=device)
+        self.block_table: torch.Tensor | None = self._ids
         self._host_ids = torch.zeros(table.max_blocks, dtype=torch.int32, pin_memory=device.type == "cuda")
         self._synced = 0  # ids [0, _synced) are on the device (queued)
         self._sync()
-
-    @property
-    def k(self) -> torch.Tensor:
-        return self.storage.k
-
-    @property
-    def v(self) -> torch.Tensor:
-        return self.storage.v
 
     @property
     def capacity(self) -> int:
@@ -246,7 +240,7 @@ class PagedKV:
         if lo == len(ids):
             return
         self._host_ids[lo:len(ids)] = torch.tensor(ids[lo:], dtype=torch.int32)
-        self.block_table[lo:len(ids)].copy_(self._host_ids[lo:len(ids)], non_blocking=True)
+        self._ids[lo:len(ids)].copy_(self._host_ids[lo:len(ids)], non_blocking=True)
         self._synced = len(ids)
 
     def reserve(self, new_tokens: int) -> None:
@@ -259,8 +253,8 @@ class PagedKV:
     def cells(self, start: int, stop: int) -> torch.Tensor:
         """Cells [stop - start] (int64, on the device) of positions [start, stop)."""
         b = self.block_tokens
-        pos = torch.arange(start, stop, device=self.block_table.device)
-        return self.block_table[pos // b].long() * b + pos % b
+        pos = torch.arange(start, stop, device=self._ids.device)
+        return self._ids[pos // b].long() * b + pos % b
 
     def write(self, layer: int, k_new: torch.Tensor, v_new: torch.Tensor, at: int = 0
               ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -278,7 +272,7 @@ class PagedKV:
         b = self.block_tokens
         n = -(-end // b)
         blocks = layer_cells.view(self.storage.n_blocks, b, *layer_cells.shape[1:])
-        return blocks.index_select(0, self.block_table[:n].long()).flatten(0, 1)[:end]
+        return blocks.index_select(0, self._ids[:n].long()).flatten(0, 1)[:end]
 
     def advance(self, n: int) -> None:
         self.length += n

@@ -29,7 +29,7 @@ def rope_inv_freq(spec: ModelSpec, device: torch.device) -> torch.Tensor:
     """RoPE's frequencies [Dh/2] fp32 (radians a position), scaled as `spec.rope_scaling` says, in
     transformers' arithmetic (llama.cpp's `rope_yarn` is the same mix). Made on `device` with no
     host copy: a captured decode step computes its tables inside the graph."""
-    dh, r = spec.head_dim, spec.rope_scaling
+    dh, r = spec.rotary_dim, spec.rope_scaling
     pos_freqs = spec.rope_base ** (torch.arange(0, dh, 2, device=device, dtype=torch.float32) / dh)  # [Dh/2]
     kept = 1.0 / pos_freqs
     if r.kind == RopeScalingType.NONE:
@@ -44,10 +44,11 @@ def rope_inv_freq(spec: ModelSpec, device: torch.device) -> torch.Tensor:
 
 
 def rope_cos_sin(positions: torch.Tensor, spec: ModelSpec, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """NEOX-style rotary tables of positions [T]: cos and sin [T, Dh] each, times the scaling's mscale,
+    """NEOX-style rotary tables of positions [T]: cos and sin [T, R] each (R = the dims rotated, Dh
+    unless the spec rotates a part of each head), times the scaling's mscale,
     computed in fp32 and then cast. The one place RoPE is computed: every path rotates by these."""
-    freqs = positions.float()[:, None] * rope_inv_freq(spec, positions.device)[None, :]  # [T, Dh/2]
-    emb = torch.cat([freqs, freqs], dim=-1)  # [T, Dh]
+    freqs = positions.float()[:, None] * rope_inv_freq(spec, positions.device)[None, :]  # [T, R/2]
+    emb = torch.cat([freqs, freqs], dim=-1)  # [T, R]
     cos, sin = emb.cos(), emb.sin()
     mscale = spec.rope_scaling.mscale
     if mscale != 1.0:
@@ -56,7 +57,11 @@ def rope_cos_sin(positions: torch.Tensor, spec: ModelSpec, dtype: torch.dtype) -
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, heads, Dh]: rotate the two halves of each head (NEOX / HF rotate_half)."""
+    """x [T, heads, Dh]: rotate the two halves of each head's first R dims (cos, sin [T, R]; NEOX / HF
+    rotate_half); the rest pass as they are."""
+    r = cos.shape[-1]
+    if r < x.shape[-1]:
+        return torch.cat([apply_rope(x[..., :r], cos, sin), x[..., r:]], dim=-1)
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
     return x * cos[:, None, :] + rotated * sin[:, None, :]
@@ -66,6 +71,7 @@ def qk_norm_rope(spec: ModelSpec, w: LayerWeights, q: torch.Tensor, k: torch.Ten
                  sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """q [T, H*Dh], k [T, Hkv*Dh] -> q [T, H, Dh], k [T, Hkv, Dh], each head RMS-normed and rotated."""
     t = q.shape[0]
+    assert w.q_norm is not None and w.k_norm is not None, "an attention layer"
     q = rms_norm(q.view(t, spec.n_heads, spec.head_dim), w.q_norm, spec.rms_eps)
     k = rms_norm(k.view(t, spec.n_kv_heads, spec.head_dim), w.k_norm, spec.rms_eps)
     return apply_rope(q, cos, sin), apply_rope(k, cos, sin)

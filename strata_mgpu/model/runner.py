@@ -1,5 +1,6 @@
 """`DecoderRunner`: the engine's `ModelRunner` over a `Decoder` in host memory (the fp32 reference),
-its loader, and the prefill calls every runner over a `Decoder` makes.
+its loader, and the prefill calls every runner over a `Decoder` makes. Over a hybrid decoder its
+sequences are `HybridSequence`s (KV and DeltaNet state), which the prefix cache does not keep yet.
 """
 
 from __future__ import annotations
@@ -23,9 +24,13 @@ from strata_mgpu.model.kv_pool import (
     StoragePool,
     free_with,
 )
+from strata_mgpu.model.linear_state import HybridSequence
 from strata_mgpu.model.reference import ReferenceModel
 from strata_mgpu.model.spec import ModelSpec
 from strata_mgpu.model.weights import load_weights
+
+# A runner's sequence over a Decoder: its KV, or with a hybrid decoder its KV and DeltaNet state
+RunnerSequence = SequenceKV | HybridSequence
 
 DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
@@ -57,7 +62,7 @@ class DecoderRunner:
         n_blocks = max(1, -(-2 * cells // block_tokens))
         blocks = BlockPool(n_blocks, block_tokens)
         storage = self._storages.add(
-            blocks, lambda: KVStorage(len(self.model.w.layers), s.n_kv_heads, s.head_dim, n_blocks=n_blocks,
+            blocks, lambda: KVStorage(self.model.n_kv_layers, s.n_kv_heads, s.head_dim, n_blocks=n_blocks,
                                       block_tokens=block_tokens, device=self.model.device,
                                       format=self.model.kv_format),
             lambda st: (st.n_blocks, st.block_tokens) == (n_blocks, block_tokens))
@@ -74,40 +79,53 @@ class DecoderRunner:
         return (f"{self.model.device} in {dtype_name(self.model.w.dtype)}: the torch reference forward (plain "
                 f"torch ops, every expert in host RAM)")
 
-    def new_sequence(self, max_length: int, table: BlockTable | None = None, length: int = 0) -> PagedKV:
+    def new_sequence(self, max_length: int, table: BlockTable | None = None, length: int = 0) -> RunnerSequence:
+        """A `PagedKV` of the attention layers; on a hybrid model with the linear layers' state beside it
+        (which starts empty: a hybrid sequence takes no cached prefix yet)."""
         pool = self._pool or self.kv_pool(DEFAULT_BLOCK_TOKENS, self.spec.context_length)
         own = table is None
         table = BlockTable(pool.blocks, max_length) if table is None else table
         kv = PagedKV(self._storages.of(table.pool), table, length=length, max_length=max_length)
         if own:
             free_with(kv, table)
-        return kv
+        linear = self.model.new_linear_state()
+        if linear is None:
+            return kv
+        assert length == 0, "a hybrid sequence's linear state cannot start from a cached prefix yet"
+        return HybridSequence(kv, linear)
 
     @torch.inference_mode()
-    def prefill(self, kv: SequenceKV, tokens: torch.Tensor, whole_prompt: bool = False,
+    def prefill(self, kv: RunnerSequence, tokens: torch.Tensor, whole_prompt: bool = False,
                 want_logits: bool = True) -> torch.Tensor:
         return prefill_last_logits(self.model, kv, tokens)
 
     @torch.inference_mode()
-    def prefill_many(self, kvs: Sequence[SequenceKV], chunks: Sequence[torch.Tensor]) -> torch.Tensor:
+    def prefill_many(self, kvs: Sequence[RunnerSequence], chunks: Sequence[torch.Tensor]) -> torch.Tensor:
         return prefill_pack_logits(self.model, kvs, chunks)
 
     @torch.inference_mode()
-    def decode(self, kvs: Sequence[SequenceKV], tokens: torch.Tensor) -> torch.Tensor:
-        segments = [Segment(i, i + 1, kv) for i, kv in enumerate(kvs)]
+    def decode(self, kvs: Sequence[RunnerSequence], tokens: torch.Tensor) -> torch.Tensor:
+        segments = [segment(i, i + 1, kv) for i, kv in enumerate(kvs)]
         return self.model.logits(self.model.forward(tokens.to(self.model.device), segments))
 
 
-def prefill_last_logits(model: Decoder, kv: SequenceKV, tokens: torch.Tensor) -> torch.Tensor:
-    hidden = model.forward(tokens.to(model.device), [Segment(0, tokens.shape[0], kv)])
+def segment(start: int, end: int, seq: RunnerSequence) -> Segment:
+    """Rows [start, end) of a forward as `seq`'s segment: its KV, and its DeltaNet state where it has one."""
+    if isinstance(seq, HybridSequence):
+        return Segment(start, end, seq.kv, seq.linear)
+    return Segment(start, end, seq)
+
+
+def prefill_last_logits(model: Decoder, kv: RunnerSequence, tokens: torch.Tensor) -> torch.Tensor:
+    hidden = model.forward(tokens.to(model.device), [segment(0, tokens.shape[0], kv)])
     return model.logits(hidden[-1:])[0]
 
 
-def prefill_pack_logits(model: Decoder, kvs: Sequence[SequenceKV], chunks: Sequence[torch.Tensor]) -> torch.Tensor:
+def prefill_pack_logits(model: Decoder, kvs: Sequence[RunnerSequence], chunks: Sequence[torch.Tensor]) -> torch.Tensor:
     """One forward packed as segments; logits [N, V] of each chunk's last token."""
     assert len(kvs) == len(chunks) > 0 and len({id(kv) for kv in kvs}) == len(kvs)
     ends = list(itertools.accumulate(c.shape[0] for c in chunks))
-    segments = [Segment(end - c.shape[0], end, kv) for kv, c, end in zip(kvs, chunks, ends, strict=True)]
+    segments = [segment(end - c.shape[0], end, kv) for kv, c, end in zip(kvs, chunks, ends, strict=True)]
     hidden = model.forward(torch.cat(list(chunks)).to(model.device), segments)  # [sum T_i, D]
     return model.logits(torch.cat([hidden[end - 1:end] for end in ends]))  # slices: no index upload
 

@@ -1,14 +1,17 @@
 """Model spec: the shapes of a model, read from GGUF metadata, and the tensors it must have.
 
-One builder per `general.architecture`, registered in `SPEC_BUILDERS`. `validate_tensors` checks
-every expected tensor's presence, shape and type against the spec, so that nothing later has to.
+One builder per `general.architecture`, registered in `SPEC_BUILDERS`: qwen3moe, and qwen35moe
+(Qwen3.5/3.6-MoE: gated DeltaNet layers between gated full-attention ones, a shared expert beside
+the routed ones) with qwen3next (Qwen3-Next: the same layers, its beta and alpha projections one
+tensor, its value heads in transformers' grouped order). `validate_tensors` checks every expected
+tensor's presence, shape and type against the spec, so that nothing later has to.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from gguf.constants import MODEL_ARCH, MODEL_ARCH_NAMES, MODEL_TENSOR, TENSOR_NAMES, Keys, RopeScalingType
 
@@ -16,6 +19,9 @@ from strata_mgpu.model.gguf_reader import GGUFError, GGUFFile
 from strata_mgpu.quant.formats import block_format
 
 T = MODEL_TENSOR
+QWEN35MOE = MODEL_ARCH_NAMES[MODEL_ARCH.QWEN35MOE]
+QWEN3NEXT = MODEL_ARCH_NAMES[MODEL_ARCH.QWEN3NEXT]
+HYBRID_ARCHS = (QWEN35MOE, QWEN3NEXT)
 
 
 # `{arch}.rope.scaling.type` values served: what llama.cpp serves but LongRoPE
@@ -54,6 +60,40 @@ class RopeScaling:
 
 
 NO_ROPE_SCALING = RopeScaling()
+
+
+@dataclass(frozen=True)
+class DeltaNetShape:
+    """A gated DeltaNet (linear attention) layer's shapes, from `{arch}.ssm.*` as llama.cpp reads
+    them: state_size is the key head dim, group_count the key heads, time_step_rank the value heads,
+    inner_size / time_step_rank the value head dim. `v_tiled`: the file orders value heads tiled over
+    the key heads (value head j reads key head j % Hk: llama.cpp's converter reorders qwen35moe's
+    so); else grouped (j // (Hv / Hk), transformers' order)."""
+
+    conv_kernel: int  # K: the causal conv1d's width
+    n_k_heads: int  # Hk
+    n_v_heads: int  # Hv, a multiple of Hk
+    k_head_dim: int  # Dk
+    v_head_dim: int  # Dv
+    v_tiled: bool = True
+
+    @property
+    def key_dim(self) -> int:
+        return self.n_k_heads * self.k_head_dim
+
+    @property
+    def value_dim(self) -> int:
+        return self.n_v_heads * self.v_head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels of the conv: q, k and v together."""
+        return 2 * self.key_dim + self.value_dim
+
+    def key_head_of(self) -> list[int]:
+        """For each value head, the key (and query) head it reads."""
+        r = self.n_v_heads // self.n_k_heads
+        return [j % self.n_k_heads if self.v_tiled else j // r for j in range(self.n_v_heads)]
 SCALE_LINEAR_KEY = "{arch}.rope.scale_linear"  # the factor's old name, which llama.cpp still reads
 
 
@@ -78,6 +118,15 @@ class ModelSpec:
     norm_topk_prob: bool = True  # renormalize the top-k router weights to sum to 1
     name: str = ""
     rope_scaling: RopeScaling = NO_ROPE_SCALING
+    rope_dim: int = 0  # dims of a head RoPE rotates (its first ones); 0: all of head_dim
+    attn_output_gate: bool = False  # q_proj also gives a per-head gate: attention out * sigmoid(gate)
+    shared_expert_ffn: int = 0  # the shared expert's hidden width; 0: no shared expert
+    # every n-th layer (1-based) is full attention, the rest gated DeltaNet; 0: every layer attention
+    full_attention_interval: int = 0
+    delta: DeltaNetShape | None = None  # the DeltaNet layers' shapes, where there are such layers
+    # multi-token prediction blocks after the n_layers (`{arch}.nextn_predict_layers`; llama.cpp's
+    # converter writes Qwen3.5's one): in the file and checked, not run
+    mtp_layers: int = 0
 
     @property
     def q_dim(self) -> int:
@@ -91,6 +140,36 @@ class ModelSpec:
     def gqa_group(self) -> int:
         return self.n_heads // self.n_kv_heads
 
+    @property
+    def q_proj_dim(self) -> int:
+        """Rows of attn_q: the queries, and with an output gate each head's gate after its query."""
+        return self.q_dim * (2 if self.attn_output_gate else 1)
+
+    @property
+    def rotary_dim(self) -> int:
+        return self.rope_dim or self.head_dim
+
+    def is_linear(self, layer: int) -> bool:
+        """Layer `layer` (of the whole model) is gated DeltaNet, not full attention."""
+        return (self.full_attention_interval > 0 and layer < self.n_layers
+                and (layer + 1) % self.full_attention_interval != 0)
+
+    @property
+    def hybrid(self) -> bool:
+        return self.full_attention_interval > 0
+
+    @property
+    def fused_attention(self) -> bool:
+        """The fused decode kernels serve its layers: every layer plain full attention, RoPE over every
+        dim of a head, no output gate, no shared expert (else a forward takes the segment path)."""
+        return not (self.hybrid or self.attn_output_gate or self.rotary_dim != self.head_dim
+                    or self.shared_expert_ffn)
+
+    @property
+    def ffn_norm_kind(self) -> MODEL_TENSOR:
+        """The MoE block's input norm: qwen35moe's and qwen3next's files call it post_attention_norm."""
+        return T.ATTN_POST_NORM if self.arch in HYBRID_ARCHS else T.FFN_NORM
+
     def expected_tensors(self) -> dict[str, tuple[int, ...]]:
         """Tensor name -> shape (torch order, [out, in]) the model must have."""
         D, E, F = self.hidden, self.n_experts, self.expert_ffn
@@ -100,22 +179,60 @@ class ModelSpec:
         }
         if not self.tied_output:
             shapes[tname(T.OUTPUT)] = (self.vocab_size, D)
-        for i in range(self.n_layers):
+        for i in range(self.n_layers + self.mtp_layers):
+            shapes[tname(T.ATTN_NORM, i)] = (D,)
+            if i >= self.n_layers:  # an MTP block: an attention layer and its own input projection
+                shapes |= {tname(T.NEXTN_EH_PROJ, i): (D, 2 * D), tname(T.NEXTN_ENORM, i): (D,),
+                           tname(T.NEXTN_HNORM, i): (D,), tname(T.NEXTN_SHARED_HEAD_NORM, i): (D,)}
+            shapes |= self._delta_tensors(i) if self.is_linear(i) else self._attention_tensors(i)
             shapes |= {
-                tname(T.ATTN_NORM, i): (D,),
-                tname(T.ATTN_Q, i): (self.q_dim, D),
-                tname(T.ATTN_K, i): (self.kv_dim, D),
-                tname(T.ATTN_V, i): (self.kv_dim, D),
-                tname(T.ATTN_OUT, i): (D, self.q_dim),
-                tname(T.ATTN_Q_NORM, i): (self.head_dim,),
-                tname(T.ATTN_K_NORM, i): (self.head_dim,),
-                tname(T.FFN_NORM, i): (D,),
+                tname(self.ffn_norm_kind, i): (D,),
                 tname(T.FFN_GATE_INP, i): (E, D),
                 tname(T.FFN_GATE_EXP, i): (E, F, D),
                 tname(T.FFN_UP_EXP, i): (E, F, D),
                 tname(T.FFN_DOWN_EXP, i): (E, D, F),
             }
+            if self.shared_expert_ffn:
+                Fs = self.shared_expert_ffn
+                shapes |= {
+                    tname(T.FFN_GATE_INP_SHEXP, i): (D,),
+                    tname(T.FFN_GATE_SHEXP, i): (Fs, D),
+                    tname(T.FFN_UP_SHEXP, i): (Fs, D),
+                    tname(T.FFN_DOWN_SHEXP, i): (D, Fs),
+                }
         return shapes
+
+    def optional_tensors(self) -> dict[str, tuple[int, ...]]:
+        """Tensors a file may have beside the expected ones: an MTP block's own embedding and head."""
+        mtp = range(self.n_layers, self.n_layers + self.mtp_layers)
+        return {tname(kind, i): (self.vocab_size, self.hidden) for i in mtp
+                for kind in (T.NEXTN_EMBED_TOKENS, T.NEXTN_SHARED_HEAD_HEAD)}
+
+    def _attention_tensors(self, i: int) -> dict[str, tuple[int, ...]]:
+        D = self.hidden
+        return {
+            tname(T.ATTN_Q, i): (self.q_proj_dim, D),
+            tname(T.ATTN_K, i): (self.kv_dim, D),
+            tname(T.ATTN_V, i): (self.kv_dim, D),
+            tname(T.ATTN_OUT, i): (D, self.q_dim),
+            tname(T.ATTN_Q_NORM, i): (self.head_dim,),
+            tname(T.ATTN_K_NORM, i): (self.head_dim,),
+        }
+
+    def _delta_tensors(self, i: int) -> dict[str, tuple[int, ...]]:
+        d, D = self.delta, self.hidden
+        assert d is not None, "a hybrid spec has its DeltaNet shapes"
+        rates = ({tname(T.SSM_BETA_ALPHA, i): (2 * d.n_v_heads, D)} if self.arch == QWEN3NEXT
+                 else {tname(T.SSM_BETA, i): (d.n_v_heads, D), tname(T.SSM_ALPHA, i): (d.n_v_heads, D)})
+        return rates | {
+            tname(T.ATTN_QKV, i): (d.conv_dim, D),
+            tname(T.ATTN_GATE, i): (d.value_dim, D),
+            tname(T.SSM_CONV1D, i): (d.conv_dim, d.conv_kernel),
+            tname(T.SSM_DT, i, ".bias"): (d.n_v_heads,),
+            tname(T.SSM_A, i, ""): (d.n_v_heads,),
+            tname(T.SSM_NORM, i): (d.v_head_dim,),
+            tname(T.SSM_OUT, i): (D, d.value_dim),
+        }
 
     @property
     def n_params(self) -> int:
@@ -123,21 +240,39 @@ class ModelSpec:
 
     @property
     def n_active_params(self) -> int:
-        """Parameters touched per token: all but the unused experts (and the embedding rows)."""
+        """Parameters touched per token: all but the unused experts and the MTP blocks (and the embedding
+        rows)."""
         per_expert = 3 * self.hidden * self.expert_ffn
-        return self.n_params - self.n_layers * (self.n_experts - self.n_experts_used) * per_expert
+        mtp = sum(math.prod(s) for name, s in self.expected_tensors().items()
+                  if name.startswith("blk.") and int(name.split(".")[1]) >= self.n_layers)
+        return self.n_params - mtp - self.n_layers * (self.n_experts - self.n_experts_used) * per_expert
+
+    @property
+    def attention_layers(self) -> list[int]:
+        """The full-attention layers, whose keys and values a sequence's KV cache holds."""
+        return [i for i in range(self.n_layers) if not self.is_linear(i)]
+
+    def linear_state_bytes(self, elem: int = 4) -> int:
+        """Bytes of one sequence's DeltaNet state, every linear layer: conv [C, K - 1] and recurrent
+        [Hv, Dk, Dv] (`elem` bytes a value)."""
+        d = self.delta
+        if d is None:
+            return 0
+        per_layer = d.conv_dim * (d.conv_kernel - 1) + d.n_v_heads * d.k_head_dim * d.v_head_dim
+        return sum(self.is_linear(i) for i in range(self.n_layers)) * per_layer * elem
 
 
-def tname(kind: MODEL_TENSOR, layer: int | None = None) -> str:
-    """GGUF tensor name from gguf.constants, e.g. tname(T.ATTN_Q, 3) == 'blk.3.attn_q.weight'."""
+def tname(kind: MODEL_TENSOR, layer: int | None = None, suffix: str = ".weight") -> str:
+    """GGUF tensor name from gguf.constants, e.g. tname(T.ATTN_Q, 3) == 'blk.3.attn_q.weight'
+    (`suffix` '.bias' or '' for the tensors llama.cpp names so: ssm_dt.bias, ssm_a)."""
     base = TENSOR_NAMES[kind]
-    return (base.format(bid=layer) if layer is not None else base) + ".weight"
+    return (base.format(bid=layer) if layer is not None else base) + suffix
 
 
 EXPERT_TENSORS = (T.FFN_GATE_EXP, T.FFN_UP_EXP, T.FFN_DOWN_EXP)
 
 
-def _qwen3moe(f: GGUFFile, arch: str) -> ModelSpec:
+def _qwen3moe(f: GGUFFile, arch: str, check: bool = True) -> ModelSpec:
     L = Keys.LLM
     A = Keys.Attention
 
@@ -168,7 +303,53 @@ def _qwen3moe(f: GGUFFile, arch: str) -> ModelSpec:
         tied_output=tname(T.OUTPUT) not in f.tensors,
         rope_scaling=rope_scaling_from_gguf(f, arch),
     )
+    if check:
+        _check_spec(f, spec)
+    return spec
+
+
+def _hybrid(f: GGUFFile, arch: str) -> ModelSpec:
+    """Qwen3.5/3.6-MoE (qwen35moe) and Qwen3-Next (qwen3next) as llama.cpp's converter writes them:
+    qwen3moe's keys, plus the DeltaNet layers' `ssm.*`, `full_attention_interval`, the partial
+    RoPE's `rope.dimension_count` and the shared expert's width. Their attention always has the
+    output gate; text positions make qwen35moe's sectioned RoPE (`rope.dimension_sections`) plain
+    RoPE, every section rotated by the same position. What differs is in the tensors: qwen3next
+    keeps beta and alpha as one `ssm_ba`, and its value heads grouped (the converter tiles qwen35moe's)."""
+    L, S = Keys.LLM, Keys.SSM
+
+    def key(k: str) -> str:
+        return k.format(arch=arch)
+
+    spec = _qwen3moe(f, arch, check=False)
+    mtp = f.get(key(L.NEXTN_PREDICT_LAYERS), 0)
+    if not (isinstance(mtp, int) and 0 <= mtp < spec.n_layers):
+        raise GGUFError(f"{f.path}: metadata {key(L.NEXTN_PREDICT_LAYERS)!r} = {mtp!r} must be a whole number "
+                        f"below the {spec.n_layers} blocks")
+    n_v = f.require(key(S.TIME_STEP_RANK), int)
+    inner = f.require(key(S.INNER_SIZE), int)
+    delta = DeltaNetShape(conv_kernel=f.require(key(S.CONV_KERNEL), int), n_k_heads=f.require(key(S.GROUP_COUNT), int),
+                          n_v_heads=n_v, k_head_dim=f.require(key(S.STATE_SIZE), int),
+                          v_head_dim=inner // n_v if n_v > 0 else 0, v_tiled=arch == QWEN35MOE)
+    spec = replace(spec, n_layers=spec.n_layers - mtp, mtp_layers=mtp, delta=delta, attn_output_gate=True,
+                   rope_dim=f.get(key(Keys.Rope.DIMENSION_COUNT), spec.head_dim),
+                   shared_expert_ffn=f.require(key(L.EXPERT_SHARED_FEED_FORWARD_LENGTH), int),
+                   full_attention_interval=f.get(key(L.FULL_ATTENTION_INTERVAL), 4))
     _check_spec(f, spec)
+    bad = next((f"{name} = {v!r} must be a positive integer" for name, v in
+                (("DeltaNet conv kernel", delta.conv_kernel), ("DeltaNet key heads", delta.n_k_heads),
+                 ("DeltaNet value heads", delta.n_v_heads), ("DeltaNet key head dim", delta.k_head_dim),
+                 ("DeltaNet value head dim", delta.v_head_dim), ("shared expert width", spec.shared_expert_ffn),
+                 ("full attention interval", spec.full_attention_interval))
+                if not isinstance(v, int) or isinstance(v, bool) or v <= 0), None)
+    if bad is None and n_v % delta.n_k_heads:
+        bad = f"{n_v} DeltaNet value heads are not a multiple of {delta.n_k_heads} key heads"
+    if bad is None and inner != delta.value_dim:
+        bad = f"metadata {key(S.INNER_SIZE)!r} = {inner} is not a multiple of {n_v} value heads"
+    if bad is None and not (isinstance(spec.rope_dim, int) and 0 < spec.rope_dim <= spec.head_dim
+                            and spec.rope_dim % 2 == 0):
+        bad = f"RoPE dims {spec.rope_dim!r} must be even and within head dim {spec.head_dim}"
+    if bad is not None:
+        raise GGUFError(f"{f.path}: {bad}")
     return spec
 
 
@@ -232,6 +413,8 @@ def _check_spec(f: GGUFFile, s: ModelSpec) -> None:
 
 SPEC_BUILDERS: dict[str, Callable[[GGUFFile, str], ModelSpec]] = {
     MODEL_ARCH_NAMES[MODEL_ARCH.QWEN3MOE]: _qwen3moe,
+    QWEN35MOE: _hybrid,
+    QWEN3NEXT: _hybrid,
 }
 
 
@@ -249,18 +432,27 @@ def spec_from_gguf(f: GGUFFile, *, check_tensors: bool = True) -> ModelSpec:
 
 def validate_tensors(f: GGUFFile, spec: ModelSpec) -> None:
     """Every expected tensor exists with the spec's shape and a supported type; nothing else is there."""
-    expected = spec.expected_tensors()
-    for name, shape in expected.items():
+    expected, optional = spec.expected_tensors(), spec.optional_tensors()
+    present = {name: shape for name, shape in optional.items() if name in f.tensors}
+    for name, shape in {**expected, **present}.items():
         info = f.tensors.get(name)
         if info is None:
             raise GGUFError(f"{f.path}: missing tensor {name!r} (expected shape {list(shape)})")
-        if info.shape != shape:
+        if _unpadded(info.shape) != _unpadded(shape):  # ggml pads ne with 1s: [1, D] is [D]
             raise GGUFError(f"{f.path}: tensor {name!r} has shape {list(info.shape)}, the spec says {list(shape)}")
         try:
             block_format(info.ggml_type)
         except ValueError as e:
             raise GGUFError(f"{f.path}: tensor {name!r}: {e}") from None
-    extra = sorted(set(f.tensors) - set(expected))
+    extra = sorted(set(f.tensors) - set(expected) - set(optional))
     if extra:
         raise GGUFError(f"{f.path}: unexpected tensor {extra[0]!r} for architecture {spec.arch!r}"
                         + (f" (and {len(extra) - 1} more)" if len(extra) > 1 else ""))
+
+
+def _unpadded(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """A shape less its leading unit dims (ggml's trailing ones in ne)."""
+    i = 0
+    while i < len(shape) - 1 and shape[i] == 1:
+        i += 1
+    return shape[i:]

@@ -1,4 +1,6 @@
-"""Synthetic qwen3moe GGUF writer: real, valid quantized blocks of any supported type.
+"""Synthetic qwen3moe / qwen35moe GGUF writer: real, valid quantized blocks of any supported type.
+A qwen35moe file is laid out as llama.cpp's converter writes one (tensor names, metadata keys,
+norm weights around 1, ssm_a = -exp(A_log) < 0, value heads in its tiled order).
 
 Float tensors are Gaussian; quantized tensors are random bytes (any bit pattern is a valid quant;
 the ternary types are drawn as ternary digits) whose scale words are then set so the dequantized
@@ -26,7 +28,17 @@ from gguf import GGUFWriter
 from gguf import quants as gguf_quants
 from gguf.constants import TENSOR_NAMES, GGMLQuantizationType, LlamaFileType, RopeScalingType
 
-from strata_mgpu.model.spec import EXPERT_TENSORS, NO_ROPE_SCALING, ROPE_SCALINGS, ModelSpec, RopeScaling, T
+from strata_mgpu.model.spec import (
+    EXPERT_TENSORS,
+    NO_ROPE_SCALING,
+    QWEN3NEXT,
+    QWEN35MOE,
+    ROPE_SCALINGS,
+    DeltaNetShape,
+    ModelSpec,
+    RopeScaling,
+    T,
+)
 from strata_mgpu.model.vocab import CHAT_TEMPLATE, build_vocab
 from strata_mgpu.quant.formats import BlockFormat, block_format, parse_type, set_f16_scale_bits
 
@@ -48,13 +60,24 @@ class Preset:
     rope_base: float = 1_000_000.0
     rms_eps: float = 1e-6
     tied_output: bool = False
+    # qwen35moe's (all left as they are: qwen3moe)
+    delta: DeltaNetShape | None = None
+    arch: str = QWEN35MOE  # the hybrid's: qwen35moe, or qwen3next
+    mtp_layers: int = 0  # MTP blocks written after the layers (checked by the reader, not run)
+    full_attention_interval: int = 0
+    rope_dim: int = 0
+    shared_expert_ffn: int = 0
 
     def spec(self, name: str) -> ModelSpec:
-        return ModelSpec(arch="qwen3moe", name=name, n_layers=self.n_layers, hidden=self.hidden,
-                         n_heads=self.n_heads, n_kv_heads=self.n_kv_heads, head_dim=self.head_dim,
+        hybrid = self.delta is not None
+        return ModelSpec(arch=self.arch if hybrid else "qwen3moe", name=name, n_layers=self.n_layers,
+                         hidden=self.hidden, n_heads=self.n_heads, n_kv_heads=self.n_kv_heads, head_dim=self.head_dim,
                          n_experts=self.n_experts, n_experts_used=self.n_experts_used, expert_ffn=self.expert_ffn,
                          vocab_size=self.vocab_size, context_length=self.context_length,
-                         rope_base=self.rope_base, rms_eps=self.rms_eps, tied_output=self.tied_output)
+                         rope_base=self.rope_base, rms_eps=self.rms_eps, tied_output=self.tied_output,
+                         delta=self.delta, full_attention_interval=self.full_attention_interval,
+                         rope_dim=self.rope_dim, shared_expert_ffn=self.shared_expert_ffn, attn_output_gate=hybrid,
+                         mtp_layers=self.mtp_layers)
 
 
 # K-quants need rows (hidden, expert_ffn) in whole 256-weight blocks, hence the widths.
@@ -71,6 +94,26 @@ PRESETS: dict[str, Preset] = {
     # `--layers N` writes its first N (24: ~38 GB).
     "235b-a22b": Preset(n_layers=94, hidden=4096, n_heads=64, n_kv_heads=4, head_dim=128, n_experts=128,
                         n_experts_used=8, expert_ffn=1536, vocab_size=151936, context_length=40960),
+    # qwen35moe, both layer kinds in turn (layers 0 and 2 gated DeltaNet, 1 and 3 full attention),
+    # twice as many value heads as key heads (as Qwen3.5's), a quarter of each head rotated, and an
+    # MTP block after them (blk.4), as the converter writes Qwen3.5's
+    "tiny-hybrid": Preset(n_layers=4, hidden=256, n_heads=4, n_kv_heads=2, head_dim=64, n_experts=8, n_experts_used=2,
+                          expert_ffn=256, vocab_size=2048, context_length=4096, delta=DeltaNetShape(
+                              conv_kernel=4, n_k_heads=2, n_v_heads=4, k_head_dim=64, v_head_dim=64),
+                          full_attention_interval=2, rope_dim=16, shared_expert_ffn=256, mtp_layers=1),
+    # the same as qwen3next, as llama.cpp's converter writes Qwen3-Next (ssm_ba; value heads grouped)
+    "tiny-next": Preset(n_layers=4, hidden=256, n_heads=4, n_kv_heads=2, head_dim=64, n_experts=8, n_experts_used=2,
+                        expert_ffn=256, vocab_size=2048, context_length=4096, arch=QWEN3NEXT, delta=DeltaNetShape(
+                            conv_kernel=4, n_k_heads=2, n_v_heads=4, k_head_dim=64, v_head_dim=64, v_tiled=False),
+                        full_attention_interval=2, rope_dim=16, shared_expert_ffn=256),
+    # Qwen3.5-35B-A3B's text shapes (its config.json: 40 layers, 3 DeltaNet then 1 attention, 16 QK
+    # and 32 V linear heads of 128, 16 query and 2 KV heads of 256, 64 of them rotated, 256
+    # experts of 512, 8 used, a shared expert of 512, rope_theta 1e7, 262,144 positions; its MTP block)
+    "35b-a3b-hybrid": Preset(n_layers=40, hidden=2048, n_heads=16, n_kv_heads=2, head_dim=256, n_experts=256,
+                             n_experts_used=8, expert_ffn=512, vocab_size=248320, context_length=262144,
+                             rope_base=10_000_000.0, delta=DeltaNetShape(
+                                 conv_kernel=4, n_k_heads=16, n_v_heads=32, k_head_dim=128, v_head_dim=128),
+                             full_attention_interval=4, rope_dim=64, shared_expert_ffn=512, mtp_layers=1),
 }
 
 
@@ -151,9 +194,14 @@ def plan_tensors(spec: ModelSpec, expert_type: Q, down_type: Q, dense_type: Q,
     plans = []
     expert_kinds = {TENSOR_NAMES[k].split(".")[-1] for k in EXPERT_TENSORS}
     for name, shape in shapes.items():
-        kind = name.split(".")[-2]  # 'blk.3.attn_q.weight' -> 'attn_q'
+        parts = name.split(".")
+        kind = parts[2] if parts[0] == "blk" else parts[0]  # 'blk.3.attn_q.weight' -> 'attn_q'
         std = 1.0 / math.sqrt(shape[-1])  # unit-variance outputs for unit-variance inputs
-        if len(shape) == 1:  # RMSNorm weights
+        if kind == _kind(T.SSM_A):  # -exp(A_log): every value head's decay rate negative
+            plans.append(TensorPlan(name, shape, Q.F32, std=0.1, mean=-1.0))
+        elif kind in (_kind(T.FFN_GATE_INP_SHEXP), _kind(T.SSM_CONV1D)):  # a dot with h; K-wide rows: F32
+            plans.append(TensorPlan(name, shape, Q.F32, std=std))
+        elif len(shape) == 1:  # RMSNorm weights, ssm_dt's bias
             plans.append(TensorPlan(name, shape, Q.F32, std=0.05, mean=1.0))
         elif kind == TENSOR_NAMES[T.FFN_GATE_INP].split(".")[-1]:  # router: F32, as llama.cpp keeps it
             plans.append(TensorPlan(name, shape, Q.F32, std=std))
@@ -170,6 +218,10 @@ def plan_tensors(spec: ModelSpec, expert_type: Q, down_type: Q, dense_type: Q,
         if p.shape[-1] % fmt.block_size:
             raise ValueError(f"{p.name}: rows of {p.shape[-1]} do not fit {fmt.name} blocks of {fmt.block_size}")
     return plans
+
+
+def _kind(t: T) -> str:
+    return TENSOR_NAMES[t].split(".")[-1]
 
 
 @cache
@@ -317,7 +369,7 @@ def write_model(path: str | Path, preset_name: str, *, expert_type: Q = Q.Q4_K, 
 
     w = GGUFWriter(path, spec.arch, split_max_size=split_max_bytes)
     w.add_name(spec.name)
-    w.add_block_count(spec.n_layers)
+    w.add_block_count(spec.n_layers + spec.mtp_layers)
     w.add_context_length(spec.context_length)
     w.add_embedding_length(spec.hidden)
     w.add_feed_forward_length(spec.expert_ffn * spec.n_experts_used)
@@ -334,6 +386,20 @@ def write_model(path: str | Path, preset_name: str, *, expert_type: Q = Q.Q4_K, 
     w.add_expert_count(spec.n_experts)
     w.add_expert_used_count(spec.n_experts_used)
     w.add_expert_feed_forward_length(spec.expert_ffn)
+    if spec.delta is not None:  # as llama.cpp's converter writes Qwen3.5-MoE
+        d = spec.delta
+        w.add_expert_shared_feed_forward_length(spec.shared_expert_ffn)
+        w.add_ssm_conv_kernel(d.conv_kernel)
+        w.add_ssm_state_size(d.k_head_dim)
+        w.add_ssm_group_count(d.n_k_heads)
+        w.add_ssm_time_step_rank(d.n_v_heads)
+        w.add_ssm_inner_size(d.value_dim)
+        w.add_full_attention_interval(spec.full_attention_interval)
+        if spec.mtp_layers:
+            w.add_nextn_predict_layers(spec.mtp_layers)
+        w.add_rope_dimension_count(spec.rotary_dim)
+        if spec.arch == QWEN35MOE:  # its loader requires them (text positions: any sections read alike)
+            w.add_rope_dimension_sections([11, 11, 10, 0])
     w.add_file_type(file_type(expert_type, down_type))
     w.add_quantization_version(2)
     w.add_string("strata.synthetic.seed", str(seed))

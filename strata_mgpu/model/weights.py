@@ -13,7 +13,7 @@ import torch
 from gguf.constants import GGMLQuantizationType
 
 from strata_mgpu.model.gguf_reader import GGUFFile
-from strata_mgpu.model.spec import ModelSpec, T, tname
+from strata_mgpu.model.spec import QWEN3NEXT, ModelSpec, T, tname
 from strata_mgpu.quant.dequant import dequantize
 
 
@@ -46,16 +46,44 @@ def every_type(ggml_type: GGMLQuantizationType, k: int) -> bool:
 
 
 @dataclass
+class DeltaNetWeights:
+    """A gated DeltaNet layer's token mixer (`model.delta_net`). C = 2 Hk Dk + Hv Dv conv channels."""
+
+    wqkv: Matrix  # [C, D]: q, k and v before the conv
+    wz: Matrix  # [Hv*Dv, D]: the output norm's gate
+    w_beta: torch.Tensor  # [Hv, D]
+    w_alpha: torch.Tensor  # [Hv, D]
+    conv: torch.Tensor  # [C, K]
+    dt_bias: torch.Tensor  # [Hv]
+    decay_rate: torch.Tensor  # [Hv]: -exp(A_log), the file's ssm_a
+    norm: torch.Tensor  # [Dv]
+    wout: Matrix  # [D, Hv*Dv]
+    key_heads: torch.Tensor  # [Hv] int64: the key head each value head reads
+
+
+@dataclass
+class SharedExpertWeights:
+    """The shared expert: a dense SiLU-gated MLP every token takes, scaled by sigmoid(h . gate_inp)."""
+
+    gate: Matrix  # [Fs, D]
+    up: Matrix  # [Fs, D]
+    down: Matrix  # [D, Fs]
+    gate_inp: torch.Tensor  # [D]
+
+
+@dataclass
 class LayerWeights:
-    """One decoder layer. Shapes: D hidden, E experts, F expert width, Hkv*Dh = KV width."""
+    """One decoder layer. Shapes: D hidden, E experts, F expert width, Hkv*Dh = KV width. Its token
+    mixer is full attention (wq ... k_norm) or, where `delta` is set, gated DeltaNet (the attention
+    fields None)."""
 
     attn_norm: torch.Tensor  # [D]
-    wq: Matrix  # [H*Dh, D]
-    wk: Matrix  # [Hkv*Dh, D]
-    wv: Matrix  # [Hkv*Dh, D]
-    wo: Matrix  # [D, H*Dh]
-    q_norm: torch.Tensor  # [Dh]
-    k_norm: torch.Tensor  # [Dh]
+    wq: Matrix | None  # [H*Dh, D] ([2*H*Dh, D] with an output gate: each head's query, then its gate)
+    wk: Matrix | None  # [Hkv*Dh, D]
+    wv: Matrix | None  # [Hkv*Dh, D]
+    wo: Matrix | None  # [D, H*Dh]
+    q_norm: torch.Tensor | None  # [Dh]
+    k_norm: torch.Tensor | None  # [Dh]
     ffn_norm: torch.Tensor  # [D]
     router: torch.Tensor  # [E, D], fp32
     gate: torch.Tensor | None = None  # [E, F, D]; None where the experts are streamed
@@ -64,6 +92,8 @@ class LayerWeights:
     # [(H + 2 Hkv) * Dh, D]: the three projections in one matrix (wq, wk, wv are its row blocks),
     # so that a decode step reads them in one GEMM; None where they were made apart
     wqkv: Matrix | None = None
+    delta: DeltaNetWeights | None = None
+    shared: SharedExpertWeights | None = None
 
 
 @dataclass
@@ -93,8 +123,8 @@ def load_weights(f: GGUFFile, spec: ModelSpec, *, dtype: torch.dtype = torch.flo
     experts when they are streamed. `blocks`: projections kept as blocks (q, k, v one matrix where
     their types agree); `embed_blocks`: the embedding too. `on_layer(i)` reports progress."""
 
-    def get(kind: T, layer: int | None = None, as_dtype: torch.dtype = dtype) -> torch.Tensor:
-        name = tname(kind, layer)
+    def get(kind: T, layer: int | None = None, as_dtype: torch.dtype = dtype, suffix: str = ".weight") -> torch.Tensor:
+        name = tname(kind, layer, suffix)
         info = f.tensor(name)
         return dequantize(f.tensor_data(name), info.ggml_type, info.shape, device).to(as_dtype)
 
@@ -110,12 +140,45 @@ def load_weights(f: GGUFFile, spec: ModelSpec, *, dtype: torch.dtype = torch.flo
     def matrix(kind: T, layer: int | None = None) -> Matrix:
         return raw((kind, layer)) if kept(kind, layer) else get(kind, layer)
 
+    def _experts(lw: LayerWeights, i: int) -> None:
+        if with_experts:
+            lw.gate, lw.up, lw.down = get(T.FFN_GATE_EXP, i), get(T.FFN_UP_EXP, i), get(T.FFN_DOWN_EXP, i)
+
     def same_blocks(*kinds_layer: tuple[T, int | None]) -> bool:
         infos = [f.tensor(tname(kind, layer)) for kind, layer in kinds_layer]
         return len({(info.ggml_type, info.shape[-1]) for info in infos}) == 1
 
+    def delta(i: int) -> DeltaNetWeights:
+        d = spec.delta
+        assert d is not None
+        if spec.arch == QWEN3NEXT:  # ssm_ba [Hk, (beta r, alpha r), D], r = Hv / Hk: each key head's value heads
+            ba = get(T.SSM_BETA_ALPHA, i).view(d.n_k_heads, 2, d.n_v_heads // d.n_k_heads, spec.hidden)
+            w_beta, w_alpha = (ba[:, j].reshape(d.n_v_heads, spec.hidden) for j in range(2))
+        else:
+            w_beta, w_alpha = get(T.SSM_BETA, i), get(T.SSM_ALPHA, i)
+        return DeltaNetWeights(
+            wqkv=matrix(T.ATTN_QKV, i), wz=matrix(T.ATTN_GATE, i), w_beta=w_beta,
+            w_alpha=w_alpha, conv=get(T.SSM_CONV1D, i), dt_bias=get(T.SSM_DT, i, suffix=".bias"),
+            decay_rate=get(T.SSM_A, i, suffix=""), norm=get(T.SSM_NORM, i), wout=matrix(T.SSM_OUT, i),
+            key_heads=torch.tensor(d.key_head_of(), device=device))
+
+    def shared(i: int) -> SharedExpertWeights:
+        return SharedExpertWeights(gate=matrix(T.FFN_GATE_SHEXP, i), up=matrix(T.FFN_UP_SHEXP, i),
+                                   down=matrix(T.FFN_DOWN_SHEXP, i),
+                                   gate_inp=get(T.FFN_GATE_INP_SHEXP, i).reshape(spec.hidden))
+
     out_layers = []
     for i in layers if layers is not None else range(spec.n_layers):
+        ffn_norm, router = get(spec.ffn_norm_kind, i), get(T.FFN_GATE_INP, i, torch.float32)
+        shared_expert = shared(i) if spec.shared_expert_ffn else None
+        if spec.is_linear(i):
+            lw = LayerWeights(attn_norm=get(T.ATTN_NORM, i), wq=None, wk=None, wv=None, wo=None, q_norm=None,
+                              k_norm=None, ffn_norm=ffn_norm, router=router, shared=shared_expert, delta=delta(i))
+            _experts(lw, i)
+            out_layers.append(lw)
+            if on_layer:
+                on_layer(i)
+            continue
         qkv = ((T.ATTN_Q, i), (T.ATTN_K, i), (T.ATTN_V, i))
         wqkv: Matrix | None
         wq: Matrix
@@ -125,19 +188,18 @@ def load_weights(f: GGUFFile, spec: ModelSpec, *, dtype: torch.dtype = torch.flo
         keep = [kept(*kl) for kl in qkv]
         if all(keep) and same_blocks(*qkv):
             wqkv = raw(*qkv)
-            wq, wk, wv = (wqkv.row_block(a, b) for a, b in _row_ranges(spec.q_dim, spec.kv_dim, spec.kv_dim))
+            wq, wk, wv = (wqkv.row_block(a, b) for a, b in _row_ranges(spec.q_proj_dim, spec.kv_dim, spec.kv_dim))
         elif not any(keep):
             wqkv = torch.cat([get(T.ATTN_Q, i), get(T.ATTN_K, i), get(T.ATTN_V, i)])
-            wq, wk, wv = wqkv.split([spec.q_dim, spec.kv_dim, spec.kv_dim])
+            wq, wk, wv = wqkv.split([spec.q_proj_dim, spec.kv_dim, spec.kv_dim])
         else:
             wqkv, (wq, wk, wv) = None, (matrix(*kl) for kl in qkv)
         wo = matrix(T.ATTN_OUT, i)
         lw = LayerWeights(
             attn_norm=get(T.ATTN_NORM, i), wq=wq, wk=wk, wv=wv, wqkv=wqkv,
-            wo=wo, q_norm=get(T.ATTN_Q_NORM, i), k_norm=get(T.ATTN_K_NORM, i),
-            ffn_norm=get(T.FFN_NORM, i), router=get(T.FFN_GATE_INP, i, torch.float32))
-        if with_experts:
-            lw.gate, lw.up, lw.down = get(T.FFN_GATE_EXP, i), get(T.FFN_UP_EXP, i), get(T.FFN_DOWN_EXP, i)
+            wo=wo, q_norm=get(T.ATTN_Q_NORM, i), k_norm=get(T.ATTN_K_NORM, i), ffn_norm=ffn_norm, router=router,
+            shared=shared_expert)
+        _experts(lw, i)
         out_layers.append(lw)
         if on_layer:
             on_layer(i)

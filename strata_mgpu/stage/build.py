@@ -22,7 +22,7 @@ from strata_mgpu.model.decoder import Decoder, DenseMatmul, float_matmul
 from strata_mgpu.model.gguf_reader import GGUFFile
 from strata_mgpu.model.spec import ModelSpec
 from strata_mgpu.model.weights import BlockMatrix, ModelWeights, every_type, load_weights
-from strata_mgpu.stage.device import DeviceContext
+from strata_mgpu.stage.device import DeviceContext, DeviceError
 from strata_mgpu.stage.experts.break_even import PassRates, measure_compute, measure_mapped_rate
 from strata_mgpu.stage.experts.cache import ExpertCache
 from strata_mgpu.stage.experts.cpu_handover import HANDOVER_POLL, CpuHandover
@@ -44,8 +44,17 @@ log = logging.getLogger("strata.stage")
 Progress = Callable[[str, int, int], None]
 
 
+def check_layers_served(spec: ModelSpec) -> None:
+    """A stage's forward, plan and decode graphs serve full-attention layers only: a hybrid model's
+    DeltaNet layers (qwen35moe, qwen3next) run on the CPU reference for now (docs/ARCHITECTURE.md)."""
+    if spec.hybrid:
+        raise DeviceError(f"{spec.arch} (gated DeltaNet layers) is served by the CPU reference only for now "
+                          f"(strata serve --devices cpu)")
+
+
 def build_stage(f: GGUFFile, spec: ModelSpec, opts: StageOptions, layers: range | None = None,
                 on_progress: Progress | None = None) -> Stage:
+    check_layers_served(spec)
     layers = layers if layers is not None else range(spec.n_layers)
     assert 0 <= layers.start < layers.stop <= spec.n_layers and layers.step == 1
     first, last = layers.start == 0, layers.stop == spec.n_layers

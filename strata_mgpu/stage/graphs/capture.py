@@ -79,7 +79,7 @@ class DecodeGraph:
         self.positions = torch.zeros(bucket, dtype=torch.long, device=device)  # [bucket]
         table = model.ops.kv_table(padded)  # None for the torch ops, which read the caches themselves
         self.table = None if table is None else table.clone()  # [bucket, KV_TABLE_COLUMNS], the graph's own
-        self._table_rows: list[tuple[int, ...]] = []  # what self.table holds, as the host last wrote it
+        self._table_rows: list[tuple[int, int, int, int, int]] = []  # what self.table holds, as the host last wrote it
         self._load(kvs, inp)
         with ctx.current():  # the capture stream is the current device's: the stage's
             # Warm up outside the capture (lazy initializations may not happen inside it), on the

@@ -1,0 +1,117 @@
+"""A sequence's gated DeltaNet state, beside its KV: per linear layer, the conv's last inputs and
+the delta rule's recurrent state. The KV cache (`SequenceKV`) holds the full-attention layers only;
+this holds the rest, at the same token boundary (`length`). `snapshot` / `restore` copy it out at
+a boundary and back into a fresh sequence (what a prefix cache of a hybrid model keeps beside its
+KV blocks); `mark` asks the next forwards to record a snapshot at a boundary inside their rows
+(a block boundary a prompt's chunk passes), `taken` hands it over. `HybridSequence` is the two
+together, as a runner over a hybrid decoder holds them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from strata_mgpu.model.kv_cache import SequenceKV
+from strata_mgpu.model.spec import DeltaNetShape
+
+
+@dataclass
+class LayerState:
+    conv: torch.Tensor  # [C, K - 1]: the conv's inputs before the next token, oldest first
+    recurrent: torch.Tensor  # [Hv, Dk, Dv] fp32
+
+
+@dataclass(frozen=True)
+class LinearSnapshot:
+    """Copies of every linear layer's state after `length` tokens."""
+
+    length: int
+    layers: dict[int, LayerState]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(s.conv.nbytes + s.recurrent.nbytes for s in self.layers.values())
+
+
+class LinearState:
+    """The DeltaNet state of one sequence for a decoder's linear layers (`layers`: their local
+    indexes), zeros before its first token. A forward updates each layer's state in place
+    (`layer(i)`) and then advances `length` by its rows; one that fails midway leaves some layers
+    past `length`, so its sequence is dropped (as the engine drops a failed call's requests) or
+    restored from a snapshot."""
+
+    def __init__(self, shape: DeltaNetShape, layers: Sequence[int], device: torch.device | str,
+                 dtype: torch.dtype = torch.float32):
+        s = shape
+        self.length = 0
+        self._marks: set[int] = set()  # boundaries to record as forwards pass them
+        self._taken: dict[int, dict[int, LayerState]] = {}  # boundary -> the layers recorded there so far
+        self._layers = {i: LayerState(conv=torch.zeros(s.conv_dim, s.conv_kernel - 1, device=device, dtype=dtype),
+                                      recurrent=torch.zeros(s.n_v_heads, s.k_head_dim, s.v_head_dim, device=device,
+                                                            dtype=torch.float32))
+                        for i in layers}
+
+    def layer(self, i: int) -> LayerState:
+        return self._layers[i]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(s.conv.nbytes + s.recurrent.nbytes for s in self._layers.values())
+
+    def advance(self, n: int) -> None:
+        self.length += n
+
+    def snapshot(self) -> LinearSnapshot:
+        """Copies of the state as it is now, after `length` tokens."""
+        return LinearSnapshot(self.length, {i: LayerState(s.conv.clone(), s.recurrent.clone())
+                                            for i, s in self._layers.items()})
+
+    def mark(self, *boundaries: int) -> None:
+        """Record a snapshot after each of these token counts (past `length`) as the forwards pass it."""
+        self._marks.update(b for b in boundaries if b > self.length)
+
+    def cuts(self, first: int, n: int) -> list[int]:
+        """The marked boundaries within n rows from token `first` on, as row counts in (0, n]."""
+        return sorted(b - first for b in self._marks if first < b <= first + n)
+
+    def record(self, boundary: int, layer: int) -> None:
+        """Layer `layer`'s state, which has just taken the tokens up to `boundary`, copied for its snapshot."""
+        s = self._layers[layer]
+        self._taken.setdefault(boundary, {})[layer] = LayerState(s.conv.clone(), s.recurrent.clone())
+
+    def taken(self, boundary: int) -> LinearSnapshot | None:
+        """The snapshot at a marked boundary once every layer has recorded it (then no longer kept here);
+        None before."""
+        got = self._taken.get(boundary)
+        if got is None or got.keys() != self._layers.keys():
+            return None
+        del self._taken[boundary]
+        self._marks.discard(boundary)
+        return LinearSnapshot(boundary, got)
+
+    def restore(self, snap: LinearSnapshot) -> None:
+        """This state made the snapshot's (the sequence's KV must hold the same `snap.length` tokens)."""
+        assert snap.layers.keys() == self._layers.keys(), "a snapshot of another decoder's layers"
+        for i, s in self._layers.items():
+            s.conv.copy_(snap.layers[i].conv)
+            s.recurrent.copy_(snap.layers[i].recurrent)
+        self.length = snap.length
+
+
+@dataclass
+class HybridSequence:
+    """A hybrid model's sequence in a runner: its KV (the full-attention layers) and its DeltaNet state."""
+
+    kv: SequenceKV
+    linear: LinearState
+
+    @property
+    def length(self) -> int:
+        return self.kv.length
+
+    @property
+    def nbytes(self) -> int:
+        return self.kv.nbytes + self.linear.nbytes
