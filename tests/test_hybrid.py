@@ -203,15 +203,39 @@ def test_a_snapshot_restored_into_a_fresh_sequence_continues_as_the_original(mod
         ours.forward(rest, [Segment(0, rest.shape[0], ours.new_cache(256))])  # no state
 
 
-def test_hybrid_sequences_are_not_prefix_cached(models, tiny_hybrid_gguf):
+def test_a_hybrid_conversation_continues_from_its_cached_snapshots(tiny_hybrid_gguf):
+    """Three turns on the prefix cache of a hybrid model: a later turn starts at the deepest cached block
+    that carries a snapshot of the DeltaNet state (a prompt's last full block, or every `state_every`
+    tokens), restores it with the blocks, and draws the greedy tokens an engine without the cache draws."""
+    f = GGUFFile(tiny_hybrid_gguf)
+    spec = spec_from_gguf(f)
+    runner, tok = load_reference_runner(f, spec), tokenizer_from_gguf(f)
+    cached = Engine(runner, tok, EngineConfig(chunk_size=40, prefix_block_tokens=16))
+    plain = Engine(runner, tok, EngineConfig(chunk_size=40, prefix_block_tokens=16, prefix_cache=False))
+    assert cached.prefix is not None and cached.prefix.stateful and cached.state_every % 16 == 0
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    g = torch.Generator().manual_seed(7)
+    prompt = torch.randint(0, spec.vocab_size, (75,), generator=g).tolist()
+    last_block = 0
+    for turn in range(3):
+        (outs,) = run_all(cached, [(prompt, params)])
+        (want,) = run_all(plain, [(prompt, params)])
+        got = [t for o in outs for t in o.token_ids]
+        assert got == [t for o in want for t in o.token_ids], turn
+        t = outs[-1].timings
+        assert t.cache_n + t.prompt_n == len(prompt)
+        if turn:  # the last turn's prompt up to its last full block: its snapshot
+            assert t.cache_n >= last_block and t.cache_n % 16 == 0, (turn, t.cache_n, last_block)
+        last_block = len(prompt) // 16 * 16
+        prompt = prompt + got + torch.randint(0, spec.vocab_size, (20,), generator=g).tolist()
+    assert cached.prefix.stats.states >= 3 and cached.prefix.stats.hits == 2
+
+
+def test_a_hybrid_sequence_counts_its_state(models):
     ours, _ = models
-    runner = DecoderRunner(ours)
-    seq = runner.new_sequence(128)
+    seq = DecoderRunner(ours).new_sequence(128)
     seq.kv.reserve(1)  # one block of the attention layers' pool
     assert seq.nbytes == seq.kv.nbytes + ours.spec.linear_state_bytes()
-    f = GGUFFile(tiny_hybrid_gguf)
-    engine = Engine(load_reference_runner(f, spec_from_gguf(f)), tokenizer_from_gguf(f), EngineConfig())
-    assert engine.prefix is None  # its DeltaNet state is not kept with the blocks yet
 
 
 def test_the_engine_chunks_and_batches_a_hybrid_model_as_the_greedy_chain(tiny_hybrid_gguf):

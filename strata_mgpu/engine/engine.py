@@ -61,10 +61,12 @@ class Engine:
         b = self.pool.blocks
         log.info("KV pool: %d blocks of %d tokens (%.2f MiB each, %s)", b.n_blocks, b.block_tokens,
                  self.pool.block_bytes / (1 << 20), "on the device" if self.pool.host_tier else "in host RAM")
-        if runner.spec.hybrid and config.prefix_cache:  # its DeltaNet state is not saved with the blocks yet
-            log.info("prefix cache off: %s's linear layers' state is not kept with cached blocks yet",
-                     runner.spec.arch)
-        self.prefix = make_prefix_cache(self.pool, config) if not runner.spec.hybrid else None
+        self.prefix = make_prefix_cache(self.pool, config, stateful=runner.spec.hybrid)
+        # a hybrid model's linear layers' state is snapshotted every `state_every` tokens of a prompt
+        # (and at its last full block): a snapshot as large as the KV blocks between two of them
+        self.state_every = (self.pool.blocks.block_tokens * max(1, -(-runner.spec.linear_state_bytes()
+                                                                    // self.pool.block_bytes))
+                            if runner.spec.hybrid else 0)
         if self.prefix is not None:
             self.metrics.watch_prefix_cache(self.prefix)
         self.output = OutputProcessor(tokenizer, self.sampler, self.metrics, self.prefix)
@@ -199,6 +201,9 @@ class Engine:
                 req.faults_at_first_chunk = faults
                 req.t_first_chunk = time.perf_counter()
                 req.timings.queue_ms = 1e3 * (req.t_first_chunk - req.t_submit)
+        if self.state_every and self.prefix is not None:
+            for chunk in pack:
+                self.runner.mark_states(chunk.request.kv_state, self._state_marks(chunk))
         t0 = time.perf_counter()
         tensors = [torch.tensor(chunk.tokens, dtype=torch.long) for chunk in pack]
         logits: torch.Tensor | None
@@ -213,6 +218,8 @@ class Engine:
         self.metrics.prompt_seconds.inc(time.perf_counter() - t0)
         for chunk in pack:
             chunk.request.n_prefilled += len(chunk.tokens)
+            if self.state_every and self.prefix is not None:
+                chunk.request.states.update(self.runner.taken_states(chunk.request.kv_state))
         done = [chunk.request for chunk in pack if chunk.ends_prompt]
         if not done:
             return None
@@ -226,6 +233,14 @@ class Engine:
             req.last_token = tokens[i:i + 1]
         return done, drawn
 
+    def _state_marks(self, chunk: PrefillChunk) -> list[int]:
+        """Where a hybrid prompt's chunk snapshots its linear state: every `state_every` tokens, and the
+        prompt's last full block (where its next turn continues)."""
+        b, every = self.pool.blocks.block_tokens, self.state_every
+        last = len(chunk.request.prefill_tokens) // b * b
+        marks = list(range((chunk.start // every + 1) * every, chunk.end + 1, every))
+        return [*marks, last] if chunk.start < last <= chunk.end and last not in marks else marks
+
     def _save_prompts(self, done: list[Request]) -> None:
         """The prefix cache indexes the full blocks of prompts just computed (after their first tokens went
         out)."""
@@ -233,7 +248,7 @@ class Engine:
             return
         for req in done:
             if req.table is not None:  # not ended by its first token
-                self.prefix.insert(req.table, req.prefill_tokens, len(req.prefill_tokens))
+                self.prefix.insert(req.table, req.prefill_tokens, len(req.prefill_tokens), req.states)
 
     def _decode(self, reqs: list[Request]) -> Draw:
         """Their next tokens [B] (device). With a grammar row in the batch, the step in flight lands here,
@@ -251,7 +266,7 @@ class Engine:
         return drawn
 
 
-def make_prefix_cache(pool: KVPool, config: EngineConfig) -> PrefixCache | None:
+def make_prefix_cache(pool: KVPool, config: EngineConfig, stateful: bool = False) -> PrefixCache | None:
     """The engine's prefix cache over the runner's pool (None where `config.prefix_cache` is off): a host
     tier of `--cache-ram` bounded by half the RAM free now, so a cache may not crowd out what the process
     needs."""
@@ -263,7 +278,7 @@ def make_prefix_cache(pool: KVPool, config: EngineConfig) -> PrefixCache | None:
     if host_bytes < asked:
         log.warning("--cache-ram %.1f GiB: the host holds %.1f GiB free, so the prefix cache keeps at most %.1f GiB "
                     "there", config.cache_ram_gib, free / (1 << 30), host_bytes / (1 << 30))
-    cache = PrefixCache(pool, host_bytes=host_bytes)
+    cache = PrefixCache(pool, host_bytes=host_bytes, stateful=stateful)
     log.info("prefix cache: an index over the KV pool's blocks; up to %d blocks moved out of it kept in host RAM",
              cache.host_blocks)
     return cache

@@ -140,7 +140,7 @@ class OutputProcessor:
         has no KV row); an aborted or failed one's none (its last forward may not have run)."""
         if self.prefix is not None and reason in ("stop", "length") and req.kv is not None and req.table is not None:
             tokens = [*req.prompt, *req.generated]
-            self.prefix.insert(req.table, tokens, min(req.kv.length, len(tokens)))
+            self.prefix.insert(req.table, tokens, min(req.kv.length, len(tokens)), req.states)
 
     def release(self, req: Request) -> None:
         """The request's sequence and its blocks given back (at its end, or a preemption)."""

@@ -19,7 +19,7 @@ Everything here runs on the engine's thread.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,6 +39,7 @@ class Node:
     depth: int
     block: int | None = None
     host: Any = None
+    state: Any = None  # a hybrid model's linear layers' snapshot after this block (the runner's, opaque here)
     children: dict[tuple[int, ...], Node] = field(default_factory=dict)
 
     @property
@@ -55,6 +56,7 @@ class PrefixMatch:
     blocks: list[int]
     n_tokens: int
     copied: int = 0
+    state: Any = None  # a hybrid model's snapshot at n_tokens
 
 
 @dataclass
@@ -68,13 +70,17 @@ class CacheStats:
     offloaded_blocks: int = 0
     loaded_blocks: int = 0
     dropped_blocks: int = 0
+    states: int = 0  # snapshots of a hybrid model's linear state held
     blocks: dict[str, int] = field(default_factory=lambda: {DEVICE: 0, HOST: 0})
 
 
 class PrefixCache:
-    """The index over `pool`'s blocks (see the module docstring); `host_bytes`: the host tier's room."""
+    """The index over `pool`'s blocks (see the module docstring); `host_bytes`: the host tier's room.
+    `stateful`: a hybrid model's, whose prefix is only usable up to a block that carries its linear
+    layers' snapshot (`insert`'s `states`): a match stops at the deepest one."""
 
-    def __init__(self, pool: KVPool, *, host_bytes: int):
+    def __init__(self, pool: KVPool, *, host_bytes: int, stateful: bool = False):
+        self.stateful = stateful
         self.pool, self.blocks = pool, pool.blocks
         self.block_tokens = self.blocks.block_tokens
         self.host_blocks = max(0, host_bytes // pool.block_bytes) if pool.host_tier else 0
@@ -105,6 +111,13 @@ class PrefixCache:
             node = child
         n_tokens = min(len(path) * b, len(prompt) - 1)  # its last token is computed: its logits start the answer
         path = path[:-(-n_tokens // b)] if n_tokens > 0 else []
+        state = None
+        if self.stateful:  # up to the deepest block with a snapshot that ends before the prompt's last token
+            deepest = max((j for j, n in enumerate(path) if n.state is not None and (j + 1) * b <= n_tokens),
+                          default=-1)
+            path = path[:deepest + 1]
+            n_tokens = len(path) * b
+            state = path[-1].state if path else None
         device = [n for n in path if n.block is not None]  # a prefix of the path (device nodes come first)
         for n in device:  # held now: no reclaim below takes them
             self._idle.pop(n, None)
@@ -126,17 +139,29 @@ class PrefixCache:
             self.blocks.ref([block])  # the caller's
             found.append(block)
             copied += 1
+        if self.stateful and len(found) < len(path):  # the pool ran dry loading: back to a snapshot, or nothing
+            found, state = self._stateful_cut(path, found)
         n_tokens = min(n_tokens, len(found) * b)
         self._touch(path[:len(found)])
         if n_tokens <= 0:
             return None
         self.stats.hits += 1
         self.stats.cached_tokens += n_tokens
-        return PrefixMatch(found, n_tokens, copied)
+        return PrefixMatch(found, n_tokens, copied, state)
 
-    def insert(self, table: BlockTable, tokens: Sequence[int], n_rows: int) -> int:
+    def _stateful_cut(self, path: Sequence[Node], found: list[int]) -> tuple[list[int], Any]:
+        """The blocks of a stateful match cut to its deepest snapshot within them; the rest's references given
+        back (they stay cached)."""
+        keep = max((j + 1 for j in range(len(found)) if path[j].state is not None), default=0)
+        self.blocks.unref(found[keep:])
+        self.released(found[keep:])
+        return found[:keep], path[keep - 1].state if keep else None
+
+    def insert(self, table: BlockTable, tokens: Sequence[int], n_rows: int,
+               states: Mapping[int, Any] | None = None) -> int:
         """Index the full blocks of a sequence's first `n_rows` rows not indexed yet (the cache takes a
-        reference of each); the number indexed."""
+        reference of each); the number indexed. `states`: a hybrid model's snapshots by token count, each
+        kept on the node of the block it ends (where that node has none)."""
         b = self.block_tokens
         node, saved = self.root, 0
         path: list[Node] = []
@@ -154,6 +179,9 @@ class PrefixCache:
                 child.host = None
                 self.stats.blocks[HOST] -= 1
                 self._hold(child, block)
+            if states and child.state is None and (j + 1) * b in states:
+                child.state = states[(j + 1) * b]
+                self.stats.states += 1
             path.append(child)
             node = child
         self._touch(path)
@@ -250,6 +278,9 @@ class PrefixCache:
             self._host.pop(node, None)
             node.host = None
             self.stats.blocks[HOST] -= 1
+        if node.state is not None:
+            node.state = None
+            self.stats.states -= 1
         del node.parent.children[node.tokens]
         node.parent = None
         self.stats.dropped_blocks += 1

@@ -12,6 +12,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -117,6 +118,7 @@ class Request:
     n_prefilled: int = 0  # tokens of `prefill_tokens` in the KV cache
     n_cached: int = 0  # prompt tokens taken from the prefix cache (not computed)
     resumed: list[int] = field(default_factory=list)  # tokens it had drawn when it was preempted: prefilled again
+    states: dict[int, Any] = field(default_factory=dict)  # a hybrid model's state snapshots, by token count
     n_preempted: int = 0
     last_token: torch.Tensor | None = None  # [1] on the device: the newest drawn token, the next decode input
     generated: list[int] = field(default_factory=list)  # tokens landed on the host and accepted

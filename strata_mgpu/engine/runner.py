@@ -86,11 +86,23 @@ class ModelRunner(Protocol[S]):
         plan keeps."""
         ...
 
-    def new_sequence(self, max_length: int, table: BlockTable | None = None, length: int = 0) -> S:
+    def new_sequence(self, max_length: int, table: BlockTable | None = None, length: int = 0,
+                     state: Any = None) -> S:
         """State of one sequence able to hold max_length tokens, its KV in `table`'s blocks of the runner's
-        pool (the first `length` positions already written: a cached prefix). Without a table (tools, tests)
-        the sequence takes a table of its own, freed with it. A sequence longer than the pool holds takes a
+        pool (the first `length` positions already written: a cached prefix; on a hybrid model `state` is
+        its linear layers' snapshot at `length`, from `taken_states`). Without a table (tools, tests) the
+        sequence takes a table of its own, freed with it. A sequence longer than the pool holds takes a
         table of every block: its older cells live in host RAM."""
+        ...
+
+    def mark_states(self, kv: S, boundaries: Sequence[int]) -> None:
+        """A hybrid model: snapshot the sequence's linear layers' state as its next forwards pass each of
+        these token counts (no-op elsewhere)."""
+        ...
+
+    def taken_states(self, kv: S) -> dict[int, Any]:
+        """The snapshots `mark_states` asked for that the forwards have completed, by token count; each
+        handed over once (always empty for a model without linear layers)."""
         ...
 
     def prefill(self, kv: S, tokens: torch.Tensor, whole_prompt: bool = False,

@@ -242,7 +242,8 @@ class Scheduler:
         if not req.resumed:
             req.n_cached = n_cached
         req.n_prefilled = n_cached
-        req.kv = self.runner.new_sequence(req.kv_tokens, table, n_cached)
+        req.kv = self.runner.new_sequence(req.kv_tokens, table, n_cached,
+                                          state=found.state if found is not None else None)
         return True
 
     def _give_back(self, table: BlockTable) -> None:

@@ -73,6 +73,10 @@ class LinearState:
         """Record a snapshot after each of these token counts (past `length`) as the forwards pass it."""
         self._marks.update(b for b in boundaries if b > self.length)
 
+    def pending_marks(self) -> list[int]:
+        """The boundaries marked and not yet handed over (`taken`)."""
+        return sorted(self._marks)
+
     def cuts(self, first: int, n: int) -> list[int]:
         """The marked boundaries within n rows from token `first` on, as row counts in (0, n]."""
         return sorted(b - first for b in self._marks if first < b <= first + n)

@@ -24,7 +24,7 @@ from strata_mgpu.model.kv_pool import (
     StoragePool,
     free_with,
 )
-from strata_mgpu.model.linear_state import HybridSequence
+from strata_mgpu.model.linear_state import HybridSequence, LinearSnapshot
 from strata_mgpu.model.reference import ReferenceModel
 from strata_mgpu.model.spec import ModelSpec
 from strata_mgpu.model.weights import load_weights
@@ -79,9 +79,10 @@ class DecoderRunner:
         return (f"{self.model.device} in {dtype_name(self.model.w.dtype)}: the torch reference forward (plain "
                 f"torch ops, every expert in host RAM)")
 
-    def new_sequence(self, max_length: int, table: BlockTable | None = None, length: int = 0) -> RunnerSequence:
+    def new_sequence(self, max_length: int, table: BlockTable | None = None, length: int = 0,
+                     state: LinearSnapshot | None = None) -> RunnerSequence:
         """A `PagedKV` of the attention layers; on a hybrid model with the linear layers' state beside it
-        (which starts empty: a hybrid sequence takes no cached prefix yet)."""
+        (`state`: its snapshot at `length`, a cached prefix)."""
         pool = self._pool or self.kv_pool(DEFAULT_BLOCK_TOKENS, self.spec.context_length)
         own = table is None
         table = BlockTable(pool.blocks, max_length) if table is None else table
@@ -91,8 +92,24 @@ class DecoderRunner:
         linear = self.model.new_linear_state()
         if linear is None:
             return kv
-        assert length == 0, "a hybrid sequence's linear state cannot start from a cached prefix yet"
+        if length:
+            assert state is not None and state.length == length, "a hybrid prefix comes with its state's snapshot"
+            linear.restore(state)
         return HybridSequence(kv, linear)
+
+    def mark_states(self, kv: RunnerSequence, boundaries: Sequence[int]) -> None:
+        if isinstance(kv, HybridSequence):
+            kv.linear.mark(*boundaries)
+
+    def taken_states(self, kv: RunnerSequence) -> dict[int, LinearSnapshot]:
+        if not isinstance(kv, HybridSequence):
+            return {}
+        out = {}
+        for b in sorted(kv.linear.pending_marks()):
+            snap = kv.linear.taken(b)
+            if snap is not None:
+                out[b] = snap
+        return out
 
     @torch.inference_mode()
     def prefill(self, kv: RunnerSequence, tokens: torch.Tensor, whole_prompt: bool = False,

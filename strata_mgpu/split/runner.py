@@ -139,7 +139,15 @@ class SplitRunner:
         self._pool = SplitPool([s.kv.make_pool(block_tokens, blocks) for s in self.stages])
         return self._pool
 
-    def new_sequence(self, max_length: int, table: BlockTable | None = None, length: int = 0) -> SplitKV:
+    def mark_states(self, kv: SplitKV, boundaries: Sequence[int]) -> None:
+        """No linear layers (a stage serves none): nothing to snapshot."""
+
+    def taken_states(self, kv: SplitKV) -> dict[int, object]:
+        return {}
+
+    def new_sequence(self, max_length: int, table: BlockTable | None = None, length: int = 0,
+                     state: object = None) -> SplitKV:
+        assert state is None, "a split serves no linear layers"
         pool = self._pool or self.kv_pool(DEFAULT_BLOCK_TOKENS, 0)
         own = table is None
         if table is None:

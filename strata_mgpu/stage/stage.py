@@ -128,8 +128,16 @@ class Stage:
     def kv_pool(self, block_tokens: int, cells: int) -> StagePool:
         return self.kv.make_pool(block_tokens)
 
-    def new_sequence(self, max_length: int, table: BlockTable | None = None, length: int = 0) -> SequenceKV:
+    def new_sequence(self, max_length: int, table: BlockTable | None = None, length: int = 0,
+                     state: object = None) -> SequenceKV:
+        assert state is None, "a stage serves no linear layers (`check_layers_served`)"
         return self.kv.new_sequence(max_length, table, length)
+
+    def mark_states(self, kv: SequenceKV, boundaries: Sequence[int]) -> None:
+        """No linear layers: nothing to snapshot."""
+
+    def taken_states(self, kv: SequenceKV) -> dict[int, object]:
+        return {}
 
     @torch.inference_mode()
     def prefill(self, kv: SequenceKV, tokens: torch.Tensor, whole_prompt: bool = False,
