@@ -198,15 +198,21 @@ class PrefixCache:
 
     def reclaim(self, n: int) -> int:
         """Give up to n pool blocks back (the pool's hook): idle device blocks, oldest first, each to the host
-        tier where it has room (its oldest dropped for it), else dropped. The number given back."""
-        freed = 0
+        tier where it has room (its oldest dropped for it), else dropped. The number given back. An idle
+        block with a child still on the device stays (a running sequence may continue the chain with
+        blocks of its own, computed before this one was indexed): one pass, never a loop."""
+        freed, kept = 0, []
         while freed < n and self._idle:
             node = next(iter(self._idle))
             if any(c.block is not None for c in node.children.values()):
-                self._idle.move_to_end(node)  # a device child first: not reached while the order holds
+                self._idle.pop(node)
+                kept.append(node)
                 continue
             self._evict(node)
             freed += 1
+        for node in reversed(kept):  # back where they were, the oldest
+            self._idle[node] = None
+            self._idle.move_to_end(node, last=False)
         return freed
 
     def clear(self) -> int:
