@@ -348,7 +348,7 @@ class PoolAndCache(RuleBasedStateMachine):
             assert self.pool.rows(seq.table.ids, len(seq.tokens)) == seq.tokens
 
 
-PoolAndCache.TestCase.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+PoolAndCache.TestCase.settings = settings(max_examples=300, stateful_step_count=40, deadline=None)
 test_the_pool_and_the_cache_keep_their_invariants = PoolAndCache.TestCase
 
 
@@ -402,6 +402,34 @@ def test_a_host_block_a_match_is_bringing_back_is_not_dropped_by_the_room_it_mak
     tree = nodes(cache)
     assert cache.stats.blocks[HOST] == sum(n.tier == HOST for n in tree)
     assert cache.stats.blocks[DEVICE] == sum(n.tier == DEVICE for n in tree)
+
+
+def test_the_engine_does_not_hang_where_a_running_sequence_continues_the_caches_chain_with_its_own_blocks(
+        tiny_gguf):
+    """The scheduler and the output processor driving the cache into the state of
+    test_a_cache_whose_chain_a_sequence_continues_with_its_own_blocks_can_still_give_its_idle_ones: requests sharing
+    a prompt's start, admitted before each other's prompts were indexed, on a pool of 10 blocks of 4
+    that runs dry (arrivals at the steps given). Every request ends `length`; no reclaim loops."""
+    from tests.test_engine import ScriptedRunner
+
+    f = GGUFFile(tiny_gguf)
+    spec, tok = spec_from_gguf(f), tokenizer_from_gguf(f)
+    engine = Engine(ScriptedRunner(spec, [7] * 64, kv_token_budget=40), tok,
+                    EngineConfig(ctx_size=40, prefix_block_tokens=4, chunk_size=4, max_running=3, arrival_gap_ms=0))
+    start = [3, 3, 2, 3, 3]
+    requests = [(0, start + [1, 1, 1, 2, 3, 1, 1, 3], 3), (3, start + [1, 1, 1, 2, 3, 1, 1, 3, 3, 1, 1, 1, 3, 2], 8),
+                (4, start + [2, 3], 10), (6, start + [1, 1, 1, 2, 3, 1, 1, 1, 3, 1, 1], 2)]
+    outs: list[list] = [[] for _ in requests]
+    with within(5):
+        for step in range(200):
+            for (at, prompt, n), out in zip(requests, outs, strict=True):
+                if at == step:
+                    engine.submit(prompt, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True), out.append)
+            if step > 6 and all(o and o[-1].finished for o in outs):
+                break
+            engine.step()
+    assert [(o[-1].finish_reason, o[-1].n_generated) for o in outs] == [("length", n) for _, _, n in requests]
+    assert engine.pool.blocks.used_blocks == engine.prefix.stats.blocks[DEVICE]
 
 
 # -- the issue's target: a shared system prompt held once --------------------------------------
@@ -483,3 +511,32 @@ def test_decode_growth_past_the_pool_preempts_and_every_request_gets_its_greedy_
     blocks = engine.pool.blocks
     cached = engine.prefix.stats.blocks[DEVICE] if engine.prefix is not None else 0
     assert blocks.used_blocks == cached and all(r <= 1 for r in blocks.refs)
+
+
+@pytest.fixture(scope="module")
+def small(tmp_path_factory):
+    from strata_mgpu.model.synthetic import write_model
+
+    path = tmp_path_factory.mktemp("models") / "small.gguf"
+    write_model(path, "small", seed=2)
+    f = GGUFFile(path)
+    spec = spec_from_gguf(f)
+    return load_reference_runner(f, spec), tokenizer_from_gguf(f)
+
+
+def test_a_3_turn_chat_continued_from_the_cache_draws_what_the_whole_prompt_draws(small):
+    """The `small` preset, fp32, blocks of 64: each turn is the last prompt, its answer and new text;
+    from the second on most of it comes from the cache (the answer's rows as decode steps wrote them),
+    and its 64 greedy tokens equal those of the whole prompt computed in one chunk, no cache."""
+    runner, tok = small
+    cached = Engine(runner, tok, EngineConfig(prefix_block_tokens=64))
+    whole = Engine(runner, tok, EngineConfig(prefix_cache=False))
+    params = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)
+    g = torch.Generator().manual_seed(5)
+    prompt = torch.randint(0, runner.spec.vocab_size, (300,), generator=g).tolist()
+    for turn in range(3):
+        outs = run_one(cached, prompt, params)
+        got = tokens_of(outs)
+        assert got == tokens_of(run_one(whole, prompt, params)), f"turn {turn}"
+        assert outs[-1].timings.cache_n == (0 if turn == 0 else (len(prompt) - 40 - 1) // 64 * 64)
+        prompt = prompt + got + torch.randint(0, runner.spec.vocab_size, (40,), generator=g).tolist()
