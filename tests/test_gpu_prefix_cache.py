@@ -14,6 +14,7 @@ from strata_mgpu.engine.engine import Engine, RequestOutput
 from strata_mgpu.engine.prefix_cache import DEVICE, HOST
 from strata_mgpu.engine.sampler import SamplingParams
 from strata_mgpu.model.gguf_reader import GGUFFile
+from strata_mgpu.model.kv_pool import BlockTable
 from strata_mgpu.model.spec import spec_from_gguf
 from strata_mgpu.model.tokenizer import tokenizer_from_gguf
 from strata_mgpu.split.runner import build_split
@@ -44,22 +45,35 @@ def runner(request, tiny_gguf):
 
 
 def test_a_continuation_on_restored_blocks_equals_the_prompt_computed_whole(runner):
+    """A sequence whose table starts with another's blocks, two of them through pinned host RAM and
+    the last shared in part (so copied), continues as the prompt computed whole."""
     g = torch.Generator().manual_seed(11)
     prompt = torch.randint(0, runner.spec.vocab_size, (300,), generator=g)
-    store = runner.kv_blocks(64)
-    whole = runner.new_sequence(512)
+    pool = runner.kv_pool(64, 1024)
+    blocks = pool.blocks
+    whole = runner.new_sequence(512, BlockTable(blocks, 512))
     want = runner.prefill(whole, prompt)
-    first = runner.new_sequence(512)
+    first_table = BlockTable(blocks, 512)
+    first = runner.new_sequence(512, first_table)
     runner.prefill(first, prompt[:260])
-    blocks = [store.save(first, j) for j in range(4)]  # 256 tokens
-    blocks = [store.offload(b) for b in blocks[:2]] + blocks[2:]  # two from pinned host RAM
-    again = runner.new_sequence(512)
-    store.load(again, blocks, 250)
+    shared = first_table.ids[:4]  # 256 tokens
+    for i in range(2):  # two from pinned host RAM, loaded into other blocks
+        data = pool.offload(shared[i])
+        (moved,) = blocks.allocate(1)
+        pool.load(data, moved)
+        shared[i] = moved
+    table = BlockTable.adopt(blocks, 512, shared)
+    (own,) = blocks.allocate(1)  # 250 of the 256: the last block is written to, so a copy of its own
+    pool.copy_block(table.ids[-1], own)
+    table.replace_last(own)
+    again = runner.new_sequence(512, table, 250)
     got = runner.prefill(again, prompt[250:])
     assert rel_err(got, want) < BF16_TOL
     step = torch.tensor([int(want.argmax())], device=CUDA)
     a, b = runner.decode([whole], step)[0], runner.decode([again], step)[0]
     assert rel_err(b, a) < BF16_TOL
+    # the first sequence's rows are untouched by the second's writes
+    assert rel_err(runner.prefill(first, prompt[260:]), want) < BF16_TOL
 
 
 def run(engine: Engine, prompt: list[int]) -> list[RequestOutput]:
@@ -77,7 +91,7 @@ def test_turns_restore_the_same_rows_from_vram_and_from_host_ram(runner, tiny_gg
     turn = prompt + [5, 6, 7]
     from_vram = run(engine, turn)
     assert from_vram[-1].timings.cache_n == 384
-    engine.prefix.shrink_device(0)
+    assert engine.prefix.reclaim(engine.prefix.reclaimable) >= 6  # every cached block to the host tier
     assert engine.prefix.stats.blocks[DEVICE] == 0 and engine.prefix.stats.blocks[HOST] >= 6
     from_host = run(engine, turn)
     assert from_host[-1].timings.cache_n == 384
@@ -96,15 +110,17 @@ def test_the_helper_takes_a_continuation_that_fits_one_chunk(tiny_gguf):
     runner = build_split(f, spec, [opts, opts], LayerSplit((2,)), help_policy=HelpPolicy())
     g = torch.Generator().manual_seed(13)
     prompt = torch.randint(0, spec.vocab_size, (400,), generator=g)
-    store = runner.kv_blocks(64)
-    first = runner.new_sequence(512)
+    blocks = runner.kv_pool(64, 1024).blocks
+    first_table = BlockTable(blocks, 512)
+    first = runner.new_sequence(512, first_table)
     runner.prefill(first, prompt[:128], whole_prompt=True)
-    blocks = [store.save(first, j) for j in range(2)]
+    shared = first_table.ids[:2]  # whole blocks: the continuation writes blocks of its own
     outs = []
     for policy in (HelpPolicy(enabled=False), HelpPolicy(fixed_share=0.4)):
         runner.policy = policy
-        kv = runner.new_sequence(512)
-        store.load(kv, blocks, 128)
+        table = BlockTable.adopt(blocks, 512, shared)
+        kv = runner.new_sequence(512, table, 128)
         outs.append(runner.prefill(kv, prompt[128:], whole_prompt=True).cpu())
+        table.free()
     assert rel_err(outs[1], outs[0]) <= 1e-5
     assert all(h.to_helper.bytes_moved > 0 for h in runner.helpers)

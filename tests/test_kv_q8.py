@@ -19,6 +19,7 @@ from strata_mgpu.engine.build import stage_options
 from strata_mgpu.model.decoder import Segment
 from strata_mgpu.model.gguf_reader import GGUFFile
 from strata_mgpu.model.kv_cache import KVCache, KVFormat
+from strata_mgpu.model.kv_pool import BlockTable
 from strata_mgpu.model.reference import ReferenceModel
 from strata_mgpu.model.runner import load_reference_runner
 from strata_mgpu.model.spec import spec_from_gguf
@@ -165,24 +166,33 @@ def test_two_tier_q8_with_spills_equals_a_q8_cache_in_vram(tiny, types, prefetch
 
 @pytest.mark.parametrize("kind", ["reference", "stage"])
 def test_a_prefix_restored_from_q8_blocks_continues_bit_for_bit(tiny, kind):
-    """Blocks of q8_0 cells saved, half moved to the host tier, restored byte for byte: the
-    continuation and 16 greedy steps equal a q8_0 run that computed the prefix itself."""
+    """A continuation on q8_0 blocks of another sequence, half of them moved through the host tier and
+    back byte for byte: its rows, the continuation and 16 greedy steps equal the sequence that
+    computed the prefix itself."""
     f, spec, _ = tiny
     runner = (load_reference_runner(f, spec, kv_types=Q8) if kind == "reference" else
               build_stage(f, spec, StageOptions(device=torch.device("cpu"), chunk_size=256,
                                                 switches=StageSwitches(cache_type_k=Q.Q8_0, cache_type_v=Q.Q8_0))))
     prompt = torch.randint(0, spec.vocab_size, (150,), generator=torch.Generator().manual_seed(3))
-    store = runner.kv_blocks(16)
-    assert store.block_bytes == spec.n_layers * 16 * 2 * spec.kv_dim // 32 * 34  # 34 bytes for 32 values
+    pool = runner.kv_pool(16, 512)
+    assert pool.block_bytes == spec.n_layers * 16 * 2 * spec.kv_dim // 32 * 34  # 34 bytes for 32 values
+    blocks = pool.blocks
 
-    whole = runner.new_sequence(256)
+    whole_table = BlockTable(blocks, 256)
+    whole = runner.new_sequence(256, whole_table)
     runner.prefill(whole, prompt[:96])
-    blocks = [store.save(whole, j) for j in range(96 // 16)]
-    blocks = [store.offload(b) for b in blocks[:3]] + blocks[3:]
-    again = runner.new_sequence(256)
-    store.load(again, blocks, 96)
+    shared = whole_table.ids[:96 // 16]
+    for i in range(3):  # offloaded, and loaded into another block
+        data = pool.offload(shared[i])
+        (moved,) = blocks.allocate(1)
+        pool.load(data, moved)
+        shared[i] = moved
+    again = runner.new_sequence(256, BlockTable.adopt(blocks, 256, shared), 96)
     assert again.format == whole.format and again.k.dtype == torch.uint8
-    assert torch.equal(again.k[:, :96], whole.k[:, :96]) and torch.equal(again.v[:, :96], whole.v[:, :96])
+    rows, rows_again = whole.cells(0, 96), again.cells(0, 96)
+    assert not torch.equal(rows, rows_again)  # other cells: the moved blocks
+    for cells, cells_again in ((whole.k, again.k), (whole.v, again.v)):
+        assert torch.equal(cells_again[:, rows_again], cells[:, rows])
     chains = []
     for kv in (whole, again):
         logits = runner.prefill(kv, prompt[96:])

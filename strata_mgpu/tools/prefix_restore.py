@@ -1,11 +1,12 @@
 """How fast a cached prefix comes back, against its bound and against computing it again: a stage
-computes a prompt of N tokens, its KV is saved as prefix-cache blocks, moved to pinned host RAM,
-then loaded into a fresh sequence (the host tier's restore), and once more from VRAM.
+computes a prompt of N tokens into blocks of its KV pool; a continuation then adopts those blocks
+where they still are in VRAM (no copy: the time to adopt is a table's bookkeeping), and takes them
+back from pinned host RAM where the prefix cache had moved them (`load` of every block into free ones).
 
     python3 -m strata_mgpu.tools.prefix_restore MODEL.gguf --tokens 32768 --max-vram 40 [--json out.json]
 
 The bound of the host restore is one pinned host-to-device copy of the same bytes, measured here;
-the prompt's prefill time is what the restore saves.
+the prompt's prefill time is what either saves.
 """
 
 from __future__ import annotations
@@ -18,10 +19,12 @@ from dataclasses import asdict, dataclass
 import torch
 
 from strata_mgpu.model.gguf_reader import GGUFFile
-from strata_mgpu.model.kv_cache import SequenceKV
+from strata_mgpu.model.kv_pool import BlockTable
 from strata_mgpu.model.spec import spec_from_gguf
 from strata_mgpu.stage.build import build_stage
 from strata_mgpu.stage.stage import StageOptions
+
+REPEATS = 3  # each restore timed this often, the fastest kept
 
 
 @dataclass
@@ -29,10 +32,10 @@ class RestoreResult:
     tokens: int
     block_tokens: int
     bytes: int
-    prefill_s: float
-    save_s: float
-    host_restore_s: float
-    device_restore_s: float
+    prefill_s: float  # computing the prefix: what a restore saves
+    adopt_s: float  # a continuation on the blocks in VRAM: its table and sequence, no copy
+    offload_s: float  # the blocks to pinned host RAM (what the cache does as the pool runs dry)
+    host_restore_s: float  # the blocks back from pinned host RAM into free blocks of the pool
     h2d_bound_s: float  # one pinned copy of the same bytes
 
     @property
@@ -47,55 +50,74 @@ class RestoreResult:
 def measure(path: str, tokens: int, max_vram: float | None, block_tokens: int, chunk: int) -> RestoreResult:
     f = GGUFFile(path)
     spec = spec_from_gguf(f)
-    stage = build_stage(f, spec, StageOptions(device=torch.device("cuda", 0), max_vram_gib=max_vram,
-                                              chunk_size=chunk, kv_tokens=tokens + 64, context=tokens + 64))
-    sync = stage.ctx.synchronize_device
-    g = torch.Generator().manual_seed(0)
-    prompt = torch.randint(0, spec.vocab_size, (tokens,), generator=g)
-    store = stage.kv_blocks(block_tokens)
     n_blocks = tokens // block_tokens
+    tokens = n_blocks * block_tokens
+    context = tokens + block_tokens
+    # room for the prefix twice over (its blocks and their copies back from the host) and a continuation's
+    stage = build_stage(f, spec, StageOptions(device=torch.device("cuda", 0), max_vram_gib=max_vram, chunk_size=chunk,
+                                              kv_tokens=2 * tokens + 4 * block_tokens, context=context))
+    pool = stage.kv_pool(block_tokens, 0)
+    blocks = pool.blocks
+    sync = stage.ctx.synchronize_device
+    prompt = torch.randint(0, spec.vocab_size, (tokens,), generator=torch.Generator().manual_seed(0))
 
-    def prefill() -> tuple[SequenceKV, float]:
-        kv = stage.new_sequence(tokens + 64)
+    def prefill() -> tuple[BlockTable, float]:
+        table = BlockTable(blocks, context)
+        kv = stage.new_sequence(context, table)
         sync()
         t0 = time.perf_counter()
         for start in range(0, tokens, chunk):
             stage.prefill(kv, prompt[start:start + chunk])
         sync()
-        return kv, time.perf_counter() - t0
+        return table, time.perf_counter() - t0
 
-    prefill()  # warm-up
-    kv, prefill_s = prefill()
-    t0 = time.perf_counter()
-    blocks = [store.save(kv, j) for j in range(n_blocks)]
-    sync()
-    save_s = time.perf_counter() - t0
-    host = [store.offload(b) for b in blocks]
-    sync()
+    warm, _ = prefill()
+    warm.free()
+    table, prefill_s = prefill()
+    prefix = table.ids[:n_blocks]
 
-    def restore(source: list[torch.Tensor]) -> float:
-        fresh = stage.new_sequence(tokens + 64)
+    def adopt() -> float:
         sync()
         t0 = time.perf_counter()
-        store.load(fresh, source, n_blocks * block_tokens)
+        again = BlockTable.adopt(blocks, context, prefix)
+        stage.new_sequence(context, again, tokens)
         sync()
-        return time.perf_counter() - t0
+        elapsed = time.perf_counter() - t0
+        again.free()
+        return elapsed
 
-    restore(host)  # warm-up
-    host_s = min(restore(host) for _ in range(3))
-    device_s = min(restore(blocks) for _ in range(3))
-    nbytes = n_blocks * store.block_bytes
+    adopt_s = min(adopt() for _ in range(REPEATS))
+    t0 = time.perf_counter()
+    host = [pool.offload(b) for b in prefix]
+    sync()
+    offload_s = time.perf_counter() - t0
+
+    def restore() -> float:
+        sync()
+        t0 = time.perf_counter()
+        into = blocks.allocate(n_blocks)
+        for data, b in zip(host, into, strict=True):
+            pool.load(data, b)
+        sync()
+        elapsed = time.perf_counter() - t0
+        blocks.unref(into)
+        return elapsed
+
+    restore()  # warm-up
+    host_s = min(restore() for _ in range(REPEATS))
+    nbytes = n_blocks * pool.block_bytes
     src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
     dst = torch.empty(nbytes, dtype=torch.uint8, device=stage.ctx.device)
     times = []
-    for _ in range(3):
+    for _ in range(REPEATS):
         sync()
         t0 = time.perf_counter()
         dst.copy_(src, non_blocking=True)
         sync()
         times.append(time.perf_counter() - t0)
-    return RestoreResult(tokens=n_blocks * block_tokens, block_tokens=block_tokens, bytes=nbytes, prefill_s=prefill_s,
-                         save_s=save_s, host_restore_s=host_s, device_restore_s=device_s, h2d_bound_s=min(times))
+    table.free()
+    return RestoreResult(tokens=tokens, block_tokens=block_tokens, bytes=nbytes, prefill_s=prefill_s, adopt_s=adopt_s,
+                         offload_s=offload_s, host_restore_s=host_s, h2d_bound_s=min(times))
 
 
 def main() -> None:
@@ -107,11 +129,15 @@ def main() -> None:
     ap.add_argument("--chunk", type=int, default=8192)
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
+    if args.tokens < args.block_tokens or args.block_tokens < 1 or args.chunk < 1:
+        ap.error(f"--tokens {args.tokens} must hold at least one block of --block-tokens {args.block_tokens}, "
+                 f"--chunk at least 1")
     r = measure(args.model, args.tokens, args.max_vram, args.block_tokens, args.chunk)
     print(f"{r.tokens:,}-token prefix, {r.bytes / 1e9:.2f} GB of KV in blocks of {r.block_tokens}: computed in "
-          f"{r.prefill_s:.2f} s, saved in {1e3 * r.save_s:.1f} ms; restored from pinned host RAM in "
-          f"{1e3 * r.host_restore_s:.1f} ms ({r.host_gb_per_s:.1f} GB/s, {r.host_gb_per_s / r.bound_gb_per_s:.2f} of "
-          f"one pinned copy's {r.bound_gb_per_s:.1f} GB/s), from VRAM in {1e3 * r.device_restore_s:.1f} ms")
+          f"{r.prefill_s:.2f} s; continued on its VRAM blocks in {1e3 * r.adopt_s:.2f} ms (no copy); moved to "
+          f"pinned host RAM in {1e3 * r.offload_s:.1f} ms and back in {1e3 * r.host_restore_s:.1f} ms "
+          f"({r.host_gb_per_s:.1f} GB/s, {r.host_gb_per_s / r.bound_gb_per_s:.2f} of one pinned copy's "
+          f"{r.bound_gb_per_s:.1f} GB/s)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({**asdict(r), "host_gb_per_s": r.host_gb_per_s, "bound_gb_per_s": r.bound_gb_per_s}, f, indent=2)
