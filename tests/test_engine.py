@@ -325,8 +325,14 @@ class ScriptedRunner:
     def kv_pool(self, block_tokens: int, cells: int) -> ScriptedPool:
         return ScriptedPool(-(-(self.kv_token_budget or 2 * cells) // 4))
 
-    def new_sequence(self, max_length: int, table=None, length: int = 0) -> ScriptedKV:
+    def new_sequence(self, max_length: int, table=None, length: int = 0, state=None) -> ScriptedKV:
         return ScriptedKV(max_length, length)
+
+    def mark_states(self, kv: ScriptedKV, boundaries) -> None:
+        pass
+
+    def taken_states(self, kv: ScriptedKV) -> dict:
+        return {}
 
     def _row(self, kv: ScriptedKV) -> torch.Tensor:
         row = torch.zeros(self.spec.vocab_size)

@@ -124,13 +124,15 @@ class PrefixCache:
         self.blocks.ref(n.block for n in device if n.block is not None)
         found = [n.block for n in device if n.block is not None]
         copied = 0
-        for n in path[len(device):]:
+        pending = path[len(device):]
+        for n in pending:  # not a victim of the host tier's room that the reclaims below make
+            self._host.pop(n, None)
+        for n in pending:
             try:
                 (block,) = self.blocks.allocate(1)  # the cache's reference
             except PoolExhausted:
                 break
             self.pool.load(n.host, block)
-            self._host.pop(n, None)
             n.host, n.block = None, block
             self._node_of[block] = n
             self.stats.blocks[HOST] -= 1
@@ -139,6 +141,9 @@ class PrefixCache:
             self.blocks.ref([block])  # the caller's
             found.append(block)
             copied += 1
+        for n in reversed(pending[copied:]):  # still on the host: back in its order, deepest first
+            self._host[n] = None
+            self._host.move_to_end(n, last=False)
         if self.stateful and len(found) < len(path):  # the pool ran dry loading: back to a snapshot, or nothing
             found, state = self._stateful_cut(path, found)
         n_tokens = min(n_tokens, len(found) * b)
@@ -168,6 +173,15 @@ class PrefixCache:
         for j in range(min(n_rows, len(tokens), len(table.ids) * b) // b):
             key, block = tuple(tokens[j * b:(j + 1) * b]), table.ids[j]
             child = node.children.get(key)
+            if child is not None and child.block is not None and child.block != block:
+                # another copy of this block (two sequences computed it before either was indexed). Held by
+                # a sequence, it stays and indexing stops here: the table's later blocks would hang from a
+                # block the table does not hold. The cache's alone, the table's copy takes its place.
+                if self.blocks.refs[child.block] > 1:
+                    break
+                self._idle.pop(child, None)
+                self._release_block(child)
+                self._hold(child, block)
             if child is None:
                 child = Node(tokens=key, parent=node, depth=j, block=block)
                 node.children[key] = child
