@@ -31,9 +31,13 @@ def rel_err(a: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def stage_with(tiny_gguf, share: str, **switches):
+    """Decode's hand-over: prompts of 2 rows or more stream whole layers (`gather_rows` fixed), so a
+    prompt's rows are not handed to the host too (the measured break-even of these tiny experts would
+    gather them)."""
     gc.collect()
     f = GGUFFile(tiny_gguf)
     spec = spec_from_gguf(f)
+    switches = {"gather_rows": 2, **switches}
     return f, spec, build_stage(f, spec, StageOptions(device=CUDA, max_vram_gib=4, threads=2, switches=StageSwitches(
         resident_experts=2, cpu_experts=HostShare.parse(share), **switches)))
 
