@@ -116,12 +116,6 @@ class SequenceKV(Protocol):
         ...
 
     @property
-    def rows_in_place(self) -> bool:
-        """Every row sits in `k`/`v` at its own position for the cache's whole life, so rows copied there
-        before `advance` read as if a forward wrote them: what the prefix cache saves and restores."""
-        ...
-
-    @property
     def nbytes(self) -> int:
         ...
 
@@ -178,10 +172,6 @@ class KVCache:
 
     @property
     def offset_writes(self) -> bool:
-        return True
-
-    @property
-    def rows_in_place(self) -> bool:
         return True
 
     @property

@@ -225,10 +225,6 @@ class PagedKV:
         return True
 
     @property
-    def rows_in_place(self) -> bool:
-        return True
-
-    @property
     def nbytes(self) -> int:
         """The device bytes of its blocks (shared ones counted in full)."""
         return len(self.table.ids) * self.storage.block_bytes

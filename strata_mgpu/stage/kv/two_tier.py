@@ -214,10 +214,6 @@ class TwoTierKV:
     def offset_writes(self) -> bool:
         return False
 
-    @property
-    def rows_in_place(self) -> bool:
-        return False
-
     # -- the KVCache interface -----------------------------------------------------------------
     def reserve(self, new_tokens: int) -> None:
         if self.closed:
