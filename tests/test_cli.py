@@ -59,6 +59,12 @@ def test_info_refuses_an_unknown_device_in_one_line(tiny_gguf):
     assert r.exit_code == 1 and lines == ["Error: unknown device 'gpu0' (cpu, cuda, cuda:N or N)"], r.output
 
 
+def test_info_says_the_kv_pool_the_plan_makes(tiny_gguf):
+    r = CliRunner().invoke(main, ["info", str(tiny_gguf), "--max-vram", "8", "--ctx-size", "4096"])
+    out = " ".join(r.output.split())
+    assert r.exit_code == 0 and "KV pool on cuda:0: 64 blocks of 64 tokens" in out and "--cache-ram" in out, r.output
+
+
 def test_python_dash_m_entry_point():
     r = subprocess.run([sys.executable, "-m", "strata_mgpu", "--help"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and "gen-model" in r.stdout
