@@ -4,6 +4,8 @@ tiers and the pool's counts on plain Python blocks: tests/test_kv_pool.py."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -200,3 +202,24 @@ def test_the_kv_cells_planned_are_one_context_or_more():
     assert EngineConfig(ctx_size=1000, kv_tokens=4000).kv_cells(4096) == 4000
     with pytest.raises(ValueError, match="--kv-tokens"):
         EngineConfig(kv_tokens=0)
+
+
+def test_a_request_longer_than_the_pool_is_never_indexed(model):
+    """A prompt longer than the stage's pool runs two-tier, the pool's blocks its VRAM ring (a block
+    holds whatever positions last passed through it): its blocks are never cached, so the same prompt
+    again, and one sharing its head, compute whole and draw what a cache-less engine draws."""
+    f, spec, tok = model
+    stage = build_stage(f, spec, StageOptions(device=torch.device("cpu"), chunk_size=32, kv_tokens=64, context=256))
+    config = EngineConfig(chunk_size=32, prefix_block_tokens=16)
+    cached, plain = Engine(stage, tok, config), Engine(stage, tok, replace(config, prefix_cache=False))
+    assert cached.pool.blocks.n_blocks * 16 == 64
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    g = torch.Generator().manual_seed(11)
+    long = torch.randint(0, spec.vocab_size, (150,), generator=g).tolist()
+    short = long[:40]  # fits the pool: it may be cached, but must not find the long one's ring
+    for prompt in (long, long, short, short):
+        outs = run(cached, prompt, params)
+        assert tokens_of(outs) == tokens_of(run(plain, prompt, params))
+        if prompt is long:
+            assert outs[-1].timings.cache_n == 0
+    assert run(cached, short, params)[-1].timings.cache_n > 0  # the short prompt's own blocks are cached

@@ -247,7 +247,7 @@ class Engine:
         if self.prefix is None:
             return
         for req in done:
-            if req.table is not None:  # not ended by its first token
+            if req.paged:  # not ended by its first token, nor a two-tier ring
                 self.prefix.insert(req.table, req.prefill_tokens, len(req.prefill_tokens), req.states)
 
     def _decode(self, reqs: list[Request]) -> Draw:

@@ -141,6 +141,14 @@ class Request:
         return len(self.prompt) + self.params.max_tokens
 
     @property
+    def paged(self) -> bool:
+        """Its KV sits in its table's blocks by position, which the prefix cache may index: False for a
+        request longer than the pool, whose table's blocks are the VRAM ring of a two-tier cache (a block
+        there holds whatever positions last passed through it)."""
+        t = self.table
+        return t is not None and t.max_blocks * t.pool.block_tokens >= self.kv_tokens
+
+    @property
     def draw_state(self) -> DrawState:
         assert self.draw is not None, f"{self.id} draws before its admission or after its end"
         return self.draw

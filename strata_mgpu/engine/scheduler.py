@@ -10,7 +10,8 @@ and so do all behind it. Sequences then grow block by block as each step plans t
 the pool runs dry the youngest running request is preempted: its blocks go back (its indexed
 prefix stays in the cache), it waits at the head of the queue, and when admitted again it
 computes its prompt and the tokens it had drawn, mostly from the cache. A request longer than
-the whole pool (its older cells in host RAM) runs alone, on every block.
+the whole pool (its older cells in host RAM) runs alone, on every block, used as a two-tier cache's
+VRAM ring: such a request's blocks are never cached (`Request.paged`).
 """
 
 from __future__ import annotations
