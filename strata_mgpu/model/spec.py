@@ -13,15 +13,25 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
-from gguf.constants import MODEL_ARCH, MODEL_ARCH_NAMES, MODEL_TENSOR, TENSOR_NAMES, Keys, RopeScalingType
+from gguf.constants import (
+    MODEL_ARCH,
+    MODEL_ARCH_NAMES,
+    MODEL_TENSOR,
+    TENSOR_NAMES,
+    ExpertGatingFuncType,
+    Keys,
+    RopeScalingType,
+)
 
 from strata_mgpu.model.gguf_reader import GGUFError, GGUFFile
+from strata_mgpu.model.glm4moe import SigmoidRouting
 from strata_mgpu.quant.formats import block_format
 
 T = MODEL_TENSOR
 QWEN35MOE = MODEL_ARCH_NAMES[MODEL_ARCH.QWEN35MOE]
 QWEN3NEXT = MODEL_ARCH_NAMES[MODEL_ARCH.QWEN3NEXT]
 HYBRID_ARCHS = (QWEN35MOE, QWEN3NEXT)
+GLM4MOE = MODEL_ARCH_NAMES[MODEL_ARCH.GLM4_MOE]
 
 
 # `{arch}.rope.scaling.type` values served: what llama.cpp serves but LongRoPE
@@ -99,7 +109,8 @@ SCALE_LINEAR_KEY = "{arch}.rope.scale_linear"  # the factor's old name, which ll
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """Shapes and constants of a Mixture-of-Experts decoder. Every layer is a MoE layer."""
+    """Shapes and constants of a Mixture-of-Experts decoder. Every layer is a MoE layer but the first
+    `leading_dense` (glm4moe's), which have a plain SiLU-gated FFN of width `dense_ffn` instead."""
 
     arch: str
     n_layers: int
@@ -127,6 +138,13 @@ class ModelSpec:
     # multi-token prediction blocks after the n_layers (`{arch}.nextn_predict_layers`; llama.cpp's
     # converter writes Qwen3.5's one): in the file and checked, not run
     mtp_layers: int = 0
+    # glm4moe's: leading dense layers, biased q/k/v, q/k norms optional, the sigmoid router; its shared
+    # expert (shared_expert_ffn) is ungated
+    leading_dense: int = 0
+    dense_ffn: int = 0  # the dense layers' FFN width (`{arch}.feed_forward_length`)
+    attn_bias: bool = False  # attn_q/k/v have a .bias
+    qk_norm: bool = True  # attn_q_norm / attn_k_norm present
+    sigmoid_routing: SigmoidRouting | None = None  # None: softmax, top-k (qwen3moe's)
 
     @property
     def q_dim(self) -> int:
@@ -149,6 +167,24 @@ class ModelSpec:
     def rotary_dim(self) -> int:
         return self.rope_dim or self.head_dim
 
+    def is_dense(self, layer: int) -> bool:
+        """Layer `layer` has a dense FFN and no routed experts."""
+        return layer < self.leading_dense
+
+    @property
+    def moe_layers(self) -> list[int]:
+        """The layers with routed experts (every layer but the leading dense ones)."""
+        return [i for i in range(self.n_layers) if not self.is_dense(i)]
+
+    @property
+    def reference_only(self) -> str:
+        """What of this model no stage serves yet ('' where stages serve it all): the CPU reference does."""
+        if self.hybrid:
+            return "gated DeltaNet layers"
+        if self.arch == GLM4MOE:
+            return "dense layers, attention biases, the sigmoid router"
+        return ""
+
     def is_linear(self, layer: int) -> bool:
         """Layer `layer` (of the whole model) is gated DeltaNet, not full attention."""
         return (self.full_attention_interval > 0 and layer < self.n_layers
@@ -163,12 +199,12 @@ class ModelSpec:
         """The fused decode kernels serve its layers: every layer plain full attention, RoPE over every
         dim of a head, no output gate, no shared expert (else a forward takes the segment path)."""
         return not (self.hybrid or self.attn_output_gate or self.rotary_dim != self.head_dim
-                    or self.shared_expert_ffn)
+                    or self.shared_expert_ffn or self.reference_only)
 
     @property
     def ffn_norm_kind(self) -> MODEL_TENSOR:
         """The MoE block's input norm: qwen35moe's and qwen3next's files call it post_attention_norm."""
-        return T.ATTN_POST_NORM if self.arch in HYBRID_ARCHS else T.FFN_NORM
+        return T.ATTN_POST_NORM if self.arch in (*HYBRID_ARCHS, GLM4MOE) else T.FFN_NORM
 
     def expected_tensors(self) -> dict[str, tuple[int, ...]]:
         """Tensor name -> shape (torch order, [out, in]) the model must have."""
@@ -185,8 +221,14 @@ class ModelSpec:
                 shapes |= {tname(T.NEXTN_EH_PROJ, i): (D, 2 * D), tname(T.NEXTN_ENORM, i): (D,),
                            tname(T.NEXTN_HNORM, i): (D,), tname(T.NEXTN_SHARED_HEAD_NORM, i): (D,)}
             shapes |= self._delta_tensors(i) if self.is_linear(i) else self._attention_tensors(i)
+            shapes[tname(self.ffn_norm_kind, i)] = (D,)
+            if self.is_dense(i):
+                Fd = self.dense_ffn
+                shapes |= {tname(T.FFN_GATE, i): (Fd, D), tname(T.FFN_UP, i): (Fd, D), tname(T.FFN_DOWN, i): (D, Fd)}
+                continue
+            if self.sigmoid_routing is not None:
+                shapes[tname(T.FFN_EXP_PROBS_B, i, ".bias")] = (E,)
             shapes |= {
-                tname(self.ffn_norm_kind, i): (D,),
                 tname(T.FFN_GATE_INP, i): (E, D),
                 tname(T.FFN_GATE_EXP, i): (E, F, D),
                 tname(T.FFN_UP_EXP, i): (E, F, D),
@@ -194,8 +236,9 @@ class ModelSpec:
             }
             if self.shared_expert_ffn:
                 Fs = self.shared_expert_ffn
+                if self.arch != GLM4MOE:  # glm4moe's shared expert has no gate
+                    shapes[tname(T.FFN_GATE_INP_SHEXP, i)] = (D,)
                 shapes |= {
-                    tname(T.FFN_GATE_INP_SHEXP, i): (D,),
                     tname(T.FFN_GATE_SHEXP, i): (Fs, D),
                     tname(T.FFN_UP_SHEXP, i): (Fs, D),
                     tname(T.FFN_DOWN_SHEXP, i): (D, Fs),
@@ -210,14 +253,18 @@ class ModelSpec:
 
     def _attention_tensors(self, i: int) -> dict[str, tuple[int, ...]]:
         D = self.hidden
-        return {
+        shapes = {
             tname(T.ATTN_Q, i): (self.q_proj_dim, D),
             tname(T.ATTN_K, i): (self.kv_dim, D),
             tname(T.ATTN_V, i): (self.kv_dim, D),
             tname(T.ATTN_OUT, i): (D, self.q_dim),
-            tname(T.ATTN_Q_NORM, i): (self.head_dim,),
-            tname(T.ATTN_K_NORM, i): (self.head_dim,),
         }
+        if self.qk_norm:
+            shapes |= {tname(T.ATTN_Q_NORM, i): (self.head_dim,), tname(T.ATTN_K_NORM, i): (self.head_dim,)}
+        if self.attn_bias:
+            shapes |= {tname(T.ATTN_Q, i, ".bias"): (self.q_proj_dim,), tname(T.ATTN_K, i, ".bias"): (self.kv_dim,),
+                       tname(T.ATTN_V, i, ".bias"): (self.kv_dim,)}
+        return shapes
 
     def _delta_tensors(self, i: int) -> dict[str, tuple[int, ...]]:
         d, D = self.delta, self.hidden
@@ -245,7 +292,7 @@ class ModelSpec:
         per_expert = 3 * self.hidden * self.expert_ffn
         mtp = sum(math.prod(s) for name, s in self.expected_tensors().items()
                   if name.startswith("blk.") and int(name.split(".")[1]) >= self.n_layers)
-        return self.n_params - mtp - self.n_layers * (self.n_experts - self.n_experts_used) * per_expert
+        return self.n_params - mtp - len(self.moe_layers) * (self.n_experts - self.n_experts_used) * per_expert
 
     @property
     def attention_layers(self) -> list[int]:
@@ -353,6 +400,58 @@ def _hybrid(f: GGUFFile, arch: str) -> ModelSpec:
     return spec
 
 
+def _glm4moe(f: GGUFFile, arch: str) -> ModelSpec:
+    """GLM-4.5 / GLM-4.5-Air as llama.cpp's converter writes them: qwen3moe's keys, plus
+    `leading_dense_block_count` dense layers of `feed_forward_length`, a shared expert of
+    `expert_shared_count` x the expert width, sigmoid gating with `exp_probs_b` and the weights'
+    norm and scale, the partial RoPE's `rope.dimension_count` (NeoX halves), the MTP blocks'
+    `nextn_predict_layers` (counted in block_count). Biases on q, k and v; q/k norms where the file
+    has them (GLM-4.5's, not Air's). Groups: `expert_group_count` where written, else one."""
+    L = Keys.LLM
+
+    def key(k: str) -> str:
+        return k.format(arch=arch)
+
+    def whole(k: str, default: int | None = None) -> int:
+        v = f.get(key(k), default) if default is not None else f.require(key(k), int)
+        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+            raise GGUFError(f"{f.path}: metadata {key(k)!r} = {v!r} must be a whole number")
+        return v
+
+    spec = _qwen3moe(f, arch, check=False)
+    mtp, dense, shared = whole(L.NEXTN_PREDICT_LAYERS, 0), whole(L.LEADING_DENSE_BLOCK_COUNT, 1), \
+        whole(L.EXPERT_SHARED_COUNT, 0)
+    gating = whole(L.EXPERT_GATING_FUNC, ExpertGatingFuncType.SIGMOID.value)
+    if gating != ExpertGatingFuncType.SIGMOID.value:
+        raise GGUFError(f"{f.path}: metadata {key(L.EXPERT_GATING_FUNC)!r} = {gating} is not supported "
+                        f"(glm4moe: {ExpertGatingFuncType.SIGMOID.value}, sigmoid)")
+    if not mtp < spec.n_layers or not dense <= spec.n_layers - mtp:
+        raise GGUFError(f"{f.path}: {mtp} MTP blocks and {dense} dense layers do not fit {spec.n_layers} blocks")
+    routing = SigmoidRouting(n_groups=whole(L.EXPERT_GROUP_COUNT, 1) or 1,
+                             groups_used=whole(L.EXPERT_GROUP_USED_COUNT, 1) or 1,
+                             normalize=bool(f.get(key(L.EXPERT_WEIGHTS_NORM), False)),
+                             scale=float(f.get(key(L.EXPERT_WEIGHTS_SCALE), 1.0)))
+    spec = replace(spec, n_layers=spec.n_layers - mtp, mtp_layers=mtp, leading_dense=dense,
+                   dense_ffn=whole(L.FEED_FORWARD_LENGTH) if dense else 0,
+                   shared_expert_ffn=shared * spec.expert_ffn, attn_bias=True,
+                   qk_norm=tname(T.ATTN_Q_NORM, 0) in f.tensors, sigmoid_routing=routing,
+                   rope_dim=f.get(key(Keys.Rope.DIMENSION_COUNT), spec.head_dim), norm_topk_prob=routing.normalize)
+    _check_spec(f, spec)
+    bad = None
+    if routing.n_groups > spec.n_experts or spec.n_experts % routing.n_groups \
+            or not routing.groups_used <= routing.n_groups:
+        bad = (f"{routing.groups_used} of {routing.n_groups} expert groups do not divide {spec.n_experts} experts")
+    elif not (routing.scale > 0 and math.isfinite(routing.scale)):
+        bad = f"metadata {key(L.EXPERT_WEIGHTS_SCALE)!r} = {routing.scale!r} must be positive and finite"
+    elif dense and spec.dense_ffn <= 0:
+        bad = f"metadata {key(L.FEED_FORWARD_LENGTH)!r} = {spec.dense_ffn} must be positive with dense layers"
+    elif not (isinstance(spec.rope_dim, int) and 0 < spec.rope_dim <= spec.head_dim and spec.rope_dim % 2 == 0):
+        bad = f"RoPE dims {spec.rope_dim!r} must be even and within head dim {spec.head_dim}"
+    if bad is not None:
+        raise GGUFError(f"{f.path}: {bad}")
+    return spec
+
+
 def rope_scaling_from_gguf(f: GGUFFile, arch: str) -> RopeScaling:
     """`{arch}.rope.scaling.*` as llama.cpp's `load_hparams` reads them: no type is linear; no factor,
     or 0, is 1; `none` scales nothing, but attn_factor still multiplies cos and sin; the original
@@ -415,6 +514,7 @@ SPEC_BUILDERS: dict[str, Callable[[GGUFFile, str], ModelSpec]] = {
     MODEL_ARCH_NAMES[MODEL_ARCH.QWEN3MOE]: _qwen3moe,
     QWEN35MOE: _hybrid,
     QWEN3NEXT: _hybrid,
+    GLM4MOE: _glm4moe,
 }
 
 

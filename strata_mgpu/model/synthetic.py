@@ -26,10 +26,12 @@ from pathlib import Path
 import numpy as np
 from gguf import GGUFWriter
 from gguf import quants as gguf_quants
-from gguf.constants import TENSOR_NAMES, GGMLQuantizationType, LlamaFileType, RopeScalingType
+from gguf.constants import TENSOR_NAMES, ExpertGatingFuncType, GGMLQuantizationType, LlamaFileType, RopeScalingType
 
+from strata_mgpu.model.glm4moe import SigmoidRouting
 from strata_mgpu.model.spec import (
     EXPERT_TENSORS,
+    GLM4MOE,
     NO_ROPE_SCALING,
     QWEN3NEXT,
     QWEN35MOE,
@@ -67,17 +69,24 @@ class Preset:
     full_attention_interval: int = 0
     rope_dim: int = 0
     shared_expert_ffn: int = 0
+    # glm4moe's (arch GLM4MOE): leading dense layers of dense_ffn, its router, q/k norms or not
+    leading_dense: int = 0
+    dense_ffn: int = 0
+    sigmoid_routing: SigmoidRouting | None = None
+    qk_norm: bool = True
 
     def spec(self, name: str) -> ModelSpec:
-        hybrid = self.delta is not None
-        return ModelSpec(arch=self.arch if hybrid else "qwen3moe", name=name, n_layers=self.n_layers,
+        hybrid, glm = self.delta is not None, self.arch == GLM4MOE
+        return ModelSpec(arch=self.arch if hybrid or glm else "qwen3moe", name=name, n_layers=self.n_layers,
                          hidden=self.hidden, n_heads=self.n_heads, n_kv_heads=self.n_kv_heads, head_dim=self.head_dim,
                          n_experts=self.n_experts, n_experts_used=self.n_experts_used, expert_ffn=self.expert_ffn,
                          vocab_size=self.vocab_size, context_length=self.context_length,
                          rope_base=self.rope_base, rms_eps=self.rms_eps, tied_output=self.tied_output,
                          delta=self.delta, full_attention_interval=self.full_attention_interval,
                          rope_dim=self.rope_dim, shared_expert_ffn=self.shared_expert_ffn, attn_output_gate=hybrid,
-                         mtp_layers=self.mtp_layers)
+                         mtp_layers=self.mtp_layers, leading_dense=self.leading_dense, dense_ffn=self.dense_ffn,
+                         attn_bias=glm, qk_norm=self.qk_norm, sigmoid_routing=self.sigmoid_routing,
+                         norm_topk_prob=self.sigmoid_routing.normalize if self.sigmoid_routing else True)
 
 
 # K-quants need rows (hidden, expert_ffn) in whole 256-weight blocks, hence the widths.
@@ -114,6 +123,21 @@ PRESETS: dict[str, Preset] = {
                              rope_base=10_000_000.0, delta=DeltaNetShape(
                                  conv_kernel=4, n_k_heads=16, n_v_heads=32, k_head_dim=128, v_head_dim=128),
                              full_attention_interval=4, rope_dim=64, shared_expert_ffn=512, mtp_layers=1),
+    # glm4moe: layer 0 dense, 1-3 MoE with an ungated shared expert, half of each head rotated, an MTP
+    # block (blk.4); 2 groups of 4 experts, one used, to reach the grouped choice; GLM-4.5-Air's scale
+    "tiny-glm4moe": Preset(n_layers=4, hidden=256, n_heads=4, n_kv_heads=2, head_dim=64, n_experts=8,
+                           n_experts_used=2, expert_ffn=256, vocab_size=2048, context_length=4096, arch=GLM4MOE,
+                           rms_eps=1e-5, rope_dim=32, shared_expert_ffn=256, mtp_layers=1, leading_dense=1,
+                           dense_ffn=512, sigmoid_routing=SigmoidRouting(n_groups=2, groups_used=1, scale=1.0),
+                           qk_norm=False),
+    # GLM-4.5-Air's shapes (its config.json: 46 layers, the first dense of 10,944, 96 query and 8 KV
+    # heads of 128, half rotated (partial_rotary_factor 0.5), 128 experts of 1,408, 8 used, one shared,
+    # routed_scaling_factor 1.0, one group, no q/k norm, rope_theta 1e6, 131,072 positions, vocab 151,552;
+    # its MTP block, blk.46)
+    "glm-4.5-air": Preset(n_layers=46, hidden=4096, n_heads=96, n_kv_heads=8, head_dim=128, n_experts=128,
+                          n_experts_used=8, expert_ffn=1408, vocab_size=151552, context_length=131072, arch=GLM4MOE,
+                          rms_eps=1e-5, rope_dim=64, shared_expert_ffn=1408, mtp_layers=1, leading_dense=1,
+                          dense_ffn=10944, sigmoid_routing=SigmoidRouting(), qk_norm=False),
 }
 
 
@@ -124,7 +148,7 @@ def preset_spec(preset_name: str, layers: int | None = None, rope: RopeScaling =
     if layers is not None:
         if not 1 <= layers <= preset.n_layers:
             raise ValueError(f"--layers {layers}: {preset_name} has 1 to {preset.n_layers} layers")
-        spec = replace(spec, n_layers=layers)
+        spec = replace(spec, n_layers=layers, leading_dense=min(spec.leading_dense, layers))
     if rope.kind != RopeScalingType.NONE:
         spec = replace(spec, rope_scaling=rope, context_length=round(rope.factor * rope.original_context))
     return spec
@@ -197,7 +221,9 @@ def plan_tensors(spec: ModelSpec, expert_type: Q, down_type: Q, dense_type: Q,
         parts = name.split(".")
         kind = parts[2] if parts[0] == "blk" else parts[0]  # 'blk.3.attn_q.weight' -> 'attn_q'
         std = 1.0 / math.sqrt(shape[-1])  # unit-variance outputs for unit-variance inputs
-        if kind == _kind(T.SSM_A):  # -exp(A_log): every value head's decay rate negative
+        if name.endswith(".bias") and kind != _kind(T.SSM_DT):  # q/k/v biases, the router's choice bias
+            plans.append(TensorPlan(name, shape, Q.F32, std=0.1))
+        elif kind == _kind(T.SSM_A):  # -exp(A_log): every value head's decay rate negative
             plans.append(TensorPlan(name, shape, Q.F32, std=0.1, mean=-1.0))
         elif kind in (_kind(T.FFN_GATE_INP_SHEXP), _kind(T.SSM_CONV1D)):  # a dot with h; K-wide rows: F32
             plans.append(TensorPlan(name, shape, Q.F32, std=std))
@@ -372,7 +398,7 @@ def write_model(path: str | Path, preset_name: str, *, expert_type: Q = Q.Q4_K, 
     w.add_block_count(spec.n_layers + spec.mtp_layers)
     w.add_context_length(spec.context_length)
     w.add_embedding_length(spec.hidden)
-    w.add_feed_forward_length(spec.expert_ffn * spec.n_experts_used)
+    w.add_feed_forward_length(spec.dense_ffn or spec.expert_ffn * spec.n_experts_used)
     w.add_head_count(spec.n_heads)
     w.add_head_count_kv(spec.n_kv_heads)
     w.add_key_length(spec.head_dim)
@@ -400,6 +426,18 @@ def write_model(path: str | Path, preset_name: str, *, expert_type: Q = Q.Q4_K, 
         w.add_rope_dimension_count(spec.rotary_dim)
         if spec.arch == QWEN35MOE:  # its loader requires them (text positions: any sections read alike)
             w.add_rope_dimension_sections([11, 11, 10, 0])
+    if spec.sigmoid_routing is not None:  # as llama.cpp's converter writes GLM-4.5
+        r = spec.sigmoid_routing
+        w.add_expert_shared_count(spec.shared_expert_ffn // spec.expert_ffn)
+        w.add_leading_dense_block_count(spec.leading_dense)
+        w.add_expert_gating_func(ExpertGatingFuncType.SIGMOID)
+        w.add_expert_weights_scale(r.scale)
+        w.add_expert_weights_norm(r.normalize)
+        if r.n_groups > 1:
+            w.add_expert_group_count(r.n_groups)
+            w.add_expert_group_used_count(r.groups_used)
+        w.add_nextn_predict_layers(spec.mtp_layers)
+        w.add_rope_dimension_count(spec.rotary_dim)
     w.add_file_type(file_type(expert_type, down_type))
     w.add_quantization_version(2)
     w.add_string("strata.synthetic.seed", str(seed))

@@ -45,10 +45,11 @@ Progress = Callable[[str, int, int], None]
 
 
 def check_layers_served(spec: ModelSpec) -> None:
-    """A stage's forward, plan and decode graphs serve full-attention layers only: a hybrid model's
-    DeltaNet layers (qwen35moe, qwen3next) run on the CPU reference for now (docs/ARCHITECTURE.md)."""
-    if spec.hybrid:
-        raise DeviceError(f"{spec.arch} (gated DeltaNet layers) is served by the CPU reference only for now "
+    """A stage's forward, plan and decode graphs serve qwen3moe's layers only: a hybrid model's DeltaNet
+    layers (qwen35moe, qwen3next) and glm4moe's dense layers, biases and router run on the CPU
+    reference for now (`ModelSpec.reference_only`, docs/ARCHITECTURE.md)."""
+    if spec.reference_only:
+        raise DeviceError(f"{spec.arch} ({spec.reference_only}) is served by the CPU reference only for now "
                           f"(strata serve --devices cpu)")
 
 
