@@ -253,7 +253,7 @@ class ModelSpec:
 
     def _attention_tensors(self, i: int) -> dict[str, tuple[int, ...]]:
         D = self.hidden
-        shapes = {
+        shapes: dict[str, tuple[int, ...]] = {
             tname(T.ATTN_Q, i): (self.q_proj_dim, D),
             tname(T.ATTN_K, i): (self.kv_dim, D),
             tname(T.ATTN_V, i): (self.kv_dim, D),
