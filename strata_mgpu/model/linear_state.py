@@ -2,8 +2,9 @@
 the delta rule's recurrent state. The KV cache (`SequenceKV`) holds the full-attention layers only;
 this holds the rest, at the same token boundary (`length`). `snapshot` / `restore` copy it out at
 a boundary and back into a fresh sequence (what a prefix cache of a hybrid model keeps beside its
-KV blocks; a GPU stage keeps them in pinned host RAM, `snapshots_on`); `mark` asks the next forwards to record a snapshot at a boundary inside their rows
-(a block boundary a prompt's chunk passes), `taken` hands it over. `HybridSequence` is the two
+KV blocks; a GPU stage keeps them in pinned host RAM, `snapshots_on`); `mark` asks the next forwards
+to record a snapshot at a boundary inside their rows (a block boundary a prompt's chunk passes),
+`taken` hands it over. `HybridSequence` is the two
 together, as a runner over a hybrid decoder holds them.
 """
 

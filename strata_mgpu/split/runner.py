@@ -156,8 +156,9 @@ class SplitRunner:
             table = BlockTable(blocks, min(max_length, pool_tokens))
             if max_length > pool_tokens:
                 table.ensure(pool_tokens)
-        # each stage's own KV (in its pool, or two-tier on all of it), made on its own stream
-        kv = SplitKV([s.new_sequence(max_length, table, length) for s in self.stages])
+        # each stage's own KV (in its pool, or two-tier on all of it), made on its own stream; no DeltaNet
+        # state beside it: a split of a hybrid model is refused (`check_layers_served`)
+        kv = SplitKV([s.kv.new_sequence(max_length, table, length) for s in self.stages])
         if own:
             free_with(kv, table)
         return kv
