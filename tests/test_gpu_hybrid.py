@@ -10,19 +10,16 @@ import gc
 import pytest
 import torch
 
-from strata_mgpu.config import EngineConfig, StageSwitches
-from strata_mgpu.engine.engine import Engine
-from strata_mgpu.engine.sampler import SamplingParams
+from strata_mgpu.config import StageSwitches
 from strata_mgpu.model.gguf_reader import GGUFFile
-from strata_mgpu.model.kv_pool import BlockTable
 from strata_mgpu.model.linear_state import HybridSequence
 from strata_mgpu.model.runner import load_reference_runner
 from strata_mgpu.model.spec import spec_from_gguf
 from strata_mgpu.model.tokenizer import tokenizer_from_gguf
 from strata_mgpu.stage.build import build_stage
 from strata_mgpu.stage.stage import StageOptions
-from tests.engine_runs import run_all
 from tests.test_gpu import BF16_Q8_TOL, BF16_TOL, _share_routing, rel_err
+from tests.test_hybrid_stage import continue_from_a_snapshot, three_turns_cached_and_not
 
 pytestmark = pytest.mark.gpu
 CUDA = torch.device("cuda", 0)
@@ -102,44 +99,15 @@ def test_a_continuation_from_a_pinned_snapshot_equals_the_whole_prompt(hybrid):
     """bf16: a snapshot taken on the stage (kept in pinned host RAM) at a block boundary, restored into a
     sequence on the first one's blocks, continues as the whole prompt within bf16's chunking error."""
     f, spec = hybrid
-    stage = _stage(f, spec, streamed=True)
-    prompt = torch.randint(0, spec.vocab_size, (200,), generator=torch.Generator().manual_seed(3))
-    pool = stage.kv_pool(64, 1024)
-    whole = stage.new_sequence(256)
-    want = stage.prefill(whole, prompt)
-    table = BlockTable(pool.blocks, 256)
-    first = stage.new_sequence(256, table)
-    stage.mark_states(first, [128])
-    stage.prefill(first, prompt[:150])
-    (snap,) = stage.taken_states(first).values()
+    want, got, want_step, got_step, snap = continue_from_a_snapshot(_stage(f, spec, streamed=True), 200, 128, 64)
     state = next(iter(snap.layers.values()))
-    assert snap.length == 128 and state.recurrent.device.type == "cpu" and state.recurrent.is_pinned()
-    again = stage.new_sequence(256, BlockTable.adopt(pool.blocks, 256, table.ids[:2]), 128, state=snap)
-    got = stage.prefill(again, prompt[128:])
+    assert state.recurrent.device.type == "cpu" and state.recurrent.is_pinned() and state.conv.is_pinned()
     assert rel_err(got, want) <= HYBRID_BF16_TOL
-    step = torch.tensor([int(want.argmax())], device=CUDA)
-    assert rel_err(stage.decode([again], step)[0], stage.decode([whole], step)[0]) <= HYBRID_BF16_Q8_TOL
+    assert rel_err(got_step, want_step) <= HYBRID_BF16_Q8_TOL
 
 
 def test_three_turns_on_the_gpu_stage_with_the_prefix_cache_equal_the_cacheless_engine(hybrid):
-    """fp32 on the card (bf16's chunking error would flip near ties): each later turn resumes from a cached
-    snapshot and draws the tokens an engine without the cache draws on the same stage."""
+    """fp32 on the card (bf16's chunking error would flip near ties)."""
     f, spec = hybrid
-    stage = _stage(f, spec, streamed=True, dtype=torch.float32, kv_tokens=1024)
-    tok = tokenizer_from_gguf(f)
-    cached = Engine(stage, tok, EngineConfig(chunk_size=40, prefix_block_tokens=16))
-    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
-    g = torch.Generator().manual_seed(7)
-    prompt = torch.randint(0, spec.vocab_size, (75,), generator=g).tolist()
-    turns = []
-    for _ in range(3):
-        (outs,) = run_all(cached, [(prompt, params)])
-        got = [t for o in outs for t in o.token_ids]
-        turns.append((prompt, got, outs[-1].timings.cache_n))
-        prompt = prompt + got + torch.randint(0, spec.vocab_size, (20,), generator=g).tolist()
-    assert cached.prefix is not None and cached.prefix.stats.states >= 3 and cached.prefix.stats.hits == 2
-    plain = Engine(stage, tok, EngineConfig(chunk_size=40, prefix_block_tokens=16, prefix_cache=False))
-    for turn, (prompt, got, cache_n) in enumerate(turns):
-        (want,) = run_all(plain, [(prompt, params)])
-        assert got == [t for o in want for t in o.token_ids], turn
-        assert (cache_n > 0) == (turn > 0)
+    three_turns_cached_and_not(_stage(f, spec, streamed=True, dtype=torch.float32, kv_tokens=1024),
+                               tokenizer_from_gguf(f))

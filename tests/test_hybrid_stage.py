@@ -15,11 +15,12 @@ from strata_mgpu.engine.build import build_runner, check_placement, dense_layout
 from strata_mgpu.engine.engine import Engine
 from strata_mgpu.engine.sampler import SamplingParams
 from strata_mgpu.model.gguf_reader import GGUFFile
-from strata_mgpu.model.linear_state import HybridSequence
+from strata_mgpu.model.kv_pool import BlockTable
+from strata_mgpu.model.linear_state import HybridSequence, LinearSnapshot
 from strata_mgpu.model.runner import DecoderRunner, load_reference_runner
 from strata_mgpu.model.spec import spec_from_gguf
 from strata_mgpu.model.synthetic import write_model
-from strata_mgpu.model.tokenizer import tokenizer_from_gguf
+from strata_mgpu.model.tokenizer import Tokenizer, tokenizer_from_gguf
 from strata_mgpu.split.runner import build_split
 from strata_mgpu.stage.build import build_stage, dense_storage_bytes
 from strata_mgpu.stage.device import DeviceError
@@ -85,50 +86,51 @@ def test_a_cpu_stage_equals_the_reference_over_a_pack_and_batched_decode(pair):
         assert rel_err(b, a) <= TOL
 
 
+def continue_from_a_snapshot(stage: Stage, n: int, boundary: int, block_tokens: int
+                             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, LinearSnapshot]:
+    """A prompt of n tokens whole, and again as a continuation: the stage's own snapshot (mark_states /
+    taken_states) of a first sequence's state at `boundary` (a block boundary), restored into a new
+    sequence on that sequence's blocks (new_sequence(..., state=)), the prompt's rest after it, then one
+    step decoded on both. (whole prompt's logits, continuation's, whole's step, continuation's, snapshot)."""
+    prompt = torch.randint(0, stage.spec.vocab_size, (n,), generator=torch.Generator().manual_seed(2))
+    pool = stage.kv_pool(block_tokens, 4 * n)
+    whole = stage.new_sequence(2 * n)
+    want = stage.prefill(whole, prompt)
+    first_table = BlockTable(pool.blocks, 2 * n)
+    first = stage.new_sequence(2 * n, first_table)
+    stage.mark_states(first, [boundary])
+    stage.prefill(first, prompt[:boundary + block_tokens // 2])
+    (snap,) = stage.taken_states(first).values()
+    assert snap.length == boundary and stage.taken_states(first) == {}  # handed over once
+    table = BlockTable.adopt(pool.blocks, 2 * n, first_table.ids[:boundary // block_tokens])
+    again = stage.new_sequence(2 * n, table, boundary, state=snap)
+    got = stage.prefill(again, prompt[boundary:])
+    step = torch.tensor([int(want.argmax())], device=stage.ctx.device)
+    return want, got, stage.decode([whole], step)[0], stage.decode([again], step)[0], snap
+
+
 @torch.no_grad()
 def test_a_continuation_from_a_snapshot_through_the_stage_equals_the_whole_prompt(pair):
-    """The stage's own snapshot (mark_states / taken_states) at a block boundary inside a prompt, restored
-    into a new sequence on the first sequence's blocks (new_sequence(..., state=)), continues as the
-    whole prompt and decodes as it does."""
     _, stage = pair
-    spec = stage.spec
-    prompt = torch.randint(0, spec.vocab_size, (100,), generator=torch.Generator().manual_seed(2))
-    pool = stage.kv_pool(16, 512)
-    whole = stage.new_sequence(256)
-    want = stage.prefill(whole, prompt)
-    from strata_mgpu.model.kv_pool import BlockTable
-
-    first_table = BlockTable(pool.blocks, 256)
-    first = stage.new_sequence(256, first_table)
-    stage.mark_states(first, [64])
-    stage.prefill(first, prompt[:80])
-    (snap,) = stage.taken_states(first).values()
-    assert snap.length == 64 and stage.taken_states(first) == {}  # handed over once
-    again = stage.new_sequence(256, BlockTable.adopt(pool.blocks, 256, first_table.ids[:4]), 64, state=snap)
-    assert rel_err(stage.prefill(again, prompt[64:]), want) <= TOL
-    step = torch.tensor([int(want.argmax())])
-    assert rel_err(stage.decode([again], step)[0], stage.decode([whole], step)[0]) <= TOL
+    want, got, want_step, got_step, _ = continue_from_a_snapshot(stage, 100, 64, 16)
+    assert rel_err(got, want) <= TOL and rel_err(got_step, want_step) <= TOL
 
 
-def test_three_turns_through_the_stage_and_its_prefix_cache_equal_the_cacheless_engine(tiny_hybrid_gguf):
-    """A conversation of three turns on a CPU stage: each later turn starts from a cached snapshot (the
-    last turn's last full block, or one every `state_every` tokens) and draws the tokens an engine
-    without the cache draws on the same stage."""
-    f = GGUFFile(tiny_hybrid_gguf)
-    spec = spec_from_gguf(f)
-    stage, tok = build_stage(f, spec, StageOptions(device=CPU, kv_tokens=1024)), tokenizer_from_gguf(f)
-    config = EngineConfig(chunk_size=40, prefix_block_tokens=16)
-    cached = Engine(stage, tok, config)
+def three_turns_cached_and_not(stage: Stage, tok: Tokenizer) -> None:
+    """A conversation of three turns on an engine with the prefix cache: each later turn starts from a
+    cached snapshot (the last turn's last full block, or one every `state_every` tokens) and draws the
+    greedy tokens an engine without the cache draws on the same stage."""
+    cached = Engine(stage, tok, EngineConfig(chunk_size=40, prefix_block_tokens=16))
     assert cached.prefix is not None and cached.prefix.stateful
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     g = torch.Generator().manual_seed(7)
-    prompt = torch.randint(0, spec.vocab_size, (75,), generator=g).tolist()
+    prompt = torch.randint(0, stage.spec.vocab_size, (75,), generator=g).tolist()
     turns = []
     for _ in range(3):
         (outs,) = run_all(cached, [(prompt, params)])
         got = [t for o in outs for t in o.token_ids]
         turns.append((prompt, got, outs[-1].timings))
-        prompt = prompt + got + torch.randint(0, spec.vocab_size, (20,), generator=g).tolist()
+        prompt = prompt + got + torch.randint(0, stage.spec.vocab_size, (20,), generator=g).tolist()
     assert cached.prefix.stats.states >= 3 and cached.prefix.stats.hits == 2
     plain = Engine(stage, tok, EngineConfig(chunk_size=40, prefix_block_tokens=16, prefix_cache=False))
     for turn, (prompt, got, timings) in enumerate(turns):
@@ -136,6 +138,12 @@ def test_three_turns_through_the_stage_and_its_prefix_cache_equal_the_cacheless_
         assert got == [t for o in want for t in o.token_ids], turn
         assert timings.cache_n + timings.prompt_n == len(prompt)
         assert (timings.cache_n > 0) == (turn > 0) and timings.cache_n % 16 == 0
+
+
+def test_three_turns_through_the_stage_and_its_prefix_cache_equal_the_cacheless_engine(tiny_hybrid_gguf):
+    f = GGUFFile(tiny_hybrid_gguf)
+    spec = spec_from_gguf(f)
+    three_turns_cached_and_not(build_stage(f, spec, StageOptions(device=CPU, kv_tokens=1024)), tokenizer_from_gguf(f))
 
 
 def test_the_stage_keeps_kv_for_attention_layers_only_and_plans_the_state(tiny_hybrid_gguf):
