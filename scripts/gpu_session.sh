@@ -93,6 +93,10 @@
 #   fewrows prompts of 1-64 tokens at --max-vram 16 with STRATA_GATHER_ROWS=auto (the break-even of the
 #           measured rates; the stage logs it), 16 (the rule before it: E picks), 1 (every prompt streams) and
 #           64 (every one gathers): where gathering really stops paying, against where the rule puts it
+#   hyb     a hybrid model on one GPU stage (#43): the 35b-a3b-hybrid preset (qwen35moe, Qwen3.5-35B-A3B's
+#           shapes; written in the background while the tests run: HMODEL), bench at --max-vram 16 (1K and 4K
+#           prompts, decode) and 40, and a 10-turn agent session against `strata serve --max-vram 40`
+#           (computed against new tokens: the snapshots' prefix cache)
 #   resid   decode at --max-vram 16 after a 1K prompt with STRATA_RESIDENCY_SWAPS=0 (held still), 4 and 16 and
 #           STRATA_RESIDENCY_HALF_LIFE 128 / 512 / 2048; tools/router_predict on the model (synthetic: the
 #           rates mean little, the run times are what counts)
@@ -111,6 +115,13 @@ if has gen && [ ! -f $MODEL ]; then
   (python3 -m strata_mgpu gen-model /tmp/q30b.part.gguf --preset 30b-a3b --seed 0 > "$OUT/gen.log" 2>&1 \
      && mv /tmp/q30b.part.gguf $MODEL) &
   gen_pid=$!
+fi
+HMODEL=${HMODEL:-/tmp/h35.gguf}
+genh_pid=
+if has hyb && [ ! -f $HMODEL ]; then
+  (python3 -m strata_mgpu gen-model /tmp/h35.part.gguf --preset 35b-a3b-hybrid --seed 0 > "$OUT/genh.log" 2>&1 \
+     && mv /tmp/h35.part.gguf $HMODEL) &
+  genh_pid=$!
 fi
 status=0
 if has tests; then
@@ -435,6 +446,13 @@ if has fewrows; then
     STRATA_GATHER_ROWS=$rows bench "fewrows_$rows" --max-vram 16 --prompt-tokens 1,8,14,16,24,32,48,64 \
       --decode-tokens 0 --runs 5
   done
+fi
+if has hyb; then
+  [ -n "$genh_pid" ] && wait $genh_pid
+  MODEL=$HMODEL bench hyb16 --max-vram 16 --prompt-tokens 1024,4096 --decode-tokens 64 --runs 2
+  MODEL=$HMODEL TRACE_ARGS="--sessions 1 --turns 10 --system-tokens 3072 --turn-tokens 1536 --answer-tokens 96" \
+    trace hyb40 --max-vram 40 --ctx-size 32768
+  MODEL=$HMODEL bench hyb40 --max-vram 40 --prompt-tokens 4096 --decode-tokens 64 --runs 2
 fi
 if has resid; then
   for swaps in 0 4 16; do

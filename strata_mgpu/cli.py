@@ -312,7 +312,8 @@ def info(model: Path, link_gbps: float, max_vram: str | None, devices: str, laye
                                        resident_experts=resident_experts, cache_types=(cache_type_k, cache_type_v))
                 spec = spec_from_gguf(f)
                 engine = EngineConfig(ctx_size=ctx_size, chunk_size=chunk_size).for_model(spec.context_length)
-                plans = preview_plans(f, spec, placement, engine.chunk_size, engine.n_ctx(spec.context_length))
+                plans = preview_plans(f, spec, placement, engine.chunk_size, engine.n_ctx(spec.context_length),
+                                      sequences=engine.max_running)
     except (GGUFError, SplitError, PlanError, DeviceError) as e:
         fail(str(e))
     out.print(*report.info_tables(mi, model.name, link_gbps), sep="\n")

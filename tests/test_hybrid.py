@@ -24,7 +24,6 @@ from strata_mgpu.model.spec import spec_from_gguf
 from strata_mgpu.model.synthetic import PRESETS, preset_spec, write_model
 from strata_mgpu.model.tokenizer import tokenizer_from_gguf
 from strata_mgpu.model.weights import load_weights
-from strata_mgpu.stage.device import DeviceError
 from tests.engine_runs import run_all
 from tests.hf_oracle import hf_qwen3next, hf_qwen35moe
 from tests.server_proc import running_server
@@ -272,15 +271,14 @@ def test_strata_serve_answers_a_chat_with_a_hybrid_model(tiny_hybrid_gguf, tmp_p
     assert "the torch reference forward" in (tmp_path / "serve.log").read_text()
 
 
-def test_stages_refuse_a_hybrid_model_in_one_line(tiny_hybrid_gguf):
-    """Only the reference serves DeltaNet layers so far: a stage's placement (bench's) says so."""
+def test_serve_on_one_cpu_keeps_the_reference_for_a_hybrid_model(tiny_hybrid_gguf):
+    """`serve --devices cpu` (cpu_reference) runs a hybrid model on the fp32 reference; a stage serves it
+    elsewhere (tests/test_hybrid_stage.py), and `strata info --max-vram` plans it."""
     f = GGUFFile(tiny_hybrid_gguf)
     spec = spec_from_gguf(f)
-    with pytest.raises(DeviceError, match="CPU reference only"):
-        build_runner(f, spec, Placement(devices=("cpu",)), 64, kv_tokens=128)
-    with pytest.raises(DeviceError, match="CPU reference only"):
-        preview_plans(f, spec, Placement(devices=("cuda:0",), max_vram_gib=(16.0,)), 64, 1024)  # strata info's
     assert isinstance(build_runner(f, spec, Placement(devices=("cpu",)), 64, cpu_reference=True), DecoderRunner)
+    (_, _, plan), = preview_plans(f, spec, Placement(devices=("cuda:0",), max_vram_gib=(16.0,)), 64, 1024)
+    assert plan.linear_state > 0
 
 
 def test_gen_model_writes_a_cut_of_a_hybrid_preset(tmp_path):

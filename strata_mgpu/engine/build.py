@@ -47,9 +47,11 @@ def check_placement(placement: Placement, spec: ModelSpec) -> None:
     """Fail before anything loads: devices that do not exist, a split that does not fit, a model stages
     do not serve on a placement the CPU reference does not take."""
     devices = resolve_devices(placement)
-    if not (len(devices) == 1 and devices[0].type == "cpu"):
-        check_layers_served(spec)
-    stage_layers(placement, spec)
+    # one CPU device: `build_runner(cpu_reference=True)` serves what no stage does on the fp32 reference
+    by_reference = bool(spec.reference_only) and len(devices) == 1 and devices[0].type == "cpu"
+    for layers in stage_layers(placement, spec):
+        if not by_reference:
+            check_layers_served(spec, layers)
 
 
 def stage_layers(placement: Placement, spec: ModelSpec) -> list[range]:
@@ -59,9 +61,10 @@ def stage_layers(placement: Placement, spec: ModelSpec) -> list[range]:
 
 
 def stage_options(placement: Placement, chunk_size: int, kv_tokens: int,
-                  devices: list[torch.device] | None = None) -> list[StageOptions]:
+                  devices: list[torch.device] | None = None, sequences: int = 16) -> list[StageOptions]:
     """Each stage's options. One CPU device computes its experts on the host's cores; CPU stages of a
-    split, and one given `--resident-experts`, keep the device path's twins they are the tests of."""
+    split, and one given `--resident-experts`, keep the device path's twins they are the tests of.
+    `sequences`: the most running at once (`--max-running`), each with a hybrid model's DeltaNet state."""
     devices = resolve_devices(placement) if devices is None else devices
     cpu_only = len(devices) == 1 and devices[0].type == "cpu" and placement.resident_experts is None
     n_cuda = sum(d.type == "cuda" for d in devices)
@@ -69,7 +72,7 @@ def stage_options(placement: Placement, chunk_size: int, kv_tokens: int,
     # a CUDA stage's threads are its decode hand-over's pool: the GPU stages share the host's cores
     cuda_threads = max(1, threads // max(1, n_cuda))
     return [StageOptions(device=d, switches=placement, max_vram_gib=placement.budget(i), chunk_size=chunk_size,
-                         kv_tokens=kv_tokens, context=kv_tokens, host_core_experts=cpu_only,
+                         kv_tokens=kv_tokens, context=kv_tokens, host_core_experts=cpu_only, sequences=sequences,
                          threads=cuda_threads if d.type == "cuda" else threads)
             for i, d in enumerate(devices)]
 
@@ -79,16 +82,17 @@ def host_threads(placement: Placement, devices: list[torch.device]) -> int:
     return placement.threads or default_threads(sum(d.type == "cuda" for d in devices))
 
 
-def preview_plans(f: GGUFFile, spec: ModelSpec, placement: Placement, chunk_size: int, kv_tokens: int
-                  ) -> list[tuple[str, range, MemoryPlan]]:
+def preview_plans(f: GGUFFile, spec: ModelSpec, placement: Placement, chunk_size: int, kv_tokens: int,
+                  sequences: int = 16) -> list[tuple[str, range, MemoryPlan]]:
     """Each stage's VRAM plan from the file alone (no GPU needed): what `strata info --max-vram` prints,
-    and what a stage built on a card with that budget free would plan."""
-    check_layers_served(spec)
+    and what a stage built on a card with that budget free would plan (`sequences`: `stage_options`')."""
     names = [d.strip() for d in placement.devices]
-    options = stage_options(placement, chunk_size, kv_tokens, devices=[parse_device(n) for n in names])
+    options = stage_options(placement, chunk_size, kv_tokens, devices=[parse_device(n) for n in names],
+                            sequences=sequences)
     elem = 4 if placement.dtype == "fp32" else 2
     out = []
     for name, opts, layers in zip(names, options, stage_layers(placement, spec), strict=True):
+        check_layers_served(spec, layers)
         largest = max(layer_layout(f, spec, i).expert_bytes for i in layers)
         dense = dense_layout_bytes(f, spec, layers, elem=elem, blocks=placement.dense_blocks and elem == 2)
         out.append((name, layers, stage_plan(spec, opts, layers, expert_bytes=largest, dense=dense,
@@ -100,10 +104,10 @@ def dense_layout_bytes(f: GGUFFile, spec: ModelSpec, layers: range, *, elem: int
     """A GPU stage's dense weights as its plan counts them, the projections it keeps as blocks at their
     blocks' bytes, plus a prompt's transient bf16 copy of one."""
     embed, head = layers.start == 0, layers.stop == spec.n_layers
-    total = dense_bytes(spec, len(layers), embed=embed, head=head, elem=elem)
+    total = dense_bytes(spec, len(layers), embed=embed, head=head, elem=elem, first=layers.start)
     if not blocks:
         return total
-    names = [tname(kind, i) for i in layers for kind in (T.ATTN_Q, T.ATTN_K, T.ATTN_V, T.ATTN_OUT)]
+    names = [tname(kind, i) for i in layers for kind in projection_kinds(spec, i)]
     if head and not spec.tied_output:
         names.append(tname(T.OUTPUT))
     kept = [info for info in map(f.tensor, names) if keeps_blocks(info.ggml_type, info.shape[-1])]
@@ -111,14 +115,24 @@ def dense_layout_bytes(f: GGUFFile, spec: ModelSpec, layers: range, *, elem: int
                                                                                  if kept else 0)
 
 
+def projection_kinds(spec: ModelSpec, layer: int) -> tuple[T, ...]:
+    """The projections of a layer that `load_weights` keeps as blocks where the stage multiplies them so."""
+    mixer = (T.ATTN_QKV, T.ATTN_GATE, T.SSM_OUT) if spec.is_linear(layer) else (T.ATTN_Q, T.ATTN_K, T.ATTN_V,
+                                                                                    T.ATTN_OUT)
+    shared = (T.FFN_GATE_SHEXP, T.FFN_UP_SHEXP, T.FFN_DOWN_SHEXP) if spec.shared_expert_ffn else ()
+    return mixer + shared
+
+
 def build_runner(f: GGUFFile, spec: ModelSpec, placement: Placement, chunk_size: int, *,
-                 kv_tokens: int | None = None, cpu_reference: bool = False,
+                 kv_tokens: int | None = None, cpu_reference: bool = False, sequences: int = 16,
                  on_progress: Progress | None = None) -> DecoderRunner | Stage | SplitRunner:
     """`build_stages`; with `cpu_reference` (what `serve` asks for), one CPU device without ggml-python
-    serves the fp32 oracle instead, said once (the stage's torch twin would be slower)."""
+    serves the fp32 oracle instead, said once (the stage's torch twin would be slower), and so does one
+    CPU device for a hybrid model (its CPU stage's host-core path is not checked against the oracle yet).
+    `sequences`: the most running at once (`--max-running`), for the plan's DeltaNet state line."""
     devices = resolve_devices(placement)
     one_cpu = cpu_reference and len(devices) == 1 and devices[0].type == "cpu"
-    if spec.reference_only and one_cpu:  # e.g. gated DeltaNet layers: the reference serves them (stages refuse them)
+    if (spec.hybrid or spec.reference_only) and one_cpu:  # DeltaNet layers on the host, or what no stage serves
         return load_reference_runner(f, spec, on_progress=(lambda d, t: on_progress("layers", d, t))
                                      if on_progress else None, kv_types=placement.kv_types)
     missing = ggml_missing() if one_cpu else None
@@ -126,14 +140,17 @@ def build_runner(f: GGUFFile, spec: ModelSpec, placement: Placement, chunk_size:
         warn_once("serving the fp32 reference forward on the CPU (every expert dequantized in RAM)", missing)
         return load_reference_runner(f, spec, on_progress=(lambda d, t: on_progress("layers", d, t))
                                      if on_progress else None, kv_types=placement.kv_types)
-    return build_stages(f, spec, placement, chunk_size, kv_tokens=kv_tokens, on_progress=on_progress)
+    return build_stages(f, spec, placement, chunk_size, kv_tokens=kv_tokens, sequences=sequences,
+                        on_progress=on_progress)
 
 
 def build_stages(f: GGUFFile, spec: ModelSpec, placement: Placement, chunk_size: int, *,
-                 kv_tokens: int | None = None, on_progress: Progress | None = None) -> Stage | SplitRunner:
+                 kv_tokens: int | None = None, sequences: int = 16,
+                 on_progress: Progress | None = None) -> Stage | SplitRunner:
     """One device: a Stage; several: a SplitRunner. `kv_tokens`: the KV cells every stage's memory
-    plan keeps for all sequences together (default: one sequence of the whole context)."""
-    options = stage_options(placement, chunk_size, kv_tokens or spec.context_length)
+    plan keeps for all sequences together (default: one sequence of the whole context); `sequences`:
+    `stage_options`'."""
+    options = stage_options(placement, chunk_size, kv_tokens or spec.context_length, sequences=sequences)
     if len(options) == 1:
         return build_stage(f, spec, options[0], on_progress=on_progress)
     policy = HelpPolicy.of(placement.prefill_help, placement.prefill_help_frac)

@@ -247,8 +247,9 @@ class Engine:
         if self.prefix is None:
             return
         for req in done:
-            if req.paged:  # not ended by its first token, nor a two-tier ring
-                self.prefix.insert(req.table, req.prefill_tokens, len(req.prefill_tokens), req.states)
+            table = req.cacheable_table  # None: ended by its first token, or a two-tier ring
+            if table is not None:
+                self.prefix.insert(table, req.prefill_tokens, len(req.prefill_tokens), req.states)
 
     def _decode(self, reqs: list[Request]) -> Draw:
         """Their next tokens [B] (device). With a grammar row in the batch, the step in flight lands here,

@@ -138,10 +138,10 @@ class OutputProcessor:
     def _keep_blocks(self, req: Request, reason: str) -> None:
         """The prefix cache indexes the full blocks of a request that ended normally (the last token drawn
         has no KV row); an aborted or failed one's none (its last forward may not have run)."""
-        # a request longer than the pool is not `paged`: its table is a two-tier cache's ring
-        if self.prefix is not None and reason in ("stop", "length") and req.kv is not None and req.paged:
+        table = req.cacheable_table  # None for a request longer than the pool: its table is a two-tier ring
+        if self.prefix is not None and reason in ("stop", "length") and req.kv is not None and table is not None:
             tokens = [*req.prompt, *req.generated]
-            self.prefix.insert(req.table, tokens, min(req.kv.length, len(tokens)), req.states)
+            self.prefix.insert(table, tokens, min(req.kv.length, len(tokens)), req.states)
 
     def release(self, req: Request) -> None:
         """The request's sequence and its blocks given back (at its end, or a preemption)."""

@@ -141,12 +141,12 @@ class Request:
         return len(self.prompt) + self.params.max_tokens
 
     @property
-    def paged(self) -> bool:
-        """Its KV sits in its table's blocks by position, which the prefix cache may index: False for a
-        request longer than the pool, whose table's blocks are the VRAM ring of a two-tier cache (a block
-        there holds whatever positions last passed through it)."""
+    def cacheable_table(self) -> BlockTable | None:
+        """Its table where the prefix cache may index it (its KV in the blocks by position); None without
+        one, or for a request longer than the pool, whose table's blocks are the VRAM ring of a two-tier
+        cache (a block there holds whatever positions last passed through it)."""
         t = self.table
-        return t is not None and t.max_blocks * t.pool.block_tokens >= self.kv_tokens
+        return t if t is not None and t.max_blocks * t.pool.block_tokens >= self.kv_tokens else None
 
     @property
     def draw_state(self) -> DrawState:

@@ -11,7 +11,7 @@ the pool runs dry the youngest running request is preempted: its blocks go back 
 prefix stays in the cache), it waits at the head of the queue, and when admitted again it
 computes its prompt and the tokens it had drawn, mostly from the cache. A request longer than
 the whole pool (its older cells in host RAM) runs alone, on every block, used as a two-tier cache's
-VRAM ring: such a request's blocks are never cached (`Request.paged`).
+VRAM ring: such a request's blocks are never cached (`Request.cacheable_table`).
 """
 
 from __future__ import annotations

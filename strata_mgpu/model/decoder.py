@@ -222,12 +222,13 @@ class Decoder:
         """Layers a sequence's KV cache holds: the full-attention ones."""
         return len(self.w.layers) - len(self.linear_layers)
 
-    def new_linear_state(self) -> LinearState | None:
-        """A fresh sequence's DeltaNet state for this decoder's linear layers; None where it has none."""
+    def new_linear_state(self, snapshots_on: torch.device | None = None) -> LinearState | None:
+        """A fresh sequence's DeltaNet state for this decoder's linear layers (its snapshots kept on
+        `snapshots_on`, `LinearState`'s); None where it has none."""
         if not self.linear_layers:
             return None
         assert self.spec.delta is not None
-        return LinearState(self.spec.delta, self.linear_layers, self.device, self.w.dtype)
+        return LinearState(self.spec.delta, self.linear_layers, self.device, self.w.dtype, snapshots_on)
 
     def forward(self, tokens: torch.Tensor, segments: Sequence[Segment]) -> torch.Tensor:
         """tokens [T] (sequences packed as `segments`) -> final hidden states [T, D]."""

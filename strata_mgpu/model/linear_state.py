@@ -2,8 +2,9 @@
 the delta rule's recurrent state. The KV cache (`SequenceKV`) holds the full-attention layers only;
 this holds the rest, at the same token boundary (`length`). `snapshot` / `restore` copy it out at
 a boundary and back into a fresh sequence (what a prefix cache of a hybrid model keeps beside its
-KV blocks); `mark` asks the next forwards to record a snapshot at a boundary inside their rows
-(a block boundary a prompt's chunk passes), `taken` hands it over. `HybridSequence` is the two
+KV blocks; a GPU stage keeps them in pinned host RAM, `snapshots_on`); `mark` asks the next forwards
+to record a snapshot at a boundary inside their rows (a block boundary a prompt's chunk passes),
+`taken` hands it over. `HybridSequence` is the two
 together, as a runner over a hybrid decoder holds them.
 """
 
@@ -41,12 +42,15 @@ class LinearState:
     indexes), zeros before its first token. A forward updates each layer's state in place
     (`layer(i)`) and then advances `length` by its rows; one that fails midway leaves some layers
     past `length`, so its sequence is dropped (as the engine drops a failed call's requests) or
-    restored from a snapshot."""
+    restored from a snapshot. `snapshots_on`: where snapshots are kept (None: beside the state; a GPU
+    stage's in host RAM, pinned, each copy queued on the current stream and not waited for: a restore
+    queued later on the same stream reads it after)."""
 
     def __init__(self, shape: DeltaNetShape, layers: Sequence[int], device: torch.device | str,
-                 dtype: torch.dtype = torch.float32):
+                 dtype: torch.dtype = torch.float32, snapshots_on: torch.device | None = None):
         s = shape
         self.length = 0
+        self._keep_on = snapshots_on
         self._marks: set[int] = set()  # boundaries to record as forwards pass them
         self._taken: dict[int, dict[int, LayerState]] = {}  # boundary -> the layers recorded there so far
         self._layers = {i: LayerState(conv=torch.zeros(s.conv_dim, s.conv_kernel - 1, device=device, dtype=dtype),
@@ -66,8 +70,14 @@ class LinearState:
 
     def snapshot(self) -> LinearSnapshot:
         """Copies of the state as it is now, after `length` tokens."""
-        return LinearSnapshot(self.length, {i: LayerState(s.conv.clone(), s.recurrent.clone())
-                                            for i, s in self._layers.items()})
+        return LinearSnapshot(self.length, {i: self._copy(s) for i, s in self._layers.items()})
+
+    def _copy(self, s: LayerState) -> LayerState:
+        if self._keep_on is None or self._keep_on == s.conv.device:
+            return LayerState(s.conv.clone(), s.recurrent.clone())
+        # a device's state to host RAM: pinned, queued (torch pins a non-blocking copy's host side)
+        return LayerState(s.conv.to(self._keep_on, non_blocking=True),
+                          s.recurrent.to(self._keep_on, non_blocking=True))
 
     def mark(self, *boundaries: int) -> None:
         """Record a snapshot after each of these token counts (past `length`) as the forwards pass it."""
@@ -83,8 +93,7 @@ class LinearState:
 
     def record(self, boundary: int, layer: int) -> None:
         """Layer `layer`'s state, which has just taken the tokens up to `boundary`, copied for its snapshot."""
-        s = self._layers[layer]
-        self._taken.setdefault(boundary, {})[layer] = LayerState(s.conv.clone(), s.recurrent.clone())
+        self._taken.setdefault(boundary, {})[layer] = self._copy(self._layers[layer])
 
     def taken(self, boundary: int) -> LinearSnapshot | None:
         """The snapshot at a marked boundary once every layer has recorded it (then no longer kept here);
@@ -99,9 +108,9 @@ class LinearState:
     def restore(self, snap: LinearSnapshot) -> None:
         """This state made the snapshot's (the sequence's KV must hold the same `snap.length` tokens)."""
         assert snap.layers.keys() == self._layers.keys(), "a snapshot of another decoder's layers"
-        for i, s in self._layers.items():
-            s.conv.copy_(snap.layers[i].conv)
-            s.recurrent.copy_(snap.layers[i].recurrent)
+        for i, s in self._layers.items():  # from host RAM: queued on the current stream
+            s.conv.copy_(snap.layers[i].conv, non_blocking=True)
+            s.recurrent.copy_(snap.layers[i].recurrent, non_blocking=True)
         self.length = snap.length
 
 

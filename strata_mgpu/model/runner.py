@@ -1,6 +1,7 @@
 """`DecoderRunner`: the engine's `ModelRunner` over a `Decoder` in host memory (the fp32 reference),
-its loader, and the prefill calls every runner over a `Decoder` makes. Over a hybrid decoder its
-sequences are `HybridSequence`s (KV and DeltaNet state), which the prefix cache does not keep yet.
+its loader, and what every runner over a `Decoder` shares: the prefill calls, and over a hybrid
+decoder its sequences as `HybridSequence`s (KV and DeltaNet state) with the prefix cache's snapshots
+(`with_linear_state`, `mark_linear_states`, `taken_linear_states`).
 """
 
 from __future__ import annotations
@@ -89,27 +90,13 @@ class DecoderRunner:
         kv = PagedKV(self._storages.of(table.pool), table, length=length, max_length=max_length)
         if own:
             free_with(kv, table)
-        linear = self.model.new_linear_state()
-        if linear is None:
-            return kv
-        if length:
-            assert state is not None and state.length == length, "a hybrid prefix comes with its state's snapshot"
-            linear.restore(state)
-        return HybridSequence(kv, linear)
+        return with_linear_state(self.model, kv, length, state)
 
     def mark_states(self, kv: RunnerSequence, boundaries: Sequence[int]) -> None:
-        if isinstance(kv, HybridSequence):
-            kv.linear.mark(*boundaries)
+        mark_linear_states(kv, boundaries)
 
     def taken_states(self, kv: RunnerSequence) -> dict[int, LinearSnapshot]:
-        if not isinstance(kv, HybridSequence):
-            return {}
-        out = {}
-        for b in sorted(kv.linear.pending_marks()):
-            snap = kv.linear.taken(b)
-            if snap is not None:
-                out[b] = snap
-        return out
+        return taken_linear_states(kv)
 
     @torch.inference_mode()
     def prefill(self, kv: RunnerSequence, tokens: torch.Tensor, whole_prompt: bool = False,
@@ -124,6 +111,38 @@ class DecoderRunner:
     def decode(self, kvs: Sequence[RunnerSequence], tokens: torch.Tensor) -> torch.Tensor:
         segments = [segment(i, i + 1, kv) for i, kv in enumerate(kvs)]
         return self.model.logits(self.model.forward(tokens.to(self.model.device), segments))
+
+
+def with_linear_state(model: Decoder, kv: SequenceKV, length: int, state: LinearSnapshot | None,
+                      snapshots_on: torch.device | None = None) -> RunnerSequence:
+    """A new sequence's KV as itself, or on a hybrid decoder with a fresh DeltaNet state beside it
+    (`state`: its snapshot at `length`, a cached prefix, restored; `snapshots_on`: `LinearState`'s)."""
+    linear = model.new_linear_state(snapshots_on)
+    if linear is None:
+        assert state is None, "a snapshot for a decoder without linear layers"
+        return kv
+    if length:
+        assert state is not None and state.length == length, "a hybrid prefix comes with its state's snapshot"
+        linear.restore(state)
+    return HybridSequence(kv, linear)
+
+
+def mark_linear_states(seq: RunnerSequence, boundaries: Sequence[int]) -> None:
+    """`ModelRunner.mark_states` over a runner's sequence (no-op without a DeltaNet state)."""
+    if isinstance(seq, HybridSequence):
+        seq.linear.mark(*boundaries)
+
+
+def taken_linear_states(seq: RunnerSequence) -> dict[int, LinearSnapshot]:
+    """`ModelRunner.taken_states`: the marked snapshots every linear layer has recorded, by token count."""
+    if not isinstance(seq, HybridSequence):
+        return {}
+    out = {}
+    for b in seq.linear.pending_marks():
+        snap = seq.linear.taken(b)
+        if snap is not None:
+            out[b] = snap
+    return out
 
 
 def segment(start: int, end: int, seq: RunnerSequence) -> Segment:

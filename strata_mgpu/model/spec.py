@@ -178,9 +178,8 @@ class ModelSpec:
 
     @property
     def reference_only(self) -> str:
-        """What of this model no stage serves yet ('' where stages serve it all): the CPU reference does."""
-        if self.hybrid:
-            return "gated DeltaNet layers"
+        """What of this model no stage serves yet ('' where stages serve it all): the CPU reference does.
+        A hybrid model's DeltaNet layers are served by a stage (`check_layers_served`)."""
         if self.arch == GLM4MOE:
             return "dense layers, attention biases, the sigmoid router"
         return ""
@@ -299,14 +298,14 @@ class ModelSpec:
         """The full-attention layers, whose keys and values a sequence's KV cache holds."""
         return [i for i in range(self.n_layers) if not self.is_linear(i)]
 
-    def linear_state_bytes(self, elem: int = 4) -> int:
-        """Bytes of one sequence's DeltaNet state, every linear layer: conv [C, K - 1] and recurrent
-        [Hv, Dk, Dv] (`elem` bytes a value)."""
+    def linear_state_bytes(self, elem: int = 4, layers: range | None = None) -> int:
+        """Bytes of one sequence's DeltaNet state, every linear layer (of `layers`, default all): conv
+        [C, K - 1] and recurrent [Hv, Dk, Dv] (`elem` bytes a value)."""
         d = self.delta
         if d is None:
             return 0
         per_layer = d.conv_dim * (d.conv_kernel - 1) + d.n_v_heads * d.k_head_dim * d.v_head_dim
-        return sum(self.is_linear(i) for i in range(self.n_layers)) * per_layer * elem
+        return sum(self.is_linear(i) for i in (range(self.n_layers) if layers is None else layers)) * per_layer * elem
 
 
 def tname(kind: MODEL_TENSOR, layer: int | None = None, suffix: str = ".weight") -> str:

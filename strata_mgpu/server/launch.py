@@ -161,6 +161,7 @@ class Loader:
                           TimeElapsedColumn(), console=Console(stderr=True)) as bar:
                 runner = build_runner(self.f, spec, config.placement, config.engine.chunk_size, cpu_reference=True,
                                       kv_tokens=config.engine.kv_cells(spec.context_length),
+                                      sequences=config.engine.max_running,
                                       on_progress=self._on_progress(layer_bars(bar)))
             if self._stopping.is_set():  # stopped after the last layer: no engine to start
                 return

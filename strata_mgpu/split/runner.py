@@ -140,14 +140,14 @@ class SplitRunner:
         return self._pool
 
     def mark_states(self, kv: SplitKV, boundaries: Sequence[int]) -> None:
-        """No linear layers (a stage serves none): nothing to snapshot."""
+        """No linear layers (a split of a hybrid model is refused, `check_layers_served`): nothing to snapshot."""
 
     def taken_states(self, kv: SplitKV) -> dict[int, object]:
         return {}
 
     def new_sequence(self, max_length: int, table: BlockTable | None = None, length: int = 0,
                      state: object = None) -> SplitKV:
-        assert state is None, "a split serves no linear layers"
+        assert state is None, "a split serves no linear layers (`check_layers_served`)"
         pool = self._pool or self.kv_pool(DEFAULT_BLOCK_TOKENS, 0)
         own = table is None
         if table is None:
@@ -156,8 +156,9 @@ class SplitRunner:
             table = BlockTable(blocks, min(max_length, pool_tokens))
             if max_length > pool_tokens:
                 table.ensure(pool_tokens)
-        # each stage's own KV (in its pool, or two-tier on all of it), made on its own stream
-        kv = SplitKV([s.new_sequence(max_length, table, length) for s in self.stages])
+        # each stage's own KV (in its pool, or two-tier on all of it), made on its own stream; no DeltaNet
+        # state beside it: a split of a hybrid model is refused (`check_layers_served`)
+        kv = SplitKV([s.kv.new_sequence(max_length, table, length) for s in self.stages])
         if own:
             free_with(kv, table)
         return kv

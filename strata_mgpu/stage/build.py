@@ -21,7 +21,7 @@ from strata_mgpu.kernels.experts import CudaKernels, TorchKernels, select_kernel
 from strata_mgpu.model.decoder import Decoder, DenseMatmul, float_matmul
 from strata_mgpu.model.gguf_reader import GGUFFile
 from strata_mgpu.model.spec import ModelSpec
-from strata_mgpu.model.weights import BlockMatrix, ModelWeights, every_type, load_weights
+from strata_mgpu.model.weights import BlockMatrix, LayerWeights, ModelWeights, every_type, load_weights
 from strata_mgpu.stage.device import DeviceContext, DeviceError
 from strata_mgpu.stage.experts.break_even import PassRates, measure_compute, measure_mapped_rate
 from strata_mgpu.stage.experts.cache import ExpertCache
@@ -36,7 +36,7 @@ from strata_mgpu.stage.graphs.replay import DecodeGraphs
 from strata_mgpu.stage.host.arena import HostExpertArena
 from strata_mgpu.stage.host.link import link_rate, measure_link_rate
 from strata_mgpu.stage.kv.allocator import StageKV
-from strata_mgpu.stage.memory_plan import MemoryPlan, plan_stage_memory
+from strata_mgpu.stage.memory_plan import MemoryPlan, kv_layers, plan_stage_memory
 from strata_mgpu.stage.stage import Stage, StageOptions, StageReport
 
 log = logging.getLogger("strata.stage")
@@ -44,19 +44,25 @@ log = logging.getLogger("strata.stage")
 Progress = Callable[[str, int, int], None]
 
 
-def check_layers_served(spec: ModelSpec) -> None:
-    """A stage's forward, plan and decode graphs serve qwen3moe's layers only: a hybrid model's DeltaNet
-    layers (qwen35moe, qwen3next) and glm4moe's dense layers, biases and router run on the CPU
-    reference for now (`ModelSpec.reference_only`, docs/ARCHITECTURE.md)."""
+def check_layers_served(spec: ModelSpec, layers: range) -> None:
+    """A stage serves every layer kind of the registered archs: full attention, and a hybrid model's
+    gated DeltaNet layers (qwen35moe, qwen3next) with their state beside each sequence's KV (its decode
+    steps eager: no graphs). What it does not serve is part of a hybrid model's layers: a `--layer-split`
+    of one would need each stage's DeltaNet state and snapshots carried through the split's sequences,
+    which is not built (docs/ARCHITECTURE.md); nor glm4moe's dense layers, attention biases and sigmoid
+    router (`ModelSpec.reference_only`): the CPU reference serves those."""
     if spec.reference_only:
         raise DeviceError(f"{spec.arch} ({spec.reference_only}) is served by the CPU reference only for now "
                           f"(strata serve --devices cpu)")
+    if spec.hybrid and layers != range(spec.n_layers):
+        raise DeviceError(f"{spec.arch} (gated DeltaNet layers) runs on one device only for now: its layers "
+                          f"cannot be split across stages (drop --layer-split, give one device)")
 
 
 def build_stage(f: GGUFFile, spec: ModelSpec, opts: StageOptions, layers: range | None = None,
                 on_progress: Progress | None = None) -> Stage:
-    check_layers_served(spec)
     layers = layers if layers is not None else range(spec.n_layers)
+    check_layers_served(spec, layers)
     assert 0 <= layers.start < layers.stop <= spec.n_layers and layers.step == 1
     first, last = layers.start == 0, layers.stop == spec.n_layers
     switches = opts.switches
@@ -118,8 +124,10 @@ def build_stage(f: GGUFFile, spec: ModelSpec, opts: StageOptions, layers: range 
     # launches a row.
     model = Decoder(spec, dense, experts, ops, static_rows=fused_ops and _attention_fused(ctx, spec),
                     kv_types=switches.kv_types, dense=dense_matmul)
+    # graphs replay the fused ops' step (`Decoder.step_static`), which serves plain attention layers only
+    # (`ModelSpec.fused_attention`): a hybrid model decodes eagerly, its DeltaNet state not in static buffers
     graphs = DecodeGraphs(ctx, model, enabled=(switches.cuda_graphs and cache is not None and dtype == torch.bfloat16
-                                               and _decode_never_syncs(kernels, arena, spec)),
+                                               and spec.fused_attention and _decode_never_syncs(kernels, arena, spec)),
                           largest=switches.decode_graph_batch, pad=plan.resident_share >= 1, first=first)
     kv = StageKV(ctx, spec, layers, vram_cells=plan.kv_tokens, context=opts.context or 0, dtype=dtype,
                  prefetch=switches.kv_prefetch, kv_types=switches.kv_types)
@@ -215,14 +223,20 @@ def _rates_line(rates: PassRates | None) -> str:
 
 
 def holds_blocks(dense: ModelWeights) -> bool:
-    return any(isinstance(m, BlockMatrix) for lw in dense.layers for m in (lw.wq, lw.wk, lw.wv, lw.wo)) or \
+    return any(isinstance(m, BlockMatrix) for lw in dense.layers for m in layer_tensors(lw)) or \
         isinstance(dense.output, BlockMatrix)
+
+
+def layer_tensors(lw: LayerWeights) -> list[object]:
+    """Every weight a layer holds: its own fields, its DeltaNet mixer's and its shared expert's."""
+    parts = [lw, *(p for p in (lw.delta, lw.shared) if p is not None)]
+    return [t for p in parts for t in vars(p).values()]
 
 
 def dense_storage_bytes(dense: ModelWeights) -> int:
     """Bytes of every storage of the dense weights once (wq/wk/wv are views of wqkv; a tied head is the
     embedding)."""
-    held = [*(t for lw in dense.layers for t in vars(lw).values()), dense.embed, dense.output, dense.out_norm]
+    held = [*(t for lw in dense.layers for t in layer_tensors(lw)), dense.embed, dense.output, dense.out_norm]
     tensors = [t.raw if isinstance(t, BlockMatrix) else t for t in held if isinstance(t, torch.Tensor | BlockMatrix)]
     return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values())
 
@@ -258,7 +272,8 @@ def stage_plan(spec: ModelSpec, opts: StageOptions, layers: range, *, expert_byt
                              else 0, expert_workspace=not on_host,
                              where=where, staging_buffers=2 if switches.kv_prefetch else 1,
                              decode_rows=switches.decode_graph_batch, kv_types=switches.kv_types,
-                             head=layers.stop == spec.n_layers)
+                             head=layers.stop == spec.n_layers, kv_layers=kv_layers(spec, layers),
+                             linear_state=spec.linear_state_bytes(layers=layers), sequences=opts.sequences)
 
 
 def _attention_fused(ctx: DeviceContext, spec: ModelSpec) -> bool:

@@ -1,7 +1,8 @@
 """One VRAM plan per stage: what the budget holds, line by line, resident experts with the rest.
 
 A stage's `--max-vram` is one pool. Fixed lines come first (dense weights, one layer's experts as
-bf16, one chunk's activation peak, KV, decode's graphs and workspaces, allocator slack). The rest
+bf16, one chunk's activation peak, KV, a hybrid model's DeltaNet state of every running sequence,
+decode's graphs and workspaces, allocator slack). The rest
 holds the same `K` resident experts per layer and the expert ring, two slots of (E - K) experts.
 K is the largest count whose lines all fit; with K = E nothing streams and the ring is gone. The
 plan never exceeds the budget (a property test checks it); where even K = 0 does not fit,
@@ -54,6 +55,8 @@ class MemoryPlan:
     expert_bytes: int  # the largest expert's bytes (a cache slot, a ring position)
     ring_slots: int
     kv_type: str = "bf16"  # how the KV cells are stored (`KVFormat.describe`: bf16, q8_0, 'k q8_0, v bf16')
+    linear_state: int = 0  # a hybrid model's DeltaNet state (conv + recurrent) of `sequences` running sequences
+    sequences: int = 0
 
     @property
     def streamed_per_layer(self) -> int:
@@ -77,7 +80,8 @@ class MemoryPlan:
 
     @property
     def fixed(self) -> int:
-        return self.dense + self.workspace + self.activations + self.kv + self.kv_staging + self.decode + self.slack
+        return (self.dense + self.workspace + self.activations + self.kv + self.kv_staging + self.linear_state
+                + self.decode + self.slack)
 
     @property
     def total(self) -> int:
@@ -89,6 +93,7 @@ class MemoryPlan:
                ("activations (one chunk)", self.activations),
                (f"KV pool ({self.kv_tokens:,} tokens, {self.kv_type})", self.kv),
                ("KV staging (host prefix uploads)", self.kv_staging),
+               *([(f"DeltaNet state ({self.sequences} sequences)", self.linear_state)] if self.linear_state else []),
                ("decode graphs and GEMM workspaces", self.decode), ("allocator slack", self.slack),
                (f"expert ring ({self.ring_slots} x {self.streamed_per_layer} experts)", self.ring),
                (f"resident experts ({self.resident_per_layer}/{self.n_experts} a layer)", self.resident)]
@@ -134,14 +139,34 @@ def decode_bytes(spec: ModelSpec, rows: int, *, head: bool, elem: int = 2) -> in
     return GEMM_STREAMS * GEMM_WORKSPACE + int(1.25 * rows * per_row)
 
 
-def dense_bytes(spec: ModelSpec, n_layers: int, *, embed: bool, head: bool, elem: int = 2) -> int:
-    """The dense weights a stage keeps in VRAM, as `model.weights.load_weights` lays them out."""
+def dense_bytes(spec: ModelSpec, n_layers: int, *, embed: bool, head: bool, elem: int = 2, first: int = 0) -> int:
+    """The dense weights a stage of layers [first, first + n_layers) keeps in VRAM, as
+    `model.weights.load_weights` lays them out."""
     d = spec.hidden
-    layer = (2 * spec.q_dim * d + 2 * spec.kv_dim * d + 2 * d + 2 * spec.head_dim) * elem + spec.n_experts * d * 4
     table = spec.vocab_size * d * elem
     ends = (table if embed or (head and spec.tied_output) else 0) + ((d * elem + (0 if spec.tied_output else table))
                                                                      if head else 0)
-    return n_layers * layer + ends
+    return sum(layer_dense_bytes(spec, i, elem) for i in range(first, first + n_layers)) + ends
+
+
+def layer_dense_bytes(spec: ModelSpec, layer: int, elem: int = 2) -> int:
+    """One layer's dense weights: norms and the fp32 router, its token mixer (attention, or gated
+    DeltaNet), and a shared expert where the model has one."""
+    d, fs = spec.hidden, spec.shared_expert_ffn
+    out = 2 * d * elem + spec.n_experts * d * 4
+    if fs:  # gate, up, down and its gate's input
+        out += (3 * fs * d + d) * elem
+    delta = spec.delta
+    if spec.is_linear(layer) and delta is not None:  # qkv, z, beta, alpha, conv, out, dt, a, norm; key heads int64
+        c, hv, v = delta.conv_dim, delta.n_v_heads, delta.value_dim
+        return out + (c * d + 2 * v * d + 2 * hv * d + c * delta.conv_kernel + 2 * hv + delta.v_head_dim) * elem \
+            + hv * 8
+    return out + (spec.q_proj_dim * d + spec.q_dim * d + 2 * spec.kv_dim * d + 2 * spec.head_dim) * elem
+
+
+def kv_layers(spec: ModelSpec, layers: range) -> int:
+    """Layers of `layers` whose keys and values a sequence's KV holds: the full-attention ones."""
+    return sum(not spec.is_linear(i) for i in layers)
 
 
 def plan_stage_memory(spec: ModelSpec, *, kv_tokens: int, context: int, chunk_tokens: int,
@@ -171,14 +196,17 @@ def plan_memory(spec: ModelSpec, *, n_layers: int, expert_bytes: int, dense: int
                 chunk_tokens: int, kv_tokens: int, ring_slots: int = 2, elem: int = 2,
                 resident_per_layer: int | None = None, where: str = "the stage", context: int | None = None,
                 staging_buffers: int = 1, decode_rows: int = 8, head: bool = True,
-                expert_workspace: bool = True,
+                expert_workspace: bool = True, kv_layers: int | None = None, linear_state: int = 0,
+                sequences: int = 0,
                 kv_types: tuple[GGMLQuantizationType, GGMLQuantizationType] = PLAIN_KV) -> MemoryPlan:
     """Place the fixed lines, then as many resident experts a layer as the rest holds.
 
     `kv_tokens` KV cells stay in VRAM; longer sequences (up to `context`) keep their older cells in
     host RAM, assembled in `staging_buffers` buffers of `context` cells. `decode_rows`: the largest
     graph batch; `head`: the stage holds the output head; `expert_workspace`: it dequantizes a
-    layer's experts (a CPU stage does not); `kv_types`: how keys and values are stored.
+    layer's experts (a CPU stage does not); `kv_types`: how keys and values are stored; `kv_layers`: the
+    layers whose KV the cells hold (default all: a hybrid model's DeltaNet layers have none);
+    `linear_state`: a sequence's DeltaNet state bytes, held by each of `sequences` running at once.
     `resident_per_layer` forces K (0: stream everything); it must still fit. Without a budget (CPU)
     K defaults to a quarter of E, so both read paths stay exercised."""
     E = spec.n_experts
@@ -189,7 +217,9 @@ def plan_memory(spec: ModelSpec, *, n_layers: int, expert_bytes: int, dense: int
     kv_type = KVFormat(torch.float32 if elem == 4 else torch.bfloat16, *kv_types).describe()
     fixed = dict(dense=dense, workspace=workspace_bytes(spec, elem) if expert_workspace else 0,
                  activations=activation_bytes(spec, min(chunk_tokens, context), context, elem, quantized),
-                 kv=kv_bytes(spec, n_layers, kv_tokens, elem, kv_types), kv_tokens=kv_tokens, kv_staging=staging,
+                 kv=kv_bytes(spec, n_layers if kv_layers is None else kv_layers, kv_tokens, elem, kv_types),
+                 kv_tokens=kv_tokens, kv_staging=staging, linear_state=linear_state * sequences,
+                 sequences=sequences if linear_state else 0,
                  decode=decode_bytes(spec, decode_rows, head=head, elem=elem) if budget is not None else 0,
                  slack=int(ALLOCATOR_SLACK * budget) if budget is not None else 0)
 

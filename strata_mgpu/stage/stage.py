@@ -18,9 +18,18 @@ from strata_mgpu.config import StageSwitches
 from strata_mgpu.env import EnvOptions
 from strata_mgpu.kernels.experts import CudaKernels, TorchKernels
 from strata_mgpu.model.decoder import Decoder, Segment
-from strata_mgpu.model.kv_cache import SequenceKV
 from strata_mgpu.model.kv_pool import BlockTable
-from strata_mgpu.model.runner import dtype_name, prefill_last_logits, prefill_pack_logits
+from strata_mgpu.model.linear_state import HybridSequence, LinearSnapshot
+from strata_mgpu.model.runner import (
+    RunnerSequence,
+    dtype_name,
+    mark_linear_states,
+    prefill_last_logits,
+    prefill_pack_logits,
+    segment,
+    taken_linear_states,
+    with_linear_state,
+)
 from strata_mgpu.model.spec import ModelSpec
 from strata_mgpu.stage.device import DeviceContext
 from strata_mgpu.stage.experts.host_cores import HostCoreExperts
@@ -47,6 +56,7 @@ class StageOptions:
     chunk_size: int = 8192  # the largest prefill chunk, for the activation line of the plan
     kv_tokens: int = 8192  # KV cells the engine may fill in VRAM, all sequences together (the plan's KV line)
     context: int | None = None  # the longest sequence; beyond kv_tokens its older KV lives in host RAM
+    sequences: int = 16  # the most running at once (the engine's --max-running): the plan's DeltaNet state line
     # a CPU stage computes its experts on the host's cores from the arena's GGUF bytes (ggml: no ring,
     # cache or fp32 workspace) rather than through the device path's twins; `threads` cores (None: all)
     host_core_experts: bool = False
@@ -129,29 +139,35 @@ class Stage:
         return self.kv.make_pool(block_tokens)
 
     def new_sequence(self, max_length: int, table: BlockTable | None = None, length: int = 0,
-                     state: object = None) -> SequenceKV:
-        assert state is None, "a stage serves no linear layers (`check_layers_served`)"
-        return self.kv.new_sequence(max_length, table, length)
+                     state: LinearSnapshot | None = None) -> RunnerSequence:
+        """The sequence's KV of the stage's attention layers (`StageKV`); on a hybrid model with its
+        linear layers' DeltaNet state on the stage's device beside it (`state`: the snapshot at `length`
+        of a cached prefix, restored on the compute stream). A GPU stage keeps its snapshots in pinned host
+        RAM: the prefix cache holds them, and the plan counts only the running sequences' states."""
+        kv = self.kv.new_sequence(max_length, table, length)
+        with self.ctx.on_compute():
+            return with_linear_state(self.model, kv, length, state,
+                                     snapshots_on=torch.device("cpu") if self.ctx.is_cuda else None)
 
-    def mark_states(self, kv: SequenceKV, boundaries: Sequence[int]) -> None:
-        """No linear layers: nothing to snapshot."""
+    def mark_states(self, kv: RunnerSequence, boundaries: Sequence[int]) -> None:
+        mark_linear_states(kv, boundaries)
 
-    def taken_states(self, kv: SequenceKV) -> dict[int, object]:
-        return {}
+    def taken_states(self, kv: RunnerSequence) -> dict[int, LinearSnapshot]:
+        return taken_linear_states(kv)
 
     @torch.inference_mode()
-    def prefill(self, kv: SequenceKV, tokens: torch.Tensor, whole_prompt: bool = False,
+    def prefill(self, kv: RunnerSequence, tokens: torch.Tensor, whole_prompt: bool = False,
                 want_logits: bool = True) -> torch.Tensor:
         with self.ctx.on_compute():
             return prefill_last_logits(self.model, kv, tokens)
 
     @torch.inference_mode()
-    def prefill_many(self, kvs: Sequence[SequenceKV], chunks: Sequence[torch.Tensor]) -> torch.Tensor:
+    def prefill_many(self, kvs: Sequence[RunnerSequence], chunks: Sequence[torch.Tensor]) -> torch.Tensor:
         with self.ctx.on_compute():
             return prefill_pack_logits(self.model, kvs, chunks)
 
     @torch.inference_mode()
-    def decode(self, kvs: Sequence[SequenceKV], tokens: torch.Tensor) -> torch.Tensor:
+    def decode(self, kvs: Sequence[RunnerSequence], tokens: torch.Tensor) -> torch.Tensor:
         with self.ctx.on_compute():
             self.refill_cache(kvs)
             return self.decode_rows(kvs, tokens.to(self.ctx.device))
@@ -185,11 +201,12 @@ class Stage:
         with self.ctx.on_compute():
             for n in rows:
                 kv = self.model.new_cache(n, capacity=n)
+                linear = self.model.new_linear_state()  # a hybrid model's DeltaNet state, else None
                 if self.is_first:
                     x = self.model.embed(torch.randint(0, self.spec.vocab_size, (n,), generator=g).to(self.ctx.device))
                 else:
                     x = torch.randn(n, self.spec.hidden, generator=g).to(self.model.w.dtype).to(self.ctx.device)
-                self.model.run(x, [Segment(0, n, kv)])
+                self.model.run(x, [Segment(0, n, kv, linear)])
         return rows
 
     def silent_faults(self) -> int:
@@ -211,10 +228,10 @@ class Stage:
         return line + ("; " + vram_plan_line(self.plan, self.report.pass_bytes) if self.ctx.is_cuda else "")
 
     # -- what a split drives ---------------------------------------------------------------------
-    def refill_cache(self, kvs: Sequence[SequenceKV]) -> None:
+    def refill_cache(self, kvs: Sequence[RunnerSequence]) -> None:
         self.refill(kvs)
 
-    def decode_rows(self, kvs: Sequence[SequenceKV], inp: torch.Tensor) -> torch.Tensor:
+    def decode_rows(self, kvs: Sequence[RunnerSequence], inp: torch.Tensor) -> torch.Tensor:
         """One decode step of `kvs` on the current stream (inputs and outputs as `Decoder.step_static`'s),
         a graph replay where `graphs.serves` the batch. Where the budget runs out in the step, the graphs'
         memory goes and the step runs again from the caches' lengths before it."""
@@ -230,18 +247,21 @@ class Stage:
                         "the step again", self.ctx.device, len(self.graphs.captured))
         # outside the except block: its traceback would keep the failed step's frames (a graph) alive
         for kv, n in zip(kvs, lengths, strict=True):
+            # graphs are off for hybrid models, so only caches got here: a DeltaNet state cannot be put back
+            assert not isinstance(kv, HybridSequence)
             kv.length = n
         self.graphs.drop()
         torch.cuda.empty_cache()
         return self._decode_rows(kvs, inp)
 
-    def _decode_rows(self, kvs: Sequence[SequenceKV], inp: torch.Tensor) -> torch.Tensor:
-        if self.graphs.serves(kvs):
-            out = self.graphs.step(kvs, inp)
+    def _decode_rows(self, kvs: Sequence[RunnerSequence], inp: torch.Tensor) -> torch.Tensor:
+        caches = [kv for kv in kvs if not isinstance(kv, HybridSequence)]
+        if len(caches) == len(kvs) and self.graphs.serves(caches):  # (graphs are off for hybrid models)
+            out = self.graphs.step(caches, inp)
             if out is not None:
                 return out
         x = self.model.embed(inp) if self.is_first else inp
-        x = self.model.run(x, [Segment(i, i + 1, kv) for i, kv in enumerate(kvs)])
+        x = self.model.run(x, [segment(i, i + 1, kv) for i, kv in enumerate(kvs)])
         return self.model.logits(x) if self.is_last else x
 
     def lend(self) -> LentBuffers:

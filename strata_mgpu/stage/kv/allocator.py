@@ -26,10 +26,12 @@ from strata_mgpu.model.spec import ModelSpec
 from strata_mgpu.stage.device import DeviceContext
 from strata_mgpu.stage.kv.pool import StagePool
 from strata_mgpu.stage.kv.two_tier import KVStaging, TwoTierKV
+from strata_mgpu.stage.memory_plan import kv_layers
 
 
 class StageKV:
-    """Makes each sequence's KV for a stage's `layers`: `vram_cells` for all sequences together,
+    """Makes each sequence's KV for a stage's `layers` (their full-attention ones: a hybrid model's
+    DeltaNet layers keep no KV, their state lives beside it): `vram_cells` for all sequences together,
     sequences of up to `context` tokens; `prefetch`: spilled cells uploaded a layer ahead on a side
     stream; `kv_types`: how the cells are stored."""
 
@@ -37,6 +39,7 @@ class StageKV:
                  dtype: torch.dtype, prefetch: bool,
                  kv_types: tuple[GGMLQuantizationType, GGMLQuantizationType] = PLAIN_KV):
         self.ctx, self.spec, self.layers, self.dtype, self.prefetch = ctx, spec, layers, dtype, prefetch
+        self.n_layers = kv_layers(spec, layers)  # the layers a sequence's KV holds
         self.format = KVFormat(dtype, *kv_types)
         self.vram_cells = vram_cells
         self.max_context = max(context, vram_cells)  # the longest sequence planned for
@@ -64,7 +67,7 @@ class StageKV:
 
     def _storage(self, n_blocks: int, block_tokens: int) -> KVStorage:
         with self.ctx.on_compute():
-            storage = KVStorage(len(self.layers), self.spec.n_kv_heads, self.spec.head_dim, n_blocks=n_blocks,
+            storage = KVStorage(self.n_layers, self.spec.n_kv_heads, self.spec.head_dim, n_blocks=n_blocks,
                                 block_tokens=block_tokens, device=self.ctx.device, format=self.format)
         self.ctx.label(storage.k, "kv pool keys")
         self.ctx.label(storage.v, "kv pool values")
@@ -99,7 +102,7 @@ class StageKV:
                 else:
                     table.ensure(pool_tokens)
                     ring = (storage.k, storage.v)  # the whole pool's cells
-                kv = TwoTierKV(len(self.layers), self.spec.n_kv_heads, self.spec.head_dim, window=pool_tokens,
+                kv = TwoTierKV(self.n_layers, self.spec.n_kv_heads, self.spec.head_dim, window=pool_tokens,
                                max_length=max_length, staging=self._staging, dtype=self.dtype,
                                kv_types=self.format.types, ring=ring, capacity=pool_tokens)
         if own:

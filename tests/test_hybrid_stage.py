@@ -1,0 +1,182 @@
+"""A hybrid model (qwen35moe, qwen3next: gated DeltaNet + gated attention + a shared expert) on a CPU
+stage (the GPU stage's code on the CPU, fp32, the device path's twins): against the reference runner
+over prompts, packs and 32 greedy decode steps; the prefix cache's snapshots through the stage; the
+stage's KV holding the attention layers only; the memory plan's DeltaNet lines; the split's refusal."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from strata_mgpu.config import EngineConfig, LayerSplit, Placement
+from strata_mgpu.engine.build import build_runner, check_placement, dense_layout_bytes, preview_plans
+from strata_mgpu.engine.engine import Engine
+from strata_mgpu.engine.sampler import SamplingParams
+from strata_mgpu.model.gguf_reader import GGUFFile
+from strata_mgpu.model.kv_pool import BlockTable
+from strata_mgpu.model.linear_state import HybridSequence, LinearSnapshot
+from strata_mgpu.model.runner import DecoderRunner, load_reference_runner
+from strata_mgpu.model.spec import spec_from_gguf
+from strata_mgpu.model.synthetic import write_model
+from strata_mgpu.model.tokenizer import Tokenizer, tokenizer_from_gguf
+from strata_mgpu.split.runner import build_split
+from strata_mgpu.stage.build import build_stage, dense_storage_bytes
+from strata_mgpu.stage.device import DeviceError
+from strata_mgpu.stage.memory_plan import kv_bytes
+from strata_mgpu.stage.stage import Stage, StageOptions
+from tests.engine_runs import run_all
+
+CPU = torch.device("cpu")
+TOL = 1e-4  # max|diff| / max|ref|, fp32 both (measured 0 to 5e-7: the same ops, experts grouped)
+
+
+def rel_err(a: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((a.float() - ref.float()).abs().max() / ref.float().abs().max())
+
+
+@pytest.fixture(scope="module")
+def tiny_next_gguf(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("models") / "tiny-next.gguf"
+    write_model(path, "tiny-next", seed=7)
+    return path
+
+
+@pytest.fixture(scope="module", params=["tiny-hybrid", "tiny-next"])
+def pair(request, tiny_hybrid_gguf, tiny_next_gguf) -> tuple[DecoderRunner, Stage]:
+    f = GGUFFile(tiny_hybrid_gguf if request.param == "tiny-hybrid" else tiny_next_gguf)
+    spec = spec_from_gguf(f)
+    # two experts a layer resident, the rest streamed through the ring (prompts) or the arena (decode)
+    return load_reference_runner(f, spec), build_stage(f, spec, StageOptions(device=CPU))
+
+
+@torch.no_grad()
+def test_a_cpu_stage_equals_the_reference_over_a_prompt_and_32_decode_steps(pair):
+    ref, stage = pair
+    spec = ref.spec
+    assert spec.hybrid and 0 < stage.plan.resident_per_layer < spec.n_experts
+    prompt = torch.randint(0, spec.vocab_size, (90,), generator=torch.Generator().manual_seed(0))  # past a scan chunk
+    kv_ref, kv_stage = ref.new_sequence(256), stage.new_sequence(256)
+    assert isinstance(kv_stage, HybridSequence) and kv_stage.linear.nbytes == spec.linear_state_bytes()
+    a, b = ref.prefill(kv_ref, prompt), stage.prefill(kv_stage, prompt)
+    assert stage.experts.ring is not None and stage.experts.ring.uploaded_bytes > 0  # the prompt streamed
+    assert rel_err(b, a) <= TOL
+    for _ in range(32):
+        token = torch.tensor([int(a.argmax())])
+        a, b = ref.decode([kv_ref], token)[0], stage.decode([kv_stage], token)[0]
+        assert rel_err(b, a) <= TOL
+    assert kv_stage.length == kv_stage.linear.length == 90 + 32
+
+
+@torch.no_grad()
+def test_a_cpu_stage_equals_the_reference_over_a_pack_and_batched_decode(pair):
+    """Three prompts packed in one forward (one shorter than the conv's width), then 32 steps of the
+    three decoded as one batch."""
+    ref, stage = pair
+    g = torch.Generator().manual_seed(1)
+    chunks = [torch.randint(0, ref.spec.vocab_size, (n,), generator=g) for n in (30, 70, 3)]
+    kvs_ref = [ref.new_sequence(256) for _ in chunks]
+    kvs_stage = [stage.new_sequence(256) for _ in chunks]
+    a, b = ref.prefill_many(kvs_ref, chunks), stage.prefill_many(kvs_stage, chunks)
+    assert rel_err(b, a) <= TOL
+    for _ in range(32):
+        tokens = a.argmax(-1)
+        a, b = ref.decode(kvs_ref, tokens), stage.decode(kvs_stage, tokens)
+        assert rel_err(b, a) <= TOL
+
+
+def continue_from_a_snapshot(stage: Stage, n: int, boundary: int, block_tokens: int
+                             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, LinearSnapshot]:
+    """A prompt of n tokens whole, and again as a continuation: the stage's own snapshot (mark_states /
+    taken_states) of a first sequence's state at `boundary` (a block boundary), restored into a new
+    sequence on that sequence's blocks (new_sequence(..., state=)), the prompt's rest after it, then one
+    step decoded on both. (whole prompt's logits, continuation's, whole's step, continuation's, snapshot)."""
+    prompt = torch.randint(0, stage.spec.vocab_size, (n,), generator=torch.Generator().manual_seed(2))
+    pool = stage.kv_pool(block_tokens, 4 * n)
+    whole = stage.new_sequence(2 * n)
+    want = stage.prefill(whole, prompt)
+    first_table = BlockTable(pool.blocks, 2 * n)
+    first = stage.new_sequence(2 * n, first_table)
+    stage.mark_states(first, [boundary])
+    stage.prefill(first, prompt[:boundary + block_tokens // 2])
+    (snap,) = stage.taken_states(first).values()
+    assert snap.length == boundary and stage.taken_states(first) == {}  # handed over once
+    table = BlockTable.adopt(pool.blocks, 2 * n, first_table.ids[:boundary // block_tokens])
+    again = stage.new_sequence(2 * n, table, boundary, state=snap)
+    got = stage.prefill(again, prompt[boundary:])
+    step = torch.tensor([int(want.argmax())], device=stage.ctx.device)
+    return want, got, stage.decode([whole], step)[0], stage.decode([again], step)[0], snap
+
+
+@torch.no_grad()
+def test_a_continuation_from_a_snapshot_through_the_stage_equals_the_whole_prompt(pair):
+    _, stage = pair
+    want, got, want_step, got_step, _ = continue_from_a_snapshot(stage, 100, 64, 16)
+    assert rel_err(got, want) <= TOL and rel_err(got_step, want_step) <= TOL
+
+
+def three_turns_cached_and_not(stage: Stage, tok: Tokenizer) -> None:
+    """A conversation of three turns on an engine with the prefix cache: each later turn starts from a
+    cached snapshot (the last turn's last full block, or one every `state_every` tokens) and draws the
+    greedy tokens an engine without the cache draws on the same stage."""
+    cached = Engine(stage, tok, EngineConfig(chunk_size=40, prefix_block_tokens=16))
+    assert cached.prefix is not None and cached.prefix.stateful
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    g = torch.Generator().manual_seed(7)
+    prompt = torch.randint(0, stage.spec.vocab_size, (75,), generator=g).tolist()
+    turns = []
+    for _ in range(3):
+        (outs,) = run_all(cached, [(prompt, params)])
+        got = [t for o in outs for t in o.token_ids]
+        turns.append((prompt, got, outs[-1].timings))
+        prompt = prompt + got + torch.randint(0, stage.spec.vocab_size, (20,), generator=g).tolist()
+    assert cached.prefix.stats.states >= 3 and cached.prefix.stats.hits == 2
+    plain = Engine(stage, tok, EngineConfig(chunk_size=40, prefix_block_tokens=16, prefix_cache=False))
+    for turn, (prompt, got, timings) in enumerate(turns):
+        (want,) = run_all(plain, [(prompt, params)])
+        assert got == [t for o in want for t in o.token_ids], turn
+        assert timings.cache_n + timings.prompt_n == len(prompt)
+        assert (timings.cache_n > 0) == (turn > 0) and timings.cache_n % 16 == 0
+
+
+def test_three_turns_through_the_stage_and_its_prefix_cache_equal_the_cacheless_engine(tiny_hybrid_gguf):
+    f = GGUFFile(tiny_hybrid_gguf)
+    spec = spec_from_gguf(f)
+    three_turns_cached_and_not(build_stage(f, spec, StageOptions(device=CPU, kv_tokens=1024)), tokenizer_from_gguf(f))
+
+
+def test_the_stage_keeps_kv_for_attention_layers_only_and_plans_the_state(tiny_hybrid_gguf):
+    f = GGUFFile(tiny_hybrid_gguf)
+    spec = spec_from_gguf(f)
+    stage = build_stage(f, spec, StageOptions(device=CPU, kv_tokens=1024, sequences=5))
+    n_attention = len(spec.attention_layers)
+    assert 0 < n_attention < spec.n_layers
+    pool = stage.kv_pool(64, 0)
+    assert pool.storage.k.shape[0] == n_attention
+    plan = stage.plan
+    assert plan.kv == kv_bytes(spec, n_attention, plan.kv_tokens, 4)
+    lines = dict(plan.lines())
+    assert lines["DeltaNet state (5 sequences)"] == 5 * spec.linear_state_bytes() == plan.linear_state > 0
+    assert plan.fixed >= plan.linear_state + plan.kv + plan.dense
+    # the dense line counts the DeltaNet mixers and the shared experts, as built and as previewed
+    assert plan.dense == dense_storage_bytes(stage.model.w)
+    assert dense_layout_bytes(f, spec, range(spec.n_layers), elem=4, blocks=False) == plan.dense
+    (_, _, preview), = preview_plans(f, spec, Placement(devices=("cuda:0",), max_vram_gib=(8.0,)), 64, 1024,
+                                     sequences=3)
+    assert dict(preview.lines())["DeltaNet state (3 sequences)"] == 3 * spec.linear_state_bytes()
+
+
+def test_a_layer_split_of_a_hybrid_model_is_refused_in_one_line(tiny_hybrid_gguf):
+    f = GGUFFile(tiny_hybrid_gguf)
+    spec = spec_from_gguf(f)
+    split = Placement(devices=("cpu", "cpu"), layer_split=LayerSplit((2,)))
+    for refused in (lambda: check_placement(split, spec), lambda: build_runner(f, spec, split, 64, kv_tokens=128),
+                    lambda: build_split(f, spec, [StageOptions(device=CPU)] * 2, LayerSplit((2,))),
+                    lambda: preview_plans(f, spec, Placement(devices=("cuda:0", "cuda:1"), max_vram_gib=(8.0, 8.0)),
+                                          64, 1024)):
+        with pytest.raises(DeviceError, match="cannot be split across stages") as e:
+            refused()
+        assert "\n" not in str(e.value)
+    check_placement(Placement(devices=("cpu",)), spec)  # one device: served
+    assert isinstance(build_runner(f, spec, Placement(devices=("cpu",)), 64, kv_tokens=128), Stage)
