@@ -124,16 +124,22 @@ PRESETS: dict[str, Preset] = {
                                  conv_kernel=4, n_k_heads=16, n_v_heads=32, k_head_dim=128, v_head_dim=128),
                              full_attention_interval=4, rope_dim=64, shared_expert_ffn=512, mtp_layers=1),
     # glm4moe: layer 0 dense, 1-3 MoE with an ungated shared expert, half of each head rotated, an MTP
-    # block (blk.4); 2 groups of 4 experts, one used, to reach the grouped choice; GLM-4.5-Air's scale
+    # block (blk.4); 2 groups of 4 experts, one used, to reach the grouped choice; GLM-4.5's scale of
+    # the routed weights (routed_scaling_factor 2.5; Air's is 1.0, which would leave the key untested)
     "tiny-glm4moe": Preset(n_layers=4, hidden=256, n_heads=4, n_kv_heads=2, head_dim=64, n_experts=8,
                            n_experts_used=2, expert_ffn=256, vocab_size=2048, context_length=4096, arch=GLM4MOE,
                            rms_eps=1e-5, rope_dim=32, shared_expert_ffn=256, mtp_layers=1, leading_dense=1,
-                           dense_ffn=512, sigmoid_routing=SigmoidRouting(n_groups=2, groups_used=1, scale=1.0),
+                           dense_ffn=512, sigmoid_routing=SigmoidRouting(n_groups=2, groups_used=1, scale=2.5),
                            qk_norm=False),
-    # GLM-4.5-Air's shapes (its config.json: 46 layers, the first dense of 10,944, 96 query and 8 KV
-    # heads of 128, half rotated (partial_rotary_factor 0.5), 128 experts of 1,408, 8 used, one shared,
-    # routed_scaling_factor 1.0, one group, no q/k norm, rope_theta 1e6, 131,072 positions, vocab 151,552;
-    # its MTP block, blk.46)
+    # GLM-4.5-Air's shapes, checked against its config.json (huggingface.co/zai-org/GLM-4.5-Air; the
+    # same values in its fine-tune PrimeIntellect/INTELLECT-3's): hidden 4096, 46 layers, the first
+    # dense (first_k_dense_replace 1) of intermediate_size 10,944, 96 query and 8 KV heads of head_dim
+    # 128, half rotated (partial_rotary_factor 0.5), rope_theta 1e6, 128 routed experts of 1,408, 8 used,
+    # n_shared_experts 1, n_group 1 / topk_group 1, routed_scaling_factor 1.0, norm_topk_prob true,
+    # attention_bias true, use_qk_norm false, rms_norm_eps 1e-5, 131,072 positions, vocab 151,552, untied
+    # head; and against llama.cpp's Glm4MoeModel converter (conversion/glm.py) and glm4moe loader
+    # (src/models/glm4-moe.cpp): block_count 47 with num_nextn_predict_layers 1 (its MTP block, blk.46,
+    # a MoE layer with nextn.* tensors), rope.dimension_count 64, sigmoid expert_gating_func
     "glm-4.5-air": Preset(n_layers=46, hidden=4096, n_heads=96, n_kv_heads=8, head_dim=128, n_experts=128,
                           n_experts_used=8, expert_ffn=1408, vocab_size=151552, context_length=131072, arch=GLM4MOE,
                           rms_eps=1e-5, rope_dim=64, shared_expert_ffn=1408, mtp_layers=1, leading_dense=1,
