@@ -400,12 +400,14 @@ def _hybrid(f: GGUFFile, arch: str) -> ModelSpec:
 
 
 def _glm4moe(f: GGUFFile, arch: str) -> ModelSpec:
-    """GLM-4.5 / GLM-4.5-Air as llama.cpp's converter writes them: qwen3moe's keys, plus
-    `leading_dense_block_count` dense layers of `feed_forward_length`, a shared expert of
-    `expert_shared_count` x the expert width, sigmoid gating with `exp_probs_b` and the weights'
-    norm and scale, the partial RoPE's `rope.dimension_count` (NeoX halves), the MTP blocks'
-    `nextn_predict_layers` (counted in block_count). Biases on q, k and v; q/k norms where the file
-    has them (GLM-4.5's, not Air's). Groups: `expert_group_count` where written, else one."""
+    """GLM-4.5 / GLM-4.5-Air as llama.cpp's converter writes them and its loader reads them:
+    qwen3moe's keys, plus `expert_shared_count` (required) shared experts of the expert width,
+    `leading_dense_block_count` (none where absent) dense layers of `feed_forward_length`, sigmoid
+    gating (absent or 0 reads as sigmoid) with `exp_probs_b`, the weights' `expert_weights_norm` (off
+    where absent) and `expert_weights_scale` (absent or 0: none), the partial RoPE's
+    `rope.dimension_count` (NeoX halves), the MTP blocks' `nextn_predict_layers` (counted in
+    block_count). Biases on q, k and v and q/k norms where the file has them (GLM-4.5's and Air's
+    biases; GLM-4.5's norms, not Air's). Groups: `expert_group_count` where written, else one."""
     L = Keys.LLM
 
     def key(k: str) -> str:
@@ -418,21 +420,22 @@ def _glm4moe(f: GGUFFile, arch: str) -> ModelSpec:
         return v
 
     spec = _qwen3moe(f, arch, check=False)
-    mtp, dense, shared = whole(L.NEXTN_PREDICT_LAYERS, 0), whole(L.LEADING_DENSE_BLOCK_COUNT, 1), \
-        whole(L.EXPERT_SHARED_COUNT, 0)
-    gating = whole(L.EXPERT_GATING_FUNC, ExpertGatingFuncType.SIGMOID.value)
+    mtp, dense, shared = whole(L.NEXTN_PREDICT_LAYERS, 0), whole(L.LEADING_DENSE_BLOCK_COUNT, 0), \
+        whole(L.EXPERT_SHARED_COUNT)
+    gating = whole(L.EXPERT_GATING_FUNC, 0) or ExpertGatingFuncType.SIGMOID.value
     if gating != ExpertGatingFuncType.SIGMOID.value:
         raise GGUFError(f"{f.path}: metadata {key(L.EXPERT_GATING_FUNC)!r} = {gating} is not supported "
                         f"(glm4moe: {ExpertGatingFuncType.SIGMOID.value}, sigmoid)")
     if not mtp < spec.n_layers or not dense <= spec.n_layers - mtp:
         raise GGUFError(f"{f.path}: {mtp} MTP blocks and {dense} dense layers do not fit {spec.n_layers} blocks")
+    norm_key, scale_key = key(L.EXPERT_WEIGHTS_NORM), key(L.EXPERT_WEIGHTS_SCALE)
     routing = SigmoidRouting(n_groups=whole(L.EXPERT_GROUP_COUNT, 1) or 1,
                              groups_used=whole(L.EXPERT_GROUP_USED_COUNT, 1) or 1,
-                             normalize=bool(f.get(key(L.EXPERT_WEIGHTS_NORM), False)),
-                             scale=float(f.get(key(L.EXPERT_WEIGHTS_SCALE), 1.0)))
+                             normalize=f.require(norm_key, bool) if norm_key in f.metadata else False,
+                             scale=(f.require(scale_key, float) if scale_key in f.metadata else 0.0) or 1.0)
     spec = replace(spec, n_layers=spec.n_layers - mtp, mtp_layers=mtp, leading_dense=dense,
                    dense_ffn=whole(L.FEED_FORWARD_LENGTH) if dense else 0,
-                   shared_expert_ffn=shared * spec.expert_ffn, attn_bias=True,
+                   shared_expert_ffn=shared * spec.expert_ffn, attn_bias=tname(T.ATTN_Q, 0, ".bias") in f.tensors,
                    qk_norm=tname(T.ATTN_Q_NORM, 0) in f.tensors, sigmoid_routing=routing,
                    rope_dim=f.get(key(Keys.Rope.DIMENSION_COUNT), spec.head_dim), norm_topk_prob=routing.normalize)
     _check_spec(f, spec)
