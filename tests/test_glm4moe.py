@@ -1,22 +1,29 @@
 """glm4moe (GLM-4.5 / GLM-4.5-Air) on the reference forward: against transformers' Glm4MoeForCausalLM
 on the same weights (a dense first layer, the ungated shared expert, sigmoid routing with its choice
-bias over two expert groups, q/k/v biases, half of each head rotated); stages refuse it in one line."""
+bias over two expert groups, q/k/v biases, half of each head rotated); stages refuse it in one line;
+a malformed file gets a one-line GGUFError naming what is wrong; the engine on `serve --devices cpu`'s
+runner draws the reference's greedy chain. llama.cpp's agreement: tests/test_llama_cpp_agrees.py."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from strata_mgpu.config import Placement
-from strata_mgpu.engine.build import build_runner
-from strata_mgpu.model.gguf_reader import GGUFFile
+from strata_mgpu.config import EngineConfig, Placement
+from strata_mgpu.engine.build import build_runner, check_placement, preview_plans
+from strata_mgpu.engine.engine import Engine
+from strata_mgpu.engine.sampler import SamplingParams
+from strata_mgpu.model.gguf_reader import GGUFError, GGUFFile
 from strata_mgpu.model.reference import ReferenceModel
 from strata_mgpu.model.runner import DecoderRunner
 from strata_mgpu.model.spec import spec_from_gguf
 from strata_mgpu.model.synthetic import write_model
+from strata_mgpu.model.tokenizer import tokenizer_from_gguf
 from strata_mgpu.model.weights import load_weights
 from strata_mgpu.stage.device import DeviceError
+from tests.engine_runs import run_all
 from tests.test_reference_oracle import TOL, rel_err
+from tests.test_spec import _copy_with
 
 
 @pytest.fixture(scope="module")
@@ -78,6 +85,68 @@ def test_prefill_matches_transformers(glm_gguf):
 def test_stages_refuse_glm4moe_in_one_line(glm_gguf):
     f = GGUFFile(glm_gguf)
     spec = spec_from_gguf(f)
-    with pytest.raises(DeviceError, match="glm4moe .* CPU reference only"):
+    with pytest.raises(DeviceError, match="glm4moe .* CPU reference only") as e:
         build_runner(f, spec, Placement(devices=("cpu",)), 64, kv_tokens=128)
+    assert "\n" not in str(e.value)
+    with pytest.raises(DeviceError, match="glm4moe .* CPU reference only"):  # `strata info --max-vram`'s plan
+        preview_plans(f, spec, Placement(devices=("cuda:0",), max_vram_gib=(16.0,)), 64, 1024)
+    check_placement(Placement(devices=("cpu",)), spec)  # `serve --devices cpu`: the reference takes it
     assert isinstance(build_runner(f, spec, Placement(devices=("cpu",)), 64, cpu_reference=True), DecoderRunner)
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(drop_tensor="blk.2.exp_probs_b.bias"), "missing tensor 'blk.2.exp_probs_b.bias'"),
+    (dict(reshape="blk.1.exp_probs_b.bias"), "tensor 'blk.1.exp_probs_b.bias' has shape"),
+    (dict(drop_tensor="blk.0.ffn_down.weight"), "missing tensor 'blk.0.ffn_down.weight'"),
+    (dict(drop_tensor="blk.3.attn_v.bias"), "missing tensor 'blk.3.attn_v.bias'"),
+    (dict(drop_tensor="blk.3.ffn_up_shexp.weight"), "missing tensor 'blk.3.ffn_up_shexp.weight'"),
+    (dict(drop_tensor="blk.4.nextn.eh_proj.weight"), "missing tensor 'blk.4.nextn.eh_proj.weight'"),
+    (dict(drop_key="glm4moe.expert_shared_count"), "missing metadata key 'glm4moe.expert_shared_count'"),
+    # llama.cpp reads no dense layer then: layer 0's router and experts are missing
+    (dict(drop_key="glm4moe.leading_dense_block_count"), "missing tensor 'blk.0.exp_probs_b.bias'"),
+    (dict(values={"glm4moe.expert_gating_func": 1}), "'glm4moe.expert_gating_func' = 1 is not supported"),
+    (dict(values={"glm4moe.expert_weights_scale": -1.0}), "'glm4moe.expert_weights_scale' = -1.0 must be positive"),
+    (dict(values={"glm4moe.expert_group_count": 3}), "1 of 3 expert groups do not divide 8 experts"),
+    (dict(values={"glm4moe.leading_dense_block_count": 5}), "1 MTP blocks and 5 dense layers do not fit 5 blocks"),
+])
+def test_glm4moe_spec_errors_name_the_problem(glm_gguf, tmp_path, change, message):
+    bad = _copy_with(glm_gguf, tmp_path / "bad.gguf", **change)
+    with pytest.raises(GGUFError, match=message) as e:
+        spec_from_gguf(GGUFFile(bad))
+    assert "\n" not in str(e.value)
+
+
+def test_glm4moe_keys_read_as_llama_cpp_reads_them(glm_gguf, tmp_path):
+    """A gating function of 0 (none) is sigmoid, a weights scale of 0 is none (1.0), as llama.cpp's
+    glm4moe loader reads them; the written ones are what the reader returns."""
+    spec = spec_from_gguf(GGUFFile(glm_gguf))
+    r = spec.sigmoid_routing
+    assert r is not None and (r.n_groups, r.groups_used, r.normalize, r.scale) == (2, 1, True, 2.5)
+    assert spec.attn_bias and not spec.qk_norm and spec.dense_ffn == 512 and spec.shared_expert_ffn == 256
+    zeroed = _copy_with(glm_gguf, tmp_path / "zeroed.gguf", values={"glm4moe.expert_gating_func": 0,
+                                                                    "glm4moe.expert_weights_scale": 0.0})
+    r0 = spec_from_gguf(GGUFFile(zeroed)).sigmoid_routing
+    assert r0 is not None and r0.scale == 1.0
+
+
+def test_the_engine_serves_glm4moe_on_the_cpu_reference_as_the_greedy_chain(glm_gguf):
+    """`serve --devices cpu`'s runner: prompts in chunks of 5, two running with a third queued; each
+    request's greedy tokens are the reference's argmax chain over its whole prompt."""
+    f = GGUFFile(glm_gguf)
+    spec = spec_from_gguf(f)
+    runner, tok = build_runner(f, spec, Placement(devices=("cpu",)), 64, cpu_reference=True), tokenizer_from_gguf(f)
+    assert isinstance(runner, DecoderRunner)
+    prompts = [tok.encode("The sea is wide, the sea is deep."), tok.encode("def f(x):\n    return x"),
+               tok.encode("Hello")]
+    engine = Engine(runner, tok, EngineConfig(chunk_size=5, max_running=2))
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    outs = run_all(engine, [(p, params) for p in prompts])
+    model = runner.model
+    for prompt, out in zip(prompts, outs, strict=True):
+        kv = model.new_cache(4096)
+        logits = model.prefill(torch.tensor(prompt), kv)[-1]
+        chain = []
+        for _ in range(8):
+            chain.append(int(logits.argmax()))
+            logits = model.prefill(torch.tensor(chain[-1:]), kv)[-1]
+        assert [t for o in out for t in o.token_ids] == chain

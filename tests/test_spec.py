@@ -25,8 +25,9 @@ def test_30b_shapes():
     assert spec.n_active_params == pytest.approx(3.3e9, rel=0.1)
 
 
-def _copy_with(src, dst, *, drop_key=None, drop_tensor=None, reshape=None, arch=None, add=None):
-    """Rewrite a GGUF with one thing changed, via gguf-py's writer (`add`: name -> F32 array, more tensors)."""
+def _copy_with(src, dst, *, drop_key=None, drop_tensor=None, reshape=None, arch=None, add=None, values=None):
+    """Rewrite a GGUF with one thing changed, via gguf-py's writer (`add`: name -> F32 array, more tensors;
+    `values`: key -> a new value of the key's own type)."""
     from gguf import GGUFReader
 
     r = GGUFReader(src)
@@ -34,8 +35,8 @@ def _copy_with(src, dst, *, drop_key=None, drop_tensor=None, reshape=None, arch=
     for key, field in r.fields.items():
         if key.startswith("GGUF.") or key in (drop_key, "general.architecture"):
             continue
-        w.add_key_value(key, field.contents(), field.types[0], sub_type=field.types[-1] if len(field.types) > 1
-                        else None)
+        w.add_key_value(key, (values or {}).get(key, field.contents()), field.types[0],
+                        sub_type=field.types[-1] if len(field.types) > 1 else None)
     for t in r.tensors:
         if t.name == drop_tensor:
             continue
