@@ -6,6 +6,8 @@ runner draws the reference's greedy chain. llama.cpp's agreement: tests/test_lla
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -17,7 +19,7 @@ from strata_mgpu.model.gguf_reader import GGUFError, GGUFFile
 from strata_mgpu.model.reference import ReferenceModel
 from strata_mgpu.model.runner import DecoderRunner
 from strata_mgpu.model.spec import spec_from_gguf
-from strata_mgpu.model.synthetic import write_model
+from strata_mgpu.model.synthetic import preset_spec, write_model
 from strata_mgpu.model.tokenizer import tokenizer_from_gguf
 from strata_mgpu.model.weights import load_weights
 from strata_mgpu.stage.device import DeviceError
@@ -150,3 +152,14 @@ def test_the_engine_serves_glm4moe_on_the_cpu_reference_as_the_greedy_chain(glm_
             chain.append(int(logits.argmax()))
             logits = model.prefill(torch.tensor(chain[-1:]), kv)[-1]
         assert [t for o in out for t in o.token_ids] == chain
+
+
+def test_glm_4_5_air_preset_counts_the_model_cards_parameters():
+    """The preset's shapes add up to GLM-4.5-Air's model card: 106B parameters, 12B active per token,
+    counted without the MTP block (the card's, as transformers loads no MTP layer) and the active
+    ones without the embedding and output head (1.24B)."""
+    spec = preset_spec("glm-4.5-air")
+    mtp = sum(math.prod(s) for name, s in spec.expected_tensors().items() if name.startswith("blk.46."))
+    assert (spec.n_layers, spec.mtp_layers, spec.moe_layers[0], spec.rotary_dim) == (46, 1, 1, 64)
+    assert spec.n_params - mtp == pytest.approx(106e9, rel=0.01)
+    assert spec.n_active_params - 2 * spec.vocab_size * spec.hidden == pytest.approx(12e9, rel=0.02)
