@@ -11,11 +11,9 @@ import math
 import pytest
 import torch
 
-from strata_mgpu.config import EngineConfig, Placement
+from strata_mgpu.config import Placement
 from strata_mgpu.engine.build import build_runner, check_placement, preview_plans
-from strata_mgpu.engine.engine import Engine
-from strata_mgpu.engine.sampler import SamplingParams
-from strata_mgpu.model.gguf_reader import GGUFError, GGUFFile
+from strata_mgpu.model.gguf_reader import GGUFFile
 from strata_mgpu.model.reference import ReferenceModel
 from strata_mgpu.model.runner import DecoderRunner
 from strata_mgpu.model.spec import spec_from_gguf
@@ -23,9 +21,9 @@ from strata_mgpu.model.synthetic import preset_spec, write_model
 from strata_mgpu.model.tokenizer import tokenizer_from_gguf
 from strata_mgpu.model.weights import load_weights
 from strata_mgpu.stage.device import DeviceError
-from tests.engine_runs import run_all
+from tests.engine_runs import assert_engine_draws_the_greedy_chains
 from tests.test_reference_oracle import TOL, rel_err
-from tests.test_spec import _copy_with
+from tests.test_spec import _copy_with, assert_spec_error
 
 
 @pytest.fixture(scope="module")
@@ -112,10 +110,7 @@ def test_stages_refuse_glm4moe_in_one_line(glm_gguf):
     (dict(values={"glm4moe.leading_dense_block_count": 5}), "1 MTP blocks and 5 dense layers do not fit 5 blocks"),
 ])
 def test_glm4moe_spec_errors_name_the_problem(glm_gguf, tmp_path, change, message):
-    bad = _copy_with(glm_gguf, tmp_path / "bad.gguf", **change)
-    with pytest.raises(GGUFError, match=message) as e:
-        spec_from_gguf(GGUFFile(bad))
-    assert "\n" not in str(e.value)
+    assert_spec_error(glm_gguf, tmp_path / "bad.gguf", change, message)
 
 
 def test_glm4moe_keys_read_as_llama_cpp_reads_them(glm_gguf, tmp_path):
@@ -132,26 +127,11 @@ def test_glm4moe_keys_read_as_llama_cpp_reads_them(glm_gguf, tmp_path):
 
 
 def test_the_engine_serves_glm4moe_on_the_cpu_reference_as_the_greedy_chain(glm_gguf):
-    """`serve --devices cpu`'s runner: prompts in chunks of 5, two running with a third queued; each
-    request's greedy tokens are the reference's argmax chain over its whole prompt."""
+    """`serve --devices cpu`'s runner: the engine's greedy tokens are the reference's argmax chains."""
     f = GGUFFile(glm_gguf)
-    spec = spec_from_gguf(f)
-    runner, tok = build_runner(f, spec, Placement(devices=("cpu",)), 64, cpu_reference=True), tokenizer_from_gguf(f)
+    runner = build_runner(f, spec_from_gguf(f), Placement(devices=("cpu",)), 64, cpu_reference=True)
     assert isinstance(runner, DecoderRunner)
-    prompts = [tok.encode("The sea is wide, the sea is deep."), tok.encode("def f(x):\n    return x"),
-               tok.encode("Hello")]
-    engine = Engine(runner, tok, EngineConfig(chunk_size=5, max_running=2))
-    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
-    outs = run_all(engine, [(p, params) for p in prompts])
-    model = runner.model
-    for prompt, out in zip(prompts, outs, strict=True):
-        kv = model.new_cache(4096)
-        logits = model.prefill(torch.tensor(prompt), kv)[-1]
-        chain = []
-        for _ in range(8):
-            chain.append(int(logits.argmax()))
-            logits = model.prefill(torch.tensor(chain[-1:]), kv)[-1]
-        assert [t for o in out for t in o.token_ids] == chain
+    assert_engine_draws_the_greedy_chains(runner, tokenizer_from_gguf(f))
 
 
 def test_glm_4_5_air_preset_counts_the_model_cards_parameters():

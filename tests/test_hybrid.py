@@ -24,11 +24,11 @@ from strata_mgpu.model.spec import spec_from_gguf
 from strata_mgpu.model.synthetic import PRESETS, preset_spec, write_model
 from strata_mgpu.model.tokenizer import tokenizer_from_gguf
 from strata_mgpu.model.weights import load_weights
-from tests.engine_runs import run_all
+from tests.engine_runs import assert_engine_draws_the_greedy_chains, run_all
 from tests.hf_oracle import hf_qwen3next, hf_qwen35moe
 from tests.server_proc import running_server
 from tests.test_reference_oracle import TOL, hf_step, rel_err
-from tests.test_spec import _copy_with
+from tests.test_spec import _copy_with, assert_spec_error
 
 
 def copy_prefix(src, dst, n: int) -> None:
@@ -77,10 +77,7 @@ def test_35b_a3b_hybrid_shapes():
     (dict(drop_key="qwen35moe.nextn_predict_layers"), "missing tensor 'blk.4.ssm_"),  # blk.4: a 5th layer then
 ])
 def test_hybrid_spec_errors_name_the_problem(tiny_hybrid_gguf, tmp_path, change, message):
-    bad = _copy_with(tiny_hybrid_gguf, tmp_path / "bad.gguf", **change)
-    with pytest.raises(GGUFError, match=message) as e:
-        spec_from_gguf(GGUFFile(bad))
-    assert "\n" not in str(e.value)
+    assert_spec_error(tiny_hybrid_gguf, tmp_path / "bad.gguf", change, message)
 
 
 def test_an_mtp_block_may_have_its_own_embedding_and_head(tiny_hybrid_gguf, tmp_path):
@@ -238,25 +235,8 @@ def test_a_hybrid_sequence_counts_its_state(models):
 
 
 def test_the_engine_chunks_and_batches_a_hybrid_model_as_the_greedy_chain(tiny_hybrid_gguf):
-    """Prompts in chunks of 5, two running at once with a third queued: each request's greedy tokens
-    are the reference's argmax chain over its whole prompt."""
     f = GGUFFile(tiny_hybrid_gguf)
-    spec = spec_from_gguf(f)
-    runner, tok = load_reference_runner(f, spec), tokenizer_from_gguf(f)
-    prompts = [tok.encode("The sea is wide, the sea is deep."), tok.encode("def f(x):\n    return x"),
-               tok.encode("Hello")]
-    engine = Engine(runner, tok, EngineConfig(chunk_size=5, max_running=2))
-    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
-    outs = run_all(engine, [(p, params) for p in prompts])
-    model = runner.model
-    for prompt, out in zip(prompts, outs, strict=True):
-        kv, linear = model.new_cache(4096), model.new_linear_state()
-        logits = model.prefill(torch.tensor(prompt), kv, linear)[-1]
-        chain = []
-        for _ in range(8):
-            chain.append(int(logits.argmax()))
-            logits = model.prefill(torch.tensor(chain[-1:]), kv, linear)[-1]
-        assert [t for o in out for t in o.token_ids] == chain
+    assert_engine_draws_the_greedy_chains(load_reference_runner(f, spec_from_gguf(f)), tokenizer_from_gguf(f))
 
 
 def test_strata_serve_answers_a_chat_with_a_hybrid_model(tiny_hybrid_gguf, tmp_path):

@@ -55,6 +55,14 @@ def _copy_with(src, dst, *, drop_key=None, drop_tensor=None, reshape=None, arch=
     return dst
 
 
+def assert_spec_error(src, dst, change: dict, message: str) -> None:
+    """The file rewritten with `change` (`_copy_with`'s arguments) gets a one-line GGUFError matching `message`."""
+    bad = _copy_with(src, dst, **change)
+    with pytest.raises(GGUFError, match=message) as e:
+        spec_from_gguf(GGUFFile(bad))
+    assert "\n" not in str(e.value)
+
+
 @pytest.mark.parametrize("change, message", [
     (dict(drop_key="qwen3moe.expert_count"), "missing metadata key 'qwen3moe.expert_count'"),
     (dict(drop_tensor="blk.2.attn_k.weight"), "missing tensor 'blk.2.attn_k.weight'"),
@@ -62,6 +70,4 @@ def _copy_with(src, dst, *, drop_key=None, drop_tensor=None, reshape=None, arch=
     (dict(arch="llama"), "architecture 'llama' is not supported"),
 ])
 def test_spec_errors_name_the_problem(tiny_gguf, tmp_path, change, message):
-    bad = _copy_with(tiny_gguf, tmp_path / "bad.gguf", **change)
-    with pytest.raises(GGUFError, match=message):
-        spec_from_gguf(GGUFFile(bad))
+    assert_spec_error(tiny_gguf, tmp_path / "bad.gguf", change, message)
