@@ -178,7 +178,8 @@ def _env() -> env.EnvOptions:
 @click.argument("out_path", metavar="OUT.gguf", type=click.Path(dir_okay=False, path_type=Path))
 @click.option("--preset", type=click.Choice(["tiny", "small", "30b-a3b", "235b-a22b", "tiny-hybrid", "tiny-next",
                                                   "35b-a3b-hybrid", "tiny-glm4moe", "glm-4.5-air"]),
-              default="tiny", show_default=True, help="qwen3moe shapes, qwen35moe's (-hybrid) or qwen3next's (-next)")
+              default="tiny", show_default=True,
+              help="qwen3moe shapes, qwen35moe's (-hybrid), qwen3next's (-next) or glm4moe's (-glm4moe, glm-4.5-air)")
 @click.option("--layers", type=click.IntRange(min=1), default=None, help="write only the preset's first N layers")
 @click.option("--expert-type", default="Q4_K", show_default=True, help="type of the experts' gate and up")
 @click.option("--down-type", default=None, help="type of the experts' down (default: Q6_K for Q4_K/Q5_K)")
