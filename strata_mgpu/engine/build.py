@@ -118,7 +118,7 @@ def build_runner(f: GGUFFile, spec: ModelSpec, placement: Placement, chunk_size:
     serves the fp32 oracle instead, said once (the stage's torch twin would be slower)."""
     devices = resolve_devices(placement)
     one_cpu = cpu_reference and len(devices) == 1 and devices[0].type == "cpu"
-    if spec.hybrid and one_cpu:  # gated DeltaNet layers: the reference serves them (stages refuse them)
+    if spec.reference_only and one_cpu:  # DeltaNet or gpt-oss layers: the reference serves them (stages refuse them)
         return load_reference_runner(f, spec, on_progress=(lambda d, t: on_progress("layers", d, t))
                                      if on_progress else None, kv_types=placement.kv_types)
     missing = ggml_missing() if one_cpu else None

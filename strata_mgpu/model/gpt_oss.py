@@ -70,7 +70,8 @@ def sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: tor
 def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float, alpha: float) -> torch.Tensor:
     """gate, up [.., F] -> (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha g), g = min(gate, limit)."""
     g = gate.clamp(max=limit)
-    return (up.clamp(-limit, limit) + 1) * g * torch.sigmoid(alpha * g)
+    glu = g * torch.sigmoid(g * alpha)
+    return (up.clamp(-limit, limit) + 1) * glu
 
 
 def gpt_oss_expert(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor,

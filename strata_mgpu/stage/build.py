@@ -45,11 +45,15 @@ Progress = Callable[[str, int, int], None]
 
 
 def check_layers_served(spec: ModelSpec) -> None:
-    """A stage's forward, plan and decode graphs serve full-attention layers only: a hybrid model's
-    DeltaNet layers (qwen35moe, qwen3next) run on the CPU reference for now (docs/ARCHITECTURE.md)."""
+    """A stage's forward, plan and decode graphs serve qwen3moe's layers only: a hybrid model's DeltaNet
+    layers (qwen35moe, qwen3next) and gpt-oss's (sinks, sliding windows, biased clamped-SwiGLU experts,
+    which the stages' expert kernels do not compute) run on the CPU reference for now (docs/ARCHITECTURE.md)."""
     if spec.hybrid:
         raise DeviceError(f"{spec.arch} (gated DeltaNet layers) is served by the CPU reference only for now "
                           f"(strata serve --devices cpu)")
+    if spec.gpt_oss is not None:
+        raise DeviceError(f"{spec.arch} (attention sinks, sliding windows, biased clamped-SwiGLU experts) is served "
+                          f"by the CPU reference only for now (strata serve --devices cpu)")
 
 
 def build_stage(f: GGUFFile, spec: ModelSpec, opts: StageOptions, layers: range | None = None,
