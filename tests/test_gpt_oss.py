@@ -19,7 +19,7 @@ from strata_mgpu.engine.build import build_runner, preview_plans
 from strata_mgpu.engine.engine import Engine
 from strata_mgpu.engine.sampler import SamplingParams
 from strata_mgpu.model import gpt_oss
-from strata_mgpu.model.gguf_reader import GGUFError, GGUFFile
+from strata_mgpu.model.gguf_reader import GGUFFile
 from strata_mgpu.model.gpt_oss import clamped_swiglu, sink_attention
 from strata_mgpu.model.reference import ReferenceModel
 from strata_mgpu.model.runner import DecoderRunner, load_reference_runner
@@ -29,10 +29,16 @@ from strata_mgpu.model.tokenizer import tokenizer_from_gguf
 from strata_mgpu.model.weights import load_weights
 from strata_mgpu.stage.device import DeviceError
 from tests.engine_runs import run_all
+from tests.forward_checks import (
+    TOL,
+    assert_chunks_packs_and_batches_equal_whole,
+    assert_decode_matches_hf,
+    hf_step,
+    rel_err,
+)
 from tests.hf_oracle import hf_gpt_oss
 from tests.server_proc import running_server
-from tests.test_reference_oracle import TOL, hf_step, rel_err
-from tests.test_spec import _copy_with
+from tests.test_spec import _copy_with, assert_refused_in_one_line
 
 WINDOW = preset_spec("tiny-gpt-oss").window(0)  # layer 0 slides
 
@@ -97,10 +103,7 @@ def test_gpt_oss_presets_have_the_released_shapes():
     (dict(add={"blk.0.attn_q_norm.weight": np.ones(64, np.float32)}), "unexpected tensor 'blk.0.attn_q_norm.weight'"),
 ])
 def test_gpt_oss_spec_errors_name_the_problem(tiny_gpt_oss_gguf, tmp_path, change, message):
-    bad = _copy_with(tiny_gpt_oss_gguf, tmp_path / "bad.gguf", **change)
-    with pytest.raises(GGUFError, match=message) as e:
-        spec_from_gguf(GGUFFile(bad))
-    assert "\n" not in str(e.value)
+    assert_refused_in_one_line(tiny_gpt_oss_gguf, tmp_path, message, **change)
 
 
 def test_a_sliding_window_pattern_key_sets_the_period(tiny_gpt_oss_gguf, tmp_path):
@@ -155,47 +158,20 @@ def test_prefill_and_decode_match_transformers(loaded, clamped):
     ours, hf = ReferenceModel(spec, w), hf_gpt_oss(spec, w)
     g = torch.Generator().manual_seed(11)
     prompt = torch.randint(0, spec.vocab_size, (3 * WINDOW + 5,), generator=g)
-    kv = ours.new_cache(max_length=256, capacity=8)
-    logits = ours.prefill(prompt, kv)
-    ref, cache = hf_step(hf, prompt[None], None)
-    assert rel_err(logits, ref) <= TOL
-    nxt = ref[-1].argmax()
-    for _ in range(6):
-        step = ours.prefill(nxt[None], kv)
-        ref, cache = hf_step(hf, nxt[None, None], cache)
-        assert rel_err(step, ref) <= TOL
-        nxt = ref[-1].argmax()
+    kv, _ = assert_decode_matches_hf(ours, hf, prompt)
+    assert kv.length == prompt.shape[0] + 6
     if clamped:  # the clamps changed the answer: without them it is not transformers'
         assert spec.gpt_oss is not None
-        loose = ReferenceModel(dataclasses.replace(spec, gpt_oss=dataclasses.replace(spec.gpt_oss, swiglu_limit=1e9)), w)
+        unlimited = dataclasses.replace(spec.gpt_oss, swiglu_limit=1e9)
+        loose = ReferenceModel(dataclasses.replace(spec, gpt_oss=unlimited), w)
         unclamped = loose.prefill(prompt, loose.new_cache(256))
         assert rel_err(unclamped, hf_step(hf, prompt[None], None)[0]) > 100 * TOL
 
 
-@torch.no_grad()
 def test_chunks_packs_and_batches_equal_whole_prompts(models):
-    """A prompt in chunks (one chunk's rows spanning the window's edge), two prompts packed in one
-    forward, two sequences decoded in one batch: the logits each has alone."""
-    ours, _ = models
-    runner = DecoderRunner(ours)
-    V = ours.spec.vocab_size
-    a, b = torch.randint(0, V, (100,)), torch.randint(0, V, (23,))
-    whole_kv = ours.new_cache(256)
-    whole = ours.prefill(a, whole_kv)
-    kv = ours.new_cache(256)
-    parts = [ours.prefill(a[s], kv) for s in (slice(0, 7), slice(7, 80), slice(80, 100))]
-    assert rel_err(torch.cat(parts), whole) <= 1e-5
-
-    seq_a, seq_b = runner.new_sequence(256), runner.new_sequence(256)
-    packed = runner.prefill_many([seq_a, seq_b], [a, b])
-    alone_b = runner.prefill(runner.new_sequence(256), b)
-    assert rel_err(packed[0], whole[-1]) <= 1e-5 and rel_err(packed[1], alone_b) <= 1e-5
-    step = torch.tensor([5, 9])
-    batched = runner.decode([seq_a, seq_b], step)
-    assert rel_err(batched[0], ours.prefill(step[:1], whole_kv)[0]) <= 1e-5
-    seq_b2 = runner.new_sequence(256)
-    runner.prefill(seq_b2, b)
-    assert rel_err(batched[1], runner.decode([seq_b2], step[1:])[0]) <= 1e-5
+    """A prompt in chunks (one spanning the window's edge at 32, one past two windows), two prompts packed
+    in one forward, two sequences decoded in one batch: the logits each has alone."""
+    assert_chunks_packs_and_batches_equal_whole(models[0], cuts=(7, WINDOW + 3, 80))
 
 
 def test_a_conversation_on_the_prefix_cache_draws_the_tokens_of_one_without(tiny_gpt_oss_gguf):

@@ -57,6 +57,14 @@ def _copy_with(src, dst, *, drop_key=None, drop_tensor=None, reshape=None, arch=
     return dst
 
 
+def assert_refused_in_one_line(src, tmp_path, message, **change) -> None:
+    """`src` rewritten with `change` (as `_copy_with` takes it): the reader's GGUFError, one line, says `message`."""
+    bad = _copy_with(src, tmp_path / "bad.gguf", **change)
+    with pytest.raises(GGUFError, match=message) as e:
+        spec_from_gguf(GGUFFile(bad))
+    assert "\n" not in str(e.value)
+
+
 @pytest.mark.parametrize("change, message", [
     (dict(drop_key="qwen3moe.expert_count"), "missing metadata key 'qwen3moe.expert_count'"),
     (dict(drop_tensor="blk.2.attn_k.weight"), "missing tensor 'blk.2.attn_k.weight'"),

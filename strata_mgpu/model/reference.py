@@ -13,8 +13,8 @@ import torch.nn.functional as F
 from gguf.constants import GGMLQuantizationType
 
 from strata_mgpu.model.decoder import Decoder
-from strata_mgpu.model.kv_cache import PLAIN_KV
 from strata_mgpu.model.gpt_oss import gpt_oss_expert
+from strata_mgpu.model.kv_cache import PLAIN_KV
 from strata_mgpu.model.spec import GptOssShape, ModelSpec
 from strata_mgpu.model.weights import LayerWeights, ModelWeights
 

@@ -152,8 +152,8 @@ def load_weights(f: GGUFFile, spec: ModelSpec, *, dtype: torch.dtype = torch.flo
     def oss(i: int) -> GptOssLayerWeights:
         def bias(kind: T) -> torch.Tensor:
             return get(kind, i, suffix=".bias")
-        return GptOssLayerWeights(window=spec.window(i), sinks=get(T.ATTN_SINKS, i, torch.float32), bq=bias(T.ATTN_Q), bk=bias(T.ATTN_K),
-                                  bv=bias(T.ATTN_V), bo=bias(T.ATTN_OUT),
+        return GptOssLayerWeights(window=spec.window(i), sinks=get(T.ATTN_SINKS, i, torch.float32),
+                                  bq=bias(T.ATTN_Q), bk=bias(T.ATTN_K), bv=bias(T.ATTN_V), bo=bias(T.ATTN_OUT),
                                   router_bias=get(T.FFN_GATE_INP, i, torch.float32, ".bias"))
 
     def same_blocks(*kinds_layer: tuple[T, int | None]) -> bool:
