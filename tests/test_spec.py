@@ -25,17 +25,20 @@ def test_30b_shapes():
     assert spec.n_active_params == pytest.approx(3.3e9, rel=0.1)
 
 
-def _copy_with(src, dst, *, drop_key=None, drop_tensor=None, reshape=None, arch=None, add=None):
-    """Rewrite a GGUF with one thing changed, via gguf-py's writer (`add`: name -> F32 array, more tensors)."""
-    from gguf import GGUFReader
+def _copy_with(src, dst, *, drop_key=None, drop_tensor=None, reshape=None, arch=None, add=None, set_key=None):
+    """Rewrite a GGUF with one thing changed, via gguf-py's writer (`add`: name -> F32 array, more tensors;
+    `set_key`: (key, value), the value's GGUF type its own)."""
+    from gguf import GGUFReader, GGUFValueType
 
     r = GGUFReader(src)
     w = GGUFWriter(dst, arch or r.fields["general.architecture"].contents())
     for key, field in r.fields.items():
-        if key.startswith("GGUF.") or key in (drop_key, "general.architecture"):
+        if key.startswith("GGUF.") or key in (drop_key, "general.architecture") or (set_key and key == set_key[0]):
             continue
         w.add_key_value(key, field.contents(), field.types[0], sub_type=field.types[-1] if len(field.types) > 1
                         else None)
+    if set_key is not None:
+        w.add_key_value(set_key[0], set_key[1], GGUFValueType.get_type(set_key[1]))
     for t in r.tensors:
         if t.name == drop_tensor:
             continue
@@ -52,6 +55,14 @@ def _copy_with(src, dst, *, drop_key=None, drop_tensor=None, reshape=None, arch=
     w.write_tensors_to_file()
     w.close()
     return dst
+
+
+def assert_refused_in_one_line(src, tmp_path, message, **change) -> None:
+    """`src` rewritten with `change` (as `_copy_with` takes it): the reader's GGUFError, one line, says `message`."""
+    bad = _copy_with(src, tmp_path / "bad.gguf", **change)
+    with pytest.raises(GGUFError, match=message) as e:
+        spec_from_gguf(GGUFFile(bad))
+    assert "\n" not in str(e.value)
 
 
 @pytest.mark.parametrize("change, message", [

@@ -69,11 +69,13 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 def qk_norm_rope(spec: ModelSpec, w: LayerWeights, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
                  sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """q [T, H*Dh], k [T, Hkv*Dh] -> q [T, H, Dh], k [T, Hkv, Dh], each head RMS-normed and rotated."""
+    """q [T, H*Dh], k [T, Hkv*Dh] -> q [T, H, Dh], k [T, Hkv, Dh], each head RMS-normed (where the layer
+    has q/k norms: gpt-oss's has none) and rotated."""
     t = q.shape[0]
-    assert w.q_norm is not None and w.k_norm is not None, "an attention layer"
-    q = rms_norm(q.view(t, spec.n_heads, spec.head_dim), w.q_norm, spec.rms_eps)
-    k = rms_norm(k.view(t, spec.n_kv_heads, spec.head_dim), w.k_norm, spec.rms_eps)
+    q, k = q.view(t, spec.n_heads, spec.head_dim), k.view(t, spec.n_kv_heads, spec.head_dim)
+    if w.oss is None:
+        assert w.q_norm is not None and w.k_norm is not None, "an attention layer"
+        q, k = rms_norm(q, w.q_norm, spec.rms_eps), rms_norm(k, w.k_norm, spec.rms_eps)
     return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
 
 

@@ -1,6 +1,7 @@
-"""Synthetic qwen3moe / qwen35moe GGUF writer: real, valid quantized blocks of any supported type.
-A qwen35moe file is laid out as llama.cpp's converter writes one (tensor names, metadata keys,
-norm weights around 1, ssm_a = -exp(A_log) < 0, value heads in its tiled order).
+"""Synthetic qwen3moe / qwen35moe / gpt-oss GGUF writer: real, valid quantized blocks of any supported
+type. A qwen35moe file is laid out as llama.cpp's converter writes one (tensor names, metadata keys,
+norm weights around 1, ssm_a = -exp(A_log) < 0, value heads in its tiled order); a gpt-oss file too
+(biases and sinks F32 around 0, the experts MXFP4 by default, as the released files hold them).
 
 Float tensors are Gaussian; quantized tensors are random bytes (any bit pattern is a valid quant;
 the ternary types are drawn as ternary digits) whose scale words are then set so the dequantized
@@ -30,11 +31,13 @@ from gguf.constants import TENSOR_NAMES, GGMLQuantizationType, LlamaFileType, Ro
 
 from strata_mgpu.model.spec import (
     EXPERT_TENSORS,
+    GPT_OSS,
     NO_ROPE_SCALING,
     QWEN3NEXT,
     QWEN35MOE,
     ROPE_SCALINGS,
     DeltaNetShape,
+    GptOssShape,
     ModelSpec,
     RopeScaling,
     T,
@@ -67,17 +70,22 @@ class Preset:
     full_attention_interval: int = 0
     rope_dim: int = 0
     shared_expert_ffn: int = 0
+    # gpt-oss's (its arch then gpt-oss): sliding windows, sinks, biases; its YaRN and MXFP4 experts
+    gpt_oss: GptOssShape | None = None
+    rope_scaling: RopeScaling = NO_ROPE_SCALING
+    expert_type: Q = Q.Q4_K  # the experts' gate/up type where --expert-type gives none
 
     def spec(self, name: str) -> ModelSpec:
         hybrid = self.delta is not None
-        return ModelSpec(arch=self.arch if hybrid else "qwen3moe", name=name, n_layers=self.n_layers,
+        arch = GPT_OSS if self.gpt_oss is not None else self.arch if hybrid else "qwen3moe"
+        return ModelSpec(arch=arch, name=name, n_layers=self.n_layers,
                          hidden=self.hidden, n_heads=self.n_heads, n_kv_heads=self.n_kv_heads, head_dim=self.head_dim,
                          n_experts=self.n_experts, n_experts_used=self.n_experts_used, expert_ffn=self.expert_ffn,
                          vocab_size=self.vocab_size, context_length=self.context_length,
                          rope_base=self.rope_base, rms_eps=self.rms_eps, tied_output=self.tied_output,
                          delta=self.delta, full_attention_interval=self.full_attention_interval,
                          rope_dim=self.rope_dim, shared_expert_ffn=self.shared_expert_ffn, attn_output_gate=hybrid,
-                         mtp_layers=self.mtp_layers)
+                         mtp_layers=self.mtp_layers, gpt_oss=self.gpt_oss, rope_scaling=self.rope_scaling)
 
 
 # K-quants need rows (hidden, expert_ffn) in whole 256-weight blocks, hence the widths.
@@ -114,6 +122,27 @@ PRESETS: dict[str, Preset] = {
                              rope_base=10_000_000.0, delta=DeltaNetShape(
                                  conv_kernel=4, n_k_heads=16, n_v_heads=32, k_head_dim=128, v_head_dim=128),
                              full_attention_interval=4, rope_dim=64, shared_expert_ffn=512, mtp_layers=1),
+    # gpt-oss, both layer kinds in turn (0 and 2 slide over 32 positions, 1 and 3 attend all), more
+    # query dims than hidden (as gpt-oss's 64 x 64 over 2,880), YaRN x16 untruncated, MXFP4 experts
+    "tiny-gpt-oss": Preset(n_layers=4, hidden=256, n_heads=6, n_kv_heads=2, head_dim=64, n_experts=8,
+                           n_experts_used=4, expert_ffn=256, vocab_size=2048, context_length=4096,
+                           rope_base=150_000.0, rms_eps=1e-5, gpt_oss=GptOssShape(sliding_window=32),
+                           rope_scaling=RopeScaling(kind=RopeScalingType.YARN, factor=16.0, original_context=256,
+                                                    truncate=False), expert_type=Q.MXFP4),
+    # openai/gpt-oss-20b's shapes (its config.json: 24 layers of 2,880, 64 query and 8 KV heads of 64,
+    # 32 experts of 2,880, 4 used, vocab 201,088, rope_theta 150,000, YaRN x32 over 4,096 positions,
+    # window 128, rms_norm_eps 1e-5); MXFP4 experts, as released: ~12 GB
+    "gpt-oss-20b": Preset(n_layers=24, hidden=2880, n_heads=64, n_kv_heads=8, head_dim=64, n_experts=32,
+                          n_experts_used=4, expert_ffn=2880, vocab_size=201088, context_length=131072,
+                          rope_base=150_000.0, rms_eps=1e-5, gpt_oss=GptOssShape(sliding_window=128),
+                          rope_scaling=RopeScaling(kind=RopeScalingType.YARN, factor=32.0, original_context=4096,
+                                                   truncate=False), expert_type=Q.MXFP4),
+    # openai/gpt-oss-120b's: the same but 36 layers of 128 experts (~63 GB; `--layers N` for a cut)
+    "gpt-oss-120b": Preset(n_layers=36, hidden=2880, n_heads=64, n_kv_heads=8, head_dim=64, n_experts=128,
+                           n_experts_used=4, expert_ffn=2880, vocab_size=201088, context_length=131072,
+                           rope_base=150_000.0, rms_eps=1e-5, gpt_oss=GptOssShape(sliding_window=128),
+                           rope_scaling=RopeScaling(kind=RopeScalingType.YARN, factor=32.0, original_context=4096,
+                                                    truncate=False), expert_type=Q.MXFP4),
 }
 
 
@@ -126,6 +155,8 @@ def preset_spec(preset_name: str, layers: int | None = None, rope: RopeScaling =
             raise ValueError(f"--layers {layers}: {preset_name} has 1 to {preset.n_layers} layers")
         spec = replace(spec, n_layers=layers)
     if rope.kind != RopeScalingType.NONE:
+        if spec.gpt_oss is not None:  # as the reader takes a gpt-oss file's YaRN
+            rope = replace(rope, truncate=False)
         spec = replace(spec, rope_scaling=rope, context_length=round(rope.factor * rope.original_context))
     return spec
 
@@ -197,7 +228,9 @@ def plan_tensors(spec: ModelSpec, expert_type: Q, down_type: Q, dense_type: Q,
         parts = name.split(".")
         kind = parts[2] if parts[0] == "blk" else parts[0]  # 'blk.3.attn_q.weight' -> 'attn_q'
         std = 1.0 / math.sqrt(shape[-1])  # unit-variance outputs for unit-variance inputs
-        if kind == _kind(T.SSM_A):  # -exp(A_log): every value head's decay rate negative
+        if kind == _kind(T.ATTN_SINKS) or (name.endswith(".bias") and kind != _kind(T.SSM_DT)):
+            plans.append(TensorPlan(name, shape, Q.F32, std=0.5 if kind == _kind(T.ATTN_SINKS) else 0.1))  # gpt-oss's
+        elif kind == _kind(T.SSM_A):  # -exp(A_log): every value head's decay rate negative
             plans.append(TensorPlan(name, shape, Q.F32, std=0.1, mean=-1.0))
         elif kind in (_kind(T.FFN_GATE_INP_SHEXP), _kind(T.SSM_CONV1D)):  # a dot with h; K-wide rows: F32
             plans.append(TensorPlan(name, shape, Q.F32, std=std))
@@ -353,13 +386,15 @@ def file_type(expert_type: Q, down_type: Q) -> LlamaFileType:
     return _FILE_TYPES[expert_type]
 
 
-def write_model(path: str | Path, preset_name: str, *, expert_type: Q = Q.Q4_K, down_type: Q | None = None,
+def write_model(path: str | Path, preset_name: str, *, expert_type: Q | None = None, down_type: Q | None = None,
                 dense_type: Q = Q.Q8_0, seed: int = 0, split_max_bytes: int = 0,
                 on_tensor: Callable[[str, int], None] | None = None, workers: int | None = None,
                 layers: int | None = None, rope: RopeScaling = NO_ROPE_SCALING,
                 mix: dict[int, tuple[Q, Q]] | None = None, chat_template: str = CHAT_TEMPLATE) -> ModelSpec:
-    """Write a synthetic qwen3moe GGUF; `on_tensor(name, nbytes)` is called after each tensor.
-    `workers`: None: up to 8, one a core. `chat_template`: written as `tokenizer.chat_template`."""
+    """Write a synthetic GGUF of the preset's arch; `on_tensor(name, nbytes)` is called after each tensor.
+    `expert_type`: None: the preset's (Q4_K; gpt-oss MXFP4). `workers`: None: up to 8, one a core.
+    `chat_template`: written as `tokenizer.chat_template`."""
+    expert_type = PRESETS[preset_name].expert_type if expert_type is None else expert_type
     down_type = DEFAULT_DOWN.get(expert_type, expert_type) if down_type is None else down_type  # F32 is 0
     spec = preset_spec(preset_name, layers, rope)
     plans = plan_tensors(spec, expert_type, down_type, dense_type, mix)
@@ -400,6 +435,9 @@ def write_model(path: str | Path, preset_name: str, *, expert_type: Q = Q.Q4_K, 
         w.add_rope_dimension_count(spec.rotary_dim)
         if spec.arch == QWEN35MOE:  # its loader requires them (text positions: any sections read alike)
             w.add_rope_dimension_sections([11, 11, 10, 0])
+    if spec.gpt_oss is not None:  # as llama.cpp's converter writes gpt-oss (the period: llama.cpp's default 2)
+        assert spec.gpt_oss.swa_period == 2, "the writer writes no sliding_window_pattern"
+        w.add_sliding_window(spec.gpt_oss.sliding_window)
     w.add_file_type(file_type(expert_type, down_type))
     w.add_quantization_version(2)
     w.add_string("strata.synthetic.seed", str(seed))

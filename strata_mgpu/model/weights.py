@@ -13,6 +13,7 @@ import torch
 from gguf.constants import GGMLQuantizationType
 
 from strata_mgpu.model.gguf_reader import GGUFFile
+from strata_mgpu.model.gpt_oss import GptOssLayerWeights
 from strata_mgpu.model.spec import QWEN3NEXT, ModelSpec, T, tname
 from strata_mgpu.quant.dequant import dequantize
 
@@ -94,6 +95,7 @@ class LayerWeights:
     wqkv: Matrix | None = None
     delta: DeltaNetWeights | None = None
     shared: SharedExpertWeights | None = None
+    oss: GptOssLayerWeights | None = None
 
 
 @dataclass
@@ -143,6 +145,16 @@ def load_weights(f: GGUFFile, spec: ModelSpec, *, dtype: torch.dtype = torch.flo
     def _experts(lw: LayerWeights, i: int) -> None:
         if with_experts:
             lw.gate, lw.up, lw.down = get(T.FFN_GATE_EXP, i), get(T.FFN_UP_EXP, i), get(T.FFN_DOWN_EXP, i)
+            if lw.oss is not None:
+                lw.oss.gate_bias, lw.oss.up_bias, lw.oss.down_bias = (
+                    get(kind, i, suffix=".bias") for kind in (T.FFN_GATE_EXP, T.FFN_UP_EXP, T.FFN_DOWN_EXP))
+
+    def oss(i: int) -> GptOssLayerWeights:
+        def bias(kind: T) -> torch.Tensor:
+            return get(kind, i, suffix=".bias")
+        return GptOssLayerWeights(window=spec.window(i), sinks=get(T.ATTN_SINKS, i, torch.float32),
+                                  bq=bias(T.ATTN_Q), bk=bias(T.ATTN_K), bv=bias(T.ATTN_V), bo=bias(T.ATTN_OUT),
+                                  router_bias=get(T.FFN_GATE_INP, i, torch.float32, ".bias"))
 
     def same_blocks(*kinds_layer: tuple[T, int | None]) -> bool:
         infos = [f.tensor(tname(kind, layer)) for kind, layer in kinds_layer]
@@ -195,10 +207,11 @@ def load_weights(f: GGUFFile, spec: ModelSpec, *, dtype: torch.dtype = torch.flo
         else:
             wqkv, (wq, wk, wv) = None, (matrix(*kl) for kl in qkv)
         wo = matrix(T.ATTN_OUT, i)
+        gpt_oss = spec.gpt_oss is not None  # biases and sinks, no q/k norms
         lw = LayerWeights(
-            attn_norm=get(T.ATTN_NORM, i), wq=wq, wk=wk, wv=wv, wqkv=wqkv,
-            wo=wo, q_norm=get(T.ATTN_Q_NORM, i), k_norm=get(T.ATTN_K_NORM, i), ffn_norm=ffn_norm, router=router,
-            shared=shared_expert)
+            attn_norm=get(T.ATTN_NORM, i), wq=wq, wk=wk, wv=wv, wqkv=wqkv, wo=wo,
+            q_norm=None if gpt_oss else get(T.ATTN_Q_NORM, i), k_norm=None if gpt_oss else get(T.ATTN_K_NORM, i),
+            ffn_norm=ffn_norm, router=router, shared=shared_expert, oss=oss(i) if gpt_oss else None)
         _experts(lw, i)
         out_layers.append(lw)
         if on_layer:
