@@ -193,12 +193,16 @@ def _env() -> env.EnvOptions:
 @click.option("--chat-template", "chat_template_file", default=None,
               type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="a jinja chat template file to write as the model's (default: the synthetic ChatML one)")
+@click.option("--vocab", "vocab_family", type=click.Choice(["qwen", "harmony", "glm"]), default=None,
+              help="the added tokens: Qwen3's, gpt-oss's (harmony) or GLM-4.5's (default: the family the "
+                   "--chat-template writes, where it is one; else qwen)")
 def gen_model(out_path: Path, preset: str, layers: int | None, expert_type: str, down_type: str | None,
               mix: str | None, dense_type: str, rope_scaling: str, seed: int, split_max_size: str | None,
-              chat_template_file: Path | None) -> None:
+              chat_template_file: Path | None, vocab_family: str | None) -> None:
     """Write a synthetic qwen3moe (or qwen35moe: the -hybrid presets) GGUF with real quantized blocks."""
     from strata_mgpu.model import synthetic as syn
     from strata_mgpu.model.tokenizer import ChatTemplate
+    from strata_mgpu.model.vocab import DEFAULT_FAMILY, family_of_template
 
     e_type, d_type, dn_type = _type_option(expert_type), _type_option(dense_type), _type_option(down_type)
     down = syn.DEFAULT_DOWN.get(e_type, e_type) if dn_type is None else dn_type  # F32 is 0: no `or`
@@ -209,6 +213,7 @@ def gen_model(out_path: Path, preset: str, layers: int | None, expert_type: str,
         total = sum(p.nbytes for p in syn.plan_tensors(spec, e_type, down, d_type, types))
         template = syn.CHAT_TEMPLATE if chat_template_file is None else _template_file(chat_template_file)
         ChatTemplate(template)  # a template that does not parse is refused here, not at load
+        family = vocab_family or family_of_template(template) or DEFAULT_FAMILY
     except ValueError as e:
         fail(str(e))
     with Progress(TextColumn("[bold]writing[/] {task.description}"), BarColumn(), DownloadColumn(),
@@ -216,11 +221,12 @@ def gen_model(out_path: Path, preset: str, layers: int | None, expert_type: str,
         task = bar.add_task(out_path.name, total=total)
         syn.write_model(out_path, preset, expert_type=e_type, down_type=down, dense_type=d_type, seed=seed,
                         split_max_bytes=_size(split_max_size), layers=layers, rope=rope, mix=types,
-                        chat_template=template, on_tensor=lambda _name, nbytes: bar.advance(task, nbytes))
+                        chat_template=template, vocab_family=family,
+                        on_tensor=lambda _name, nbytes: bar.advance(task, nbytes))
     scaled = f", RoPE {report.rope_text(rope)}" if rope != syn.NO_ROPE_SCALING else ""
     err.print(f"wrote {out_path} ({preset}, {spec.n_layers} layers, experts {e_type.name}/{down.name}"
               f"{' outside --mix' if types else ''}, dense {d_type.name}{scaled}, {report.gb(total)} of tensors, "
-              f"seed {seed})")
+              f"{family} vocabulary, seed {seed})")
 
 
 devices_option = click.option("--devices", default="auto", show_default=True,

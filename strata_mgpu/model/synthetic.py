@@ -39,7 +39,7 @@ from strata_mgpu.model.spec import (
     RopeScaling,
     T,
 )
-from strata_mgpu.model.vocab import CHAT_TEMPLATE, build_vocab
+from strata_mgpu.model.vocab import CHAT_TEMPLATE, DEFAULT_FAMILY, build_vocab, write_vocab
 from strata_mgpu.quant.formats import BlockFormat, block_format, parse_type, set_f16_scale_bits
 
 Q = GGMLQuantizationType
@@ -357,13 +357,15 @@ def write_model(path: str | Path, preset_name: str, *, expert_type: Q = Q.Q4_K, 
                 dense_type: Q = Q.Q8_0, seed: int = 0, split_max_bytes: int = 0,
                 on_tensor: Callable[[str, int], None] | None = None, workers: int | None = None,
                 layers: int | None = None, rope: RopeScaling = NO_ROPE_SCALING,
-                mix: dict[int, tuple[Q, Q]] | None = None, chat_template: str = CHAT_TEMPLATE) -> ModelSpec:
+                mix: dict[int, tuple[Q, Q]] | None = None, chat_template: str = CHAT_TEMPLATE,
+                vocab_family: str = DEFAULT_FAMILY) -> ModelSpec:
     """Write a synthetic qwen3moe GGUF; `on_tensor(name, nbytes)` is called after each tensor.
-    `workers`: None: up to 8, one a core. `chat_template`: written as `tokenizer.chat_template`."""
+    `workers`: None: up to 8, one a core. `chat_template`: written as `tokenizer.chat_template`;
+    `vocab_family`: the added tokens (`vocab.FAMILIES`)."""
     down_type = DEFAULT_DOWN.get(expert_type, expert_type) if down_type is None else down_type  # F32 is 0
     spec = preset_spec(preset_name, layers, rope)
     plans = plan_tensors(spec, expert_type, down_type, dense_type, mix)
-    vocab = build_vocab(spec.vocab_size)
+    vocab = build_vocab(spec.vocab_size, vocab_family)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
 
@@ -403,15 +405,7 @@ def write_model(path: str | Path, preset_name: str, *, expert_type: Q = Q.Q4_K, 
     w.add_file_type(file_type(expert_type, down_type))
     w.add_quantization_version(2)
     w.add_string("strata.synthetic.seed", str(seed))
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("qwen2")
-    w.add_token_list(vocab.tokens)
-    w.add_token_types(vocab.types)
-    w.add_token_merges(vocab.merges)
-    w.add_eos_token_id(vocab.id_of("<|im_end|>"))
-    w.add_pad_token_id(vocab.id_of("<|endoftext|>"))
-    w.add_bos_token_id(vocab.id_of("<|endoftext|>"))
-    w.add_add_bos_token(False)
+    write_vocab(w, vocab)
     w.add_chat_template(chat_template)
 
     for p in plans:
