@@ -8,11 +8,23 @@ from __future__ import annotations
 
 import json
 
+import jsonschema
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from strata_mgpu.config import EngineConfig
+from strata_mgpu.engine.engine import Engine
+from strata_mgpu.engine.grammar import GrammarCompiler
+from strata_mgpu.engine.sampler import SamplingParams
+from strata_mgpu.model.gguf_reader import GGUFFile
+from strata_mgpu.model.runner import load_reference_runner
+from strata_mgpu.model.spec import spec_from_gguf
+from strata_mgpu.model.tokenizer import tokenizer_from_gguf
 from strata_mgpu.server.dialects import HARMONY
+from strata_mgpu.server.grammars import Thinking, chat_grammar
+from strata_mgpu.server.json_schema import strict_schema
+from tests import engine_runs
 from tests.test_tool_dialects import FUNCTIONS, JSON_VALUES, TEXT, splits
 
 SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -147,3 +159,38 @@ def test_a_sure_call_that_breaks_keeps_its_text_and_one_the_limit_cuts_is_none()
     for chunks in ([text], list(text)):
         assert read(chunks, valid=False)[2] == [("g", '{"s": nope}')]
         assert read(chunks, cut=True, valid=False)[2:3] == ([],) and read(chunks, cut=True, valid=False)[4]
+
+
+def test_required_calls_on_a_random_harmony_model_read_into_arguments_that_validate(template_gguf):
+    """tool_choice required on gpt-oss's vocabulary (its markup as tokens): what the grammar lets
+    the random model write the reader reads into one call whose arguments validate against the
+    strict schema; the grammar refuses a final answer instead, and where the model may think
+    first it admits an analysis message before the call."""
+    f = GGUFFile(template_gguf("gpt-oss"))
+    spec, tok = spec_from_gguf(f), tokenizer_from_gguf(f)
+    tok.show_markup(HARMONY.shown_markup)
+    weather = {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
+                                         "unit": {"enum": ["C", "F"]}}, "required": ["city"]}}
+    compiler = GrammarCompiler(tok, spec.vocab_size)
+    def admits(thinking: Thinking, text: str) -> bool:
+        m = compiler.compile(chat_grammar(tok, HARMONY, functions=[weather], parallel=True, answer_schema=None,
+                                          thinking=thinking)).matcher()
+        return all(m.accept(t) for t in tok.encode(text, add_special=False)) and m.native.is_accepting()
+    call = '<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city": "Paris"}'
+    assert admits(Thinking.OFF, call) and not admits(Thinking.OFF, "<|channel|>final<|message|>hi")
+    assert admits(Thinking.OPTIONAL, "<|channel|>analysis<|message|>Paris, so.<|end|><|start|>assistant" + call)
+    assert admits(Thinking.OPTIONAL, call) and not admits(Thinking.OFF, call.replace("Paris", "Paris, France!!"))
+    grammar = compiler.compile(chat_grammar(tok, HARMONY, functions=[weather], parallel=True, answer_schema=None,
+                                            thinking=Thinking.OFF))
+    requests = [(tok.encode(f"<|start|>user<|message|>Call {i}<|end|><|start|>assistant", add_special=False),
+                 SamplingParams(max_tokens=120, temperature=t, seed=i, grammar=grammar))
+                for i, t in enumerate([0.0, 1.0])]
+    runner = load_reference_runner(f, spec)
+    outs = engine_runs.run_all(Engine(runner, tok, EngineConfig(prefix_cache=False)), requests, max_steps=2_000)
+    for out in outs:
+        assert out[-1].finish_reason == "stop"
+        text = "".join(o.text for o in out)
+        _, content, calls, _, _ = read([text], functions={"get_weather": weather["parameters"]})
+        assert content == "" and [n for n, _ in calls] == ["get_weather"], text
+        jsonschema.validate(json.loads(calls[0][1]), strict_schema(weather["parameters"]))

@@ -52,7 +52,7 @@ TYPED = {"type": "object", "properties": {
 FUNCTIONS = {"f": TYPED, "g": {"type": "object", "properties": {"s": {"type": "string"}}}}
 
 
-def read(dialect: ToolDialect, chunks: list[str], functions=FUNCTIONS, cut: bool = False, valid: bool = True):
+def read(dialect: TaggedDialect, chunks: list[str], functions=FUNCTIONS, cut: bool = False, valid: bool = True):
     """(content, [(name, arguments)], the argument deltas of each call, where in `chunks` each
     call's first argument delta came, cut_call) of an answer fed in `chunks`; `valid`: each
     call's arguments are a JSON object's text."""

@@ -59,7 +59,7 @@ def chat_grammar(tok: Tokenizer, dialect: ToolDialect, *, functions: list[dict[s
     if thinking is Thinking.OFF:
         return "\n".join([f"start: {lead}({answer})", *rules]) + "\n"
     close = dialect.think_close
-    if _token_at(tok, close, 0) is not None:  # it starts with a token no text can spell: the reasoning is any text before it
+    if _token_at(tok, close, 0) is not None:  # it starts with a token no text spells: any text before it
         rules.append(f'reasoning: /(.|\\n)*/ {markup(close)} /[ \\n]+/?')
     else:  # a text tag: the reasoning ends at its first occurrence
         rules.append(f'reasoning[lazy]: /(?s:.*){_regex_text(close)}[ \\n]*/')
