@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from functools import cache
+from importlib import resources
 from pathlib import Path
 
 import numpy as np
@@ -42,7 +43,7 @@ from strata_mgpu.model.spec import (
     RopeScaling,
     T,
 )
-from strata_mgpu.model.vocab import CHAT_TEMPLATE, build_vocab
+from strata_mgpu.model.vocab import CHAT_TEMPLATE, DEFAULT_FAMILY, build_vocab, family_of_template, write_vocab
 from strata_mgpu.quant.formats import BlockFormat, block_format, parse_type, set_f16_scale_bits
 
 Q = GGMLQuantizationType
@@ -74,6 +75,9 @@ class Preset:
     gpt_oss: GptOssShape | None = None
     rope_scaling: RopeScaling = NO_ROPE_SCALING
     expert_type: Q = Q.Q4_K  # the experts' gate/up type where --expert-type gives none
+    # the chat template written where none is given: one shipped with the package (data/templates/NAME.jinja,
+    # its vocabulary family the one it writes), else the synthetic ChatML one (qwen's family)
+    template: str | None = None
 
     def spec(self, name: str) -> ModelSpec:
         hybrid = self.delta is not None
@@ -128,7 +132,7 @@ PRESETS: dict[str, Preset] = {
                            n_experts_used=4, expert_ffn=256, vocab_size=2048, context_length=4096,
                            rope_base=150_000.0, rms_eps=1e-5, gpt_oss=GptOssShape(sliding_window=32),
                            rope_scaling=RopeScaling(kind=RopeScalingType.YARN, factor=16.0, original_context=256,
-                                                    truncate=False), expert_type=Q.MXFP4),
+                                                    truncate=False), expert_type=Q.MXFP4, template="gpt-oss"),
     # openai/gpt-oss-20b's shapes (its config.json: 24 layers of 2,880, 64 query and 8 KV heads of 64,
     # 32 experts of 2,880, 4 used, vocab 201,088, rope_theta 150,000, YaRN x32 over 4,096 positions,
     # window 128, rms_norm_eps 1e-5); MXFP4 experts, as released: ~12 GB
@@ -136,14 +140,22 @@ PRESETS: dict[str, Preset] = {
                           n_experts_used=4, expert_ffn=2880, vocab_size=201088, context_length=131072,
                           rope_base=150_000.0, rms_eps=1e-5, gpt_oss=GptOssShape(sliding_window=128),
                           rope_scaling=RopeScaling(kind=RopeScalingType.YARN, factor=32.0, original_context=4096,
-                                                   truncate=False), expert_type=Q.MXFP4),
+                                                   truncate=False), expert_type=Q.MXFP4, template="gpt-oss"),
     # openai/gpt-oss-120b's: the same but 36 layers of 128 experts (~63 GB; `--layers N` for a cut)
     "gpt-oss-120b": Preset(n_layers=36, hidden=2880, n_heads=64, n_kv_heads=8, head_dim=64, n_experts=128,
                            n_experts_used=4, expert_ffn=2880, vocab_size=201088, context_length=131072,
                            rope_base=150_000.0, rms_eps=1e-5, gpt_oss=GptOssShape(sliding_window=128),
                            rope_scaling=RopeScaling(kind=RopeScalingType.YARN, factor=32.0, original_context=4096,
-                                                    truncate=False), expert_type=Q.MXFP4),
+                                                    truncate=False), expert_type=Q.MXFP4, template="gpt-oss"),
 }
+
+
+def preset_template(preset_name: str) -> str:
+    """The chat template a preset's file carries where none is given (`Preset.template`)."""
+    name = PRESETS[preset_name].template
+    if name is None:
+        return CHAT_TEMPLATE
+    return resources.files("strata_mgpu").joinpath(f"data/templates/{name}.jinja").read_text(encoding="utf-8")
 
 
 def preset_spec(preset_name: str, layers: int | None = None, rope: RopeScaling = NO_ROPE_SCALING) -> ModelSpec:
@@ -390,15 +402,19 @@ def write_model(path: str | Path, preset_name: str, *, expert_type: Q | None = N
                 dense_type: Q = Q.Q8_0, seed: int = 0, split_max_bytes: int = 0,
                 on_tensor: Callable[[str, int], None] | None = None, workers: int | None = None,
                 layers: int | None = None, rope: RopeScaling = NO_ROPE_SCALING,
-                mix: dict[int, tuple[Q, Q]] | None = None, chat_template: str = CHAT_TEMPLATE) -> ModelSpec:
+                mix: dict[int, tuple[Q, Q]] | None = None, chat_template: str | None = None,
+                vocab_family: str | None = None) -> ModelSpec:
     """Write a synthetic GGUF of the preset's arch; `on_tensor(name, nbytes)` is called after each tensor.
     `expert_type`: None: the preset's (Q4_K; gpt-oss MXFP4). `workers`: None: up to 8, one a core.
-    `chat_template`: written as `tokenizer.chat_template`."""
+    `chat_template`: written as `tokenizer.chat_template` (None: the preset's, `preset_template`);
+    `vocab_family`: the added tokens (`vocab.FAMILIES`; None: the family the template writes, else qwen's)."""
     expert_type = PRESETS[preset_name].expert_type if expert_type is None else expert_type
+    chat_template = preset_template(preset_name) if chat_template is None else chat_template
+    vocab_family = vocab_family or family_of_template(chat_template) or DEFAULT_FAMILY
     down_type = DEFAULT_DOWN.get(expert_type, expert_type) if down_type is None else down_type  # F32 is 0
     spec = preset_spec(preset_name, layers, rope)
     plans = plan_tensors(spec, expert_type, down_type, dense_type, mix)
-    vocab = build_vocab(spec.vocab_size)
+    vocab = build_vocab(spec.vocab_size, vocab_family)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
 
@@ -441,15 +457,7 @@ def write_model(path: str | Path, preset_name: str, *, expert_type: Q | None = N
     w.add_file_type(file_type(expert_type, down_type))
     w.add_quantization_version(2)
     w.add_string("strata.synthetic.seed", str(seed))
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("qwen2")
-    w.add_token_list(vocab.tokens)
-    w.add_token_types(vocab.types)
-    w.add_token_merges(vocab.merges)
-    w.add_eos_token_id(vocab.id_of("<|im_end|>"))
-    w.add_pad_token_id(vocab.id_of("<|endoftext|>"))
-    w.add_bos_token_id(vocab.id_of("<|endoftext|>"))
-    w.add_add_bos_token(False)
+    write_vocab(w, vocab)
     w.add_chat_template(chat_template)
 
     for p in plans:
