@@ -177,11 +177,14 @@ def _env() -> env.EnvOptions:
 @main.command("gen-model")
 @click.argument("out_path", metavar="OUT.gguf", type=click.Path(dir_okay=False, path_type=Path))
 @click.option("--preset", type=click.Choice(["tiny", "small", "30b-a3b", "235b-a22b", "tiny-hybrid", "tiny-next",
-                                                  "35b-a3b-hybrid", "tiny-glm4moe", "glm-4.5-air"]),
+                                                  "35b-a3b-hybrid", "tiny-gpt-oss", "gpt-oss-20b", "gpt-oss-120b",
+                                                  "tiny-glm4moe", "glm-4.5-air"]),
               default="tiny", show_default=True,
-              help="qwen3moe shapes, qwen35moe's (-hybrid), qwen3next's (-next) or glm4moe's (-glm4moe, glm-4.5-air)")
+              help="qwen3moe shapes, qwen35moe's (-hybrid), qwen3next's (-next), gpt-oss's (gpt-oss) or glm4moe's "
+                   "(-glm4moe, glm-4.5-air)")
 @click.option("--layers", type=click.IntRange(min=1), default=None, help="write only the preset's first N layers")
-@click.option("--expert-type", default="Q4_K", show_default=True, help="type of the experts' gate and up")
+@click.option("--expert-type", default=None, help="type of the experts' gate and up (default: the preset's, "
+                                                  "Q4_K; MXFP4 for gpt-oss)")
 @click.option("--down-type", default=None, help="type of the experts' down (default: Q6_K for Q4_K/Q5_K)")
 @click.option("--mix", default=None, help="experts' types by layer, FIRST[-[LAST]]:GATE_UP[/DOWN],... "
                                           "(e.g. 0-3:Q6_K,4-:Q4_K); other layers: --expert-type/--down-type")
@@ -193,23 +196,31 @@ def _env() -> env.EnvOptions:
 @click.option("--split-max-size", default=None, help="split into shards of at most this size (e.g. 2G)")
 @click.option("--chat-template", "chat_template_file", default=None,
               type=click.Path(exists=True, dir_okay=False, path_type=Path),
-              help="a jinja chat template file to write as the model's (default: the synthetic ChatML one)")
-def gen_model(out_path: Path, preset: str, layers: int | None, expert_type: str, down_type: str | None,
+              help="a jinja chat template file to write as the model's (default: the preset's: gpt-oss's own for "
+                   "its presets, else the synthetic ChatML one)")
+@click.option("--vocab", "vocab_family", type=click.Choice(["qwen", "harmony", "glm"]), default=None,
+              help="the added tokens: Qwen3's, gpt-oss's (harmony) or GLM-4.5's (default: the family the "
+                   "--chat-template writes, where it is one; else the preset's)")
+def gen_model(out_path: Path, preset: str, layers: int | None, expert_type: str | None, down_type: str | None,
               mix: str | None, dense_type: str, rope_scaling: str, seed: int, split_max_size: str | None,
-              chat_template_file: Path | None) -> None:
-    """Write a synthetic qwen3moe (or qwen35moe: the -hybrid presets) GGUF with real quantized blocks."""
+              chat_template_file: Path | None, vocab_family: str | None) -> None:
+    """Write a synthetic qwen3moe (or qwen35moe, qwen3next, gpt-oss: as the preset says) GGUF with real
+    quantized blocks."""
     from strata_mgpu.model import synthetic as syn
     from strata_mgpu.model.tokenizer import ChatTemplate
+    from strata_mgpu.model.vocab import DEFAULT_FAMILY, family_of_template
 
-    e_type, d_type, dn_type = _type_option(expert_type), _type_option(dense_type), _type_option(down_type)
+    e_type = syn.PRESETS[preset].expert_type if expert_type is None else _type_option(expert_type)
+    d_type, dn_type = _type_option(dense_type), _type_option(down_type)
     down = syn.DEFAULT_DOWN.get(e_type, e_type) if dn_type is None else dn_type  # F32 is 0: no `or`
     try:
         rope = syn.rope_option(rope_scaling, syn.PRESETS[preset].context_length)
         spec = syn.preset_spec(preset, layers, rope)
         types = syn.mix_option(mix, spec.n_layers) if mix else None
         total = sum(p.nbytes for p in syn.plan_tensors(spec, e_type, down, d_type, types))
-        template = syn.CHAT_TEMPLATE if chat_template_file is None else _template_file(chat_template_file)
+        template = syn.preset_template(preset) if chat_template_file is None else _template_file(chat_template_file)
         ChatTemplate(template)  # a template that does not parse is refused here, not at load
+        family = vocab_family or family_of_template(template) or DEFAULT_FAMILY
     except ValueError as e:
         fail(str(e))
     with Progress(TextColumn("[bold]writing[/] {task.description}"), BarColumn(), DownloadColumn(),
@@ -217,11 +228,12 @@ def gen_model(out_path: Path, preset: str, layers: int | None, expert_type: str,
         task = bar.add_task(out_path.name, total=total)
         syn.write_model(out_path, preset, expert_type=e_type, down_type=down, dense_type=d_type, seed=seed,
                         split_max_bytes=_size(split_max_size), layers=layers, rope=rope, mix=types,
-                        chat_template=template, on_tensor=lambda _name, nbytes: bar.advance(task, nbytes))
-    scaled = f", RoPE {report.rope_text(rope)}" if rope != syn.NO_ROPE_SCALING else ""
+                        chat_template=template, vocab_family=family,
+                        on_tensor=lambda _name, nbytes: bar.advance(task, nbytes))
+    scaled = f", RoPE {report.rope_text(spec.rope_scaling)}" if spec.rope_scaling != syn.NO_ROPE_SCALING else ""
     err.print(f"wrote {out_path} ({preset}, {spec.n_layers} layers, experts {e_type.name}/{down.name}"
               f"{' outside --mix' if types else ''}, dense {d_type.name}{scaled}, {report.gb(total)} of tensors, "
-              f"seed {seed})")
+              f"{family} vocabulary, seed {seed})")
 
 
 devices_option = click.option("--devices", default="auto", show_default=True,

@@ -26,7 +26,8 @@ def rope_text(r: RopeScaling) -> str:
     """'yarn x4 of 32,768, betas 32/1 (cos/sin x1.139)', 'linear x2 of 4,096', 'none'."""
     if r.kind.value == "none":
         return "none" + (f" (cos/sin x{r.mscale:.4g})" if r.mscale != 1 else "")
-    betas = f", betas {r.beta_fast:g}/{r.beta_slow:g}" if r.kind.value == "yarn" else ""
+    betas = (f", betas {r.beta_fast:g}/{r.beta_slow:g}" + ("" if r.truncate else ", untruncated")
+             if r.kind.value == "yarn" else "")
     return (f"{r.kind.value} x{r.factor:g} of {r.original_context:,}" + betas
             + (f" (cos/sin x{r.mscale:.4g})" if r.mscale != 1 else ""))
 

@@ -5,6 +5,7 @@ from pathlib import Path
 import pytest
 
 from strata_mgpu.model.synthetic import write_model
+from strata_mgpu.model.vocab import DEFAULT_FAMILY, family_of_template
 
 
 def pytest_collection_modifyitems(config, items):
@@ -47,19 +48,31 @@ def tiny_hybrid_gguf(tmp_path_factory) -> Path:
 
 
 TEMPLATES = Path(__file__).parent / "data" / "templates"
+PACKAGED_TEMPLATES = Path(__file__).parent.parent / "strata_mgpu" / "data" / "templates"
 REAL_TEMPLATES = ("qwen3", "qwen3-coder", "qwen3-thinking-2507")  # tests/data/templates/NAME.jinja
+OTHER_FAMILY_TEMPLATES = ("gpt-oss", "glm-4.5")  # their own vocabulary families (harmony, glm)
+
+
+def template_text(name: str) -> str:
+    """A real chat template's text: tests/data/templates/NAME.jinja, or one the package ships (the other
+    vocabulary families', strata_mgpu/data/templates)."""
+    here = TEMPLATES / f"{name}.jinja"
+    return (here if here.exists() else PACKAGED_TEMPLATES / f"{name}.jinja").read_text("utf-8")
 
 
 @pytest.fixture(scope="session")
 def template_gguf(tmp_path_factory):
     """template_gguf(name): the tiny preset (tiny_gguf's weights) carrying the real chat template
-    tests/data/templates/NAME.jinja, as a user's file does; written once a session."""
+    tests/data/templates/NAME.jinja, as a user's file does, in the vocabulary family the template
+    writes (gpt-oss's: harmony, GLM's: glm, Qwen's: qwen); written once a session."""
     made: dict[str, Path] = {}
 
     def path(name: str) -> Path:
         if name not in made:
             made[name] = tmp_path_factory.mktemp("models") / f"tiny-{name}.gguf"
-            write_model(made[name], "tiny", seed=7, chat_template=(TEMPLATES / f"{name}.jinja").read_text("utf-8"))
+            template = template_text(name)
+            write_model(made[name], "tiny", seed=7, chat_template=template,
+                        vocab_family=family_of_template(template) or DEFAULT_FAMILY)
         return made[name]
     return path
 

@@ -1,4 +1,5 @@
-"""Build Hugging Face transformers' Qwen3-MoE with our spec and the same dequantized weights."""
+"""Build Hugging Face transformers' Qwen3-MoE (and the other archs' models) with our spec and the same
+dequantized weights."""
 
 from __future__ import annotations
 
@@ -61,6 +62,8 @@ def rope_parameters(spec: ModelSpec) -> dict:
                    "beta_slow": r.beta_slow}
         if r.attn_factor != 1.0:
             params["attention_factor"] = r.mscale
+        if not r.truncate:  # gpt-oss's
+            params["truncate"] = False
     assert r.attn_factor == 1.0 or r.kind == RopeScalingType.YARN, "transformers has no attn_factor here"
     return params
 
@@ -191,5 +194,47 @@ def hf_qwen3next(spec: ModelSpec, w: ModelWeights):
             p + "linear_attn.A_log": torch.log(-ld.decay_rate), p + "linear_attn.dt_bias": ld.dt_bias,
             p + "linear_attn.conv1d.weight": ld.conv[:, None], p + "linear_attn.norm.weight": ld.norm,
             p + "linear_attn.out_proj.weight": ld.wout,
+        }
+    return _loaded(model, sd)
+
+
+def hf_gpt_oss(spec: ModelSpec, w: ModelWeights):
+    """transformers' GptOssForCausalLM with a gpt-oss GGUF's weights, mapped back as llama.cpp's converter
+    maps them forward: the experts' gate and up (and their biases) interleaved again into gate_up_proj,
+    column 2f gate f and 2f + 1 up f, and every expert matrix transposed ([E, in, out])."""
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    oss = spec.gpt_oss
+    assert oss is not None and oss.swa_period == 2, "transformers' default layer_types: sliding, full, ..."
+    cfg = GptOssConfig(
+        vocab_size=spec.vocab_size, hidden_size=spec.hidden, intermediate_size=spec.expert_ffn,
+        num_hidden_layers=spec.n_layers, num_attention_heads=spec.n_heads, num_key_value_heads=spec.n_kv_heads,
+        head_dim=spec.head_dim, max_position_embeddings=spec.context_length, rms_norm_eps=spec.rms_eps,
+        num_local_experts=spec.n_experts, num_experts_per_tok=spec.n_experts_used, sliding_window=oss.sliding_window,
+        swiglu_limit=oss.swiglu_limit, swiglu_alpha=oss.swiglu_alpha, tie_word_embeddings=spec.tied_output,
+        rope_parameters=rope_parameters(spec))
+    assert cfg.layer_types == ["sliding_attention" if spec.window(i) else "full_attention"
+                               for i in range(spec.n_layers)]
+    cfg._attn_implementation = "eager"
+    model = GptOssForCausalLM(cfg).float().eval()
+    sd = {"model.embed_tokens.weight": w.embed, "model.norm.weight": w.out_norm, "lm_head.weight": w.output}
+
+    def interleaved(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:  # [E, F, ...] x 2 -> [E, 2F, ...]
+        return torch.stack([gate, up], dim=2).flatten(1, 2)
+
+    for i, lw in enumerate(w.layers):
+        p, b = f"model.layers.{i}.", lw.oss
+        assert b is not None and lw.gate is not None and lw.up is not None and lw.down is not None
+        assert b.gate_bias is not None and b.up_bias is not None and b.down_bias is not None
+        sd |= {
+            p + "input_layernorm.weight": lw.attn_norm, p + "post_attention_layernorm.weight": lw.ffn_norm,
+            p + "self_attn.q_proj.weight": lw.wq, p + "self_attn.k_proj.weight": lw.wk,
+            p + "self_attn.v_proj.weight": lw.wv, p + "self_attn.o_proj.weight": lw.wo,
+            p + "self_attn.q_proj.bias": b.bq, p + "self_attn.k_proj.bias": b.bk,
+            p + "self_attn.v_proj.bias": b.bv, p + "self_attn.o_proj.bias": b.bo, p + "self_attn.sinks": b.sinks,
+            p + "mlp.router.weight": lw.router, p + "mlp.router.bias": b.router_bias,
+            p + "mlp.experts.gate_up_proj": interleaved(lw.gate, lw.up).transpose(1, 2),
+            p + "mlp.experts.gate_up_proj_bias": interleaved(b.gate_bias, b.up_bias),
+            p + "mlp.experts.down_proj": lw.down.transpose(1, 2), p + "mlp.experts.down_proj_bias": b.down_bias,
         }
     return _loaded(model, sd)

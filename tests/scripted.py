@@ -82,12 +82,13 @@ def client_for(engine: Engine, **state) -> openai.OpenAI:
                          http_client=http_client(engine, **state))
 
 
-def say(engine: Engine, runner: ScriptedRunner, *texts: str) -> None:
+def say(engine: Engine, runner: ScriptedRunner, *texts: str, end: str = "<|im_end|>") -> None:
     """The model's next answers are `texts`, one a prompt (the last one from then on), each then
-    the end of its turn."""
+    `end`, the token that ends its turn (gpt-oss: <|return|>, or <|call|> after a call; GLM: <|user|>,
+    or <|observation|> after a call)."""
     tok = engine.tokenizer
-    end = tok.tokens.index("<|im_end|>")
-    runner.set_scripts([[*tok.encode(text, add_special=False), end] for text in texts])
+    end_id = tok.tokens.index(end)
+    runner.set_scripts([[*tok.encode(text, add_special=False), end_id] for text in texts])
 
 
 def prompt_text(engine: Engine, runner: ScriptedRunner) -> str:

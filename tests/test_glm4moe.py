@@ -22,8 +22,8 @@ from strata_mgpu.model.tokenizer import tokenizer_from_gguf
 from strata_mgpu.model.weights import load_weights
 from strata_mgpu.stage.device import DeviceError
 from tests.engine_runs import assert_engine_draws_the_greedy_chains
-from tests.test_reference_oracle import TOL, rel_err
-from tests.test_spec import _copy_with, assert_spec_error
+from tests.forward_checks import assert_chunks_packs_and_batches_equal_whole, assert_decode_matches_hf
+from tests.test_spec import _copy_with, assert_refused_in_one_line
 
 
 @pytest.fixture(scope="module")
@@ -71,15 +71,24 @@ def hf_glm4moe(spec, w):
     return model
 
 
-@torch.no_grad()
-def test_prefill_matches_transformers(glm_gguf):
+@pytest.fixture(scope="module")
+def models(glm_gguf):
     f = GGUFFile(glm_gguf)
     spec = spec_from_gguf(f)
-    assert spec.arch == "glm4moe" and spec.leading_dense == 1 and spec.mtp_layers == 1 and spec.rotary_dim == 32
     w = load_weights(f, spec)
-    ours, hf = ReferenceModel(spec, w), hf_glm4moe(spec, w)
-    prompt = torch.randint(0, spec.vocab_size, (40,), generator=torch.Generator().manual_seed(5))
-    assert rel_err(ours.prefill(prompt, ours.new_cache(256)), hf(prompt[None]).logits[0]) <= TOL
+    return ReferenceModel(spec, w), hf_glm4moe(spec, w)
+
+
+def test_prompt_and_decode_match_transformers(models):
+    ours, hf = models
+    s = ours.spec
+    assert s.arch == "glm4moe" and s.leading_dense == 1 and s.mtp_layers == 1 and s.rotary_dim == 32
+    prompt = torch.randint(0, s.vocab_size, (40,), generator=torch.Generator().manual_seed(5))
+    assert_decode_matches_hf(ours, hf, prompt)
+
+
+def test_chunks_packs_and_batches_equal_whole_prompts(models):
+    assert_chunks_packs_and_batches_equal_whole(models[0])
 
 
 def test_stages_refuse_glm4moe_in_one_line(glm_gguf):
@@ -104,13 +113,13 @@ def test_stages_refuse_glm4moe_in_one_line(glm_gguf):
     (dict(drop_key="glm4moe.expert_shared_count"), "missing metadata key 'glm4moe.expert_shared_count'"),
     # llama.cpp reads no dense layer then: layer 0's router and experts are missing
     (dict(drop_key="glm4moe.leading_dense_block_count"), "missing tensor 'blk.0.exp_probs_b.bias'"),
-    (dict(values={"glm4moe.expert_gating_func": 1}), "'glm4moe.expert_gating_func' = 1 is not supported"),
-    (dict(values={"glm4moe.expert_weights_scale": -1.0}), "'glm4moe.expert_weights_scale' = -1.0 must be positive"),
-    (dict(values={"glm4moe.expert_group_count": 3}), "1 of 3 expert groups do not divide 8 experts"),
-    (dict(values={"glm4moe.leading_dense_block_count": 5}), "1 MTP blocks and 5 dense layers do not fit 5 blocks"),
+    (dict(set_key=("glm4moe.expert_gating_func", 1)), "'glm4moe.expert_gating_func' = 1 is not supported"),
+    (dict(set_key=("glm4moe.expert_weights_scale", -1.0)), "'glm4moe.expert_weights_scale' = -1.0 must be positive"),
+    (dict(set_key=("glm4moe.expert_group_count", 3)), "1 of 3 expert groups do not divide 8 experts"),
+    (dict(set_key=("glm4moe.leading_dense_block_count", 5)), "1 MTP blocks and 5 dense layers do not fit 5 blocks"),
 ])
 def test_glm4moe_spec_errors_name_the_problem(glm_gguf, tmp_path, change, message):
-    assert_spec_error(glm_gguf, tmp_path / "bad.gguf", change, message)
+    assert_refused_in_one_line(glm_gguf, tmp_path, message, **change)
 
 
 def test_glm4moe_keys_read_as_llama_cpp_reads_them(glm_gguf, tmp_path):
@@ -120,9 +129,10 @@ def test_glm4moe_keys_read_as_llama_cpp_reads_them(glm_gguf, tmp_path):
     r = spec.sigmoid_routing
     assert r is not None and (r.n_groups, r.groups_used, r.normalize, r.scale) == (2, 1, True, 2.5)
     assert spec.attn_bias and not spec.qk_norm and spec.dense_ffn == 512 and spec.shared_expert_ffn == 256
-    zeroed = _copy_with(glm_gguf, tmp_path / "zeroed.gguf", values={"glm4moe.expert_gating_func": 0,
-                                                                    "glm4moe.expert_weights_scale": 0.0})
-    r0 = spec_from_gguf(GGUFFile(zeroed)).sigmoid_routing
+    no_gating = _copy_with(glm_gguf, tmp_path / "none.gguf", set_key=("glm4moe.expert_gating_func", 0))
+    assert spec_from_gguf(GGUFFile(no_gating)).sigmoid_routing == r
+    no_scale = _copy_with(glm_gguf, tmp_path / "unscaled.gguf", set_key=("glm4moe.expert_weights_scale", 0.0))
+    r0 = spec_from_gguf(GGUFFile(no_scale)).sigmoid_routing
     assert r0 is not None and r0.scale == 1.0
 
 

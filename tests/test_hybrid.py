@@ -25,10 +25,10 @@ from strata_mgpu.model.synthetic import PRESETS, preset_spec, write_model
 from strata_mgpu.model.tokenizer import tokenizer_from_gguf
 from strata_mgpu.model.weights import load_weights
 from tests.engine_runs import assert_engine_draws_the_greedy_chains, run_all
+from tests.forward_checks import assert_chunks_packs_and_batches_equal_whole, assert_decode_matches_hf, rel_err
 from tests.hf_oracle import hf_qwen3next, hf_qwen35moe
 from tests.server_proc import running_server
-from tests.test_reference_oracle import TOL, hf_step, rel_err
-from tests.test_spec import _copy_with, assert_spec_error
+from tests.test_spec import _copy_with, assert_refused_in_one_line
 
 
 def copy_prefix(src, dst, n: int) -> None:
@@ -77,7 +77,7 @@ def test_35b_a3b_hybrid_shapes():
     (dict(drop_key="qwen35moe.nextn_predict_layers"), "missing tensor 'blk.4.ssm_"),  # blk.4: a 5th layer then
 ])
 def test_hybrid_spec_errors_name_the_problem(tiny_hybrid_gguf, tmp_path, change, message):
-    assert_spec_error(tiny_hybrid_gguf, tmp_path / "bad.gguf", change, message)
+    assert_refused_in_one_line(tiny_hybrid_gguf, tmp_path, message, **change)
 
 
 def test_an_mtp_block_may_have_its_own_embedding_and_head(tiny_hybrid_gguf, tmp_path):
@@ -124,52 +124,21 @@ def next_models(tmp_path_factory):
 
 
 @pytest.mark.parametrize("arch", ["qwen35moe", "qwen3next"])
-@torch.no_grad()
 def test_prefill_and_decode_match_transformers(arch, request):
     """A prompt past one chunk of the scan, then decoded tokens through the one-step recurrence."""
     ours, hf = request.getfixturevalue("models" if arch == "qwen35moe" else "next_models")
     assert ours.spec.arch == arch
     g = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
     prompt = torch.randint(0, ours.spec.vocab_size, (83,), generator=g)
-    kv, linear = ours.new_cache(max_length=256, capacity=8), ours.new_linear_state()
+    kv, linear = assert_decode_matches_hf(ours, hf, prompt)
     assert kv.k.shape[0] == 2  # the full-attention layers only
-    logits = ours.prefill(prompt, kv, linear)
-    ref, cache = hf_step(hf, prompt[None], None)
-    assert rel_err(logits, ref) <= TOL
-    nxt = ref[-1].argmax()
-    for _ in range(6):
-        step = ours.prefill(nxt[None], kv, linear)
-        ref, cache = hf_step(hf, nxt[None, None], cache)
-        assert rel_err(step, ref) <= TOL
-        nxt = ref[-1].argmax()
     assert kv.length == linear.length == 83 + 6
 
 
-@torch.no_grad()
 def test_chunks_packs_and_batches_equal_whole_prompts(models):
     """A prompt in three chunks (one of them past a scan chunk), two prompts packed in one forward, and
     two sequences decoded in one batch: the logits each has alone."""
-    ours, _ = models
-    runner = DecoderRunner(ours)
-    V = ours.spec.vocab_size
-    a, b = torch.randint(0, V, (100,)), torch.randint(0, V, (23,))
-    whole_kv = ours.new_cache(256)
-    whole_linear = ours.new_linear_state()
-    whole = ours.prefill(a, whole_kv, whole_linear)
-    kv, linear = ours.new_cache(256), ours.new_linear_state()
-    parts = [ours.prefill(a[s], kv, linear) for s in (slice(0, 7), slice(7, 80), slice(80, 100))]
-    assert rel_err(torch.cat(parts), whole) <= 1e-5
-
-    seq_a, seq_b = runner.new_sequence(256), runner.new_sequence(256)
-    packed = runner.prefill_many([seq_a, seq_b], [a, b])
-    alone_b = runner.prefill(runner.new_sequence(256), b)
-    assert rel_err(packed[0], whole[-1]) <= 1e-5 and rel_err(packed[1], alone_b) <= 1e-5
-    step = torch.tensor([5, 9])
-    batched = runner.decode([seq_a, seq_b], step)
-    assert rel_err(batched[0], ours.prefill(step[:1], whole_kv, whole_linear)[0]) <= 1e-5
-    seq_b2 = runner.new_sequence(256)
-    runner.prefill(seq_b2, b)
-    assert rel_err(batched[1], runner.decode([seq_b2], step[1:])[0]) <= 1e-5
+    assert_chunks_packs_and_batches_equal_whole(models[0])
 
 
 @torch.no_grad()

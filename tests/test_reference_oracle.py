@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import inspect
-
 import pytest
 import torch
 
@@ -12,21 +10,8 @@ from strata_mgpu.model.gguf_reader import GGUFFile
 from strata_mgpu.model.reference import ReferenceModel
 from strata_mgpu.model.spec import spec_from_gguf
 from strata_mgpu.model.weights import load_weights
+from tests.forward_checks import assert_decode_matches_hf, rel_err
 from tests.hf_oracle import hf_qwen3moe
-
-TOL = 1e-4  # max|diff| / max|ref|, both fp32
-
-
-def hf_step(hf, ids: torch.Tensor, cache):
-    """One forward of transformers' model with its KV cache, whichever name this version gives
-    the cache (`cache` in 5.24+, `past_key_values` before)."""
-    name = "cache" if "cache" in inspect.signature(hf.forward).parameters else "past_key_values"
-    out = hf(ids, use_cache=True, **({name: cache} if cache is not None else {}))
-    return out.logits[0], getattr(out, name)
-
-
-def rel_err(a: torch.Tensor, ref: torch.Tensor) -> float:
-    return float((a - ref).abs().max() / ref.abs().max())
 
 
 @pytest.fixture(scope="module")
@@ -42,16 +27,7 @@ def test_prefill_and_decode_match_transformers(models):
     ours, hf = models
     g = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
     prompt = torch.randint(0, ours.spec.vocab_size, (57,), generator=g)
-    kv = ours.new_cache(max_length=256, capacity=8)  # small capacity: decode grows the cache
-    logits = ours.prefill(prompt, kv)
-    ref, cache = hf_step(hf, prompt[None], None)
-    assert rel_err(logits, ref) <= TOL
-    nxt = ref[-1].argmax()
-    for _ in range(6):
-        step = ours.prefill(nxt[None], kv)
-        ref, cache = hf_step(hf, nxt[None, None], cache)
-        assert rel_err(step, ref) <= TOL
-        nxt = ref[-1].argmax()
+    kv, _ = assert_decode_matches_hf(ours, hf, prompt)  # small capacity: decode grows the cache
     assert kv.length == 57 + 6
 
 

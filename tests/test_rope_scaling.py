@@ -21,8 +21,8 @@ from strata_mgpu.model.reference import ReferenceModel
 from strata_mgpu.model.spec import NO_ROPE_SCALING, RopeScaling, spec_from_gguf
 from strata_mgpu.model.synthetic import PRESETS, preset_spec, rope_option, write_model
 from strata_mgpu.model.weights import load_weights
+from tests.forward_checks import TOL, hf_step, rel_err
 from tests.hf_oracle import hf_qwen3moe
-from tests.test_reference_oracle import TOL, hf_step, rel_err
 
 CPU = torch.device("cpu")
 ORIGINAL = 64  # the original context of the test files: positions past it are cheap

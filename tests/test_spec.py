@@ -25,18 +25,20 @@ def test_30b_shapes():
     assert spec.n_active_params == pytest.approx(3.3e9, rel=0.1)
 
 
-def _copy_with(src, dst, *, drop_key=None, drop_tensor=None, reshape=None, arch=None, add=None, values=None):
+def _copy_with(src, dst, *, drop_key=None, drop_tensor=None, reshape=None, arch=None, add=None, set_key=None):
     """Rewrite a GGUF with one thing changed, via gguf-py's writer (`add`: name -> F32 array, more tensors;
-    `values`: key -> a new value of the key's own type)."""
-    from gguf import GGUFReader
+    `set_key`: (key, value), the value's GGUF type its own)."""
+    from gguf import GGUFReader, GGUFValueType
 
     r = GGUFReader(src)
     w = GGUFWriter(dst, arch or r.fields["general.architecture"].contents())
     for key, field in r.fields.items():
-        if key.startswith("GGUF.") or key in (drop_key, "general.architecture"):
+        if key.startswith("GGUF.") or key in (drop_key, "general.architecture") or (set_key and key == set_key[0]):
             continue
-        w.add_key_value(key, (values or {}).get(key, field.contents()), field.types[0],
-                        sub_type=field.types[-1] if len(field.types) > 1 else None)
+        w.add_key_value(key, field.contents(), field.types[0], sub_type=field.types[-1] if len(field.types) > 1
+                        else None)
+    if set_key is not None:
+        w.add_key_value(set_key[0], set_key[1], GGUFValueType.get_type(set_key[1]))
     for t in r.tensors:
         if t.name == drop_tensor:
             continue
@@ -55,9 +57,9 @@ def _copy_with(src, dst, *, drop_key=None, drop_tensor=None, reshape=None, arch=
     return dst
 
 
-def assert_spec_error(src, dst, change: dict, message: str) -> None:
-    """The file rewritten with `change` (`_copy_with`'s arguments) gets a one-line GGUFError matching `message`."""
-    bad = _copy_with(src, dst, **change)
+def assert_refused_in_one_line(src, tmp_path, message, **change) -> None:
+    """`src` rewritten with `change` (as `_copy_with` takes it): the reader's GGUFError, one line, says `message`."""
+    bad = _copy_with(src, tmp_path / "bad.gguf", **change)
     with pytest.raises(GGUFError, match=message) as e:
         spec_from_gguf(GGUFFile(bad))
     assert "\n" not in str(e.value)
@@ -70,4 +72,6 @@ def assert_spec_error(src, dst, change: dict, message: str) -> None:
     (dict(arch="llama"), "architecture 'llama' is not supported"),
 ])
 def test_spec_errors_name_the_problem(tiny_gguf, tmp_path, change, message):
-    assert_spec_error(tiny_gguf, tmp_path / "bad.gguf", change, message)
+    bad = _copy_with(tiny_gguf, tmp_path / "bad.gguf", **change)
+    with pytest.raises(GGUFError, match=message):
+        spec_from_gguf(GGUFFile(bad))

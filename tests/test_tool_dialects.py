@@ -1,4 +1,5 @@
-"""The tool dialects (Hermes/Qwen3's JSON calls, Qwen3-Coder's XML calls) on the host: any split of
+"""The tagged tool dialects (Hermes/Qwen3's JSON calls, Qwen3-Coder's XML calls, GLM-4.5's key/value
+calls) on the host: any split of
 an answer into deltas reads as the whole does; the argument deltas joined are the final arguments
 and parse; calls stream before their close tag; a cut anywhere leaves no markup in the content and
 gives no call it cut; a broken call keeps the model's text; XML values take their schema's types;
@@ -28,12 +29,22 @@ from strata_mgpu.model.spec import spec_from_gguf
 from strata_mgpu.model.tokenizer import tokenizer_from_gguf
 from strata_mgpu.model.vocab import CHAT_TEMPLATE
 from strata_mgpu.server.app import ServerState
-from strata_mgpu.server.dialects import DIALECTS, HERMES, QWEN3_CODER, ToolDialect, choose_dialect, dialect_of_template
+from strata_mgpu.server.dialects import (
+    DIALECTS,
+    GLM45,
+    HARMONY,
+    HERMES,
+    QWEN3_CODER,
+    TaggedDialect,
+    choose_dialect,
+    dialect_of_template,
+)
 from strata_mgpu.server.grammars import Thinking, chat_grammar, text_grammar
 from strata_mgpu.server.json_schema import strict_schema
 from strata_mgpu.server.qwen3_coder import value_json
 from strata_mgpu.server.tool_calls import ToolCallParser
 from tests import engine_runs
+from tests.conftest import template_text
 
 TEMPLATES = Path(__file__).parent / "data" / "templates"
 TYPED = {"type": "object", "properties": {
@@ -42,7 +53,7 @@ TYPED = {"type": "object", "properties": {
 FUNCTIONS = {"f": TYPED, "g": {"type": "object", "properties": {"s": {"type": "string"}}}}
 
 
-def read(dialect: ToolDialect, chunks: list[str], functions=FUNCTIONS, cut: bool = False, valid: bool = True):
+def read(dialect: TaggedDialect, chunks: list[str], functions=FUNCTIONS, cut: bool = False, valid: bool = True):
     """(content, [(name, arguments)], the argument deltas of each call, where in `chunks` each
     call's first argument delta came, cut_call) of an answer fed in `chunks`; `valid`: each
     call's arguments are a JSON object's text."""
@@ -104,14 +115,32 @@ def xml_answer(draw) -> tuple[str, list[tuple[str, dict]]]:
     return "".join(parts), calls
 
 
-ANSWERS = {"hermes": hermes_answer(), "qwen3_coder": xml_answer()}
+@st.composite
+def glm_answer(draw) -> tuple[str, list[tuple[str, dict]]]:
+    """As GLM-4.5's template writes calls: a string value as it is, any other as JSON."""
+    parts, calls = [draw(TEXT)], []
+    for _ in range(draw(st.integers(0, 3))):
+        name = draw(st.sampled_from(["f", "g"]))
+        keys = draw(st.lists(st.sampled_from(sorted(FUNCTIONS[name]["properties"])), unique=True, max_size=6))
+        arguments = {k: draw(TYPED_VALUES[k]) for k in keys}
+        pairs = "".join(f"<arg_key>{k}</arg_key>\n<arg_value>{v if isinstance(v, str) else json.dumps(v)}</arg_value>\n"
+                        for k, v in arguments.items())
+        parts += [f"<tool_call>{name}\n{pairs}</tool_call>", draw(TEXT)]
+        calls.append((name, arguments))
+    return "".join(parts), calls
+
+
+ANSWERS = {"hermes": hermes_answer(), "qwen3_coder": xml_answer(), "glm45": glm_answer()}
+TAGGED = tuple(ANSWERS)  # harmony's answers are no tagged blocks: tests/test_harmony.py
 SETTINGS = settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
-def drawn(data, name: str) -> tuple[ToolDialect, str, list[tuple[str, dict]]]:
+def drawn(data, name: str) -> tuple[TaggedDialect, str, list[tuple[str, dict]]]:
     """The dialect of `name`, and an answer in it with the calls it writes."""
     text, written = data.draw(ANSWERS[name])
-    return DIALECTS[name], text, written
+    dialect = DIALECTS[name]
+    assert isinstance(dialect, TaggedDialect)
+    return dialect, text, written
 
 
 def splits(draw, text: str) -> list[str]:
@@ -119,7 +148,7 @@ def splits(draw, text: str) -> list[str]:
     return [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True)]
 
 
-@pytest.mark.parametrize("name", DIALECTS)
+@pytest.mark.parametrize("name", TAGGED)
 @SETTINGS
 @given(data=st.data())
 def test_any_split_reads_as_the_whole_and_the_deltas_join_to_the_arguments(name, data):
@@ -135,7 +164,7 @@ def test_any_split_reads_as_the_whole_and_the_deltas_join_to_the_arguments(name,
         assert anyone[1] == whole[1]
 
 
-@pytest.mark.parametrize("name", DIALECTS)
+@pytest.mark.parametrize("name", TAGGED)
 @SETTINGS
 @given(data=st.data())
 def test_a_cut_anywhere_leaves_no_markup_and_gives_no_call_it_cut(name, data):
@@ -146,16 +175,18 @@ def test_a_cut_anywhere_leaves_no_markup_and_gives_no_call_it_cut(name, data):
     at = data.draw(st.integers(0, len(text)))
     content, calls, pieces, _, cut_call = read(dialect, splits(data.draw, text[:at]), cut=True)
     assert dialect.call_open not in content and "<function=" not in content and "<parameter=" not in content
+    assert "<arg_key>" not in content and "<arg_value>" not in content
     whole = read(dialect, [text])[1]
     complete = text[:at].count(dialect.call_close)
     assert calls == whole[:len(calls)]
     assert len(calls) - complete in (0, 1) and not (cut_call and len(calls) > complete)
 
 
-CORRUPTIONS = ["False", "\n", "\x01", "\\q", "NaN", "}", '"', "<tool_call>", "</tool_call>", "<parameter=s>"]
+CORRUPTIONS = ["False", "\n", "\x01", "\\q", "NaN", "}", '"', "<tool_call>", "</tool_call>", "<parameter=s>",
+               "<arg_key>", "</arg_value>", "<arg_value>"]
 
 
-@pytest.mark.parametrize("name", DIALECTS)
+@pytest.mark.parametrize("name", TAGGED)
 @SETTINGS
 @given(data=st.data())
 def test_a_corrupted_answer_reads_the_same_in_every_split_and_never_raises(name, data):
@@ -177,6 +208,8 @@ def test_a_corrupted_answer_reads_the_same_in_every_split_and_never_raises(name,
     (HERMES, '<tool_call>\n{"name": "g", "arguments": {"s": "a long value,\\nwritten token by token"}}\n</tool_call>'),
     (QWEN3_CODER, "<tool_call>\n<function=g>\n<parameter=s>\na long value,\nwritten token by token\n</parameter>\n"
                   "</function>\n</tool_call>"),
+    (GLM45, "<tool_call>g\n<arg_key>s</arg_key>\n<arg_value>a long value,\nwritten token by token</arg_value>\n"
+            "</tool_call>"),
 ])
 def test_arguments_stream_as_they_are_generated_not_when_the_call_closes(dialect, text):
     chunks = [text[i:i + 3] for i in range(0, len(text), 3)]
@@ -274,6 +307,9 @@ def test_the_dialect_comes_from_the_template_and_the_option_overrides_it():
     assert dialect_of_template((TEMPLATES / "qwen3-coder.jinja").read_text()) is QWEN3_CODER
     assert dialect_of_template((TEMPLATES / "qwen3.jinja").read_text()) is HERMES
     assert dialect_of_template(CHAT_TEMPLATE) is HERMES and dialect_of_template(None) is HERMES
+    assert dialect_of_template(template_text("glm-4.5")) is GLM45
+    assert dialect_of_template(template_text("gpt-oss")) is HARMONY
+    assert choose_dialect("glm45", None) is GLM45 and choose_dialect("harmony", CHAT_TEMPLATE) is HARMONY
     assert choose_dialect("qwen3_coder", CHAT_TEMPLATE) is QWEN3_CODER
     assert choose_dialect("auto", (TEMPLATES / "qwen3-coder.jinja").read_text()) is QWEN3_CODER
     with pytest.raises(ValueError, match="hermes, qwen3_coder"):
@@ -430,7 +466,7 @@ def test_the_xml_grammar_holds_text_values_to_their_listed_strings_through_refs_
         assert not admits(loaded, lark, bad), bad
 
 
-@pytest.mark.parametrize("dialect", [HERMES, QWEN3_CODER], ids=lambda d: d.name)
+@pytest.mark.parametrize("dialect", [HERMES, QWEN3_CODER, GLM45], ids=lambda d: d.name)
 def test_constrained_calls_on_the_random_model_read_into_arguments_that_validate(loaded, dialect):
     """What the grammar lets the random model write, the dialect's reader reads into calls whose
     arguments validate against the (strict) schema."""
@@ -441,7 +477,7 @@ def test_constrained_calls_on_the_random_model_read_into_arguments_that_validate
                                          "unit": {"enum": ["C", "F"]}}, "required": ["city", "days"]}}
     grammar = compiler.compile(calls_grammar(loaded, dialect, [weather], parallel=False))
     runner = load_reference_runner(f, spec)
-    requests = [(tok.encode(f"Call number {i}:"), SamplingParams(max_tokens=80, temperature=t, seed=i,
+    requests = [(tok.encode(f"Call number {i}:"), SamplingParams(max_tokens=200, temperature=t, seed=i,
                                                                  grammar=grammar))
                 for i, t in enumerate([0.0, 0.8, 1.2])]
     outs = engine_runs.run_all(Engine(runner, tok, EngineConfig(prefix_cache=False)), requests, max_steps=2_000)
@@ -463,7 +499,7 @@ class Order(BaseModel):
     gift: Item | None
 
 
-@pytest.mark.parametrize("dialect", [HERMES, QWEN3_CODER], ids=lambda d: d.name)
+@pytest.mark.parametrize("dialect", [HERMES, QWEN3_CODER, GLM45], ids=lambda d: d.name)
 def test_nested_pydantic_models_refs_and_defs_hold_and_read_in_both_dialects(loaded, dialect):
     """openai.pydantic_function_tool's schema of a nested model and an Optional one ($defs, a
     $ref, anyOf [$ref, null]): tool_choice required compiles, and what the random model writes
@@ -474,7 +510,7 @@ def test_nested_pydantic_models_refs_and_defs_hold_and_read_in_both_dialects(loa
     assert "$defs" in schema and schema["properties"]["item"] == {"$ref": "#/$defs/Item"}
     grammar = compiler.compile(calls_grammar(loaded, dialect, [function], parallel=False))
     runner = load_reference_runner(f, spec)
-    requests = [(tok.encode(f"Order {i}:"), SamplingParams(max_tokens=120, temperature=t, seed=i, grammar=grammar))
+    requests = [(tok.encode(f"Order {i}:"), SamplingParams(max_tokens=240, temperature=t, seed=i, grammar=grammar))
                 for i, t in enumerate([0.0, 1.0])]
     outs = engine_runs.run_all(Engine(runner, tok, EngineConfig(prefix_cache=False)), requests, max_steps=2_000)
     for out in outs:

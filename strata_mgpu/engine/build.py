@@ -47,11 +47,10 @@ def check_placement(placement: Placement, spec: ModelSpec) -> None:
     """Fail before anything loads: devices that do not exist, a split that does not fit, a model stages
     do not serve on a placement the CPU reference does not take."""
     devices = resolve_devices(placement)
-    # one CPU device: `build_runner(cpu_reference=True)` serves what no stage does on the fp32 reference
-    by_reference = bool(spec.reference_only) and len(devices) == 1 and devices[0].type == "cpu"
+    if spec.reference_only and len(devices) == 1 and devices[0].type == "cpu":
+        return  # the CPU reference serves it
     for layers in stage_layers(placement, spec):
-        if not by_reference:
-            check_layers_served(spec, layers)
+        check_layers_served(spec, layers)
 
 
 def stage_layers(placement: Placement, spec: ModelSpec) -> list[range]:
@@ -132,7 +131,7 @@ def build_runner(f: GGUFFile, spec: ModelSpec, placement: Placement, chunk_size:
     `sequences`: the most running at once (`--max-running`), for the plan's DeltaNet state line."""
     devices = resolve_devices(placement)
     one_cpu = cpu_reference and len(devices) == 1 and devices[0].type == "cpu"
-    if (spec.hybrid or spec.reference_only) and one_cpu:  # DeltaNet layers on the host, or what no stage serves
+    if (spec.hybrid or spec.reference_only) and one_cpu:  # on the host: the fp32 reference
         return load_reference_runner(f, spec, on_progress=(lambda d, t: on_progress("layers", d, t))
                                      if on_progress else None, kv_types=placement.kv_types)
     missing = ggml_missing() if one_cpu else None

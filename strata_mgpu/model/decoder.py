@@ -27,6 +27,7 @@ from gguf.constants import GGMLQuantizationType
 from strata_mgpu.model.delta_net import causal_conv, delta_heads, delta_rule, gated_norm
 from strata_mgpu.model.expert_backend import ExpertBackend
 from strata_mgpu.model.glm4moe import route_sigmoid
+from strata_mgpu.model.gpt_oss import route_topk_softmax, sink_attention
 from strata_mgpu.model.kv_cache import PLAIN_KV, KVCache, KVFormat, SequenceKV
 from strata_mgpu.model.linear_state import LinearState
 from strata_mgpu.model.ops import PLAIN_OPS, DecodeOps, causal_attention, qk_norm_rope, rms_norm, rope_cos_sin
@@ -103,7 +104,8 @@ class Attention(Protocol):
 
 class SegmentAttention:
     """A prompt's attention: each segment's keys and values written after its cached ones, then SDPA
-    over them, a segment at a time. Every cache's layer i + 1 is prefetched before layer i attends."""
+    over them, a segment at a time (a gpt-oss layer: its biases added, and `sink_attention` over its
+    window). Every cache's layer i + 1 is prefetched before layer i attends."""
 
     def __init__(self, spec: ModelSpec, cos: torch.Tensor, sin: torch.Tensor, dense: DenseMatmul = float_matmul):
         self.spec, self.cos, self.sin, self.dense = spec, cos, sin, dense  # cos, sin [T, Dh] each
@@ -115,7 +117,10 @@ class SegmentAttention:
             q, k, v = mm(h, w.wqkv).split([s.q_proj_dim, s.kv_dim, s.kv_dim], dim=1)
         else:
             q, k, v = mm.many(h, (w.wq, w.wk, w.wv))
-        if w.bq is not None and w.bk is not None and w.bv is not None:  # glm4moe's biases
+        oss = w.oss
+        if oss is not None:
+            q, k, v = q + oss.bq, k + oss.bk, v + oss.bv
+        elif w.bq is not None and w.bk is not None and w.bv is not None:  # glm4moe's biases
             q, k, v = q + w.bq, k + w.bk, v + w.bv
         gate = None
         if s.attn_output_gate:  # [t, H, 2 Dh]: each head's query, then its gate
@@ -125,16 +130,21 @@ class SegmentAttention:
         v = v.reshape(h.shape[0], s.n_kv_heads, s.head_dim)
         for seg in part.segments:  # layer i + 1's keys arrive while layer i attends and runs its experts
             seg.kv.prefetch(i + 1)
+
+        def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            return causal_attention(q, k, v) if oss is None else sink_attention(q, k, v, oss.sinks, oss.window)
+
         if len(part.segments) == 1:
-            out = causal_attention(q, *part.segments[0].kv.write(i, k, v, at=part.at))  # [t, H, Dh]
+            out = attend(q, *part.segments[0].kv.write(i, k, v, at=part.at))  # [t, H, Dh]
         else:
             out = torch.empty_like(q)
             for seg in part.segments:
                 rows = slice(seg.start, seg.end)
                 k_all, v_all = seg.kv.write(i, k[rows], v[rows], at=part.at)  # [S, Hkv, Dh]
-                out[rows] = causal_attention(q[rows], k_all, v_all)
+                out[rows] = attend(q[rows], k_all, v_all)
         attended = out.reshape(-1, s.q_dim)
-        return mm(attended if gate is None else attended * torch.sigmoid(gate), w.wo)
+        projected = mm(attended if gate is None else attended * torch.sigmoid(gate), w.wo)
+        return projected if oss is None else projected + oss.bo
 
 
 class RowAttention:
@@ -397,12 +407,14 @@ class Decoder:
         return self.logits(x) if self.w.output is not None else x
 
     def route(self, i: int, h: torch.Tensor, router: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Layer i's own routing: (weights [T, A] fp32, experts [T, A])."""
-        s = self.spec
-        if s.sigmoid_routing is not None:  # glm4moe's: the choice biased by the layer's exp_probs_b
-            bias = self.w.layers[i].expert_bias
-            assert bias is not None, "a sigmoid-routed layer has its expert bias"
-            return route_sigmoid(h, router, bias, s.n_experts_used, s.sigmoid_routing)
+        """Layer i's own routing: (weights [T, A] fp32, experts [T, A]); a gpt-oss layer's through its
+        router's bias, a glm4moe layer's sigmoid scores through its choice bias (exp_probs_b)."""
+        s, lw = self.spec, self.w.layers[i]
+        if lw.oss is not None:
+            return route_topk_softmax(h, router, lw.oss.router_bias, s.n_experts_used)
+        if s.sigmoid_routing is not None:
+            assert lw.expert_bias is not None, "a sigmoid-routed layer has its expert bias"
+            return route_sigmoid(h, router, lw.expert_bias, s.n_experts_used, s.sigmoid_routing)
         return self.ops.route(h, router, s.n_experts_used, s.norm_topk_prob)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -70,7 +70,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 def qk_norm_rope(spec: ModelSpec, w: LayerWeights, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
                  sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """q [T, H*Dh], k [T, Hkv*Dh] -> q [T, H, Dh], k [T, Hkv, Dh], each head RMS-normed (where the layer
-    has q/k norms: glm4moe's may not) and rotated."""
+    has q/k norms: gpt-oss's has none, glm4moe's may not) and rotated."""
     t = q.shape[0]
     q, k = q.reshape(t, spec.n_heads, spec.head_dim), k.reshape(t, spec.n_kv_heads, spec.head_dim)
     if w.q_norm is not None and w.k_norm is not None:

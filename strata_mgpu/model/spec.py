@@ -3,7 +3,11 @@
 One builder per `general.architecture`, registered in `SPEC_BUILDERS`: qwen3moe, and qwen35moe
 (Qwen3.5/3.6-MoE: gated DeltaNet layers between gated full-attention ones, a shared expert beside
 the routed ones) with qwen3next (Qwen3-Next: the same layers, its beta and alpha projections one
-tensor, its value heads in transformers' grouped order). `validate_tensors` checks every expected
+tensor, its value heads in transformers' grouped order), and gpt-oss (attention with biases and a
+learned sink logit per head, sliding-window layers between full ones, experts with biases and a
+clamped SwiGLU: `GptOssShape`; its ops are `model.gpt_oss`), and glm4moe (GLM-4.5: dense first
+layers, q/k/v biases, a sigmoid router with a choice bias over expert groups: `SigmoidRouting`, its
+ops `model.glm4moe`). `validate_tensors` checks every expected
 tensor's presence, shape and type against the spec, so that nothing later has to.
 """
 
@@ -32,6 +36,7 @@ QWEN35MOE = MODEL_ARCH_NAMES[MODEL_ARCH.QWEN35MOE]
 QWEN3NEXT = MODEL_ARCH_NAMES[MODEL_ARCH.QWEN3NEXT]
 HYBRID_ARCHS = (QWEN35MOE, QWEN3NEXT)
 GLM4MOE = MODEL_ARCH_NAMES[MODEL_ARCH.GLM4_MOE]
+GPT_OSS = MODEL_ARCH_NAMES[MODEL_ARCH.GPT_OSS]
 
 
 # `{arch}.rope.scaling.type` values served: what llama.cpp serves but LongRoPE
@@ -52,6 +57,9 @@ class RopeScaling:
     attn_factor: float = 1.0  # `rope.scaling.attn_factor`: cos and sin multiplied by it too (llama.cpp)
     beta_fast: float = 32.0  # YaRN: frequencies turning more often than this over the original context keep theirs
     beta_slow: float = 1.0  # YaRN: fewer turns than this: divided by factor
+    # YaRN: the correction range's ends floored and ceiled to whole frequencies (llama.cpp always does;
+    # gpt-oss was trained without it: its config's `truncate: false`, which no GGUF key carries)
+    truncate: bool = True
 
     @property
     def mscale(self) -> float:
@@ -60,13 +68,16 @@ class RopeScaling:
         yarn = self.kind == RopeScalingType.YARN and self.factor > 1
         return (1.0 + 0.1 * math.log(self.factor) if yarn else 1.0) * self.attn_factor
 
-    def correction_range(self, head_dim: int, base: float) -> tuple[int, int]:
+    def correction_range(self, head_dim: int, base: float) -> tuple[float, float]:
         """YaRN's frequencies [low, high] (indices of the head_dim / 2) over which the ramp runs, floored
-        and ceiled as llama.cpp and transformers do."""
+        and ceiled as llama.cpp and transformers do (as they are where not `truncate`)."""
         def dim_of(turns: float) -> float:
             return head_dim * math.log(self.original_context / (turns * 2 * math.pi)) / (2 * math.log(base))
 
-        return max(math.floor(dim_of(self.beta_fast)), 0), min(math.ceil(dim_of(self.beta_slow)), head_dim - 1)
+        low, high = dim_of(self.beta_fast), dim_of(self.beta_slow)
+        if self.truncate:
+            low, high = math.floor(low), math.ceil(high)
+        return max(low, 0), min(high, head_dim - 1)
 
 
 NO_ROPE_SCALING = RopeScaling()
@@ -104,6 +115,26 @@ class DeltaNetShape:
         """For each value head, the key (and query) head it reads."""
         r = self.n_v_heads // self.n_k_heads
         return [j % self.n_k_heads if self.v_tiled else j // r for j in range(self.n_v_heads)]
+
+
+@dataclass(frozen=True)
+class GptOssShape:
+    """What gpt-oss adds to a MoE decoder, as llama.cpp reads it: `{arch}.attention.sliding_window` (W)
+    and `.sliding_window_pattern` (default 2: layers 0, 2, 4, ... slide, as transformers' layer_types
+    say); the experts' clamped SwiGLU, whose constants no key carries (llama.cpp's and transformers'
+    defaults). Every attention layer has q, k, v and output biases and a sink logit per head; every
+    MoE block a router bias and per-expert biases; no q/k norms."""
+
+    sliding_window: int  # W: a sliding layer's query sees itself and the W - 1 positions before it
+    swa_period: int = 2  # layer i slides where i % period < period - 1; 1: every layer slides
+    swiglu_limit: float = 7.0  # gate clamped above, up clamped to [-limit, limit]
+    swiglu_alpha: float = 1.702  # the gate's sigmoid gain
+
+    def window(self, layer: int) -> int:
+        """Layer `layer`'s window: W where it slides, 0 where it attends every position."""
+        return self.sliding_window if layer % self.swa_period < self.swa_period - 1 else 0
+
+
 SCALE_LINEAR_KEY = "{arch}.rope.scale_linear"  # the factor's old name, which llama.cpp still reads
 
 
@@ -145,6 +176,7 @@ class ModelSpec:
     attn_bias: bool = False  # attn_q/k/v have a .bias
     qk_norm: bool = True  # attn_q_norm / attn_k_norm present
     sigmoid_routing: SigmoidRouting | None = None  # None: softmax, top-k (qwen3moe's)
+    gpt_oss: GptOssShape | None = None  # sinks, sliding windows, biases, clamped SwiGLU (gpt-oss)
 
     @property
     def q_dim(self) -> int:
@@ -176,14 +208,6 @@ class ModelSpec:
         """The layers with routed experts (every layer but the leading dense ones)."""
         return [i for i in range(self.n_layers) if not self.is_dense(i)]
 
-    @property
-    def reference_only(self) -> str:
-        """What of this model no stage serves yet ('' where stages serve it all): the CPU reference does.
-        A hybrid model's DeltaNet layers are served by a stage (`check_layers_served`)."""
-        if self.arch == GLM4MOE:
-            return "dense layers, attention biases, the sigmoid router"
-        return ""
-
     def is_linear(self, layer: int) -> bool:
         """Layer `layer` (of the whole model) is gated DeltaNet, not full attention."""
         return (self.full_attention_interval > 0 and layer < self.n_layers
@@ -196,14 +220,28 @@ class ModelSpec:
     @property
     def fused_attention(self) -> bool:
         """The fused decode kernels serve its layers: every layer plain full attention, RoPE over every
-        dim of a head, no output gate, no shared expert (else a forward takes the segment path)."""
+        dim of a head, no output gate, no shared expert, no gpt-oss layers (else a forward takes the
+        segment path)."""
         return not (self.hybrid or self.attn_output_gate or self.rotary_dim != self.head_dim
                     or self.shared_expert_ffn or self.reference_only)
 
     @property
+    def reference_only(self) -> bool:
+        """Only the CPU reference serves its layers (stages refuse it): gpt-oss's (sinks, sliding windows,
+        biased clamped-SwiGLU experts, which the stages' kernels do not compute) and glm4moe's (dense
+        first layers, attention biases, the sigmoid router). A hybrid model's DeltaNet layers are served
+        by a stage (`check_layers_served`)."""
+        return self.gpt_oss is not None or self.sigmoid_routing is not None
+
+    def window(self, layer: int) -> int:
+        """Layer `layer`'s sliding window (positions a query sees, itself included); 0: every position."""
+        return self.gpt_oss.window(layer) if self.gpt_oss is not None else 0
+
+    @property
     def ffn_norm_kind(self) -> MODEL_TENSOR:
-        """The MoE block's input norm: qwen35moe's and qwen3next's files call it post_attention_norm."""
-        return T.ATTN_POST_NORM if self.arch in (*HYBRID_ARCHS, GLM4MOE) else T.FFN_NORM
+        """The MoE block's input norm: qwen35moe's, qwen3next's, gpt-oss's and glm4moe's files call it
+        post_attention_norm."""
+        return T.ATTN_POST_NORM if self.arch in (*HYBRID_ARCHS, GPT_OSS, GLM4MOE) else T.FFN_NORM
 
     def expected_tensors(self) -> dict[str, tuple[int, ...]]:
         """Tensor name -> shape (torch order, [out, in]) the model must have."""
@@ -233,6 +271,9 @@ class ModelSpec:
                 tname(T.FFN_UP_EXP, i): (E, F, D),
                 tname(T.FFN_DOWN_EXP, i): (E, D, F),
             }
+            if self.gpt_oss is not None:
+                shapes |= {tname(T.FFN_GATE_INP, i, ".bias"): (E,), tname(T.FFN_GATE_EXP, i, ".bias"): (E, F),
+                           tname(T.FFN_UP_EXP, i, ".bias"): (E, F), tname(T.FFN_DOWN_EXP, i, ".bias"): (E, D)}
             if self.shared_expert_ffn:
                 Fs = self.shared_expert_ffn
                 if self.arch != GLM4MOE:  # glm4moe's shared expert has no gate
@@ -258,9 +299,13 @@ class ModelSpec:
             tname(T.ATTN_V, i): (self.kv_dim, D),
             tname(T.ATTN_OUT, i): (D, self.q_dim),
         }
+        if self.gpt_oss is not None:  # biases and sinks rather than q/k norms
+            return shapes | {tname(T.ATTN_Q, i, ".bias"): (self.q_dim,), tname(T.ATTN_K, i, ".bias"): (self.kv_dim,),
+                             tname(T.ATTN_V, i, ".bias"): (self.kv_dim,), tname(T.ATTN_OUT, i, ".bias"): (D,),
+                             tname(T.ATTN_SINKS, i): (self.n_heads,)}
         if self.qk_norm:
             shapes |= {tname(T.ATTN_Q_NORM, i): (self.head_dim,), tname(T.ATTN_K_NORM, i): (self.head_dim,)}
-        if self.attn_bias:
+        if self.attn_bias:  # glm4moe's
             shapes |= {tname(T.ATTN_Q, i, ".bias"): (self.q_proj_dim,), tname(T.ATTN_K, i, ".bias"): (self.kv_dim,),
                        tname(T.ATTN_V, i, ".bias"): (self.kv_dim,)}
         return shapes
@@ -454,6 +499,26 @@ def _glm4moe(f: GGUFFile, arch: str) -> ModelSpec:
     return spec
 
 
+def _gpt_oss(f: GGUFFile, arch: str) -> ModelSpec:
+    """gpt-oss as llama.cpp's converter writes it: qwen3moe's keys, plus the sliding window (and, where
+    given, its pattern as one period); YaRN's correction range untruncated (`RopeScaling.truncate`)."""
+    A = Keys.Attention
+
+    def key(k: str) -> str:
+        return k.format(arch=arch)
+
+    spec = _qwen3moe(f, arch, check=False)
+    window = f.require(key(A.SLIDING_WINDOW), int)
+    period = f.require(key(A.SLIDING_WINDOW_PATTERN), int) if key(A.SLIDING_WINDOW_PATTERN) in f.metadata else 2
+    for name, v in ((A.SLIDING_WINDOW, window), (A.SLIDING_WINDOW_PATTERN, period)):
+        if v <= 0:
+            raise GGUFError(f"{f.path}: metadata {key(name)!r} = {v} must be positive")
+    spec = replace(spec, gpt_oss=GptOssShape(sliding_window=window, swa_period=period),
+                   rope_scaling=replace(spec.rope_scaling, truncate=False))
+    _check_spec(f, spec)
+    return spec
+
+
 def rope_scaling_from_gguf(f: GGUFFile, arch: str) -> RopeScaling:
     """`{arch}.rope.scaling.*` as llama.cpp's `load_hparams` reads them: no type is linear; no factor,
     or 0, is 1; `none` scales nothing, but attn_factor still multiplies cos and sin; the original
@@ -517,6 +582,7 @@ SPEC_BUILDERS: dict[str, Callable[[GGUFFile, str], ModelSpec]] = {
     QWEN35MOE: _hybrid,
     QWEN3NEXT: _hybrid,
     GLM4MOE: _glm4moe,
+    GPT_OSS: _gpt_oss,
 }
 
 

@@ -1,6 +1,7 @@
-"""Synthetic qwen3moe / qwen35moe GGUF writer: real, valid quantized blocks of any supported type.
-A qwen35moe file is laid out as llama.cpp's converter writes one (tensor names, metadata keys,
-norm weights around 1, ssm_a = -exp(A_log) < 0, value heads in its tiled order).
+"""Synthetic qwen3moe / qwen35moe / gpt-oss GGUF writer: real, valid quantized blocks of any supported
+type. A qwen35moe file is laid out as llama.cpp's converter writes one (tensor names, metadata keys,
+norm weights around 1, ssm_a = -exp(A_log) < 0, value heads in its tiled order); a gpt-oss file too
+(biases and sinks F32 around 0, the experts MXFP4 by default, as the released files hold them).
 
 Float tensors are Gaussian; quantized tensors are random bytes (any bit pattern is a valid quant;
 the ternary types are drawn as ternary digits) whose scale words are then set so the dequantized
@@ -21,6 +22,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from functools import cache
+from importlib import resources
 from pathlib import Path
 
 import numpy as np
@@ -32,16 +34,18 @@ from strata_mgpu.model.glm4moe import SigmoidRouting
 from strata_mgpu.model.spec import (
     EXPERT_TENSORS,
     GLM4MOE,
+    GPT_OSS,
     NO_ROPE_SCALING,
     QWEN3NEXT,
     QWEN35MOE,
     ROPE_SCALINGS,
     DeltaNetShape,
+    GptOssShape,
     ModelSpec,
     RopeScaling,
     T,
 )
-from strata_mgpu.model.vocab import CHAT_TEMPLATE, build_vocab
+from strata_mgpu.model.vocab import CHAT_TEMPLATE, DEFAULT_FAMILY, build_vocab, family_of_template, write_vocab
 from strata_mgpu.quant.formats import BlockFormat, block_format, parse_type, set_f16_scale_bits
 
 Q = GGMLQuantizationType
@@ -69,6 +73,13 @@ class Preset:
     full_attention_interval: int = 0
     rope_dim: int = 0
     shared_expert_ffn: int = 0
+    # gpt-oss's (its arch then gpt-oss): sliding windows, sinks, biases; its YaRN and MXFP4 experts
+    gpt_oss: GptOssShape | None = None
+    rope_scaling: RopeScaling = NO_ROPE_SCALING
+    expert_type: Q = Q.Q4_K  # the experts' gate/up type where --expert-type gives none
+    # the chat template written where none is given: one shipped with the package (data/templates/NAME.jinja,
+    # its vocabulary family the one it writes), else the synthetic ChatML one (qwen's family)
+    template: str | None = None
     # glm4moe's (arch GLM4MOE): leading dense layers of dense_ffn, its router, q/k norms or not
     leading_dense: int = 0
     dense_ffn: int = 0
@@ -77,15 +88,17 @@ class Preset:
 
     def spec(self, name: str) -> ModelSpec:
         hybrid, glm = self.delta is not None, self.arch == GLM4MOE
-        return ModelSpec(arch=self.arch if hybrid or glm else "qwen3moe", name=name, n_layers=self.n_layers,
+        arch = GPT_OSS if self.gpt_oss is not None else self.arch if hybrid or glm else "qwen3moe"
+        return ModelSpec(arch=arch, name=name, n_layers=self.n_layers,
                          hidden=self.hidden, n_heads=self.n_heads, n_kv_heads=self.n_kv_heads, head_dim=self.head_dim,
                          n_experts=self.n_experts, n_experts_used=self.n_experts_used, expert_ffn=self.expert_ffn,
                          vocab_size=self.vocab_size, context_length=self.context_length,
                          rope_base=self.rope_base, rms_eps=self.rms_eps, tied_output=self.tied_output,
                          delta=self.delta, full_attention_interval=self.full_attention_interval,
                          rope_dim=self.rope_dim, shared_expert_ffn=self.shared_expert_ffn, attn_output_gate=hybrid,
-                         mtp_layers=self.mtp_layers, leading_dense=self.leading_dense, dense_ffn=self.dense_ffn,
-                         attn_bias=glm, qk_norm=self.qk_norm, sigmoid_routing=self.sigmoid_routing,
+                         mtp_layers=self.mtp_layers, gpt_oss=self.gpt_oss, rope_scaling=self.rope_scaling,
+                         leading_dense=self.leading_dense, dense_ffn=self.dense_ffn, attn_bias=glm,
+                         qk_norm=self.qk_norm, sigmoid_routing=self.sigmoid_routing,
                          norm_topk_prob=self.sigmoid_routing.normalize if self.sigmoid_routing else True)
 
 
@@ -144,7 +157,36 @@ PRESETS: dict[str, Preset] = {
                           n_experts_used=8, expert_ffn=1408, vocab_size=151552, context_length=131072, arch=GLM4MOE,
                           rms_eps=1e-5, rope_dim=64, shared_expert_ffn=1408, mtp_layers=1, leading_dense=1,
                           dense_ffn=10944, sigmoid_routing=SigmoidRouting(), qk_norm=False),
+    # gpt-oss, both layer kinds in turn (0 and 2 slide over 32 positions, 1 and 3 attend all), more
+    # query dims than hidden (as gpt-oss's 64 x 64 over 2,880), YaRN x16 untruncated, MXFP4 experts
+    "tiny-gpt-oss": Preset(n_layers=4, hidden=256, n_heads=6, n_kv_heads=2, head_dim=64, n_experts=8,
+                           n_experts_used=4, expert_ffn=256, vocab_size=2048, context_length=4096,
+                           rope_base=150_000.0, rms_eps=1e-5, gpt_oss=GptOssShape(sliding_window=32),
+                           rope_scaling=RopeScaling(kind=RopeScalingType.YARN, factor=16.0, original_context=256,
+                                                    truncate=False), expert_type=Q.MXFP4, template="gpt-oss"),
+    # openai/gpt-oss-20b's shapes (its config.json: 24 layers of 2,880, 64 query and 8 KV heads of 64,
+    # 32 experts of 2,880, 4 used, vocab 201,088, rope_theta 150,000, YaRN x32 over 4,096 positions,
+    # window 128, rms_norm_eps 1e-5); MXFP4 experts, as released: ~12 GB
+    "gpt-oss-20b": Preset(n_layers=24, hidden=2880, n_heads=64, n_kv_heads=8, head_dim=64, n_experts=32,
+                          n_experts_used=4, expert_ffn=2880, vocab_size=201088, context_length=131072,
+                          rope_base=150_000.0, rms_eps=1e-5, gpt_oss=GptOssShape(sliding_window=128),
+                          rope_scaling=RopeScaling(kind=RopeScalingType.YARN, factor=32.0, original_context=4096,
+                                                   truncate=False), expert_type=Q.MXFP4, template="gpt-oss"),
+    # openai/gpt-oss-120b's: the same but 36 layers of 128 experts (~63 GB; `--layers N` for a cut)
+    "gpt-oss-120b": Preset(n_layers=36, hidden=2880, n_heads=64, n_kv_heads=8, head_dim=64, n_experts=128,
+                           n_experts_used=4, expert_ffn=2880, vocab_size=201088, context_length=131072,
+                           rope_base=150_000.0, rms_eps=1e-5, gpt_oss=GptOssShape(sliding_window=128),
+                           rope_scaling=RopeScaling(kind=RopeScalingType.YARN, factor=32.0, original_context=4096,
+                                                    truncate=False), expert_type=Q.MXFP4, template="gpt-oss"),
 }
+
+
+def preset_template(preset_name: str) -> str:
+    """The chat template a preset's file carries where none is given (`Preset.template`)."""
+    name = PRESETS[preset_name].template
+    if name is None:
+        return CHAT_TEMPLATE
+    return resources.files("strata_mgpu").joinpath(f"data/templates/{name}.jinja").read_text(encoding="utf-8")
 
 
 def preset_spec(preset_name: str, layers: int | None = None, rope: RopeScaling = NO_ROPE_SCALING) -> ModelSpec:
@@ -156,6 +198,8 @@ def preset_spec(preset_name: str, layers: int | None = None, rope: RopeScaling =
             raise ValueError(f"--layers {layers}: {preset_name} has 1 to {preset.n_layers} layers")
         spec = replace(spec, n_layers=layers, leading_dense=min(spec.leading_dense, layers))
     if rope.kind != RopeScalingType.NONE:
+        if spec.gpt_oss is not None:  # as the reader takes a gpt-oss file's YaRN
+            rope = replace(rope, truncate=False)
         spec = replace(spec, rope_scaling=rope, context_length=round(rope.factor * rope.original_context))
     return spec
 
@@ -227,8 +271,9 @@ def plan_tensors(spec: ModelSpec, expert_type: Q, down_type: Q, dense_type: Q,
         parts = name.split(".")
         kind = parts[2] if parts[0] == "blk" else parts[0]  # 'blk.3.attn_q.weight' -> 'attn_q'
         std = 1.0 / math.sqrt(shape[-1])  # unit-variance outputs for unit-variance inputs
-        if name.endswith(".bias") and kind != _kind(T.SSM_DT):  # q/k/v biases, the router's choice bias
-            plans.append(TensorPlan(name, shape, Q.F32, std=0.1))
+        if kind == _kind(T.ATTN_SINKS) or (name.endswith(".bias") and kind != _kind(T.SSM_DT)):
+            # gpt-oss's sinks and biases; glm4moe's q/k/v biases and its router's choice bias
+            plans.append(TensorPlan(name, shape, Q.F32, std=0.5 if kind == _kind(T.ATTN_SINKS) else 0.1))
         elif kind == _kind(T.SSM_A):  # -exp(A_log): every value head's decay rate negative
             plans.append(TensorPlan(name, shape, Q.F32, std=0.1, mean=-1.0))
         elif kind in (_kind(T.FFN_GATE_INP_SHEXP), _kind(T.SSM_CONV1D)):  # a dot with h; K-wide rows: F32
@@ -385,17 +430,23 @@ def file_type(expert_type: Q, down_type: Q) -> LlamaFileType:
     return _FILE_TYPES[expert_type]
 
 
-def write_model(path: str | Path, preset_name: str, *, expert_type: Q = Q.Q4_K, down_type: Q | None = None,
+def write_model(path: str | Path, preset_name: str, *, expert_type: Q | None = None, down_type: Q | None = None,
                 dense_type: Q = Q.Q8_0, seed: int = 0, split_max_bytes: int = 0,
                 on_tensor: Callable[[str, int], None] | None = None, workers: int | None = None,
                 layers: int | None = None, rope: RopeScaling = NO_ROPE_SCALING,
-                mix: dict[int, tuple[Q, Q]] | None = None, chat_template: str = CHAT_TEMPLATE) -> ModelSpec:
-    """Write a synthetic qwen3moe GGUF; `on_tensor(name, nbytes)` is called after each tensor.
-    `workers`: None: up to 8, one a core. `chat_template`: written as `tokenizer.chat_template`."""
+                mix: dict[int, tuple[Q, Q]] | None = None, chat_template: str | None = None,
+                vocab_family: str | None = None) -> ModelSpec:
+    """Write a synthetic GGUF of the preset's arch; `on_tensor(name, nbytes)` is called after each tensor.
+    `expert_type`: None: the preset's (Q4_K; gpt-oss MXFP4). `workers`: None: up to 8, one a core.
+    `chat_template`: written as `tokenizer.chat_template` (None: the preset's, `preset_template`);
+    `vocab_family`: the added tokens (`vocab.FAMILIES`; None: the family the template writes, else qwen's)."""
+    expert_type = PRESETS[preset_name].expert_type if expert_type is None else expert_type
+    chat_template = preset_template(preset_name) if chat_template is None else chat_template
+    vocab_family = vocab_family or family_of_template(chat_template) or DEFAULT_FAMILY
     down_type = DEFAULT_DOWN.get(expert_type, expert_type) if down_type is None else down_type  # F32 is 0
     spec = preset_spec(preset_name, layers, rope)
     plans = plan_tensors(spec, expert_type, down_type, dense_type, mix)
-    vocab = build_vocab(spec.vocab_size)
+    vocab = build_vocab(spec.vocab_size, vocab_family)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
 
@@ -432,6 +483,9 @@ def write_model(path: str | Path, preset_name: str, *, expert_type: Q = Q.Q4_K, 
         w.add_rope_dimension_count(spec.rotary_dim)
         if spec.arch == QWEN35MOE:  # its loader requires them (text positions: any sections read alike)
             w.add_rope_dimension_sections([11, 11, 10, 0])
+    if spec.gpt_oss is not None:  # as llama.cpp's converter writes gpt-oss (the period: llama.cpp's default 2)
+        assert spec.gpt_oss.swa_period == 2, "the writer writes no sliding_window_pattern"
+        w.add_sliding_window(spec.gpt_oss.sliding_window)
     if spec.sigmoid_routing is not None:  # as llama.cpp's converter writes GLM-4.5
         r = spec.sigmoid_routing
         w.add_expert_shared_count(spec.shared_expert_ffn // spec.expert_ffn)
@@ -447,15 +501,7 @@ def write_model(path: str | Path, preset_name: str, *, expert_type: Q = Q.Q4_K, 
     w.add_file_type(file_type(expert_type, down_type))
     w.add_quantization_version(2)
     w.add_string("strata.synthetic.seed", str(seed))
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("qwen2")
-    w.add_token_list(vocab.tokens)
-    w.add_token_types(vocab.types)
-    w.add_token_merges(vocab.merges)
-    w.add_eos_token_id(vocab.id_of("<|im_end|>"))
-    w.add_pad_token_id(vocab.id_of("<|endoftext|>"))
-    w.add_bos_token_id(vocab.id_of("<|endoftext|>"))
-    w.add_add_bos_token(False)
+    write_vocab(w, vocab)
     w.add_chat_template(chat_template)
 
     for p in plans:

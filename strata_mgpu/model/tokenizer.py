@@ -2,11 +2,14 @@
 
 `tokenizer.ggml.model = gpt2` with `pre = qwen2` becomes a `tokenizers` byte-level BPE with the
 Qwen2 split regex and NFC normalization; CONTROL and USER_DEFINED tokens become added tokens.
+A turn ends at the file's EOS, EOT and EOM tokens and at the control tokens llama.cpp ends turns
+at by name (`TURN_ENDS`: `<|im_end|>`, gpt-oss's `<|return|>` and `<|call|>`, ...).
 """
 
 from __future__ import annotations
 
 import codecs
+import functools
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -25,6 +28,9 @@ from strata_mgpu.model.gguf_reader import T_STRING, GGUFArray, GGUFError, GGUFFi
 QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
                r"|\s*[\r\n]+|\s+(?!\S)|\s+")
 PRE_TOKENIZER_SPLITS = {"qwen2": QWEN2_SPLIT}
+# control tokens that end a turn wherever a vocabulary holds them (gpt-oss: <|return|> ends an answer,
+# <|call|> a tool call; its <|end|> ends a message inside the answer, so it is not one of these)
+TURN_ENDS = ("<|im_end|>", "<|endoftext|>", "<|return|>", "<|call|>")
 
 
 def byte_to_unicode() -> dict[int, str]:
@@ -57,11 +63,17 @@ class Tokenizer:
     eot_ids: frozenset[int]  # ids that end a turn (EOS, <|im_end|>, ...)
     add_bos: bool
     chat_template: ChatTemplate | None
+    shown: frozenset[int] = frozenset()  # control tokens decoded as their text: a chat format's markup
     _bytes_cache: dict[int, bytes] = field(default_factory=dict, repr=False)
 
     @property
     def vocab_size(self) -> int:
         return len(self.tokens)
+
+    @functools.cached_property
+    def added_ids(self) -> tuple[int, ...]:
+        """The added tokens' ids (CONTROL, USER_DEFINED): tokens that text is never split into."""
+        return tuple(i for i, t in enumerate(self.token_types) if t in (TokenType.CONTROL, TokenType.USER_DEFINED))
 
     def encode(self, text: str, *, add_special: bool = True) -> list[int]:
         ids = self.hf.encode(text, add_special_tokens=False).ids
@@ -75,11 +87,19 @@ class Tokenizer:
     def is_special(self, token_id: int) -> bool:
         return self.token_types[token_id] in (TokenType.CONTROL, TokenType.UNUSED, TokenType.UNKNOWN)
 
+    def show_markup(self, texts: Sequence[str]) -> None:
+        """Decode these control tokens (where the vocabulary holds them) as their text, not as nothing:
+        the markup a chat format's answers are read by (gpt-oss's `<|channel|>`, GLM's `<tool_call>`;
+        llama.cpp's preserved tokens). Set once, when the server chooses how it reads answers, before
+        any request is decoded."""
+        ids = {self.tokens.index(t) for t in texts if t in self.tokens}
+        self.shown = frozenset(ids)
+
     def token_bytes(self, token_id: int, *, skip_special: bool = True) -> bytes:
         """The bytes one token stands for; control tokens give b'' when skipped."""
         if not 0 <= token_id < len(self.tokens):
             raise ValueError(f"token id {token_id} out of range 0..{len(self.tokens) - 1}")
-        if skip_special and self.is_special(token_id):
+        if skip_special and self.is_special(token_id) and token_id not in self.shown:
             return b""
         cached = self._bytes_cache.get(token_id)
         if cached is None:
@@ -238,9 +258,10 @@ def tokenizer_from_gguf(f: GGUFFile) -> Tokenizer:
 
     eos = token_id(K.EOS_ID)
     eot = token_id(K.EOT_ID)
+    eom = token_id(K.EOM_ID)
     bos = token_id(K.BOS_ID)
-    ends = {i for i in (eos, eot) if i is not None}
-    for name in ("<|im_end|>", "<|endoftext|>"):
+    ends = {i for i in (eos, eot, eom) if i is not None}
+    for name in TURN_ENDS:
         if name in tokens and types[tokens.index(name)] == TokenType.CONTROL:
             ends.add(tokens.index(name))
     template_src = f.get(K.CHAT_TEMPLATE)

@@ -1,9 +1,19 @@
-"""A byte-level BPE vocabulary for synthetic models, laid out like Qwen's.
+"""A byte-level BPE vocabulary for synthetic models, in one of three families of added tokens.
 
 Ids 0.. are the 256 byte characters, then merges learned from a short built-in text, then merges
-extending existing tokens by one printable character, in a fixed order; the special tokens
-follow, as in Qwen3. Every merge joins two existing tokens, so the vocabulary is a valid BPE and
-ASCII text round-trips.
+extending existing tokens by one printable character, in a fixed order; the family's special
+tokens follow. Every merge joins two existing tokens, so the vocabulary is a valid BPE and ASCII
+text round-trips. The families (`FAMILIES`) are the added tokens a model family's chat template
+writes, typed and ended as llama.cpp's converter writes that family's files:
+
+- `qwen` (the default): Qwen3's ChatML tokens, `<tool_call>`, `<think>`; ends at `<|im_end|>`.
+- `harmony` (gpt-oss's o200k_harmony): `<|start|>`, `<|channel|>`, `<|message|>`, `<|constrain|>`,
+  `<|end|>`, `<|call|>`, `<|return|>`, all control tokens; EOS `<|return|>`, BOS `<|startoftext|>`.
+- `glm` (GLM-4.5): `[gMASK]`, `<sop>`, the role tokens, `<think>`, `<tool_call>`, `<arg_key>`,
+  `<arg_value>`, ... all control tokens (HF marks them special); BOS `[gMASK]`, EOT `<|user|>`, EOM
+  `<|observation|>`.
+
+The qwen family's ids and size are those the vocabulary always had (tests compare exact text on it).
 """
 
 from __future__ import annotations
@@ -12,6 +22,7 @@ import json
 from dataclasses import dataclass
 from importlib import resources
 
+from gguf import GGUFWriter
 from gguf.constants import TokenType
 from tokenizers import Regex, Tokenizer, models, pre_tokenizers, trainers
 
@@ -34,6 +45,50 @@ SPECIAL_TOKENS: tuple[tuple[str, TokenType], ...] = (
     ("<think>", TokenType.USER_DEFINED),
     ("</think>", TokenType.USER_DEFINED),
 )
+
+# gpt-oss's added tokens that its chat format writes, in their id order (o200k_harmony; the reserved ones left out)
+HARMONY_TOKENS: tuple[tuple[str, TokenType], ...] = tuple((t, TokenType.CONTROL) for t in (
+    "<|startoftext|>", "<|endoftext|>", "<|return|>", "<|constrain|>", "<|channel|>", "<|start|>", "<|end|>",
+    "<|message|>", "<|call|>"))
+
+# GLM-4.5's added tokens, in their id order (no image, video or audio tokens)
+GLM_TOKENS: tuple[tuple[str, TokenType], ...] = tuple((t, TokenType.CONTROL) for t in (
+    "<|endoftext|>", "[MASK]", "[gMASK]", "[sMASK]", "<sop>", "<eop>", "<|system|>", "<|user|>", "<|assistant|>",
+    "<|observation|>", "<|code_prefix|>", "<|code_middle|>", "<|code_suffix|>", "<think>", "</think>", "<tool_call>",
+    "</tool_call>", "<tool_response>", "</tool_response>", "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>",
+    "/nothink"))
+
+
+@dataclass(frozen=True)
+class VocabFamily:
+    """A family's added tokens and the ones its files name (None: not written)."""
+
+    name: str
+    specials: tuple[tuple[str, TokenType], ...]
+    eos: str
+    bos: str
+    pad: str
+    eot: str | None = None
+    eom: str | None = None
+    markers: tuple[str, ...] = ()  # what a chat template of this family writes (and no other family's does)
+
+
+FAMILIES: dict[str, VocabFamily] = {f.name: f for f in (
+    VocabFamily("qwen", SPECIAL_TOKENS, eos="<|im_end|>", bos="<|endoftext|>", pad="<|endoftext|>",
+                markers=("<|im_start|>",)),
+    VocabFamily("harmony", HARMONY_TOKENS, eos="<|return|>", bos="<|startoftext|>", pad="<|endoftext|>",
+                markers=("<|channel|>", "<|message|>")),
+    VocabFamily("glm", GLM_TOKENS, eos="<|endoftext|>", bos="[gMASK]", pad="<|endoftext|>", eot="<|user|>",
+                eom="<|observation|>", markers=("[gMASK]", "<|assistant|>")),
+)}
+DEFAULT_FAMILY = "qwen"
+
+
+def family_of_template(source: str) -> str | None:
+    """The one family whose markers the chat template writes, or None where none or several do."""
+    found = [f.name for f in FAMILIES.values() if all(m in source for m in f.markers)]
+    return found[0] if len(found) == 1 else None
+
 
 # A ChatML template in the form of Qwen3's (its own wording): tools listed in the system block,
 # each assistant call as <tool_call>{"name": ..., "arguments": ...}</tool_call> (arguments as
@@ -104,6 +159,7 @@ class Vocab:
     tokens: list[str]
     types: list[int]
     merges: list[str]  # "left right", in rank order
+    family: VocabFamily
 
     def id_of(self, token: str) -> int:
         return self.tokens.index(token)
@@ -129,11 +185,15 @@ def _trained(n_normal: int) -> tuple[list[str], list[str]]:
     return [t for t, _ in by_id], merges
 
 
-def build_vocab(vocab_size: int) -> Vocab:
-    n_normal = vocab_size - len(SPECIAL_TOKENS)
+def build_vocab(vocab_size: int, family: str = DEFAULT_FAMILY) -> Vocab:
+    """`vocab_size` tokens in all, the family's added tokens last (ValueError: an unknown family, or too small)."""
+    if family not in FAMILIES:
+        raise ValueError(f"vocabulary family {family!r}: one of {', '.join(FAMILIES)}")
+    specials = FAMILIES[family].specials
+    n_normal = vocab_size - len(specials)
     if n_normal < 256:
         raise ValueError(f"vocab size {vocab_size} is too small: needs 256 byte tokens "
-                         f"+ {len(SPECIAL_TOKENS)} specials")
+                         f"+ {len(specials)} specials")
     tokens, merges = _trained(n_normal)
     known = set(tokens)
     # Extend existing tokens by one printable ASCII character (space shown as 'Ġ'), in id order.
@@ -149,5 +209,26 @@ def build_vocab(vocab_size: int) -> Vocab:
                 tokens.append(stem + c)
                 merges.append(f"{stem} {c}")
         base += 1
-    types = [TokenType.NORMAL] * len(tokens) + [t for _, t in SPECIAL_TOKENS]
-    return Vocab(tokens=tokens + [t for t, _ in SPECIAL_TOKENS], types=[int(t) for t in types], merges=merges)
+    types = [TokenType.NORMAL] * len(tokens) + [t for _, t in specials]
+    return Vocab(tokens=tokens + [t for t, _ in specials], types=[int(t) for t in types], merges=merges,
+                 family=FAMILIES[family])
+
+
+def write_vocab(w: GGUFWriter, vocab: Vocab) -> None:
+    """The tokenizer's keys as llama.cpp's converter writes the family's files (pre-tokenizer: qwen2's
+    split, the only one read here), and the family's name under `strata.synthetic.vocab`."""
+    family = vocab.family
+    w.add_string("strata.synthetic.vocab", family.name)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("qwen2")
+    w.add_token_list(vocab.tokens)
+    w.add_token_types(vocab.types)
+    w.add_token_merges(vocab.merges)
+    w.add_eos_token_id(vocab.id_of(family.eos))
+    w.add_pad_token_id(vocab.id_of(family.pad))
+    w.add_bos_token_id(vocab.id_of(family.bos))
+    if family.eot is not None:
+        w.add_eot_token_id(vocab.id_of(family.eot))
+    if family.eom is not None:
+        w.add_eom_token_id(vocab.id_of(family.eom))
+    w.add_add_bos_token(False)

@@ -13,6 +13,7 @@ import torch
 from gguf.constants import GGMLQuantizationType
 
 from strata_mgpu.model.gguf_reader import GGUFFile
+from strata_mgpu.model.gpt_oss import GptOssLayerWeights
 from strata_mgpu.model.spec import QWEN3NEXT, ModelSpec, T, tname
 from strata_mgpu.quant.dequant import dequantize
 
@@ -101,6 +102,7 @@ class LayerWeights:
     bk: torch.Tensor | None = None
     bv: torch.Tensor | None = None
     expert_bias: torch.Tensor | None = None
+    oss: GptOssLayerWeights | None = None
 
 
 @dataclass
@@ -150,6 +152,16 @@ def load_weights(f: GGUFFile, spec: ModelSpec, *, dtype: torch.dtype = torch.flo
     def _experts(lw: LayerWeights, i: int) -> None:
         if with_experts:
             lw.gate, lw.up, lw.down = get(T.FFN_GATE_EXP, i), get(T.FFN_UP_EXP, i), get(T.FFN_DOWN_EXP, i)
+            if lw.oss is not None:
+                lw.oss.gate_bias, lw.oss.up_bias, lw.oss.down_bias = (
+                    get(kind, i, suffix=".bias") for kind in (T.FFN_GATE_EXP, T.FFN_UP_EXP, T.FFN_DOWN_EXP))
+
+    def oss(i: int) -> GptOssLayerWeights:
+        def bias(kind: T) -> torch.Tensor:
+            return get(kind, i, suffix=".bias")
+        return GptOssLayerWeights(window=spec.window(i), sinks=get(T.ATTN_SINKS, i, torch.float32),
+                                  bq=bias(T.ATTN_Q), bk=bias(T.ATTN_K), bv=bias(T.ATTN_V), bo=bias(T.ATTN_OUT),
+                                  router_bias=get(T.FFN_GATE_INP, i, torch.float32, ".bias"))
 
     def same_blocks(*kinds_layer: tuple[T, int | None]) -> bool:
         infos = [f.tensor(tname(kind, layer)) for kind, layer in kinds_layer]
@@ -174,9 +186,6 @@ def load_weights(f: GGUFFile, spec: ModelSpec, *, dtype: torch.dtype = torch.flo
         return SharedExpertWeights(gate=matrix(T.FFN_GATE_SHEXP, i), up=matrix(T.FFN_UP_SHEXP, i),
                                    down=matrix(T.FFN_DOWN_SHEXP, i),
                                    gate_inp=get(T.FFN_GATE_INP_SHEXP, i).reshape(spec.hidden) if gated else None)
-
-    def optional(kind: T, i: int, suffix: str, as_dtype: torch.dtype = dtype) -> torch.Tensor | None:
-        return get(kind, i, as_dtype, suffix) if tname(kind, i, suffix) in f.tensors else None
 
     out_layers = []
     for i in layers if layers is not None else range(spec.n_layers):
@@ -208,15 +217,19 @@ def load_weights(f: GGUFFile, spec: ModelSpec, *, dtype: torch.dtype = torch.flo
         else:
             wqkv, (wq, wk, wv) = None, (matrix(*kl) for kl in qkv)
         wo = matrix(T.ATTN_OUT, i)
+        gpt_oss = spec.gpt_oss is not None  # biases and sinks, no q/k norms
         lw = LayerWeights(
-            attn_norm=get(T.ATTN_NORM, i), wq=wq, wk=wk, wv=wv, wqkv=wqkv,
-            wo=wo, q_norm=optional(T.ATTN_Q_NORM, i, ".weight"), k_norm=optional(T.ATTN_K_NORM, i, ".weight"),
-            ffn_norm=ffn_norm, router=router, shared=shared_expert,
-            bq=optional(T.ATTN_Q, i, ".bias"), bk=optional(T.ATTN_K, i, ".bias"), bv=optional(T.ATTN_V, i, ".bias"),
-            expert_bias=optional(T.FFN_EXP_PROBS_B, i, ".bias", torch.float32))
+            attn_norm=get(T.ATTN_NORM, i), wq=wq, wk=wk, wv=wv, wqkv=wqkv, wo=wo,
+            q_norm=get(T.ATTN_Q_NORM, i) if spec.qk_norm and not gpt_oss else None,
+            k_norm=get(T.ATTN_K_NORM, i) if spec.qk_norm and not gpt_oss else None,
+            ffn_norm=ffn_norm, router=router, shared=shared_expert, oss=oss(i) if gpt_oss else None)
+        if spec.attn_bias:  # glm4moe's q/k/v biases (gpt-oss's are its `oss`)
+            lw.bq, lw.bk, lw.bv = (get(kind, i, suffix=".bias") for kind in (T.ATTN_Q, T.ATTN_K, T.ATTN_V))
         if dense_layer:
             lw.mlp = SharedExpertWeights(gate=matrix(T.FFN_GATE, i), up=matrix(T.FFN_UP, i), down=matrix(T.FFN_DOWN, i))
         else:
+            if spec.sigmoid_routing is not None:  # glm4moe's router's choice bias
+                lw.expert_bias = get(T.FFN_EXP_PROBS_B, i, torch.float32, ".bias")
             _experts(lw, i)
         out_layers.append(lw)
         if on_layer:

@@ -43,10 +43,12 @@ class ServerState:
             raise ValueError(f"tool call parser {self.tool_call_parser!r}: one of {', '.join(PARSER_NAMES)}")
 
     def chat_options(self, engine: Engine) -> ChatOptions:
-        """How chats are read for `engine`: chosen once for it."""
+        """How chats are read for `engine`: chosen once for it (and the control tokens its dialect reads
+        answers by are decoded as text from then on)."""
         if self._options is None or self._options[0] is not engine:
             template = engine.tokenizer.chat_template
             dialect = choose_dialect(self.tool_call_parser, template.source if template else None)
+            engine.tokenizer.show_markup(dialect.shown_markup)  # its answers' markup reaches the text
             self._options = (engine, ChatOptions(dialect, self.reasoning_format, not self.lenient_json_schema))
         return self._options[1]
 

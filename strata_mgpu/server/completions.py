@@ -21,7 +21,8 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from strata_mgpu.engine.engine import ContextOverflow, Engine, RequestOutput
 from strata_mgpu.engine.grammar import Grammar, GrammarError
 from strata_mgpu.model.tokenizer import Tokenizer
-from strata_mgpu.server.chat_output import ChatAnswer, ChatDelta, tool_call_delta
+from strata_mgpu.server.answer import ChatDelta
+from strata_mgpu.server.chat_output import ChatAnswer, tool_call_delta
 from strata_mgpu.server.dialects import ToolDialect
 from strata_mgpu.server.errors import APIError, error_body
 from strata_mgpu.server.grammars import Grammars, Thinking, chat_grammar, text_grammar
@@ -56,8 +57,8 @@ class Prepared:
     prompt: list[int]
     grammar: Grammar | None = None
     banned: tuple[int, ...] = ()  # token ids it may not draw
-    split_reasoning: bool = False  # <think> blocks become reasoning_content
-    opened_reasoning: bool = False  # the prompt opened a <think> block
+    split_reasoning: bool = False  # reasoning (<think> blocks, harmony's analysis) becomes reasoning_content
+    opened_reasoning: bool = False  # the prompt opened a reasoning block
     parse_tools: bool = False
     functions: Mapping[str, dict[str, Any]] | None = None  # the offered functions' parameter schemas, by name
     max_calls: int | None = None  # parallel_tool_calls false: 1
@@ -101,8 +102,9 @@ def prepare_chat(engine: Engine, grammars: Grammars, body: ChatCompletionRequest
         lark = chat_grammar(tok, dialect, functions=functions, parallel=body.parallel_tool_calls,
                             answer_schema=answer_schema, thinking=thinking, strict=options.strict_json)
     banned: tuple[int, ...] = ()
-    if body.tool_choice == "none" and body.tools and dialect.call_open in tok.tokens:
-        banned = (tok.tokens.index(dialect.call_open),)  # OpenAI's none: the model must not call
+    call_token = dialect.call_token
+    if body.tool_choice == "none" and body.tools and call_token is not None and call_token in tok.tokens:
+        banned = (tok.tokens.index(call_token),)  # OpenAI's none: the model must not call
     offered = {t.function.name: t.function.parameters or {} for t in body.offered_tools}
     return Prepared(prompt=tok.encode(text), grammar=_compiled(engine, grammars, lark, param),
                     banned=banned, split_reasoning=split, opened_reasoning=split and opened,

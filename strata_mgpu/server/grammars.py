@@ -8,8 +8,9 @@
   optional where the model opens it itself, required to close where the prompt already opened
   it, absent where thinking is off or `--reasoning-format none` leaves the tags in the content.
 
-A tag the vocabulary holds as one token (`<tool_call>`, `<think>`) is matched as that token, as
-the model writes it.
+A tag the vocabulary holds as one token (`<tool_call>`, `<think>`, gpt-oss's `<|channel|>`) is
+matched as that token, as the model writes it; the dialect (`dialects.ToolDialect`) gives the
+markup around calls, reasoning and a JSON answer.
 """
 
 from __future__ import annotations
@@ -17,9 +18,8 @@ from __future__ import annotations
 import enum
 import json
 import threading
+from collections.abc import Callable
 from typing import Any
-
-from gguf.constants import TokenType
 
 from strata_mgpu.engine.engine import Engine
 from strata_mgpu.engine.grammar import GrammarCompiler
@@ -44,29 +44,29 @@ def chat_grammar(tok: Tokenizer, dialect: ToolDialect, *, functions: list[dict[s
     answer_schema: the JSON schema of a JSON response_format. With both, the answer is calls or JSON."""
     if functions is None and answer_schema is None:
         return None
+    markup = _markup_of(tok)
     rules = []
     answers = []
     if functions is not None:
-        calls = 'call ("\\n" call)*' if parallel else "call"
-        rules += [f"calls: {calls}",
-                  f'call: {_tag(tok, dialect.call_open)} "\\n" function "\\n" {_tag(tok, dialect.call_close)}',
-                  *dialect.function_rules(functions, strict=strict)]
+        rules += dialect.calls_rules(functions, parallel=parallel, strict=strict, markup=markup)
         answers.append("calls")
     if answer_schema is not None:
-        rules.append("json_answer: " + json_rule(answer_schema, strict=strict))
+        head = f"{markup(dialect.json_head)} " if dialect.json_head else ""
+        rules.append(f"json_answer: {head}" + json_rule(answer_schema, strict=strict))
         answers.append("json_answer")
     answer = " | ".join(answers)
+    lead = f"{markup(dialect.lead)}? " if dialect.lead else ""
     if thinking is Thinking.OFF:
-        return "\n".join([f"start: {answer}", *rules]) + "\n"
+        return "\n".join([f"start: {lead}({answer})", *rules]) + "\n"
     close = dialect.think_close
-    if _is_token(tok, close):  # a token no text can spell: the reasoning is any text before it
-        rules.append(f'reasoning: /(.|\\n)*/ {close} /[ \\n]+/?')
+    if _token_at(tok, close, 0) is not None:  # it starts with a token no text spells: any text before it
+        rules.append(f'reasoning: /(.|\\n)*/ {markup(close)} /[ \\n]+/?')
     else:  # a text tag: the reasoning ends at its first occurrence
         rules.append(f'reasoning[lazy]: /(?s:.*){_regex_text(close)}[ \\n]*/')
     if thinking is Thinking.OPENED:
         start = f"start: reasoning ({answer})"
     else:
-        start = f"start: ({_tag(tok, dialect.think_open)} reasoning)? ({answer})"
+        start = f"start: {lead}({markup(dialect.think_open)} reasoning)? ({answer})"
     return "\n".join([start, *rules]) + "\n"
 
 
@@ -83,17 +83,36 @@ def _regex_text(text: str) -> str:
     return "".join("\\" + c if c in _REGEX_META else c for c in text)
 
 
-def _is_token(tok: Tokenizer, tag: str) -> bool:
-    """Whether the vocabulary holds `tag` as one added token (llguidance names those `<...>`)."""
-    try:
-        i = tok.tokens.index(tag)
-    except ValueError:
-        return False
-    return tok.token_types[i] in (TokenType.CONTROL, TokenType.USER_DEFINED)
+def _token_at(tok: Tokenizer, text: str, at: int) -> str | None:
+    """The longest added token (llguidance names those `<...>`) that `text` holds at `at`, or None."""
+    best = None
+    for i in tok.added_ids:
+        token = tok.tokens[i]
+        if text.startswith(token, at) and (best is None or len(token) > len(best)):
+            best = token
+    return best
 
 
-def _tag(tok: Tokenizer, tag: str) -> str:
-    return tag if _is_token(tok, tag) else json.dumps(tag)
+def _markup_of(tok: Tokenizer) -> Callable[[str], str]:
+    """Markup text -> its grammar terms: each added token it holds as that token, the text between
+    as string literals (`<|channel|>final<|message|>` -> `<|channel|> "final" <|message|>`)."""
+    def markup(text: str) -> str:
+        terms, literal, at = [], "", 0
+        while at < len(text):
+            token = _token_at(tok, text, at)
+            if token is None:
+                literal += text[at]
+                at += 1
+                continue
+            if literal:
+                terms.append(json.dumps(literal, ensure_ascii=False))
+                literal = ""
+            terms.append(token)
+            at += len(token)
+        if literal:
+            terms.append(json.dumps(literal, ensure_ascii=False))
+        return " ".join(terms)
+    return markup
 
 
 class Grammars:

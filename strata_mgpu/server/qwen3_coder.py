@@ -85,7 +85,7 @@ def value_json(value: str, schema: Any, root: Any = None) -> str:
     return json.dumps(value, ensure_ascii=False)
 
 
-def _partial_tail(text: str, tags: tuple[str, ...]) -> int:
+def partial_tail(text: str, tags: tuple[str, ...]) -> int:
     """Length of the longest tail of `text` that is a proper prefix of one of `tags`."""
     best = 0
     for tag in tags:
@@ -190,7 +190,7 @@ class Qwen3CoderReader:
         ends = [(i, tag) for tag in _VALUE_ENDS if (i := rest.find(tag)) >= 0]
         text = is_text(self._properties.get(self._param), self._root)
         if ends or final:
-            i, tag = min(ends) if ends else (len(rest) - _partial_tail(rest, _VALUE_ENDS), "")
+            i, tag = min(ends) if ends else (len(rest) - partial_tail(rest, _VALUE_ENDS), "")
             value = rest[:i]
             value = value[1:] if value.startswith("\n") else value
             value = value[:-1] if value.endswith("\n") else value
@@ -203,7 +203,7 @@ class Qwen3CoderReader:
             self._param = None
             return True
         if text and rest:
-            avail = rest[:len(rest) - _partial_tail(rest, _VALUE_ENDS)]
+            avail = rest[:len(rest) - partial_tail(rest, _VALUE_ENDS)]
             lead = 1 if avail.startswith("\n") else 0
             upto = len(avail) - 1 if avail.endswith("\n") else len(avail)
             if upto - lead > self._sent:
@@ -237,7 +237,7 @@ def _value_rules(rule: str, schema: Any, root: dict[str, Any], strict: bool) -> 
     if not is_text(schema, root):
         body = with_definitions(schema if isinstance(schema, dict) else {}, root)
         return [f"{rule}: {rule}_json \"\\n</parameter>\"", f"{rule}_json: {json_rule(body, strict=strict)}"]
-    choices = _text_choices(schema, root)
+    choices = text_choices(schema, root)
     if choices:
         return [f"{rule}: ({' | '.join(_literal(v) for v in choices)}) \"\\n</parameter>\""]
     schema = resolved(schema, root)
@@ -250,7 +250,7 @@ def _value_rules(rule: str, schema: Any, root: dict[str, Any], strict: bool) -> 
     return [f'{rule}[lazy]: NO_TAG "\\n</parameter>"']
 
 
-def _text_choices(schema: Any, root: Any, depth: int = 0) -> list[str] | None:
+def text_choices(schema: Any, root: Any, depth: int = 0) -> list[str] | None:
     """The strings a text parameter may be where its schema lists them (`enum`, `const`, also in
     each anyOf / oneOf member but a null one: Optional[Literal[...]]); None where it does not."""
     schema = resolved(schema, root)
@@ -268,7 +268,7 @@ def _text_choices(schema: Any, root: Any, depth: int = 0) -> list[str] | None:
             for member in members:
                 if declared_types(member, root) == {"null"}:
                     continue  # the reader gives text: a null is not written here
-                more = _text_choices(member, root, depth + 1)
+                more = text_choices(member, root, depth + 1)
                 if more is None:
                     return None
                 choices += more
@@ -276,7 +276,7 @@ def _text_choices(schema: Any, root: Any, depth: int = 0) -> list[str] | None:
     return None
 
 
-def _checked(function: dict[str, Any]) -> dict[str, Any]:
+def checked_parameters(function: dict[str, Any]) -> dict[str, Any]:
     """The function's parameters schema, its parts this grammar reads checked (ValueError naming
     the one that is not what JSON Schema says it is)."""
     where = f"function {function['name']!r}: parameters"
@@ -305,7 +305,7 @@ def _checked(function: dict[str, Any]) -> dict[str, Any]:
 
 
 def _function_rules(i: int, function: dict[str, Any], strict: bool) -> list[str]:
-    parameters = _checked(function)
+    parameters = checked_parameters(function)
     if strict:
         parameters = strict_schema(parameters)
     properties = parameters.get("properties") or {}

@@ -1,4 +1,5 @@
-"""Tool calls parsed out of an answer, whole or streamed, in a model's dialect (`dialects.py`).
+"""Tool calls parsed out of an answer, whole or streamed, in a format whose calls sit between tags
+(`answer.CallTags`: the Qwen family's and GLM's dialects, `dialects.py`).
 
 The parser finds the blocks between the dialect's tags; a `CallReader` reads each block's text.
 Text outside the blocks stays content, but for whitespace at its start or end beside a call (text
@@ -20,30 +21,11 @@ the same calls and content as the whole.
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from strata_mgpu.server.dialects import CallReader, ToolDialect
-
-
-@dataclass(frozen=True)
-class ToolCall:
-    index: int  # its place among the answer's calls, from 0
-    id: str
-    name: str
-    arguments: str  # a JSON object's text (a broken call's: as written, `CallReader.end`)
-
-
-@dataclass(frozen=True)
-class CallDelta:
-    """A piece of a streamed call: its head (id and name set) on the first, then arguments."""
-
-    index: int
-    arguments: str
-    id: str | None = None
-    name: str | None = None
+from strata_mgpu.server.answer import CallDelta, CallReader, CallTags, ToolCall, new_call_id
 
 
 @dataclass
@@ -54,10 +36,6 @@ class Parsed:
     content: str = ""
     deltas: list[CallDelta] = field(default_factory=list)
     calls: list[ToolCall] = field(default_factory=list)
-
-
-def new_call_id() -> str:
-    return "call_" + uuid.uuid4().hex[:24]
 
 
 def _partial_tail(text: str, tag: str) -> int:
@@ -71,7 +49,7 @@ class ToolCallParser:
     """Feed the answer's text in pieces. functions: the offered functions' parameter schemas by name
     (None: any name). `max_calls`: once that many calls are out, the rest is ignored (`done`)."""
 
-    def __init__(self, dialect: ToolDialect, functions: Mapping[str, dict[str, Any]] | None = None,
+    def __init__(self, dialect: CallTags, functions: Mapping[str, dict[str, Any]] | None = None,
                  max_calls: int | None = None):
         self._dialect = dialect
         self._functions = functions

@@ -49,10 +49,12 @@ def check_layers_served(spec: ModelSpec, layers: range) -> None:
     gated DeltaNet layers (qwen35moe, qwen3next) with their state beside each sequence's KV (its decode
     steps eager: no graphs). What it does not serve is part of a hybrid model's layers: a `--layer-split`
     of one would need each stage's DeltaNet state and snapshots carried through the split's sequences,
-    which is not built (docs/ARCHITECTURE.md); nor glm4moe's dense layers, attention biases and sigmoid
-    router (`ModelSpec.reference_only`): the CPU reference serves those."""
+    which is not built (docs/ARCHITECTURE.md); nor gpt-oss's layers, nor glm4moe's dense first layers,
+    attention biases and sigmoid router (`ModelSpec.reference_only`): the CPU reference serves those."""
     if spec.reference_only:
-        raise DeviceError(f"{spec.arch} ({spec.reference_only}) is served by the CPU reference only for now "
+        lacking = ("attention sinks, sliding windows, biased clamped-SwiGLU experts" if spec.gpt_oss is not None
+                   else "dense first layers, attention biases, the sigmoid router")
+        raise DeviceError(f"{spec.arch} ({lacking}) is served by the CPU reference only for now "
                           f"(strata serve --devices cpu)")
     if spec.hybrid and layers != range(spec.n_layers):
         raise DeviceError(f"{spec.arch} (gated DeltaNet layers) runs on one device only for now: its layers "
