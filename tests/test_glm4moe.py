@@ -6,6 +6,7 @@ runner draws the reference's greedy chain. llama.cpp's agreement: tests/test_lla
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -20,6 +21,7 @@ from strata_mgpu.model.spec import spec_from_gguf
 from strata_mgpu.model.synthetic import preset_spec, write_model
 from strata_mgpu.model.tokenizer import tokenizer_from_gguf
 from strata_mgpu.model.weights import load_weights
+from strata_mgpu.server.dialects import AUTO, GLM45, choose_dialect
 from strata_mgpu.stage.device import DeviceError
 from tests.engine_runs import assert_engine_draws_the_greedy_chains
 from tests.forward_checks import assert_chunks_packs_and_batches_equal_whole, assert_decode_matches_hf
@@ -77,6 +79,17 @@ def models(glm_gguf):
     spec = spec_from_gguf(f)
     w = load_weights(f, spec)
     return ReferenceModel(spec, w), hf_glm4moe(spec, w)
+
+
+def test_the_file_reads_back_as_its_preset_with_glm_4_5s_template(glm_gguf):
+    """The reader returns the preset's spec; the file carries GLM-4.5's chat template and its vocabulary
+    family, so that `serve` picks the glm45 tool dialect on its own."""
+    f = GGUFFile(glm_gguf)
+    spec = spec_from_gguf(f)
+    assert spec == dataclasses.replace(preset_spec("tiny-glm4moe"), rms_eps=spec.rms_eps)  # stored as float32
+    tok = tokenizer_from_gguf(f)
+    assert tok.chat_template is not None and choose_dialect(AUTO, tok.chat_template.source) is GLM45
+    assert len(tok.encode("<|assistant|>")) == 1
 
 
 def test_prompt_and_decode_match_transformers(models):

@@ -138,12 +138,13 @@ PRESETS: dict[str, Preset] = {
                              full_attention_interval=4, rope_dim=64, shared_expert_ffn=512, mtp_layers=1),
     # glm4moe: layer 0 dense, 1-3 MoE with an ungated shared expert, half of each head rotated, an MTP
     # block (blk.4); 2 groups of 4 experts, one used, to reach the grouped choice; GLM-4.5's scale of
-    # the routed weights (routed_scaling_factor 2.5; Air's is 1.0, which would leave the key untested)
+    # the routed weights (routed_scaling_factor 2.5; Air's is 1.0, which would leave the key untested);
+    # both glm4moe presets carry GLM-4.5's chat template and so its vocabulary family
     "tiny-glm4moe": Preset(n_layers=4, hidden=256, n_heads=4, n_kv_heads=2, head_dim=64, n_experts=8,
                            n_experts_used=2, expert_ffn=256, vocab_size=2048, context_length=4096, arch=GLM4MOE,
                            rms_eps=1e-5, rope_dim=32, shared_expert_ffn=256, mtp_layers=1, leading_dense=1,
                            dense_ffn=512, sigmoid_routing=SigmoidRouting(n_groups=2, groups_used=1, scale=2.5),
-                           qk_norm=False),
+                           qk_norm=False, template="glm-4.5"),
     # GLM-4.5-Air's shapes, checked against its config.json (huggingface.co/zai-org/GLM-4.5-Air; the
     # same values in its fine-tune PrimeIntellect/INTELLECT-3's): hidden 4096, 46 layers, the first
     # dense (first_k_dense_replace 1) of intermediate_size 10,944, 96 query and 8 KV heads of head_dim
@@ -156,7 +157,7 @@ PRESETS: dict[str, Preset] = {
     "glm-4.5-air": Preset(n_layers=46, hidden=4096, n_heads=96, n_kv_heads=8, head_dim=128, n_experts=128,
                           n_experts_used=8, expert_ffn=1408, vocab_size=151552, context_length=131072, arch=GLM4MOE,
                           rms_eps=1e-5, rope_dim=64, shared_expert_ffn=1408, mtp_layers=1, leading_dense=1,
-                          dense_ffn=10944, sigmoid_routing=SigmoidRouting(), qk_norm=False),
+                          dense_ffn=10944, sigmoid_routing=SigmoidRouting(), qk_norm=False, template="glm-4.5"),
     # gpt-oss, both layer kinds in turn (0 and 2 slide over 32 positions, 1 and 3 attend all), more
     # query dims than hidden (as gpt-oss's 64 x 64 over 2,880), YaRN x16 untruncated, MXFP4 experts
     "tiny-gpt-oss": Preset(n_layers=4, hidden=256, n_heads=6, n_kv_heads=2, head_dim=64, n_experts=8,
