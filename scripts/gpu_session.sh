@@ -97,6 +97,8 @@
 #           shapes; written in the background while the tests run: HMODEL), bench at --max-vram 16 (1K and 4K
 #           prompts, decode) and 40, and a 10-turn agent session against `strata serve --max-vram 40`
 #           (computed against new tokens: the snapshots' prefix cache)
+#   delta   scripts/delta_probe.py (one DeltaNet layer's prompt scan, plain against fla-core's kernels), then bench
+#           of the hybrid file at --max-vram 16 with STRATA_DELTA_SCAN=torch and the default (fla)
 #   llamahyb llama-bench (.llamacuda/llamacuda.tar.xz, carried: llama.cpp of the llama-cpp-python 0.3.36 sdist built
 #           for sm_90 with CUDA on the CPU machine, docs/BENCHMARKS.md says how) on the hybrid file: 1K and 4K
 #           prompts and 64-token decode, -fa 1 -lm none, with --n-cpu-moe in NCMOE (default 0 16 18)
@@ -121,7 +123,7 @@ if has gen && [ ! -f $MODEL ]; then
 fi
 HMODEL=${HMODEL:-/tmp/h35.gguf}
 genh_pid=
-if { has hyb || has llamahyb; } && [ ! -f $HMODEL ]; then
+if { has hyb || has llamahyb || has delta; } && [ ! -f $HMODEL ]; then
   (python3 -m strata_mgpu gen-model /tmp/h35.part.gguf --preset 35b-a3b-hybrid --seed 0 > "$OUT/genh.log" 2>&1 \
      && mv /tmp/h35.part.gguf $HMODEL) &
   genh_pid=$!
@@ -456,6 +458,12 @@ if has hyb; then
   MODEL=$HMODEL TRACE_ARGS="--sessions 1 --turns 10 --system-tokens 3072 --turn-tokens 1536 --answer-tokens 96" \
     trace hyb40 --max-vram 40 --ctx-size 32768
   MODEL=$HMODEL bench hyb40 --max-vram 40 --prompt-tokens 4096 --decode-tokens 64 --runs 2
+fi
+if has delta; then  # the DeltaNet prompt scan: fla-core's kernels against the plain scan, a layer and a whole bench
+  python3 scripts/delta_probe.py --tokens 1024,4096 2>&1 | tee "$OUT/delta_probe.log" || status=1
+  [ -n "$genh_pid" ] && wait $genh_pid
+  STRATA_DELTA_SCAN=torch MODEL=$HMODEL bench hyb16_torch --max-vram 16 --prompt-tokens 1024,4096 --decode-tokens 0 --runs 2
+  MODEL=$HMODEL bench hyb16_fla --max-vram 16 --prompt-tokens 1024,4096 --decode-tokens 0 --runs 2
 fi
 if has llamahyb; then  # llama-bench on the same hybrid file: all on the card, and its first layers' experts on the
   # host's cores (--n-cpu-moe) near the 16 GiB of hyb16; VRAM in use sampled beside each run
