@@ -97,6 +97,11 @@
 #           shapes; written in the background while the tests run: HMODEL), bench at --max-vram 16 (1K and 4K
 #           prompts, decode) and 40, and a 10-turn agent session against `strata serve --max-vram 40`
 #           (computed against new tokens: the snapshots' prefix cache)
+#   delta   scripts/delta_probe.py (one DeltaNet layer's prompt scan, plain against fla-core's kernels), then bench
+#           of the hybrid file at --max-vram 16 with STRATA_DELTA_SCAN=torch and the default (fla)
+#   llamahyb llama-bench (.llamacuda/llamacuda.tar.xz, carried: llama.cpp of the llama-cpp-python 0.3.36 sdist built
+#           for sm_90 with CUDA on the CPU machine, docs/BENCHMARKS.md says how) on the hybrid file: 1K and 4K
+#           prompts and 64-token decode, -fa 1 -lm none, with --n-cpu-moe in NCMOE (default 0 16 18)
 #   resid   decode at --max-vram 16 after a 1K prompt with STRATA_RESIDENCY_SWAPS=0 (held still), 4 and 16 and
 #           STRATA_RESIDENCY_HALF_LIFE 128 / 512 / 2048; tools/router_predict on the model (synthetic: the
 #           rates mean little, the run times are what counts)
@@ -118,7 +123,7 @@ if has gen && [ ! -f $MODEL ]; then
 fi
 HMODEL=${HMODEL:-/tmp/h35.gguf}
 genh_pid=
-if has hyb && [ ! -f $HMODEL ]; then
+if { has hyb || has llamahyb || has delta; } && [ ! -f $HMODEL ]; then
   (python3 -m strata_mgpu gen-model /tmp/h35.part.gguf --preset 35b-a3b-hybrid --seed 0 > "$OUT/genh.log" 2>&1 \
      && mv /tmp/h35.part.gguf $HMODEL) &
   genh_pid=$!
@@ -453,6 +458,27 @@ if has hyb; then
   MODEL=$HMODEL TRACE_ARGS="--sessions 1 --turns 10 --system-tokens 3072 --turn-tokens 1536 --answer-tokens 96" \
     trace hyb40 --max-vram 40 --ctx-size 32768
   MODEL=$HMODEL bench hyb40 --max-vram 40 --prompt-tokens 4096 --decode-tokens 64 --runs 2
+fi
+if has delta; then  # the DeltaNet prompt scan: fla-core's kernels against the plain scan, a layer and a whole bench
+  python3 scripts/delta_probe.py --tokens 1024,4096 2>&1 | tee "$OUT/delta_probe.log" || status=1
+  [ -n "$genh_pid" ] && wait $genh_pid
+  STRATA_DELTA_SCAN=torch MODEL=$HMODEL bench hyb16_torch --max-vram 16 --prompt-tokens 1024,4096 --decode-tokens 0 --runs 2
+  MODEL=$HMODEL bench hyb16_fla --max-vram 16 --prompt-tokens 1024,4096 --decode-tokens 0 --runs 2
+fi
+if has llamahyb; then  # llama-bench on the same hybrid file: all on the card, and its first layers' experts on the
+  # host's cores (--n-cpu-moe) near the 16 GiB of hyb16; VRAM in use sampled beside each run
+  [ -n "$genh_pid" ] && wait $genh_pid
+  [ -x .llamacuda/llama-bench ] || tar xJf .llamacuda/llamacuda.tar.xz -C .llamacuda
+  LLAMA_LIBS=$(python3 -c "import nvidia, os; print(':'.join(os.path.join(p, 'cu13/lib') for p in nvidia.__path__))")
+  for ncmoe in ${NCMOE:-0 16 18}; do
+    nvidia-smi --query-gpu=memory.used --format=csv,noheader -lms 250 > "$OUT/llamahyb_mem_$ncmoe.txt" &
+    smi=$!
+    LD_LIBRARY_PATH=$PWD/.llamacuda:$LLAMA_LIBS:${LD_LIBRARY_PATH:-} .llamacuda/llama-bench -m $HMODEL -ngl 99 -fa 1 \
+      -p 1024,4096 -n 64 -r 2 -ub 4096 -b 4096 --n-cpu-moe $ncmoe -lm none -t 16 2>&1 \
+      | tee "$OUT/llamahyb_$ncmoe.log" | grep -E "^\|" || status=1
+    kill $smi 2> /dev/null; wait $smi 2> /dev/null || true
+    echo "peak VRAM in use (MiB): $(sort -n "$OUT/llamahyb_mem_$ncmoe.txt" | tail -1)" | tee -a "$OUT/llamahyb_$ncmoe.log"
+  done
 fi
 if has resid; then
   for swaps in 0 4 16; do

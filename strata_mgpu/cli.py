@@ -562,8 +562,9 @@ def topo() -> None:
 @click.option("--ctx-size", "-c", default=None, type=click.IntRange(min=1),
               help="tokens per sequence (default: the model's context length); all sequences share one "
                    "context's KV unless --kv-tokens says more")
-@click.option("--chunk-size", default=8192, show_default=True, type=click.IntRange(min=1),
-              help="prompt tokens per prefill step")
+@click.option("--chunk-size", default=None, type=click.IntRange(min=1),
+              help="prompt tokens per prefill step (default: 8192 on a GPU, 1024 on the CPU, where an 8K chunk takes "
+                   "tens of seconds and a request that arrives meanwhile waits for it)")
 @click.option("--max-running", "-np", "--parallel", "max_running", default=16, show_default=True,
               type=click.IntRange(min=1), help="sequences decoded together (llama-server's -np)")
 @click.option("--arrival-gap-ms", default=2.0, show_default=True, type=click.FloatRange(0, 100),
@@ -595,7 +596,7 @@ def topo() -> None:
 @threads_option
 @cpu_experts_option
 @cache_type_options
-def serve(model: Path | None, host: str, port: int, ctx_size: int | None, chunk_size: int, max_running: int,
+def serve(model: Path | None, host: str, port: int, ctx_size: int | None, chunk_size: int | None, max_running: int,
           arrival_gap_ms: float, prefix_cache: bool, cache_ram: float, kv_tokens: int | None,
           api_key: str | None, alias: str | None, reasoning_format: str, tool_call_parser: str,
           lenient_json_schema: bool, devices: str, layer_split: str,
@@ -621,16 +622,19 @@ def serve(model: Path | None, host: str, port: int, ctx_size: int | None, chunk_
         if model is None:
             model = launch.demo_model_path(environment.demo_dir)
             alias = alias or launch.DEMO_NAME
+        placement = _placement(devices, layer_split, max_vram, dtype, prefill_help=prefill_help,
+                               prefill_help_frac=prefill_help_frac, threads=threads, cpu_experts=cpu_experts,
+                               cache_types=(cache_type_k, cache_type_v))
+        if chunk_size is None:
+            from strata_mgpu.engine.build import default_chunk_size
+            chunk_size = default_chunk_size(placement)
         config = ServerConfig(model_path=model, host=host, port=port, api_key=api_key, alias=alias,
                               log_level=environment.log_level, reasoning_format=reasoning_format,
                               tool_call_parser=tool_call_parser, lenient_json_schema=lenient_json_schema,
                               engine=EngineConfig(ctx_size=ctx_size, chunk_size=chunk_size, max_running=max_running,
                                                   arrival_gap_ms=arrival_gap_ms, prefix_cache=prefix_cache,
                                                   cache_ram_gib=cache_ram, kv_tokens=kv_tokens),
-                              placement=_placement(devices, layer_split, max_vram, dtype,
-                                                   prefill_help=prefill_help, prefill_help_frac=prefill_help_frac,
-                                                   threads=threads, cpu_experts=cpu_experts,
-                                                   cache_types=(cache_type_k, cache_type_v)))
+                              placement=placement)
         status = launch.serve(config)
     except (GGUFError, EnvError, DeviceError, SplitError, launch.ListenError) as e:
         fail(str(e))

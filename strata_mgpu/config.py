@@ -158,6 +158,7 @@ class StageSwitches:
     gather_rows: int | None = None
     residency_half_life: int = 512  # decode steps over which a pick count halves (STRATA_RESIDENCY_HALF_LIFE)
     residency_swaps: int = 4  # experts a decode step moves into VRAM at most (STRATA_RESIDENCY_SWAPS)
+    delta_scan: str = "fla"  # a hybrid's DeltaNet prompt rows on a GPU: fla's kernels where installed, or torch
 
     def __post_init__(self) -> None:
         if self.dtype not in ("bf16", "fp32"):
@@ -171,6 +172,8 @@ class StageSwitches:
         if self.residency_half_life < 1 or self.residency_swaps < 0:
             raise ValueError(f"residency half-life {self.residency_half_life} (1 or more), swaps "
                              f"{self.residency_swaps} (0 or more)")
+        if self.delta_scan not in ("fla", "torch"):
+            raise ValueError(f"delta scan {self.delta_scan!r}: fla or torch")
         for option, t in (("--cache-type-k", self.cache_type_k), ("--cache-type-v", self.cache_type_v)):
             if t not in KV_CACHE_TYPES:
                 raise ValueError(f"{option} {t.name.lower()}: one of {', '.join(KV_CACHE_TYPE_NAMES)}")
@@ -181,7 +184,7 @@ class StageSwitches:
                 "host_prompt_help": environment.host_prompt_help, "dense_blocks": environment.dense_blocks,
                 "adapt_threads": environment.adapt_threads, "gather_rows": environment.gather_rows,
                 "residency_half_life": environment.residency_half_life,
-                "residency_swaps": environment.residency_swaps}
+                "residency_swaps": environment.residency_swaps, "delta_scan": environment.delta_scan}
 
     @classmethod
     def from_env(cls, environment: EnvOptions, **fields: Any) -> Self:

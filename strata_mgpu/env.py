@@ -86,9 +86,14 @@ RESIDENCY_SWAPS = EnvVar("STRATA_RESIDENCY_SWAPS", "4",
                          "experts a decode step moves into VRAM at most (uploads on the upload stream, beside the "
                          "step); 0 keeps the experts resident at load")
 
+DELTA_SCAN = EnvVar("STRATA_DELTA_SCAN", "fla",
+                    "what computes a hybrid model's DeltaNet rows of a prompt on a GPU: fla (default; fla-core's "
+                    "Triton kernels where `pip install fla-core` put them, else torch, said once) or torch (the "
+                    "plain chunked scan, the CPU's path)")
+
 ALL = (CACHE_DIR, LOG_LEVEL, PREFILL_HELP, PREFILL_HELP_FRAC, HELP_HALVES, KV_PREFETCH, STAGE_THREADS,
        DECODE_GRAPH_BATCH, HOST_PROMPT_HELP, DENSE_BLOCKS, ADAPT_THREADS, GATHER_ROWS, RESIDENCY_HALF_LIFE,
-       RESIDENCY_SWAPS)
+       RESIDENCY_SWAPS, DELTA_SCAN)
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
@@ -115,6 +120,13 @@ def _on_off(raw: str, name: str) -> bool:
     if text in ("0", "false", "no", "off"):
         return False
     raise EnvError(f"{name}={raw!r}: expected 0 or 1")
+
+
+def _choice(raw: str, name: str, choices: tuple[str, ...]) -> str:
+    text = raw.strip().lower()
+    if text not in choices:
+        raise EnvError(f"{name}={raw!r}: expected {' or '.join(choices)}")
+    return text
 
 
 def _zero_or_one(raw: str, name: str) -> bool:
@@ -156,6 +168,7 @@ class EnvOptions:
     gather_rows: int | None = None  # None: auto
     residency_half_life: int = 512
     residency_swaps: int = 4
+    delta_scan: str = "fla"  # fla or torch
 
     @property
     def demo_dir(self) -> Path:
@@ -197,6 +210,7 @@ def read(environ: Mapping[str, str] | None = None) -> EnvOptions:
                                           "a whole number of decode steps, at least 1"),
         residency_swaps=_whole_number(raw(RESIDENCY_SWAPS), RESIDENCY_SWAPS.name, 0, None,
                                       "a whole number of experts (0: none)"),
+        delta_scan=_choice(raw(DELTA_SCAN), DELTA_SCAN.name, ("fla", "torch")),
     )
 
 

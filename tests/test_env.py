@@ -23,7 +23,7 @@ def test_defaults_are_the_variables_own():
     assert got == env.EnvOptions()
     assert (got.log_level, got.prefill_help, got.prefill_help_frac, got.help_halves, got.kv_prefetch,
             got.stage_threads, got.decode_graph_batch, got.cache_dir) == ("INFO", True, "auto", 0, True, True, 8, None)
-    assert {var.default for var in env.ALL} == {None, "INFO", "1", "auto", "0", "8", "512", "4"}
+    assert {var.default for var in env.ALL} == {None, "INFO", "1", "auto", "0", "8", "512", "4", "fla"}
     assert env.read({var.name: "" for var in env.ALL}) == got  # empty is unset
 
 
@@ -38,6 +38,7 @@ def test_defaults_are_the_variables_own():
     ("STRATA_PREFILL_HELP", "off", "prefill_help", False),
     ("STRATA_PREFILL_HELP_FRAC", " Rule ", "prefill_help_frac", "rule"),
     ("STRATA_PREFILL_HELP_FRAC", "0.35", "prefill_help_frac", 0.35),
+    ("STRATA_DELTA_SCAN", " Torch ", "delta_scan", "torch"),
     ("STRATA_LOG_LEVEL", "debug", "log_level", "DEBUG"),
     ("STRATA_CACHE_DIR", "/tmp/strata-cache", "cache_dir", Path("/tmp/strata-cache")),
     ("STRATA_DENSE_BLOCKS", "0", "dense_blocks", False),
@@ -57,6 +58,7 @@ def test_values(name, raw, field, want):
     ("STRATA_KV_PREFETCH", "maybe", "expected 0 or 1"),
     ("STRATA_KV_PREFETCH", "2", "expected 0 or 1"),
     ("STRATA_KV_PREFETCH", "on", "expected 0 or 1"),
+    ("STRATA_DELTA_SCAN", "triton", "expected fla or torch"),
     ("STRATA_DECODE_GRAPH_BATCH", "0", "from 1 to 64"),
     ("STRATA_DECODE_GRAPH_BATCH", "65", "from 1 to 64"),
     ("STRATA_DECODE_GRAPH_BATCH", "8.5", "from 1 to 64"),

@@ -121,7 +121,9 @@ def test_the_demo_says_where_it_runs_and_its_chunk(tmp_path, monkeypatch):
     text = log.read_text()
     where = ("model strata-demo runs on cpu in fp32: the torch reference forward" if ggml_missing() is not None else
              "model strata-demo runs on cpu in fp32 with plain torch ops, experts from their GGUF bytes by ggml on ")
-    ready = "model strata-demo ready: 4 layers, 8 experts (2 used), context 4096, chunk 4096 (loaded in "
+    # the CPU's chunk (CPU_CHUNK), not the GPU's 8192 cut to the context: a request arriving during a long
+    # prompt waits for a chunk
+    ready = "model strata-demo ready: 4 layers, 8 experts (2 used), context 4096, chunk 1024 (loaded in "
     assert where in text and ready in text, text
     assert text.count("INFO strata.server: loading ") == 1 and " ERROR " not in text, text  # polled /health: no errors
     assert "writing the demo model" in text and "gguf_writer" not in text, text  # the writer's own lines are noise

@@ -28,6 +28,16 @@ Progress = Callable[[str, int, int], None]
 PLACEMENT_ERRORS = (DeviceError, PinError, SplitError, PlanError)
 
 
+# prompt tokens a prefill call takes where --chunk-size gives none: a GPU's chunk of 8K takes a few hundred
+# ms, the CPU's would take tens of seconds, and a request that arrives meanwhile waits for the chunk to end
+GPU_CHUNK, CPU_CHUNK = 8192, 1024
+
+
+def default_chunk_size(placement: Placement) -> int:
+    """The chunk a server takes where --chunk-size gives none: CPU_CHUNK where every device is the CPU."""
+    return CPU_CHUNK if all(d.type == "cpu" for d in resolve_devices(placement)) else GPU_CHUNK
+
+
 def resolve_devices(placement: Placement) -> list[torch.device]:
     if placement.devices == ("auto",):
         return [torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")]

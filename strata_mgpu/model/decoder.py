@@ -24,7 +24,14 @@ from typing import Protocol
 import torch
 from gguf.constants import GGMLQuantizationType
 
-from strata_mgpu.model.delta_net import causal_conv, delta_heads, delta_rule, gated_norm
+from strata_mgpu.model.delta_net import (
+    DeltaScan,
+    causal_conv,
+    delta_heads,
+    delta_rule,
+    delta_rule_chunked,
+    gated_norm,
+)
 from strata_mgpu.model.expert_backend import ExpertBackend
 from strata_mgpu.model.glm4moe import route_sigmoid
 from strata_mgpu.model.gpt_oss import route_topk_softmax, sink_attention
@@ -199,13 +206,14 @@ class Decoder:
     a GPU stage with fused ops, since there launches, not the GPU, bound a short prompt; off where
     the fused kernels do not serve the spec's layers (`ModelSpec.fused_attention`: hybrid models).
     `routing`: where set, replaces every layer's routing (tests record or force it).
-    `dense`: what multiplies the projections (`DenseMatmul`).
+    `dense`: what multiplies the projections (`DenseMatmul`); `delta_scan`: a prompt's DeltaNet scan.
     """
 
     def __init__(self, spec: ModelSpec, weights: ModelWeights, experts: ExpertBackend, ops: DecodeOps | None = None,
                  static_rows: bool = False, kv_types: tuple[GGMLQuantizationType, GGMLQuantizationType] = PLAIN_KV,
-                 dense: DenseMatmul = float_matmul):
+                 dense: DenseMatmul = float_matmul, delta_scan: DeltaScan = delta_rule_chunked):
         self.spec = spec
+        self.delta_scan = delta_scan  # a prompt's DeltaNet rows (a GPU stage's: fla's kernels where installed)
         self.w = weights
         self.dense = dense
         self.kv_format = KVFormat(weights.dtype, *kv_types)  # how its caches store keys and values
@@ -382,7 +390,7 @@ class Decoder:
                 rows = slice(seg.start + lo, seg.start + hi)
                 conv, state.conv = causal_conv(qkv[rows], state.conv, w.conv)  # [n, C]
                 q, k, v, g, beta = delta_heads(d, conv, a[rows], b[rows], w.dt_bias, w.decay_rate, w.key_heads)
-                o, state.recurrent = delta_rule(q, k, v, g, beta, state.recurrent)  # [n, Hv, Dv] fp32
+                o, state.recurrent = delta_rule(q, k, v, g, beta, state.recurrent, self.delta_scan)  # [n, Hv, Dv] fp32
                 out[rows] = o.to(h.dtype)
                 if hi in cuts:
                     seg.linear.record(first + hi, i)

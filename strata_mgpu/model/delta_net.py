@@ -13,6 +13,8 @@ step as the one-step recurrence (`delta_rule_steps`, also the chunked scan's pla
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -76,12 +78,17 @@ def delta_rule_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: tor
     return out, state
 
 
+# what computes a prompt's rows: `delta_rule_chunked`, or a kernel of its contract (kernels/delta_rule.py)
+DeltaScan = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+                     tuple[torch.Tensor, torch.Tensor]]
+
+
 def delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-               state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """A decode step's one token by the recurrence, more by the chunked scan."""
+               state: torch.Tensor, scan: DeltaScan = delta_rule_chunked) -> tuple[torch.Tensor, torch.Tensor]:
+    """A decode step's one token by the recurrence, more by the chunked scan (`scan`)."""
     if q.shape[0] == 1:
         return delta_rule_steps(q, k, v, g, beta, state)
-    return delta_rule_chunked(q, k, v, g, beta, state)
+    return scan(q, k, v, g, beta, state)
 
 
 def delta_heads(shape: DeltaNetShape, qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, dt_bias: torch.Tensor,

@@ -16,9 +16,11 @@ import torch
 
 from strata_mgpu.kernels.cpu_experts import GgmlExperts, default_threads, ggml_missing, select_cpu_experts
 from strata_mgpu.kernels.decode_ops import ATTN_HEAD_DIMS, ATTN_MIN_CAPABILITY, CudaDecodeOps
+from strata_mgpu.kernels.delta_rule import fla_delta_scan
 from strata_mgpu.kernels.dense import DeviceDense, keeps_blocks
 from strata_mgpu.kernels.experts import CudaKernels, TorchKernels, select_kernels
 from strata_mgpu.model.decoder import Decoder, DenseMatmul, float_matmul
+from strata_mgpu.model.delta_net import delta_rule_chunked
 from strata_mgpu.model.gguf_reader import GGUFFile
 from strata_mgpu.model.spec import ModelSpec
 from strata_mgpu.model.weights import BlockMatrix, LayerWeights, ModelWeights, every_type, load_weights
@@ -124,8 +126,9 @@ def build_stage(f: GGUFFile, spec: ModelSpec, opts: StageOptions, layers: range 
     # the host's launches, not the GPU, bind a short prompt on the segment path
     # (docs/ARCHITECTURE.md). Only where their attention runs fused: its twin costs a dozen
     # launches a row.
+    scan = fla_delta_scan(ctx.device, kernels.paths) if spec.hybrid and switches.delta_scan == "fla" else None
     model = Decoder(spec, dense, experts, ops, static_rows=fused_ops and _attention_fused(ctx, spec),
-                    kv_types=switches.kv_types, dense=dense_matmul)
+                    kv_types=switches.kv_types, dense=dense_matmul, delta_scan=scan or delta_rule_chunked)
     # graphs replay the fused ops' step (`Decoder.step_static`), which serves plain attention layers only
     # (`ModelSpec.fused_attention`): a hybrid model decodes eagerly, its DeltaNet state not in static buffers
     graphs = DecodeGraphs(ctx, model, enabled=(switches.cuda_graphs and cache is not None and dtype == torch.bfloat16
