@@ -177,9 +177,11 @@ def _env() -> env.EnvOptions:
 @main.command("gen-model")
 @click.argument("out_path", metavar="OUT.gguf", type=click.Path(dir_okay=False, path_type=Path))
 @click.option("--preset", type=click.Choice(["tiny", "small", "30b-a3b", "235b-a22b", "tiny-hybrid", "tiny-next",
-                                                  "35b-a3b-hybrid", "tiny-gpt-oss", "gpt-oss-20b", "gpt-oss-120b"]),
+                                                  "35b-a3b-hybrid", "tiny-gpt-oss", "gpt-oss-20b", "gpt-oss-120b",
+                                                  "tiny-glm4moe", "glm-4.5-air"]),
               default="tiny", show_default=True,
-              help="qwen3moe shapes, qwen35moe's (-hybrid), qwen3next's (-next) or gpt-oss's (gpt-oss)")
+              help="qwen3moe shapes, qwen35moe's (-hybrid), qwen3next's (-next), gpt-oss's (gpt-oss) or glm4moe's "
+                   "(-glm4moe, glm-4.5-air)")
 @click.option("--layers", type=click.IntRange(min=1), default=None, help="write only the preset's first N layers")
 @click.option("--expert-type", default=None, help="type of the experts' gate and up (default: the preset's, "
                                                   "Q4_K; MXFP4 for gpt-oss)")

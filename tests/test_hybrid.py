@@ -24,7 +24,7 @@ from strata_mgpu.model.spec import spec_from_gguf
 from strata_mgpu.model.synthetic import PRESETS, preset_spec, write_model
 from strata_mgpu.model.tokenizer import tokenizer_from_gguf
 from strata_mgpu.model.weights import load_weights
-from tests.engine_runs import run_all
+from tests.engine_runs import assert_engine_draws_the_greedy_chains, run_all
 from tests.forward_checks import assert_chunks_packs_and_batches_equal_whole, assert_decode_matches_hf, rel_err
 from tests.hf_oracle import hf_qwen3next, hf_qwen35moe
 from tests.server_proc import running_server
@@ -204,25 +204,8 @@ def test_a_hybrid_sequence_counts_its_state(models):
 
 
 def test_the_engine_chunks_and_batches_a_hybrid_model_as_the_greedy_chain(tiny_hybrid_gguf):
-    """Prompts in chunks of 5, two running at once with a third queued: each request's greedy tokens
-    are the reference's argmax chain over its whole prompt."""
     f = GGUFFile(tiny_hybrid_gguf)
-    spec = spec_from_gguf(f)
-    runner, tok = load_reference_runner(f, spec), tokenizer_from_gguf(f)
-    prompts = [tok.encode("The sea is wide, the sea is deep."), tok.encode("def f(x):\n    return x"),
-               tok.encode("Hello")]
-    engine = Engine(runner, tok, EngineConfig(chunk_size=5, max_running=2))
-    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
-    outs = run_all(engine, [(p, params) for p in prompts])
-    model = runner.model
-    for prompt, out in zip(prompts, outs, strict=True):
-        kv, linear = model.new_cache(4096), model.new_linear_state()
-        logits = model.prefill(torch.tensor(prompt), kv, linear)[-1]
-        chain = []
-        for _ in range(8):
-            chain.append(int(logits.argmax()))
-            logits = model.prefill(torch.tensor(chain[-1:]), kv, linear)[-1]
-        assert [t for o in out for t in o.token_ids] == chain
+    assert_engine_draws_the_greedy_chains(load_reference_runner(f, spec_from_gguf(f)), tokenizer_from_gguf(f))
 
 
 def test_strata_serve_answers_a_chat_with_a_hybrid_model(tiny_hybrid_gguf, tmp_path):

@@ -83,7 +83,7 @@ def rel(a: np.ndarray, b: np.ndarray) -> float:
     return float(np.abs(a - b).max() / np.abs(b).max())
 
 
-@pytest.mark.parametrize("preset", ["tiny", "tiny-hybrid", "tiny-next", "tiny-gpt-oss"])
+@pytest.mark.parametrize("preset", ["tiny", "tiny-hybrid", "tiny-next", "tiny-gpt-oss", "tiny-glm4moe"])
 def test_llama_cpp_computes_the_same_logits_and_greedy_tokens(preset, tmp_path):
     path = tmp_path / f"{preset}.gguf"
     spec = write_model(path, preset, expert_type=Q.F32, down_type=Q.F32, dense_type=Q.F32, seed=3)
@@ -103,7 +103,7 @@ def test_llama_cpp_computes_the_same_logits_and_greedy_tokens(preset, tmp_path):
         assert top[1] - top[0] < LOGIT_RTOL * np.abs(got_first).max(), f"{preset}: greedy parts at step {same}"
 
 
-@pytest.mark.parametrize("preset", ["tiny", "tiny-hybrid", "tiny-gpt-oss"])
+@pytest.mark.parametrize("preset", ["tiny", "tiny-hybrid", "tiny-glm4moe", "tiny-gpt-oss"])
 def test_llama_cpp_agrees_on_the_files_blocks_at_almost_every_position(preset, tmp_path):
     """Q4_K / Q6_K experts and Q8_0 projections as `gen-model` writes them: every prompt position's
     logits, each from a prompt of that length on our side, against llama.cpp's of one pass."""

@@ -141,7 +141,7 @@ def build_runner(f: GGUFFile, spec: ModelSpec, placement: Placement, chunk_size:
     `sequences`: the most running at once (`--max-running`), for the plan's DeltaNet state line."""
     devices = resolve_devices(placement)
     one_cpu = cpu_reference and len(devices) == 1 and devices[0].type == "cpu"
-    if (spec.hybrid or spec.reference_only) and one_cpu:  # DeltaNet or gpt-oss layers on the host: the fp32 reference
+    if (spec.hybrid or spec.reference_only) and one_cpu:  # on the host: the fp32 reference
         return load_reference_runner(f, spec, on_progress=(lambda d, t: on_progress("layers", d, t))
                                      if on_progress else None, kv_types=placement.kv_types)
     missing = ggml_missing() if one_cpu else None

@@ -33,6 +33,7 @@ from strata_mgpu.model.delta_net import (
     gated_norm,
 )
 from strata_mgpu.model.expert_backend import ExpertBackend
+from strata_mgpu.model.glm4moe import route_sigmoid
 from strata_mgpu.model.gpt_oss import route_topk_softmax, sink_attention
 from strata_mgpu.model.kv_cache import PLAIN_KV, KVCache, KVFormat, SequenceKV
 from strata_mgpu.model.linear_state import LinearState
@@ -126,6 +127,8 @@ class SegmentAttention:
         oss = w.oss
         if oss is not None:
             q, k, v = q + oss.bq, k + oss.bk, v + oss.bv
+        elif w.bq is not None and w.bk is not None and w.bv is not None:  # glm4moe's biases
+            q, k, v = q + w.bq, k + w.bk, v + w.bv
         gate = None
         if s.attn_output_gate:  # [t, H, 2 Dh]: each head's query, then its gate
             q, gate = q.reshape(h.shape[0], s.n_heads, 2 * s.head_dim).split(s.head_dim, dim=2)
@@ -319,9 +322,8 @@ class Decoder:
                 for j, part in enumerate(parts):
                     self._layer(i, layer, part, path, first=j == 0)
             outs = []
-            for part in parts:
-                assert part.pending is not None, "a decoder has layers"
-                outs.append(part.x + self.experts.finish(part.pending))
+            for part in parts:  # pending None: the last layer was dense
+                outs.append(part.x if part.pending is None else part.x + self.experts.finish(part.pending))
         except BaseException:
             for kv in path.prefetched:  # no upload may still run into a buffer someone else uses next
                 kv.drain()
@@ -352,6 +354,11 @@ class Decoder:
             attended = self._delta_net(i, w.delta, h, part)
         else:
             attended = path.attention(self.kv_slot[i], w, h, part)
+        if w.mlp is not None:  # a dense layer: its FFN in place of the MoE block, no experts started
+            part.x, h = ops.add_rms_norm(part.x, attended, w.ffn_norm, s.rms_eps)
+            part.x, part.pending = part.x + self._shared_expert(w.mlp, h), None
+            return
+        assert w.router is not None, "a MoE layer has its router"
         hq = None
         if path.fused_moe_input and self.routing is None:  # add, norm, routing, quantized input: one launch
             part.x, h, weights, experts, hq = ops.moe_input(part.x, attended, w.ffn_norm, s.rms_eps, w.router,
@@ -391,10 +398,10 @@ class Decoder:
         return mm(normed.reshape(t, d.value_dim), w.wout)
 
     def _shared_expert(self, w: SharedExpertWeights, h: torch.Tensor) -> torch.Tensor:
-        """h [t, D] -> sigmoid(h . gate_inp) * down(silu(gate h) * up h): [t, D]."""
+        """h [t, D] -> sigmoid(h . gate_inp) * down(silu(gate h) * up h): [t, D] (ungated without gate_inp)."""
         g, u = self.dense.many(h, (w.gate, w.up))
         y = self.dense(torch.nn.functional.silu(g) * u, w.down)
-        return y * torch.sigmoid(h @ w.gate_inp)[:, None]
+        return y if w.gate_inp is None else y * torch.sigmoid(h @ w.gate_inp)[:, None]
 
     def step_static(self, inp: torch.Tensor, positions: torch.Tensor, kvs: Sequence[SequenceKV],
                     table: torch.Tensor | None = None, capacity: int | None = None) -> torch.Tensor:
@@ -408,11 +415,15 @@ class Decoder:
         return self.logits(x) if self.w.output is not None else x
 
     def route(self, i: int, h: torch.Tensor, router: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Layer i's own routing: (weights [T, A] fp32, experts [T, A]); a gpt-oss layer's through its bias."""
-        oss = self.w.layers[i].oss
-        if oss is not None:
-            return route_topk_softmax(h, router, oss.router_bias, self.spec.n_experts_used)
-        return self.ops.route(h, router, self.spec.n_experts_used, self.spec.norm_topk_prob)
+        """Layer i's own routing: (weights [T, A] fp32, experts [T, A]); a gpt-oss layer's through its
+        router's bias, a glm4moe layer's sigmoid scores through its choice bias (exp_probs_b)."""
+        s, lw = self.spec, self.w.layers[i]
+        if lw.oss is not None:
+            return route_topk_softmax(h, router, lw.oss.router_bias, s.n_experts_used)
+        if s.sigmoid_routing is not None:
+            assert lw.expert_bias is not None, "a sigmoid-routed layer has its expert bias"
+            return route_sigmoid(h, router, lw.expert_bias, s.n_experts_used, s.sigmoid_routing)
+        return self.ops.route(h, router, s.n_experts_used, s.norm_topk_prob)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, D] final hidden rows -> [N, V] logits."""

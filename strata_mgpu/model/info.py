@@ -83,7 +83,8 @@ def model_info(f: GGUFFile) -> ModelInfo:
         count = mix[tensor_class(t.name)][t.ggml_type.name]
         count[0] += 1
         count[1] += t.nbytes
-    per_layer = [sum(f.tensor(tname(k, i)).nbytes for k in EXPERT_TENSORS) for i in range(spec.n_layers)]
+    per_layer = [sum(f.tensor(tname(k, i)).nbytes for k in EXPERT_TENSORS if tname(k, i) in f.tensors)
+                 for i in range(spec.n_layers)]  # a dense layer (glm4moe's first): none
     quant_mix = {cls: {ty: TypeCount(n, b) for ty, (n, b) in sorted(mix[cls].items(), key=lambda kv: -kv[1][1])}
                  for cls in (*TENSOR_CLASSES, OTHER) if cls in mix}
     return ModelInfo(spec=spec, file_bytes=f.file_bytes, n_shards=len(f.shard_paths), bytes_by_type=dict(by_type),

@@ -70,11 +70,10 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 def qk_norm_rope(spec: ModelSpec, w: LayerWeights, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
                  sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """q [T, H*Dh], k [T, Hkv*Dh] -> q [T, H, Dh], k [T, Hkv, Dh], each head RMS-normed (where the layer
-    has q/k norms: gpt-oss's has none) and rotated."""
+    has q/k norms: gpt-oss's has none, glm4moe's may not) and rotated."""
     t = q.shape[0]
-    q, k = q.view(t, spec.n_heads, spec.head_dim), k.view(t, spec.n_kv_heads, spec.head_dim)
-    if w.oss is None:
-        assert w.q_norm is not None and w.k_norm is not None, "an attention layer"
+    q, k = q.reshape(t, spec.n_heads, spec.head_dim), k.reshape(t, spec.n_kv_heads, spec.head_dim)
+    if w.q_norm is not None and w.k_norm is not None:
         q, k = rms_norm(q, w.q_norm, spec.rms_eps), rms_norm(k, w.k_norm, spec.rms_eps)
     return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
 

@@ -5,7 +5,9 @@ One builder per `general.architecture`, registered in `SPEC_BUILDERS`: qwen3moe,
 the routed ones) with qwen3next (Qwen3-Next: the same layers, its beta and alpha projections one
 tensor, its value heads in transformers' grouped order), and gpt-oss (attention with biases and a
 learned sink logit per head, sliding-window layers between full ones, experts with biases and a
-clamped SwiGLU: `GptOssShape`; its ops are `model.gpt_oss`). `validate_tensors` checks every expected
+clamped SwiGLU: `GptOssShape`; its ops are `model.gpt_oss`), and glm4moe (GLM-4.5: dense first
+layers, q/k/v biases, a sigmoid router with a choice bias over expert groups: `SigmoidRouting`, its
+ops `model.glm4moe`). `validate_tensors` checks every expected
 tensor's presence, shape and type against the spec, so that nothing later has to.
 """
 
@@ -15,15 +17,25 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
-from gguf.constants import MODEL_ARCH, MODEL_ARCH_NAMES, MODEL_TENSOR, TENSOR_NAMES, Keys, RopeScalingType
+from gguf.constants import (
+    MODEL_ARCH,
+    MODEL_ARCH_NAMES,
+    MODEL_TENSOR,
+    TENSOR_NAMES,
+    ExpertGatingFuncType,
+    Keys,
+    RopeScalingType,
+)
 
 from strata_mgpu.model.gguf_reader import GGUFError, GGUFFile
+from strata_mgpu.model.glm4moe import SigmoidRouting
 from strata_mgpu.quant.formats import block_format
 
 T = MODEL_TENSOR
 QWEN35MOE = MODEL_ARCH_NAMES[MODEL_ARCH.QWEN35MOE]
 QWEN3NEXT = MODEL_ARCH_NAMES[MODEL_ARCH.QWEN3NEXT]
 HYBRID_ARCHS = (QWEN35MOE, QWEN3NEXT)
+GLM4MOE = MODEL_ARCH_NAMES[MODEL_ARCH.GLM4_MOE]
 GPT_OSS = MODEL_ARCH_NAMES[MODEL_ARCH.GPT_OSS]
 
 
@@ -128,7 +140,8 @@ SCALE_LINEAR_KEY = "{arch}.rope.scale_linear"  # the factor's old name, which ll
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """Shapes and constants of a Mixture-of-Experts decoder. Every layer is a MoE layer."""
+    """Shapes and constants of a Mixture-of-Experts decoder. Every layer is a MoE layer but the first
+    `leading_dense` (glm4moe's), which have a plain SiLU-gated FFN of width `dense_ffn` instead."""
 
     arch: str
     n_layers: int
@@ -156,6 +169,13 @@ class ModelSpec:
     # multi-token prediction blocks after the n_layers (`{arch}.nextn_predict_layers`; llama.cpp's
     # converter writes Qwen3.5's one): in the file and checked, not run
     mtp_layers: int = 0
+    # glm4moe's: leading dense layers, biased q/k/v, q/k norms optional, the sigmoid router; its shared
+    # expert (shared_expert_ffn) is ungated
+    leading_dense: int = 0
+    dense_ffn: int = 0  # the dense layers' FFN width (`{arch}.feed_forward_length`)
+    attn_bias: bool = False  # attn_q/k/v have a .bias
+    qk_norm: bool = True  # attn_q_norm / attn_k_norm present
+    sigmoid_routing: SigmoidRouting | None = None  # None: softmax, top-k (qwen3moe's)
     gpt_oss: GptOssShape | None = None  # sinks, sliding windows, biases, clamped SwiGLU (gpt-oss)
 
     @property
@@ -179,6 +199,15 @@ class ModelSpec:
     def rotary_dim(self) -> int:
         return self.rope_dim or self.head_dim
 
+    def is_dense(self, layer: int) -> bool:
+        """Layer `layer` has a dense FFN and no routed experts."""
+        return layer < self.leading_dense
+
+    @property
+    def moe_layers(self) -> list[int]:
+        """The layers with routed experts (every layer but the leading dense ones)."""
+        return [i for i in range(self.n_layers) if not self.is_dense(i)]
+
     def is_linear(self, layer: int) -> bool:
         """Layer `layer` (of the whole model) is gated DeltaNet, not full attention."""
         return (self.full_attention_interval > 0 and layer < self.n_layers
@@ -194,13 +223,15 @@ class ModelSpec:
         dim of a head, no output gate, no shared expert, no gpt-oss layers (else a forward takes the
         segment path)."""
         return not (self.hybrid or self.attn_output_gate or self.rotary_dim != self.head_dim
-                    or self.shared_expert_ffn or self.gpt_oss is not None)
+                    or self.shared_expert_ffn or self.reference_only)
 
     @property
     def reference_only(self) -> bool:
         """Only the CPU reference serves its layers (stages refuse it): gpt-oss's (sinks, sliding windows,
-        biased clamped-SwiGLU experts, which the stages' kernels do not compute)."""
-        return self.gpt_oss is not None
+        biased clamped-SwiGLU experts, which the stages' kernels do not compute) and glm4moe's (dense
+        first layers, attention biases, the sigmoid router). A hybrid model's DeltaNet layers are served
+        by a stage (`check_layers_served`)."""
+        return self.gpt_oss is not None or self.sigmoid_routing is not None
 
     def window(self, layer: int) -> int:
         """Layer `layer`'s sliding window (positions a query sees, itself included); 0: every position."""
@@ -208,9 +239,9 @@ class ModelSpec:
 
     @property
     def ffn_norm_kind(self) -> MODEL_TENSOR:
-        """The MoE block's input norm: qwen35moe's, qwen3next's and gpt-oss's files call it
+        """The MoE block's input norm: qwen35moe's, qwen3next's, gpt-oss's and glm4moe's files call it
         post_attention_norm."""
-        return T.ATTN_POST_NORM if self.arch in (*HYBRID_ARCHS, GPT_OSS) else T.FFN_NORM
+        return T.ATTN_POST_NORM if self.arch in (*HYBRID_ARCHS, GPT_OSS, GLM4MOE) else T.FFN_NORM
 
     def expected_tensors(self) -> dict[str, tuple[int, ...]]:
         """Tensor name -> shape (torch order, [out, in]) the model must have."""
@@ -227,8 +258,14 @@ class ModelSpec:
                 shapes |= {tname(T.NEXTN_EH_PROJ, i): (D, 2 * D), tname(T.NEXTN_ENORM, i): (D,),
                            tname(T.NEXTN_HNORM, i): (D,), tname(T.NEXTN_SHARED_HEAD_NORM, i): (D,)}
             shapes |= self._delta_tensors(i) if self.is_linear(i) else self._attention_tensors(i)
+            shapes[tname(self.ffn_norm_kind, i)] = (D,)
+            if self.is_dense(i):
+                Fd = self.dense_ffn
+                shapes |= {tname(T.FFN_GATE, i): (Fd, D), tname(T.FFN_UP, i): (Fd, D), tname(T.FFN_DOWN, i): (D, Fd)}
+                continue
+            if self.sigmoid_routing is not None:
+                shapes[tname(T.FFN_EXP_PROBS_B, i, ".bias")] = (E,)
             shapes |= {
-                tname(self.ffn_norm_kind, i): (D,),
                 tname(T.FFN_GATE_INP, i): (E, D),
                 tname(T.FFN_GATE_EXP, i): (E, F, D),
                 tname(T.FFN_UP_EXP, i): (E, F, D),
@@ -239,8 +276,9 @@ class ModelSpec:
                            tname(T.FFN_UP_EXP, i, ".bias"): (E, F), tname(T.FFN_DOWN_EXP, i, ".bias"): (E, D)}
             if self.shared_expert_ffn:
                 Fs = self.shared_expert_ffn
+                if self.arch != GLM4MOE:  # glm4moe's shared expert has no gate
+                    shapes[tname(T.FFN_GATE_INP_SHEXP, i)] = (D,)
                 shapes |= {
-                    tname(T.FFN_GATE_INP_SHEXP, i): (D,),
                     tname(T.FFN_GATE_SHEXP, i): (Fs, D),
                     tname(T.FFN_UP_SHEXP, i): (Fs, D),
                     tname(T.FFN_DOWN_SHEXP, i): (D, Fs),
@@ -255,7 +293,7 @@ class ModelSpec:
 
     def _attention_tensors(self, i: int) -> dict[str, tuple[int, ...]]:
         D = self.hidden
-        shapes = {
+        shapes: dict[str, tuple[int, ...]] = {
             tname(T.ATTN_Q, i): (self.q_proj_dim, D),
             tname(T.ATTN_K, i): (self.kv_dim, D),
             tname(T.ATTN_V, i): (self.kv_dim, D),
@@ -265,7 +303,12 @@ class ModelSpec:
             return shapes | {tname(T.ATTN_Q, i, ".bias"): (self.q_dim,), tname(T.ATTN_K, i, ".bias"): (self.kv_dim,),
                              tname(T.ATTN_V, i, ".bias"): (self.kv_dim,), tname(T.ATTN_OUT, i, ".bias"): (D,),
                              tname(T.ATTN_SINKS, i): (self.n_heads,)}
-        return shapes | {tname(T.ATTN_Q_NORM, i): (self.head_dim,), tname(T.ATTN_K_NORM, i): (self.head_dim,)}
+        if self.qk_norm:
+            shapes |= {tname(T.ATTN_Q_NORM, i): (self.head_dim,), tname(T.ATTN_K_NORM, i): (self.head_dim,)}
+        if self.attn_bias:  # glm4moe's
+            shapes |= {tname(T.ATTN_Q, i, ".bias"): (self.q_proj_dim,), tname(T.ATTN_K, i, ".bias"): (self.kv_dim,),
+                       tname(T.ATTN_V, i, ".bias"): (self.kv_dim,)}
+        return shapes
 
     def _delta_tensors(self, i: int) -> dict[str, tuple[int, ...]]:
         d, D = self.delta, self.hidden
@@ -293,7 +336,7 @@ class ModelSpec:
         per_expert = 3 * self.hidden * self.expert_ffn
         mtp = sum(math.prod(s) for name, s in self.expected_tensors().items()
                   if name.startswith("blk.") and int(name.split(".")[1]) >= self.n_layers)
-        return self.n_params - mtp - self.n_layers * (self.n_experts - self.n_experts_used) * per_expert
+        return self.n_params - mtp - len(self.moe_layers) * (self.n_experts - self.n_experts_used) * per_expert
 
     @property
     def attention_layers(self) -> list[int]:
@@ -401,6 +444,61 @@ def _hybrid(f: GGUFFile, arch: str) -> ModelSpec:
     return spec
 
 
+def _glm4moe(f: GGUFFile, arch: str) -> ModelSpec:
+    """GLM-4.5 / GLM-4.5-Air as llama.cpp's converter writes them and its loader reads them:
+    qwen3moe's keys, plus `expert_shared_count` (required) shared experts of the expert width,
+    `leading_dense_block_count` (none where absent) dense layers of `feed_forward_length`, sigmoid
+    gating (absent or 0 reads as sigmoid) with `exp_probs_b`, the weights' `expert_weights_norm` (off
+    where absent) and `expert_weights_scale` (absent or 0: none), the partial RoPE's
+    `rope.dimension_count` (NeoX halves), the MTP blocks' `nextn_predict_layers` (counted in
+    block_count). Biases on q, k and v and q/k norms where the file has them (GLM-4.5's and Air's
+    biases; GLM-4.5's norms, not Air's). Groups: `expert_group_count` where written, else one."""
+    L = Keys.LLM
+
+    def key(k: str) -> str:
+        return k.format(arch=arch)
+
+    def whole(k: str, default: int | None = None) -> int:
+        v = f.get(key(k), default) if default is not None else f.require(key(k), int)
+        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+            raise GGUFError(f"{f.path}: metadata {key(k)!r} = {v!r} must be a whole number")
+        return v
+
+    spec = _qwen3moe(f, arch, check=False)
+    mtp, dense, shared = whole(L.NEXTN_PREDICT_LAYERS, 0), whole(L.LEADING_DENSE_BLOCK_COUNT, 0), \
+        whole(L.EXPERT_SHARED_COUNT)
+    gating = whole(L.EXPERT_GATING_FUNC, 0) or ExpertGatingFuncType.SIGMOID.value
+    if gating != ExpertGatingFuncType.SIGMOID.value:
+        raise GGUFError(f"{f.path}: metadata {key(L.EXPERT_GATING_FUNC)!r} = {gating} is not supported "
+                        f"(glm4moe: {ExpertGatingFuncType.SIGMOID.value}, sigmoid)")
+    if not mtp < spec.n_layers or not dense <= spec.n_layers - mtp:
+        raise GGUFError(f"{f.path}: {mtp} MTP blocks and {dense} dense layers do not fit {spec.n_layers} blocks")
+    norm_key, scale_key = key(L.EXPERT_WEIGHTS_NORM), key(L.EXPERT_WEIGHTS_SCALE)
+    routing = SigmoidRouting(n_groups=whole(L.EXPERT_GROUP_COUNT, 1) or 1,
+                             groups_used=whole(L.EXPERT_GROUP_USED_COUNT, 1) or 1,
+                             normalize=f.require(norm_key, bool) if norm_key in f.metadata else False,
+                             scale=(f.require(scale_key, float) if scale_key in f.metadata else 0.0) or 1.0)
+    spec = replace(spec, n_layers=spec.n_layers - mtp, mtp_layers=mtp, leading_dense=dense,
+                   dense_ffn=whole(L.FEED_FORWARD_LENGTH) if dense else 0,
+                   shared_expert_ffn=shared * spec.expert_ffn, attn_bias=tname(T.ATTN_Q, 0, ".bias") in f.tensors,
+                   qk_norm=tname(T.ATTN_Q_NORM, 0) in f.tensors, sigmoid_routing=routing,
+                   rope_dim=f.get(key(Keys.Rope.DIMENSION_COUNT), spec.head_dim), norm_topk_prob=routing.normalize)
+    _check_spec(f, spec)
+    bad = None
+    if routing.n_groups > spec.n_experts or spec.n_experts % routing.n_groups \
+            or not routing.groups_used <= routing.n_groups:
+        bad = (f"{routing.groups_used} of {routing.n_groups} expert groups do not divide {spec.n_experts} experts")
+    elif not (routing.scale > 0 and math.isfinite(routing.scale)):
+        bad = f"metadata {key(L.EXPERT_WEIGHTS_SCALE)!r} = {routing.scale!r} must be positive and finite"
+    elif dense and spec.dense_ffn <= 0:
+        bad = f"metadata {key(L.FEED_FORWARD_LENGTH)!r} = {spec.dense_ffn} must be positive with dense layers"
+    elif not (isinstance(spec.rope_dim, int) and 0 < spec.rope_dim <= spec.head_dim and spec.rope_dim % 2 == 0):
+        bad = f"RoPE dims {spec.rope_dim!r} must be even and within head dim {spec.head_dim}"
+    if bad is not None:
+        raise GGUFError(f"{f.path}: {bad}")
+    return spec
+
+
 def _gpt_oss(f: GGUFFile, arch: str) -> ModelSpec:
     """gpt-oss as llama.cpp's converter writes it: qwen3moe's keys, plus the sliding window (and, where
     given, its pattern as one period); YaRN's correction range untruncated (`RopeScaling.truncate`)."""
@@ -483,6 +581,7 @@ SPEC_BUILDERS: dict[str, Callable[[GGUFFile, str], ModelSpec]] = {
     MODEL_ARCH_NAMES[MODEL_ARCH.QWEN3MOE]: _qwen3moe,
     QWEN35MOE: _hybrid,
     QWEN3NEXT: _hybrid,
+    GLM4MOE: _glm4moe,
     GPT_OSS: _gpt_oss,
 }
 

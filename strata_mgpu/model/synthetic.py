@@ -28,10 +28,12 @@ from pathlib import Path
 import numpy as np
 from gguf import GGUFWriter
 from gguf import quants as gguf_quants
-from gguf.constants import TENSOR_NAMES, GGMLQuantizationType, LlamaFileType, RopeScalingType
+from gguf.constants import TENSOR_NAMES, ExpertGatingFuncType, GGMLQuantizationType, LlamaFileType, RopeScalingType
 
+from strata_mgpu.model.glm4moe import SigmoidRouting
 from strata_mgpu.model.spec import (
     EXPERT_TENSORS,
+    GLM4MOE,
     GPT_OSS,
     NO_ROPE_SCALING,
     QWEN3NEXT,
@@ -78,10 +80,15 @@ class Preset:
     # the chat template written where none is given: one shipped with the package (data/templates/NAME.jinja,
     # its vocabulary family the one it writes), else the synthetic ChatML one (qwen's family)
     template: str | None = None
+    # glm4moe's (arch GLM4MOE): leading dense layers of dense_ffn, its router, q/k norms or not
+    leading_dense: int = 0
+    dense_ffn: int = 0
+    sigmoid_routing: SigmoidRouting | None = None
+    qk_norm: bool = True
 
     def spec(self, name: str) -> ModelSpec:
-        hybrid = self.delta is not None
-        arch = GPT_OSS if self.gpt_oss is not None else self.arch if hybrid else "qwen3moe"
+        hybrid, glm = self.delta is not None, self.arch == GLM4MOE
+        arch = GPT_OSS if self.gpt_oss is not None else self.arch if hybrid or glm else "qwen3moe"
         return ModelSpec(arch=arch, name=name, n_layers=self.n_layers,
                          hidden=self.hidden, n_heads=self.n_heads, n_kv_heads=self.n_kv_heads, head_dim=self.head_dim,
                          n_experts=self.n_experts, n_experts_used=self.n_experts_used, expert_ffn=self.expert_ffn,
@@ -89,7 +96,10 @@ class Preset:
                          rope_base=self.rope_base, rms_eps=self.rms_eps, tied_output=self.tied_output,
                          delta=self.delta, full_attention_interval=self.full_attention_interval,
                          rope_dim=self.rope_dim, shared_expert_ffn=self.shared_expert_ffn, attn_output_gate=hybrid,
-                         mtp_layers=self.mtp_layers, gpt_oss=self.gpt_oss, rope_scaling=self.rope_scaling)
+                         mtp_layers=self.mtp_layers, gpt_oss=self.gpt_oss, rope_scaling=self.rope_scaling,
+                         leading_dense=self.leading_dense, dense_ffn=self.dense_ffn, attn_bias=glm,
+                         qk_norm=self.qk_norm, sigmoid_routing=self.sigmoid_routing,
+                         norm_topk_prob=self.sigmoid_routing.normalize if self.sigmoid_routing else True)
 
 
 # K-quants need rows (hidden, expert_ffn) in whole 256-weight blocks, hence the widths.
@@ -126,6 +136,28 @@ PRESETS: dict[str, Preset] = {
                              rope_base=10_000_000.0, delta=DeltaNetShape(
                                  conv_kernel=4, n_k_heads=16, n_v_heads=32, k_head_dim=128, v_head_dim=128),
                              full_attention_interval=4, rope_dim=64, shared_expert_ffn=512, mtp_layers=1),
+    # glm4moe: layer 0 dense, 1-3 MoE with an ungated shared expert, half of each head rotated, an MTP
+    # block (blk.4); 2 groups of 4 experts, one used, to reach the grouped choice; GLM-4.5's scale of
+    # the routed weights (routed_scaling_factor 2.5; Air's is 1.0, which would leave the key untested);
+    # both glm4moe presets carry GLM-4.5's chat template and so its vocabulary family
+    "tiny-glm4moe": Preset(n_layers=4, hidden=256, n_heads=4, n_kv_heads=2, head_dim=64, n_experts=8,
+                           n_experts_used=2, expert_ffn=256, vocab_size=2048, context_length=4096, arch=GLM4MOE,
+                           rms_eps=1e-5, rope_dim=32, shared_expert_ffn=256, mtp_layers=1, leading_dense=1,
+                           dense_ffn=512, sigmoid_routing=SigmoidRouting(n_groups=2, groups_used=1, scale=2.5),
+                           qk_norm=False, template="glm-4.5"),
+    # GLM-4.5-Air's shapes, checked against its config.json (huggingface.co/zai-org/GLM-4.5-Air; the
+    # same values in its fine-tune PrimeIntellect/INTELLECT-3's): hidden 4096, 46 layers, the first
+    # dense (first_k_dense_replace 1) of intermediate_size 10,944, 96 query and 8 KV heads of head_dim
+    # 128, half rotated (partial_rotary_factor 0.5), rope_theta 1e6, 128 routed experts of 1,408, 8 used,
+    # n_shared_experts 1, n_group 1 / topk_group 1, routed_scaling_factor 1.0, norm_topk_prob true,
+    # attention_bias true, use_qk_norm false, rms_norm_eps 1e-5, 131,072 positions, vocab 151,552, untied
+    # head; and against llama.cpp's Glm4MoeModel converter (conversion/glm.py) and glm4moe loader
+    # (src/models/glm4-moe.cpp): block_count 47 with num_nextn_predict_layers 1 (its MTP block, blk.46,
+    # a MoE layer with nextn.* tensors), rope.dimension_count 64, sigmoid expert_gating_func
+    "glm-4.5-air": Preset(n_layers=46, hidden=4096, n_heads=96, n_kv_heads=8, head_dim=128, n_experts=128,
+                          n_experts_used=8, expert_ffn=1408, vocab_size=151552, context_length=131072, arch=GLM4MOE,
+                          rms_eps=1e-5, rope_dim=64, shared_expert_ffn=1408, mtp_layers=1, leading_dense=1,
+                          dense_ffn=10944, sigmoid_routing=SigmoidRouting(), qk_norm=False, template="glm-4.5"),
     # gpt-oss, both layer kinds in turn (0 and 2 slide over 32 positions, 1 and 3 attend all), more
     # query dims than hidden (as gpt-oss's 64 x 64 over 2,880), YaRN x16 untruncated, MXFP4 experts
     "tiny-gpt-oss": Preset(n_layers=4, hidden=256, n_heads=6, n_kv_heads=2, head_dim=64, n_experts=8,
@@ -165,7 +197,7 @@ def preset_spec(preset_name: str, layers: int | None = None, rope: RopeScaling =
     if layers is not None:
         if not 1 <= layers <= preset.n_layers:
             raise ValueError(f"--layers {layers}: {preset_name} has 1 to {preset.n_layers} layers")
-        spec = replace(spec, n_layers=layers)
+        spec = replace(spec, n_layers=layers, leading_dense=min(spec.leading_dense, layers))
     if rope.kind != RopeScalingType.NONE:
         if spec.gpt_oss is not None:  # as the reader takes a gpt-oss file's YaRN
             rope = replace(rope, truncate=False)
@@ -241,7 +273,8 @@ def plan_tensors(spec: ModelSpec, expert_type: Q, down_type: Q, dense_type: Q,
         kind = parts[2] if parts[0] == "blk" else parts[0]  # 'blk.3.attn_q.weight' -> 'attn_q'
         std = 1.0 / math.sqrt(shape[-1])  # unit-variance outputs for unit-variance inputs
         if kind == _kind(T.ATTN_SINKS) or (name.endswith(".bias") and kind != _kind(T.SSM_DT)):
-            plans.append(TensorPlan(name, shape, Q.F32, std=0.5 if kind == _kind(T.ATTN_SINKS) else 0.1))  # gpt-oss's
+            # gpt-oss's sinks and biases; glm4moe's q/k/v biases and its router's choice bias
+            plans.append(TensorPlan(name, shape, Q.F32, std=0.5 if kind == _kind(T.ATTN_SINKS) else 0.1))
         elif kind == _kind(T.SSM_A):  # -exp(A_log): every value head's decay rate negative
             plans.append(TensorPlan(name, shape, Q.F32, std=0.1, mean=-1.0))
         elif kind in (_kind(T.FFN_GATE_INP_SHEXP), _kind(T.SSM_CONV1D)):  # a dot with h; K-wide rows: F32
@@ -423,7 +456,7 @@ def write_model(path: str | Path, preset_name: str, *, expert_type: Q | None = N
     w.add_block_count(spec.n_layers + spec.mtp_layers)
     w.add_context_length(spec.context_length)
     w.add_embedding_length(spec.hidden)
-    w.add_feed_forward_length(spec.expert_ffn * spec.n_experts_used)
+    w.add_feed_forward_length(spec.dense_ffn or spec.expert_ffn * spec.n_experts_used)
     w.add_head_count(spec.n_heads)
     w.add_head_count_kv(spec.n_kv_heads)
     w.add_key_length(spec.head_dim)
@@ -454,6 +487,18 @@ def write_model(path: str | Path, preset_name: str, *, expert_type: Q | None = N
     if spec.gpt_oss is not None:  # as llama.cpp's converter writes gpt-oss (the period: llama.cpp's default 2)
         assert spec.gpt_oss.swa_period == 2, "the writer writes no sliding_window_pattern"
         w.add_sliding_window(spec.gpt_oss.sliding_window)
+    if spec.sigmoid_routing is not None:  # as llama.cpp's converter writes GLM-4.5
+        r = spec.sigmoid_routing
+        w.add_expert_shared_count(spec.shared_expert_ffn // spec.expert_ffn)
+        w.add_leading_dense_block_count(spec.leading_dense)
+        w.add_expert_gating_func(ExpertGatingFuncType.SIGMOID)
+        w.add_expert_weights_scale(r.scale)
+        w.add_expert_weights_norm(r.normalize)
+        if r.n_groups > 1:
+            w.add_expert_group_count(r.n_groups)
+            w.add_expert_group_used_count(r.groups_used)
+        w.add_nextn_predict_layers(spec.mtp_layers)
+        w.add_rope_dimension_count(spec.rotary_dim)
     w.add_file_type(file_type(expert_type, down_type))
     w.add_quantization_version(2)
     w.add_string("strata.synthetic.seed", str(seed))

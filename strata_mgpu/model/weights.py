@@ -64,19 +64,20 @@ class DeltaNetWeights:
 
 @dataclass
 class SharedExpertWeights:
-    """The shared expert: a dense SiLU-gated MLP every token takes, scaled by sigmoid(h . gate_inp)."""
+    """The shared expert: a dense SiLU-gated MLP every token takes, scaled by sigmoid(h . gate_inp) where
+    it has that gate (qwen35moe's; glm4moe's has none). A dense layer's FFN is the same MLP, ungated."""
 
     gate: Matrix  # [Fs, D]
     up: Matrix  # [Fs, D]
     down: Matrix  # [D, Fs]
-    gate_inp: torch.Tensor  # [D]
+    gate_inp: torch.Tensor | None = None  # [D]
 
 
 @dataclass
 class LayerWeights:
     """One decoder layer. Shapes: D hidden, E experts, F expert width, Hkv*Dh = KV width. Its token
     mixer is full attention (wq ... k_norm) or, where `delta` is set, gated DeltaNet (the attention
-    fields None)."""
+    fields None). A dense layer (`ModelSpec.is_dense`) has `mlp` and no router or experts."""
 
     attn_norm: torch.Tensor  # [D]
     wq: Matrix | None  # [H*Dh, D] ([2*H*Dh, D] with an output gate: each head's query, then its gate)
@@ -86,7 +87,7 @@ class LayerWeights:
     q_norm: torch.Tensor | None  # [Dh]
     k_norm: torch.Tensor | None  # [Dh]
     ffn_norm: torch.Tensor  # [D]
-    router: torch.Tensor  # [E, D], fp32
+    router: torch.Tensor | None  # [E, D], fp32; None in a dense layer
     gate: torch.Tensor | None = None  # [E, F, D]; None where the experts are streamed
     up: torch.Tensor | None = None  # [E, F, D]
     down: torch.Tensor | None = None  # [E, D, F]
@@ -95,6 +96,12 @@ class LayerWeights:
     wqkv: Matrix | None = None
     delta: DeltaNetWeights | None = None
     shared: SharedExpertWeights | None = None
+    mlp: SharedExpertWeights | None = None  # a dense layer's FFN (ungated), in place of the MoE block
+    # glm4moe's: the projections' biases [H*Dh], [Hkv*Dh], [Hkv*Dh], and the router's choice bias [E] fp32
+    bq: torch.Tensor | None = None
+    bk: torch.Tensor | None = None
+    bv: torch.Tensor | None = None
+    expert_bias: torch.Tensor | None = None
     oss: GptOssLayerWeights | None = None
 
 
@@ -175,14 +182,17 @@ def load_weights(f: GGUFFile, spec: ModelSpec, *, dtype: torch.dtype = torch.flo
             key_heads=torch.tensor(d.key_head_of(), device=device))
 
     def shared(i: int) -> SharedExpertWeights:
+        gated = tname(T.FFN_GATE_INP_SHEXP, i) in f.tensors
         return SharedExpertWeights(gate=matrix(T.FFN_GATE_SHEXP, i), up=matrix(T.FFN_UP_SHEXP, i),
                                    down=matrix(T.FFN_DOWN_SHEXP, i),
-                                   gate_inp=get(T.FFN_GATE_INP_SHEXP, i).reshape(spec.hidden))
+                                   gate_inp=get(T.FFN_GATE_INP_SHEXP, i).reshape(spec.hidden) if gated else None)
 
     out_layers = []
     for i in layers if layers is not None else range(spec.n_layers):
-        ffn_norm, router = get(spec.ffn_norm_kind, i), get(T.FFN_GATE_INP, i, torch.float32)
-        shared_expert = shared(i) if spec.shared_expert_ffn else None
+        dense_layer = spec.is_dense(i)
+        ffn_norm = get(spec.ffn_norm_kind, i)
+        router = None if dense_layer else get(T.FFN_GATE_INP, i, torch.float32)
+        shared_expert = shared(i) if spec.shared_expert_ffn and not dense_layer else None
         if spec.is_linear(i):
             lw = LayerWeights(attn_norm=get(T.ATTN_NORM, i), wq=None, wk=None, wv=None, wo=None, q_norm=None,
                               k_norm=None, ffn_norm=ffn_norm, router=router, shared=shared_expert, delta=delta(i))
@@ -210,9 +220,17 @@ def load_weights(f: GGUFFile, spec: ModelSpec, *, dtype: torch.dtype = torch.flo
         gpt_oss = spec.gpt_oss is not None  # biases and sinks, no q/k norms
         lw = LayerWeights(
             attn_norm=get(T.ATTN_NORM, i), wq=wq, wk=wk, wv=wv, wqkv=wqkv, wo=wo,
-            q_norm=None if gpt_oss else get(T.ATTN_Q_NORM, i), k_norm=None if gpt_oss else get(T.ATTN_K_NORM, i),
+            q_norm=get(T.ATTN_Q_NORM, i) if spec.qk_norm and not gpt_oss else None,
+            k_norm=get(T.ATTN_K_NORM, i) if spec.qk_norm and not gpt_oss else None,
             ffn_norm=ffn_norm, router=router, shared=shared_expert, oss=oss(i) if gpt_oss else None)
-        _experts(lw, i)
+        if spec.attn_bias:  # glm4moe's q/k/v biases (gpt-oss's are its `oss`)
+            lw.bq, lw.bk, lw.bv = (get(kind, i, suffix=".bias") for kind in (T.ATTN_Q, T.ATTN_K, T.ATTN_V))
+        if dense_layer:
+            lw.mlp = SharedExpertWeights(gate=matrix(T.FFN_GATE, i), up=matrix(T.FFN_UP, i), down=matrix(T.FFN_DOWN, i))
+        else:
+            if spec.sigmoid_routing is not None:  # glm4moe's router's choice bias
+                lw.expert_bias = get(T.FFN_EXP_PROBS_B, i, torch.float32, ".bias")
+            _experts(lw, i)
         out_layers.append(lw)
         if on_layer:
             on_layer(i)

@@ -51,10 +51,13 @@ def check_layers_served(spec: ModelSpec, layers: range) -> None:
     gated DeltaNet layers (qwen35moe, qwen3next) with their state beside each sequence's KV (its decode
     steps eager: no graphs). What it does not serve is part of a hybrid model's layers: a `--layer-split`
     of one would need each stage's DeltaNet state and snapshots carried through the split's sequences,
-    which is not built (docs/ARCHITECTURE.md); nor gpt-oss's layers (`ModelSpec.reference_only`)."""
+    which is not built (docs/ARCHITECTURE.md); nor gpt-oss's layers, nor glm4moe's dense first layers,
+    attention biases and sigmoid router (`ModelSpec.reference_only`): the CPU reference serves those."""
     if spec.reference_only:
-        raise DeviceError(f"{spec.arch} (attention sinks, sliding windows, biased clamped-SwiGLU experts) is served "
-                          f"by the CPU reference only for now (strata serve --devices cpu)")
+        lacking = ("attention sinks, sliding windows, biased clamped-SwiGLU experts" if spec.gpt_oss is not None
+                   else "dense first layers, attention biases, the sigmoid router")
+        raise DeviceError(f"{spec.arch} ({lacking}) is served by the CPU reference only for now "
+                          f"(strata serve --devices cpu)")
     if spec.hybrid and layers != range(spec.n_layers):
         raise DeviceError(f"{spec.arch} (gated DeltaNet layers) runs on one device only for now: its layers "
                           f"cannot be split across stages (drop --layer-split, give one device)")

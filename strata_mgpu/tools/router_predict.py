@@ -55,6 +55,7 @@ def record_routing(stage: Stage, prompts: list[torch.Tensor]) -> RouterRecord:
         picks[i].append(experts.cpu())
         if i + 1 < L:
             nxt = model.w.layers[i + 1].router
+            assert nxt is not None, "a stage's layers are MoE layers (check_layers_served)"
             logits = h.float() @ nxt.float().T  # [T, E]: layer i + 1's router over layer i's h
             predicted[i + 1].append(logits.topk(min(2 * A, spec.n_experts), dim=-1).indices.cpu())
         return weights, experts
