@@ -101,3 +101,14 @@ class CallTags(Protocol):
     def reader(self, functions: Mapping[str, dict[str, Any]] | None) -> CallReader:
         """A reader of one block. functions: each offered function's parameters schema by its
         name (a call of another name is read only once whole); None: any name."""
+
+
+def partial_tail(text: str, tags: tuple[str, ...]) -> int:
+    """Length of the longest tail of `text` that is a proper prefix of one of `tags`."""
+    best = 0
+    for tag in tags:
+        for n in range(min(len(tag) - 1, len(text)), best, -1):
+            if tag.startswith(text[-n:]):
+                best = n
+                break
+    return best

@@ -28,8 +28,9 @@ import re
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from strata_mgpu.server.answer import partial_tail
 from strata_mgpu.server.json_schema import json_rule, resolved, strict_schema, with_definitions
-from strata_mgpu.server.qwen3_coder import checked_parameters, is_text, partial_tail, text_choices, value_json
+from strata_mgpu.server.qwen3_coder import checked_parameters, is_text, text_choices, value_json
 
 _OPEN_KEY, _CLOSE_KEY = "<arg_key>", "</arg_key>"
 _OPEN_VALUE, _CLOSE_VALUE = "<arg_value>", "</arg_value>"

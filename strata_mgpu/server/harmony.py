@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from strata_mgpu.server import model_json
-from strata_mgpu.server.answer import AnswerReader, CallDelta, ChatDelta, ToolCall, new_call_id
+from strata_mgpu.server.answer import AnswerReader, CallDelta, ChatDelta, ToolCall, new_call_id, partial_tail
 from strata_mgpu.server.json_prefix import JsonPrefix
 from strata_mgpu.server.json_schema import json_rule
 
@@ -46,16 +46,6 @@ _CHANNEL = re.compile(re.escape(CHANNEL) + r"\s*([A-Za-z_]+)")
 FUNCTIONS = "functions."
 NO_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}
 
-
-def _partial_tail(text: str, tags: tuple[str, ...]) -> int:
-    """Length of the longest tail of `text` that is a proper prefix of one of `tags`."""
-    best = 0
-    for tag in tags:
-        for n in range(min(len(tag) - 1, len(text)), best, -1):
-            if tag.startswith(text[-n:]):
-                best = n
-                break
-    return best
 
 
 def _may_open_header(text: str) -> bool:
@@ -136,7 +126,7 @@ class HarmonyAnswer:
             if not cut:
                 self._emit(out, self._text)
             elif self._kind in (_Kind.REASONING, _Kind.CONTENT):
-                self._emit(out, self._text[:len(self._text) - _partial_tail(self._text, _BODY_ENDS)])
+                self._emit(out, self._text[:len(self._text) - partial_tail(self._text, _BODY_ENDS)])
             if cut and self._kind is _Kind.CALL and self._json.end is None:
                 self._cut_call = self._id is not None  # its head is out: the client is told by finish_reason
             elif cut and self._kind is _Kind.OTHER_CALL:
@@ -152,7 +142,7 @@ class HarmonyAnswer:
         """Read a header that has arrived (True), or wait for the rest of it (False)."""
         at = self._text.find(MESSAGE)
         # the header so far (less what may be the start of `<|message|>`)
-        head = self._text[:len(self._text) - _partial_tail(self._text, (MESSAGE,))] if at < 0 else self._text[:at]
+        head = self._text[:len(self._text) - partial_tail(self._text, (MESSAGE,))] if at < 0 else self._text[:at]
         if not _may_open_header(head) or len(head) > HEAD_LIMIT:
             self._mode = _Mode.PLAIN  # no header: the text is the model's own
             return True
@@ -182,7 +172,7 @@ class HarmonyAnswer:
         """Read the body up to its end (True: a header follows), or all that is sure not to be a tag (False)."""
         ends = [(i, tag) for tag in _BODY_ENDS if (i := self._text.find(tag)) >= 0]
         if not ends:
-            keep = _partial_tail(self._text, _BODY_ENDS)
+            keep = partial_tail(self._text, _BODY_ENDS)
             self._emit(out, self._text[:len(self._text) - keep])
             self._text = self._text[len(self._text) - keep:]
             return False

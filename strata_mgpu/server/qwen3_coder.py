@@ -28,6 +28,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from strata_mgpu.server import model_json
+from strata_mgpu.server.answer import partial_tail
 from strata_mgpu.server.json_schema import REF_LIMIT, json_rule, resolved, strict_schema, with_definitions
 
 _HEAD = re.compile(r"\s*<function=([^>\n]*)>")
@@ -83,17 +84,6 @@ def value_json(value: str, schema: Any, root: Any = None) -> str:
             except ValueError:
                 continue
     return json.dumps(value, ensure_ascii=False)
-
-
-def partial_tail(text: str, tags: tuple[str, ...]) -> int:
-    """Length of the longest tail of `text` that is a proper prefix of one of `tags`."""
-    best = 0
-    for tag in tags:
-        for n in range(min(len(tag) - 1, len(text)), best, -1):
-            if tag.startswith(text[-n:]):
-                best = n
-                break
-    return best
 
 
 class Qwen3CoderReader:

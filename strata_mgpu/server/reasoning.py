@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import enum
 
+from strata_mgpu.server.answer import partial_tail
+
 
 class _State(enum.Enum):
     START = "start"  # nothing but whitespace yet: a block may open
@@ -23,13 +25,6 @@ class _State(enum.Enum):
 def opens_reasoning(prompt: str, tags: tuple[str, str]) -> bool:
     """Whether the prompt leaves the answer inside a reasoning block (its last open tag unclosed)."""
     return prompt.rfind(tags[0]) > prompt.rfind(tags[1])
-
-
-def _partial_tail(text: str, tag: str) -> int:
-    for n in range(min(len(tag) - 1, len(text)), 0, -1):
-        if tag.startswith(text[-n:]):
-            return n
-    return 0
 
 
 class ReasoningSplitter:
@@ -63,7 +58,7 @@ class ReasoningSplitter:
                 end = text.find(self._close)
                 piece = text if end < 0 else text[:end]
                 if end < 0:  # hold back a possible start of the tag, and trailing whitespace
-                    keep = _partial_tail(piece, self._close)
+                    keep = partial_tail(piece, (self._close,))
                     body = piece[:len(piece) - keep]
                     trimmed = body.rstrip()
                     self._buffer = body[len(trimmed):] + piece[len(piece) - keep:]

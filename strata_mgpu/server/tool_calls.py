@@ -25,7 +25,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from strata_mgpu.server.answer import CallDelta, CallReader, CallTags, ToolCall, new_call_id
+from strata_mgpu.server.answer import CallDelta, CallReader, CallTags, ToolCall, new_call_id, partial_tail
 
 
 @dataclass
@@ -36,13 +36,6 @@ class Parsed:
     content: str = ""
     deltas: list[CallDelta] = field(default_factory=list)
     calls: list[ToolCall] = field(default_factory=list)
-
-
-def _partial_tail(text: str, tag: str) -> int:
-    for n in range(min(len(tag) - 1, len(text)), 0, -1):
-        if tag.startswith(text[-n:]):
-            return n
-    return 0
 
 
 class ToolCallParser:
@@ -82,7 +75,7 @@ class ToolCallParser:
             if self._block is None:
                 start = self._text.find(self._open)
                 if start < 0:
-                    keep = _partial_tail(self._text, self._open)
+                    keep = partial_tail(self._text, (self._open,))
                     self._content(out, self._text[:len(self._text) - keep])
                     self._text = self._text[len(self._text) - keep:]
                     break
@@ -91,7 +84,7 @@ class ToolCallParser:
                 self._reader, self._id, self._given = self._dialect.reader(self._functions), None, ""
                 self._text = ""
             end = self._block.find(self._close, max(0, self._fed - len(self._close) + 1))
-            upto = end if end >= 0 else len(self._block) - _partial_tail(self._block, self._close)
+            upto = end if end >= 0 else len(self._block) - partial_tail(self._block, (self._close,))
             self._read(out, self._block[self._fed:upto])
             self._fed = upto
             if end < 0:
