@@ -86,6 +86,36 @@ def test_a_cpu_stage_equals_the_reference_over_a_pack_and_batched_decode(pair):
         assert rel_err(b, a) <= TOL
 
 
+@pytest.mark.parametrize("batch", [1, 3])
+@torch.no_grad()
+def test_the_batched_decode_step_equals_the_per_sequence_one(pair, batch):
+    """Decode steps gather the batch's DeltaNet states by slot and step them at once (`Decoder._delta_rows`);
+    the plain twin steps each sequence on its own (`batched_linear_steps` off): 32 greedy steps of
+    fresh random prompts, both on the reference, and the stage (batched, the device path's twins)."""
+    ref, stage = pair
+    spec, model = ref.spec, ref.model
+    g = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+    lengths = torch.randint(2, 80, (batch,), generator=g).tolist()
+    chunks = [torch.randint(0, spec.vocab_size, (n,), generator=g) for n in lengths]
+    each, at_once = [ref.new_sequence(160) for _ in chunks], [ref.new_sequence(160) for _ in chunks]
+    kvs_stage = [stage.new_sequence(160) for _ in chunks]
+    a, b, c = ref.prefill_many(each, chunks), ref.prefill_many(at_once, chunks), stage.prefill_many(kvs_stage, chunks)
+    for _ in range(32):
+        tokens = a.argmax(-1)
+        model.batched_linear_steps = False
+        try:
+            a = ref.decode(each, tokens)
+        finally:
+            model.batched_linear_steps = True
+        b, c = ref.decode(at_once, tokens), stage.decode(kvs_stage, tokens)
+        assert rel_err(b, a) <= TOL and rel_err(c, a) <= TOL
+    for seq, twin in zip(at_once, each, strict=True):  # the states themselves, layer by layer
+        assert isinstance(seq, HybridSequence) and isinstance(twin, HybridSequence)
+        for i in seq.linear.layers:
+            got, want = seq.linear.layer(i), twin.linear.layer(i)
+            assert rel_err(got.recurrent, want.recurrent) <= TOL and rel_err(got.conv, want.conv) <= TOL
+
+
 def continue_from_a_snapshot(stage: Stage, n: int, boundary: int, block_tokens: int
                              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, LinearSnapshot]:
     """A prompt of n tokens whole, and again as a continuation: the stage's own snapshot (mark_states /

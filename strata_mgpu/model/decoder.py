@@ -24,12 +24,13 @@ from typing import Protocol
 import torch
 from gguf.constants import GGMLQuantizationType
 
-from strata_mgpu.model.delta_net import causal_conv, delta_heads, delta_rule, gated_norm
+from strata_mgpu.model.delta_net import causal_conv, conv_step, delta_heads, delta_rule, delta_step, gated_norm
 from strata_mgpu.model.expert_backend import ExpertBackend
 from strata_mgpu.model.kv_cache import PLAIN_KV, KVCache, KVFormat, SequenceKV
 from strata_mgpu.model.linear_state import LinearState
 from strata_mgpu.model.ops import PLAIN_OPS, DecodeOps, causal_attention, qk_norm_rope, rms_norm, rope_cos_sin
 from strata_mgpu.model.spec import ModelSpec
+from strata_mgpu.model.state_pool import StatePool
 from strata_mgpu.model.weights import (
     BlockMatrix,
     DeltaNetWeights,
@@ -170,6 +171,7 @@ class ForwardPath:
     streams: bool  # the experts stream whole layers (else the rows' picks are gathered)
     halves: bool = False  # two halves of one sequence's rows
     prefetched: tuple[SequenceKV, ...] = ()  # caches whose cells elsewhere come up a layer ahead
+    slots: torch.Tensor | None = None  # a static step's DeltaNet state slots [B] (`step_static`'s)
 
 
 # Cells the row path may read again: it attends row by row, so each of a segment's rows past its
@@ -187,11 +189,13 @@ class Decoder:
     the fused kernels do not serve the spec's layers (`ModelSpec.fused_attention`: hybrid models).
     `routing`: where set, replaces every layer's routing (tests record or force it).
     `dense`: what multiplies the projections (`DenseMatmul`).
+    `state_slots`: a hybrid model's sequences whose DeltaNet state its `StatePool` holds at once (a
+    stage's --max-running; None: as many as are made, the reference's).
     """
 
     def __init__(self, spec: ModelSpec, weights: ModelWeights, experts: ExpertBackend, ops: DecodeOps | None = None,
                  static_rows: bool = False, kv_types: tuple[GGMLQuantizationType, GGMLQuantizationType] = PLAIN_KV,
-                 dense: DenseMatmul = float_matmul):
+                 dense: DenseMatmul = float_matmul, state_slots: int | None = None):
         self.spec = spec
         self.w = weights
         self.dense = dense
@@ -203,6 +207,12 @@ class Decoder:
         # layer -> its slot in a sequence's KV cache (full-attention layers only); its linear layers
         self.kv_slot = [sum(lw.delta is None for lw in weights.layers[:i]) for i in range(len(weights.layers))]
         self.linear_layers = [i for i, lw in enumerate(weights.layers) if lw.delta is not None]
+        # every sequence's DeltaNet state, by slot (None without linear layers)
+        self.states = (StatePool(spec.delta, self.linear_layers, state_slots, self.device, weights.dtype)
+                       if self.linear_layers and spec.delta is not None else None)
+        # one-row segments' DeltaNet steps gathered by slot, all at once (False: a segment at a time,
+        # the plain twin tests compare against)
+        self.batched_linear_steps = True
 
     @property
     def device(self) -> torch.device:
@@ -222,10 +232,9 @@ class Decoder:
     def new_linear_state(self, snapshots_on: torch.device | None = None) -> LinearState | None:
         """A fresh sequence's DeltaNet state for this decoder's linear layers (its snapshots kept on
         `snapshots_on`, `LinearState`'s); None where it has none."""
-        if not self.linear_layers:
+        if self.states is None:
             return None
-        assert self.spec.delta is not None
-        return LinearState(self.spec.delta, self.linear_layers, self.device, self.w.dtype, snapshots_on)
+        return LinearState(self.states, snapshots_on)
 
     def forward(self, tokens: torch.Tensor, segments: Sequence[Segment]) -> torch.Tensor:
         """tokens [T] (sequences packed as `segments`) -> final hidden states [T, D]."""
@@ -331,7 +340,7 @@ class Decoder:
         else:
             part.x, h = ops.add_rms_norm(part.x, self.experts.finish(part.pending), w.attn_norm, s.rms_eps)
         if w.delta is not None:
-            attended = self._delta_net(i, w.delta, h, part)
+            attended = self._delta_net(i, w.delta, h, part, path.slots)
         else:
             attended = path.attention(self.kv_slot[i], w, h, part)
         hq = None
@@ -345,32 +354,66 @@ class Decoder:
         if w.shared is not None:  # dense, beside the routed experts' pass
             part.x = part.x + self._shared_expert(w.shared, h)
 
-    def _delta_net(self, i: int, w: DeltaNetWeights, h: torch.Tensor, part: Rows) -> torch.Tensor:
+    def _delta_net(self, i: int, w: DeltaNetWeights, h: torch.Tensor, part: Rows,
+                   slots: torch.Tensor | None = None) -> torch.Tensor:
         """Layer i's gated DeltaNet over `part`'s normed rows h [t, D], projected by its out: [t, D].
-        Each segment's rows continue (and update) its sequence's state, in pieces cut at the
-        boundaries its state marked (`LinearState.mark`), where the state is recorded."""
+        Each segment's rows continue (and update in place) its sequence's state. Where every segment is
+        one row (a decode step; `slots` [t]: a static step's, row r continuing slot slots[r]) all rows
+        step at once, their states gathered by slot (`_delta_rows`); else a segment at a time, in
+        pieces cut at the boundaries its state marked (`LinearState.mark`), where the state is recorded."""
         s, mm = self.spec, self.dense
         assert s.delta is not None
         d, t = s.delta, h.shape[0]
         qkv, z = mm.many(h, (w.wqkv, w.wz))  # [t, C], [t, Hv Dv]
         a, b = h @ w.w_alpha.T, h @ w.w_beta.T  # [t, Hv] each
-        out = torch.empty(t, d.n_v_heads, d.v_head_dim, device=h.device, dtype=h.dtype)
-        for seg in part.segments:
-            assert seg.linear is not None
-            state, first = seg.linear.layer(i), seg.linear.length + part.at  # the segment's first token
-            cuts = seg.linear.cuts(first, seg.n)
-            for lo, hi in zip([0, *cuts], [*cuts, seg.n], strict=True):
-                if lo == hi:
-                    continue
-                rows = slice(seg.start + lo, seg.start + hi)
-                conv, state.conv = causal_conv(qkv[rows], state.conv, w.conv)  # [n, C]
-                q, k, v, g, beta = delta_heads(d, conv, a[rows], b[rows], w.dt_bias, w.decay_rate, w.key_heads)
-                o, state.recurrent = delta_rule(q, k, v, g, beta, state.recurrent)  # [n, Hv, Dv] fp32
-                out[rows] = o.to(h.dtype)
-                if hi in cuts:
-                    seg.linear.record(first + hi, i)
+        if slots is None and self.batched_linear_steps and part.at == 0 and all(seg.n == 1 for seg in part.segments):
+            assert self.states is not None
+            slots = self.states.rows([self._linear(seg).slot for seg in part.segments])  # [t]
+        if slots is not None:
+            out = self._delta_rows(i, w, qkv, a, b, slots).to(h.dtype)
+            for seg in part.segments:  # a boundary marked right after this row: the state it ends with
+                linear = self._linear(seg)
+                if linear.cuts(linear.length, 1):
+                    linear.record(linear.length + 1, i)
+        else:
+            out = torch.empty(t, d.n_v_heads, d.v_head_dim, device=h.device, dtype=h.dtype)
+            for seg in part.segments:
+                linear = self._linear(seg)
+                state, first = linear.layer(i), linear.length + part.at  # views of its slot; the segment's first token
+                cuts = linear.cuts(first, seg.n)
+                for lo, hi in zip([0, *cuts], [*cuts, seg.n], strict=True):
+                    if lo == hi:
+                        continue
+                    rows = slice(seg.start + lo, seg.start + hi)
+                    conv, new_conv = causal_conv(qkv[rows], state.conv, w.conv)  # [n, C]
+                    state.conv.copy_(new_conv)
+                    q, k, v, g, beta = delta_heads(d, conv, a[rows], b[rows], w.dt_bias, w.decay_rate, w.key_heads)
+                    o, new_recurrent = delta_rule(q, k, v, g, beta, state.recurrent)  # [n, Hv, Dv] fp32
+                    state.recurrent.copy_(new_recurrent)
+                    out[rows] = o.to(h.dtype)
+                    if hi in cuts:
+                        linear.record(first + hi, i)
         normed = gated_norm(out, z.view(t, d.n_v_heads, d.v_head_dim), w.norm, s.rms_eps)
         return mm(normed.reshape(t, d.value_dim), w.wout)
+
+    @staticmethod
+    def _linear(seg: Segment) -> LinearState:
+        assert seg.linear is not None, "a hybrid model's segment carries its DeltaNet state"
+        return seg.linear
+
+    def _delta_rows(self, i: int, w: DeltaNetWeights, qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+                    slots: torch.Tensor) -> torch.Tensor:
+        """One token of B sequences through layer i's conv and delta rule: qkv [B, C], a, b [B, Hv], row r's
+        state in slot slots[r] of the pool, gathered, stepped and written back in place (no host sync:
+        a graph captures it) -> out [B, Hv, Dv] fp32."""
+        pool, d = self.states, self.spec.delta
+        assert pool is not None and d is not None and slots.shape[0] == qkv.shape[0]
+        conv, new_conv = conv_step(qkv, pool.conv[i].index_select(0, slots), w.conv)  # [B, C], [B, C, K - 1]
+        pool.conv[i].index_copy_(0, slots, new_conv.to(pool.dtype))
+        q, k, v, g, beta = delta_heads(d, conv, a, b, w.dt_bias, w.decay_rate, w.key_heads)
+        out, recurrent = delta_step(q, k, v, g, beta, pool.recurrent[i].index_select(0, slots))  # [B, Hv, Dk, Dv]
+        pool.recurrent[i].index_copy_(0, slots, recurrent)
+        return out
 
     def _shared_expert(self, w: SharedExpertWeights, h: torch.Tensor) -> torch.Tensor:
         """h [t, D] -> sigmoid(h . gate_inp) * down(silu(gate h) * up h): [t, D]."""

@@ -119,7 +119,7 @@ def build_stage(f: GGUFFile, spec: ModelSpec, opts: StageOptions, layers: range 
     # (docs/ARCHITECTURE.md). Only where their attention runs fused: its twin costs a dozen
     # launches a row.
     model = Decoder(spec, dense, experts, ops, static_rows=fused_ops and _attention_fused(ctx, spec),
-                    kv_types=switches.kv_types, dense=dense_matmul)
+                    kv_types=switches.kv_types, dense=dense_matmul, state_slots=opts.sequences)
     # graphs replay the fused ops' step (`Decoder.step_static`), which serves plain attention layers only
     # (`ModelSpec.fused_attention`): a hybrid model decodes eagerly, its DeltaNet state not in static buffers
     graphs = DecodeGraphs(ctx, model, enabled=(switches.cuda_graphs and cache is not None and dtype == torch.bfloat16

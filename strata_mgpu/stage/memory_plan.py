@@ -47,7 +47,9 @@ class MemoryPlan:
     kv: int  # the KV cells the engine may fill, for every sequence together
     kv_tokens: int
     kv_staging: int  # where a sequence may outgrow kv_tokens: the buffer its host prefix is uploaded into
-    decode: int  # decode graphs' shared pool (one step of the largest graph batch) and GEMM workspaces
+    # decode graphs' shared pool (one step of the largest graph batch) and GEMM workspaces; on a hybrid
+    # model also the DeltaNet state pool's scratch slot (a graph's pad rows and warm-up steps write it)
+    decode: int
     slack: int  # allocator rounding and cached blocks
     n_layers: int  # L
     n_experts: int  # E
@@ -206,7 +208,8 @@ def plan_memory(spec: ModelSpec, *, n_layers: int, expert_bytes: int, dense: int
     graph batch; `head`: the stage holds the output head; `expert_workspace`: it dequantizes a
     layer's experts (a CPU stage does not); `kv_types`: how keys and values are stored; `kv_layers`: the
     layers whose KV the cells hold (default all: a hybrid model's DeltaNet layers have none);
-    `linear_state`: a sequence's DeltaNet state bytes, held by each of `sequences` running at once.
+    `linear_state`: a sequence's DeltaNet state bytes, held by each of `sequences` running at once (the
+    `StatePool`'s slots; its scratch slot, one more, counted with decode's graphs).
     `resident_per_layer` forces K (0: stream everything); it must still fit. Without a budget (CPU)
     K defaults to a quarter of E, so both read paths stay exercised."""
     E = spec.n_experts
@@ -220,7 +223,8 @@ def plan_memory(spec: ModelSpec, *, n_layers: int, expert_bytes: int, dense: int
                  kv=kv_bytes(spec, n_layers if kv_layers is None else kv_layers, kv_tokens, elem, kv_types),
                  kv_tokens=kv_tokens, kv_staging=staging, linear_state=linear_state * sequences,
                  sequences=sequences if linear_state else 0,
-                 decode=decode_bytes(spec, decode_rows, head=head, elem=elem) if budget is not None else 0,
+                 decode=(decode_bytes(spec, decode_rows, head=head, elem=elem) + linear_state
+                         if budget is not None else 0),
                  slack=int(ALLOCATOR_SLACK * budget) if budget is not None else 0)
 
     def plan(k: int) -> MemoryPlan:
