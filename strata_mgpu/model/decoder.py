@@ -422,15 +422,33 @@ class Decoder:
         return y * torch.sigmoid(h @ w.gate_inp)[:, None]
 
     def step_static(self, inp: torch.Tensor, positions: torch.Tensor, kvs: Sequence[SequenceKV],
-                    table: torch.Tensor | None = None, capacity: int | None = None) -> torch.Tensor:
+                    table: torch.Tensor | None = None, capacity: int | None = None,
+                    slots: torch.Tensor | None = None) -> torch.Tensor:
         """One decode step of B sequences on the row path, every shape and address fixed (what a decode
         graph captures): token ids [B] or hidden rows [B, D] -> logits [B, V] on the last stage, else
-        [B, D]. The caller advances the caches. `table`, `capacity`: as `RowAttention`'s."""
+        [B, D]. The caller advances the caches (and a hybrid's DeltaNet states). `table`, `capacity`: as
+        `RowAttention`'s; `slots` [B] int64: a hybrid model's row b continues the DeltaNet state in slot
+        slots[b] of `states` (`LinearState.slot`; `state_pool.SCRATCH` for a pad row), updated in place."""
         x = self.embed(inp) if self.w.embed is not None else inp
         assert x.shape[0] == positions.shape[0] == len(kvs)
-        path = self._row_path(positions, kvs, table, capacity, self.experts.should_stream(len(kvs)))
+        streams = self.experts.should_stream(len(kvs))
+        if self.states is not None:
+            assert slots is not None and slots.shape == positions.shape, "a hybrid step names its rows' state slots"
+            path = self._gated_row_path(positions, kvs, table, capacity, streams, slots)
+        else:
+            path = self._row_path(positions, kvs, table, capacity, streams)
         x = self._layers(x, [], path)
         return self.logits(x) if self.w.output is not None else x
+
+    def _gated_row_path(self, positions: torch.Tensor, kvs: Sequence[SequenceKV], table: torch.Tensor | None,
+                        capacity: int | None, streams: bool, slots: torch.Tensor) -> ForwardPath:
+        """A hybrid model's static step: its attention layers by `GatedRowAttention`, its DeltaNet layers
+        on the rows' state slots."""
+        assert all(kv.graph_capturable for kv in kvs), "a cache keeps cells outside kv.k/kv.v: decode it with run()"
+        cos, sin = rope_cos_sin(positions, self.spec, self.w.dtype)  # [B, R]
+        table = self.ops.kv_table(kvs) if table is None else table
+        attention = GatedRowAttention(self.spec, self.ops, positions, kvs, table, capacity, cos, sin, self.dense)
+        return ForwardPath(ops=self.ops, attention=attention, fused_moe_input=True, streams=streams, slots=slots)
 
     def route(self, i: int, h: torch.Tensor, router: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer i's own routing: (weights [T, A] fp32, experts [T, A])."""
@@ -444,3 +462,27 @@ class Decoder:
     def prefill(self, tokens: torch.Tensor, kv: SequenceKV, linear: LinearState | None = None) -> torch.Tensor:
         """All-position logits [T, V] of one sequence's new tokens (`linear`: its DeltaNet state)."""
         return self.logits(self.forward(tokens, [Segment(0, tokens.shape[0], kv, linear)]))
+
+
+class GatedRowAttention(RowAttention):
+    """A hybrid model's attention layers on the decode step's row path (`Decoder.step_static`): as
+    `RowAttention`, with each query head's output gate (sigmoid, after attention) where the spec has
+    one, and RoPE over the first `rotary_dim` dims of a head (the fused `qk_norm_rope_kv` takes the
+    rotated dims' tables)."""
+
+    def __call__(self, i: int, w: LayerWeights, h: torch.Tensor, part: Rows) -> torch.Tensor:
+        s, mm, n = self.spec, self.dense, h.shape[0]
+        assert w.wq is not None and w.wk is not None and w.wv is not None and w.wo is not None, "an attention layer"
+        if w.wqkv is not None:  # one GEMM: [B, q_proj_dim + 2 Hkv Dh], split into column blocks
+            q, k, v = mm(h, w.wqkv).split([s.q_proj_dim, s.kv_dim, s.kv_dim], dim=1)
+        else:
+            q, k, v = mm.many(h, (w.wq, w.wk, w.wv))
+        gate = None
+        if s.attn_output_gate:  # [B, H, 2 Dh]: each head's query, then its gate (copied out contiguous)
+            q, gate = q.reshape(n, s.n_heads, 2 * s.head_dim).split(s.head_dim, dim=2)
+            q, gate = q.reshape(n, s.q_dim), gate.reshape(n, s.q_dim)
+        q = self.ops.qk_norm_rope_kv(s, w, i, q, k, v, self.positions, self.cos, self.sin, self.kvs,
+                                     self.table)  # [B, H, Dh]
+        out = self.ops.attention(i, q, self.positions, self.kvs, self.table, self.capacity)  # [B, H, Dh]
+        attended = out.reshape(n, s.q_dim)
+        return mm(attended if gate is None else attended * torch.sigmoid(gate), w.wo)

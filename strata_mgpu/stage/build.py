@@ -46,10 +46,10 @@ Progress = Callable[[str, int, int], None]
 
 def check_layers_served(spec: ModelSpec, layers: range) -> None:
     """A stage serves every layer kind of the registered archs: full attention, and a hybrid model's
-    gated DeltaNet layers (qwen35moe, qwen3next) with their state beside each sequence's KV (its decode
-    steps eager: no graphs). What it does not serve is part of a hybrid model's layers: a `--layer-split`
-    of one would need each stage's DeltaNet state and snapshots carried through the split's sequences,
-    which is not built (docs/ARCHITECTURE.md)."""
+    gated DeltaNet layers (qwen35moe, qwen3next) with their state beside each sequence's KV (a slot of
+    the decoder's `StatePool`, so its decode steps replay graphs too). What it does not serve is part
+    of a hybrid model's layers: a `--layer-split` of one would need each stage's DeltaNet state and
+    snapshots carried through the split's sequences, which is not built (docs/ARCHITECTURE.md)."""
     if spec.hybrid and layers != range(spec.n_layers):
         raise DeviceError(f"{spec.arch} (gated DeltaNet layers) runs on one device only for now: its layers "
                           f"cannot be split across stages (drop --layer-split, give one device)")
@@ -120,10 +120,11 @@ def build_stage(f: GGUFFile, spec: ModelSpec, opts: StageOptions, layers: range 
     # launches a row.
     model = Decoder(spec, dense, experts, ops, static_rows=fused_ops and _attention_fused(ctx, spec),
                     kv_types=switches.kv_types, dense=dense_matmul, state_slots=opts.sequences)
-    # graphs replay the fused ops' step (`Decoder.step_static`), which serves plain attention layers only
-    # (`ModelSpec.fused_attention`): a hybrid model decodes eagerly, its DeltaNet state not in static buffers
+    # graphs replay the fused ops' step (`Decoder.step_static`), which serves plain attention layers and a
+    # hybrid model's (gated attention, DeltaNet states by slot in its `StatePool`); not other layer kinds
     graphs = DecodeGraphs(ctx, model, enabled=(switches.cuda_graphs and cache is not None and dtype == torch.bfloat16
-                                               and spec.fused_attention and _decode_never_syncs(kernels, arena, spec)),
+                                               and (spec.fused_attention or spec.hybrid)
+                                               and _decode_never_syncs(kernels, arena, spec)),
                           largest=switches.decode_graph_batch, pad=plan.resident_share >= 1, first=first)
     kv = StageKV(ctx, spec, layers, vram_cells=plan.kv_tokens, context=opts.context or 0, dtype=dtype,
                  prefetch=switches.kv_prefetch, kv_types=switches.kv_types)
