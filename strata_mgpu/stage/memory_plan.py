@@ -134,10 +134,15 @@ def activation_bytes(spec: ModelSpec, tokens: int, context: int, elem: int = 2, 
 
 def decode_bytes(spec: ModelSpec, rows: int, *, head: bool, elem: int = 2) -> int:
     """Beyond the KV: cuBLAS's workspaces and the graphs' shared pool (one step's temporaries for the
-    largest graph batch of `rows` rows). A quarter more, as for the activations."""
+    largest graph batch of `rows` rows; a hybrid's DeltaNet step holds about four copies of a row's
+    recurrent state [Hv, Dk, Dv] fp32 at once: gathered, decayed, updated, and the conv's window).
+    A quarter more, as for the activations."""
+    d = spec.delta
     per_row = (spec.n_heads * ATTN_SPLITS * (spec.head_dim + 2) * 4
                + (spec.hidden * 8 + spec.q_dim * 3 + spec.kv_dim * 2) * elem
-               + spec.n_experts * 4 * 2 + (spec.vocab_size * (elem + 4) if head else 0))
+               + spec.n_experts * 4 * 2 + (spec.vocab_size * (elem + 4) if head else 0)
+               + (4 * d.n_v_heads * d.k_head_dim * d.v_head_dim * 4 + d.conv_dim * d.conv_kernel * 4
+                  if d is not None else 0))
     return GEMM_STREAMS * GEMM_WORKSPACE + int(1.25 * rows * per_row)
 
 
