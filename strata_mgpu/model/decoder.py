@@ -11,8 +11,10 @@ attention (SDPA, prompts) or row attention (the decode step's fused ops, captura
 graph); all rows at once or a helped prompt's two halves; experts streamed or gathered.
 
 A hybrid model's layer mixes tokens by full attention or by gated DeltaNet (`model.delta_net`); the
-latter's state lives beside each sequence's KV (`Segment.linear`), whose cache holds only the
-full-attention layers (`Decoder.kv_slot`). Such models take the segment path.
+latter's state lives beside each sequence's KV (`Segment.linear`: a slot of the decoder's
+`StatePool`), whose cache holds only the full-attention layers (`Decoder.kv_slot`). Such models'
+forwards take the segment path (a decode step's DeltaNet rows stepped together by slot); their
+decode graphs capture `step_static` (`GatedRowAttention`, the rows' state slots as a tensor).
 """
 
 from __future__ import annotations
