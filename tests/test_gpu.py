@@ -117,10 +117,12 @@ def _random_caches(spec, capacities, g, layers=2):
 
 
 @pytest.mark.parametrize("preset,rows,yarn", [("tiny", 1, False), ("30b-a3b", 1, False), ("30b-a3b", 3, False),
-                                             ("30b-a3b", 3, True)])
+                                             ("30b-a3b", 3, True), ("tiny-hybrid", 3, False),
+                                             ("35b-a3b-hybrid", 3, False)])
 def test_fused_qk_norm_rope_kv_equals_twin(ops, preset, rows, yarn):
     """B rows, each written into its own cache at its own position (layer 1 of 2); the rotation is
-    the twin's tables' (YaRN's frequencies and attention factor included)."""
+    the twin's tables' (YaRN's frequencies and attention factor included; the hybrids rotate a part
+    of each head: 16 of 64, 64 of 256)."""
     import dataclasses
     from types import SimpleNamespace
 
@@ -141,9 +143,11 @@ def test_fused_qk_norm_rope_kv_equals_twin(ops, preset, rows, yarn):
     positions = torch.randint(0, cap, (rows,), device=CUDA, generator=g)
     cos, sin = rope_cos_sin(positions, spec, torch.bfloat16)
     outs = []
+    twins = ops.paths["qk_norm_rope_kv:twin"]
     for impl in (ops, DecodeOps()):
         kvs = _random_caches(spec, [cap] * rows, torch.Generator(device=CUDA).manual_seed(seed))
         outs.append((impl.qk_norm_rope_kv(spec, w, 1, q.clone(), k, v, positions, cos, sin, kvs), kvs))
+    assert ops.paths["qk_norm_rope_kv:twin"] == twins  # the kernel ran
     (q_got, kvs_got), (q_want, kvs_want) = outs
     assert rel_err(q_got, q_want) <= OPS_TOL, f"seed {seed}"
     for got, want in zip(kvs_got, kvs_want, strict=True):

@@ -1,7 +1,9 @@
 """A hybrid model (tiny-hybrid: qwen35moe, gated DeltaNet + gated attention + a shared expert) on a GPU
 stage (marker `gpu`; skipped without CUDA): against the fp32 reference on the CPU with every expert
 resident and with most streamed, eager decode (no graphs), and through the engine with the prefix
-cache's snapshots kept in pinned host RAM."""
+cache's snapshots kept in pinned host RAM; and its decode steps as CUDA graphs (tiny-hybrid and
+tiny-next: the rows' DeltaNet states by slot index) against the same step run eagerly and against
+the graphless decode."""
 
 from __future__ import annotations
 
@@ -15,11 +17,13 @@ from strata_mgpu.model.gguf_reader import GGUFFile
 from strata_mgpu.model.linear_state import HybridSequence
 from strata_mgpu.model.runner import load_reference_runner
 from strata_mgpu.model.spec import spec_from_gguf
+from strata_mgpu.model.synthetic import write_model
 from strata_mgpu.model.tokenizer import tokenizer_from_gguf
 from strata_mgpu.stage.build import build_stage
+from strata_mgpu.stage.graphs.capture import DecodeGraph
 from strata_mgpu.stage.stage import StageOptions
 from tests.test_gpu import BF16_Q8_TOL, BF16_TOL, _share_routing, rel_err
-from tests.test_hybrid_stage import continue_from_a_snapshot, three_turns_cached_and_not
+from tests.test_hybrid_stage import continue_from_a_snapshot, static_steps, three_turns_cached_and_not
 
 pytestmark = pytest.mark.gpu
 CUDA = torch.device("cuda", 0)
@@ -111,3 +115,92 @@ def test_three_turns_on_the_gpu_stage_with_the_prefix_cache_equal_the_cacheless_
     f, spec = hybrid
     three_turns_cached_and_not(_stage(f, spec, streamed=True, dtype=torch.float32, kv_tokens=1024),
                                tokenizer_from_gguf(f))
+
+
+@pytest.fixture(scope="module", params=["tiny-hybrid", "tiny-next"])
+def hybrid_preset(request, tiny_hybrid_gguf, tmp_path_factory):
+    if request.param == "tiny-hybrid":
+        path = tiny_hybrid_gguf
+    else:
+        path = tmp_path_factory.mktemp("models") / "tiny-next.gguf"
+        write_model(path, "tiny-next", seed=7)
+    f = GGUFFile(path)
+    return f, spec_from_gguf(f)
+
+
+def _graph_stage(f, spec, batch: int):
+    """Graphs on, every expert resident. A batch of 3 takes a graph of its own 3 rows (the largest 3): a
+    padded bucket of 4 would pick all 8 of the tiny experts, which streams and decodes eagerly."""
+    gc.collect()
+    return build_stage(f, spec, StageOptions(device=CUDA, max_vram_gib=8,
+                                             switches=StageSwitches(decode_graph_batch=max(batch, 1))))
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+@torch.no_grad()
+def test_hybrid_graph_replays_equal_the_static_step_and_the_graphless_decode(hybrid_preset, monkeypatch, batch):
+    """32 steps of `batch` sequences of different lengths: replayed graphs (counted: every step one),
+    the same static step run eagerly on twin sequences (`Decoder.step_static`: the replay's own
+    kernels, so within 1e-3), and the graphless decode of a third twin set (`graphs.enabled` off: the
+    segment path's other ops, within the file's decode bound). Every set is fed the graphless decode's
+    greedy tokens, so a near tie cannot send the sets down different chains."""
+    f, spec = hybrid_preset
+    stage = _graph_stage(f, spec, batch)
+    assert stage.graphs.enabled and stage.model.states is not None
+    replays = []
+    step = DecodeGraph.step
+    monkeypatch.setattr(DecodeGraph, "step", lambda graph, kvs, inp, linear=None:
+                        replays.append(graph) or step(graph, kvs, inp, linear))
+    g = torch.Generator().manual_seed(11)
+    lengths = [40, 9, 23][:batch]
+    prompts = [torch.randint(0, spec.vocab_size, (n,), generator=g) for n in lengths]
+    graphed, eager, static = ([stage.new_sequence(200) for _ in prompts] for _ in range(3))
+    for seqs in (graphed, eager, static):
+        a = stage.prefill_many(seqs, prompts)
+    errs = []
+    for _ in range(32):
+        tokens = a.argmax(-1).to(CUDA)
+        got = stage.decode(graphed, tokens)
+        stage.graphs.enabled = False
+        try:
+            a = stage.decode(eager, tokens)
+        finally:
+            stage.graphs.enabled = True
+        with torch.inference_mode(), stage.ctx.on_compute():
+            twin = static_steps(stage, static, tokens)
+        assert rel_err(got, twin) <= 1e-3
+        errs.append(rel_err(got, a))
+    print("graph against graphless decode:", errs)
+    assert max(errs) <= HYBRID_BF16_Q8_TOL
+    assert len(replays) == 32 and len({id(r) for r in replays}) == 1  # one capture, replayed every step
+    assert [s.length for s in graphed] == [s.length for s in eager] == [n + 32 for n in lengths]
+
+
+@torch.no_grad()
+def test_a_hybrid_graph_serves_a_new_sequence_on_a_freed_slot(hybrid):
+    """A sequence ends and another starts on its slot: the same capture replays for it (no capture a
+    join: the slot index and KV table are rewritten), reading the new one's state (zeros, then its
+    prompt's), and its steps equal the same static step run eagerly on a twin."""
+    f, spec = hybrid
+    stage = _graph_stage(f, spec, 1)
+    g = torch.Generator().manual_seed(5)
+    first = stage.new_sequence(200)
+    stage.prefill(first, torch.randint(0, spec.vocab_size, (30,), generator=g))
+    for _ in range(4):
+        stage.decode([first], torch.tensor([3], device=CUDA))
+    assert isinstance(first, HybridSequence)
+    slot, graph = first.linear.slot, stage.graphs.captured[1]
+    del first
+    gc.collect()
+    prompt = torch.randint(0, spec.vocab_size, (17,), generator=g)
+    seq, twin = stage.new_sequence(200), stage.new_sequence(200)
+    assert isinstance(seq, HybridSequence) and isinstance(twin, HybridSequence) and seq.linear.slot == slot
+    a = stage.prefill(seq, prompt)
+    stage.prefill(twin, prompt)
+    for _ in range(8):
+        tokens = a.argmax(-1).reshape(1).to(CUDA)
+        a = stage.decode([seq], tokens)[0]
+        with torch.inference_mode(), stage.ctx.on_compute():
+            b = static_steps(stage, [twin], tokens)[0]
+        assert rel_err(a, b) <= 1e-3
+    assert stage.graphs.captured[1] is graph

@@ -54,7 +54,8 @@ def test_sampled_requests_on_two_stages_of_one_card_draw_one_stages_tokens(tiny_
     assert [s.ctx.device for s in split.stages] == [CUDA, CUDA] and all(s.graphs.enabled for s in split.stages)
     replays = []
     step = DecodeGraph.step
-    monkeypatch.setattr(DecodeGraph, "step", lambda graph, kvs, inp: replays.append(graph) or step(graph, kvs, inp))
+    monkeypatch.setattr(DecodeGraph, "step", lambda graph, kvs, inp, linear=None:
+                        replays.append(graph) or step(graph, kvs, inp, linear))
     for lag in (False, True):
         with monkeypatch.context() as m:
             if lag:

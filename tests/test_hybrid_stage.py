@@ -5,6 +5,7 @@ stage's KV holding the attention layers only; the memory plan's DeltaNet lines; 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -19,11 +20,14 @@ from strata_mgpu.model.kv_pool import BlockTable
 from strata_mgpu.model.linear_state import HybridSequence, LinearSnapshot
 from strata_mgpu.model.runner import DecoderRunner, load_reference_runner
 from strata_mgpu.model.spec import spec_from_gguf
+from strata_mgpu.model.state_pool import SCRATCH
 from strata_mgpu.model.synthetic import write_model
 from strata_mgpu.model.tokenizer import Tokenizer, tokenizer_from_gguf
 from strata_mgpu.split.runner import build_split
 from strata_mgpu.stage.build import build_stage, dense_storage_bytes
 from strata_mgpu.stage.device import DeviceError
+from strata_mgpu.stage.graphs.capture import state_slots
+from strata_mgpu.stage.graphs.replay import DecodeGraphs
 from strata_mgpu.stage.memory_plan import kv_bytes
 from strata_mgpu.stage.stage import Stage, StageOptions
 from tests.engine_runs import run_all
@@ -84,6 +88,78 @@ def test_a_cpu_stage_equals_the_reference_over_a_pack_and_batched_decode(pair):
         tokens = a.argmax(-1)
         a, b = ref.decode(kvs_ref, tokens), stage.decode(kvs_stage, tokens)
         assert rel_err(b, a) <= TOL
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+@torch.no_grad()
+def test_the_batched_decode_step_equals_the_per_sequence_one(pair, batch):
+    """Decode steps gather the batch's DeltaNet states by slot and step them at once (`Decoder._delta_rows`);
+    the plain twin steps each sequence on its own (`batched_linear_steps` off): 32 greedy steps of
+    fresh random prompts, both on the reference, and the stage (batched, the device path's twins)."""
+    ref, stage = pair
+    spec, model = ref.spec, ref.model
+    g = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+    lengths = torch.randint(2, 80, (batch,), generator=g).tolist()
+    chunks = [torch.randint(0, spec.vocab_size, (n,), generator=g) for n in lengths]
+    each, at_once = [ref.new_sequence(160) for _ in chunks], [ref.new_sequence(160) for _ in chunks]
+    kvs_stage = [stage.new_sequence(160) for _ in chunks]
+    a, b, c = ref.prefill_many(each, chunks), ref.prefill_many(at_once, chunks), stage.prefill_many(kvs_stage, chunks)
+    for _ in range(32):
+        tokens = a.argmax(-1)
+        model.batched_linear_steps = False
+        try:
+            a = ref.decode(each, tokens)
+        finally:
+            model.batched_linear_steps = True
+        b, c = ref.decode(at_once, tokens), stage.decode(kvs_stage, tokens)
+        assert rel_err(b, a) <= TOL and rel_err(c, a) <= TOL
+    for seq, twin in zip(at_once, each, strict=True):  # the states themselves, layer by layer
+        assert isinstance(seq, HybridSequence) and isinstance(twin, HybridSequence)
+        for i in seq.linear.layers:
+            got, want = seq.linear.layer(i), twin.linear.layer(i)
+            assert rel_err(got.recurrent, want.recurrent) <= TOL and rel_err(got.conv, want.conv) <= TOL
+
+
+def static_steps(stage: Stage, seqs: Sequence[HybridSequence], tokens: torch.Tensor, pad: int = 0) -> torch.Tensor:
+    """One decode step of `seqs` through `Decoder.step_static` as a decode graph runs it (positions and
+    state slots as tensors, `pad` dummy rows at position 0 on the scratch slot after them), the caches
+    and states advanced after: the real rows' output."""
+    model = stage.model
+    pad_kv = model.new_cache(1, capacity=1)
+    caches = [s.kv for s in seqs]
+    for kv in caches:
+        kv.reserve(1)
+    device = stage.ctx.device
+    positions = torch.tensor([kv.length for kv in caches] + [0] * pad, device=device)
+    slots = torch.tensor([s.linear.slot for s in seqs] + [SCRATCH] * pad, device=device)
+    inp = torch.cat([tokens.to(device), torch.zeros(pad, dtype=tokens.dtype, device=device)])
+    out = model.step_static(inp, positions, [*caches, *[pad_kv] * pad], None, None, slots)
+    for s in seqs:
+        s.kv.advance(1)
+        s.linear.advance(1)
+    return out[:len(seqs)]
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+@torch.no_grad()
+def test_the_static_step_of_a_hybrid_equals_its_eager_decode(pair, batch):
+    """What a decode graph captures (`Decoder.step_static`: gated row attention, DeltaNet states by slot
+    index, a pad row on the scratch slot) against the stage's eager decode over 32 greedy steps."""
+    _, stage = pair
+    spec = stage.spec
+    g = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+    lengths = torch.randint(2, 80, (batch,), generator=g).tolist()
+    chunks = [torch.randint(0, spec.vocab_size, (n,), generator=g) for n in lengths]
+    eager = [stage.new_sequence(160) for _ in chunks]
+    static = [stage.new_sequence(160) for _ in chunks]
+    a = stage.prefill_many(eager, chunks)
+    assert rel_err(stage.prefill_many(static, chunks), a) <= TOL
+    assert all(isinstance(s, HybridSequence) for s in static)
+    for _ in range(32):
+        tokens = a.argmax(-1)
+        a, b = stage.decode(eager, tokens), static_steps(stage, static, tokens, pad=1)
+        assert rel_err(b, a) <= TOL
+    assert [s.length for s in static] == [n + 32 for n in lengths]
 
 
 def continue_from_a_snapshot(stage: Stage, n: int, boundary: int, block_tokens: int
@@ -180,3 +256,33 @@ def test_a_layer_split_of_a_hybrid_model_is_refused_in_one_line(tiny_hybrid_gguf
         assert "\n" not in str(e.value)
     check_placement(Placement(devices=("cpu",)), spec)  # one device: served
     assert isinstance(build_runner(f, spec, Placement(devices=("cpu",)), 64, kv_tokens=128), Stage)
+
+
+@torch.no_grad()
+def test_hybrid_graph_bookkeeping_without_cuda(tiny_hybrid_gguf, monkeypatch):
+    """What runs of a hybrid decode graph without a GPU: its slot index as a replay loads it (rows'
+    slots, then the scratch slot for pad rows), which batches the graphs serve (every row's state
+    given, none to record a snapshot after this token), and a step that runs out of memory with graphs
+    captured: graphs dropped, the error raised, no rerun over advanced states."""
+    f = GGUFFile(tiny_hybrid_gguf)
+    spec = spec_from_gguf(f)
+    stage = build_stage(f, spec, StageOptions(device=CPU, kv_tokens=1024, sequences=4))
+    seqs = [stage.new_sequence(64) for _ in range(3)]
+    assert all(isinstance(s, HybridSequence) for s in seqs)
+    linear = [s.linear for s in seqs]  # type: ignore[union-attr]
+    caches = [s.kv for s in seqs]  # type: ignore[union-attr]
+    assert state_slots(linear, 4) == [st.slot for st in linear] + [SCRATCH] and state_slots(None, 2) == [SCRATCH] * 2
+    assert SCRATCH not in [st.slot for st in linear]
+    graphs = DecodeGraphs(stage.ctx, stage.model, enabled=True, largest=4, pad=False, first=True)  # 3 rows gather
+    assert graphs.serves(caches, linear) and not graphs.serves(caches) and not graphs.serves(caches, linear[:2])
+    linear[1].mark(1)  # a snapshot after the next token: the eager step records it
+    assert not graphs.serves(caches, linear)
+
+    def out_of_memory(kvs, inp):
+        raise torch.OutOfMemoryError("out of memory (simulated)")
+
+    monkeypatch.setattr(stage, "_decode_rows", out_of_memory)
+    monkeypatch.setitem(stage.graphs.captured, 1, None)  # as if a graph were captured
+    with pytest.raises(torch.OutOfMemoryError, match="hybrid model.*not run again"):
+        stage.decode_rows(seqs, torch.zeros(3, dtype=torch.long))
+    assert stage.graphs.captured == {} and [s.length for s in seqs] == [0, 0, 0]

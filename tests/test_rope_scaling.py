@@ -253,10 +253,12 @@ def test_rope_option_defaults_the_original_to_the_preset_context():
     assert spec.context_length == 131072 and spec.rope_scaling.original_context == 32768
 
 
-def test_the_fused_rotation_reads_the_tables_it_is_given(monkeypatch):
-    """qk_norm_rope_kv launches with the host's cos/sin (where the scaling lives), its arguments
-    those of the kernel in decode_ops.cu; tables of another shape take the twin. (The kernel's
-    result against the twin, YaRN included, is tests/test_gpu.py's.)"""
+@pytest.mark.parametrize("preset", ["tiny", "tiny-hybrid"])
+def test_the_fused_rotation_reads_the_tables_it_is_given(monkeypatch, preset):
+    """qk_norm_rope_kv launches with the host's cos/sin (where the scaling lives) and the dims they
+    rotate (all of a head, or tiny-hybrid's first 16 of 64), its arguments those of the kernel in
+    decode_ops.cu; tables of another shape take the twin. (The kernel's result against the twin,
+    YaRN and a partial rotation included, is tests/test_gpu.py's.)"""
     from types import SimpleNamespace
 
     from strata_mgpu.kernels import decode_ops as DO
@@ -264,7 +266,8 @@ def test_the_fused_rotation_reads_the_tables_it_is_given(monkeypatch):
     from strata_mgpu.kernels.paths import PathCounter
     from strata_mgpu.model.kv_cache import KVCache
 
-    spec = preset_spec("tiny", rope=rope_option("yarn:4:64", 4096))
+    spec = preset_spec(preset, rope=rope_option("yarn:4:64", 4096))
+    assert (spec.rotary_dim < spec.head_dim) == (preset == "tiny-hybrid")
     ops = DO.CudaDecodeOps.__new__(DO.CudaDecodeOps)  # no CuPy, no device: only the launch arithmetic
     ops.device, ops.paths = CPU, PathCounter()
     launches = []
@@ -287,6 +290,7 @@ def test_the_fused_rotation_reads_the_tables_it_is_given(monkeypatch):
     assert name == "qk_norm_rope_kv" and len(args) == len(params) and "base" not in params
     assert args[params.index("cos_table")] == cos.data_ptr() and args[params.index("sin_table")] == sin.data_ptr()
     assert args[params.index("positions")] == positions.data_ptr() and grid == (spec.n_heads + 2 * spec.n_kv_heads, n)
+    assert cos.shape == (n, spec.rotary_dim) and args[params.index("R")] == spec.rotary_dim
     twin = []
     monkeypatch.setattr(DecodeOps, "qk_norm_rope_kv", lambda self, *a: twin.append(a))
     ops.qk_norm_rope_kv(spec, w, 1, q, k, v, positions, cos[:2], sin[:2], kvs)  # two rows' tables for three

@@ -8,7 +8,7 @@
 //   rms_norm_rows:     x [R, N] -> out [R, N]                 out = rmsnorm(x) * w
 //   add_rms_norm_rows: x [R, N] += y [R, N]; out = rmsnorm(x) * w
 //   qk_norm_rope_kv:   B rows, each one token of its own sequence: q [B, H, Dh], k, v [B, Hkv, Dh]
-//                      -> q normed and rotated by row b's cos/sin [B, Dh] (into q_out); k normed,
+//                      -> q normed and its first R dims rotated by row b's cos/sin [B, R] (into q_out); k normed,
 //                      rotated and v written into row b's KV cache at positions[b] (its cell, through
 //                      the cache's block table where it has one); its _k8, _v8
 //                      and _k8v8 variants store keys, values or both as ggml Q8_0 blocks
@@ -91,22 +91,24 @@ __device__ __forceinline__ long long head_bytes(int Dh) { return Q8 ? Dh / 32 * 
 // block tokens or 0): layer `layer`'s cells [cells, Hkv, Dh] bf16 (or [cells, Hkv, Dh / 32 * 34]
 // bytes of Q8_0 blocks, KQ8 / VQ8); the cell of position positions[b] is written (the position
 // itself, or through the block table: bt[p >> shift] << shift | p & (2^shift - 1)).
-// q's result goes to q_out [B, H, Dh]. Rotation by the host's tables cos, sin [B, Dh]
-// (ops.rope_cos_sin: RoPE's scaling, YaRN's attention factor included, lives there).
+// q's result goes to q_out [B, H, Dh]. Rotation of each head's first R dims (R even, <= Dh; R = Dh
+// for most models, 64 of 256 for Qwen3.5's) by the host's tables cos, sin [B, R] (ops.rope_cos_sin:
+// RoPE's scaling, YaRN's attention factor included, lives there): NEOX pairs (d, d + R / 2); the
+// dims from R on pass as they are, as the twin's apply_rope.
 template <bool KQ8, bool VQ8>
 __device__ __forceinline__ void qk_norm_rope_kv_row(const bf16* q, long long q_stride, const bf16* __restrict__ k,
                                 long long k_stride, const bf16* __restrict__ v, long long v_stride,
                                 const bf16* __restrict__ q_norm, const bf16* __restrict__ k_norm, int H, int Hkv,
                                 int Dh, const long long* __restrict__ positions, const bf16* __restrict__ cos_table,
-                                const bf16* __restrict__ sin_table, float eps,
+                                const bf16* __restrict__ sin_table, int R, float eps,
                                 const long long* __restrict__ table, int layer, bf16* __restrict__ q_out) {
     const int head = blockIdx.x, lane = threadIdx.x, b = blockIdx.y;
     q += b * q_stride;
     k += b * k_stride;
     v += b * v_stride;
     q_out += (long long)b * H * Dh;
-    cos_table += (long long)b * Dh;
-    sin_table += (long long)b * Dh;
+    cos_table += (long long)b * R;
+    sin_table += (long long)b * R;
     // a layer's bytes: the keys' stride in their elements, the values' the same cells in theirs
     const long long* cache = table + KV_ROW * b;
     const long long k_layer = cache[2] * (KQ8 ? 1 : 2);
@@ -146,28 +148,51 @@ __device__ __forceinline__ void qk_norm_rope_kv_row(const bf16* q, long long q_s
             ss += x[j] * x[j];
         }
     const float rstd = rsqrtf(warp_sum(ss) / Dh + eps);
-    const int half = Dh / 2;
+    const int half = R / 2;
 #pragma unroll
     for (int j = 0; j < 8; ++j)
         if (j < per) nx[j] = bf16r(bf16r(x[j] * rstd) * __bfloat162float(w[lane + 32 * j]));
-    // The partner of d is d + half (or d - half): `per / 2` slots away in this same lane when Dh is
-    // a multiple of 64; otherwise read it through the other lanes.
     float out[8];
+    if (R == Dh) {
+        // The partner of d is d + half (or d - half): `per / 2` slots away in this same lane when Dh is
+        // a multiple of 64; otherwise read it through the other lanes.
 #pragma unroll
-    for (int j = 0; j < 8; ++j)
-        if (j < per) {
-            const int d = lane + 32 * j;
-            const float c = __bfloat162float(cos_table[d]), s = __bfloat162float(sin_table[d]);
-            float partner;
-            if ((half & 31) == 0) {
-                const int jp = d < half ? j + half / 32 : j - half / 32;
-                partner = nx[jp < 0 ? 0 : (jp > 7 ? 7 : jp)];
-            } else {
-                partner = 0.f;  // unreachable for the Dh the host allows (multiples of 64)
+        for (int j = 0; j < 8; ++j)
+            if (j < per) {
+                const int d = lane + 32 * j;
+                const float c = __bfloat162float(cos_table[d]), s = __bfloat162float(sin_table[d]);
+                float partner;
+                if ((half & 31) == 0) {
+                    const int jp = d < half ? j + half / 32 : j - half / 32;
+                    partner = nx[jp < 0 ? 0 : (jp > 7 ? 7 : jp)];
+                } else {
+                    partner = 0.f;  // unreachable for the Dh the host allows (multiples of 64)
+                }
+                const float rot = d < half ? -partner : partner;  // rotate_half: [-x2, x1]
+                out[j] = bf16r(bf16r(nx[j] * c) + bf16r(rot * s));
             }
-            const float rot = d < half ? -partner : partner;  // rotate_half: [-x2, x1]
-            out[j] = bf16r(bf16r(nx[j] * c) + bf16r(rot * s));
-        }
+    } else {
+        // A part of the head rotated: its pairs cross lanes and slots for any R, so the warp's normed
+        // head goes through shared memory (this block's one warp) and each lane reads its partners there.
+        __shared__ float head_values[256];
+#pragma unroll
+        for (int j = 0; j < 8; ++j)
+            if (j < per) head_values[lane + 32 * j] = nx[j];
+        __syncwarp();
+#pragma unroll
+        for (int j = 0; j < 8; ++j)
+            if (j < per) {
+                const int d = lane + 32 * j;
+                if (d < R) {
+                    const float c = __bfloat162float(cos_table[d]), s = __bfloat162float(sin_table[d]);
+                    const float partner = head_values[d < half ? d + half : d - half];
+                    const float rot = d < half ? -partner : partner;  // rotate_half over the first R dims
+                    out[j] = bf16r(bf16r(nx[j] * c) + bf16r(rot * s));
+                } else {
+                    out[j] = nx[j];
+                }
+            }
+    }
     if constexpr (KQ8) {
         if (!is_q) {  // the rotated key (bf16 values) quantized: block j is value lane of run j
             unsigned char* kq = k_bytes + (cell * Hkv + (head - H)) * head_bytes<true>(Dh);
@@ -188,10 +213,10 @@ __device__ __forceinline__ void qk_norm_rope_kv_row(const bf16* q, long long q_s
                                     const bf16* __restrict__ q_norm, const bf16* __restrict__ k_norm, int H,      \
                                     int Hkv, int Dh, const long long* __restrict__ positions,                     \
                                     const bf16* __restrict__ cos_table, const bf16* __restrict__ sin_table,       \
-                                    float eps, const long long* __restrict__ table, int layer,                    \
+                                    int R, float eps, const long long* __restrict__ table, int layer,             \
                                     bf16* __restrict__ q_out) {                                                   \
         qk_norm_rope_kv_row<KQ8, VQ8>(q, q_stride, k, k_stride, v, v_stride, q_norm, k_norm, H, Hkv, Dh,          \
-                                      positions, cos_table, sin_table, eps, table, layer, q_out);                 \
+                                      positions, cos_table, sin_table, R, eps, table, layer, q_out);              \
     }
 QK_NORM_ROPE_KV(qk_norm_rope_kv, false, false)
 QK_NORM_ROPE_KV(qk_norm_rope_kv_k8, true, false)

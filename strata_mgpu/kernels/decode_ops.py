@@ -206,13 +206,14 @@ class CudaDecodeOps(DecodeOps):
     def qk_norm_rope_kv(self, spec: ModelSpec, w: LayerWeights, layer: int, q: torch.Tensor, k: torch.Tensor,
                         v: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                         kvs: Sequence[SequenceKV], table: torch.Tensor | None = None) -> torch.Tensor:
-        dh, n = spec.head_dim, len(kvs)
+        dh, n, rot = spec.head_dim, len(kvs), spec.rotary_dim  # the first `rot` dims of a head rotate
         assert w.q_norm is not None and w.k_norm is not None, "an attention layer"
-        tensors_ok = (self._ok(w.q_norm, w.k_norm, cos, sin) and cos.shape == sin.shape == (n, dh)
+        tensors_ok = (self._ok(w.q_norm, w.k_norm, cos, sin) and cos.shape == sin.shape == (n, rot)
+                      and rot % 2 == 0 and 0 < rot <= dh
                       and self._caches_ok(kvs, spec.n_kv_heads, dh) and all(self._rows_ok(t) for t in (q, k, v)))
         if not (tensors_ok and dh % 64 == 0 and dh <= 256 and positions.dtype == torch.int64
                 and positions.is_contiguous() and q.shape[0] == n):
-            self._twin("qk_norm_rope_kv", NOT_BF16 + " (or cos/sin not [B, Dh], a cache of another format or "
+            self._twin("qk_norm_rope_kv", NOT_BF16 + " (or cos/sin not [B, rotated dims], a cache of another format or "
                        "a block table the kernels cannot read)"
                        if not tensors_ok
                        else f"head dim {dh} (multiples of 64 up to 256), positions not int64, or {q.shape[0]} "
@@ -224,8 +225,8 @@ class CudaDecodeOps(DecodeOps):
                      q.data_ptr(), np.int64(q.stride(0)), k.data_ptr(), np.int64(k.stride(0)), v.data_ptr(),
                      np.int64(v.stride(0)), w.q_norm.data_ptr(), w.k_norm.data_ptr(), np.int32(spec.n_heads),
                      np.int32(spec.n_kv_heads), np.int32(dh), positions.data_ptr(), cos.data_ptr(), sin.data_ptr(),
-                     np.float32(spec.rms_eps), (self.kv_table(kvs) if table is None else table).data_ptr(),
-                     np.int32(layer), q_out.data_ptr())
+                     np.int32(rot), np.float32(spec.rms_eps),
+                     (self.kv_table(kvs) if table is None else table).data_ptr(), np.int32(layer), q_out.data_ptr())
         return q_out
 
     def attention(self, layer: int, q: torch.Tensor, positions: torch.Tensor, kvs: Sequence[SequenceKV],

@@ -11,8 +11,10 @@ attention (SDPA, prompts) or row attention (the decode step's fused ops, captura
 graph); all rows at once or a helped prompt's two halves; experts streamed or gathered.
 
 A hybrid model's layer mixes tokens by full attention or by gated DeltaNet (`model.delta_net`); the
-latter's state lives beside each sequence's KV (`Segment.linear`), whose cache holds only the
-full-attention layers (`Decoder.kv_slot`). Such models take the segment path.
+latter's state lives beside each sequence's KV (`Segment.linear`: a slot of the decoder's
+`StatePool`), whose cache holds only the full-attention layers (`Decoder.kv_slot`). Such models'
+forwards take the segment path (a decode step's DeltaNet rows stepped together by slot); their
+decode graphs capture `step_static` (`GatedRowAttention`, the rows' state slots as a tensor).
 """
 
 from __future__ import annotations
@@ -27,9 +29,11 @@ from gguf.constants import GGMLQuantizationType
 from strata_mgpu.model.delta_net import (
     DeltaScan,
     causal_conv,
+    conv_step,
     delta_heads,
     delta_rule,
     delta_rule_chunked,
+    delta_step,
     gated_norm,
 )
 from strata_mgpu.model.expert_backend import ExpertBackend
@@ -39,6 +43,7 @@ from strata_mgpu.model.kv_cache import PLAIN_KV, KVCache, KVFormat, SequenceKV
 from strata_mgpu.model.linear_state import LinearState
 from strata_mgpu.model.ops import PLAIN_OPS, DecodeOps, causal_attention, qk_norm_rope, rms_norm, rope_cos_sin
 from strata_mgpu.model.spec import ModelSpec
+from strata_mgpu.model.state_pool import StatePool
 from strata_mgpu.model.weights import (
     BlockMatrix,
     DeltaNetWeights,
@@ -190,6 +195,7 @@ class ForwardPath:
     streams: bool  # the experts stream whole layers (else the rows' picks are gathered)
     halves: bool = False  # two halves of one sequence's rows
     prefetched: tuple[SequenceKV, ...] = ()  # caches whose cells elsewhere come up a layer ahead
+    slots: torch.Tensor | None = None  # a static step's DeltaNet state slots [B] (`step_static`'s)
 
 
 # Cells the row path may read again: it attends row by row, so each of a segment's rows past its
@@ -207,11 +213,14 @@ class Decoder:
     the fused kernels do not serve the spec's layers (`ModelSpec.fused_attention`: hybrid models).
     `routing`: where set, replaces every layer's routing (tests record or force it).
     `dense`: what multiplies the projections (`DenseMatmul`); `delta_scan`: a prompt's DeltaNet scan.
+    `state_slots`: a hybrid model's sequences whose DeltaNet state its `StatePool` holds at once (a
+    stage's --max-running; None: as many as are made, the reference's).
     """
 
     def __init__(self, spec: ModelSpec, weights: ModelWeights, experts: ExpertBackend, ops: DecodeOps | None = None,
                  static_rows: bool = False, kv_types: tuple[GGMLQuantizationType, GGMLQuantizationType] = PLAIN_KV,
-                 dense: DenseMatmul = float_matmul, delta_scan: DeltaScan = delta_rule_chunked):
+                 dense: DenseMatmul = float_matmul, delta_scan: DeltaScan = delta_rule_chunked,
+                 state_slots: int | None = None):
         self.spec = spec
         self.delta_scan = delta_scan  # a prompt's DeltaNet rows (a GPU stage's: fla's kernels where installed)
         self.w = weights
@@ -224,6 +233,12 @@ class Decoder:
         # layer -> its slot in a sequence's KV cache (full-attention layers only); its linear layers
         self.kv_slot = [sum(lw.delta is None for lw in weights.layers[:i]) for i in range(len(weights.layers))]
         self.linear_layers = [i for i, lw in enumerate(weights.layers) if lw.delta is not None]
+        # every sequence's DeltaNet state, by slot (None without linear layers)
+        self.states = (StatePool(spec.delta, self.linear_layers, state_slots, self.device, weights.dtype)
+                       if self.linear_layers and spec.delta is not None else None)
+        # one-row segments' DeltaNet steps gathered by slot, all at once (False: a segment at a time,
+        # the plain twin tests compare against)
+        self.batched_linear_steps = True
 
     @property
     def device(self) -> torch.device:
@@ -243,10 +258,9 @@ class Decoder:
     def new_linear_state(self, snapshots_on: torch.device | None = None) -> LinearState | None:
         """A fresh sequence's DeltaNet state for this decoder's linear layers (its snapshots kept on
         `snapshots_on`, `LinearState`'s); None where it has none."""
-        if not self.linear_layers:
+        if self.states is None:
             return None
-        assert self.spec.delta is not None
-        return LinearState(self.spec.delta, self.linear_layers, self.device, self.w.dtype, snapshots_on)
+        return LinearState(self.states, snapshots_on)
 
     def forward(self, tokens: torch.Tensor, segments: Sequence[Segment]) -> torch.Tensor:
         """tokens [T] (sequences packed as `segments`) -> final hidden states [T, D]."""
@@ -351,7 +365,7 @@ class Decoder:
         else:
             part.x, h = ops.add_rms_norm(part.x, self.experts.finish(part.pending), w.attn_norm, s.rms_eps)
         if w.delta is not None:
-            attended = self._delta_net(i, w.delta, h, part)
+            attended = self._delta_net(i, w.delta, h, part, path.slots)
         else:
             attended = path.attention(self.kv_slot[i], w, h, part)
         if w.mlp is not None:  # a dense layer: its FFN in place of the MoE block, no experts started
@@ -370,32 +384,66 @@ class Decoder:
         if w.shared is not None:  # dense, beside the routed experts' pass
             part.x = part.x + self._shared_expert(w.shared, h)
 
-    def _delta_net(self, i: int, w: DeltaNetWeights, h: torch.Tensor, part: Rows) -> torch.Tensor:
+    def _delta_net(self, i: int, w: DeltaNetWeights, h: torch.Tensor, part: Rows,
+                   slots: torch.Tensor | None = None) -> torch.Tensor:
         """Layer i's gated DeltaNet over `part`'s normed rows h [t, D], projected by its out: [t, D].
-        Each segment's rows continue (and update) its sequence's state, in pieces cut at the
-        boundaries its state marked (`LinearState.mark`), where the state is recorded."""
+        Each segment's rows continue (and update in place) its sequence's state. Where every segment is
+        one row (a decode step; `slots` [t]: a static step's, row r continuing slot slots[r]) all rows
+        step at once, their states gathered by slot (`_delta_rows`); else a segment at a time, in
+        pieces cut at the boundaries its state marked (`LinearState.mark`), where the state is recorded."""
         s, mm = self.spec, self.dense
         assert s.delta is not None
         d, t = s.delta, h.shape[0]
         qkv, z = mm.many(h, (w.wqkv, w.wz))  # [t, C], [t, Hv Dv]
         a, b = h @ w.w_alpha.T, h @ w.w_beta.T  # [t, Hv] each
-        out = torch.empty(t, d.n_v_heads, d.v_head_dim, device=h.device, dtype=h.dtype)
-        for seg in part.segments:
-            assert seg.linear is not None
-            state, first = seg.linear.layer(i), seg.linear.length + part.at  # the segment's first token
-            cuts = seg.linear.cuts(first, seg.n)
-            for lo, hi in zip([0, *cuts], [*cuts, seg.n], strict=True):
-                if lo == hi:
-                    continue
-                rows = slice(seg.start + lo, seg.start + hi)
-                conv, state.conv = causal_conv(qkv[rows], state.conv, w.conv)  # [n, C]
-                q, k, v, g, beta = delta_heads(d, conv, a[rows], b[rows], w.dt_bias, w.decay_rate, w.key_heads)
-                o, state.recurrent = delta_rule(q, k, v, g, beta, state.recurrent, self.delta_scan)  # [n, Hv, Dv] fp32
-                out[rows] = o.to(h.dtype)
-                if hi in cuts:
-                    seg.linear.record(first + hi, i)
+        if slots is None and self.batched_linear_steps and part.at == 0 and all(seg.n == 1 for seg in part.segments):
+            assert self.states is not None
+            slots = self.states.rows([self._linear(seg).slot for seg in part.segments])  # [t]
+        if slots is not None:
+            out = self._delta_rows(i, w, qkv, a, b, slots).to(h.dtype)
+            for seg in part.segments:  # a boundary marked right after this row: the state it ends with
+                linear = self._linear(seg)
+                if linear.cuts(linear.length, 1):
+                    linear.record(linear.length + 1, i)
+        else:
+            out = torch.empty(t, d.n_v_heads, d.v_head_dim, device=h.device, dtype=h.dtype)
+            for seg in part.segments:
+                linear = self._linear(seg)
+                state, first = linear.layer(i), linear.length + part.at  # views of its slot; the segment's first token
+                cuts = linear.cuts(first, seg.n)
+                for lo, hi in zip([0, *cuts], [*cuts, seg.n], strict=True):
+                    if lo == hi:
+                        continue
+                    rows = slice(seg.start + lo, seg.start + hi)
+                    conv, new_conv = causal_conv(qkv[rows], state.conv, w.conv)  # [n, C]
+                    state.conv.copy_(new_conv)
+                    q, k, v, g, beta = delta_heads(d, conv, a[rows], b[rows], w.dt_bias, w.decay_rate, w.key_heads)
+                    o, new_recurrent = delta_rule(q, k, v, g, beta, state.recurrent, self.delta_scan)  # [n, Hv, Dv]
+                    state.recurrent.copy_(new_recurrent)
+                    out[rows] = o.to(h.dtype)
+                    if hi in cuts:
+                        linear.record(first + hi, i)
         normed = gated_norm(out, z.view(t, d.n_v_heads, d.v_head_dim), w.norm, s.rms_eps)
         return mm(normed.reshape(t, d.value_dim), w.wout)
+
+    @staticmethod
+    def _linear(seg: Segment) -> LinearState:
+        assert seg.linear is not None, "a hybrid model's segment carries its DeltaNet state"
+        return seg.linear
+
+    def _delta_rows(self, i: int, w: DeltaNetWeights, qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+                    slots: torch.Tensor) -> torch.Tensor:
+        """One token of B sequences through layer i's conv and delta rule: qkv [B, C], a, b [B, Hv], row r's
+        state in slot slots[r] of the pool, gathered, stepped and written back in place (no host sync:
+        a graph captures it) -> out [B, Hv, Dv] fp32."""
+        pool, d = self.states, self.spec.delta
+        assert pool is not None and d is not None and slots.shape[0] == qkv.shape[0]
+        conv, new_conv = conv_step(qkv, pool.conv[i].index_select(0, slots), w.conv)  # [B, C], [B, C, K - 1]
+        pool.conv[i].index_copy_(0, slots, new_conv.to(pool.dtype))
+        q, k, v, g, beta = delta_heads(d, conv, a, b, w.dt_bias, w.decay_rate, w.key_heads)
+        out, recurrent = delta_step(q, k, v, g, beta, pool.recurrent[i].index_select(0, slots))  # [B, Hv, Dk, Dv]
+        pool.recurrent[i].index_copy_(0, slots, recurrent)
+        return out
 
     def _shared_expert(self, w: SharedExpertWeights, h: torch.Tensor) -> torch.Tensor:
         """h [t, D] -> sigmoid(h . gate_inp) * down(silu(gate h) * up h): [t, D] (ungated without gate_inp)."""
@@ -404,15 +452,33 @@ class Decoder:
         return y if w.gate_inp is None else y * torch.sigmoid(h @ w.gate_inp)[:, None]
 
     def step_static(self, inp: torch.Tensor, positions: torch.Tensor, kvs: Sequence[SequenceKV],
-                    table: torch.Tensor | None = None, capacity: int | None = None) -> torch.Tensor:
+                    table: torch.Tensor | None = None, capacity: int | None = None,
+                    slots: torch.Tensor | None = None) -> torch.Tensor:
         """One decode step of B sequences on the row path, every shape and address fixed (what a decode
         graph captures): token ids [B] or hidden rows [B, D] -> logits [B, V] on the last stage, else
-        [B, D]. The caller advances the caches. `table`, `capacity`: as `RowAttention`'s."""
+        [B, D]. The caller advances the caches (and a hybrid's DeltaNet states). `table`, `capacity`: as
+        `RowAttention`'s; `slots` [B] int64: a hybrid model's row b continues the DeltaNet state in slot
+        slots[b] of `states` (`LinearState.slot`; `state_pool.SCRATCH` for a pad row), updated in place."""
         x = self.embed(inp) if self.w.embed is not None else inp
         assert x.shape[0] == positions.shape[0] == len(kvs)
-        path = self._row_path(positions, kvs, table, capacity, self.experts.should_stream(len(kvs)))
+        streams = self.experts.should_stream(len(kvs))
+        if self.states is not None:
+            assert slots is not None and slots.shape == positions.shape, "a hybrid step names its rows' state slots"
+            path = self._gated_row_path(positions, kvs, table, capacity, streams, slots)
+        else:
+            path = self._row_path(positions, kvs, table, capacity, streams)
         x = self._layers(x, [], path)
         return self.logits(x) if self.w.output is not None else x
+
+    def _gated_row_path(self, positions: torch.Tensor, kvs: Sequence[SequenceKV], table: torch.Tensor | None,
+                        capacity: int | None, streams: bool, slots: torch.Tensor) -> ForwardPath:
+        """A hybrid model's static step: its attention layers by `GatedRowAttention`, its DeltaNet layers
+        on the rows' state slots."""
+        assert all(kv.graph_capturable for kv in kvs), "a cache keeps cells outside kv.k/kv.v: decode it with run()"
+        cos, sin = rope_cos_sin(positions, self.spec, self.w.dtype)  # [B, R]
+        table = self.ops.kv_table(kvs) if table is None else table
+        attention = GatedRowAttention(self.spec, self.ops, positions, kvs, table, capacity, cos, sin, self.dense)
+        return ForwardPath(ops=self.ops, attention=attention, fused_moe_input=True, streams=streams, slots=slots)
 
     def route(self, i: int, h: torch.Tensor, router: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer i's own routing: (weights [T, A] fp32, experts [T, A]); a gpt-oss layer's through its
@@ -433,3 +499,27 @@ class Decoder:
     def prefill(self, tokens: torch.Tensor, kv: SequenceKV, linear: LinearState | None = None) -> torch.Tensor:
         """All-position logits [T, V] of one sequence's new tokens (`linear`: its DeltaNet state)."""
         return self.logits(self.forward(tokens, [Segment(0, tokens.shape[0], kv, linear)]))
+
+
+class GatedRowAttention(RowAttention):
+    """A hybrid model's attention layers on the decode step's row path (`Decoder.step_static`): as
+    `RowAttention`, with each query head's output gate (sigmoid, after attention) where the spec has
+    one, and RoPE over the first `rotary_dim` dims of a head (the fused `qk_norm_rope_kv` takes the
+    rotated dims' tables)."""
+
+    def __call__(self, i: int, w: LayerWeights, h: torch.Tensor, part: Rows) -> torch.Tensor:
+        s, mm, n = self.spec, self.dense, h.shape[0]
+        assert w.wq is not None and w.wk is not None and w.wv is not None and w.wo is not None, "an attention layer"
+        if w.wqkv is not None:  # one GEMM: [B, q_proj_dim + 2 Hkv Dh], split into column blocks
+            q, k, v = mm(h, w.wqkv).split([s.q_proj_dim, s.kv_dim, s.kv_dim], dim=1)
+        else:
+            q, k, v = mm.many(h, (w.wq, w.wk, w.wv))
+        gate = None
+        if s.attn_output_gate:  # [B, H, 2 Dh]: each head's query, then its gate (copied out contiguous)
+            q, gate = q.reshape(n, s.n_heads, 2 * s.head_dim).split(s.head_dim, dim=2)
+            q, gate = q.reshape(n, s.q_dim), gate.reshape(n, s.q_dim)
+        q = self.ops.qk_norm_rope_kv(s, w, i, q, k, v, self.positions, self.cos, self.sin, self.kvs,
+                                     self.table)  # [B, H, Dh]
+        out = self.ops.attention(i, q, self.positions, self.kvs, self.table, self.capacity)  # [B, H, Dh]
+        attended = out.reshape(n, s.q_dim)
+        return mm(attended if gate is None else attended * torch.sigmoid(gate), w.wo)

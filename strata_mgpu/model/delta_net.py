@@ -8,7 +8,9 @@ K = conv width, Hk / Hv = key / value heads, Dk / Dv = their head dims.
 The delta rule, per value head with state S [Dk, Dv] and each token's decay g (log space, <= 0)
 and rate beta: S <- exp(g) S; S <- S + k (beta (v - S^T k))^T; out = S^T q. A prompt runs it as a
 chunked scan (`delta_rule_chunked`: a chunk's updates solved as one triangular system), a decode
-step as the one-step recurrence (`delta_rule_steps`, also the chunked scan's plain twin).
+step as the one-step recurrence (`delta_rule_steps`, also the chunked scan's plain twin). A decode
+step of B sequences at once (their states gathered from a `StatePool` by slot) runs `conv_step` and
+`delta_step` over all B rows: B = rows of such a step.
 """
 
 from __future__ import annotations
@@ -33,6 +35,14 @@ def causal_conv(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor) -> t
     return F.silu(out).T, xs[:, xs.shape[1] - (k - 1):].clone()
 
 
+def conv_step(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`causal_conv` of one token for each of B sequences: x [B, C], state [B, C, K - 1], weight [C, K]
+    -> (out [B, C], the new states [B, C, K - 1]). Summed in fp32, as the conv kernels accumulate."""
+    xs = torch.cat([state.to(x.dtype), x[:, :, None]], dim=2)  # [B, C, K]
+    out = (xs.float() * weight.float()[None]).sum(-1).to(x.dtype)  # [B, C]
+    return F.silu(out), xs[:, :, 1:]
+
+
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """x / ||x|| over the last dim, as transformers' (and fla's) x * rsqrt(sum x^2 + eps)."""
     return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
@@ -44,11 +54,18 @@ def delta_rule_steps(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
     [H, Dk, Dv], all fp32 -> (out [T, H, Dv], the new state)."""
     out = torch.empty_like(v)
     for t in range(q.shape[0]):
-        state = state * g[t].exp()[:, None, None]
-        delta = (v[t] - torch.einsum("hkv,hk->hv", state, k[t])) * beta[t][:, None]  # [H, Dv]
-        state = state + k[t][:, :, None] * delta[:, None, :]
-        out[t] = torch.einsum("hkv,hk->hv", state, q[t])
+        out[t], state = delta_step(q[t], k[t], v[t], g[t], beta[t], state)
     return out, state
+
+
+def delta_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+               state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token of the recurrence, over any leading dims (none, or B sequences'): q, k [..., H, Dk],
+    v [..., H, Dv], g, beta [..., H], state [..., H, Dk, Dv], fp32 -> (out [..., H, Dv], the new state)."""
+    state = state * g.exp()[..., None, None]
+    delta = (v - torch.einsum("...kv,...k->...v", state, k)) * beta[..., None]  # [..., H, Dv]
+    state = state + k[..., :, None] * delta[..., None, :]
+    return torch.einsum("...kv,...k->...v", state, q), state
 
 
 def delta_rule_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,

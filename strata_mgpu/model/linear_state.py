@@ -1,28 +1,24 @@
 """A sequence's gated DeltaNet state, beside its KV: per linear layer, the conv's last inputs and
-the delta rule's recurrent state. The KV cache (`SequenceKV`) holds the full-attention layers only;
-this holds the rest, at the same token boundary (`length`). `snapshot` / `restore` copy it out at
-a boundary and back into a fresh sequence (what a prefix cache of a hybrid model keeps beside its
-KV blocks; a GPU stage keeps them in pinned host RAM, `snapshots_on`); `mark` asks the next forwards
-to record a snapshot at a boundary inside their rows (a block boundary a prompt's chunk passes),
-`taken` hands it over. `HybridSequence` is the two
-together, as a runner over a hybrid decoder holds them.
+the delta rule's recurrent state, held in one slot of its decoder's `StatePool` (`model.state_pool`).
+The KV cache (`SequenceKV`) holds the full-attention layers only; this holds the rest, at the same
+token boundary (`length`). `snapshot` / `restore` copy it out at a boundary and back into a fresh
+sequence (what a prefix cache of a hybrid model keeps beside its KV blocks; a GPU stage keeps them in
+pinned host RAM, `snapshots_on`); `mark` asks the next forwards to record a snapshot at a boundary
+inside their rows (a block boundary a prompt's chunk passes), `taken` hands it over.
+`HybridSequence` is the two together, as a runner over a hybrid decoder holds them.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import weakref
 from dataclasses import dataclass
 
 import torch
 
 from strata_mgpu.model.kv_cache import SequenceKV
-from strata_mgpu.model.spec import DeltaNetShape
+from strata_mgpu.model.state_pool import LayerState, StatePool
 
-
-@dataclass
-class LayerState:
-    conv: torch.Tensor  # [C, K - 1]: the conv's inputs before the next token, oldest first
-    recurrent: torch.Tensor  # [Hv, Dk, Dv] fp32
+__all__ = ["HybridSequence", "LayerState", "LinearSnapshot", "LinearState"]
 
 
 @dataclass(frozen=True)
@@ -38,39 +34,40 @@ class LinearSnapshot:
 
 
 class LinearState:
-    """The DeltaNet state of one sequence for a decoder's linear layers (`layers`: their local
-    indexes), zeros before its first token. A forward updates each layer's state in place
-    (`layer(i)`) and then advances `length` by its rows; one that fails midway leaves some layers
-    past `length`, so its sequence is dropped (as the engine drops a failed call's requests) or
-    restored from a snapshot. `snapshots_on`: where snapshots are kept (None: beside the state; a GPU
-    stage's in host RAM, pinned, each copy queued on the current stream and not waited for: a restore
-    queued later on the same stream reads it after)."""
+    """The DeltaNet state of one sequence: a slot of `pool` (zeros before its first token), given back
+    when this is collected. A forward updates each layer's state in place (`layer(i)`: views of the
+    slot) and then advances `length` by its rows; one that fails midway leaves some layers past
+    `length`, so its sequence is dropped (as the engine drops a failed call's requests) or restored
+    from a snapshot. `snapshots_on`: where snapshots are kept (None: beside the state; a GPU stage's in
+    host RAM, pinned, each copy queued on the current stream and not waited for: a restore queued
+    later on the same stream reads it after)."""
 
-    def __init__(self, shape: DeltaNetShape, layers: Sequence[int], device: torch.device | str,
-                 dtype: torch.dtype = torch.float32, snapshots_on: torch.device | None = None):
-        s = shape
+    def __init__(self, pool: StatePool, snapshots_on: torch.device | None = None):
+        self.pool = pool
+        self.slot = pool.take()  # raises StatePoolFull where a bounded pool has none free
+        weakref.finalize(self, pool.give_back, self.slot)
         self.length = 0
         self._keep_on = snapshots_on
         self._marks: set[int] = set()  # boundaries to record as forwards pass them
         self._taken: dict[int, dict[int, LayerState]] = {}  # boundary -> the layers recorded there so far
-        self._layers = {i: LayerState(conv=torch.zeros(s.conv_dim, s.conv_kernel - 1, device=device, dtype=dtype),
-                                      recurrent=torch.zeros(s.n_v_heads, s.k_head_dim, s.v_head_dim, device=device,
-                                                            dtype=torch.float32))
-                        for i in layers}
+
+    @property
+    def layers(self) -> list[int]:
+        return self.pool.layers
 
     def layer(self, i: int) -> LayerState:
-        return self._layers[i]
+        return self.pool.layer(i, self.slot)
 
     @property
     def nbytes(self) -> int:
-        return sum(s.conv.nbytes + s.recurrent.nbytes for s in self._layers.values())
+        return self.pool.slot_bytes
 
     def advance(self, n: int) -> None:
         self.length += n
 
     def snapshot(self) -> LinearSnapshot:
         """Copies of the state as it is now, after `length` tokens."""
-        return LinearSnapshot(self.length, {i: self._copy(s) for i, s in self._layers.items()})
+        return LinearSnapshot(self.length, {i: self._copy(self.layer(i)) for i in self.layers})
 
     def _copy(self, s: LayerState) -> LayerState:
         if self._keep_on is None or self._keep_on == s.conv.device:
@@ -93,13 +90,13 @@ class LinearState:
 
     def record(self, boundary: int, layer: int) -> None:
         """Layer `layer`'s state, which has just taken the tokens up to `boundary`, copied for its snapshot."""
-        self._taken.setdefault(boundary, {})[layer] = self._copy(self._layers[layer])
+        self._taken.setdefault(boundary, {})[layer] = self._copy(self.layer(layer))
 
     def taken(self, boundary: int) -> LinearSnapshot | None:
         """The snapshot at a marked boundary once every layer has recorded it (then no longer kept here);
         None before."""
         got = self._taken.get(boundary)
-        if got is None or got.keys() != self._layers.keys():
+        if got is None or got.keys() != set(self.layers):
             return None
         del self._taken[boundary]
         self._marks.discard(boundary)
@@ -107,8 +104,9 @@ class LinearState:
 
     def restore(self, snap: LinearSnapshot) -> None:
         """This state made the snapshot's (the sequence's KV must hold the same `snap.length` tokens)."""
-        assert snap.layers.keys() == self._layers.keys(), "a snapshot of another decoder's layers"
-        for i, s in self._layers.items():  # from host RAM: queued on the current stream
+        assert snap.layers.keys() == set(self.layers), "a snapshot of another decoder's layers"
+        for i in self.layers:  # from host RAM: queued on the current stream
+            s = self.layer(i)
             s.conv.copy_(snap.layers[i].conv, non_blocking=True)
             s.recurrent.copy_(snap.layers[i].recurrent, non_blocking=True)
         self.length = snap.length

@@ -48,11 +48,12 @@ Progress = Callable[[str, int, int], None]
 
 def check_layers_served(spec: ModelSpec, layers: range) -> None:
     """A stage serves every layer kind of the registered archs: full attention, and a hybrid model's
-    gated DeltaNet layers (qwen35moe, qwen3next) with their state beside each sequence's KV (its decode
-    steps eager: no graphs). What it does not serve is part of a hybrid model's layers: a `--layer-split`
-    of one would need each stage's DeltaNet state and snapshots carried through the split's sequences,
-    which is not built (docs/ARCHITECTURE.md); nor gpt-oss's layers, nor glm4moe's dense first layers,
-    attention biases and sigmoid router (`ModelSpec.reference_only`): the CPU reference serves those."""
+    gated DeltaNet layers (qwen35moe, qwen3next) with their state beside each sequence's KV (a slot of
+    the decoder's `StatePool`, so its decode steps replay graphs too). What it does not serve is part
+    of a hybrid model's layers: a `--layer-split` of one would need each stage's DeltaNet state and
+    snapshots carried through the split's sequences, which is not built (docs/ARCHITECTURE.md); nor
+    gpt-oss's layers, nor glm4moe's dense first layers, attention biases and sigmoid router
+    (`ModelSpec.reference_only`): the CPU reference serves those."""
     if spec.reference_only:
         lacking = ("attention sinks, sliding windows, biased clamped-SwiGLU experts" if spec.gpt_oss is not None
                    else "dense first layers, attention biases, the sigmoid router")
@@ -128,11 +129,13 @@ def build_stage(f: GGUFFile, spec: ModelSpec, opts: StageOptions, layers: range 
     # launches a row.
     scan = fla_delta_scan(ctx.device, kernels.paths) if spec.hybrid and switches.delta_scan == "fla" else None
     model = Decoder(spec, dense, experts, ops, static_rows=fused_ops and _attention_fused(ctx, spec),
-                    kv_types=switches.kv_types, dense=dense_matmul, delta_scan=scan or delta_rule_chunked)
-    # graphs replay the fused ops' step (`Decoder.step_static`), which serves plain attention layers only
-    # (`ModelSpec.fused_attention`): a hybrid model decodes eagerly, its DeltaNet state not in static buffers
+                    kv_types=switches.kv_types, dense=dense_matmul, delta_scan=scan or delta_rule_chunked,
+                    state_slots=opts.sequences)
+    # graphs replay the fused ops' step (`Decoder.step_static`), which serves plain attention layers and a
+    # hybrid model's (gated attention, DeltaNet states by slot in its `StatePool`); not other layer kinds
     graphs = DecodeGraphs(ctx, model, enabled=(switches.cuda_graphs and cache is not None and dtype == torch.bfloat16
-                                               and spec.fused_attention and _decode_never_syncs(kernels, arena, spec)),
+                                               and (spec.fused_attention or spec.hybrid)
+                                               and _decode_never_syncs(kernels, arena, spec)),
                           largest=switches.decode_graph_batch, pad=plan.resident_share >= 1, first=first)
     kv = StageKV(ctx, spec, layers, vram_cells=plan.kv_tokens, context=opts.context or 0, dtype=dtype,
                  prefetch=switches.kv_prefetch, kv_types=switches.kv_types)

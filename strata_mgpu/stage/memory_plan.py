@@ -47,7 +47,9 @@ class MemoryPlan:
     kv: int  # the KV cells the engine may fill, for every sequence together
     kv_tokens: int
     kv_staging: int  # where a sequence may outgrow kv_tokens: the buffer its host prefix is uploaded into
-    decode: int  # decode graphs' shared pool (one step of the largest graph batch) and GEMM workspaces
+    # decode graphs' shared pool (one step of the largest graph batch) and GEMM workspaces; on a hybrid
+    # model also the DeltaNet state pool's scratch slot (a graph's pad rows and warm-up steps write it)
+    decode: int
     slack: int  # allocator rounding and cached blocks
     n_layers: int  # L
     n_experts: int  # E
@@ -132,10 +134,15 @@ def activation_bytes(spec: ModelSpec, tokens: int, context: int, elem: int = 2, 
 
 def decode_bytes(spec: ModelSpec, rows: int, *, head: bool, elem: int = 2) -> int:
     """Beyond the KV: cuBLAS's workspaces and the graphs' shared pool (one step's temporaries for the
-    largest graph batch of `rows` rows). A quarter more, as for the activations."""
+    largest graph batch of `rows` rows; a hybrid's DeltaNet step holds about four copies of a row's
+    recurrent state [Hv, Dk, Dv] fp32 at once: gathered, decayed, updated, and the conv's window).
+    A quarter more, as for the activations."""
+    d = spec.delta
     per_row = (spec.n_heads * ATTN_SPLITS * (spec.head_dim + 2) * 4
                + (spec.hidden * 8 + spec.q_dim * 3 + spec.kv_dim * 2) * elem
-               + spec.n_experts * 4 * 2 + (spec.vocab_size * (elem + 4) if head else 0))
+               + spec.n_experts * 4 * 2 + (spec.vocab_size * (elem + 4) if head else 0)
+               + (4 * d.n_v_heads * d.k_head_dim * d.v_head_dim * 4 + d.conv_dim * d.conv_kernel * 4
+                  if d is not None else 0))
     return GEMM_STREAMS * GEMM_WORKSPACE + int(1.25 * rows * per_row)
 
 
@@ -206,7 +213,8 @@ def plan_memory(spec: ModelSpec, *, n_layers: int, expert_bytes: int, dense: int
     graph batch; `head`: the stage holds the output head; `expert_workspace`: it dequantizes a
     layer's experts (a CPU stage does not); `kv_types`: how keys and values are stored; `kv_layers`: the
     layers whose KV the cells hold (default all: a hybrid model's DeltaNet layers have none);
-    `linear_state`: a sequence's DeltaNet state bytes, held by each of `sequences` running at once.
+    `linear_state`: a sequence's DeltaNet state bytes, held by each of `sequences` running at once (the
+    `StatePool`'s slots; its scratch slot, one more, counted with decode's graphs).
     `resident_per_layer` forces K (0: stream everything); it must still fit. Without a budget (CPU)
     K defaults to a quarter of E, so both read paths stay exercised."""
     E = spec.n_experts
@@ -220,7 +228,8 @@ def plan_memory(spec: ModelSpec, *, n_layers: int, expert_bytes: int, dense: int
                  kv=kv_bytes(spec, n_layers if kv_layers is None else kv_layers, kv_tokens, elem, kv_types),
                  kv_tokens=kv_tokens, kv_staging=staging, linear_state=linear_state * sequences,
                  sequences=sequences if linear_state else 0,
-                 decode=decode_bytes(spec, decode_rows, head=head, elem=elem) if budget is not None else 0,
+                 decode=(decode_bytes(spec, decode_rows, head=head, elem=elem) + linear_state
+                         if budget is not None else 0),
                  slack=int(ALLOCATOR_SLACK * budget) if budget is not None else 0)
 
     def plan(k: int) -> MemoryPlan:

@@ -234,8 +234,12 @@ class Stage:
     def decode_rows(self, kvs: Sequence[RunnerSequence], inp: torch.Tensor) -> torch.Tensor:
         """One decode step of `kvs` on the current stream (inputs and outputs as `Decoder.step_static`'s),
         a graph replay where `graphs.serves` the batch. Where the budget runs out in the step, the graphs'
-        memory goes and the step runs again from the caches' lengths before it."""
+        memory goes and the step runs again from the caches' lengths before it; a hybrid model's step
+        cannot (its DeltaNet states, updated in place layer by layer, may have advanced), so there the
+        out-of-memory error goes to the caller once the graphs are dropped (the engine ends the step's
+        requests with 503, as any failed call's)."""
         lengths = [kv.length for kv in kvs]
+        hybrid = any(isinstance(kv, HybridSequence) for kv in kvs)
         if self.experts.arm():  # a replayed graph's hand-overs find the host's worker polling
             self.graphs.drop()  # the hand-over was detached: captures with its kernels go
         try:
@@ -243,21 +247,26 @@ class Stage:
         except torch.OutOfMemoryError:
             if not self.graphs.captured:
                 raise
-            log.warning("out of memory in a decode step on %s: dropping the %d captured decode graphs and running "
-                        "the step again", self.ctx.device, len(self.graphs.captured))
+            log.warning("out of memory in a decode step on %s: dropping the %d captured decode graphs and %s",
+                        self.ctx.device, len(self.graphs.captured),
+                        "ending the step's requests (their DeltaNet states may have advanced)" if hybrid
+                        else "running the step again")
         # outside the except block: its traceback would keep the failed step's frames (a graph) alive
-        for kv, n in zip(kvs, lengths, strict=True):
-            # graphs are off for hybrid models, so only caches got here: a DeltaNet state cannot be put back
-            assert not isinstance(kv, HybridSequence)
-            kv.length = n
         self.graphs.drop()
         torch.cuda.empty_cache()
+        if hybrid:
+            raise torch.OutOfMemoryError(f"out of memory in a decode step of a hybrid model on {self.ctx.device}: "
+                                         f"its DeltaNet states may have advanced, so the step is not run again")
+        for kv, n in zip(kvs, lengths, strict=True):
+            assert not isinstance(kv, HybridSequence)
+            kv.length = n
         return self._decode_rows(kvs, inp)
 
     def _decode_rows(self, kvs: Sequence[RunnerSequence], inp: torch.Tensor) -> torch.Tensor:
-        caches = [kv for kv in kvs if not isinstance(kv, HybridSequence)]
-        if len(caches) == len(kvs) and self.graphs.serves(caches):  # (graphs are off for hybrid models)
-            out = self.graphs.step(caches, inp)
+        caches = [kv.kv if isinstance(kv, HybridSequence) else kv for kv in kvs]
+        linear = [kv.linear for kv in kvs if isinstance(kv, HybridSequence)] or None
+        if self.graphs.serves(caches, linear):
+            out = self.graphs.step(caches, inp, linear)
             if out is not None:
                 return out
         x = self.model.embed(inp) if self.is_first else inp

@@ -7,7 +7,8 @@ A batch of B rows replays its bucket's graph: where every expert is resident the
 two, padded with a dummy sequence; else B itself, since pad rows would read experts over the link.
 A sequence past the cells a graph covers recaptures its bucket's graph at twice as many. A capture
 that runs out of memory leaves its bucket eager for CAPTURE_RETRY_STEPS steps; one this torch
-cannot make lowers the largest bucket (or turns graphs off).
+cannot make lowers the largest bucket (or turns graphs off). A hybrid model's batch comes with its
+rows' DeltaNet states (`linear`), whose slots a replay reads from its own buffer (capture.py).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import torch
 
 from strata_mgpu.model.decoder import Decoder
 from strata_mgpu.model.kv_cache import KVCache, SequenceKV
+from strata_mgpu.model.linear_state import LinearState
 from strata_mgpu.stage.device import DeviceContext
 from strata_mgpu.stage.graphs.capture import DecodeGraph, GraphCapture, bucket_for
 
@@ -49,9 +51,14 @@ class DecodeGraphs:
     def bucket(self, rows: int) -> int:
         return bucket_for(rows, self.largest, pad=self.pad)
 
-    def serves(self, kvs: Sequence[SequenceKV]) -> bool:
-        """Graphs on, a batch no larger than the largest, every cache holding its cells in place, and too
-        few rows to make the experts stream."""
+    def serves(self, kvs: Sequence[SequenceKV], linear: Sequence[LinearState] | None = None) -> bool:
+        """Graphs on, a batch no larger than the largest, every cache holding its cells in place, too few
+        rows to make the experts stream, and on a hybrid model every row's DeltaNet state given, none
+        asked to record a snapshot after this token (`LinearState.mark`: the eager step records it)."""
+        hybrid = self.model.states is not None
+        if hybrid and (linear is None or len(linear) != len(kvs)
+                       or any(st.cuts(st.length, 1) for st in linear)):
+            return False
         return (self.enabled and len(kvs) <= self.largest and all(kv.graph_capturable for kv in kvs)
                 and not self.model.experts.should_stream(self.bucket(len(kvs))))
 
@@ -59,9 +66,11 @@ class DecodeGraphs:
         self.captured.clear()
         self._retry_in.clear()
 
-    def step(self, kvs: Sequence[SequenceKV], inp: torch.Tensor) -> torch.Tensor | None:
+    def step(self, kvs: Sequence[SequenceKV], inp: torch.Tensor,
+             linear: Sequence[LinearState] | None = None) -> torch.Tensor | None:
         """The step as a replay of its bucket's graph, captured where needed; None where no capture could
-        be made (the caller runs the step eagerly). Advances the caches."""
+        be made (the caller runs the step eagerly). Advances the caches and `linear` (a hybrid's rows'
+        DeltaNet states)."""
         for kv in kvs:
             kv.reserve(1)
         bucket = self.bucket(len(kvs))
@@ -86,7 +95,7 @@ class DecodeGraphs:
             except RuntimeError as e:  # a capture this torch cannot make: no graphs this large from now on
                 self._give_up(bucket, e)
                 return None
-        return graph.step(kvs, inp)
+        return graph.step(kvs, inp, linear)
 
     def warm(self, context: int, kv_cells: int) -> list[int]:
         """Capture every bucket's graph before the first request (min(context, kv_cells, WARM_GRAPH_CELLS)
