@@ -1,0 +1,60 @@
+"""Review of gpt-oss and its harmony / GLM-4.5 dialects (eighteenth session): what a user of a real
+file or an OpenAI client hits."""
+
+from __future__ import annotations
+
+import unicodedata
+
+import regex
+import tiktoken.load
+from gguf import GGUFWriter
+from tiktoken_ext import openai_public
+
+from strata_mgpu.model.gguf_reader import GGUFFile
+from strata_mgpu.model.tokenizer import byte_to_unicode, tokenizer_from_gguf
+from strata_mgpu.model.vocab import build_vocab
+
+
+def _o200k_pattern(monkeypatch) -> str:
+    """tiktoken's own split pattern of o200k (gpt-oss's o200k_harmony takes it unchanged), read
+    without its ranks file (not needed for the pattern)."""
+    monkeypatch.setattr(tiktoken.load, "load_tiktoken_bpe", lambda *a, **k: {})
+    monkeypatch.setattr(openai_public, "load_tiktoken_bpe", lambda *a, **k: {})
+    return openai_public.o200k_harmony()["pat_str"]
+
+
+def _harmony_vocab_file(path, pre: str):
+    """A file holding only the tokenizer keys, written as llama.cpp's converter writes gpt-oss's
+    (`tokenizer.ggml.pre = gpt-4o`: its o200k_harmony's hash is gpt-4o's)."""
+    vocab = build_vocab(1024, "harmony")
+    w = GGUFWriter(str(path), "gpt-oss")
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre(pre)
+    w.add_token_list(vocab.tokens)
+    w.add_token_types(vocab.types)
+    w.add_token_merges(vocab.merges)
+    w.add_eos_token_id(vocab.id_of("<|return|>"))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+BYTES = byte_to_unicode()  # the byte-level alphabet pieces are spelled in
+TEXTS = ["HelloWorld, it's 12345 o'clock!\n\n  indented/path\r\n", "CamelCaseWORDSandMore don't",
+         "e\u0301t\u00e9 \u00c9T\u00c9"]
+
+
+def test_a_real_gpt_oss_files_tokenizer_loads_and_splits_as_tiktoken_does(tmp_path, monkeypatch):
+    """ggml-org's and unsloth's gpt-oss GGUFs say `tokenizer.ggml.pre = gpt-4o`: the file loads, its
+    text is split by o200k's pattern (tiktoken's, here the oracle) and not normalized (tiktoken
+    normalizes nothing: a decomposed accent stays decomposed)."""
+    tok = tokenizer_from_gguf(GGUFFile(_harmony_vocab_file(tmp_path / "oss.gguf", "gpt-4o")))
+    pattern = _o200k_pattern(monkeypatch)
+    for text in TEXTS:
+        pieces = [piece for piece, _ in tok.hf.pre_tokenizer.pre_tokenize_str(text)]
+        spelled = ["".join(BYTES[b] for b in p.encode()) for p in regex.findall(pattern, text)]
+        assert pieces == spelled, text
+        assert tok.decode(tok.encode(text, add_special=False)) == text
+    assert unicodedata.normalize("NFC", TEXTS[2]) != TEXTS[2]  # the last text is not NFC: it was kept so
