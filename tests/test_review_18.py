@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import unicodedata
 
+import pytest
 import regex
 import tiktoken.load
 from gguf import GGUFWriter
@@ -13,6 +14,7 @@ from tiktoken_ext import openai_public
 from strata_mgpu.model.gguf_reader import GGUFFile
 from strata_mgpu.model.tokenizer import byte_to_unicode, tokenizer_from_gguf
 from strata_mgpu.model.vocab import build_vocab
+from tests.scripted import client_for, http_client, prompt_text, say, scripted_engine
 
 
 def _o200k_pattern(monkeypatch) -> str:
@@ -58,3 +60,43 @@ def test_a_real_gpt_oss_files_tokenizer_loads_and_splits_as_tiktoken_does(tmp_pa
         assert pieces == spelled, text
         assert tok.decode(tok.encode(text, add_special=False)) == text
     assert unicodedata.normalize("NFC", TEXTS[2]) != TEXTS[2]  # the last text is not NFC: it was kept so
+
+
+# -- harmony through the server ------------------------------------------------------------------------
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+ASK = {"role": "user", "content": "Weather in Paris?"}
+# gpt-oss's agentic answer: it thinks, tells the user what it is about to do (a preamble: commentary
+# without a recipient), then calls
+PREAMBLE_CALL = ("<|channel|>analysis<|message|>The user wants Paris.<|end|><|start|>assistant<|channel|>commentary"
+                 "<|message|>Let me check.<|end|><|start|>assistant<|channel|>commentary to=functions.get_weather "
+                 '<|constrain|>json<|message|>{"city": "Paris"}')
+
+
+@pytest.fixture(scope="module")
+def harmony_served(template_gguf):
+    with scripted_engine(template_gguf("gpt-oss")) as (engine, runner):
+        yield engine, runner
+
+
+@pytest.mark.xfail(strict=True, reason="gpt-oss's template raises on an assistant tool-call message holding both "
+                   "content and thinking; the server gives a preamble as content and the analysis as "
+                   "reasoning_content, so the client's next turn is a 400 (not fixed: the message would have to be "
+                   "rendered as harmony's preamble, which the template cannot)")
+def test_a_preamble_its_reasoning_and_a_call_sent_back_as_the_client_got_them_are_rendered(harmony_served):
+    engine, runner = harmony_served
+    client = client_for(engine)
+    say(engine, runner, PREAMBLE_CALL, end="<|call|>")
+    first = client.chat.completions.create(model="m", messages=[ASK], tools=[WEATHER], max_tokens=600)
+    message = first.choices[0].message
+    assert message.content == "Let me check." and message.model_extra["reasoning_content"] == "The user wants Paris."
+    (call,) = message.tool_calls
+    say(engine, runner, "<|channel|>final<|message|>Sunny.", end="<|return|>")
+    messages = [ASK, message.model_dump(exclude_none=True),
+                {"role": "tool", "tool_call_id": call.id, "content": "sunny"}]
+    r = http_client(engine).post("/v1/chat/completions", json={"messages": messages, "tools": [WEATHER],
+                                                               "max_tokens": 600})
+    assert r.status_code == 200, r.text
+    prompt = prompt_text(engine, runner)
+    assert "Let me check." in prompt and "The user wants Paris." in prompt
