@@ -100,3 +100,17 @@ def test_a_preamble_its_reasoning_and_a_call_sent_back_as_the_client_got_them_ar
     assert r.status_code == 200, r.text
     prompt = prompt_text(engine, runner)
     assert "Let me check." in prompt and "The user wants Paris." in prompt
+
+
+def test_reasoning_effort_reaches_gpt_oss_template_and_a_wrong_one_is_a_400(harmony_served):
+    """OpenAI's `reasoning_effort` is gpt-oss's own knob (its template writes `Reasoning: <effort>`;
+    `enable_thinking` it does not read): it reaches the template; a value it has no level for is a
+    400 naming the field. (A template that does not read it still refuses it: test_agents_server.)"""
+    engine, runner = harmony_served
+    http = http_client(engine)
+    say(engine, runner, "<|channel|>final<|message|>Hi.", end="<|return|>")
+    r = http.post("/v1/chat/completions", json={"messages": [ASK], "reasoning_effort": "high", "max_tokens": 100})
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == "Hi.", r.text
+    assert "Reasoning: high" in prompt_text(engine, runner)
+    r = http.post("/v1/chat/completions", json={"messages": [ASK], "reasoning_effort": "extreme", "max_tokens": 9})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "reasoning_effort", r.text
