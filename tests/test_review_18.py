@@ -11,9 +11,13 @@ import tiktoken.load
 from gguf import GGUFWriter
 from tiktoken_ext import openai_public
 
+from strata_mgpu.engine.grammar import GrammarCompiler
 from strata_mgpu.model.gguf_reader import GGUFFile
+from strata_mgpu.model.spec import spec_from_gguf
 from strata_mgpu.model.tokenizer import byte_to_unicode, tokenizer_from_gguf
 from strata_mgpu.model.vocab import build_vocab
+from strata_mgpu.server.dialects import GLM45
+from strata_mgpu.server.grammars import Thinking, chat_grammar
 from tests.scripted import client_for, http_client, prompt_text, say, scripted_engine
 
 
@@ -114,3 +118,34 @@ def test_reasoning_effort_reaches_gpt_oss_template_and_a_wrong_one_is_a_400(harm
     assert "Reasoning: high" in prompt_text(engine, runner)
     r = http.post("/v1/chat/completions", json={"messages": [ASK], "reasoning_effort": "extreme", "max_tokens": 9})
     assert r.status_code == 400 and r.json()["error"]["param"] == "reasoning_effort", r.text
+
+
+# -- GLM-4.5's required calls on its own vocabulary ------------------------------------------------------
+
+GLM_WEATHER = {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"},
+                                     "note": {"type": "string", "maxLength": 12}}, "required": ["city", "days"]}}
+
+
+@pytest.fixture(scope="module")
+def glm_loaded(template_gguf):
+    f = GGUFFile(template_gguf("glm-4.5"))
+    spec, tok = spec_from_gguf(f), tokenizer_from_gguf(f)
+    tok.show_markup(GLM45.shown_markup)
+    return f, spec, tok, GrammarCompiler(tok, spec.vocab_size)
+
+
+def test_glm_required_calls_close_on_its_vocabulary(glm_loaded):
+    """GLM-4.5's files hold `<arg_value>`, `</arg_value>`, `</tool_call>` as control tokens: the grammar of
+    tool_choice required (or a named function) admits a call as the template writes it and may end there.
+    Before, a string value's text (a complement regex) took the control tokens too, as text: a value of a
+    string parameter never ended, the call never closed, and the model ran to the length limit."""
+    _, _, tok, compiler = glm_loaded
+    grammars = {thinking: compiler.compile(chat_grammar(tok, GLM45, functions=[GLM_WEATHER], parallel=False,
+                                                        answer_schema=None, thinking=thinking))
+                for thinking in (Thinking.OFF, Thinking.OPTIONAL)}
+    for thinking, lead in ((Thinking.OFF, ""), (Thinking.OPTIONAL, "\n<think>Paris.</think>\n")):
+        m = grammars[thinking].matcher()
+        call = (f"{lead}<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n"
+                "<arg_key>days</arg_key>\n<arg_value>2</arg_value>\n</tool_call>")
+        assert all(m.accept(t) for t in tok.encode(call, add_special=False)) and m.native.is_accepting(), thinking
