@@ -14,9 +14,10 @@ from tiktoken_ext import openai_public
 from strata_mgpu.engine.grammar import GrammarCompiler
 from strata_mgpu.model.gguf_reader import GGUFFile
 from strata_mgpu.model.spec import spec_from_gguf
+from strata_mgpu.model.synthetic import write_model
 from strata_mgpu.model.tokenizer import byte_to_unicode, tokenizer_from_gguf
 from strata_mgpu.model.vocab import build_vocab
-from strata_mgpu.server.dialects import GLM45
+from strata_mgpu.server.dialects import GLM45, QWEN3_CODER
 from strata_mgpu.server.grammars import Thinking, chat_grammar
 from tests.scripted import client_for, http_client, prompt_text, say, scripted_engine
 
@@ -149,3 +150,25 @@ def test_glm_required_calls_close_on_its_vocabulary(glm_loaded):
         call = (f"{lead}<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n"
                 "<arg_key>days</arg_key>\n<arg_value>2</arg_value>\n</tool_call>")
         assert all(m.accept(t) for t in tok.encode(call, add_special=False)) and m.native.is_accepting(), thinking
+
+
+def test_a_qwen3_coder_value_takes_no_control_token(tmp_path):
+    """Qwen3-Coder's text value (tool_choice required) is text: a control token (`<|im_start|>`,
+    `<|im_end|>`) inside it is refused, as in GLM's; before, the complement regex took it as text."""
+    path = tmp_path / "tiny.gguf"
+    write_model(path, "tiny", seed=7)
+    f = GGUFFile(path)
+    spec, tok = spec_from_gguf(f), tokenizer_from_gguf(f)
+    compiler = GrammarCompiler(tok, spec.vocab_size)
+    weather = {"name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                                                      "required": ["city"]}}
+    lark = chat_grammar(tok, QWEN3_CODER, functions=[weather], parallel=False, answer_schema=None,
+                        thinking=Thinking.OFF)
+
+    def admits(city: str) -> bool:
+        m = compiler.compile(lark).matcher()
+        text = (f"<tool_call>\n<function=get_weather>\n<parameter=city>\n{city}\n</parameter>\n</function>\n"
+                "</tool_call>")
+        return all(m.accept(t) for t in tok.encode(text, add_special=False)) and m.native.is_accepting()
+
+    assert admits("Paris") and not admits("Par<|im_start|>is")
