@@ -172,3 +172,15 @@ def test_a_qwen3_coder_value_takes_no_control_token(tmp_path):
         return all(m.accept(t) for t in tok.encode(text, add_special=False)) and m.native.is_accepting()
 
     assert admits("Paris") and not admits("Par<|im_start|>is")
+
+
+def test_an_assistant_message_with_empty_tool_calls_renders_on_gpt_oss(harmony_served):
+    """`tool_calls: []` (clients that always send the key) is no calls, as null is: gpt-oss's template
+    takes the key's presence for a call and reads its first; before, a 400 ("list object has no element 0")."""
+    engine, runner = harmony_served
+    say(engine, runner, "<|channel|>final<|message|>Ok.", end="<|return|>")
+    messages = [ASK, {"role": "assistant", "content": "Sunny.", "tool_calls": []},
+                {"role": "user", "content": "Thanks"}]
+    r = http_client(engine).post("/v1/chat/completions", json={"messages": messages, "max_tokens": 100})
+    assert r.status_code == 200, r.text
+    assert "<|channel|>final<|message|>Sunny.<|end|>" in prompt_text(engine, runner)
