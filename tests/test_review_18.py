@@ -13,7 +13,7 @@ from tiktoken_ext import openai_public
 
 from strata_mgpu.engine.grammar import GrammarCompiler
 from strata_mgpu.model.gguf_reader import GGUFFile
-from strata_mgpu.model.spec import spec_from_gguf
+from strata_mgpu.model.spec import GptOssShape, spec_from_gguf
 from strata_mgpu.model.synthetic import write_model
 from strata_mgpu.model.tokenizer import byte_to_unicode, tokenizer_from_gguf
 from strata_mgpu.model.vocab import build_vocab
@@ -184,3 +184,11 @@ def test_an_assistant_message_with_empty_tool_calls_renders_on_gpt_oss(harmony_s
     r = http_client(engine).post("/v1/chat/completions", json={"messages": messages, "max_tokens": 100})
     assert r.status_code == 200, r.text
     assert "<|channel|>final<|message|>Sunny.<|end|>" in prompt_text(engine, runner)
+
+
+def test_a_sliding_window_period_of_one_slides_no_layer():
+    """llama.cpp's set_swa_pattern(n): layer i slides where i % n < n - 1, so a period of 1 slides none
+    (GptOssShape's comment said every layer)."""
+    shape = GptOssShape(sliding_window=128, swa_period=1)
+    assert [shape.window(i) for i in range(4)] == [0, 0, 0, 0]
+    assert [GptOssShape(sliding_window=128).window(i) for i in range(4)] == [128, 0, 128, 0]
