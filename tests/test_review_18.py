@@ -192,3 +192,16 @@ def test_a_sliding_window_period_of_one_slides_no_layer():
     shape = GptOssShape(sliding_window=128, swa_period=1)
     assert [shape.window(i) for i in range(4)] == [0, 0, 0, 0]
     assert [GptOssShape(sliding_window=128).window(i) for i in range(4)] == [128, 0, 128, 0]
+
+
+def test_tool_choice_none_on_harmony_returns_no_call_though_nothing_bans_one(harmony_served):
+    """harmony has no call token to ban: under tool_choice none a model that calls anyway (a function it
+    knows from the history) ends its turn at <|call|> and gets no tool_calls; the call's text is content."""
+    engine, runner = harmony_served
+    say(engine, runner, PREAMBLE_CALL, end="<|call|>")
+    r = http_client(engine).post("/v1/chat/completions", json={"messages": [ASK], "tools": [WEATHER],
+                                                               "tool_choice": "none", "max_tokens": 600})
+    choice = r.json()["choices"][0]
+    assert r.status_code == 200 and choice["finish_reason"] == "stop" and "tool_calls" not in choice["message"]
+    assert choice["message"]["content"] == 'Let me check.{"city": "Paris"}'
+    assert "get_weather" not in prompt_text(engine, runner)  # the tools were not given to the template
