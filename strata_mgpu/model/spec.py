@@ -126,7 +126,7 @@ class GptOssShape:
     MoE block a router bias and per-expert biases; no q/k norms."""
 
     sliding_window: int  # W: a sliding layer's query sees itself and the W - 1 positions before it
-    swa_period: int = 2  # layer i slides where i % period < period - 1; 1: every layer slides
+    swa_period: int = 2  # layer i slides where i % period < period - 1 (llama.cpp's set_swa_pattern); 1: none does
     swiglu_limit: float = 7.0  # gate clamped above, up clamped to [-limit, limit]
     swiglu_alpha: float = 1.702  # the gate's sigmoid gain
 

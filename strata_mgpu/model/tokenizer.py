@@ -1,7 +1,9 @@
 """Tokenizer and chat template from GGUF metadata.
 
 `tokenizer.ggml.model = gpt2` with `pre = qwen2` becomes a `tokenizers` byte-level BPE with the
-Qwen2 split regex and NFC normalization; CONTROL and USER_DEFINED tokens become added tokens.
+Qwen2 split regex and NFC normalization, with `pre = gpt-4o` (gpt-oss's o200k_harmony, as llama.cpp's
+converter names it) one with o200k's split and no normalization (tiktoken's); CONTROL and
+USER_DEFINED tokens become added tokens.
 A turn ends at the file's EOS, EOT and EOM tokens and at the control tokens llama.cpp ends turns
 at by name (`TURN_ENDS`: `<|im_end|>`, gpt-oss's `<|return|>` and `<|call|>`, ...).
 """
@@ -27,7 +29,13 @@ from strata_mgpu.model.gguf_reader import T_STRING, GGUFArray, GGUFError, GGUFFi
 # The pre-tokenizer split of Qwen2/Qwen3 (tokenizer.json of those models).
 QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
                r"|\s*[\r\n]+|\s+(?!\S)|\s+")
-PRE_TOKENIZER_SPLITS = {"qwen2": QWEN2_SPLIT}
+# The split of o200k (tiktoken's pattern; gpt-oss's o200k_harmony keeps it): cased words apart, digits in threes.
+_O200K_LETTERS = r"[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]", r"[\p{Ll}\p{Lm}\p{Lo}\p{M}]"  # upper-ish, lower-ish
+GPT4O_SPLIT = (rf"[^\r\n\p{{L}}\p{{N}}]?{_O200K_LETTERS[0]}*{_O200K_LETTERS[1]}+(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+               rf"|[^\r\n\p{{L}}\p{{N}}]?{_O200K_LETTERS[0]}+{_O200K_LETTERS[1]}*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+               r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+PRE_TOKENIZER_SPLITS = {"qwen2": QWEN2_SPLIT, "gpt-4o": GPT4O_SPLIT}
+NFC_PRE_TOKENIZERS = frozenset({"qwen2"})  # the others' text is not normalized (tiktoken normalizes nothing)
 # control tokens that end a turn wherever a vocabulary holds them (gpt-oss: <|return|> ends an answer,
 # <|call|> a tool call; its <|end|> ends a message inside the answer, so it is not one of these)
 TURN_ENDS = ("<|im_end|>", "<|endoftext|>", "<|return|>", "<|call|>")
@@ -214,7 +222,8 @@ def build_hf_tokenizer(tokens: list[str], types: list[int], merges: list[str], p
     bpe = models.BPE(vocab=vocab, merges=pairs, fuse_unk=False, byte_fallback=False,
                      ignore_merges=False)
     hf = HFTokenizer(bpe)
-    hf.normalizer = normalizers.NFC()
+    if pre in NFC_PRE_TOKENIZERS:
+        hf.normalizer = normalizers.NFC()
     hf.pre_tokenizer = pre_tokenizers.Sequence([
         pre_tokenizers.Split(Regex(split), behavior="isolated", invert=False),
         pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False),

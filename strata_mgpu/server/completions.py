@@ -81,6 +81,12 @@ def prepare_chat(engine: Engine, grammars: Grammars, body: ChatCompletionRequest
     kwargs = dict(body.chat_template_kwargs)
     if body.offered_tools:
         kwargs["tools"] = template_tools(body.offered_tools)
+    if body.reasoning_effort is not None:  # OpenAI's field, as the template variable gpt-oss's template reads
+        template = tok.chat_template
+        if template is None or "reasoning_effort" not in template.source:
+            raise APIError(400, "reasoning_effort: not supported by this model's chat template: thinking is on or "
+                                "off, chat_template_kwargs.enable_thinking", param="reasoning_effort")
+        kwargs["reasoning_effort"] = body.reasoning_effort
     try:
         text = tok.apply_chat_template(messages, add_generation_prompt=True, **kwargs)
     except ValueError as e:

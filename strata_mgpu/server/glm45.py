@@ -174,8 +174,10 @@ class Glm45Reader:
 
 # -- its grammar ----------------------------------------------------------------------------------------
 
-# a text value: anything without the tag that would end it early (where the vocabulary spells it as text)
-_NO_TAG = r"GLM_NO_TAG: ~/(?s:.*)(<\/arg_value>|<\/tool_call>)(?s:.*)/"
+# a text value: text (`.` takes no control token; a complement alone would take `</arg_value>` where the
+# vocabulary holds it as one, and the value would never end) without the tag that would end it early
+# (where the vocabulary spells it as text)
+_NO_TAG = r"GLM_NO_TAG: /(?s:.*)/ & ~/(?s:.*)(<\/arg_value>|<\/tool_call>)(?s:.*)/"
 
 
 def _literal(text: str) -> str:

@@ -10,7 +10,7 @@ TypeError there). So before any template, each message becomes:
   it (`messages[2].content[1].type`);
 - `developer` -> `system` (the templates know no developer role);
 - a call's `arguments` a mapping, so a call is shown to the model in the form it writes calls;
-  `tool_calls: null` left out (gpt-oss's template takes the key's presence for calls);
+  `tool_calls` null or empty left out (gpt-oss's template takes the key's presence for calls);
 - reasoning under any of its names also under the names templates read (`reasoning_content`,
   `thinking`), as transformers does;
 - everything else as given.
@@ -63,7 +63,7 @@ def check_tool_history(messages: Sequence[ChatMessage]) -> None:
 
 def _template_message(i: int, m: ChatMessage) -> dict[str, Any]:
     message = m.model_dump(exclude_unset=True)  # unknown fields too: a template may read them
-    if message.get("tool_calls") is None:  # null is no calls (gpt-oss's template tests `"tool_calls" in message`)
+    if not message.get("tool_calls"):  # null or [] is no calls (gpt-oss's template tests `"tool_calls" in message`)
         message.pop("tool_calls", None)
     if message["role"] == "developer":
         message["role"] = "system"

@@ -214,8 +214,9 @@ class Qwen3CoderReader:
 
 # -- its grammar ----------------------------------------------------------------------------------------
 
-# a text value: anything without the tags that would end it early
-_NO_TAG = r"NO_TAG: ~/(?s:.*)(<\/parameter>|<parameter=|<\/function>|<\/tool_call>)(?s:.*)/"
+# a text value: text (`.` takes no control token; a complement alone would) without the tags that would
+# end it early
+_NO_TAG = r"NO_TAG: /(?s:.*)/ & ~/(?s:.*)(<\/parameter>|<parameter=|<\/function>|<\/tool_call>)(?s:.*)/"
 
 
 def _literal(text: str) -> str:

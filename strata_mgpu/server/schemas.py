@@ -22,6 +22,7 @@ from strata_mgpu.engine.sampler import MAX_TOP_LOGPROBS, SamplingParams
 log = logging.getLogger("strata.server")
 
 MAX_LEGACY_LOGPROBS = 5  # OpenAI's bound on completions' logprobs
+REASONING_EFFORTS = ("low", "medium", "high")  # gpt-oss's levels (its system message's `Reasoning: ...`)
 MAX_LOGIT_BIAS = 100.0
 
 _unknown_seen: set[str] = set()
@@ -275,7 +276,7 @@ class ChatCompletionRequest(_Generation):
     modalities: Any = None
     prediction: Any = None
     web_search_options: Any = None
-    reasoning_effort: Any = None
+    reasoning_effort: Any = None  # a template variable where the template reads it (gpt-oss's)
     verbosity: Any = None
     store: Any = None
     metadata: dict[str, str] | None = None
@@ -302,9 +303,11 @@ class ChatCompletionRequest(_Generation):
 
     @field_validator("reasoning_effort")
     @classmethod
-    def _no_effort(cls, v: Any) -> Any:
-        if v is not None:
-            raise ValueError("not supported: thinking is on or off, chat_template_kwargs.enable_thinking")
+    def _effort(cls, v: Any) -> Any:
+        """gpt-oss's levels (its template writes them); whether the model reads one: `prepare_chat`."""
+        if v is not None and v not in REASONING_EFFORTS:
+            raise ValueError(f"one of {', '.join(map(repr, REASONING_EFFORTS))}, for a model whose chat template reads "
+                             f"it (gpt-oss's); elsewhere thinking is on or off, chat_template_kwargs.enable_thinking")
         return v
 
     @field_validator("modalities")
