@@ -17,7 +17,7 @@ from strata_mgpu.model.spec import GptOssShape, spec_from_gguf
 from strata_mgpu.model.synthetic import write_model
 from strata_mgpu.model.tokenizer import byte_to_unicode, tokenizer_from_gguf
 from strata_mgpu.model.vocab import build_vocab
-from strata_mgpu.server.dialects import GLM45, QWEN3_CODER
+from strata_mgpu.server.dialects import GLM45, HARMONY, HERMES, QWEN3_CODER
 from strata_mgpu.server.grammars import Thinking, chat_grammar
 from tests.scripted import client_for, http_client, prompt_text, say, scripted_engine
 
@@ -85,15 +85,13 @@ def harmony_served(template_gguf):
         yield engine, runner
 
 
-@pytest.mark.xfail(strict=True, reason="gpt-oss's template raises on an assistant tool-call message holding both "
-                   "content and thinking; the server gives a preamble as content and the analysis as "
-                   "reasoning_content, so the client's next turn is a 400 (not fixed: the message would have to be "
-                   "rendered as harmony's preamble, which the template cannot)")
-def test_a_preamble_its_reasoning_and_a_call_sent_back_as_the_client_got_them_are_rendered(harmony_served):
-    engine, runner = harmony_served
+def _preamble_round_trip(engine, runner) -> tuple[str, str]:
+    """(the first turn's prompt, the second's): the model answers analysis, a preamble and a call;
+    the client sends that message back as it got it, with the call's result."""
     client = client_for(engine)
     say(engine, runner, PREAMBLE_CALL, end="<|call|>")
     first = client.chat.completions.create(model="m", messages=[ASK], tools=[WEATHER], max_tokens=600)
+    first_prompt = prompt_text(engine, runner)
     message = first.choices[0].message
     assert message.content == "Let me check." and message.model_extra["reasoning_content"] == "The user wants Paris."
     (call,) = message.tool_calls
@@ -103,8 +101,40 @@ def test_a_preamble_its_reasoning_and_a_call_sent_back_as_the_client_got_them_ar
     r = http_client(engine).post("/v1/chat/completions", json={"messages": messages, "tools": [WEATHER],
                                                                "max_tokens": 600})
     assert r.status_code == 200, r.text
-    prompt = prompt_text(engine, runner)
-    assert "Let me check." in prompt and "The user wants Paris." in prompt
+    return first_prompt, prompt_text(engine, runner)
+
+
+def test_a_preamble_its_reasoning_and_a_call_sent_back_as_the_client_got_them_are_rendered(harmony_served):
+    """gpt-oss's template refuses a tool-call message holding both content and thinking; the server's
+    answer with a preamble is one, so an agent's next turn was a 400 (the harmony dialect adapts it)."""
+    _, prompt = _preamble_round_trip(*harmony_served)
+    assert "<|channel|>analysis<|message|>The user wants Paris.<|end|>" in prompt
+    assert 'to=functions.get_weather<|channel|>commentary json<|message|>{"city": "Paris"}<|call|>' in prompt
+
+
+def test_the_adapted_history_renders_the_analysis_as_the_model_wrote_it(harmony_served):
+    """The next prompt extends the one the answer was written after by the answer's analysis message
+    as generated, token for token, up to the next message's `<|start|>assistant` (the prefix cache
+    keeps it); the preamble, which the template has no form for, is not shown; the call follows."""
+    first, second = _preamble_round_trip(*harmony_served)
+    written = PREAMBLE_CALL[:PREAMBLE_CALL.index("<|channel|>commentary")]  # the analysis message and the next start
+    assert written.endswith("<|end|><|start|>assistant")
+    assert second.startswith(first + written), second
+    assert second[len(first + written):].startswith(" to=functions.get_weather<|channel|>commentary")
+    assert "Let me check." not in second
+
+
+@pytest.mark.parametrize("dialect", [HERMES, QWEN3_CODER, GLM45], ids=lambda d: d.name)
+def test_the_other_dialects_take_the_history_as_given(dialect):
+    """Only harmony adapts a past answer: a tagged template renders content, reasoning and calls together."""
+    message = {"role": "assistant", "content": "Let me check.", "thinking": "The user wants Paris.",
+               "reasoning_content": "The user wants Paris.",
+               "tool_calls": [{"id": "c1", "type": "function",
+                               "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]}
+    history = [dict(ASK), message, {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]
+    expected = [dict(m) for m in history]
+    assert dialect.adapt_history(history) == expected
+    assert HARMONY.adapt_history(history)[1]["content"] == ""  # where harmony's does adapt the same message
 
 
 def test_reasoning_effort_reaches_gpt_oss_template_and_a_wrong_one_is_a_400(harmony_served):

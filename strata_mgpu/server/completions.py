@@ -77,7 +77,8 @@ def prepare_chat(engine: Engine, grammars: Grammars, body: ChatCompletionRequest
         raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
     functions = _called_functions(body)
     tok = engine.tokenizer
-    messages = template_messages(body.messages)
+    dialect = options.dialect
+    messages = dialect.adapt_history(template_messages(body.messages))
     kwargs = dict(body.chat_template_kwargs)
     if body.offered_tools:
         kwargs["tools"] = template_tools(body.offered_tools)
@@ -91,7 +92,6 @@ def prepare_chat(engine: Engine, grammars: Grammars, body: ChatCompletionRequest
         text = tok.apply_chat_template(messages, add_generation_prompt=True, **kwargs)
     except ValueError as e:
         raise APIError(400, str(e), param="messages") from None
-    dialect = options.dialect
     split = options.reasoning_format == "deepseek"
     opened = opens_reasoning(text, (dialect.think_open, dialect.think_close))
     if opened:  # a template that always opens one (Qwen3-Thinking-2507's) ignores enable_thinking

@@ -66,6 +66,11 @@ class ToolDialect(Protocol):
         """Lark rules whose `calls` is one call of one of `functions` (`parallel`: one or more), as
         the answer after any reasoning writes it; `strict`: the JSON schemas read strictly."""
 
+    def adapt_history(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """The messages as the template reads them (`messages.template_messages`'s), with the model's
+        own past answers, as this server gave them out, in the form its template renders as the model
+        wrote them (where the template refuses that form as given); as given for the other messages."""
+
 
 def _rules_of_text(rules: Callable[[list[dict[str, Any]], bool], list[str]]) -> FunctionRules:
     """Function rules of a dialect whose markup inside a call is plain text (it needs no `Markup`)."""
@@ -112,6 +117,9 @@ class TaggedDialect:
         return [f"calls: {calls}",
                 f"call: {markup(self.call_open)} {before}function {after}{markup(self.call_close)}",
                 *self.rules(functions, strict, markup)]
+
+    def adapt_history(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        return messages  # a tagged template takes an answer's content, reasoning and calls together
 
 
 HERMES = TaggedDialect("hermes", hermes.HermesReader, _rules_of_text(hermes.function_rules))

@@ -21,6 +21,9 @@ invented to close it); the length limit cutting it leaves it no call (`cut_call`
 function not offered is read once whole at its end (a call where its body is a JSON object,
 else content). Text that starts no header (a model that writes no markup) is content as it
 stands; a header the answer ends inside is dropped.
+
+Sent back in a later request's history, an answer that held analysis, a preamble and a call keeps
+its analysis and drops its preamble, the nearest form gpt-oss's template renders (`_without_preamble`).
 """
 
 from __future__ import annotations
@@ -258,3 +261,28 @@ class HarmonyDialect:
             rules += [f"fn{i}: {head} fn{i}_arguments",
                       f"fn{i}_arguments: " + json_rule(function.get("parameters") or NO_PARAMETERS, strict=strict)]
         return rules
+
+    def adapt_history(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """An assistant message with calls that holds both reasoning and content (this server's answer
+        of an analysis message, a preamble, then a call) keeps its reasoning and loses its content."""
+        return [_without_preamble(m) for m in messages]
+
+
+def _without_preamble(message: dict[str, Any]) -> dict[str, Any]:
+    """The message, less its preamble where it is a past call holding both a preamble and analysis.
+
+    gpt-oss writes `analysis` (reasoning_content), `commentary` with no recipient (a preamble:
+    content), then the call. Its template renders one text of a tool-call message, `thinking` or
+    else `content`, as an analysis message before the call, refuses both, and has no form for a
+    preamble. Kept as `thinking`, the reasoning renders token for token as the model wrote it
+    (`<|channel|>analysis<|message|>...<|end|><|start|>assistant`, the previous prompt's prefix
+    extended), then the call in the template's header order; only the preamble is not shown again.
+    Not chosen: the content alone (the reasoning lost, the preamble shown on the analysis channel),
+    the preamble folded into the analysis (text the model never wrote there), or harmony's markup
+    spliced into `thinking` to render the commentary message (the template's contract for that field
+    is one message's text; a template that checks it more closely would refuse the chat again)."""
+    if message["role"] != "assistant" or not message.get("tool_calls"):
+        return message
+    if not (message.get("content") and message.get("thinking")):
+        return message
+    return {**message, "content": ""}
