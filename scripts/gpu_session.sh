@@ -100,7 +100,7 @@
 #   delta   scripts/delta_probe.py (one DeltaNet layer's prompt scan, plain against fla-core's kernels), then bench
 #           of the hybrid file at --max-vram 16 with STRATA_DELTA_SCAN=torch and the default (fla)
 #   llamahyb llama-bench (.llamacuda/llamacuda.tar.xz, carried: llama.cpp of the llama-cpp-python 0.3.36 sdist built
-#           for sm_90 with CUDA on the CPU machine, docs/BENCHMARKS.md says how) on the hybrid file: 1K and 4K
+#           for sm_90 with CUDA on the CPU machine by scripts/build_llama_cuda.sh) on the hybrid file: 1K and 4K
 #           prompts and 64-token decode, -fa 1 -lm none, with --n-cpu-moe in NCMOE (default 0 16 18)
 #   resid   decode at --max-vram 16 after a 1K prompt with STRATA_RESIDENCY_SWAPS=0 (held still), 4 and 16 and
 #           STRATA_RESIDENCY_HALF_LIFE 128 / 512 / 2048; tools/router_predict on the model (synthetic: the
