@@ -32,7 +32,10 @@ CUDA = torch.device("cuda", 0)
 # (tiny qwen3moe 0.010-0.013), and 8 decode steps after them up to 0.046 (the recurrent state carries
 # each step's rounding on; 32 steps up to 0.077). Bounds: twice BF16_TOL / BF16_Q8_TOL, below the
 # O(1) a wrong state or a wrong cell makes.
-HYBRID_BF16_TOL = 2 * BF16_TOL
+# On the card the DeltaNet prompt scan is fla's (TF32 dots, STRATA_DELTA_SCAN's default): a streamed
+# prompt measured 0.042 on an H200 (its decode steps after it 0.017-0.039), so the prompt's bound is
+# 2.5 BF16_TOL, still far below a wrong state's O(1).
+HYBRID_BF16_TOL = 2.5 * BF16_TOL
 HYBRID_BF16_Q8_TOL = 2 * BF16_Q8_TOL
 
 
