@@ -18,6 +18,7 @@ from strata_mgpu.config import KV_CACHE_TYPE_NAMES
 from strata_mgpu.model.gguf_reader import GGUFError, GGUFFile
 from strata_mgpu.progress import layer_bars
 from strata_mgpu.quant.formats import parse_type
+from strata_mgpu.server.dialects import PARSER_NAMES
 
 out = Console()
 err = Console(stderr=True)
@@ -582,9 +583,10 @@ def topo() -> None:
 @click.option("--alias", "-a", default=None, help="model name clients use (default: the file name)")
 @click.option("--reasoning-format", type=click.Choice(["deepseek", "none"]), default="deepseek", show_default=True,
               help="deepseek: <think> blocks go to reasoning_content; none: they stay in the content")
-@click.option("--tool-call-parser", type=click.Choice(["auto", "hermes", "qwen3_coder"]), default="auto",
+@click.option("--tool-call-parser", type=click.Choice(PARSER_NAMES), default="auto",
               show_default=True, help="the tool calls' dialect (vLLM's names): hermes for Qwen3's JSON calls, "
-                                      "qwen3_coder for Qwen3-Coder's XML; auto: the one the chat template shows")
+                                      "qwen3_coder for Qwen3-Coder's XML, glm45 for GLM-4.5's, harmony for "
+                                      "gpt-oss's; auto: the one the chat template shows")
 @click.option("--lenient-json-schema", is_flag=True,
               help="tool arguments and JSON answers may hold keys a schema does not list where it does not say "
                    "additionalProperties (default: they may not)")
