@@ -540,3 +540,35 @@ def test_a_3_turn_chat_continued_from_the_cache_draws_what_the_whole_prompt_draw
         assert got == tokens_of(run_one(whole, prompt, params)), f"turn {turn}"
         assert outs[-1].timings.cache_n == (0 if turn == 0 else (len(prompt) - 40 - 1) // 64 * 64)
         prompt = prompt + got + torch.randint(0, runner.spec.vocab_size, (40,), generator=g).tolist()
+
+
+class _GrowsWhileRead(list):
+    """A table's ids that another thread extends the moment they are sliced (a split's shared table: the
+    engine's thread reserves the next step's block while a stage's thread copies the ids it knows)."""
+
+    def __init__(self, ids, extra):
+        super().__init__(ids)
+        self.extra = extra
+
+    def __getitem__(self, index):
+        got = super().__getitem__(index)
+        if isinstance(index, slice) and self.extra:
+            self.append(self.extra.pop())
+        return got
+
+
+def test_a_tables_device_ids_stay_its_ids_while_another_thread_grows_it():
+    """`PagedKV` copies the ids it read once; the block appended meanwhile is copied by the next sync,
+    not written over its neighbour's entry (read twice, the slice's length grew under the copy: one id
+    broadcast into two entries, the second block's writes landing in the first's cells)."""
+    from strata_mgpu.model.kv_cache import KVFormat
+    from strata_mgpu.model.kv_pool import KVStorage, PagedKV
+
+    pool = BlockPool(8, 4)
+    storage = KVStorage(1, 1, 2, n_blocks=8, block_tokens=4, device="cpu", format=KVFormat(torch.float32))
+    table = BlockTable(pool, 32)
+    kv = PagedKV(storage, table, max_length=32)
+    table.ids = _GrowsWhileRead(pool.allocate(1), pool.allocate(1))
+    kv.reserve(4)  # syncs: reads one id, and the other thread appends a second meanwhile
+    kv.reserve(8)  # the next sync copies it
+    assert kv.block_table is not None and kv.block_table[:2].tolist() == list(table.ids) and len(table.ids) == 2

@@ -20,6 +20,7 @@ head's stored row (Dh, or Dh / 32 * 34 bytes of Q8_0 blocks).
 
 from __future__ import annotations
 
+import threading
 import weakref
 from collections.abc import Callable, Iterable
 
@@ -36,11 +37,14 @@ class PoolExhausted(RuntimeError):
 
 
 class BlockPool:
-    """Free list and reference counts of `n_blocks` blocks of `block_tokens` positions."""
+    """Free list and reference counts of `n_blocks` blocks of `block_tokens` positions. Its changes, and
+    a table's growth, hold `lock`: a split's stages reserve a sequence's shared table on their own
+    threads (re-entrant: `reclaim` gives blocks back from inside an allocation)."""
 
     def __init__(self, n_blocks: int, block_tokens: int):
         assert n_blocks >= 1 and block_tokens >= 1
         self.n_blocks, self.block_tokens = n_blocks, block_tokens
+        self.lock = threading.RLock()
         self.refs = [0] * n_blocks
         self._free = list(range(n_blocks - 1, -1, -1))  # a stack: the lowest id goes first
         # called with the blocks still missing; gives back up to that many (the prefix cache's)
@@ -63,28 +67,31 @@ class BlockPool:
 
     def allocate(self, n: int) -> list[int]:
         """n blocks, each with one reference: all of them or, raising PoolExhausted, none."""
-        if n > len(self._free) and self.reclaim is not None:
-            self.reclaim(n - len(self._free))
-        if n > len(self._free):
-            raise PoolExhausted(f"the KV pool has {len(self._free)} free blocks of {self.block_tokens} tokens, "
-                                f"{n} asked for")
-        ids = [self._free.pop() for _ in range(n)]
-        for b in ids:
-            assert self.refs[b] == 0, f"block {b} on the free list is referenced"
-            self.refs[b] = 1
-        return ids
+        with self.lock:
+            if n > len(self._free) and self.reclaim is not None:
+                self.reclaim(n - len(self._free))
+            if n > len(self._free):
+                raise PoolExhausted(f"the KV pool has {len(self._free)} free blocks of {self.block_tokens} tokens, "
+                                    f"{n} asked for")
+            ids = [self._free.pop() for _ in range(n)]
+            for b in ids:
+                assert self.refs[b] == 0, f"block {b} on the free list is referenced"
+                self.refs[b] = 1
+            return ids
 
     def ref(self, ids: Iterable[int]) -> None:
-        for b in ids:
-            assert self.refs[b] > 0, f"block {b} is free: it cannot gain a reference"
-            self.refs[b] += 1
+        with self.lock:
+            for b in ids:
+                assert self.refs[b] > 0, f"block {b} is free: it cannot gain a reference"
+                self.refs[b] += 1
 
     def unref(self, ids: Iterable[int]) -> None:
-        for b in ids:
-            assert self.refs[b] > 0, f"block {b} is free already"
-            self.refs[b] -= 1
-            if self.refs[b] == 0:
-                self._free.append(b)
+        with self.lock:
+            for b in ids:
+                assert self.refs[b] > 0, f"block {b} is free already"
+                self.refs[b] -= 1
+                if self.refs[b] == 0:
+                    self._free.append(b)
 
 
 class BlockTable:
@@ -117,13 +124,14 @@ class BlockTable:
     def ensure(self, tokens: int) -> None:
         """Blocks for positions [0, tokens) (PoolExhausted: none taken; ValueError past max_blocks)."""
         assert not self.freed, "a freed table grows"
-        need = self.missing(tokens)
-        if need == 0:
-            return
-        if len(self.ids) + need > self.max_blocks:
-            raise ValueError(f"{tokens} positions exceed the {self.max_blocks * self.pool.block_tokens} this "
-                             f"sequence was made for")
-        self.ids.extend(self.pool.allocate(need))
+        with self.pool.lock:  # two stages' threads: one of them allocates
+            need = self.missing(tokens)
+            if need == 0:
+                return
+            if len(self.ids) + need > self.max_blocks:
+                raise ValueError(f"{tokens} positions exceed the {self.max_blocks * self.pool.block_tokens} this "
+                                 f"sequence was made for")
+            self.ids.extend(self.pool.allocate(need))
 
     def replace_last(self, block: int) -> int:
         """Swap the last block for `block` (which the caller allocated): copy on write of a shared
@@ -232,12 +240,17 @@ class PagedKV:
     def _sync(self) -> None:
         """New ids to the device copy, queued (from pinned entries that never change once written: a table
         only grows while its sequence lives)."""
-        ids, lo = self.table.ids, self._synced
-        if lo == len(ids):
+        lo = self._synced
+        # one read of the ids: a split's table is shared, and another thread (the engine's, another
+        # stage's) may append to it meanwhile; reading its length twice would copy too few ids into
+        # a longer range (broadcast: a block's entry holding its neighbour's id) and skip the rest
+        new = self.table.ids[lo:]
+        if not new:
             return
-        self._host_ids[lo:len(ids)] = torch.tensor(ids[lo:], dtype=torch.int32)
-        self._ids[lo:len(ids)].copy_(self._host_ids[lo:len(ids)], non_blocking=True)
-        self._synced = len(ids)
+        hi = lo + len(new)
+        self._host_ids[lo:hi] = torch.tensor(new, dtype=torch.int32)
+        self._ids[lo:hi].copy_(self._host_ids[lo:hi], non_blocking=True)
+        self._synced = hi
 
     def reserve(self, new_tokens: int) -> None:
         need = self.length + new_tokens
