@@ -29,8 +29,8 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from strata_mgpu.server.answer import partial_tail
-from strata_mgpu.server.json_schema import json_rule, resolved, strict_schema, with_definitions
-from strata_mgpu.server.qwen3_coder import checked_parameters, is_text, text_choices, value_json
+from strata_mgpu.server.json_schema import strict_schema
+from strata_mgpu.server.qwen3_coder import checked_parameters, is_text, literal, value_json, value_rules
 
 _OPEN_KEY, _CLOSE_KEY = "<arg_key>", "</arg_key>"
 _OPEN_VALUE, _CLOSE_VALUE = "<arg_value>", "</arg_value>"
@@ -180,33 +180,6 @@ class Glm45Reader:
 _NO_TAG = r"GLM_NO_TAG: /(?s:.*)/ & ~/(?s:.*)(<\/arg_value>|<\/tool_call>)(?s:.*)/"
 
 
-def _literal(text: str) -> str:
-    return json.dumps(text, ensure_ascii=False)
-
-
-def _value_rules(rule: str, schema: Any, root: dict[str, Any], strict: bool, close: str) -> list[str]:
-    """Rules for `rule`: a parameter's value, then `close` (the grammar's `</arg_value>`; `root`:
-    the parameters). A text value stops at the first `</arg_value>`: where that is a token no text
-    spells, any text before it; where it is text, a lazy match."""
-    if not is_text(schema, root):
-        body = with_definitions(schema if isinstance(schema, dict) else {}, root)
-        return [f"{rule}: {rule}_json {close}", f"{rule}_json: {json_rule(body, strict=strict)}"]
-    choices = text_choices(schema, root)
-    if choices:
-        return [f"{rule}: ({' | '.join(_literal(v) for v in choices)}) {close}"]
-    schema = resolved(schema, root)
-    low = schema.get("minLength", 0) if isinstance(schema, dict) else 0
-    high = schema.get("maxLength") if isinstance(schema, dict) else None
-    text = "GLM_NO_TAG"
-    rules = []
-    if low > 0 or high is not None:
-        text = f"{rule.upper()}_TEXT"
-        bound = f"{{{low},{high if high is not None else ''}}}"
-        rules.append(f"{text}: /(?s:.{bound})/ & GLM_NO_TAG")
-    lazy = "[lazy]" if close.startswith('"') else ""  # a string literal: the tag is text
-    return [f"{rule}{lazy}: {text} {close}", *rules]
-
-
 def _function_rules(i: int, function: dict[str, Any], strict: bool, markup: Callable[[str], str]) -> list[str]:
     parameters = checked_parameters(function)
     if strict:
@@ -216,11 +189,11 @@ def _function_rules(i: int, function: dict[str, Any], strict: bool, markup: Call
     rules, seq = [], []
     for j, (param, schema) in enumerate(properties.items()):
         rule = f"fn{i}_p{j}"
-        rules.append(f'{rule}: {markup(_OPEN_KEY)} {_literal(param)} {markup(_CLOSE_KEY)} "\\n" '
+        rules.append(f'{rule}: {markup(_OPEN_KEY)} {literal(param)} {markup(_CLOSE_KEY)} "\\n" '
                      f'{markup(_OPEN_VALUE)} {rule}_v "\\n"')
-        rules += _value_rules(f"{rule}_v", schema, parameters, strict, markup(_CLOSE_VALUE))
+        rules += value_rules(f"{rule}_v", schema, parameters, strict, markup(_CLOSE_VALUE), no_tag="GLM_NO_TAG")
         seq.append(rule if param in required else f"{rule}?")
-    return [f"fn{i}: {_literal(function['name'] + chr(10))} {' '.join(seq)}".rstrip(), *rules]
+    return [f"fn{i}: {literal(function['name'] + chr(10))} {' '.join(seq)}".rstrip(), *rules]
 
 
 def function_rules(functions: list[dict[str, Any]], strict: bool, markup: Callable[[str], str]) -> list[str]:

@@ -219,26 +219,32 @@ class Qwen3CoderReader:
 _NO_TAG = r"NO_TAG: /(?s:.*)/ & ~/(?s:.*)(<\/parameter>|<parameter=|<\/function>|<\/tool_call>)(?s:.*)/"
 
 
-def _literal(text: str) -> str:
+def literal(text: str) -> str:
+    """`text` as a grammar's string literal."""
     return json.dumps(text, ensure_ascii=False)
 
 
-def _value_rules(rule: str, schema: Any, root: dict[str, Any], strict: bool) -> list[str]:
-    """Rules for `rule`: a parameter's value then "\\n</parameter>" (`root`: the parameters)."""
+def value_rules(rule: str, schema: Any, root: dict[str, Any], strict: bool, close: str,
+                no_tag: str = "NO_TAG") -> list[str]:
+    """Rules for `rule`: a parameter's value, then `close` (`root`: the parameters). JSON where the schema
+    is not text; one of its listed strings; else text of the `no_tag` rule (text without the tags that
+    would end it early), in the schema's length bounds, matched lazily where `close` is text (a string
+    literal), and up to the first `close` where that is a token no text spells."""
     if not is_text(schema, root):
         body = with_definitions(schema if isinstance(schema, dict) else {}, root)
-        return [f"{rule}: {rule}_json \"\\n</parameter>\"", f"{rule}_json: {json_rule(body, strict=strict)}"]
+        return [f"{rule}: {rule}_json {close}", f"{rule}_json: {json_rule(body, strict=strict)}"]
     choices = text_choices(schema, root)
     if choices:
-        return [f"{rule}: ({' | '.join(_literal(v) for v in choices)}) \"\\n</parameter>\""]
+        return [f"{rule}: ({' | '.join(literal(v) for v in choices)}) {close}"]
     schema = resolved(schema, root)
     low = schema.get("minLength", 0) if isinstance(schema, dict) else 0
     high = schema.get("maxLength") if isinstance(schema, dict) else None
+    lazy = "[lazy]" if close.startswith('"') else ""
     if low > 0 or high is not None:
         token = f"{rule.upper()}_TEXT"
         bound = f"{{{low},{high if high is not None else ''}}}"
-        return [f'{rule}[lazy]: {token} "\\n</parameter>"', f"{token}: /(?s:.{bound})/ & NO_TAG"]
-    return [f'{rule}[lazy]: NO_TAG "\\n</parameter>"']
+        return [f"{rule}{lazy}: {token} {close}", f"{token}: /(?s:.{bound})/ & {no_tag}"]
+    return [f"{rule}{lazy}: {no_tag} {close}"]
 
 
 def text_choices(schema: Any, root: Any, depth: int = 0) -> list[str] | None:
@@ -301,14 +307,14 @@ def _function_rules(i: int, function: dict[str, Any], strict: bool) -> list[str]
         parameters = strict_schema(parameters)
     properties = parameters.get("properties") or {}
     required = set(parameters.get("required") or ())
-    head = _literal(f"<function={function['name']}>\n")
+    head = literal(f"<function={function['name']}>\n")
     if not properties:
         return [f'fn{i}: {head} "</function>"']
     rules, seq = [], []
     for j, (param, schema) in enumerate(properties.items()):
         rule = f"fn{i}_p{j}"
-        rules.append(f"{rule}: {_literal(f'<parameter={param}>' + chr(10))} {rule}_v \"\\n\"")
-        rules += _value_rules(f"{rule}_v", schema, parameters, strict)
+        rules.append(f"{rule}: {literal(f'<parameter={param}>' + chr(10))} {rule}_v \"\\n\"")
+        rules += value_rules(f"{rule}_v", schema, parameters, strict, '"\\n</parameter>"')
         seq.append(rule if param in required else f"{rule}?")
     return [f'fn{i}: {head} {" ".join(seq)} "</function>"', *rules]
 
