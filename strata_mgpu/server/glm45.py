@@ -23,14 +23,13 @@ is no call.
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Callable, Mapping
 from typing import Any
 
 from strata_mgpu.server.answer import partial_tail
 from strata_mgpu.server.json_schema import strict_schema
-from strata_mgpu.server.qwen3_coder import checked_parameters, is_text, literal, value_json, value_rules
+from strata_mgpu.server.qwen3_coder import ParameterReader, checked_parameters, is_text, literal, value_rules
 
 _OPEN_KEY, _CLOSE_KEY = "<arg_key>", "</arg_key>"
 _OPEN_VALUE, _CLOSE_VALUE = "<arg_value>", "</arg_value>"
@@ -41,40 +40,15 @@ _NAME = re.compile(r"[A-Za-z0-9_.:\-]{1,256}")  # a function's name that is read
 NAME_LIMIT = 256
 
 
-class Glm45Reader:
+class Glm45Reader(ParameterReader):
     def __init__(self, functions: Mapping[str, dict[str, Any]] | None, any_name: bool = False):
-        self._functions = functions
-        self._any_name = any_name or functions is None
-        self._body = ""
-        self._decided = False
-        self._name: str | None = None
-        self._properties: dict[str, Any] = {}
-        self._root: Any = None  # the function's parameters schema, where its $refs point
-        self._pos = 0  # the body is read up to here
-        self._out = ""  # the arguments given out
-        self._members = 0
+        super().__init__(functions, any_name)
         self._key: str | None = None  # a key read, its value not yet opened
         self._value_of: str | None = None  # the key whose value is being read
-        self._sent = 0  # a text value's characters given out
-
-    @property
-    def name(self) -> str | None:
-        return self._name
-
-    @property
-    def arguments(self) -> str:
-        return self._out
 
     @property
     def complete(self) -> bool:
         return False  # only `</tool_call>` ends a call's arguments
-
-    def feed(self, text: str) -> None:
-        self._body += text
-        if not self._decided:
-            self._read_head()
-        if self._name is not None:
-            self._read(final=False)
 
     def _read_head(self) -> None:
         m = _HEAD.match(self._body)
@@ -85,13 +59,6 @@ class Glm45Reader:
         name = m[1].strip()
         if name and (name in (self._functions or {}) or (self._any_name and _NAME.fullmatch(name))):
             self._start(name, m.end())
-
-    def _start(self, name: str, at: int) -> None:
-        self._name, self._pos, self._out = name, at, "{"
-        schema = (self._functions or {}).get(name) or {}
-        properties = schema.get("properties") if isinstance(schema, dict) else None
-        self._properties = properties if isinstance(properties, dict) else {}
-        self._root = schema
 
     def _is_text(self, key: str) -> bool:
         if key not in self._properties:
@@ -133,11 +100,7 @@ class Glm45Reader:
     def _open_value(self, key: str) -> None:
         self._key, self._value_of, self._sent = None, key, 0
         if self._is_text(key):
-            self._out += self._separator() + json.dumps(key, ensure_ascii=False) + ': "'
-
-    def _separator(self) -> str:
-        self._members += 1
-        return ", " if self._members > 1 else ""
+            self._open_text(key)
 
     def _read_value(self, rest: str, final: bool) -> bool:
         key = self._value_of
@@ -146,18 +109,14 @@ class Glm45Reader:
         text = self._is_text(key)
         if end >= 0 or final:
             value = rest[:end] if end >= 0 else rest
-            if text:
-                self._out += json.dumps(value[self._sent:], ensure_ascii=False)[1:]
-            else:
-                self._out += self._separator() + json.dumps(key, ensure_ascii=False) + ": " + \
-                    value_json(value, self._properties.get(key), self._root)
+            self._close_value(key, value, text)
             self._pos += len(value) + (len(_CLOSE_VALUE) if end >= 0 else 0)
             self._value_of = None
             return True
         if text:
             upto = len(rest) - partial_tail(rest, (_CLOSE_VALUE,))
             if upto > self._sent:
-                self._out += json.dumps(rest[self._sent:upto], ensure_ascii=False)[1:-1]
+                self._stream_text(rest[self._sent:upto])
                 self._sent = upto
         return False
 

@@ -22,6 +22,7 @@ block naming a function not offered is read once whole (a call then); any other 
 
 from __future__ import annotations
 
+import abc
 import json
 import re
 from collections.abc import Mapping
@@ -86,7 +87,12 @@ def value_json(value: str, schema: Any, root: Any = None) -> str:
     return json.dumps(value, ensure_ascii=False)
 
 
-class Qwen3CoderReader:
+class ParameterReader(abc.ABC):
+    """What the readers of calls made of a name and named parameter values share (Qwen3-Coder's XML,
+    GLM-4.5's key/value pairs): the arguments given out as JSON as they are read (`{`, each text value's
+    characters as they arrive, each other value when it is whole, by its schema: `value_json`). A reader
+    reads its head (`_read_head`: the name, where `_start` is called) and then its body (`_read`)."""
+
     def __init__(self, functions: Mapping[str, dict[str, Any]] | None, any_name: bool = False):
         self._functions = functions
         self._any_name = any_name or functions is None
@@ -98,9 +104,7 @@ class Qwen3CoderReader:
         self._pos = 0  # the body is read up to here
         self._out = ""  # the arguments given out
         self._members = 0
-        self._param: str | None = None  # the parameter whose value is being read
-        self._sent = 0  # a text value's characters given out (after its leading newline)
-        self._function_done = False
+        self._sent = 0  # a text value's characters given out
 
     @property
     def name(self) -> str | None:
@@ -110,10 +114,6 @@ class Qwen3CoderReader:
     def arguments(self) -> str:
         return self._out
 
-    @property
-    def complete(self) -> bool:
-        return self._function_done
-
     def feed(self, text: str) -> None:
         self._body += text
         if not self._decided:
@@ -121,17 +121,60 @@ class Qwen3CoderReader:
         if self._name is not None:
             self._read(final=False)
 
+    @abc.abstractmethod
+    def _read_head(self) -> None:
+        """Read the name from the body so far: `_start` where it is a call, `_decided` once it is known."""
+
+    @abc.abstractmethod
+    def _read(self, final: bool) -> None:
+        """Read the body past `_pos` (`final`: nothing more comes)."""
+
+    def _start(self, name: str, at: int) -> None:
+        """The call is `name`'s, its body from `at`: its parameters' schemas looked up."""
+        self._name, self._pos, self._out = name, at, "{"
+        schema = (self._functions or {}).get(name) or {}
+        properties = schema.get("properties") if isinstance(schema, dict) else None
+        self._properties = properties if isinstance(properties, dict) else {}
+        self._root = schema
+
+    def _separator(self) -> str:
+        self._members += 1
+        return ", " if self._members > 1 else ""
+
+    def _open_text(self, key: str) -> None:
+        """A text value of `key` begins: its key and the opening quote given out."""
+        self._out += self._separator() + json.dumps(key, ensure_ascii=False) + ': "'
+
+    def _stream_text(self, part: str) -> None:
+        """More of an open text value's characters (its quotes not among them)."""
+        self._out += json.dumps(part, ensure_ascii=False)[1:-1]
+
+    def _close_value(self, key: str, value: str, text: bool) -> None:
+        """`key`'s whole value: the rest of a text value and its closing quote, else the value as JSON."""
+        if text:
+            self._out += json.dumps(value[self._sent:], ensure_ascii=False)[1:]
+        else:
+            self._out += self._separator() + json.dumps(key, ensure_ascii=False) + ": " + \
+                value_json(value, self._properties.get(key), self._root)
+
+
+class Qwen3CoderReader(ParameterReader):
+    def __init__(self, functions: Mapping[str, dict[str, Any]] | None, any_name: bool = False):
+        super().__init__(functions, any_name)
+        self._param: str | None = None  # the parameter whose value is being read
+        self._function_done = False  # (`_sent`: a text value's characters after its leading newline)
+
+    @property
+    def complete(self) -> bool:
+        return self._function_done
+
     def _read_head(self) -> None:
         m = _HEAD.match(self._body)
         if m is not None:
             self._decided = True
             name = m[1].strip()
             if self._any_name or name in (self._functions or {}):
-                self._name, self._pos, self._out = name, m.end(), "{"
-                schema = (self._functions or {}).get(name) or {}
-                properties = schema.get("properties") if isinstance(schema, dict) else None
-                self._properties = properties if isinstance(properties, dict) else {}
-                self._root = schema
+                self._start(name, m.end())
             return
         head = self._body.lstrip()
         viable = _OPEN_FUNCTION.startswith(head) if len(head) < len(_OPEN_FUNCTION) else \
@@ -169,11 +212,7 @@ class Qwen3CoderReader:
     def _start_value(self, param: str) -> None:
         self._param, self._sent = param, 0
         if is_text(self._properties.get(param), self._root):
-            self._out += self._separator() + json.dumps(param, ensure_ascii=False) + ': "'
-
-    def _separator(self) -> str:
-        self._members += 1
-        return ", " if self._members > 1 else ""
+            self._open_text(param)
 
     def _read_value(self, rest: str, final: bool) -> bool:
         assert self._param is not None
@@ -184,11 +223,7 @@ class Qwen3CoderReader:
             value = rest[:i]
             value = value[1:] if value.startswith("\n") else value
             value = value[:-1] if value.endswith("\n") else value
-            if text:
-                self._out += json.dumps(value[self._sent:], ensure_ascii=False)[1:]
-            else:
-                self._out += self._separator() + json.dumps(self._param, ensure_ascii=False) + ": " + \
-                    value_json(value, self._properties.get(self._param), self._root)
+            self._close_value(self._param, value, text)
             self._pos += i + (len(tag) if tag == _CLOSE_PARAMETER else 0)
             self._param = None
             return True
@@ -197,7 +232,7 @@ class Qwen3CoderReader:
             lead = 1 if avail.startswith("\n") else 0
             upto = len(avail) - 1 if avail.endswith("\n") else len(avail)
             if upto - lead > self._sent:
-                self._out += json.dumps(avail[lead + self._sent:upto], ensure_ascii=False)[1:-1]
+                self._stream_text(avail[lead + self._sent:upto])
                 self._sent = upto - lead
         return False
 
