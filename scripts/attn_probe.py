@@ -44,11 +44,12 @@ def no_mask(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
                                           enable_gqa=True)[0].transpose(0, 1)
 
 
-def timed(fn, *args) -> float:
-    for _ in range(3):
+def timed(fn, *args, runs: int = 10, warmups: int = 3) -> float:
+    """Median ms of `runs` calls fn(*args) after `warmups`, by CUDA events."""
+    for _ in range(warmups):
         fn(*args)
     times = []
-    for _ in range(10):
+    for _ in range(runs):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
         fn(*args)

@@ -10,26 +10,12 @@ from __future__ import annotations
 import argparse
 
 import torch
+from attn_probe import timed  # this folder's: run as `python3 scripts/delta_probe.py`
 
 from strata_mgpu.kernels.delta_rule import fla_delta_scan
 from strata_mgpu.model.delta_net import delta_rule_chunked, l2norm
 
 LINEAR_LAYERS = 30
-
-
-def timed(fn, args: tuple, runs: int) -> float:
-    """Median ms of `runs` calls fn(*args) after two warm-ups, by CUDA events."""
-    for _ in range(2):
-        fn(*args)
-    times = []
-    for _ in range(runs):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn(*args)
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
 
 
 def main() -> None:
@@ -51,10 +37,10 @@ def main() -> None:
         beta = torch.sigmoid(torch.randn(t, a.heads, device=dev, generator=g))
         state = torch.randn(a.heads, a.dim, a.dim, device=dev, generator=g) * 0.1
         inputs = (q, k, v, decay, beta, state)
-        plain = timed(delta_rule_chunked, inputs, a.runs)
+        plain = timed(delta_rule_chunked, *inputs, runs=a.runs, warmups=2)
         line = f"{t:>6} tokens: plain scan {plain:8.2f} ms ({plain * LINEAR_LAYERS / 1e3:.3f} s for 30 layers)"
         if fla is not None:
-            fast = timed(fla, inputs, a.runs)
+            fast = timed(fla, *inputs, runs=a.runs, warmups=2)
             line += f", fla {fast:7.2f} ms ({fast * LINEAR_LAYERS / 1e3:.3f} s), {plain / fast:.1f}x"
         print(line)
 
